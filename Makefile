@@ -1,0 +1,57 @@
+# gpu-dra-driver — every set-up step a fresh machine needs lives here.
+PYTHON_BOOTSTRAP ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PYTEST_ARGS ?=
+
+.PHONY: venv proto proto-check lint typecheck unit integration e2e test test-reliability \
+        cluster-build cluster-up cluster-down cluster-status demo bench clean
+
+venv: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml requirements.lock
+	$(PYTHON_BOOTSTRAP) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip==25.3
+	$(PY) -m pip install --quiet -r requirements.lock
+	$(PY) -m pip install --quiet --no-deps -e .
+	touch $@
+
+proto: venv
+	PYTHON=$(abspath $(PY)) hack/gen-proto.sh
+
+proto-check: venv
+	PYTHON=$(abspath $(PY)) hack/gen-proto.sh --check
+
+lint: venv
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+typecheck: venv
+	$(VENV)/bin/mypy
+
+unit: venv
+	$(VENV)/bin/pytest tests/unit $(PYTEST_ARGS)
+
+cluster-build:
+	hack/local-cluster.sh build
+
+cluster-up: cluster-build
+	hack/local-cluster.sh up
+
+cluster-down:
+	hack/local-cluster.sh down
+
+cluster-status:
+	hack/local-cluster.sh status
+
+# The integration tier starts (and stops) its own control plane from the cached
+# binaries; cluster-build builds them first on a machine where they are missing.
+integration: venv cluster-build
+	$(VENV)/bin/pytest tests/integration $(PYTEST_ARGS)
+
+# Everything CI runs: static checks, generated code up to date, every test tier.
+test: venv proto-check lint typecheck cluster-build
+	$(VENV)/bin/pytest tests $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,45 @@
+"""Error classification shared by every failure path (DESIGN.md §6, KEP-5322)."""
+
+from __future__ import annotations
+
+import enum
+
+
+class ErrorClass(enum.Enum):
+    TRANSIENT = "transient"
+    INVALID_CONFIG = "invalid-config"
+    DEVICE_FAILED = "device-failed"
+
+
+class DriverError(Exception):
+    """A failure with a verdict: can retrying ever help?
+
+    `str(err)` for permanent classes starts with the stable marker
+    `permanent (<class>): `, which users and tests may match on.
+    """
+
+    def __init__(self, error_class: ErrorClass, message: str) -> None:
+        super().__init__(message)
+        self.error_class = error_class
+        self.message = message
+
+    @property
+    def permanent(self) -> bool:
+        return self.error_class is not ErrorClass.TRANSIENT
+
+    def __str__(self) -> str:
+        if self.permanent:
+            return f"permanent ({self.error_class.value}): {self.message}"
+        return self.message
+
+
+def transient(message: str) -> DriverError:
+    return DriverError(ErrorClass.TRANSIENT, message)
+
+
+def invalid_config(message: str) -> DriverError:
+    return DriverError(ErrorClass.INVALID_CONFIG, message)
+
+
+def device_failed(message: str) -> DriverError:
+    return DriverError(ErrorClass.DEVICE_FAILED, message)

@@ -1,0 +1,65 @@
+"""What NVML discovery yields: plain, immutable data, independent of the backend."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class PartitionProfile:
+    """A MIG GPU-instance profile as NVML reports it (one per profile id)."""
+
+    name: str  # e.g. "1g.10gb", "1g.10gb+me"
+    profile_id: int  # NVML_GPU_INSTANCE_PROFILE_* value
+    slice_count: int  # compute slices (the "1g" part)
+    memory_bytes: int
+    multiprocessors: int
+    copy_engines: int
+    decoders: int
+    encoders: int
+    jpeg_engines: int
+    ofa_engines: int
+    placements: tuple[tuple[int, int], ...]  # (start, size) in memory slices
+
+
+@dataclass(frozen=True)
+class GpuInfo:
+    """One physical GPU. Optional fields are None where NVML answered NOT_SUPPORTED."""
+
+    index: int
+    minor: int
+    uuid: str
+    product_name: str
+    pci_bus_id: str  # normalised "0000:3b:00.0"
+    memory_bytes: int | None
+    brand: str | None = None
+    architecture: str | None = None
+    cuda_compute_capability: str | None = None  # "9.0"
+    mig_capable: bool = False
+    mig_enabled: bool = False
+    memory_slices: int = 0  # largest placement end over all profiles; 0 without MIG
+    multiprocessors: int | None = None
+    partition_profiles: tuple[PartitionProfile, ...] = ()
+    # Overrides for the `example` profile, which reproduces the Go reference exactly.
+    model: str | None = None  # published `model`; defaults to product_name
+    compute: int | None = None  # published `compute` capacity (reference: 100)
+
+
+@dataclass(frozen=True)
+class Inventory:
+    """Everything discovery found on one node."""
+
+    backend: str  # "nvml" or "mock"
+    driver_version: str  # as NVML reports it, e.g. "580.95.05"
+    cuda_driver_version: str | None  # "13.0"
+    gpus: tuple[GpuInfo, ...] = field(default_factory=tuple)
+
+
+@dataclass(frozen=True)
+class HealthEvent:
+    """A health-relevant NVML event for one physical GPU."""
+
+    gpu_uuid: str
+    kind: str  # "xid" | "ecc-dbe" | "gpu-lost" | "recovered"
+    xid: int | None = None
+    message: str = ""
