@@ -1,0 +1,27 @@
+"""`gpu-dra`: the operator CLI. Each subcommand lives in its own module."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from driver.cli import inventory, mock, validate
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="gpu-dra", description=__doc__)
+    subcommands = parser.add_subparsers(dest="command", required=True)
+    for module in (inventory, validate, mock):
+        module.add_parser(subcommands)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    exit_code: int = args.run(args)
+    return exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
