@@ -1,0 +1,112 @@
+"""Validation of whole Kubernetes documents carrying GpuConfigs (webhook and CLI)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Final
+
+from driver.config.errors import FieldError
+from driver.config.gpu import GROUP, KIND, gpu_config_errors
+from driver.config.loader import join_path
+
+RESOURCE_GROUP: Final = "resource.k8s.io"
+
+#: kind -> path of its list of device configs (the same in resource.k8s.io v1, v1beta1, v1beta2)
+CONFIG_LIST_PATHS: Final[Mapping[str, tuple[str, ...]]] = {
+    "ResourceClaim": ("spec", "devices", "config"),
+    "ResourceClaimTemplate": ("spec", "spec", "devices", "config"),
+    "DeviceClass": ("spec", "config"),
+}
+
+
+def _group(api_version: object) -> str:
+    if not isinstance(api_version, str):
+        return ""
+    return api_version.split("/", 1)[0] if "/" in api_version else ""
+
+
+def is_checked_document(doc: object) -> bool:
+    """True for documents `validate_claim_document` inspects: GpuConfigs (anything in the
+    GpuConfig API group or of kind GpuConfig) and resource.k8s.io ResourceClaims,
+    ResourceClaimTemplates and DeviceClasses."""
+    if not isinstance(doc, Mapping):
+        return True  # reported as malformed
+    kind, group = doc.get("kind"), _group(doc.get("apiVersion"))
+    if group == GROUP or kind == KIND:
+        return True
+    return group == RESOURCE_GROUP and kind in CONFIG_LIST_PATHS
+
+
+def validate_configs(configs: object, path: str, driver_name: str) -> list[FieldError]:
+    """Check a list of device configs (`spec.devices.config` and the like).
+
+    Entries without `opaque` (other configuration types) and opaque entries for other
+    drivers are skipped: the webhook sees every claim in the cluster. Each entry for
+    `driver_name` must carry GpuConfig `parameters` that decode, default and pass the
+    static rules; errors are prefixed with `<path>[i].opaque.parameters`.
+    """
+    if configs is None:
+        return []
+    if not isinstance(configs, list):
+        return [FieldError(path, "must be a list")]
+    errors: list[FieldError] = []
+    for index, entry in enumerate(configs):
+        entry_path = join_path(path, index)
+        if not isinstance(entry, Mapping):
+            errors.append(FieldError(entry_path, "must be an object"))
+            continue
+        opaque = entry.get("opaque")
+        if opaque is None:
+            continue
+        if not isinstance(opaque, Mapping):
+            errors.append(FieldError(join_path(entry_path, "opaque"), "must be an object"))
+            continue
+        if opaque.get("driver") != driver_name:
+            continue
+        params_path = join_path(join_path(entry_path, "opaque"), "parameters")
+        if "parameters" not in opaque:
+            errors.append(FieldError(params_path, "required field missing"))
+            continue
+        _, problems = gpu_config_errors(opaque["parameters"], params_path)
+        errors.extend(problems)
+    return errors
+
+
+def _config_list(
+    doc: Mapping[str, Any], keys: tuple[str, ...]
+) -> tuple[object, str, list[FieldError]]:
+    current: object = doc
+    path = ""
+    for key in keys:
+        if current is None:
+            return None, path, []
+        if not isinstance(current, Mapping):
+            return None, path, [FieldError(path, "must be an object")]
+        current = current.get(key)
+        path = join_path(path, key)
+    return current, path, []
+
+
+def validate_claim_document(doc: object, driver_name: str) -> list[FieldError]:
+    """All GpuConfig problems in one document; [] when it is valid or not ours.
+
+    - GpuConfig documents (bare, as in `gpu-dra validate` files): the whole document
+      is decoded; paths are relative to it (`sharing.strategy`).
+    - resource.k8s.io ResourceClaim (`spec.devices.config[i]`), ResourceClaimTemplate
+      (`spec.spec.devices.config[i]`), DeviceClass (`spec.config[i]`), any version:
+      each opaque config for `driver_name`; paths are
+      `spec.devices.config[0].opaque.parameters.<field>`.
+    - Any other document: [] (see `is_checked_document`).
+    """
+    if not isinstance(doc, Mapping):
+        return [FieldError("", "must be an object")]
+    kind, group = doc.get("kind"), _group(doc.get("apiVersion"))
+    if group == GROUP or kind == KIND:
+        _, problems = gpu_config_errors(dict(doc) if not isinstance(doc, dict) else doc, "")
+        return problems
+    if group != RESOURCE_GROUP or not isinstance(kind, str) or kind not in CONFIG_LIST_PATHS:
+        return []
+    configs, path, errors = _config_list(doc, tuple(CONFIG_LIST_PATHS[kind]))
+    if errors:
+        return errors
+    return validate_configs(configs, path, driver_name)

@@ -1,0 +1,144 @@
+"""Effective config per allocation result (plugin side, at prepare).
+
+The scheduler copies configs into `status.allocation.devices.config[]`, class
+configs (`source: FromClass`) and claim configs (`source: FromClaim`), each with
+`requests` (empty = all) and, for opaque ones, `opaque: {driver, parameters}`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Final
+
+from driver.config.errors import ConfigError, FieldError
+from driver.config.gpu import GpuConfig, default_gpu_config, gpu_config_errors
+from driver.config.loader import join_path
+
+SOURCE_CLASS: Final = "FromClass"
+SOURCE_CLAIM: Final = "FromClaim"
+_SOURCE_ORDER: Final = {SOURCE_CLASS: 0, SOURCE_CLAIM: 1}
+
+DEFAULT_CONFIG_PATH: Final = "status.allocation.devices.config"
+
+
+def request_matches(config_request: str, result_request: str) -> bool:
+    """A config naming request `r` applies to results of `r` and of its sub-requests `r/<sub>`;
+    a config naming `r/<sub>` applies only to that sub-request."""
+    return result_request == config_request or result_request.startswith(config_request + "/")
+
+
+def resolve_configs(
+    allocation: Mapping[str, Any],
+    driver_name: str,
+    path_prefix: str = DEFAULT_CONFIG_PATH,
+) -> dict[str, GpuConfig]:
+    """The effective GpuConfig of every allocation result of `driver_name`.
+
+    `allocation` is a ResourceClaim's `status.allocation` as a JSON dict (for
+    duplicate-key detection read the claim with `driver.config.loader.loads_json`).
+    Returns `{result["request"]: GpuConfig}` for each entry of
+    `allocation["devices"]["results"]` whose `driver == driver_name` (the key may be
+    a sub-request `"r/sub"`). Prepare iterates the results and looks up
+    `configs[result["request"]]`: every result of the driver has an entry; all
+    results of one request share the same config.
+
+    Rules (DESIGN §5): class configs, then claim configs, each in list order; the
+    last matching one wins as a whole (no field merging). A config's `requests`
+    entry `r` matches results `r` and `r/<sub>`; empty `requests` matches every
+    result. Configs of other drivers are ignored. A result with no matching config
+    gets `default_gpu_config()`.
+
+    Raises `ConfigError` (permanent invalid-config) listing every problem: a
+    non-opaque entry, an unknown `source`, or any of this driver's configs that does
+    not decode/validate (checked even if it matches no result), with paths like
+    `status.allocation.devices.config[1].opaque.parameters.sharing.strategy`.
+    """
+    errors: list[FieldError] = []
+    devices = allocation.get("devices") if isinstance(allocation, Mapping) else None
+    if devices is None:
+        devices = {}
+    devices_path = path_prefix.rsplit(".", 1)[0] if "." in path_prefix else ""
+    if not isinstance(devices, Mapping):
+        raise ConfigError([(devices_path, "must be an object")])
+    results = devices.get("results") or []
+    raw_configs = devices.get("config") or []
+    if not isinstance(results, list):
+        raise ConfigError([(join_path(devices_path, "results"), "must be a list")])
+    if not isinstance(raw_configs, list):
+        raise ConfigError([(path_prefix, "must be a list")])
+
+    # (source order, list index, requests or None for "all", config)
+    candidates: list[tuple[int, int, list[str] | None, GpuConfig]] = []
+    for index, entry in enumerate(raw_configs):
+        entry_path = join_path(path_prefix, index)
+        if not isinstance(entry, Mapping):
+            errors.append(FieldError(entry_path, "must be an object"))
+            continue
+        opaque = entry.get("opaque")
+        if opaque is None:
+            errors.append(
+                FieldError(entry_path, "only opaque parameters are supported by this driver")
+            )
+            continue
+        if not isinstance(opaque, Mapping):
+            errors.append(FieldError(join_path(entry_path, "opaque"), "must be an object"))
+            continue
+        if opaque.get("driver") != driver_name:
+            continue
+        source = entry.get("source")
+        if source not in _SOURCE_ORDER:
+            errors.append(
+                FieldError(join_path(entry_path, "source"), f"invalid config source: {source!r}")
+            )
+            continue
+        requests = entry.get("requests") or []
+        if not isinstance(requests, list) or not all(isinstance(r, str) for r in requests):
+            errors.append(
+                FieldError(join_path(entry_path, "requests"), "must be a list of strings")
+            )
+            continue
+        params_path = join_path(join_path(entry_path, "opaque"), "parameters")
+        if "parameters" not in opaque:
+            errors.append(FieldError(params_path, "required field missing"))
+            continue
+        config, problems = gpu_config_errors(opaque["parameters"], params_path)
+        if config is None:
+            errors.extend(problems)
+            continue
+        candidates.append((_SOURCE_ORDER[source], index, list(requests) or None, config))
+
+    resolved: dict[str, GpuConfig] = {}
+    wanted: list[str] = []
+    for index, result in enumerate(results):
+        if not isinstance(result, Mapping):
+            errors.append(
+                FieldError(
+                    join_path(join_path(devices_path, "results"), index), "must be an object"
+                )
+            )
+            continue
+        if result.get("driver") != driver_name:
+            continue
+        request = result.get("request")
+        if not isinstance(request, str):
+            errors.append(
+                FieldError(
+                    join_path(join_path(join_path(devices_path, "results"), index), "request"),
+                    "must be a string",
+                )
+            )
+            continue
+        wanted.append(request)
+    if errors:
+        raise ConfigError(errors)
+
+    candidates.sort(key=lambda c: (c[0], c[1]))  # stable: class configs, then claim configs
+    for request in wanted:
+        if request in resolved:
+            continue
+        effective = default_gpu_config()
+        for _, _, requests, config in candidates:
+            if requests is None or any(request_matches(r, request) for r in requests):
+                effective = config  # later wins
+        resolved[request] = effective
+    return resolved
