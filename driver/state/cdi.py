@@ -1,0 +1,258 @@
+"""CDI spec files: one common spec per driver, one spec per prepared claim.
+
+Names and contents follow the reference driver (example-driver.md §4.4):
+
+- vendor `k8s.<driver>`, class `gpu`, kind `k8s.<driver>/gpu`
+  (e.g. `k8s.gpu.example.com/gpu`);
+- common spec `<root>/k8s.<driver>-gpu_common.json`, device `common`, env
+  `KUBERNETES_NODE_NAME`, `DRA_RESOURCE_DRIVER_NAME`;
+- claim spec `<root>/k8s.<driver>-gpu_<claimUID>.json`, one device per prepared
+  device named `<claimUID>-<device>[-<shareID>]`;
+- compact JSON, `cdiVersion` 0.3.0, or 0.5.0 when a device name starts with a digit
+  (claim UIDs usually do); file mode 0600.
+
+Real GPUs additionally get device nodes (`/dev/nvidia<minor>` per device; the control
+nodes at spec level) and `NVIDIA_VISIBLE_DEVICES` (see `visible_device_id`).
+Writes are atomic (temp file in the same directory, fsync, rename, fsync directory).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final
+
+from driver.state.fileio import atomic_write, remove_durably, sweep_temp_files
+
+PROFILE: Final = "gpu"
+CDI_VERSION: Final = "0.3.0"
+CDI_VERSION_DIGIT_NAMES: Final = "0.5.0"  # first version allowing names that start with a digit
+COMMON_DEVICE: Final = "common"
+CONTROL_DEVICE_NODES: Final[tuple[str, ...]] = (
+    "/dev/nvidiactl",
+    "/dev/nvidia-uvm",
+    "/dev/nvidia-uvm-tools",
+)
+SPEC_MODE: Final = 0o600
+
+_NON_ALNUM = re.compile(r"[^A-Za-z0-9]+")
+
+
+def device_key(device_name: str) -> str:
+    """`gpu-0-partition-1` -> `GPU_0_PARTITION_1` (for `<PROFILE>_DEVICE_<key>_RESOURCE_CLAIM`)."""
+    return _NON_ALNUM.sub("_", device_name).upper()
+
+
+def gpu_env_id(device_name: str) -> str:
+    """The reference's gpu env id: name without `gpu-`, upper-cased, `-` -> `_`
+    (`gpu-0` -> `0`, `gpu-0-partition-1` -> `0_PARTITION_1`)."""
+    return device_name.removeprefix("gpu-").upper().replace("-", "_")
+
+
+def cdi_device_name(claim_uid: str, device_name: str, share_id: str | None) -> str:
+    """`<claimUID>-<device>` or `<claimUID>-<device>-<shareID>`."""
+    device_id = f"{device_name}-{share_id}" if share_id else device_name
+    return f"{claim_uid}-{device_id}"
+
+
+def visible_device_id(
+    *, gpu_uuid: str, is_partition: bool, profile: str | None, placement_start: int | None
+) -> str:
+    """The `NVIDIA_VISIBLE_DEVICES` entry for one device on a real GPU.
+
+    A whole GPU is its UUID. A partition is named `MIG-<gpu-uuid>/<profile>/<start>`:
+    this driver publishes every (profile, placement) of a GPU but does not create MIG
+    instances itself, so no MIG UUID exists at prepare time; the descriptor names the
+    partition unambiguously (parent, profile, placement start) for whatever creates
+    or selects the instance. Documented in docs/state.md.
+    """
+    if not is_partition:
+        return gpu_uuid
+    start = placement_start if placement_start is not None else 0
+    return f"MIG-{gpu_uuid}/{profile or 'unknown'}/{start}"
+
+
+@dataclass(frozen=True)
+class SharingEnv:
+    """The effective sharing settings of one device, as the env vars carry them."""
+
+    strategy: str  # "TimeSlicing" | "SpacePartitioning"
+    interval: str | None = None  # TimeSlicing only
+    partition_count: int | None = None  # SpacePartitioning only
+
+
+def claim_device_env(
+    *,
+    claim_uid: str,
+    device_name: str,
+    admin_access: bool,
+    sharing: SharingEnv,
+    consumed_capacity: Mapping[str, Any] | None = None,
+) -> list[str]:
+    """The reference's env list for one prepared gpu device, in the reference's order."""
+    gid = gpu_env_id(device_name)
+    env = [
+        f"{PROFILE.upper()}_DEVICE_{device_key(device_name)}_RESOURCE_CLAIM={claim_uid}",
+        f"DRA_ADMIN_ACCESS={'true' if admin_access else 'false'}",
+        f"GPU_DEVICE_{gid}={device_name}",
+        f"GPU_DEVICE_{gid}_SHARING_STRATEGY={sharing.strategy}",
+    ]
+    if sharing.strategy == "TimeSlicing":
+        env.append(f"GPU_DEVICE_{gid}_TIMESLICE_INTERVAL={sharing.interval or 'Default'}")
+    elif sharing.strategy == "SpacePartitioning":
+        count = sharing.partition_count if sharing.partition_count is not None else 1
+        env.append(f"GPU_DEVICE_{gid}_PARTITION_COUNT={count}")
+    consumed = consumed_capacity or {}
+    if "memory" in consumed:
+        env.append(f"GPU_DEVICE_{gid}_MEMORY={consumed['memory']}")
+    if "compute" in consumed:
+        env.append(f"GPU_DEVICE_{gid}_COMPUTE={consumed['compute']}")
+    return env
+
+
+@dataclass(frozen=True)
+class CdiDevice:
+    """One device of a claim spec: its CDI name and container edits."""
+
+    name: str
+    env: tuple[str, ...]
+    device_nodes: tuple[str, ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        edits: dict[str, Any] = {"env": list(self.env)}
+        if self.device_nodes:
+            edits["deviceNodes"] = [{"path": p} for p in self.device_nodes]
+        return {"name": self.name, "containerEdits": edits}
+
+
+def _cdi_version(device_names: Iterable[str]) -> str:
+    if any(name[:1].isdigit() for name in device_names):
+        return CDI_VERSION_DIGIT_NAMES
+    return CDI_VERSION
+
+
+class CdiSpecs:
+    """The CDI spec files of one driver in one CDI root directory."""
+
+    def __init__(self, root: Path | str, driver_name: str) -> None:
+        self.root = Path(root)
+        self.driver_name = driver_name
+        self.vendor = f"k8s.{driver_name}"
+        self.kind = f"{self.vendor}/{PROFILE}"
+        self._prefix = f"{self.vendor}-{PROFILE}_"
+
+    # -- names ---------------------------------------------------------------------
+
+    def qualified(self, device: str) -> str:
+        """Fully qualified CDI device id, `k8s.<driver>/gpu=<device>`."""
+        return f"{self.kind}={device}"
+
+    @property
+    def common_device_id(self) -> str:
+        return self.qualified(COMMON_DEVICE)
+
+    def device_ids(self, claim_uid: str, device_name: str, share_id: str | None) -> list[str]:
+        """The CDI ids the kubelet gets for one prepared device: common + the device."""
+        return [
+            self.common_device_id,
+            self.qualified(cdi_device_name(claim_uid, device_name, share_id)),
+        ]
+
+    @property
+    def common_spec_path(self) -> Path:
+        return self.root / f"{self._prefix}{COMMON_DEVICE}.json"
+
+    def claim_spec_path(self, claim_uid: str) -> Path:
+        return self.root / f"{self._prefix}{claim_uid.replace('/', '_')}.json"
+
+    # -- writes --------------------------------------------------------------------
+
+    def _ensure_root(self) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    def _render(self, devices: Sequence[CdiDevice], spec_device_nodes: Sequence[str] = ()) -> bytes:
+        spec_edits: dict[str, Any] = {}
+        if spec_device_nodes:
+            spec_edits["deviceNodes"] = [{"path": p} for p in spec_device_nodes]
+        doc = {
+            "cdiVersion": _cdi_version(d.name for d in devices),
+            "kind": self.kind,
+            "devices": [d.to_json() for d in devices],
+            "containerEdits": spec_edits,
+        }
+        return json.dumps(doc, separators=(",", ":")).encode()
+
+    def write_common_spec(self, node_name: str) -> Path:
+        """(Re)write the common spec: node name and driver name for every container."""
+        self._ensure_root()
+        device = CdiDevice(
+            name=COMMON_DEVICE,
+            env=(
+                f"KUBERNETES_NODE_NAME={node_name}",
+                f"DRA_RESOURCE_DRIVER_NAME={self.driver_name}",
+            ),
+        )
+        path = self.common_spec_path
+        atomic_write(path, self._render([device]), mode=SPEC_MODE)
+        return path
+
+    def write_claim_spec(
+        self,
+        claim_uid: str,
+        devices: Sequence[CdiDevice],
+        *,
+        spec_device_nodes: Sequence[str] = (),
+        before_rename: str | None = None,
+    ) -> Path:
+        """Atomically write (or replace) the claim's spec. `before_rename`: failpoint."""
+        self._ensure_root()
+        path = self.claim_spec_path(claim_uid)
+        atomic_write(
+            path,
+            self._render(devices, spec_device_nodes),
+            mode=SPEC_MODE,
+            before_rename=before_rename,
+        )
+        return path
+
+    def remove_claim_spec(self, claim_uid: str) -> bool:
+        """Delete the claim's spec; False if there was none."""
+        return remove_durably(self.claim_spec_path(claim_uid))
+
+    def sweep_temp_files(self) -> list[Path]:
+        """Remove spec temp files left by a crash (call under the serialize lock)."""
+        return sweep_temp_files(self.root, self._prefix)
+
+    # -- reads ---------------------------------------------------------------------
+
+    def claim_spec_exists(self, claim_uid: str) -> bool:
+        return self.claim_spec_path(claim_uid).is_file()
+
+    def list_claim_specs(self) -> dict[str, Path]:
+        """`{claim UID (as in the file name): path}` of every claim spec in the root."""
+        out: dict[str, Path] = {}
+        try:
+            names = sorted(os.listdir(self.root))
+        except FileNotFoundError:
+            return out
+        common = self.common_spec_path.name
+        for name in names:
+            if name == common or not name.startswith(self._prefix) or not name.endswith(".json"):
+                continue
+            out[name[len(self._prefix) : -len(".json")]] = self.root / name
+        return out
+
+    def read_claim_spec(self, claim_uid: str) -> dict[str, Any] | None:
+        """The parsed claim spec, or None if absent."""
+        try:
+            raw = self.claim_spec_path(claim_uid).read_bytes()
+        except FileNotFoundError:
+            return None
+        doc = json.loads(raw)
+        if not isinstance(doc, dict):
+            raise ValueError(f"CDI spec {self.claim_spec_path(claim_uid)} is not a JSON object")
+        return doc

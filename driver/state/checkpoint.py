@@ -1,0 +1,336 @@
+"""The prepare journal (`<data dir>/checkpoint.json`) and the node-wide serialize lock.
+
+File format (docs/state.md)::
+
+    {
+      "schemaVersion": 1,
+      "checksum": "sha256:<hex over canonical(entries)>",
+      "entries": {
+        "<claim uid>": {
+          "state": "PrepareStarted" | "PrepareCompleted",
+          "namespace": "...", "name": "...",
+          "devices": [{"pool": ..., "device": ..., "requestNames": [...],
+                       "cdiDeviceIds": [...], "shareID": null | "...", "adminAccess": false}]
+        }
+      }
+    }
+
+`canonical(entries)` is the UTF-8 JSON of the *stored* `entries` value with sorted keys
+and no whitespace. The checksum is verified against the parsed stored value, never
+against a re-encoding through this module's types, so a newer driver that adds a
+field does not invalidate older files (the upgrade hazard NVIDIA's driver hit).
+
+A file that does not parse, has an unknown schema version, a wrong checksum or
+malformed entries is *corrupt*: `load()` raises `CheckpointCorruptError` (transient,
+names the file and the reason). It is never discarded automatically; an operator
+moves it aside with `quarantine_checkpoint()` (renamed `checkpoint.json.corrupt-<ts>`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import errno
+import fcntl
+import hashlib
+import json
+import os
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, Final, TypeGuard
+
+from driver.errors import DriverError, ErrorClass, transient
+from driver.state.fileio import atomic_write, fsync_dir, sweep_temp_files
+
+SCHEMA_VERSION: Final = 1
+CHECKPOINT_FILE: Final = "checkpoint.json"
+LOCK_FILE: Final = "serialize.lock"
+CORRUPT_SUFFIX: Final = ".corrupt-"
+CHECKSUM_PREFIX: Final = "sha256:"
+DATA_DIR_MODE: Final = 0o750
+
+
+class ClaimState(enum.StrEnum):
+    PREPARE_STARTED = "PrepareStarted"
+    PREPARE_COMPLETED = "PrepareCompleted"
+
+
+@dataclass(frozen=True)
+class PreparedDevice:
+    """One device handed to the kubelet for a claim (also what the journal stores)."""
+
+    pool_name: str
+    device_name: str
+    request_names: tuple[str, ...]
+    cdi_device_ids: tuple[str, ...]
+    share_id: str | None = None
+    admin_access: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "pool": self.pool_name,
+            "device": self.device_name,
+            "requestNames": list(self.request_names),
+            "cdiDeviceIds": list(self.cdi_device_ids),
+            "shareID": self.share_id,
+            "adminAccess": self.admin_access,
+        }
+
+    @classmethod
+    def from_json(cls, doc: object) -> PreparedDevice:
+        if not isinstance(doc, Mapping):
+            raise ValueError("device must be an object")
+        pool, device = doc.get("pool"), doc.get("device")
+        requests, ids = doc.get("requestNames"), doc.get("cdiDeviceIds")
+        share, admin = doc.get("shareID"), doc.get("adminAccess", False)
+        if not isinstance(pool, str) or not isinstance(device, str):
+            raise ValueError("device needs string pool and device")
+        if not _str_list(requests):
+            raise ValueError(f"device {device}: requestNames must be a list of strings")
+        if not _str_list(ids):
+            raise ValueError(f"device {device}: cdiDeviceIds must be a list of strings")
+        if share is not None and not isinstance(share, str):
+            raise ValueError(f"device {device}: shareID must be a string or null")
+        if not isinstance(admin, bool):
+            raise ValueError(f"device {device}: adminAccess must be a boolean")
+        return cls(pool, device, tuple(requests), tuple(ids), share, admin)
+
+
+def _str_list(value: object) -> TypeGuard[list[str]]:
+    return isinstance(value, list) and all(isinstance(v, str) for v in value)
+
+
+@dataclass(frozen=True)
+class ClaimEntry:
+    """The journal entry of one claim."""
+
+    state: ClaimState
+    namespace: str
+    name: str
+    devices: tuple[PreparedDevice, ...] = field(default=())
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "state": self.state.value,
+            "namespace": self.namespace,
+            "name": self.name,
+            "devices": [d.to_json() for d in self.devices],
+        }
+
+    @classmethod
+    def from_json(cls, doc: object) -> ClaimEntry:
+        if not isinstance(doc, Mapping):
+            raise ValueError("entry must be an object")
+        state = doc.get("state")
+        if state not in ClaimState.__members__.values():
+            raise ValueError(f"unknown state {state!r}")
+        namespace, name, devices = doc.get("namespace"), doc.get("name"), doc.get("devices")
+        if not isinstance(namespace, str) or not isinstance(name, str):
+            raise ValueError("namespace and name must be strings")
+        if not isinstance(devices, list):
+            raise ValueError("devices must be a list")
+        parsed = tuple(PreparedDevice.from_json(d) for d in devices)
+        return cls(ClaimState(str(state)), namespace, name, parsed)
+
+
+class CheckpointCorruptError(DriverError):
+    """The journal cannot be trusted. Transient for the kubelet (prepare is refused and
+    retried); needs an operator to repair or quarantine the file."""
+
+    def __init__(self, path: Path, reason: str) -> None:
+        self.path = path
+        self.reason = reason
+        super().__init__(
+            ErrorClass.TRANSIENT,
+            f"checkpoint {path} is corrupt ({reason}); refusing to prepare until an operator "
+            f"repairs it or moves it aside (driver.state.checkpoint.quarantine_checkpoint, "
+            f"which renames it to {path.name}{CORRUPT_SUFFIX}<timestamp>)",
+        )
+
+
+def canonical(entries: object) -> bytes:
+    return json.dumps(entries, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def checksum(entries: object) -> str:
+    return CHECKSUM_PREFIX + hashlib.sha256(canonical(entries)).hexdigest()
+
+
+def encode(entries: Mapping[str, ClaimEntry]) -> bytes:
+    raw = {uid: entries[uid].to_json() for uid in sorted(entries)}
+    doc = {"schemaVersion": SCHEMA_VERSION, "checksum": checksum(raw), "entries": raw}
+    return (json.dumps(doc, indent=2, sort_keys=True, ensure_ascii=False) + "\n").encode()
+
+
+def decode(data: bytes, path: Path) -> dict[str, ClaimEntry]:
+    """Parse and verify a checkpoint; raise CheckpointCorruptError naming `path`."""
+    try:
+        doc = json.loads(data)
+    except (ValueError, RecursionError) as err:
+        raise CheckpointCorruptError(path, f"not valid JSON: {err}") from err
+    if not isinstance(doc, dict):
+        raise CheckpointCorruptError(path, "not a JSON object")
+    version = doc.get("schemaVersion")
+    if type(version) is not int:
+        raise CheckpointCorruptError(path, f"missing or invalid schemaVersion {version!r}")
+    if version != SCHEMA_VERSION:
+        raise CheckpointCorruptError(
+            path,
+            f"unknown schemaVersion {version} (this driver reads {SCHEMA_VERSION}; "
+            "written by a newer driver?)",
+        )
+    raw = doc.get("entries")
+    if not isinstance(raw, dict):
+        raise CheckpointCorruptError(path, "entries must be an object")
+    stored = doc.get("checksum")
+    actual = checksum(raw)
+    if stored != actual:
+        raise CheckpointCorruptError(
+            path, f"checksum mismatch: stored {stored!r}, computed {actual}"
+        )
+    entries: dict[str, ClaimEntry] = {}
+    for uid, entry in raw.items():
+        try:
+            entries[uid] = ClaimEntry.from_json(entry)
+        except ValueError as err:
+            raise CheckpointCorruptError(path, f"entry {uid}: {err}") from err
+    return entries
+
+
+class Checkpoint:
+    """The journal file of one plugin data directory. Not locked by itself: callers
+    hold `SerializeLock` around each read-modify-write."""
+
+    def __init__(self, data_dir: Path | str) -> None:
+        self.data_dir = Path(data_dir)
+        self.path = self.data_dir / CHECKPOINT_FILE
+
+    def load(self) -> dict[str, ClaimEntry]:
+        """The entries; `{}` if the file does not exist. Raises CheckpointCorruptError,
+        or a transient DriverError if the file cannot be read."""
+        try:
+            data = self.path.read_bytes()
+        except FileNotFoundError:
+            return {}
+        except OSError as err:
+            raise transient(f"cannot read checkpoint {self.path}: {err}") from err
+        return decode(data, self.path)
+
+    def store(self, entries: Mapping[str, ClaimEntry], *, before_rename: str | None = None) -> None:
+        """Atomically replace the journal. Raises a transient DriverError on I/O errors."""
+        try:
+            self.data_dir.mkdir(parents=True, exist_ok=True, mode=DATA_DIR_MODE)
+            atomic_write(self.path, encode(entries), before_rename=before_rename)
+        except OSError as err:
+            raise transient(f"cannot write checkpoint {self.path}: {err}") from err
+
+    def sweep_temp_files(self) -> list[Path]:
+        return sweep_temp_files(self.data_dir, CHECKPOINT_FILE)
+
+    def corrupt_copies(self) -> list[Path]:
+        """Files previously moved aside by `quarantine_checkpoint`."""
+        try:
+            names = os.listdir(self.data_dir)
+        except FileNotFoundError:
+            return []
+        prefix = CHECKPOINT_FILE + CORRUPT_SUFFIX
+        return sorted(self.data_dir / n for n in names if n.startswith(prefix))
+
+
+def quarantine_checkpoint(
+    data_dir: Path | str, *, force: bool = False, now: datetime | None = None
+) -> Path | None:
+    """Operator action: move a corrupt checkpoint aside so the driver starts from an
+    empty journal. Renames it to `checkpoint.json.corrupt-<UTC timestamp>` (kept for
+    inspection) and returns the new path; None if there is no checkpoint.
+
+    Refuses (ValueError) to move a checkpoint that is valid unless `force` is set.
+    Takes the serialize lock, so it is safe while a plugin is running.
+    """
+    cp = Checkpoint(data_dir)
+    with SerializeLock(cp.data_dir).hold():
+        if not cp.path.exists():
+            return None
+        if not force:
+            try:
+                cp.load()
+            except CheckpointCorruptError:
+                pass
+            else:
+                raise ValueError(f"checkpoint {cp.path} is valid; not moving it (use force)")
+        stamp = (now or datetime.now(UTC)).strftime("%Y%m%dT%H%M%S.%fZ")
+        target = cp.path.with_name(f"{CHECKPOINT_FILE}{CORRUPT_SUFFIX}{stamp}")
+        os.rename(cp.path, target)
+        fsync_dir(cp.data_dir)
+        return target
+
+
+# -- serialize lock ---------------------------------------------------------------------
+
+_PROCESS_LOCKS: dict[str, threading.Lock] = {}
+_PROCESS_LOCKS_GUARD = threading.Lock()
+
+
+def _process_lock(path: Path) -> threading.Lock:
+    key = os.path.realpath(path)
+    with _PROCESS_LOCKS_GUARD:
+        return _PROCESS_LOCKS.setdefault(key, threading.Lock())
+
+
+class SerializeLock:
+    """Node-wide serialisation of prepare/unprepare: an in-process lock (threads) and
+    `flock(LOCK_EX)` on `<data dir>/serialize.lock` (other plugin instances during a
+    rolling update). Polled non-blocking so a timeout is possible; released by closing
+    the descriptor, so a crashed holder never leaves it held.
+    """
+
+    def __init__(
+        self, data_dir: Path | str, *, timeout: float = 10.0, poll_interval: float = 0.05
+    ) -> None:
+        self.data_dir = Path(data_dir)
+        self.path = self.data_dir / LOCK_FILE
+        self.timeout = timeout
+        self.poll_interval = poll_interval
+        self._thread_lock = _process_lock(self.path)
+
+    @contextlib.contextmanager
+    def hold(self) -> Iterator[None]:
+        """Hold both locks for the duration of the block; transient DriverError on timeout."""
+        deadline = time.monotonic() + self.timeout
+        if not self._thread_lock.acquire(timeout=max(self.timeout, 0.0)):
+            raise transient(f"timed out after {self.timeout}s waiting for the in-process lock")
+        try:
+            fd = self._lock_file(deadline)
+            try:
+                yield
+            finally:
+                os.close(fd)  # releases the flock
+        finally:
+            self._thread_lock.release()
+
+    def _lock_file(self, deadline: float) -> int:
+        try:
+            self.data_dir.mkdir(parents=True, exist_ok=True, mode=DATA_DIR_MODE)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        except OSError as err:
+            raise transient(f"cannot open lock file {self.path}: {err}") from err
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return fd
+            except OSError as err:
+                if err.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES) or (
+                    time.monotonic() >= deadline
+                ):
+                    os.close(fd)
+                    if err.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                        raise transient(
+                            f"timed out after {self.timeout}s waiting for {self.path} "
+                            "(another plugin instance is preparing or unpreparing)"
+                        ) from err
+                    raise transient(f"cannot lock {self.path}: {err}") from err
+            time.sleep(self.poll_interval)

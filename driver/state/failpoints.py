@@ -1,0 +1,68 @@
+"""Crash failpoints for the prepare/unprepare paths (docs/state.md, "Failpoints").
+
+`failpoint(name)` kills the current process with SIGKILL when the environment
+variable `GPU_DRA_FAILPOINTS` (a comma-separated list) names it, so tests can
+crash the plugin between any two steps and check what a restart finds.
+With the variable unset a failpoint costs one dictionary lookup.
+
+Every name used in the code is listed in `FAILPOINTS`; using an unlisted name is
+a programming error (ValueError), so the list, the docs and the crash tests (which
+parametrize over `FAILPOINTS`) cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from typing import Final
+
+ENV_VAR: Final = "GPU_DRA_FAILPOINTS"
+
+# In the order they are passed on the happy path.
+PREPARE_FAILPOINTS: Final[tuple[str, ...]] = (
+    # a PrepareStarted entry for this claim was found (retried half-done prepare):
+    # its CDI spec has been removed, the entry not yet rewritten
+    "prepare-rollback-after-cdi-removed",
+    # all checks passed, nothing written yet
+    "prepare-before-started",
+    # checkpoint temp file with the PrepareStarted entry written + fsynced, not renamed
+    "prepare-started-before-rename",
+    # PrepareStarted is durable, no CDI spec yet
+    "prepare-after-started",
+    # CDI spec temp file written + fsynced, not renamed
+    "prepare-cdi-before-rename",
+    # CDI spec in place, checkpoint still says PrepareStarted
+    "prepare-after-cdi",
+    # checkpoint temp file with PrepareCompleted written + fsynced, not renamed
+    "prepare-completed-before-rename",
+    # PrepareCompleted is durable, the answer has not reached the kubelet
+    "prepare-after-completed",
+)
+
+UNPREPARE_FAILPOINTS: Final[tuple[str, ...]] = (
+    # entry found, nothing removed yet
+    "unprepare-before-cdi-removed",
+    # CDI spec removed, checkpoint entry still present
+    "unprepare-after-cdi-removed",
+    # checkpoint temp file without the entry written + fsynced, not renamed
+    "unprepare-entry-before-rename",
+    # entry removed durably, the answer has not reached the kubelet
+    "unprepare-after-entry-removed",
+)
+
+FAILPOINTS: Final[tuple[str, ...]] = PREPARE_FAILPOINTS + UNPREPARE_FAILPOINTS
+_KNOWN: Final = frozenset(FAILPOINTS)
+
+
+def armed() -> frozenset[str]:
+    """The failpoint names currently named by the environment."""
+    raw = os.environ.get(ENV_VAR, "")
+    return frozenset(part.strip() for part in raw.split(",") if part.strip())
+
+
+def failpoint(name: str) -> None:
+    """SIGKILL this process if `name` is armed; otherwise do nothing."""
+    if name not in _KNOWN:
+        raise ValueError(f"unknown failpoint {name!r}; add it to driver.state.failpoints")
+    if ENV_VAR in os.environ and name in armed():
+        os.kill(os.getpid(), signal.SIGKILL)
