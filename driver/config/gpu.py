@@ -168,7 +168,7 @@ def _normalize(config: GpuConfig) -> GpuConfig:
     with the wrong sub-config is reported as such instead of as "both"."""
     sharing = config.sharing
     if sharing is None:
-        return default_gpu_config()
+        return config.model_copy(update={"sharing": default_gpu_config().sharing})
     tsc, spc = sharing.timeSlicingConfig, sharing.spacePartitioningConfig
     if tsc is None and spc is None:
         if sharing.strategy == Strategy.TIME_SLICING:

@@ -37,6 +37,10 @@ class LoadError(ValueError):
     """The text is not well-formed JSON / YAML."""
 
 
+class NestingError(LoadError):
+    """The text nests deeper than the parser allows."""
+
+
 def _pairs_hook(pairs: list[tuple[str, Any]]) -> KeyTrackingDict:
     result = KeyTrackingDict()
     for key, value in pairs:
@@ -64,7 +68,9 @@ def loads_json(data: str | bytes | bytearray) -> Any:
     text = _as_text(data)
     try:
         return json.loads(text, object_pairs_hook=_pairs_hook, parse_constant=_reject_constant)
-    except (ValueError, RecursionError) as err:
+    except RecursionError as err:
+        raise NestingError("invalid JSON: too deeply nested") from err
+    except ValueError as err:
         raise LoadError(f"invalid JSON: {err}") from err
 
 
@@ -77,7 +83,7 @@ def _construct_tracking_map(
 ) -> Iterator[KeyTrackingDict]:
     data = KeyTrackingDict()
     yield data
-    explicit = len(node.value)
+    explicit = sum(1 for key_node, _ in node.value if key_node.tag != "tag:yaml.org,2002:merge")
     loader.flatten_mapping(node)
     merged = len(node.value) - explicit  # `<<` merge keys come first; explicit keys override
     explicit_keys: set[Any] = set()
@@ -107,7 +113,9 @@ def load_yaml_documents(data: str | bytes | bytearray) -> list[Any]:
     text = _as_text(data)
     try:
         return [doc for doc in yaml.load_all(text, Loader=_TrackingLoader) if doc is not None]
-    except (yaml.YAMLError, RecursionError) as err:
+    except RecursionError as err:
+        raise NestingError("invalid YAML: too deeply nested") from err
+    except yaml.YAMLError as err:
         raise LoadError(f"invalid YAML: {err}") from err
 
 
@@ -116,6 +124,8 @@ def loads_json_or_yaml(data: str | bytes | bytearray) -> Any:
     text = _as_text(data)
     try:
         return loads_json(text)
+    except NestingError:
+        raise
     except LoadError as json_error:
         if text.lstrip()[:1] in ("{", "["):
             try:

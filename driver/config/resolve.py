@@ -54,10 +54,13 @@ def resolve_configs(
     `status.allocation.devices.config[1].opaque.parameters.sharing.strategy`.
     """
     errors: list[FieldError] = []
-    devices = allocation.get("devices") if isinstance(allocation, Mapping) else None
+    devices_path = path_prefix.rsplit(".", 1)[0] if "." in path_prefix else ""
+    if not isinstance(allocation, Mapping):
+        allocation_path = devices_path.rsplit(".", 1)[0] if "." in devices_path else ""
+        raise ConfigError([(allocation_path, "must be an object")])
+    devices = allocation.get("devices")
     if devices is None:
         devices = {}
-    devices_path = path_prefix.rsplit(".", 1)[0] if "." in path_prefix else ""
     if not isinstance(devices, Mapping):
         raise ConfigError([(devices_path, "must be an object")])
     results = devices.get("results") or []
