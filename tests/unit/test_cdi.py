@@ -1,0 +1,198 @@
+"""CDI spec files: names, contents (the reference's env vars) and atomic writes."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from pathlib import Path
+
+import pytest
+
+from driver.state.cdi import (
+    CdiDevice,
+    CdiSpecs,
+    SharingEnv,
+    cdi_device_name,
+    claim_device_env,
+    device_key,
+    gpu_env_id,
+    visible_device_id,
+)
+
+UID = "11111111-2222-3333-4444-555555555555"
+
+
+@pytest.fixture
+def specs(tmp_path: Path) -> CdiSpecs:
+    return CdiSpecs(tmp_path / "cdi", "gpu.example.com")
+
+
+def test_names_follow_the_reference(specs: CdiSpecs, tmp_path: Path) -> None:
+    assert specs.vendor == "k8s.gpu.example.com"
+    assert specs.kind == "k8s.gpu.example.com/gpu"
+    assert specs.common_spec_path == tmp_path / "cdi" / "k8s.gpu.example.com-gpu_common.json"
+    assert specs.claim_spec_path(UID) == tmp_path / "cdi" / f"k8s.gpu.example.com-gpu_{UID}.json"
+    assert specs.claim_spec_path("a/b").name == "k8s.gpu.example.com-gpu_a_b.json"
+    assert specs.device_ids(UID, "gpu-0", None) == [
+        "k8s.gpu.example.com/gpu=common",
+        f"k8s.gpu.example.com/gpu={UID}-gpu-0",
+    ]
+    assert specs.device_ids(UID, "gpu-0", "share-1")[1] == (
+        f"k8s.gpu.example.com/gpu={UID}-gpu-0-share-1"
+    )
+    assert cdi_device_name(UID, "gpu-0", "") == f"{UID}-gpu-0"
+
+
+@pytest.mark.parametrize(
+    ("name", "key", "gid"),
+    [
+        ("gpu-0", "GPU_0", "0"),
+        ("gpu-0-partition-1", "GPU_0_PARTITION_1", "0_PARTITION_1"),
+        ("gpu-3-full", "GPU_3_FULL", "3_FULL"),
+        ("gpu-0-mig-1g10gb-0", "GPU_0_MIG_1G10GB_0", "0_MIG_1G10GB_0"),
+    ],
+)
+def test_env_ids(name: str, key: str, gid: str) -> None:
+    assert device_key(name) == key
+    assert gpu_env_id(name) == gid
+
+
+def test_default_env_matches_the_reference_example() -> None:
+    env = claim_device_env(
+        claim_uid=UID,
+        device_name="gpu-0",
+        admin_access=False,
+        sharing=SharingEnv("TimeSlicing", interval="Default"),
+    )
+    assert env == [
+        f"GPU_DEVICE_GPU_0_RESOURCE_CLAIM={UID}",
+        "DRA_ADMIN_ACCESS=false",
+        "GPU_DEVICE_0=gpu-0",
+        "GPU_DEVICE_0_SHARING_STRATEGY=TimeSlicing",
+        "GPU_DEVICE_0_TIMESLICE_INTERVAL=Default",
+    ]
+
+
+def test_space_partitioning_and_consumed_capacity_env() -> None:
+    env = claim_device_env(
+        claim_uid=UID,
+        device_name="gpu-1-partition-0",
+        admin_access=True,
+        sharing=SharingEnv("SpacePartitioning", partition_count=4),
+        consumed_capacity={"memory": "16Gi", "compute": "20"},
+    )
+    assert env == [
+        f"GPU_DEVICE_GPU_1_PARTITION_0_RESOURCE_CLAIM={UID}",
+        "DRA_ADMIN_ACCESS=true",
+        "GPU_DEVICE_1_PARTITION_0=gpu-1-partition-0",
+        "GPU_DEVICE_1_PARTITION_0_SHARING_STRATEGY=SpacePartitioning",
+        "GPU_DEVICE_1_PARTITION_0_PARTITION_COUNT=4",
+        "GPU_DEVICE_1_PARTITION_0_MEMORY=16Gi",
+        "GPU_DEVICE_1_PARTITION_0_COMPUTE=20",
+    ]
+
+
+def test_visible_device_ids() -> None:
+    assert (
+        visible_device_id(gpu_uuid="GPU-a", is_partition=False, profile=None, placement_start=None)
+        == "GPU-a"
+    )
+    assert (
+        visible_device_id(gpu_uuid="GPU-a", is_partition=True, profile="1g.10gb", placement_start=3)
+        == "MIG-GPU-a/1g.10gb/3"
+    )
+
+
+def test_claim_spec_is_compact_reference_json_with_mode_0600(specs: CdiSpecs) -> None:
+    device = CdiDevice(f"{UID}-gpu-0", ("A=1", "B=2"))
+    path = specs.write_claim_spec(UID, [device])
+    raw = path.read_bytes()
+    assert raw == (
+        b'{"cdiVersion":"0.5.0","kind":"k8s.gpu.example.com/gpu","devices":[{"name":"'
+        + f"{UID}-gpu-0".encode()
+        + b'","containerEdits":{"env":["A=1","B=2"]}}],"containerEdits":{}}'
+    )
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert specs.read_claim_spec(UID) == json.loads(raw)
+
+
+def test_cdi_version_is_0_3_0_without_leading_digits(specs: CdiSpecs) -> None:
+    specs.write_claim_spec("claim-a", [CdiDevice("claim-a-gpu-0", ("A=1",))])
+    assert specs.read_claim_spec("claim-a")["cdiVersion"] == "0.3.0"  # type: ignore[index]
+
+
+def test_device_nodes_per_device_and_spec(specs: CdiSpecs) -> None:
+    device = CdiDevice("x-gpu-0", ("A=1",), ("/dev/nvidia0",))
+    specs.write_claim_spec("x", [device], spec_device_nodes=("/dev/nvidiactl",))
+    doc = specs.read_claim_spec("x")
+    assert doc is not None
+    assert doc["devices"][0]["containerEdits"]["deviceNodes"] == [{"path": "/dev/nvidia0"}]
+    assert doc["containerEdits"] == {"deviceNodes": [{"path": "/dev/nvidiactl"}]}
+
+
+def test_common_spec(specs: CdiSpecs) -> None:
+    path = specs.write_common_spec("node-a")
+    doc = json.loads(path.read_bytes())
+    assert doc == {
+        "cdiVersion": "0.3.0",
+        "kind": "k8s.gpu.example.com/gpu",
+        "devices": [
+            {
+                "name": "common",
+                "containerEdits": {
+                    "env": [
+                        "KUBERNETES_NODE_NAME=node-a",
+                        "DRA_RESOURCE_DRIVER_NAME=gpu.example.com",
+                    ]
+                },
+            }
+        ],
+        "containerEdits": {},
+    }
+
+
+def test_remove_and_list(specs: CdiSpecs) -> None:
+    specs.write_common_spec("node-a")
+    specs.write_claim_spec("a", [CdiDevice("a-gpu-0", ())])
+    specs.write_claim_spec("b", [CdiDevice("b-gpu-1", ())])
+    (specs.root / "k8s.other.com-gpu_c.json").write_text("{}")
+    (specs.root / ".k8s.gpu.example.com-gpu_d.json.tmp-abc").write_text("{")
+    assert set(specs.list_claim_specs()) == {"a", "b"}
+    assert specs.remove_claim_spec("a") is True
+    assert specs.remove_claim_spec("a") is False
+    assert set(specs.list_claim_specs()) == {"b"}
+    assert specs.claim_spec_exists("b") and not specs.claim_spec_exists("a")
+    assert specs.read_claim_spec("a") is None
+
+
+def test_failed_rename_keeps_old_content_and_leaves_no_temp_file(
+    specs: CdiSpecs, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    specs.write_claim_spec("a", [CdiDevice("a-gpu-0", ("OLD=1",))])
+    before = specs.claim_spec_path("a").read_bytes()
+
+    def broken_replace(src: object, dst: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", broken_replace)
+    with pytest.raises(OSError):
+        specs.write_claim_spec("a", [CdiDevice("a-gpu-0", ("NEW=1",))])
+    assert specs.claim_spec_path("a").read_bytes() == before
+    assert sorted(os.listdir(specs.root)) == ["k8s.gpu.example.com-gpu_a.json"]
+
+
+def test_sweep_removes_only_this_drivers_temp_files(specs: CdiSpecs) -> None:
+    specs.root.mkdir(parents=True)
+    mine = specs.root / ".k8s.gpu.example.com-gpu_a.json.tmp-0123"
+    other = specs.root / ".k8s.other.com-gpu_a.json.tmp-0123"
+    mine.write_text("{")
+    other.write_text("{")
+    assert specs.sweep_temp_files() == [mine]
+    assert not mine.exists() and other.exists()
+
+
+def test_unknown_failpoint_name_is_rejected(specs: CdiSpecs) -> None:
+    with pytest.raises(ValueError, match="unknown failpoint"):
+        specs.write_claim_spec("a", [CdiDevice("a-gpu-0", ())], before_rename="no-such-point")
+    assert specs.list_claim_specs() == {}

@@ -1,0 +1,248 @@
+"""Checkpoint journal: format, checksum, corruption handling, quarantine, serialize lock."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+import pytest
+
+from driver.errors import DriverError
+from driver.state.checkpoint import (
+    SCHEMA_VERSION,
+    Checkpoint,
+    CheckpointCorruptError,
+    ClaimEntry,
+    ClaimState,
+    PreparedDevice,
+    SerializeLock,
+    checksum,
+    quarantine_checkpoint,
+)
+
+DEVICE = PreparedDevice(
+    pool_name="node-a",
+    device_name="gpu-0",
+    request_names=("gpu",),
+    cdi_device_ids=("k8s.gpu.example.com/gpu=common", "k8s.gpu.example.com/gpu=uid-a-gpu-0"),
+    share_id=None,
+    admin_access=False,
+)
+ENTRIES = {
+    "uid-a": ClaimEntry(ClaimState.PREPARE_COMPLETED, "default", "claim-a", (DEVICE,)),
+    "uid-b": ClaimEntry(
+        ClaimState.PREPARE_STARTED,
+        "team",
+        "claim-b",
+        (PreparedDevice("node-a", "gpu-1", ("g",), ("x",), share_id="s-1", admin_access=True),),
+    ),
+}
+
+
+@pytest.fixture
+def cp(tmp_path: Path) -> Checkpoint:
+    return Checkpoint(tmp_path / "plugin")
+
+
+def test_missing_file_is_empty(cp: Checkpoint) -> None:
+    assert cp.load() == {}
+
+
+def test_round_trip_and_format(cp: Checkpoint) -> None:
+    cp.store(ENTRIES)
+    assert cp.load() == ENTRIES
+    doc = json.loads(cp.path.read_bytes())
+    assert doc["schemaVersion"] == SCHEMA_VERSION == 1
+    assert doc["checksum"].startswith("sha256:")
+    assert doc["checksum"] == checksum(doc["entries"])
+    assert doc["entries"]["uid-a"] == {
+        "state": "PrepareCompleted",
+        "namespace": "default",
+        "name": "claim-a",
+        "devices": [
+            {
+                "pool": "node-a",
+                "device": "gpu-0",
+                "requestNames": ["gpu"],
+                "cdiDeviceIds": list(DEVICE.cdi_device_ids),
+                "shareID": None,
+                "adminAccess": False,
+            }
+        ],
+    }
+    assert doc["entries"]["uid-b"]["devices"][0]["shareID"] == "s-1"
+    assert sorted(os.listdir(cp.data_dir)) == ["checkpoint.json"]  # no temp files left
+
+
+def _assert_corrupt(cp: Checkpoint, reason: str) -> None:
+    before = cp.path.read_bytes()
+    with pytest.raises(CheckpointCorruptError) as info:
+        cp.load()
+    err = info.value
+    assert isinstance(err, DriverError) and not err.permanent
+    assert str(cp.path) in str(err)
+    assert reason in err.reason
+    assert cp.path.read_bytes() == before  # never discarded or rewritten
+
+
+def test_bad_json_is_corrupt(cp: Checkpoint) -> None:
+    cp.data_dir.mkdir()
+    cp.path.write_text('{"schemaVersion": 1, "entr')
+    _assert_corrupt(cp, "not valid JSON")
+
+
+def test_empty_file_is_corrupt(cp: Checkpoint) -> None:
+    cp.data_dir.mkdir()
+    cp.path.write_bytes(b"")
+    _assert_corrupt(cp, "not valid JSON")
+
+
+def test_checksum_mismatch_is_corrupt(cp: Checkpoint) -> None:
+    cp.store(ENTRIES)
+    doc = json.loads(cp.path.read_bytes())
+    doc["entries"]["uid-a"]["devices"][0]["device"] = "gpu-7"
+    cp.path.write_text(json.dumps(doc))
+    _assert_corrupt(cp, "checksum mismatch")
+
+
+def test_unknown_schema_is_corrupt(cp: Checkpoint) -> None:
+    cp.store(ENTRIES)
+    doc = json.loads(cp.path.read_bytes())
+    doc["schemaVersion"] = 2
+    cp.path.write_text(json.dumps(doc))
+    _assert_corrupt(cp, "unknown schemaVersion 2")
+
+
+def test_malformed_entry_with_valid_checksum_is_corrupt(cp: Checkpoint) -> None:
+    entries = {"uid-a": {"state": "Prepared?", "namespace": "d", "name": "n", "devices": []}}
+    cp.data_dir.mkdir()
+    doc = {"schemaVersion": 1, "checksum": checksum(entries), "entries": entries}
+    cp.path.write_text(json.dumps(doc))
+    _assert_corrupt(cp, "entry uid-a: unknown state")
+
+
+def test_checksum_is_over_stored_value_so_added_fields_stay_valid(cp: Checkpoint) -> None:
+    """A newer driver adding a field does not break older readers' checksum."""
+    cp.store(ENTRIES)
+    doc = json.loads(cp.path.read_bytes())
+    doc["entries"]["uid-a"]["futureField"] = {"x": 1}
+    doc["entries"]["uid-a"]["devices"][0]["futureDeviceField"] = "y"
+    doc["checksum"] = checksum(doc["entries"])
+    cp.path.write_text(json.dumps(doc))
+    assert cp.load() == ENTRIES
+
+
+def test_quarantine_moves_a_corrupt_file_aside(cp: Checkpoint) -> None:
+    cp.data_dir.mkdir()
+    cp.path.write_text("garbage")
+    target = quarantine_checkpoint(cp.data_dir, now=datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC))
+    assert target == cp.data_dir / "checkpoint.json.corrupt-20260102T030405.000000Z"
+    assert target.read_text() == "garbage"
+    assert not cp.path.exists()
+    assert cp.load() == {}
+    assert cp.corrupt_copies() == [target]
+
+
+def test_quarantine_refuses_a_valid_file_unless_forced(cp: Checkpoint) -> None:
+    assert quarantine_checkpoint(cp.data_dir) is None
+    cp.store(ENTRIES)
+    with pytest.raises(ValueError, match="is valid"):
+        quarantine_checkpoint(cp.data_dir)
+    assert cp.load() == ENTRIES
+    moved = quarantine_checkpoint(cp.data_dir, force=True)
+    assert moved is not None and moved.exists() and not cp.path.exists()
+
+
+def test_store_failure_is_transient_and_keeps_old_file(
+    cp: Checkpoint, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cp.store(ENTRIES)
+
+    def broken_replace(src: object, dst: object) -> None:
+        raise OSError(5, "I/O error")
+
+    monkeypatch.setattr(os, "replace", broken_replace)
+    with pytest.raises(DriverError) as info:
+        cp.store({})
+    assert not info.value.permanent and str(cp.path) in str(info.value)
+    monkeypatch.undo()
+    assert cp.load() == ENTRIES
+    assert sorted(os.listdir(cp.data_dir)) == ["checkpoint.json"]
+
+
+def test_sweep_temp_files(cp: Checkpoint) -> None:
+    cp.store({})
+    leftover = cp.data_dir / ".checkpoint.json.tmp-deadbeef"
+    leftover.write_text("{")
+    assert cp.sweep_temp_files() == [leftover]
+    assert not leftover.exists()
+
+
+HOLDER = """
+import fcntl, os, sys, time
+fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o600)
+fcntl.flock(fd, fcntl.LOCK_EX)
+print("locked", flush=True)
+time.sleep(60)
+"""
+
+
+def test_lock_held_by_another_process_times_out_then_is_freed_by_its_death(
+    tmp_path: Path,
+) -> None:
+    lock = SerializeLock(tmp_path, timeout=0.3, poll_interval=0.02)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(lock.path)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "locked"
+        started = time.monotonic()
+        with pytest.raises(DriverError) as info, lock.hold():
+            pass
+        assert not info.value.permanent
+        assert "another plugin instance" in str(info.value)
+        assert time.monotonic() - started >= 0.25
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    with lock.hold():  # a killed holder releases the lock
+        pass
+
+
+def test_lock_serialises_threads(tmp_path: Path) -> None:
+    inside = 0
+    overlaps = 0
+    guard = threading.Lock()
+
+    def worker() -> None:
+        nonlocal inside, overlaps
+        for _ in range(20):
+            with SerializeLock(tmp_path).hold():
+                with guard:
+                    inside += 1
+                    overlaps += inside > 1
+                time.sleep(0.001)
+                with guard:
+                    inside -= 1
+
+    threads = [threading.Thread(target=worker) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert overlaps == 0
+
+
+def test_exception_inside_lock_propagates_unchanged(tmp_path: Path) -> None:
+    lock = SerializeLock(tmp_path)
+    with pytest.raises(KeyError), lock.hold():
+        raise KeyError("x")
+    with lock.hold():  # released
+        pass
