@@ -10,7 +10,7 @@ class PartitionProfile:
     """A MIG GPU-instance profile as NVML reports it (one per profile id)."""
 
     name: str  # e.g. "1g.10gb", "1g.10gb+me"
-    profile_id: int  # NVML_GPU_INSTANCE_PROFILE_* value
+    profile_id: int  # nvmlGpuInstanceProfileInfo.id, the ID nvidia-smi shows (19 = 1g.10gb)
     slice_count: int  # compute slices (the "1g" part)
     memory_bytes: int
     multiprocessors: int
@@ -20,6 +20,7 @@ class PartitionProfile:
     jpeg_engines: int
     ofa_engines: int
     placements: tuple[tuple[int, int], ...]  # (start, size) in memory slices
+    instance_count: int = 1  # how many instances of this profile fit on the GPU
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,8 @@ class GpuInfo:
     # Overrides for the `example` profile, which reproduces the Go reference exactly.
     model: str | None = None  # published `model`; defaults to product_name
     compute: int | None = None  # published `compute` capacity (reference: 100)
+    # Publish exactly the reference's attribute set (index, uuid, model, driverVersion).
+    reference_example: bool = False
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,276 @@
+"""Mock fleets: which GPUs a mock node has, described by built-in model profiles.
+
+A fleet file (YAML) names models and counts:
+
+    gpus:
+    - model: H100-80GB
+      count: 8
+      migMode: enabled        # enabled | disabled; default: enabled when MIG-capable
+    driverVersion: "580.95.05"
+    cudaDriverVersion: "13.0"
+
+Decoding is strict: unknown fields, wrong types and unknown models are errors that
+name the field path. Model profiles (what NVML reports for one GPU of a kind, with its
+MIG GPU-instance profile table) are data in `driver/nvml/profiles/models.yaml`.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import uuid as uuidlib
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    StrictStr,
+    ValidationError,
+    model_validator,
+)
+
+from driver.nvml import gorand
+
+DEFAULT_DRIVER_VERSION = "580.95.05"
+DEFAULT_CUDA_DRIVER_VERSION = "13.0"
+EXAMPLE_DRIVER_VERSION = "1.0.0"  # what the Go reference publishes
+EXAMPLE_MODEL = "example"
+BUILTIN_FLEETS = ("default", "example")
+MAX_GPUS = 1024
+
+_UUID_NAMESPACE = uuidlib.UUID("6f1c7b1e-3c0e-4d0b-9a51-6e9b1f3d2a10")
+_PCI_BUSES = (0x18, 0x2A, 0x3A, 0x5D, 0x9A, 0xAB, 0xBA, 0xDB)  # DGX-like bus numbers
+
+
+class FleetError(ValueError):
+    """An invalid fleet file or model table; the message names the field path."""
+
+
+# --------------------------------------------------------------------------- models
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class MigProfileSpec(_Strict):
+    name: StrictStr
+    slot: StrictStr  # NVML_GPU_INSTANCE_PROFILE_<slot>
+    id: StrictInt = Field(ge=0)
+    sliceCount: StrictInt = Field(ge=1)
+    instanceCount: StrictInt = Field(ge=1)
+    memoryMiB: StrictInt = Field(ge=1)
+    multiprocessors: StrictInt = Field(ge=1)
+    copyEngines: StrictInt = Field(ge=0)
+    decoders: StrictInt = Field(ge=0)
+    encoders: StrictInt = Field(ge=0)
+    jpegEngines: StrictInt = Field(ge=0)
+    ofaEngines: StrictInt = Field(ge=0)
+    placements: tuple[tuple[StrictInt, StrictInt], ...] = Field(min_length=1)
+
+
+class MigSpec(_Strict):
+    profiles: tuple[MigProfileSpec, ...] = Field(min_length=1)
+
+
+class ModelProfile(_Strict):
+    productName: StrictStr
+    architecture: StrictStr | None = None  # ampere | hopper | ... (NVML_DEVICE_ARCH_<upper>)
+    brand: StrictStr | None = None  # nvidia | tesla | ... (NVML_BRAND_<upper>)
+    cudaComputeCapability: StrictStr | None = None
+    memoryMiB: StrictInt = Field(ge=1)
+    pciDeviceId: StrictInt = 0x000010DE
+    mig: MigSpec | None = None
+    referenceExample: StrictBool = False
+
+    @property
+    def mig_capable(self) -> bool:
+        return self.mig is not None
+
+
+class _ModelTable(_Strict):
+    models: dict[StrictStr, ModelProfile]
+
+
+class FleetGpus(_Strict):
+    model: StrictStr
+    count: StrictInt = Field(default=1, ge=1, le=MAX_GPUS)
+    migMode: Literal["enabled", "disabled"] | None = None
+
+
+class Fleet(_Strict):
+    gpus: tuple[FleetGpus, ...]
+    driverVersion: StrictStr | None = Field(default=None, min_length=1)
+    cudaDriverVersion: StrictStr | None = Field(default=None, pattern=r"^\d+\.\d+$")
+
+    @model_validator(mode="after")
+    def _check(self) -> Fleet:
+        table = model_profiles()
+        if not self.gpus:
+            raise ValueError("gpus: at least one GPU group is required")
+        total = 0
+        for i, group in enumerate(self.gpus):
+            profile = table.get(group.model)
+            if profile is None:
+                known = ", ".join(sorted(table))
+                raise ValueError(f"gpus[{i}].model: unknown model {group.model!r} (known: {known})")
+            if group.migMode == "enabled" and not profile.mig_capable:
+                raise ValueError(f"gpus[{i}].migMode: model {group.model} is not MIG-capable")
+            total += group.count
+        if total > MAX_GPUS:
+            raise ValueError(f"gpus: {total} GPUs exceed the maximum of {MAX_GPUS}")
+        return self
+
+    @property
+    def resolved_driver_version(self) -> str:
+        if self.driverVersion is not None:
+            return self.driverVersion
+        if all(g.model == EXAMPLE_MODEL for g in self.gpus):
+            return EXAMPLE_DRIVER_VERSION
+        return DEFAULT_DRIVER_VERSION
+
+    @property
+    def resolved_cuda_driver_version(self) -> str:
+        return self.cudaDriverVersion or DEFAULT_CUDA_DRIVER_VERSION
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def _format_validation_error(err: ValidationError) -> str:
+    parts = []
+    for e in err.errors():
+        loc = ""
+        for item in e["loc"]:
+            loc += f"[{item}]" if isinstance(item, int) else (f".{item}" if loc else str(item))
+        msg = "unknown field" if e["type"] == "extra_forbidden" else e["msg"]
+        if e["type"] == "value_error":
+            # Our own validators already name the field path.
+            msg = str(e["msg"]).removeprefix("Value error, ")
+            parts.append(msg)
+            continue
+        parts.append(f"{loc}: {msg}" if loc else msg)
+    return "; ".join(parts)
+
+
+@functools.cache
+def model_profiles() -> dict[str, ModelProfile]:
+    """The built-in model profiles, keyed by model name."""
+    text = resources.files("driver.nvml").joinpath("profiles/models.yaml").read_text()
+    try:
+        table = _ModelTable.model_validate(yaml.safe_load(text))
+    except ValidationError as err:
+        raise FleetError(f"built-in models.yaml: {_format_validation_error(err)}") from err
+    return dict(table.models)
+
+
+def parse_fleet(data: Any, *, source: str = "fleet") -> Fleet:
+    """Validate decoded YAML/JSON data as a fleet; errors name the field path."""
+    if not isinstance(data, dict):
+        raise FleetError(f"{source}: expected a mapping with a `gpus` list")
+    try:
+        return Fleet.model_validate(data)
+    except ValidationError as err:
+        raise FleetError(f"{source}: {_format_validation_error(err)}") from err
+
+
+def load_fleet(path: str | Path) -> Fleet:
+    """Read and validate a fleet YAML file."""
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as err:
+        raise FleetError(f"{p}: cannot read fleet file: {err.strerror or err}") from err
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise FleetError(f"{p}: invalid YAML: {err}") from err
+    return parse_fleet(data, source=str(p))
+
+
+def default_fleet() -> Fleet:
+    """The built-in fleet: 8 MIG-capable H100-80GB GPUs with MIG enabled."""
+    return parse_fleet({"gpus": [{"model": "H100-80GB", "count": 8}]}, source="default fleet")
+
+
+def example_fleet(count: int = 8) -> Fleet:
+    """The Go reference driver's devices: `count` example GPUs."""
+    return parse_fleet({"gpus": [{"model": EXAMPLE_MODEL, "count": count}]}, source="example fleet")
+
+
+def resolve_fleet(spec: str | Path | None) -> Fleet:
+    """A fleet from a file path, or a built-in name (`default`, `example`), or None."""
+    if spec is None:
+        return default_fleet()
+    path = Path(spec)
+    if not path.exists() and str(spec) in BUILTIN_FLEETS:
+        return default_fleet() if str(spec) == "default" else example_fleet()
+    return load_fleet(path)
+
+
+# --------------------------------------------------------------------------- expansion
+
+
+@dataclass(frozen=True)
+class MockGpu:
+    """One GPU of an expanded fleet, as the mock NVML reports it."""
+
+    index: int
+    minor: int
+    uuid: str
+    model: str
+    profile: ModelProfile
+    mig_enabled: bool
+    pci_domain: int
+    pci_bus: int
+
+    @property
+    def pci_bus_id(self) -> str:
+        """NVML's busId format: 8-hex-digit domain, upper case."""
+        return f"{self.pci_domain:08X}:{self.pci_bus:02X}:00.0"
+
+
+def mock_gpu_uuid(node_name: str, index: int) -> str:
+    """A stable NVML-style UUID (`GPU-` + 8-4-4-4-12 lowercase hex) per node and index."""
+    digest = hashlib.sha256(f"{node_name}\x00{index}".encode()).digest()
+    return f"GPU-{uuidlib.UUID(bytes=digest[:16], version=4)}"
+
+
+def expand_fleet(fleet: Fleet, node_name: str) -> list[MockGpu]:
+    """The fleet's GPUs in NVML index order, with deterministic UUIDs for `node_name`.
+
+    `example` GPUs take the reference driver's UUIDs (Go math/rand seeded by the node
+    name, one draw per example GPU, in order); other models get `GPU-...` UUIDs.
+    """
+    table = model_profiles()
+    n_example = sum(g.count for g in fleet.gpus if g.model == EXAMPLE_MODEL)
+    example_uuids = iter(gorand.reference_uuids(node_name, n_example))
+    gpus: list[MockGpu] = []
+    for group in fleet.gpus:
+        profile = table[group.model]
+        mig_enabled = profile.mig_capable and group.migMode != "disabled"
+        for _ in range(group.count):
+            index = len(gpus)
+            uuid = (
+                next(example_uuids) if profile.referenceExample else mock_gpu_uuid(node_name, index)
+            )
+            gpus.append(
+                MockGpu(
+                    index=index,
+                    minor=index,
+                    uuid=uuid,
+                    model=group.model,
+                    profile=profile,
+                    mig_enabled=mig_enabled,
+                    pci_domain=index // len(_PCI_BUSES),
+                    pci_bus=_PCI_BUSES[index % len(_PCI_BUSES)],
+                )
+            )
+    return gpus
