@@ -1,0 +1,119 @@
+"""ResourceClaim reads and how permanent failures are made visible on the claim."""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import uuid
+from typing import Any
+
+from driver.errors import DriverError, transient
+from driver.kube.api import APPLY_PATCH, JSON, ApiError, KubeApi
+
+log = logging.getLogger(__name__)
+
+CONDITION_TYPE = "PrepareFailed"
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+class ApiClaimReader:
+    def __init__(self, api: KubeApi) -> None:
+        self._api = api
+
+    def get(self, namespace: str, name: str) -> dict[str, Any]:
+        try:
+            return self._api.request(
+                "GET", f"/apis/resource.k8s.io/v1/namespaces/{namespace}/resourceclaims/{name}"
+            )
+        except ApiError as err:
+            raise transient(f"reading ResourceClaim {namespace}/{name}: {err}") from err
+        except Exception as err:  # connection refused, timeouts
+            raise transient(f"reading ResourceClaim {namespace}/{name}: {err}") from err
+
+
+class ClaimFailureReporter:
+    """An Event on the claim for every permanent verdict; with device status enabled,
+    also a `PrepareFailed` condition on each of the claim's devices of this driver."""
+
+    def __init__(self, api: KubeApi, *, driver: str, node_name: str, device_status: bool) -> None:
+        self._api = api
+        self._driver = driver
+        self._node = node_name
+        self._device_status = device_status
+
+    def permanent_failure(self, claim: dict[str, Any], error: DriverError) -> None:
+        try:
+            self._event(claim, error)
+            if self._device_status:
+                self._condition(claim, error)
+        except Exception as err:  # visibility is best effort; the verdict still stands
+            log.warning("could not report the permanent failure on the claim: %s", err)
+
+    def _event(self, claim: JSON, error: DriverError) -> None:
+        meta = claim["metadata"]
+        namespace = meta["namespace"]
+        now = _now()
+        body = {
+            "apiVersion": "v1",
+            "kind": "Event",
+            "metadata": {"name": f"{meta['name']}.{uuid.uuid4().hex[:16]}", "namespace": namespace},
+            "involvedObject": {
+                "apiVersion": "resource.k8s.io/v1",
+                "kind": "ResourceClaim",
+                "name": meta["name"],
+                "namespace": namespace,
+                "uid": meta["uid"],
+            },
+            "reason": "PermanentPrepareFailure",
+            "message": str(error)[:1024],
+            "type": "Warning",
+            "source": {"component": self._driver, "host": self._node},
+            "reportingComponent": self._driver,
+            "reportingInstance": self._node,
+            "firstTimestamp": now,
+            "lastTimestamp": now,
+            "count": 1,
+        }
+        self._api.request("POST", f"/api/v1/namespaces/{namespace}/events", body=body)
+
+    def _condition(self, claim: JSON, error: DriverError) -> None:
+        meta = claim["metadata"]
+        results = ((claim.get("status") or {}).get("allocation") or {}).get("devices", {})
+        devices = [
+            {
+                "driver": r["driver"],
+                "pool": r["pool"],
+                "device": r["device"],
+                **({"shareID": r["shareID"]} if r.get("shareID") else {}),
+                "conditions": [
+                    {
+                        "type": CONDITION_TYPE,
+                        "status": "True",
+                        "reason": error.error_class.value.title().replace("-", ""),
+                        "message": str(error)[:32768],
+                        "lastTransitionTime": _now(),
+                    }
+                ],
+            }
+            for r in results.get("results", [])
+            if r.get("driver") == self._driver
+        ]
+        if not devices:
+            return
+        body = {
+            "apiVersion": "resource.k8s.io/v1",
+            "kind": "ResourceClaim",
+            "metadata": {"name": meta["name"], "namespace": meta["namespace"]},
+            "status": {"devices": devices},
+        }
+        self._api.request(
+            "PATCH",
+            f"/apis/resource.k8s.io/v1/namespaces/{meta['namespace']}/resourceclaims/"
+            f"{meta['name']}/status",
+            query={"fieldManager": self._driver, "force": "true"},
+            body=body,
+            content_type=APPLY_PATCH,
+        )

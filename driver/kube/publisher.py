@@ -1,0 +1,308 @@
+"""Keeps this node's ResourceSlices equal to what the driver wants to publish.
+
+One pool per node, owned by the Node object. A watch on the driver's slices of this
+node triggers a reconcile, so slices deleted by someone else (the kubelet wipes a
+node's slices when it starts) come back by themselves. A reconcile that finds nothing
+to change writes nothing.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from decimal import Decimal
+from typing import Any
+
+from kubernetes.utils.quantity import parse_quantity
+
+from driver.kube.api import JSON, ApiError, KubeApi
+
+log = logging.getLogger(__name__)
+
+SLICES_PATH = "/apis/resource.k8s.io/v1/resourceslices"
+RESYNC_SECONDS = 300.0
+WATCH_RETRY_SECONDS = 1.0
+
+
+def slice_index(name: str) -> int | None:
+    """The position encoded in a slice name `<hex index>-<driver>-<node>-<suffix>`."""
+    head, _, _ = name.partition("-")
+    try:
+        return int(head, 16)
+    except ValueError:
+        return None
+
+
+def comparable_spec(spec: JSON) -> JSON:
+    """A spec with server defaults and quantity spelling removed, for equality checks."""
+    out = copy.deepcopy(spec)
+    out.pop("pool", None)
+    for device in out.get("devices") or []:
+        for capacity in (device.get("capacity") or {}).values():
+            _normalise_quantity(capacity)
+        for consumption in device.get("consumesCounters") or []:
+            for counter in (consumption.get("counters") or {}).values():
+                _normalise_quantity(counter)
+        for taint in device.get("taints") or []:
+            taint.pop("timeAdded", None)
+    for counter_set in out.get("sharedCounters") or []:
+        for counter in (counter_set.get("counters") or {}).values():
+            _normalise_quantity(counter)
+    return out
+
+
+def _normalise_quantity(holder: dict[str, Any]) -> None:
+    if "value" in holder:
+        value: Decimal = parse_quantity(holder["value"])
+        holder["value"] = str(value.normalize())
+
+
+@dataclass
+class PublisherStats:
+    reconciles: int = 0
+    creates: int = 0
+    updates: int = 0
+    deletes: int = 0
+    last_synced: float = 0.0
+    errors: list[str] = field(default_factory=list)
+
+
+class SlicePublisher:
+    """Reconciles the desired slice specs (from `desired()`) against the API server."""
+
+    def __init__(
+        self,
+        api: KubeApi,
+        *,
+        driver: str,
+        node_name: str,
+        desired: Callable[[], list[JSON]],
+    ) -> None:
+        self._api = api
+        self._driver = driver
+        self._node = node_name
+        self._desired = desired
+        self._node_uid: str | None = None
+        self._wake = threading.Condition()
+        self._pending = False
+        self._stopped = threading.Event()
+        self._synced = threading.Condition()
+        self._generation_synced = 0
+        self._requested = 0
+        self._threads: list[threading.Thread] = []
+        self.stats = PublisherStats()
+
+    # -- public API --------------------------------------------------------------------
+
+    def start(self) -> None:
+        for target, name in (
+            (self._reconcile_loop, "slice-reconcile"),
+            (self._watch_loop, "slice-watch"),
+        ):
+            thread = threading.Thread(target=target, name=name, daemon=True)
+            thread.start()
+            self._threads.append(thread)
+        self.trigger()
+
+    def stop(self) -> None:
+        self._stopped.set()
+        with self._wake:
+            self._wake.notify_all()
+
+    def trigger(self) -> int:
+        """Asks for a reconcile soon; returns a ticket for `wait_synced`."""
+        with self._wake:
+            self._requested += 1
+            self._pending = True
+            self._wake.notify_all()
+            return self._requested
+
+    def wait_synced(self, ticket: int, timeout: float) -> bool:
+        """Waits until a reconcile that started after `trigger()` returned `ticket` succeeded."""
+        deadline = time.monotonic() + timeout
+        with self._synced:
+            while self._generation_synced < ticket:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or self._stopped.is_set():
+                    return False
+                self._synced.wait(remaining)
+            return True
+
+    def reconcile(self) -> None:
+        """One full reconcile pass (normally run by the background thread)."""
+        desired = self._desired()
+        existing = self._list()
+        self._apply(desired, existing)
+        self.stats.reconciles += 1
+        self.stats.last_synced = time.time()
+
+    # -- reconcile ---------------------------------------------------------------------
+
+    def _reconcile_loop(self) -> None:
+        backoff = 0.5
+        while not self._stopped.is_set():
+            with self._wake:
+                while not self._pending and not self._stopped.is_set():
+                    if not self._wake.wait(RESYNC_SECONDS):
+                        self._pending = True
+                if self._stopped.is_set():
+                    return
+                self._pending = False
+                ticket = self._requested
+            try:
+                self.reconcile()
+                backoff = 0.5
+                with self._synced:
+                    self._generation_synced = max(self._generation_synced, ticket)
+                    self._synced.notify_all()
+            except Exception as err:  # the API server may be down: retry, never die
+                log.warning("publishing ResourceSlices failed, retrying in %.1fs: %s", backoff, err)
+                self.stats.errors.append(str(err))
+                del self.stats.errors[:-20]
+                self._stopped.wait(backoff)
+                backoff = min(backoff * 2, 10.0)
+                with self._wake:
+                    self._pending = True
+
+    def _list(self) -> list[JSON]:
+        result = self._api.request("GET", SLICES_PATH, query=self._selector())
+        items: list[JSON] = result.get("items", [])
+        return items
+
+    def _selector(self) -> dict[str, str]:
+        return {"fieldSelector": f"spec.driver={self._driver},spec.nodeName={self._node}"}
+
+    def _apply(self, desired: list[JSON], existing: list[JSON]) -> None:
+        by_index: dict[int, JSON] = {}
+        obsolete: list[JSON] = []
+        for item in sorted(existing, key=lambda s: s["metadata"]["creationTimestamp"]):
+            index = slice_index(item["metadata"]["name"])
+            if index is None or index >= len(desired) or index in by_index:
+                obsolete.append(item)
+            else:
+                by_index[index] = item
+
+        generation = max((s["spec"]["pool"]["generation"] for s in existing), default=0)
+        changed = [
+            i
+            for i, spec in enumerate(desired)
+            if i not in by_index
+            or comparable_spec(by_index[i]["spec"]) != comparable_spec(spec)
+            or by_index[i]["spec"]["pool"]["resourceSliceCount"] != len(desired)
+        ]
+        stale_generation = any(
+            s["spec"]["pool"]["generation"] != generation for s in by_index.values()
+        )
+        if not changed and not obsolete and not stale_generation:
+            return
+
+        # A single in-place update keeps the pool consistent at the same generation;
+        # anything larger is published as a new generation so that readers never mix
+        # slices of two versions of the pool.
+        single_update = (
+            len(changed) == 1 and changed[0] in by_index and not obsolete and not stale_generation
+        )
+        if not single_update:
+            generation += 1
+            changed = list(range(len(desired)))
+
+        for item in obsolete:
+            self._delete(item)
+        for index in changed:
+            spec = copy.deepcopy(desired[index])
+            spec["pool"] = {
+                "name": self._node,
+                "generation": generation,
+                "resourceSliceCount": len(desired),
+            }
+            if index in by_index:
+                self._update(by_index[index], spec)
+            else:
+                self._create(index, spec)
+
+    def _create(self, index: int, spec: JSON) -> None:
+        body = {
+            "apiVersion": "resource.k8s.io/v1",
+            "kind": "ResourceSlice",
+            "metadata": {
+                "generateName": f"{index:05x}-{self._driver}-{self._node}-",
+                "ownerReferences": [
+                    {
+                        "apiVersion": "v1",
+                        "kind": "Node",
+                        "name": self._node,
+                        "uid": self._owner_uid(),
+                        "controller": True,
+                    }
+                ],
+            },
+            "spec": spec,
+        }
+        created = self._api.request("POST", SLICES_PATH, body=body)
+        self.stats.creates += 1
+        self._warn_dropped(spec, created["spec"], created["metadata"]["name"])
+
+    def _update(self, current: JSON, spec: JSON) -> None:
+        body = copy.deepcopy(current)
+        body["spec"] = spec
+        name = current["metadata"]["name"]
+        updated = self._api.request("PUT", f"{SLICES_PATH}/{name}", body=body)
+        self.stats.updates += 1
+        self._warn_dropped(spec, updated["spec"], name)
+
+    def _delete(self, item: JSON) -> None:
+        meta = item["metadata"]
+        body = {
+            "kind": "DeleteOptions",
+            "apiVersion": "v1",
+            "preconditions": {"uid": meta["uid"], "resourceVersion": meta["resourceVersion"]},
+        }
+        try:
+            self._api.request("DELETE", f"{SLICES_PATH}/{meta['name']}", body=body)
+            self.stats.deletes += 1
+        except ApiError as err:
+            if not (err.not_found or err.conflict):
+                raise
+
+    def _warn_dropped(self, sent: JSON, stored: JSON, name: str) -> None:
+        if comparable_spec(stored) != comparable_spec(sent):
+            log.error(
+                "the API server dropped fields of ResourceSlice %s: is a DRA feature gate "
+                "(DRAPartitionableDevices, DRADeviceTaints, DRAConsumableCapacity) disabled?",
+                name,
+            )
+
+    def _owner_uid(self) -> str:
+        if self._node_uid is None:
+            node = self._api.request("GET", f"/api/v1/nodes/{self._node}")
+            self._node_uid = str(node["metadata"]["uid"])
+        return self._node_uid
+
+    # -- watch -------------------------------------------------------------------------
+
+    def _watch_loop(self) -> None:
+        while not self._stopped.is_set():
+            try:
+                listing = self._api.request("GET", SLICES_PATH, query=self._selector())
+                version = listing["metadata"]["resourceVersion"]
+                for kind, obj in self._api.watch(
+                    SLICES_PATH, query={**self._selector(), "resourceVersion": version}
+                ):
+                    if self._stopped.is_set():
+                        return
+                    if kind == "ERROR":
+                        break
+                    if kind == "DELETED" or kind == "MODIFIED":
+                        log.info(
+                            "ResourceSlice %s %s: reconciling",
+                            obj["metadata"]["name"],
+                            kind.lower(),
+                        )
+                        self.trigger()
+            except Exception as err:
+                log.debug("slice watch ended: %s", err)
+                self._stopped.wait(WATCH_RETRY_SECONDS)

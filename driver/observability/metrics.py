@@ -1,0 +1,53 @@
+"""Prometheus metrics of the kubelet plugin, in one registry."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+REGISTRY = CollectorRegistry()
+
+PREPARE_REQUESTS = Counter(
+    "gpu_dra_prepare_claims",
+    "Claims prepared, by outcome (ok, transient, invalid-config, device-failed).",
+    ["outcome"],
+    registry=REGISTRY,
+)
+UNPREPARE_REQUESTS = Counter(
+    "gpu_dra_unprepare_claims",
+    "Claims unprepared, by outcome (ok, error).",
+    ["outcome"],
+    registry=REGISTRY,
+)
+PERMANENT_VERDICT_REPLAYS = Counter(
+    "gpu_dra_permanent_verdict_replays",
+    "Prepare retries answered from a remembered permanent verdict (no NVML, no disk).",
+    ["error_class"],
+    registry=REGISTRY,
+)
+PREPARE_SECONDS = Histogram(
+    "gpu_dra_prepare_seconds",
+    "Latency of NodePrepareResources calls.",
+    buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10),
+    registry=REGISTRY,
+)
+XID_EVENTS = Counter(
+    "gpu_dra_xid_events",
+    "NVML health events, by Xid (or event kind) and verdict (fatal, ignored).",
+    ["xid", "verdict"],
+    registry=REGISTRY,
+)
+TAINTED_DEVICES = Gauge(
+    "gpu_dra_tainted_devices",
+    "Published devices that carry a health taint.",
+    registry=REGISTRY,
+)
+PUBLISHED_DEVICES = Gauge(
+    "gpu_dra_published_devices",
+    "Devices in this node's ResourceSlices.",
+    registry=REGISTRY,
+)
+SLICE_WRITES = Gauge(
+    "gpu_dra_api_writes",
+    "Write requests sent to the API server since start.",
+    registry=REGISTRY,
+)
