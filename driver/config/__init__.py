@@ -12,9 +12,12 @@ Public API:
 from __future__ import annotations
 
 from driver.config.documents import (
+    CONFIG_LIST_PATHS,
+    config_list_of,
     is_checked_document,
     validate_claim_document,
     validate_configs,
+    validate_object_configs,
 )
 from driver.config.errors import ConfigError, FieldError
 from driver.config.gpu import (
@@ -36,6 +39,7 @@ from driver.config.resolve import request_matches, resolve_configs
 
 __all__ = [
     "API_VERSION",
+    "CONFIG_LIST_PATHS",
     "KIND",
     "ConfigError",
     "FieldError",
@@ -46,6 +50,7 @@ __all__ = [
     "SpacePartitioningConfig",
     "Strategy",
     "TimeSlicingConfig",
+    "config_list_of",
     "decode_gpu_config",
     "default_gpu_config",
     "gpu_config_errors",
@@ -57,4 +62,5 @@ __all__ = [
     "validate_claim_document",
     "validate_configs",
     "validate_for_device",
+    "validate_object_configs",
 ]

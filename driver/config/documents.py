@@ -87,6 +87,25 @@ def _config_list(
     return current, path, []
 
 
+def config_list_of(obj: object, kind: str) -> object:
+    """The device config list of a resource.k8s.io object of `kind` (None if absent)."""
+    if not isinstance(obj, Mapping):
+        return None
+    configs, _, _ = _config_list(obj, CONFIG_LIST_PATHS[kind])
+    return configs
+
+
+def validate_object_configs(obj: object, kind: str, driver_name: str) -> list[FieldError]:
+    """Check the device configs of `obj`, taken to be a resource.k8s.io `kind`
+    (a key of `CONFIG_LIST_PATHS`) whatever its own apiVersion/kind say."""
+    if not isinstance(obj, Mapping):
+        return [FieldError("", "must be an object")]
+    configs, path, errors = _config_list(obj, CONFIG_LIST_PATHS[kind])
+    if errors:
+        return errors
+    return validate_configs(configs, path, driver_name)
+
+
 def validate_claim_document(doc: object, driver_name: str) -> list[FieldError]:
     """All GpuConfig problems in one document; [] when it is valid or not ours.
 
@@ -106,7 +125,4 @@ def validate_claim_document(doc: object, driver_name: str) -> list[FieldError]:
         return problems
     if group != RESOURCE_GROUP or not isinstance(kind, str) or kind not in CONFIG_LIST_PATHS:
         return []
-    configs, path, errors = _config_list(doc, tuple(CONFIG_LIST_PATHS[kind]))
-    if errors:
-        return errors
-    return validate_configs(configs, path, driver_name)
+    return validate_object_configs(doc, kind, driver_name)

@@ -1,0 +1,79 @@
+"""`gpu-dra-webhook`: validating admission webhook for GpuConfigs in ResourceClaims
+and ResourceClaimTemplates (resource.k8s.io v1, v1beta1, v1beta2). HTTPS only."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+from collections.abc import Sequence
+from types import FrameType
+
+from driver.webhook.server import VALIDATE_PATH, WebhookServer
+
+log = logging.getLogger("gpu-dra-webhook")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="gpu-dra-webhook", description=__doc__)
+    parser.add_argument("--tls-cert-file", required=True, help="PEM certificate (chain) file")
+    parser.add_argument("--tls-private-key-file", required=True, help="PEM private key file")
+    parser.add_argument("--port", type=int, default=443, help="HTTPS port (default: %(default)s)")
+    parser.add_argument(
+        "--bind-address",
+        default="",
+        help="address to listen on (default: all IPv4 addresses; use :: for IPv6)",
+    )
+    parser.add_argument(
+        "--driver-name",
+        default="gpu.example.com",
+        help="DRA driver name whose opaque configs are validated (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--log-level",
+        default="INFO",
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        help="(default: %(default)s)",
+    )
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        server = WebhookServer(
+            args.bind_address,
+            args.port,
+            cert_file=args.tls_cert_file,
+            key_file=args.tls_private_key_file,
+            driver_name=args.driver_name,
+        )
+    except OSError as err:  # includes ssl.SSLError: unreadable / mismatched cert or key
+        print(f"gpu-dra-webhook: cannot start: {err}", file=sys.stderr)
+        return 1
+
+    def stop(signum: int, _frame: FrameType | None) -> None:
+        log.info("received %s, shutting down", signal.Signals(signum).name)
+        # shutdown() waits for serve_forever(), which runs in this (the main) thread
+        threading.Thread(target=server.shutdown, daemon=True).start()
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    log.info(
+        "serving https on port %d, POST %s, driver %s",
+        server.port,
+        VALIDATE_PATH,
+        args.driver_name,
+    )
+    with server:
+        server.serve_forever()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
