@@ -1,0 +1,736 @@
+"""DeviceState: prepare/unprepare flow, verdict memory, idempotency, double-booking."""
+
+from __future__ import annotations
+
+import builtins
+import copy
+import io
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from driver.errors import DriverError, ErrorClass, transient
+from driver.state.checkpoint import (
+    Checkpoint,
+    ClaimEntry,
+    ClaimState,
+    PreparedDevice,
+    quarantine_checkpoint,
+)
+from driver.state.prepare import ClaimRef, DeviceState, parse_permanent_errors
+
+DRIVER = "gpu.example.com"
+NODE = "node-a"
+KIND = "k8s.gpu.example.com/gpu"
+
+
+# -- test doubles ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FakeDevice:
+    """Stands in for driver.devices.model.PublishedDevice."""
+
+    name: str
+    gpu_uuid: str
+    gpu_minor: int | None
+    is_partition: bool = False
+    max_partitions: int | None = None
+    profile: str | None = None
+    placement: tuple[int, int] | None = None
+
+
+DEVICES = {
+    d.name: d
+    for d in [
+        FakeDevice("gpu-0", "GPU-aaaa", 0, max_partitions=7),
+        FakeDevice("gpu-1", "GPU-bbbb", 1, max_partitions=7),
+        FakeDevice(
+            "gpu-0-mig-1g10gb-3",
+            "GPU-aaaa",
+            0,
+            is_partition=True,
+            profile="1g.10gb",
+            placement=(3, 1),
+        ),
+    ]
+}
+
+
+class FakeClaims:
+    def __init__(self) -> None:
+        self.docs: dict[tuple[str, str], dict[str, Any]] = {}
+        self.calls = 0
+        self.error: DriverError | None = None
+
+    def add(self, claim: dict[str, Any]) -> ClaimRef:
+        meta = claim["metadata"]
+        self.docs[(meta["namespace"], meta["name"])] = claim
+        return ClaimRef(meta["namespace"], meta["name"], meta["uid"])
+
+    def get(self, namespace: str, name: str) -> dict[str, Any]:
+        self.calls += 1
+        if self.error is not None:
+            raise self.error
+        try:
+            return copy.deepcopy(self.docs[(namespace, name)])
+        except KeyError:
+            raise transient(f"resourceclaims {namespace}/{name} not found") from None
+
+
+@dataclass
+class FakeHealth:
+    failures: dict[str, str] = field(default_factory=dict)
+    taint_error: Exception | None = None
+    calls: list[tuple[str, str]] = field(default_factory=list)
+
+    def failure(self, device_name: str) -> str | None:
+        self.calls.append(("failure", device_name))
+        return self.failures.get(device_name)
+
+    def ensure_tainted(self, device_name: str) -> None:
+        self.calls.append(("taint", device_name))
+        if self.taint_error is not None:
+            raise self.taint_error
+
+
+@dataclass
+class FakeReporter:
+    reports: list[tuple[str, DriverError]] = field(default_factory=list)
+    health: FakeHealth | None = None
+    taints_seen: list[int] = field(default_factory=list)
+
+    def permanent_failure(self, claim: dict[str, Any], error: DriverError) -> None:
+        self.reports.append((claim["metadata"]["uid"], error))
+        if self.health is not None:
+            self.taints_seen.append(sum(1 for c in self.health.calls if c[0] == "taint"))
+
+
+def make_claim(
+    uid: str,
+    results: list[dict[str, Any]],
+    *,
+    configs: list[dict[str, Any]] | None = None,
+    node: str | None = NODE,
+    name: str | None = None,
+    allocated: bool = True,
+) -> dict[str, Any]:
+    status: dict[str, Any] = {}
+    if allocated:
+        allocation: dict[str, Any] = {"devices": {"results": results, "config": configs or []}}
+        if node is not None:
+            allocation["nodeSelector"] = {
+                "nodeSelectorTerms": [
+                    {"matchFields": [{"key": "metadata.name", "operator": "In", "values": [node]}]}
+                ]
+            }
+        status["allocation"] = allocation
+    return {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceClaim",
+        "metadata": {"namespace": "default", "name": name or f"claim-{uid}", "uid": uid},
+        "status": status,
+    }
+
+
+def result(device: str, request: str = "gpu", **extra: Any) -> dict[str, Any]:
+    return {"request": request, "driver": DRIVER, "pool": NODE, "device": device, **extra}
+
+
+def gpu_config(
+    sharing: dict[str, Any], requests: list[str] | None = None, source: str = "FromClaim"
+) -> dict[str, Any]:
+    return {
+        "source": source,
+        "requests": requests or [],
+        "opaque": {
+            "driver": DRIVER,
+            "parameters": {
+                "apiVersion": "gpu.resource.example.com/v1alpha1",
+                "kind": "GpuConfig",
+                "sharing": sharing,
+            },
+        },
+    }
+
+
+@dataclass
+class Env:
+    state: DeviceState
+    claims: FakeClaims
+    health: FakeHealth
+    reporter: FakeReporter
+    cdi_root: Path
+    data_dir: Path
+    now: list[float]
+
+    def spec(self, uid: str) -> dict[str, Any]:
+        doc = self.state.cdi.read_claim_spec(uid)
+        assert doc is not None, f"no CDI spec for {uid}"
+        return doc
+
+    def env_of(self, uid: str, index: int = 0) -> list[str]:
+        return list(self.spec(uid)["devices"][index]["containerEdits"]["env"])
+
+    def journal(self) -> dict[str, ClaimEntry]:
+        return Checkpoint(self.data_dir).load()
+
+    def prepare_one(self, ref: ClaimRef) -> Any:
+        return self.state.prepare([ref])[ref.uid]
+
+    def new_state(self, **kwargs: Any) -> DeviceState:
+        args: dict[str, Any] = {
+            "driver_name": DRIVER,
+            "node_name": NODE,
+            "devices": DEVICES,
+            "cdi_root": self.cdi_root,
+            "data_dir": self.data_dir,
+            "claims": self.claims,
+            "health": self.health,
+            "reporter": self.reporter,
+            "lock_timeout": 2.0,
+            "clock": lambda: self.now[0],
+        }
+        args.update(kwargs)
+        return DeviceState(**args)
+
+
+@pytest.fixture
+def env(tmp_path: Path) -> Env:
+    health = FakeHealth()
+    e = Env(
+        state=None,  # type: ignore[arg-type]
+        claims=FakeClaims(),
+        health=health,
+        reporter=FakeReporter(health=health),
+        cdi_root=tmp_path / "cdi",
+        data_dir=tmp_path / "plugin",
+        now=[1000.0],
+    )
+    e.state = e.new_state()
+    return e
+
+
+# -- happy paths ---------------------------------------------------------------------------
+
+
+def test_gpu_claim_default_config(env: Env) -> None:
+    ref = env.claims.add(make_claim("uid-1", [result("gpu-0")]))
+    res = env.prepare_one(ref)
+    assert res.ok and res.error is None
+    assert res.devices == (
+        PreparedDevice(
+            pool_name=NODE,
+            device_name="gpu-0",
+            request_names=("gpu",),
+            cdi_device_ids=(f"{KIND}=common", f"{KIND}=uid-1-gpu-0"),
+            share_id=None,
+            admin_access=False,
+        ),
+    )
+    spec = env.spec("uid-1")
+    assert spec["kind"] == KIND and spec["containerEdits"] == {}
+    assert spec["devices"][0]["name"] == "uid-1-gpu-0"
+    assert env.env_of("uid-1") == [
+        "GPU_DEVICE_GPU_0_RESOURCE_CLAIM=uid-1",
+        "DRA_ADMIN_ACCESS=false",
+        "GPU_DEVICE_0=gpu-0",
+        "GPU_DEVICE_0_SHARING_STRATEGY=TimeSlicing",
+        "GPU_DEVICE_0_TIMESLICE_INTERVAL=Default",
+    ]
+    assert "deviceNodes" not in spec["devices"][0]["containerEdits"]  # mock: env only
+    journal = env.journal()
+    assert journal == {
+        "uid-1": ClaimEntry(ClaimState.PREPARE_COMPLETED, "default", "claim-uid-1", res.devices)
+    }
+    assert env.state.stats.prepared == 1 and env.state.stats.claim_reads == 1
+
+
+def test_real_gpu_gets_device_nodes_and_visible_devices(env: Env) -> None:
+    env.state = env.new_state(real_devices=True)
+    ref = env.claims.add(make_claim("uid-1", [result("gpu-0"), result("gpu-1")]))
+    assert env.prepare_one(ref).ok
+    spec = env.spec("uid-1")
+    assert spec["containerEdits"]["deviceNodes"] == [
+        {"path": "/dev/nvidiactl"},
+        {"path": "/dev/nvidia-uvm"},
+        {"path": "/dev/nvidia-uvm-tools"},
+    ]
+    for index, minor in ((0, 0), (1, 1)):
+        edits = spec["devices"][index]["containerEdits"]
+        assert edits["deviceNodes"] == [{"path": f"/dev/nvidia{minor}"}]
+        assert edits["env"][-1] == "NVIDIA_VISIBLE_DEVICES=GPU-aaaa,GPU-bbbb"
+
+
+def test_mig_partition_claim(env: Env) -> None:
+    env.state = env.new_state(real_devices=True)
+    ref = env.claims.add(make_claim("uid-m", [result("gpu-0-mig-1g10gb-3", request="mig")]))
+    res = env.prepare_one(ref)
+    assert res.ok, res.error
+    assert res.devices[0].cdi_device_ids[1] == f"{KIND}=uid-m-gpu-0-mig-1g10gb-3"
+    edits = env.spec("uid-m")["devices"][0]["containerEdits"]
+    assert edits["env"] == [
+        "GPU_DEVICE_GPU_0_MIG_1G10GB_3_RESOURCE_CLAIM=uid-m",
+        "DRA_ADMIN_ACCESS=false",
+        "GPU_DEVICE_0_MIG_1G10GB_3=gpu-0-mig-1g10gb-3",
+        "GPU_DEVICE_0_MIG_1G10GB_3_SHARING_STRATEGY=TimeSlicing",
+        "GPU_DEVICE_0_MIG_1G10GB_3_TIMESLICE_INTERVAL=Default",
+        "NVIDIA_VISIBLE_DEVICES=MIG-GPU-aaaa/1g.10gb/3",
+    ]
+    assert edits["deviceNodes"] == [{"path": "/dev/nvidia0"}]
+
+
+def test_config_env_vars_and_subrequests(env: Env) -> None:
+    claim = make_claim(
+        "uid-c",
+        [result("gpu-0", request="a/fast"), result("gpu-1", request="b")],
+        configs=[
+            gpu_config(
+                {"strategy": "TimeSlicing", "timeSlicingConfig": {"interval": "Long"}}, ["a"]
+            ),
+            gpu_config(
+                {"strategy": "SpacePartitioning", "spacePartitioningConfig": {"partitionCount": 4}},
+                ["b"],
+            ),
+        ],
+    )
+    res = env.prepare_one(env.claims.add(claim))
+    assert res.ok, res.error
+    assert [d.request_names for d in res.devices] == [("a",), ("b",)]
+    assert "GPU_DEVICE_0_TIMESLICE_INTERVAL=Long" in env.env_of("uid-c", 0)
+    env1 = env.env_of("uid-c", 1)
+    assert "GPU_DEVICE_1_SHARING_STRATEGY=SpacePartitioning" in env1
+    assert "GPU_DEVICE_1_PARTITION_COUNT=4" in env1
+    assert not any("TIMESLICE" in v for v in env1)
+
+
+def test_shares_admin_access_and_consumed_capacity(env: Env) -> None:
+    a = env.claims.add(
+        make_claim("uid-a", [result("gpu-0", shareID="s-1", consumedCapacity={"memory": "8Gi"})])
+    )
+    b = env.claims.add(make_claim("uid-b", [result("gpu-0", shareID="s-2")]))
+    admin = env.claims.add(make_claim("uid-x", [result("gpu-0", adminAccess=True)]))
+    ra, rb, rx = (env.prepare_one(r) for r in (a, b, admin))
+    assert ra.ok and rb.ok and rx.ok, (ra.error, rb.error, rx.error)
+    assert ra.devices[0].share_id == "s-1"
+    assert ra.devices[0].cdi_device_ids[1] == f"{KIND}=uid-a-gpu-0-s-1"
+    assert env.spec("uid-a")["devices"][0]["name"] == "uid-a-gpu-0-s-1"
+    assert "GPU_DEVICE_0_MEMORY=8Gi" in env.env_of("uid-a")
+    assert rx.devices[0].admin_access is True
+    assert "DRA_ADMIN_ACCESS=true" in env.env_of("uid-x")
+    assert set(env.journal()) == {"uid-a", "uid-b", "uid-x"}
+
+
+def test_batch_results_keyed_by_uid(env: Env) -> None:
+    good = env.claims.add(make_claim("uid-g", [result("gpu-0")]))
+    missing = ClaimRef("default", "nope", "uid-n")
+    out = env.state.prepare([good, missing])
+    assert set(out) == {"uid-g", "uid-n"}
+    assert out["uid-g"].ok
+    err = out["uid-n"].error
+    assert err is not None and not err.permanent and "not found" in str(err)
+
+
+# -- idempotency -------------------------------------------------------------------------
+
+
+class WriteSpy:
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.replaces = 0
+        real = os.replace
+
+        def counting(src: Any, dst: Any) -> None:
+            self.replaces += 1
+            real(src, dst)
+
+        monkeypatch.setattr(os, "replace", counting)
+
+
+def test_prepare_twice_answers_the_same_without_writing(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ref = env.claims.add(make_claim("uid-1", [result("gpu-0")]))
+    first = env.prepare_one(ref)
+    spy = WriteSpy(monkeypatch)
+    second = env.prepare_one(ref)
+    assert second == first
+    assert spy.replaces == 0
+    assert env.state.stats.idempotent_hits == 1 and env.state.stats.prepared == 1
+
+
+def test_completed_claim_whose_cdi_spec_vanished_is_rewritten(env: Env) -> None:
+    ref = env.claims.add(make_claim("uid-1", [result("gpu-0")]))
+    first = env.prepare_one(ref)
+    before = env.state.cdi.claim_spec_path("uid-1").read_bytes()
+    env.state.cdi.remove_claim_spec("uid-1")  # e.g. /var/run/cdi is tmpfs, node rebooted
+    again = env.prepare_one(ref)
+    assert again == first
+    assert env.state.cdi.claim_spec_path("uid-1").read_bytes() == before
+    assert env.journal()["uid-1"].state is ClaimState.PREPARE_COMPLETED
+
+
+def test_half_done_prepare_is_rolled_back_and_completed(env: Env) -> None:
+    ref = env.claims.add(make_claim("uid-1", [result("gpu-0")]))
+    stale = PreparedDevice(NODE, "gpu-1", ("gpu",), ("stale",))
+    Checkpoint(env.data_dir).store(
+        {"uid-1": ClaimEntry(ClaimState.PREPARE_STARTED, "default", "claim-uid-1", (stale,))}
+    )
+    env.state.cdi.write_claim_spec("uid-1", [])
+    res = env.prepare_one(ref)
+    assert res.ok and res.devices[0].device_name == "gpu-0"
+    assert env.journal() == {
+        "uid-1": ClaimEntry(ClaimState.PREPARE_COMPLETED, "default", "claim-uid-1", res.devices)
+    }
+    assert [d["name"] for d in env.spec("uid-1")["devices"]] == ["uid-1-gpu-0"]
+    assert list(env.state.cdi.list_claim_specs()) == ["uid-1"]
+    assert env.state.stats.rollbacks == 1
+
+
+def test_failure_after_writing_started_rolls_back(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ref = env.claims.add(make_claim("uid-1", [result("gpu-0")]))
+
+    def broken(*args: Any, **kwargs: Any) -> Path:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(env.state.cdi, "write_claim_spec", broken)
+    res = env.prepare_one(ref)
+    assert res.error is not None and not res.error.permanent
+    assert "No space left" in str(res.error)
+    assert env.journal() == {}
+    assert env.state.cdi.list_claim_specs() == {}
+    monkeypatch.undo()
+    assert env.prepare_one(ref).ok  # transient: not remembered
+
+
+# -- permanent verdicts ------------------------------------------------------------------
+
+
+def test_invalid_config_is_permanent_remembered_and_cheap(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    claim = make_claim("uid-bad", [result("gpu-0")], configs=[gpu_config({"strategy": "Bogus"})])
+    ref = env.claims.add(claim)
+    res = env.prepare_one(ref)
+    err = res.error
+    assert err is not None and err.permanent and err.error_class is ErrorClass.INVALID_CONFIG
+    assert str(err).startswith("permanent (invalid-config): ")
+    assert "sharing.strategy" in str(err)
+    assert [uid for uid, _ in env.reporter.reports] == ["uid-bad"]
+    assert not any(c[0] == "taint" for c in env.health.calls)  # never taints
+    assert env.journal() == {} and env.state.cdi.list_claim_specs() == {}
+
+    reads, health_calls = env.claims.calls, len(env.health.calls)
+    spy = WriteSpy(monkeypatch)
+    forbidden_calls: list[Any] = []
+
+    def forbidden(*args: Any, **kwargs: Any) -> Any:
+        forbidden_calls.append(args)
+        raise AssertionError("disk access")
+
+    for module, name in [
+        (os, "open"),
+        (os, "listdir"),
+        (os, "stat"),
+        (os, "unlink"),
+        (builtins, "open"),
+        (io, "open"),
+    ]:
+        monkeypatch.setattr(module, name, forbidden)
+    for _ in range(100):
+        again = env.prepare_one(ref)
+        assert again.error is err
+    monkeypatch.undo()
+    assert forbidden_calls == [] and spy.replaces == 0
+    assert env.claims.calls == reads  # no API reads
+    assert len(env.health.calls) == health_calls  # no health / NVML
+    assert env.state.stats.verdict_hits == 100
+    assert env.state.stats.permanent_failures == 1
+    assert len(env.reporter.reports) == 1  # reported once per verdict
+
+
+def test_impossible_partition_count_is_invalid_config_and_never_taints(env: Env) -> None:
+    too_many = make_claim(
+        "uid-p",
+        [result("gpu-0")],
+        configs=[
+            gpu_config(
+                {"strategy": "SpacePartitioning", "spacePartitioningConfig": {"partitionCount": 8}}
+            )
+        ],
+    )
+    on_partition = make_claim(
+        "uid-q",
+        [result("gpu-0-mig-1g10gb-3")],
+        configs=[
+            gpu_config(
+                {"strategy": "SpacePartitioning", "spacePartitioningConfig": {"partitionCount": 1}}
+            )
+        ],
+    )
+    for claim in (too_many, on_partition):
+        err = env.prepare_one(env.claims.add(claim)).error
+        assert err is not None and err.error_class is ErrorClass.INVALID_CONFIG
+        assert "impossible partition count" in str(err)
+    assert not any(c[0] == "taint" for c in env.health.calls)
+    assert env.journal() == {}
+
+
+def test_failed_device_is_tainted_before_the_permanent_error(env: Env) -> None:
+    env.health.failures["gpu-1"] = "Xid 79 (GPU has fallen off the bus)"
+    ref = env.claims.add(make_claim("uid-f", [result("gpu-0"), result("gpu-1")]))
+    err = env.prepare_one(ref).error
+    assert err is not None and err.error_class is ErrorClass.DEVICE_FAILED
+    assert str(err).startswith("permanent (device-failed): ")
+    assert "gpu-1: Xid 79" in str(err)
+    assert ("taint", "gpu-1") in env.health.calls
+    assert ("taint", "gpu-0") not in env.health.calls
+    assert env.reporter.taints_seen == [1]  # the taint happened before reporting/returning
+    assert env.journal() == {} and env.state.cdi.list_claim_specs() == {}
+    reads = env.claims.calls
+    assert env.prepare_one(ref).error is err
+    assert env.claims.calls == reads
+
+
+def test_taint_failure_is_transient_and_not_remembered(env: Env) -> None:
+    env.health.failures["gpu-0"] = "GPU is lost"
+    env.health.taint_error = RuntimeError("apiserver unavailable")
+    ref = env.claims.add(make_claim("uid-f", [result("gpu-0")]))
+    err = env.prepare_one(ref).error
+    assert err is not None and not err.permanent and "apiserver unavailable" in str(err)
+    assert env.reporter.reports == []
+    env.health.taint_error = None
+    err2 = env.prepare_one(ref).error
+    assert err2 is not None and err2.error_class is ErrorClass.DEVICE_FAILED
+    assert env.claims.calls == 2
+
+
+def test_permanent_errors_flag_downgrades_a_class(env: Env) -> None:
+    env.state = env.new_state(permanent_errors=parse_permanent_errors("device-failed"))
+    ref = env.claims.add(
+        make_claim("uid-bad", [result("gpu-0")], configs=[gpu_config({"strategy": "Bogus"})])
+    )
+    err = env.prepare_one(ref).error
+    assert err is not None and not err.permanent
+    assert "invalid-config" in str(err) and "--permanent-errors" in str(err)
+    assert not str(err).startswith("permanent")
+    assert env.reporter.reports == []
+    env.prepare_one(ref)
+    assert env.claims.calls == 2  # not remembered
+
+
+def test_parse_permanent_errors() -> None:
+    assert parse_permanent_errors("invalid-config,device-failed") == {
+        ErrorClass.INVALID_CONFIG,
+        ErrorClass.DEVICE_FAILED,
+    }
+    assert parse_permanent_errors("") == frozenset()
+    for bad in ("transient", "nope"):
+        with pytest.raises(ValueError):
+            parse_permanent_errors(bad)
+
+
+def test_verdict_expires_after_ttl(env: Env) -> None:
+    env.state = env.new_state(verdict_ttl=60.0)
+    ref = env.claims.add(
+        make_claim("uid-bad", [result("gpu-0")], configs=[gpu_config({"strategy": "Bogus"})])
+    )
+    env.prepare_one(ref)
+    env.now[0] += 59
+    env.prepare_one(ref)
+    assert env.claims.calls == 1
+    env.now[0] += 2
+    assert env.prepare_one(ref).error is not None
+    assert env.claims.calls == 2
+
+
+def test_unprepare_clears_the_verdict(env: Env) -> None:
+    claim = make_claim("uid-bad", [result("gpu-0")], configs=[gpu_config({"strategy": "Bogus"})])
+    ref = env.claims.add(claim)
+    env.prepare_one(ref)
+    assert env.state.unprepare([ref]) == {"uid-bad": None}
+    assert env.state.remembered_verdict("uid-bad") is None
+    env.prepare_one(ref)
+    assert env.claims.calls == 2
+
+
+# -- claim checks ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("claim", "message"),
+    [
+        (make_claim("other-uid", [result("gpu-0")], name="claim-x"), "does not match"),
+        (make_claim("uid-x", [], allocated=False, name="claim-x"), "not yet allocated"),
+        (make_claim("uid-x", [result("gpu-0")], node="node-b", name="claim-x"), "different node"),
+        (
+            make_claim(
+                "uid-x", [{**result("gpu-0"), "driver": "other.example.com"}], name="claim-x"
+            ),
+            "no allocation results",
+        ),
+        (make_claim("uid-x", [result("gpu-9")], name="claim-x"), "not allocatable: gpu-9"),
+    ],
+)
+def test_claim_checks_are_transient(env: Env, claim: dict[str, Any], message: str) -> None:
+    env.claims.add(claim)
+    err = env.prepare_one(ClaimRef("default", "claim-x", "uid-x")).error
+    assert err is not None and not err.permanent and message in str(err)
+    assert env.state.remembered_verdict("uid-x") is None
+    assert env.reporter.reports == []
+
+
+def test_claim_without_node_selector_is_accepted(env: Env) -> None:
+    ref = env.claims.add(make_claim("uid-1", [result("gpu-0")], node=None))
+    assert env.prepare_one(ref).ok
+
+
+def test_api_error_is_transient(env: Env) -> None:
+    env.claims.error = transient("connection refused")
+    err = env.prepare_one(ClaimRef("default", "c", "u")).error
+    assert err is not None and not err.permanent and "connection refused" in str(err)
+
+
+# -- double booking ----------------------------------------------------------------------
+
+
+def test_device_of_another_claim_is_never_double_booked(env: Env) -> None:
+    a = env.claims.add(make_claim("uid-a", [result("gpu-0")]))
+    b = env.claims.add(make_claim("uid-b", [result("gpu-0")]))
+    mig = env.claims.add(make_claim("uid-m", [result("gpu-0-mig-1g10gb-3")]))
+    assert env.prepare_one(a).ok
+    for ref in (b, mig):
+        err = env.prepare_one(ref).error
+        assert err is not None and not err.permanent
+        assert "default/claim-uid-a" in str(err) and "uid-a" in str(err)
+    assert set(env.journal()) == {"uid-a"}
+    assert list(env.state.cdi.list_claim_specs()) == ["uid-a"]
+    assert env.state.unprepare([a]) == {"uid-a": None}
+    assert env.prepare_one(b).ok
+
+
+def test_half_prepared_claim_also_holds_its_device(env: Env) -> None:
+    held = PreparedDevice(NODE, "gpu-0", ("gpu",), ("x",))
+    Checkpoint(env.data_dir).store(
+        {"uid-a": ClaimEntry(ClaimState.PREPARE_STARTED, "default", "claim-uid-a", (held,))}
+    )
+    b = env.claims.add(make_claim("uid-b", [result("gpu-0")]))
+    err = env.prepare_one(b).error
+    assert err is not None and "PrepareStarted" in str(err)
+
+
+# -- unprepare ---------------------------------------------------------------------------
+
+
+def test_unprepare_removes_spec_and_entry_and_is_idempotent(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    a = env.claims.add(make_claim("uid-a", [result("gpu-0")]))
+    b = env.claims.add(make_claim("uid-b", [result("gpu-1")]))
+    env.state.prepare([a, b])
+    assert env.state.unprepare([a]) == {"uid-a": None}
+    assert set(env.journal()) == {"uid-b"}
+    assert list(env.state.cdi.list_claim_specs()) == ["uid-b"]
+    spy = WriteSpy(monkeypatch)
+    assert env.state.unprepare([a, ClaimRef("x", "y", "never-seen")]) == {
+        "uid-a": None,
+        "never-seen": None,
+    }
+    assert spy.replaces == 0  # nothing to do, nothing written
+
+
+def test_unprepare_of_a_failed_device_is_local_only(env: Env) -> None:
+    ref = env.claims.add(make_claim("uid-a", [result("gpu-0")]))
+    assert env.prepare_one(ref).ok
+    env.health.failures["gpu-0"] = "GPU is lost"
+    env.claims.error = transient("apiserver down")
+    calls = len(env.health.calls)
+    assert env.state.unprepare([ref]) == {"uid-a": None}
+    assert len(env.health.calls) == calls and env.reporter.reports == []
+    assert env.journal() == {} and env.state.cdi.list_claim_specs() == {}
+
+
+# -- corrupt checkpoint ------------------------------------------------------------------
+
+
+def test_corrupt_checkpoint_is_detected_reported_and_kept(env: Env) -> None:
+    a = env.claims.add(make_claim("uid-a", [result("gpu-0")]))
+    b = env.claims.add(make_claim("uid-b", [result("gpu-1")]))
+    assert env.prepare_one(a).ok
+    path = env.data_dir / "checkpoint.json"
+    good = path.read_bytes()
+    doc = json.loads(good)
+    doc["entries"]["uid-a"]["devices"][0]["device"] = "gpu-7"  # bit rot
+    path.write_text(json.dumps(doc))
+    corrupt = path.read_bytes()
+
+    err = env.prepare_one(b).error
+    assert err is not None and not err.permanent
+    assert str(path) in str(err) and "checksum mismatch" in str(err)
+    assert env.state.checkpoint_problem is not None and str(path) in env.state.checkpoint_problem
+    assert env.state.stats.checkpoint_corrupt == 1
+    assert path.read_bytes() == corrupt  # never discarded or rewritten
+    assert env.state.remembered_verdict("uid-b") is None
+
+    # Unprepare still succeeds (teardown must not wedge) and removes the CDI spec.
+    assert env.state.unprepare([a]) == {"uid-a": None}
+    assert env.state.cdi.list_claim_specs() == {}
+    assert path.read_bytes() == corrupt
+
+    # The operator restores a good copy: the owed removal of uid-a is applied.
+    path.write_bytes(good)
+    assert env.prepare_one(b).ok
+    assert set(env.journal()) == {"uid-b"}
+    assert env.state.checkpoint_problem is None
+
+
+def test_quarantined_checkpoint_lets_prepare_resume(env: Env) -> None:
+    env.data_dir.mkdir(parents=True)
+    (env.data_dir / "checkpoint.json").write_text("not json")
+    ref = env.claims.add(make_claim("uid-a", [result("gpu-0")]))
+    assert env.prepare_one(ref).error is not None
+    moved = quarantine_checkpoint(env.data_dir)
+    assert moved is not None and moved.read_text() == "not json"
+    assert env.prepare_one(ref).ok
+
+
+# -- startup recovery --------------------------------------------------------------------
+
+
+def test_recover_rolls_back_started_entries_and_reports_orphans(env: Env) -> None:
+    a = env.claims.add(make_claim("uid-a", [result("gpu-0")]))
+    assert env.prepare_one(a).ok
+    cp = Checkpoint(env.data_dir)
+    journal = cp.load()
+    held = PreparedDevice(NODE, "gpu-1", ("gpu",), ("x",))
+    journal["uid-s"] = ClaimEntry(ClaimState.PREPARE_STARTED, "default", "claim-s", (held,))
+    cp.store(journal)
+    env.state.cdi.write_claim_spec("uid-s", [])
+    env.state.cdi.write_claim_spec("uid-orphan", [])
+    temp = env.state.cdi.root / ".k8s.gpu.example.com-gpu_uid-z.json.tmp-00ff"
+    temp.write_text("{")
+
+    report = env.new_state().recover()
+    assert report.checkpoint_problem is None
+    assert report.rolled_back == ("uid-s",)
+    assert report.orphan_specs == ("uid-orphan",)
+    assert report.missing_specs == ()
+    assert temp in report.swept_temp_files and not temp.exists()
+    assert set(cp.load()) == {"uid-a"}
+    assert set(env.state.cdi.list_claim_specs()) == {"uid-a", "uid-orphan"}
+    assert env.state.cdi.common_spec_path.exists()
+
+
+def test_recover_reports_a_corrupt_checkpoint(env: Env) -> None:
+    env.data_dir.mkdir(parents=True)
+    (env.data_dir / "checkpoint.json").write_text("[]")
+    report = env.state.recover()
+    assert (
+        report.checkpoint_problem is not None and "not a JSON object" in report.checkpoint_problem
+    )
+    assert env.state.checkpoint_problem == report.checkpoint_problem
