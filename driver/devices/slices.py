@@ -1,0 +1,251 @@
+"""PoolDevices -> ResourceSlice specs and documents within the API limits (pure).
+
+One pool per node, split into as many slices as the resource.k8s.io/v1 limits need:
+slices holding `sharedCounters` come first (at most 8 counter sets each, never with
+devices), then device slices (at most 128 devices, or 64 when any device in the slice
+consumes counters or carries taints). Order is the pool's preference order.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from driver.devices.model import PoolDevices
+
+API_VERSION = "resource.k8s.io/v1"
+MAX_DEVICES_PER_SLICE = 128
+MAX_DEVICES_PER_SLICE_WITH_COUNTERS_OR_TAINTS = 64
+MAX_COUNTER_SETS_PER_SLICE = 8
+MAX_COUNTERS_PER_SET = 32
+MAX_CONSUMPTIONS_PER_DEVICE = 2
+MAX_COUNTERS_PER_CONSUMPTION = 32
+MAX_ATTRIBUTES_AND_CAPACITIES_PER_DEVICE = 32
+MAX_TAINTS_PER_DEVICE = 16
+MAX_STRING_LENGTH = 64
+TAINT_EFFECTS = ("NoSchedule", "NoExecute", "None")
+
+_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
+
+
+def _check_taints(device: str, taints: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    if len(taints) > MAX_TAINTS_PER_DEVICE:
+        raise ValueError(f"device {device}: {len(taints)} taints exceed {MAX_TAINTS_PER_DEVICE}")
+    out = []
+    for t in taints:
+        if not t.get("key"):
+            raise ValueError(f"device {device}: taint without a key: {dict(t)}")
+        if t.get("effect") not in TAINT_EFFECTS:
+            raise ValueError(f"device {device}: taint effect {t.get('effect')!r} is not valid")
+        out.append(dict(t))
+    return out
+
+
+def _device_documents(
+    pool: PoolDevices, taints: Mapping[str, Sequence[Mapping[str, Any]]]
+) -> list[dict[str, Any]]:
+    docs = []
+    for device in pool.devices:
+        doc = copy.deepcopy(device.document)
+        device_taints = taints.get(device.name)
+        if device_taints:
+            doc["taints"] = _check_taints(device.name, device_taints)
+        docs.append(doc)
+    return docs
+
+
+def _needs_small_slice(doc: Mapping[str, Any]) -> bool:
+    return bool(doc.get("consumesCounters") or doc.get("taints"))
+
+
+def _pack_devices(docs: Iterable[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    """Greedy, order-preserving split honouring the per-slice device limits."""
+    slices: list[list[dict[str, Any]]] = []
+    current: list[dict[str, Any]] = []
+    small = False
+    for doc in docs:
+        next_small = small or _needs_small_slice(doc)
+        limit = (
+            MAX_DEVICES_PER_SLICE_WITH_COUNTERS_OR_TAINTS if next_small else MAX_DEVICES_PER_SLICE
+        )
+        if current and len(current) + 1 > limit:
+            slices.append(current)
+            current, next_small = [], _needs_small_slice(doc)
+        current.append(doc)
+        small = next_small
+    if current:
+        slices.append(current)
+    return slices
+
+
+def build_slice_specs(
+    pool: PoolDevices,
+    *,
+    driver: str,
+    node_name: str,
+    taints: Mapping[str, Sequence[Mapping[str, Any]]] | None = None,
+    generation: int = 1,
+) -> list[dict[str, Any]]:
+    """Ordered ResourceSlice `spec`s for the node's pool (at least one, possibly empty).
+
+    `taints` maps a device name to the taints (`key`, `value`, `effect`) placed on its
+    document; names not in the pool are ignored.
+    """
+    bodies: list[dict[str, Any]] = []
+    sets = [copy.deepcopy(cs) for cs in pool.counter_sets]
+    for i in range(0, len(sets), MAX_COUNTER_SETS_PER_SLICE):
+        bodies.append({"sharedCounters": sets[i : i + MAX_COUNTER_SETS_PER_SLICE]})
+    for chunk in _pack_devices(_device_documents(pool, taints or {})):
+        bodies.append({"devices": chunk})
+    if not bodies:
+        bodies.append({"devices": []})
+    specs = []
+    for body in bodies:
+        spec: dict[str, Any] = {
+            "driver": driver,
+            "nodeName": node_name,
+            "pool": {
+                "name": node_name,
+                "generation": generation,
+                "resourceSliceCount": len(bodies),
+            },
+        }
+        spec.update(body)
+        specs.append(spec)
+    return specs
+
+
+def slice_generate_name(index: int, count: int, driver: str, node_name: str) -> str:
+    """`<index as lowercase hex, zero-padded to max(5, digits of count-1)>-<driver>-<node>-`."""
+    width = max(5, len(f"{max(count - 1, 0):x}"))
+    return f"{index:0{width}x}-{driver}-{node_name}-"
+
+
+def build_slice_documents(
+    pool: PoolDevices,
+    *,
+    driver: str,
+    node_name: str,
+    node_uid: str | None = None,
+    taints: Mapping[str, Sequence[Mapping[str, Any]]] | None = None,
+    generation: int = 1,
+) -> list[dict[str, Any]]:
+    """Full ResourceSlice objects (generateName, owner the Node) for the pool."""
+    specs = build_slice_specs(
+        pool, driver=driver, node_name=node_name, taints=taints, generation=generation
+    )
+    docs = []
+    for i, spec in enumerate(specs):
+        metadata: dict[str, Any] = {
+            "generateName": slice_generate_name(i, len(specs), driver, node_name)
+        }
+        if node_uid is not None:
+            metadata["ownerReferences"] = [
+                {
+                    "apiVersion": "v1",
+                    "kind": "Node",
+                    "name": node_name,
+                    "uid": node_uid,
+                    "controller": True,
+                }
+            ]
+        docs.append(
+            {"apiVersion": API_VERSION, "kind": "ResourceSlice", "metadata": metadata, "spec": spec}
+        )
+    return docs
+
+
+def validate_slice_specs(specs: Sequence[Mapping[str, Any]]) -> list[str]:
+    """Every API-limit or pool-consistency violation in a pool's slice specs (empty: valid)."""
+    errors: list[str] = []
+    counter_sets: dict[str, set[str]] = {}
+    device_names: set[str] = set()
+    pools = {(s.get("pool") or {}).get("name") for s in specs}
+    if len(pools) != 1:
+        errors.append(f"slices span pools {sorted(map(str, pools))}")
+    for i, spec in enumerate(specs):
+        where = f"slice {i}"
+        pool = spec.get("pool") or {}
+        if pool.get("resourceSliceCount") != len(specs):
+            errors.append(
+                f"{where}: resourceSliceCount {pool.get('resourceSliceCount')} != {len(specs)}"
+            )
+        devices = spec.get("devices")
+        shared = spec.get("sharedCounters")
+        if devices and shared:
+            errors.append(f"{where}: has both devices and sharedCounters")
+        for cs in shared or []:
+            name = cs.get("name", "")
+            if not _DNS_LABEL.match(name):
+                errors.append(f"{where}: counter set name {name!r} is not a DNS label")
+            if name in counter_sets:
+                errors.append(f"{where}: duplicate counter set {name}")
+            counters = cs.get("counters") or {}
+            if not counters:
+                errors.append(f"{where}: counter set {name} has no counters")
+            if len(counters) > MAX_COUNTERS_PER_SET:
+                errors.append(f"{where}: counter set {name} has {len(counters)} counters")
+            counter_sets[name] = set(counters)
+        if shared is not None and len(shared) > MAX_COUNTER_SETS_PER_SLICE:
+            errors.append(f"{where}: {len(shared)} counter sets > {MAX_COUNTER_SETS_PER_SLICE}")
+        devices = devices or []
+        small = any(_needs_small_slice(d) for d in devices)
+        limit = MAX_DEVICES_PER_SLICE_WITH_COUNTERS_OR_TAINTS if small else MAX_DEVICES_PER_SLICE
+        if len(devices) > limit:
+            errors.append(f"{where}: {len(devices)} devices > {limit}")
+        for d in devices:
+            name = d.get("name", "")
+            if not _DNS_LABEL.match(name):
+                errors.append(f"{where}: device name {name!r} is not a DNS label")
+            if name in device_names:
+                errors.append(f"{where}: duplicate device {name}")
+            device_names.add(name)
+            attrs = d.get("attributes") or {}
+            capacity = d.get("capacity") or {}
+            if len(attrs) + len(capacity) > MAX_ATTRIBUTES_AND_CAPACITIES_PER_DEVICE:
+                errors.append(f"{where}: device {name} has {len(attrs) + len(capacity)} attrs+caps")
+            for key, value in attrs.items():
+                if len(value) != 1:
+                    errors.append(f"{where}: device {name} attribute {key} needs exactly one type")
+                for kind in ("string", "version"):
+                    if kind in value and len(str(value[kind])) > MAX_STRING_LENGTH:
+                        errors.append(f"{where}: device {name} attribute {key} is too long")
+                if "version" in value and not re.match(r"^\d+\.\d+\.\d+$", str(value["version"])):
+                    errors.append(f"{where}: device {name} attribute {key} is not semver")
+            consumptions = d.get("consumesCounters") or []
+            if len(consumptions) > MAX_CONSUMPTIONS_PER_DEVICE:
+                errors.append(f"{where}: device {name} has {len(consumptions)} consumptions")
+            seen_sets = set()
+            for c in consumptions:
+                set_name = c.get("counterSet")
+                if set_name in seen_sets:
+                    errors.append(f"{where}: device {name} consumes {set_name} twice")
+                seen_sets.add(set_name)
+                if len(c.get("counters") or {}) > MAX_COUNTERS_PER_CONSUMPTION:
+                    errors.append(f"{where}: device {name} consumes too many counters")
+            taints = d.get("taints") or []
+            if len(taints) > MAX_TAINTS_PER_DEVICE:
+                errors.append(f"{where}: device {name} has {len(taints)} taints")
+            for t in taints:
+                if t.get("effect") not in TAINT_EFFECTS:
+                    errors.append(f"{where}: device {name} taint effect {t.get('effect')!r}")
+    # References are checked once every counter set of the pool is known.
+    for i, spec in enumerate(specs):
+        for d in spec.get("devices") or []:
+            for c in d.get("consumesCounters") or []:
+                known = counter_sets.get(c.get("counterSet", ""))
+                if known is None:
+                    errors.append(
+                        f"slice {i}: device {d.get('name')} consumes unknown counter set "
+                        f"{c.get('counterSet')}"
+                    )
+                    continue
+                missing = set(c.get("counters") or {}) - known
+                if missing:
+                    errors.append(
+                        f"slice {i}: device {d.get('name')} consumes unknown counters "
+                        f"{sorted(missing)} of {c.get('counterSet')}"
+                    )
+    return errors
