@@ -1,0 +1,159 @@
+"""Command-line flags of gpu-kubelet-plugin. Every flag can also come from its env var."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+TAINT_EFFECTS = ("NoSchedule", "NoExecute", "None")
+
+
+def _env(name: str, default: str | None = None) -> str | None:
+    return os.environ.get(name, default)
+
+
+def _env_bool(name: str) -> bool:
+    return os.environ.get(name, "").lower() in ("1", "true", "yes")
+
+
+def _non_negative_int(flag: str) -> Callable[[str], int]:
+    def parse(value: str) -> int:
+        try:
+            number = int(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{flag}: {value!r} is not an integer") from None
+        if number < 0:
+            raise argparse.ArgumentTypeError(f"{flag}: must be >= 0, got {number}")
+        return number
+
+    return parse
+
+
+@dataclass(frozen=True)
+class PluginOptions:
+    node_name: str
+    driver_name: str
+    cdi_root: Path
+    registrar_dir: Path
+    plugins_dir: Path
+    pod_uid: str
+    nvml_backend: str
+    mock_fleet: str | None
+    gpu_partitions: int
+    xid_taint_effect: str
+    additional_xids_to_ignore: str
+    fatal_xids: str
+    permanent_errors: str
+    device_status: bool
+    http_port: int
+    log_format: str
+    verbosity: int
+    kubeconfig: str | None
+
+    @property
+    def data_dir(self) -> Path:
+        return self.plugins_dir / self.driver_name
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="gpu-kubelet-plugin",
+        description="DRA kubelet plugin for GPUs and their partitions.",
+    )
+    p.add_argument("--node-name", default=_env("NODE_NAME"), help="this node (env NODE_NAME)")
+    p.add_argument(
+        "--driver-name", default=_env("DRIVER_NAME", "gpu.example.com"), help="DRA driver name"
+    )
+    p.add_argument("--cdi-root", type=Path, default=Path(_env("CDI_ROOT", "/var/run/cdi") or ""))
+    p.add_argument(
+        "--kubelet-registrar-directory-path",
+        dest="registrar_dir",
+        type=Path,
+        default=Path(
+            _env("KUBELET_REGISTRAR_DIRECTORY_PATH", "/var/lib/kubelet/plugins_registry") or ""
+        ),
+    )
+    p.add_argument(
+        "--kubelet-plugins-directory-path",
+        dest="plugins_dir",
+        type=Path,
+        default=Path(_env("KUBELET_PLUGINS_DIRECTORY_PATH", "/var/lib/kubelet/plugins") or ""),
+    )
+    p.add_argument(
+        "--pod-uid", default=_env("POD_UID", ""), help="enables rolling-update socket names"
+    )
+    p.add_argument(
+        "--nvml-backend",
+        choices=("nvml", "mock"),
+        default=_env("NVML_BACKEND", "nvml"),
+        help="real NVML, or mock GPUs (never chosen implicitly)",
+    )
+    p.add_argument(
+        "--mock-fleet", default=_env("MOCK_FLEET"), help="fleet YAML for the mock backend"
+    )
+    p.add_argument(
+        "--gpu-partitions",
+        type=_non_negative_int("--gpu-partitions"),
+        default=int(_env("GPU_PARTITIONS", "0") or 0),
+        help="N equal partitions per GPU (reference-compatible); 0 = MIG partitions",
+    )
+    p.add_argument(
+        "--xid-taint-effect", choices=TAINT_EFFECTS, default=_env("XID_TAINT_EFFECT", "NoSchedule")
+    )
+    p.add_argument(
+        "--additional-xids-to-ignore", default=_env("ADDITIONAL_XIDS_TO_IGNORE", "") or ""
+    )
+    p.add_argument("--fatal-xids", default=_env("FATAL_XIDS", "") or "")
+    p.add_argument(
+        "--permanent-errors",
+        default=_env("PERMANENT_ERRORS", "invalid-config,device-failed"),
+        help="error classes reported as permanent (KEP-5322)",
+    )
+    p.add_argument(
+        "--device-status",
+        action="store_true",
+        default=_env_bool("DEVICE_STATUS"),
+        help="write conditions into the claim's device status",
+    )
+    p.add_argument(
+        "--http-port",
+        type=int,
+        default=int(_env("HTTP_PORT", "8080") or 8080),
+        help="/metrics and /healthz; -1 disables",
+    )
+    p.add_argument(
+        "--log-format", choices=("text", "json"), default=_env("LOG_FORMAT", "text") or "text"
+    )
+    p.add_argument("-v", "--v", dest="verbosity", type=int, default=int(_env("V", "0") or 0))
+    p.add_argument("--kubeconfig", default=_env("KUBECONFIG"), help="default: in-cluster config")
+    return p
+
+
+def parse_options(argv: Sequence[str] | None = None) -> PluginOptions:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not args.node_name:
+        parser.error("--node-name (or NODE_NAME) is required")
+    return PluginOptions(
+        node_name=args.node_name,
+        driver_name=args.driver_name,
+        cdi_root=args.cdi_root,
+        registrar_dir=args.registrar_dir,
+        plugins_dir=args.plugins_dir,
+        pod_uid=args.pod_uid,
+        nvml_backend=args.nvml_backend,
+        mock_fleet=args.mock_fleet,
+        gpu_partitions=args.gpu_partitions,
+        xid_taint_effect=args.xid_taint_effect,
+        additional_xids_to_ignore=args.additional_xids_to_ignore,
+        fatal_xids=args.fatal_xids,
+        permanent_errors=args.permanent_errors,
+        device_status=args.device_status,
+        http_port=args.http_port,
+        log_format=args.log_format,
+        verbosity=args.verbosity,
+        kubeconfig=args.kubeconfig,
+    )
