@@ -1,0 +1,122 @@
+"""`gpu-dra inventory`: discover GPUs and print the ResourceSlices this node would publish.
+
+Without --mock, real NVML (pynvml) is used; --mock uses a mock fleet instead: a fleet
+YAML file, a built-in fleet name (`default`: 8 x H100-80GB with MIG, `example`: the Go
+reference's 8 devices), or nothing for the default fleet. Output: ResourceSlice
+documents (yaml, json) or a table of GPUs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import socket
+import sys
+from typing import Any
+
+import yaml
+
+from driver.devices.model import DEFAULT_DRIVER_NAME, PoolOptions, build_pool
+from driver.devices.slices import build_slice_documents, validate_slice_specs
+from driver.devices.table import format_table
+from driver.nvml.backend import NvmlUnavailableError, select_backend
+from driver.nvml.fleet import FleetError
+
+log = logging.getLogger(__name__)
+
+
+def _non_negative(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def add_parser(subcommands: Any) -> None:
+    parser: argparse.ArgumentParser = subcommands.add_parser(
+        "inventory",
+        help="discover GPUs and print the ResourceSlices this node would publish",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--mock",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="FLEET.yaml",
+        help="use the mock NVML with this fleet (file or built-in name; default fleet if empty)",
+    )
+    parser.add_argument(
+        "--node-name",
+        default=os.environ.get("NODE_NAME") or socket.gethostname(),
+        help="node name: pool name, slice owner and mock UUID seed (default: $NODE_NAME or host)",
+    )
+    parser.add_argument("--node-uid", default=None, help="Node UID for the slices' ownerReferences")
+    parser.add_argument(
+        "--driver-name", default=DEFAULT_DRIVER_NAME, help="DRA driver name (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--gpu-partitions",
+        type=_non_negative,
+        default=0,
+        metavar="N",
+        help="publish N equal partitions per GPU like the Go reference, instead of MIG",
+    )
+    parser.add_argument("--no-mig", action="store_true", help="do not publish MIG partitions")
+    parser.add_argument(
+        "--partitions", action="store_true", help="table output: also list partitions"
+    )
+    parser.add_argument(
+        "-o", "--output", choices=("yaml", "json", "table"), default="yaml", help="output format"
+    )
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        backend = select_backend(
+            mock=args.mock is not None,
+            fleet_path=args.mock or None,
+            node_name=args.node_name,
+        )
+        inventory = backend.discover()
+    except (FleetError, NvmlUnavailableError, ValueError) as err:
+        print(f"gpu-dra inventory: {err}", file=sys.stderr)
+        return 1
+    except Exception as err:
+        print(f"gpu-dra inventory: NVML discovery failed: {err}", file=sys.stderr)
+        return 1
+    pool = build_pool(
+        inventory,
+        PoolOptions(
+            driver_name=args.driver_name, gpu_partitions=args.gpu_partitions, mig=not args.no_mig
+        ),
+    )
+    docs = build_slice_documents(
+        pool, driver=args.driver_name, node_name=args.node_name, node_uid=args.node_uid
+    )
+    problems = validate_slice_specs([d["spec"] for d in docs])
+    if problems:
+        for p in problems:
+            print(f"gpu-dra inventory: invalid slice: {p}", file=sys.stderr)
+        return 1
+    if args.output == "table":
+        sys.stdout.write(format_table(pool, partitions=args.partitions))
+        n_devices = len(pool.devices)
+        print(
+            f"\n{len(inventory.gpus)} GPU(s), {n_devices} device(s) in {len(docs)} slice(s) "
+            f"({inventory.backend}, driver {inventory.driver_version})"
+        )
+    elif args.output == "json":
+        print(json.dumps({"apiVersion": "v1", "kind": "List", "items": docs}, indent=2))
+    else:
+        sys.stdout.write(yaml.safe_dump_all(docs, sort_keys=False, explicit_start=True))
+    return 0
