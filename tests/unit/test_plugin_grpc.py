@@ -1,0 +1,228 @@
+"""Registration and DRA services over real unix sockets, as the kubelet calls them."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+import pytest
+
+from driver.errors import DriverError, device_failed, invalid_config, transient
+from driver.plugin.dra import add_dra_services
+from driver.plugin.registration import DRA_SERVICES, HEALTH_SERVICES, RegistrationServicer
+from driver.plugin.sockets import SUN_PATH_MAX, socket_paths
+from driver.proto.dra.v1 import api_pb2 as v1
+from driver.proto.dra.v1 import api_pb2_grpc as v1_grpc
+from driver.proto.dra.v1beta1 import api_pb2 as v1beta1
+from driver.proto.dra.v1beta1 import api_pb2_grpc as v1beta1_grpc
+from driver.proto.pluginregistration.v1 import api_pb2 as reg
+from driver.proto.pluginregistration.v1 import api_pb2_grpc as reg_grpc
+from driver.state.checkpoint import PreparedDevice
+from driver.state.prepare import ClaimRef, PrepareResult
+
+
+class FakeState:
+    def __init__(self) -> None:
+        self.outcomes: dict[str, DriverError | None] = {}
+        self.calls: list[list[ClaimRef]] = []
+
+    def prepare(self, claims: Sequence[ClaimRef]) -> dict[str, PrepareResult]:
+        self.calls.append(list(claims))
+        results = {}
+        for ref in claims:
+            error = self.outcomes.get(ref.uid)
+            if error is not None:
+                results[ref.uid] = PrepareResult(error=error)
+            else:
+                device = PreparedDevice(
+                    pool_name="node-a",
+                    device_name="gpu-0",
+                    request_names=("gpu",),
+                    cdi_device_ids=(f"k8s.gpu.example.com/gpu={ref.uid}-gpu-0",),
+                    share_id="share-1",
+                )
+                results[ref.uid] = PrepareResult(devices=(device,))
+        return results
+
+    def unprepare(self, claims: Sequence[ClaimRef]) -> dict[str, DriverError | None]:
+        return {ref.uid: self.outcomes.get(ref.uid) for ref in claims}
+
+
+@pytest.fixture
+def served(tmp_path: Path) -> Iterator[tuple[FakeState, grpc.Channel]]:
+    state = FakeState()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    add_dra_services(server, state)
+    sock = tmp_path / "dra.sock"
+    server.add_insecure_port(f"unix://{sock}")
+    server.start()
+    channel = grpc.insecure_channel(f"unix://{sock}")
+    yield state, channel
+    channel.close()
+    server.stop(0).wait()
+
+
+def claim(uid: str) -> v1.Claim:
+    return v1.Claim(namespace="ns", uid=uid, name=f"claim-{uid}")
+
+
+def test_prepare_reports_devices_and_share_id_on_v1(served: tuple[FakeState, grpc.Channel]) -> None:
+    _, channel = served
+    response = v1_grpc.DRAPluginStub(channel).NodePrepareResources(
+        v1.NodePrepareResourcesRequest(claims=[claim("a")])
+    )
+    entry = response.claims["a"]
+    assert entry.error == "" and entry.error_type == v1.Unknown
+    (device,) = entry.devices
+    assert (device.pool_name, device.device_name, list(device.request_names)) == (
+        "node-a",
+        "gpu-0",
+        ["gpu"],
+    )
+    assert list(device.cdi_device_ids) == ["k8s.gpu.example.com/gpu=a-gpu-0"]
+    assert device.HasField("share_id") and device.share_id == "share-1"
+
+
+@pytest.mark.parametrize(
+    ("error", "marker", "error_type"),
+    [
+        (
+            invalid_config("partitionCount 9 > maxPartitions 7"),
+            "permanent (invalid-config): ",
+            v1.Permanent,
+        ),
+        (device_failed("gpu-3 has Xid 79"), "permanent (device-failed): ", v1.Permanent),
+        (transient("API server unavailable"), "API server", v1.Unknown),
+    ],
+)
+def test_prepare_errors_carry_marker_and_error_type(
+    served: tuple[FakeState, grpc.Channel], error: DriverError, marker: str, error_type: int
+) -> None:
+    state, channel = served
+    state.outcomes["bad"] = error
+    response = v1_grpc.DRAPluginStub(channel).NodePrepareResources(
+        v1.NodePrepareResourcesRequest(claims=[claim("bad"), claim("good")])
+    )
+    assert response.claims["bad"].error.startswith(marker)
+    assert response.claims["bad"].error_type == error_type
+    assert not response.claims["bad"].devices
+    assert response.claims["good"].error == "" and len(response.claims["good"].devices) == 1
+
+
+def test_v1beta1_is_served_by_the_same_implementation(
+    served: tuple[FakeState, grpc.Channel],
+) -> None:
+    state, channel = served
+    state.outcomes["bad"] = invalid_config("nope")
+    response = v1beta1_grpc.DRAPluginStub(channel).NodePrepareResources(
+        v1beta1.NodePrepareResourcesRequest(
+            claims=[v1beta1.Claim(namespace="ns", uid="bad", name="c")]
+        )
+    )
+    assert response.claims["bad"].error_type == v1beta1.Permanent
+    unprepared = v1beta1_grpc.DRAPluginStub(channel).NodeUnprepareResources(
+        v1beta1.NodeUnprepareResourcesRequest(
+            claims=[v1beta1.Claim(namespace="ns", uid="x", name="c")]
+        )
+    )
+    assert unprepared.claims["x"].error == ""
+
+
+def test_malformed_requests_are_rejected_with_the_field(
+    served: tuple[FakeState, grpc.Channel],
+) -> None:
+    state, channel = served
+    stub = v1_grpc.DRAPluginStub(channel)
+    with pytest.raises(grpc.RpcError) as err:
+        stub.NodePrepareResources(
+            v1.NodePrepareResourcesRequest(claims=[v1.Claim(namespace="ns", name="c")])
+        )
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "claims[0].uid" in (err.value.details() or "")
+    assert state.calls == []
+
+
+def test_duplicate_uids_get_one_answer_and_one_prepare(
+    served: tuple[FakeState, grpc.Channel],
+) -> None:
+    state, channel = served
+    response = v1_grpc.DRAPluginStub(channel).NodePrepareResources(
+        v1.NodePrepareResourcesRequest(claims=[claim("a"), claim("a")])
+    )
+    assert list(response.claims) == ["a"]
+    assert [r.uid for r in state.calls[0]] == ["a"]
+
+
+def test_empty_request_gets_empty_answer(served: tuple[FakeState, grpc.Channel]) -> None:
+    _, channel = served
+    response = v1_grpc.DRAPluginStub(channel).NodeUnprepareResources(
+        v1.NodeUnprepareResourcesRequest()
+    )
+    assert dict(response.claims) == {}
+
+
+def test_registration_handshake(tmp_path: Path) -> None:
+    servicer = RegistrationServicer(
+        "gpu.example.com", "/plugins/dra.sock", DRA_SERVICES + HEALTH_SERVICES
+    )
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=1))
+    reg_grpc.add_RegistrationServicer_to_server(servicer, server)
+    sock = tmp_path / "reg.sock"
+    server.add_insecure_port(f"unix://{sock}")
+    server.start()
+    try:
+        stub = reg_grpc.RegistrationStub(grpc.insecure_channel(f"unix://{sock}"))
+        info = stub.GetInfo(reg.InfoRequest(), timeout=1)
+        assert (info.type, info.name, info.endpoint) == (
+            "DRAPlugin",
+            "gpu.example.com",
+            "/plugins/dra.sock",
+        )
+        assert list(info.supported_versions)[:2] == ["v1.DRAPlugin", "v1beta1.DRAPlugin"]
+        assert "v1alpha1.DRAResourceHealth" in info.supported_versions
+        stub.NotifyRegistrationStatus(reg.RegistrationStatus(plugin_registered=True))
+        assert servicer.registered.is_set()
+        with pytest.raises(grpc.RpcError) as err:
+            stub.NotifyRegistrationStatus(
+                reg.RegistrationStatus(plugin_registered=False, error="version skew")
+            )
+        assert "version skew" in (err.value.details() or "")
+        assert not servicer.registered.is_set()
+    finally:
+        server.stop(0).wait()
+
+
+def test_socket_names_without_and_with_pod_uid(tmp_path: Path) -> None:
+    fixed = socket_paths("gpu.example.com", tmp_path / "reg", tmp_path / "plug", None)
+    assert fixed.registration.name == "gpu.example.com-reg.sock"
+    assert fixed.service.name == "dra.sock"
+    uid = "0f6c2a4e-1b0e-4c55-9e57-6e1a1f0d2b7a"
+    rolling = socket_paths(
+        "gpu.example.com",
+        Path("/var/lib/kubelet/plugins_registry"),
+        Path("/var/lib/kubelet/plugins/gpu.example.com"),
+        uid,
+    )
+    assert rolling.registration.name == f"gpu.example.com-{uid}-reg.sock"
+    assert rolling.service.name == f"dra-{uid}.sock"
+
+
+def test_long_paths_are_shortened_to_fit_sun_path() -> None:
+    deep = Path("/var/lib/kubelet/" + "x" * 40)
+    paths = socket_paths(
+        "a-rather-long-driver-name.vendor.example.com",
+        deep,
+        deep,
+        "0f6c2a4e-1b0e-4c55-9e57-6e1a1f0d2b7a",
+    )
+    assert len(str(paths.registration)) <= SUN_PATH_MAX
+    assert len(str(paths.service)) <= SUN_PATH_MAX
+    other = socket_paths(
+        "a-rather-long-driver-name.vendor.example.com",
+        deep,
+        deep,
+        "1f6c2a4e-1b0e-4c55-9e57-6e1a1f0d2b7a",
+    )
+    assert other.registration != paths.registration and other.service != paths.service
