@@ -1,0 +1,365 @@
+"""Kill -9 at every failpoint of prepare/unprepare, restart, check the state.
+
+A subprocess runs DeviceState with file-based fakes and `GPU_DRA_FAILPOINTS=<name>`;
+it must die by SIGKILL at that point. The test then reruns in-process (a fresh
+DeviceState, as after a plugin restart) and checks that exactly the right CDI spec
+files and checkpoint entries exist, that nothing leaked (temp files) and that no
+device is double-booked. The test parametrizes over `FAILPOINTS`, so a new failpoint
+without a scenario here fails.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from driver.state.checkpoint import Checkpoint, ClaimState
+from driver.state.failpoints import ENV_VAR, FAILPOINTS, PREPARE_FAILPOINTS, UNPREPARE_FAILPOINTS
+from driver.state.prepare import ClaimRef, DeviceState
+
+HARNESS = r"""
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from driver.errors import transient
+from driver.state.prepare import ClaimRef, DeviceState
+
+
+@dataclass(frozen=True)
+class Device:
+    name: str
+    gpu_uuid: str
+    gpu_minor: int | None
+    is_partition: bool = False
+    max_partitions: int | None = None
+    profile: str | None = None
+    placement: tuple[int, int] | None = None
+
+
+DEVICES = {
+    d.name: d
+    for d in [
+        Device("gpu-0", "GPU-aaaa", 0, max_partitions=7),
+        Device("gpu-1", "GPU-bbbb", 1, max_partitions=7),
+        Device("gpu-1-mig-2g20gb-0", "GPU-bbbb", 1, True, None, "2g.20gb", (0, 2)),
+    ]
+}
+
+
+class FileClaims:
+    def __init__(self, root):
+        self.path = Path(root) / "claims.json"
+
+    def get(self, namespace, name):
+        claims = json.loads(self.path.read_text())
+        key = f"{namespace}/{name}"
+        if key not in claims:
+            raise transient(f"{key} not found")
+        return claims[key]
+
+
+class Healthy:
+    def failure(self, device_name):
+        return None
+
+    def ensure_tainted(self, device_name):
+        raise AssertionError("no device is failed here")
+
+
+class NoReports:
+    def permanent_failure(self, claim, error):
+        raise AssertionError(f"unexpected permanent error: {error}")
+
+
+def build_state(root):
+    root = Path(root)
+    return DeviceState(
+        driver_name="gpu.example.com",
+        node_name="node-a",
+        devices=DEVICES,
+        cdi_root=root / "cdi",
+        data_dir=root / "plugin",
+        claims=FileClaims(root),
+        health=Healthy(),
+        reporter=NoReports(),
+        real_devices=True,
+    )
+
+
+def refs(root, names):
+    claims = json.loads((Path(root) / "claims.json").read_text())
+    out = []
+    for key in names:
+        namespace, name = key.split("/")
+        out.append(ClaimRef(namespace, name, claims[key]["metadata"]["uid"]))
+    return out
+
+
+def main():
+    root, op, *names = sys.argv[1:]
+    state = build_state(root)
+    if op == "prepare":
+        res = state.prepare(refs(root, names))
+        out = {uid: (None if r.error is None else str(r.error)) for uid, r in res.items()}
+    else:
+        res = state.unprepare(refs(root, names))
+        out = {uid: (None if e is None else str(e)) for uid, e in res.items()}
+    print(json.dumps(out))
+"""
+
+_NS: dict[str, Any] = {"__name__": "crash_harness"}
+exec(compile(HARNESS, "crash_harness", "exec", dont_inherit=True), _NS)
+
+
+def _config(sharing: dict[str, Any], requests: list[str]) -> dict[str, Any]:
+    return {
+        "source": "FromClaim",
+        "requests": requests,
+        "opaque": {
+            "driver": "gpu.example.com",
+            "parameters": {
+                "apiVersion": "gpu.resource.example.com/v1alpha1",
+                "kind": "GpuConfig",
+                "sharing": sharing,
+            },
+        },
+    }
+
+
+def _claim(uid: str, name: str, results: list[tuple[str, str]], configs: list[Any]) -> Any:
+    return {
+        "metadata": {"namespace": "default", "name": name, "uid": uid},
+        "status": {
+            "allocation": {
+                "devices": {
+                    "results": [
+                        {"request": r, "driver": "gpu.example.com", "pool": "node-a", "device": d}
+                        for r, d in results
+                    ],
+                    "config": configs,
+                },
+                "nodeSelector": {
+                    "nodeSelectorTerms": [
+                        {
+                            "matchFields": [
+                                {"key": "metadata.name", "operator": "In", "values": ["node-a"]}
+                            ]
+                        }
+                    ]
+                },
+            }
+        },
+    }
+
+
+CLAIMS = {
+    # Two devices, two configs: a GPU space-partitioned and a MIG partition.
+    "default/claim-a": _claim(
+        "0a0a0a0a-0000-4000-8000-00000000000a",
+        "claim-a",
+        [("train", "gpu-0"), ("infer/small", "gpu-1-mig-2g20gb-0")],
+        [
+            _config(
+                {"strategy": "SpacePartitioning", "spacePartitioningConfig": {"partitionCount": 2}},
+                ["train"],
+            ),
+            _config({"strategy": "TimeSlicing", "timeSlicingConfig": {"interval": "Short"}}, []),
+        ],
+    ),
+    # Wants gpu-0 as well: must never be prepared while claim-a holds it.
+    "default/claim-b": _claim(
+        "0b0b0b0b-0000-4000-8000-00000000000b", "claim-b", [("gpu", "gpu-0")], []
+    ),
+}
+UID_A = CLAIMS["default/claim-a"]["metadata"]["uid"]
+UID_B = CLAIMS["default/claim-b"]["metadata"]["uid"]
+
+# How each failpoint is reached. A new failpoint needs an entry here.
+SCENARIOS: dict[str, str] = {
+    **{name: "prepare" for name in PREPARE_FAILPOINTS},
+    "prepare-rollback-after-cdi-removed": "prepare-retry",
+    **{name: "unprepare" for name in UNPREPARE_FAILPOINTS},
+}
+# State after a crash and `recover()`; failpoints not listed: nothing left.
+RECOVERED = {
+    "prepare-after-completed": "prepared",
+    "unprepare-before-cdi-removed": "prepared",
+    "unprepare-after-cdi-removed": "entry-without-spec",
+    "unprepare-entry-before-rename": "entry-without-spec",
+}
+BEFORE_RENAME = {name for name in FAILPOINTS if name.endswith("-before-rename")}
+
+
+def _root(tmp_path: Path, name: str) -> Path:
+    root = tmp_path / name
+    root.mkdir()
+    (root / "claims.json").write_text(json.dumps(CLAIMS))
+    return root
+
+
+def _state(root: Path) -> DeviceState:
+    state = _NS["build_state"](root)
+    assert isinstance(state, DeviceState)
+    return state
+
+
+def _ref(key: str) -> ClaimRef:
+    doc = CLAIMS[key]["metadata"]
+    return ClaimRef(doc["namespace"], doc["name"], doc["uid"])
+
+
+def _crash(root: Path, op: str, failpoint: str) -> None:
+    env = {**os.environ, ENV_VAR: failpoint}
+    proc = subprocess.run(
+        [sys.executable, "-c", HARNESS + "\nmain()\n", str(root), op, "default/claim-a"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == -signal.SIGKILL, (
+        f"{op} did not die at {failpoint}: rc={proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    )
+
+
+def _temp_files(root: Path) -> list[str]:
+    return sorted(
+        p.name
+        for d in (root / "cdi", root / "plugin")
+        if d.exists()
+        for p in d.iterdir()
+        if ".tmp-" in p.name
+    )
+
+
+def _claim_specs(root: Path) -> dict[str, bytes]:
+    cdi = root / "cdi"
+    if not cdi.exists():
+        return {}
+    return {
+        p.name: p.read_bytes()
+        for p in cdi.iterdir()
+        if p.name.endswith(".json") and not p.name.endswith("_common.json")
+    }
+
+
+@pytest.fixture(scope="module")
+def golden(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """What an uninterrupted prepare of claim-a produces."""
+    root = _root(tmp_path_factory.mktemp("golden"), "root")
+    state = _state(root)
+    res = state.prepare([_ref("default/claim-a")])[UID_A]
+    assert res.ok, res.error
+    return {
+        "devices": res.devices,
+        "specs": _claim_specs(root),
+        "journal": Checkpoint(root / "plugin").load(),
+    }
+
+
+def _assert_prepared_exactly_once(root: Path, golden: dict[str, Any]) -> None:
+    assert _claim_specs(root) == golden["specs"]
+    assert Checkpoint(root / "plugin").load() == golden["journal"]
+    assert _temp_files(root) == []
+
+
+def _assert_empty(root: Path) -> None:
+    assert _claim_specs(root) == {}
+    assert Checkpoint(root / "plugin").load() == {}
+    assert _temp_files(root) == []
+
+
+def test_every_failpoint_has_a_scenario() -> None:
+    assert set(SCENARIOS) == set(FAILPOINTS)
+    assert len(FAILPOINTS) == len(set(FAILPOINTS))
+
+
+def test_failpoints_are_documented() -> None:
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "state.md").read_text()
+    missing = [name for name in FAILPOINTS if f"`{name}`" not in doc]
+    assert missing == []
+
+
+@pytest.mark.parametrize("failpoint", FAILPOINTS)
+def test_kill_at_failpoint_then_restart(
+    failpoint: str, tmp_path: Path, golden: dict[str, Any]
+) -> None:
+    scenario = SCENARIOS[failpoint]
+    root = _root(tmp_path, "node")
+    claim_a, claim_b = _ref("default/claim-a"), _ref("default/claim-b")
+
+    if scenario == "unprepare":
+        assert _state(root).prepare([claim_a])[UID_A].ok
+        _crash(root, "unprepare", failpoint)
+    else:
+        if scenario == "prepare-retry":
+            _crash(root, "prepare", "prepare-after-cdi")  # leaves a half-done prepare
+        _crash(root, "prepare", failpoint)
+    if failpoint in BEFORE_RENAME:
+        assert _temp_files(root) != [], "the crash should have left a temp file"
+
+    # Whatever the crash left, claim-a's devices are never handed to claim-b while
+    # claim-a has any state on the node.
+    journal_after_crash = Checkpoint(root / "plugin").load()
+    if UID_A in journal_after_crash:
+        blocked = _state(_copy(root, tmp_path / "b")).prepare([claim_b])[UID_B]
+        assert blocked.error is not None and UID_A in str(blocked.error)
+
+    # The startup path: leftovers cleaned, no PrepareStarted survives.
+    recovered = _copy(root, tmp_path / "recover")
+    report = _state(recovered).recover()
+    assert report.checkpoint_problem is None and report.orphan_specs == ()
+    journal = Checkpoint(recovered / "plugin").load()
+    assert all(e.state is ClaimState.PREPARE_COMPLETED for e in journal.values())
+    assert _temp_files(recovered) == []
+    expected = RECOVERED.get(failpoint, "empty")
+    if expected == "prepared":
+        _assert_prepared_exactly_once(recovered, golden)
+        assert report.missing_specs == ()
+    elif expected == "entry-without-spec":
+        # Unprepare removed the spec but not yet the entry: the entry keeps holding the
+        # devices until the kubelet repeats the unprepare (or a prepare rewrites the spec).
+        assert journal == golden["journal"] and _claim_specs(recovered) == {}
+        assert report.missing_specs == (UID_A,)
+    else:
+        _assert_empty(recovered)
+        assert report.rolled_back in ((), (UID_A,))
+
+    if scenario == "unprepare":
+        # The kubelet repeats the unprepare after the restart.
+        assert _state(root).unprepare([claim_a]) == {UID_A: None}
+        _assert_empty(root)
+    else:
+        # The kubelet may give up on the pod: unprepare cleans everything.
+        given_up = _copy(root, tmp_path / "given-up")
+        assert _state(given_up).unprepare([claim_a]) == {UID_A: None}
+        _assert_empty(given_up)
+        # Or it retries the prepare: completed exactly once, same answer as uninterrupted.
+        res = _state(root).prepare([claim_a])[UID_A]
+        assert res.ok, res.error
+        assert res.devices == golden["devices"]
+        _assert_prepared_exactly_once(root, golden)
+        # Retrying again is idempotent.
+        assert _state(root).prepare([claim_a])[UID_A].devices == golden["devices"]
+        _assert_prepared_exactly_once(root, golden)
+        assert _state(root).prepare([claim_b])[UID_B].error is not None  # still held
+        assert _state(root).unprepare([claim_a]) == {UID_A: None}
+        _assert_empty(root)
+
+    # After the claim is gone its device is free again.
+    assert _state(root).prepare([claim_b])[UID_B].ok
+
+
+def _copy(root: Path, target: Path) -> Path:
+    shutil.copytree(root, target)
+    return target
