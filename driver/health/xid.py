@@ -1,0 +1,206 @@
+"""Xid classification: which NVML health events make a GPU unusable.
+
+Application Xids (a fault of the workload, not of the GPU) are ignored by default:
+13, 31, 43, 45, 68, 109. `--additional-xids-to-ignore` adds to that list,
+`--fatal-xids` forces Xids fatal and wins over every ignore list. A double-bit ECC
+error and a lost GPU are always fatal.
+
+Both flags take a comma-separated list of Xids, or `all`:
+`--additional-xids-to-ignore=all` ignores every Xid except those in `--fatal-xids`
+("Xid health checks off except N"); `--fatal-xids=all` ignores nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import enum
+import os
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from driver.nvml.types import HealthEvent
+
+DEFAULT_IGNORED_XIDS: frozenset[int] = frozenset({13, 31, 43, 45, 68, 109})
+ALL = "all"
+MAX_XID = 0xFFFFFFFF  # NVML reports the Xid as an unsigned 32-bit value
+
+IGNORE_FLAG = "--additional-xids-to-ignore"
+FATAL_FLAG = "--fatal-xids"
+EFFECT_FLAG = "--xid-taint-effect"
+IGNORE_ENV = "ADDITIONAL_XIDS_TO_IGNORE"
+FATAL_ENV = "FATAL_XIDS"
+EFFECT_ENV = "XID_TAINT_EFFECT"
+
+TAINT_EFFECTS = ("NoSchedule", "NoExecute", "None")
+DEFAULT_TAINT_EFFECT = "NoSchedule"
+
+
+class Verdict(enum.Enum):
+    FATAL = "fatal"
+    IGNORED = "ignored"
+
+
+class XidListError(ValueError):
+    """A malformed flag value; the message names the flag."""
+
+
+@dataclass(frozen=True)
+class XidList:
+    """A parsed Xid list flag: explicit Xids, or every Xid."""
+
+    xids: frozenset[int] = frozenset()
+    all: bool = False
+
+    def __contains__(self, xid: object) -> bool:
+        return self.all or xid in self.xids
+
+
+def parse_xid_list(text: str | None, flag: str) -> XidList:
+    """`"79, 48"` -> XidList({48, 79}); `"all"` -> XidList(all=True); `""` -> empty.
+
+    Raises XidListError naming `flag` and the offending item.
+    """
+    if text is None or not text.strip():
+        return XidList()
+    xids: set[int] = set()
+    every = False
+    for position, raw in enumerate(text.split(","), start=1):
+        item = raw.strip()
+        if not item:
+            raise XidListError(f"{flag}: item {position} is empty in {text!r}")
+        if item.lower() == ALL:
+            every = True
+            continue
+        try:
+            value = int(item, 10)
+        except ValueError:
+            raise XidListError(
+                f"{flag}: {item!r} is not an Xid (expected comma-separated decimal numbers, "
+                f"or {ALL!r})"
+            ) from None
+        if not 0 < value <= MAX_XID:
+            raise XidListError(f"{flag}: Xid {value} is out of range (1..{MAX_XID})")
+        xids.add(value)
+    return XidList(frozenset(xids), every)
+
+
+def parse_taint_effect(text: str | None, flag: str = EFFECT_FLAG) -> str:
+    """`NoSchedule` | `NoExecute` | `None` (case-insensitive), normalised."""
+    if text is None or not text.strip():
+        return DEFAULT_TAINT_EFFECT
+    for effect in TAINT_EFFECTS:
+        if text.strip().lower() == effect.lower():
+            return effect
+    raise XidListError(f"{flag}: {text!r} is not one of {', '.join(TAINT_EFFECTS)}")
+
+
+@dataclass(frozen=True)
+class XidPolicy:
+    """Decides fatal vs ignored for one health event."""
+
+    ignored: XidList = XidList(DEFAULT_IGNORED_XIDS)
+    fatal: XidList = XidList()
+
+    @classmethod
+    def from_flags(
+        cls,
+        additional_xids_to_ignore: str | Iterable[int] | None = None,
+        fatal_xids: str | Iterable[int] | None = None,
+    ) -> XidPolicy:
+        """The policy for flag values (strings as given on the command line, or ints)."""
+        extra = _as_list(additional_xids_to_ignore, IGNORE_FLAG)
+        fatal = _as_list(fatal_xids, FATAL_FLAG)
+        return cls(
+            ignored=XidList(DEFAULT_IGNORED_XIDS | extra.xids, extra.all),
+            fatal=fatal,
+        )
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> XidPolicy:
+        """The policy from options registered by `add_arguments`."""
+        return cls.from_flags(args.additional_xids_to_ignore, args.fatal_xids)
+
+    def xid_verdict(self, xid: int) -> Verdict:
+        if xid in self.fatal:
+            return Verdict.FATAL
+        if xid in self.ignored:
+            return Verdict.IGNORED
+        return Verdict.FATAL
+
+    def classify(self, event: HealthEvent) -> Verdict:
+        """Fatal or ignored. `recovered` (and unknown kinds) are never failures."""
+        if event.kind in ("ecc-dbe", "gpu-lost"):
+            return Verdict.FATAL
+        if event.kind == "xid":
+            if event.xid is None:  # an Xid event without a number: cannot be judged benign
+                return Verdict.FATAL
+            return self.xid_verdict(event.xid)
+        return Verdict.IGNORED
+
+    def describe(self) -> str:
+        def show(xids: XidList) -> str:
+            items = [str(x) for x in sorted(xids.xids)]
+            if xids.all:
+                items.insert(0, ALL)
+            return ",".join(items) or "-"
+
+        return f"ignored Xids: {show(self.ignored)}; fatal Xids: {show(self.fatal)}"
+
+
+def _as_list(value: str | Iterable[int] | None, flag: str) -> XidList:
+    if value is None or isinstance(value, str):
+        return parse_xid_list(value, flag)
+    return parse_xid_list(",".join(str(int(v)) for v in value), flag)
+
+
+def _arg_type(flag: str) -> Callable[[str], str]:
+    def check(text: str) -> str:
+        try:
+            parse_xid_list(text, flag)
+        except XidListError as err:
+            raise argparse.ArgumentTypeError(str(err)) from None
+        return text
+
+    return check
+
+
+def _effect_type(text: str) -> str:
+    try:
+        return parse_taint_effect(text)
+    except XidListError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """`--additional-xids-to-ignore`, `--fatal-xids`, `--xid-taint-effect` (env defaults)."""
+    parser.add_argument(
+        IGNORE_FLAG,
+        dest="additional_xids_to_ignore",
+        type=_arg_type(IGNORE_FLAG),
+        default=os.environ.get(IGNORE_ENV, ""),
+        metavar="XIDS",
+        help=(
+            "comma-separated Xids to ignore in addition to the application Xids "
+            f"{','.join(map(str, sorted(DEFAULT_IGNORED_XIDS)))}, or 'all' "
+            f"(env {IGNORE_ENV})"
+        ),
+    )
+    parser.add_argument(
+        FATAL_FLAG,
+        dest="fatal_xids",
+        type=_arg_type(FATAL_FLAG),
+        default=os.environ.get(FATAL_ENV, ""),
+        metavar="XIDS",
+        help=f"comma-separated Xids that are always fatal, beating ignore lists (env {FATAL_ENV})",
+    )
+    parser.add_argument(
+        EFFECT_FLAG,
+        dest="xid_taint_effect",
+        type=_effect_type,
+        default=os.environ.get(EFFECT_ENV) or DEFAULT_TAINT_EFFECT,  # argparse applies type
+        metavar="EFFECT",
+        help=(
+            "effect of the taint on a failed device: NoSchedule (default), NoExecute "
+            f"(evicts running pods), None (informational) (env {EFFECT_ENV})"
+        ),
+    )
