@@ -1,0 +1,103 @@
+{{/* Chart name, overridable. */}}
+{{- define "gpu-dra-driver.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/*
+Object name prefix: the release name if it already contains the chart name, else
+"<release>-<chart>". At most 63 characters, without a trailing dash.
+*/}}
+{{- define "gpu-dra-driver.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- $name := include "gpu-dra-driver.name" . }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "gpu-dra-driver.namespace" -}}
+{{- default .Release.Namespace .Values.namespaceOverride }}
+{{- end }}
+
+{{- define "gpu-dra-driver.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "gpu-dra-driver.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "gpu-dra-driver.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{- define "gpu-dra-driver.labels" -}}
+helm.sh/chart: {{ include "gpu-dra-driver.chart" . }}
+{{ include "gpu-dra-driver.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end }}
+
+{{- define "gpu-dra-driver.driverName" -}}
+{{- required "driverName must be set" .Values.driverName }}
+{{- end }}
+
+{{- define "gpu-dra-driver.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
+{{- end }}
+
+{{- define "gpu-dra-driver.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (printf "%s-kubeletplugin" (include "gpu-dra-driver.fullname" .)) .Values.serviceAccount.name }}
+{{- else }}
+{{- required "serviceAccount.name is required when serviceAccount.create=false" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{- define "gpu-dra-driver.webhookServiceAccountName" -}}
+{{- if .Values.webhook.serviceAccount.create }}
+{{- default (printf "%s-webhook" (include "gpu-dra-driver.fullname" .)) .Values.webhook.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.webhook.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{- define "gpu-dra-driver.webhookServiceName" -}}
+{{- printf "%s-webhook" (include "gpu-dra-driver.fullname" .) }}
+{{- end }}
+
+{{- define "gpu-dra-driver.webhookSecretName" -}}
+{{- printf "%s-webhook-tls" (include "gpu-dra-driver.fullname" .) }}
+{{- end }}
+
+{{/* The plugin's data directory: sockets, checkpoint, locks. */}}
+{{- define "gpu-dra-driver.pluginDataDir" -}}
+{{- printf "%s/%s" (trimSuffix "/" .Values.kubeletPlugin.kubeletPluginsDirectoryPath) (include "gpu-dra-driver.driverName" .) }}
+{{- end }}
+
+{{/*
+Security context of the plugin container. The plugin creates its sockets in
+root-owned host directories, so it runs as root; only the nvml backend needs
+privileged access (GPU device nodes). An explicit value wins.
+*/}}
+{{- define "gpu-dra-driver.pluginSecurityContext" -}}
+{{- if .Values.kubeletPlugin.containers.plugin.securityContext }}
+{{- toYaml .Values.kubeletPlugin.containers.plugin.securityContext }}
+{{- else if eq .Values.nvml.backend "nvml" }}
+privileged: true
+runAsUser: 0
+runAsGroup: 0
+{{- else }}
+privileged: false
+runAsUser: 0
+runAsGroup: 0
+allowPrivilegeEscalation: false
+readOnlyRootFilesystem: true
+capabilities:
+  drop: ["ALL"]
+seccompProfile:
+  type: RuntimeDefault
+{{- end }}
+{{- end }}

@@ -1,0 +1,226 @@
+#!/usr/bin/env bash
+# Builds the gpu-dra-driver image WITHOUT Docker, as an OCI archive equivalent to
+# deployments/container/Dockerfile: Debian bookworm + its Python 3.11, the package and
+# its runtime dependencies (pinned by requirements.lock) in a venv at
+# /opt/gpu-dra-driver, entry points on PATH, default user 65532.
+#
+#   sudo hack/build-image.sh [--tag gpu-dra-driver:dev] [--output FILE]
+#
+# Load the result with:
+#   ctr -n k8s.io images import FILE          (containerd; the real-node e2e tier)
+#   docker load -i FILE                       (Docker >= 25)
+#   skopeo copy oci-archive:FILE docker-daemon:gpu-dra-driver:dev
+#
+# Needs: root (debootstrap and chroot), debootstrap (apt-get install debootstrap),
+# python3.11 on the host (wheels are built for the image's CPython 3.11), network to
+# the Debian mirror and PyPI. The Debian base (debootstrap --variant=minbase) is
+# cached outside the repository, so only the first build is slow.
+set -euo pipefail
+
+HACK_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+REPO_DIR=$(cd "$HACK_DIR/.." && pwd)
+CACHE_ROOT=${GPU_DRA_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/gpu-dra-driver}
+IMAGE_CACHE=$CACHE_ROOT/image
+SUITE=bookworm
+MIRROR=${DEBIAN_MIRROR:-http://deb.debian.org/debian}
+BASE_PACKAGES=python3,python3-venv,ca-certificates
+PYTHON=${PYTHON:-python3}
+TAG=gpu-dra-driver:dev
+OUTPUT=
+VENV=/opt/gpu-dra-driver
+
+START_TIME=$(date +%s)
+progress() { printf '[build-image %4ss] %s\n' "$(( $(date +%s) - START_TIME ))" "$*"; }
+die() { printf 'build-image: %s\n' "$*" >&2; exit 1; }
+
+while (($#)); do
+  case $1 in
+    --tag) TAG=${2:?--tag needs a value}; shift 2 ;;
+    --output) OUTPUT=${2:?--output needs a value}; shift 2 ;;
+    -h|--help) sed -n '2,19p' "${BASH_SOURCE[0]}"; exit 0 ;;
+    *) die "unknown argument: $1 (see --help)" ;;
+  esac
+done
+[[ $TAG == *:* ]] || TAG=$TAG:latest
+OUTPUT=${OUTPUT:-$IMAGE_CACHE/$(tr '/:' '__' <<<"$TAG").oci.tar}
+
+((EUID == 0)) || die "must run as root (debootstrap and chroot); try: sudo $0"
+command -v debootstrap >/dev/null || die "debootstrap missing: apt-get install -y debootstrap"
+"$PYTHON" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))' ||
+  die "$PYTHON is not CPython 3.11 (the image's Debian python); set PYTHON=/path/to/python3.11"
+
+# --- 1. Debian base rootfs (cached) -------------------------------------------------
+base_key=$(printf '%s|%s|%s' "$SUITE" "$BASE_PACKAGES" "$MIRROR" | sha256sum | cut -c1-12)
+BASE_DIR=$IMAGE_CACHE/base-$SUITE-$base_key
+if [[ -f $BASE_DIR/.complete ]]; then
+  progress "Debian $SUITE base cached in $BASE_DIR"
+else
+  rm -rf "$BASE_DIR"
+  mkdir -p "$BASE_DIR"
+  progress "debootstrap --variant=minbase $SUITE (+ $BASE_PACKAGES) into $BASE_DIR (first time: a few minutes)"
+  debootstrap --variant=minbase --include="$BASE_PACKAGES" "$SUITE" "$BASE_DIR/rootfs" "$MIRROR" \
+    >"$BASE_DIR/debootstrap.log" 2>&1 || { tail -n 30 "$BASE_DIR/debootstrap.log" >&2; die "debootstrap failed"; }
+  progress "adding user gpu-dra (65532) and trimming apt caches"
+  env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin chroot "$BASE_DIR/rootfs" /bin/sh -eu -c '
+    groupadd --system --gid 65532 gpu-dra
+    useradd --system --uid 65532 --gid 65532 --home-dir /nonexistent --no-create-home --shell /usr/sbin/nologin gpu-dra
+    apt-get clean
+    rm -rf /var/lib/apt/lists/* /var/cache/apt/*.bin /var/log/*.log /var/log/apt/*
+  '
+  touch "$BASE_DIR/.complete"
+fi
+
+# --- 2. Wheels: the package + locked runtime dependencies ---------------------------
+WORK=$(mktemp -d "${TMPDIR:-/tmp}/gpu-dra-image.XXXXXX")
+cleanup() { rm -rf "$WORK"; }
+trap cleanup EXIT
+mkdir -p "$WORK/wheels"
+progress "building wheels with $("$PYTHON" --version) (requirements.lock as constraints)"
+(cd "$REPO_DIR" && "$PYTHON" -m pip wheel --quiet --wheel-dir "$WORK/wheels" \
+  --constraint requirements.lock .) || die "pip wheel failed"
+progress "$(find "$WORK/wheels" -name '*.whl' | wc -l) wheels ready"
+
+# --- 3. Install into a copy of the base --------------------------------------------
+ROOTFS=$WORK/rootfs
+progress "copying base rootfs"
+cp -a "$BASE_DIR/rootfs" "$ROOTFS"
+mkdir -p "$ROOTFS/tmp/wheels"
+cp "$WORK"/wheels/*.whl "$ROOTFS/tmp/wheels/"
+progress "installing gpu-dra-driver into $VENV (offline, inside the image's Python)"
+env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin HOME=/root chroot "$ROOTFS" /bin/sh -eu -c "
+  python3 -m venv $VENV
+  $VENV/bin/pip install --quiet --no-index --find-links /tmp/wheels --disable-pip-version-check gpu-dra-driver
+  $VENV/bin/pip uninstall --quiet --yes pip
+  $VENV/bin/python -c 'import driver'
+  for s in gpu-kubelet-plugin gpu-dra-webhook gpu-dra; do test -x $VENV/bin/\$s; done
+  rm -rf /tmp/wheels
+"
+progress "installed: $(du -sh "$ROOTFS$VENV" | cut -f1) in $VENV"
+
+# --- 4. OCI archive: base layer (cached) + venv layer --------------------------------
+mkdir -p "$(dirname "$OUTPUT")"
+progress "writing OCI archive $OUTPUT"
+"$PYTHON" - "$BASE_DIR" "$ROOTFS" "$VENV" "$TAG" "$OUTPUT" <<'PY'
+"""Minimal OCI image-layout writer (also carries a docker-archive manifest.json)."""
+import gzip, hashlib, io, json, os, shutil, sys, tarfile, tempfile, time
+
+base_dir, rootfs, venv, tag, output = sys.argv[1:]
+repo, ref = tag.rsplit(":", 1)
+EXCLUDE_CONTENT = ("dev", "proc", "sys", "run", "tmp")
+
+def tar_tree(root, paths, out):
+    """Uncompressed layer tar of `paths` (relative to root), sorted, numeric owners."""
+    with tarfile.open(out, "w", format=tarfile.PAX_FORMAT) as tf:
+        def add(rel):
+            full = os.path.join(root, rel)
+            ti = tf.gettarinfo(full, arcname=rel)
+            ti.uname = ti.gname = ""
+            if ti.isreg():
+                with open(full, "rb") as fh:
+                    tf.addfile(ti, fh)
+            elif ti.isdir() or ti.issym() or ti.islnk():
+                tf.addfile(ti)
+            # device nodes, sockets and fifos are never part of the image
+        for top in paths:
+            add(top)
+            for dirpath, dirnames, filenames in os.walk(os.path.join(root, top)):
+                dirnames.sort()
+                rel_dir = os.path.relpath(dirpath, root)
+                if rel_dir in EXCLUDE_CONTENT:
+                    dirnames[:] = []
+                    continue
+                for name in dirnames + sorted(filenames):
+                    add(os.path.join(rel_dir, name))
+
+def compress(raw_path, blobs):
+    diff = hashlib.sha256()
+    tmp = os.path.join(blobs, ".layer.tmp")
+    with open(raw_path, "rb") as src, open(tmp, "wb") as dst:
+        with gzip.GzipFile(fileobj=dst, mode="wb", mtime=0, compresslevel=6) as gz:
+            for chunk in iter(lambda: src.read(1 << 20), b""):
+                diff.update(chunk)
+                gz.write(chunk)
+    digest = hashlib.sha256(open(tmp, "rb").read()).hexdigest()
+    os.replace(tmp, os.path.join(blobs, digest))
+    return "sha256:" + diff.hexdigest(), "sha256:" + digest, os.path.getsize(os.path.join(blobs, digest))
+
+def blob(blobs, data):
+    digest = hashlib.sha256(data).hexdigest()
+    with open(os.path.join(blobs, digest), "wb") as fh:
+        fh.write(data)
+    return "sha256:" + digest, len(data)
+
+with tempfile.TemporaryDirectory() as layout:
+    blobs = os.path.join(layout, "blobs", "sha256")
+    os.makedirs(blobs)
+    layers = []
+    # Base layer: cached next to the base rootfs, rebuilt only when that changes.
+    cached = os.path.join(base_dir, "layer.tar.gz")
+    meta = os.path.join(base_dir, "layer.json")
+    if not (os.path.exists(cached) and os.path.exists(meta)):
+        raw = os.path.join(base_dir, "layer.tar")
+        base_root = os.path.join(base_dir, "rootfs")
+        tar_tree(base_root, sorted(os.listdir(base_root)), raw)
+        diff_id, digest, size = compress(raw, blobs)
+        shutil.copy(os.path.join(blobs, digest.split(":")[1]), cached)
+        os.remove(raw)
+        json.dump({"diff_id": diff_id, "digest": digest, "size": size}, open(meta, "w"))
+    else:
+        shutil.copy(cached, os.path.join(blobs, json.load(open(meta))["digest"].split(":")[1]))
+    layers.append(json.load(open(meta)))
+    # Application layer: the venv only.
+    raw = os.path.join(layout, "app.tar")
+    tar_tree(rootfs, [venv.lstrip("/").split("/")[0]], raw)
+    diff_id, digest, size = compress(raw, blobs)
+    os.remove(raw)
+    layers.append({"diff_id": diff_id, "digest": digest, "size": size})
+
+    created = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    config = {
+        "created": created, "architecture": "amd64", "os": "linux",
+        "config": {
+            "User": "65532:65532",
+            "Env": [f"PATH={venv}/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+                    "PYTHONDONTWRITEBYTECODE=1", "PYTHONUNBUFFERED=1"],
+            "Cmd": ["gpu-dra", "--help"],
+            "Labels": {"org.opencontainers.image.title": "gpu-dra-driver",
+                       "org.opencontainers.image.licenses": "Apache-2.0"},
+        },
+        "rootfs": {"type": "layers", "diff_ids": [l["diff_id"] for l in layers]},
+        "history": [{"created": created, "created_by": "debootstrap --variant=minbase bookworm"},
+                    {"created": created, "created_by": "hack/build-image.sh: venv " + venv}],
+    }
+    cfg_digest, cfg_size = blob(blobs, json.dumps(config, sort_keys=True).encode())
+    manifest = {
+        "schemaVersion": 2, "mediaType": "application/vnd.oci.image.manifest.v1+json",
+        "config": {"mediaType": "application/vnd.oci.image.config.v1+json",
+                   "digest": cfg_digest, "size": cfg_size},
+        "layers": [{"mediaType": "application/vnd.oci.image.layer.v1.tar+gzip",
+                    "digest": l["digest"], "size": l["size"]} for l in layers],
+    }
+    man_digest, man_size = blob(blobs, json.dumps(manifest, sort_keys=True).encode())
+    first = repo.split("/")[0]
+    if "/" in repo and ("." in first or ":" in first or first == "localhost"):
+        full_name = repo
+    elif "/" in repo:
+        full_name = "docker.io/" + repo
+    else:
+        full_name = "docker.io/library/" + repo
+    index = {"schemaVersion": 2, "mediaType": "application/vnd.oci.image.index.v1+json",
+             "manifests": [{"mediaType": manifest["mediaType"], "digest": man_digest, "size": man_size,
+                            "annotations": {"io.containerd.image.name": f"{full_name}:{ref}",
+                                            "org.opencontainers.image.ref.name": ref}}]}
+    json.dump(index, open(os.path.join(layout, "index.json"), "w"))
+    json.dump({"imageLayoutVersion": "1.0.0"}, open(os.path.join(layout, "oci-layout"), "w"))
+    # docker-archive compatibility (older `docker load`).
+    json.dump([{"Config": "blobs/sha256/" + cfg_digest.split(":")[1], "RepoTags": [tag],
+                "Layers": ["blobs/sha256/" + l["digest"].split(":")[1] for l in layers]}],
+              open(os.path.join(layout, "manifest.json"), "w"))
+    tmp_out = output + ".partial"
+    with tarfile.open(tmp_out, "w") as tf:
+        for name in ("oci-layout", "index.json", "manifest.json", "blobs"):
+            tf.add(os.path.join(layout, name), arcname=name)
+    os.replace(tmp_out, output)
+    print(f"image {tag} ({full_name}:{ref}) manifest {man_digest}")
+PY
+progress "done: $OUTPUT ($(du -h "$OUTPUT" | cut -f1))"

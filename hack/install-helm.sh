@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# Installs the pinned helm (HELM_VERSION in hack/versions.env) into the project cache,
+# outside the repository, by building it from the Go module proxy. No prebuilt
+# download, no Docker.
+#
+#   hack/install-helm.sh          build helm unless cached; prints its path last
+#   hack/install-helm.sh path     print where the pinned helm lives (built or not)
+#
+# Cache: ${GPU_DRA_CACHE:-${XDG_CACHE_HOME:-~/.cache}/gpu-dra-driver}/bin/tools/helm-v<version>/helm
+# (the same cache root hack/local-cluster.sh uses). A cold build takes a few minutes.
+set -euo pipefail
+
+HACK_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+# shellcheck source=hack/versions.env
+source "$HACK_DIR/versions.env"
+: "${HELM_VERSION:?HELM_VERSION missing from hack/versions.env}"
+
+CACHE_ROOT=${GPU_DRA_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/gpu-dra-driver}
+TOOLS_DIR=$CACHE_ROOT/bin/tools
+HELM_DIR=$TOOLS_DIR/helm-v$HELM_VERSION
+HELM_BIN=$HELM_DIR/helm
+HELM_MAJOR=${HELM_VERSION%%.*}
+
+START_TIME=$(date +%s)
+progress() { printf '[install-helm %4ss] %s\n' "$(( $(date +%s) - START_TIME ))" "$*" >&2; }
+die() { printf 'install-helm: %s\n' "$*" >&2; exit 1; }
+
+if [[ ${1:-} == path ]]; then
+  printf '%s\n' "$HELM_BIN"
+  exit 0
+fi
+[[ $# -eq 0 ]] || die "usage: $0 [path]"
+
+if [[ -x $HELM_BIN ]] && "$HELM_BIN" version --template '{{.Version}}' 2>/dev/null | grep -qx "v$HELM_VERSION"; then
+  progress "helm v$HELM_VERSION cached"
+  printf '%s\n' "$HELM_BIN"
+  exit 0
+fi
+
+command -v go >/dev/null || die "go is required to build helm (go >= 1.25)"
+mkdir -p "$HELM_DIR"
+partial=$HELM_DIR/.partial
+rm -rf "$partial"
+mkdir -p "$partial"
+log=$TOOLS_DIR/build-helm-v$HELM_VERSION.log
+progress "building helm v$HELM_VERSION from helm.sh/helm/v$HELM_MAJOR (cold: ~5-10 min on 2 cores; log: $log)"
+
+# helm stamps its version through ldflags; without them `helm version` says "v4.x-dev".
+ldflags="-s -w -X helm.sh/helm/v$HELM_MAJOR/internal/version.version=v$HELM_VERSION"
+GOTOOLCHAIN=local CGO_ENABLED=0 GOFLAGS=-mod=mod GOBIN=$partial \
+  go install -trimpath -ldflags "$ldflags" "helm.sh/helm/v$HELM_MAJOR/cmd/helm@v$HELM_VERSION" >"$log" 2>&1 &
+pid=$!
+while kill -0 "$pid" 2>/dev/null; do
+  sleep 15
+  kill -0 "$pid" 2>/dev/null && progress "still building helm ($(grep -c '^go: downloading' "$log" || true) modules downloaded)"
+done
+if ! wait "$pid"; then
+  tail -n 30 "$log" >&2
+  die "helm build failed; full log: $log"
+fi
+mv "$partial/helm" "$HELM_BIN"
+rm -rf "$partial"
+"$HELM_BIN" version >&2 || die "built helm does not run"
+progress "helm v$HELM_VERSION installed"
+printf '%s\n' "$HELM_BIN"

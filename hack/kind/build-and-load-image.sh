@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Builds the driver image with Docker/Podman (deployments/container/Dockerfile) and
+# loads it into every node of the kind cluster.
+#
+#   hack/kind/build-and-load-image.sh                       build + load DRIVER_IMAGE
+#   hack/kind/build-and-load-image.sh --oci-archive FILE    load an archive made by
+#                                                           hack/build-image.sh instead
+set -euo pipefail
+# shellcheck source=hack/kind/common.sh
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
+
+archive=
+case ${1:-} in
+  --oci-archive) archive=${2:?--oci-archive needs a file} ;;
+  "") ;;
+  *) kind_die "usage: $0 [--oci-archive FILE]" ;;
+esac
+
+need kind
+kind get clusters 2>/dev/null | grep -qx "$KIND_CLUSTER_NAME" ||
+  kind_die "no kind cluster $KIND_CLUSTER_NAME: run hack/kind/create-cluster.sh first"
+
+if [[ -n $archive ]]; then
+  [[ -f $archive ]] || kind_die "no such archive: $archive"
+  kind_progress "loading $archive into $KIND_CLUSTER_NAME"
+  kind load image-archive "$archive" --name "$KIND_CLUSTER_NAME"
+  exit 0
+fi
+
+need "$CONTAINER_TOOL"
+kind_progress "building $DRIVER_IMAGE with $CONTAINER_TOOL"
+"$CONTAINER_TOOL" build -f "$REPO_DIR/deployments/container/Dockerfile" -t "$DRIVER_IMAGE" "$REPO_DIR"
+
+# `kind load docker-image` does not work with podman or with every containerd config,
+# so stream the image into each node's containerd directly.
+kind_progress "loading $DRIVER_IMAGE into the nodes of $KIND_CLUSTER_NAME"
+for node in $(kind get nodes --name "$KIND_CLUSTER_NAME"); do
+  "$CONTAINER_TOOL" save "$DRIVER_IMAGE" |
+    "$CONTAINER_TOOL" exec -i "$node" ctr --namespace=k8s.io images import --all-platforms -
+  kind_progress "  $node: loaded"
+done

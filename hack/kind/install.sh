@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Installs (or upgrades) the chart into the kind cluster with the mock NVML backend:
+# deployments/helm/gpu-dra-driver/values-mock.yaml - the same values file the
+# integration tests use. Extra arguments go to helm, e.g. --set webhook.enabled=false.
+set -euo pipefail
+# shellcheck source=hack/kind/common.sh
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
+
+need kubectl
+HELM=$(find_helm)
+repo=${DRIVER_IMAGE%:*}
+tag=${DRIVER_IMAGE##*:}
+
+kind_progress "installing release $HELM_RELEASE ($CHART_DIR, values-mock.yaml, image $repo:$tag) in namespace $DRIVER_NAMESPACE"
+"$HELM" upgrade --install "$HELM_RELEASE" "$CHART_DIR" \
+  --kube-context "$KUBE_CONTEXT" \
+  --namespace "$DRIVER_NAMESPACE" --create-namespace \
+  --values "$MOCK_VALUES" \
+  --set-string image.repository="$repo" --set-string image.tag="$tag" \
+  --wait --timeout 5m "$@"
+
+kind_progress "waiting for the plugin's ResourceSlices"
+for _ in $(seq 60); do
+  if kubectl --context "$KUBE_CONTEXT" get resourceslices -o name 2>/dev/null | grep -q .; then
+    kubectl --context "$KUBE_CONTEXT" get resourceslices
+    kind_progress "installed; next: hack/kind/demo.sh"
+    exit 0
+  fi
+  sleep 2
+done
+kubectl --context "$KUBE_CONTEXT" -n "$DRIVER_NAMESPACE" get pods -o wide >&2
+kind_die "no ResourceSlices after 120 s; see: kubectl -n $DRIVER_NAMESPACE logs -l app.kubernetes.io/component=kubeletplugin"
