@@ -1,0 +1,188 @@
+"""The plugin's ResourceSlices in a real API server, allocated by the real scheduler."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from driver.devices.model import build_pool
+from driver.nvml.backend import NvmlBackend
+from driver.nvml.fleet import default_fleet, parse_fleet
+from driver.nvml.mock import MockNvml
+from tests.integration.conftest import Cluster, FakeNode
+from tests.integration.helpers import (
+    allocation,
+    apply,
+    claim,
+    complete_pool,
+    device_class,
+    namespace,
+    pod_using,
+    published_devices,
+    unschedulable,
+)
+from tests.integration.plugin_process import DRIVER, PluginProcess, running_plugin
+
+NS = "slices-test"
+
+
+@pytest.fixture(scope="module")
+def plugin(
+    cluster: Cluster, node: FakeNode, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[PluginProcess]:
+    root = tmp_path_factory.mktemp("plugin")
+    with running_plugin(kubeconfig=cluster.kubeconfig, node_name=node.name, root=root) as p:
+        yield p
+
+
+@pytest.fixture(scope="module")
+def pool(cluster: Cluster, node: FakeNode, plugin: PluginProcess) -> list[dict]:
+    return cluster.wait_for(
+        lambda: complete_pool(cluster, node.name), timeout=60, what="complete pool"
+    )
+
+
+def test_default_fleet_is_accepted_with_mig_partitions(pool: list[dict], node: FakeNode) -> None:
+    expected = build_pool(NvmlBackend(MockNvml(default_fleet(), node.name)).discover())
+    devices = published_devices(pool)
+    assert set(devices) == {d.name for d in expected.devices}
+    gpus = [n for n in devices if "-mig-" not in n]
+    assert len(gpus) == 8
+    partitions = [d for n, d in devices.items() if "-mig-" in n]
+    assert partitions and all(d["consumesCounters"] for d in partitions)
+    counter_sets = [cs for s in pool for cs in s["spec"].get("sharedCounters") or []]
+    assert len(counter_sets) == 8
+    for s in pool:
+        assert s["metadata"]["ownerReferences"][0]["uid"] == node.uid
+        spec = s["spec"]
+        assert not (spec.get("devices") and spec.get("sharedCounters"))
+        assert len(spec.get("devices") or []) <= 64 and len(spec.get("sharedCounters") or []) <= 8
+
+
+def test_deleted_slices_come_back(cluster: Cluster, node: FakeNode, pool: list[dict]) -> None:
+    before = {d for d in published_devices(pool)}
+    # What the kubelet does when it starts: delete every slice of the node.
+    cluster.kubectl("delete", "resourceslices", f"--field-selector=spec.nodeName={node.name}")
+    restored = cluster.wait_for(
+        lambda: (
+            (p := complete_pool(cluster, node.name)) and set(published_devices(p)) == before and p
+        ),
+        timeout=30,
+        what="slices to be recreated",
+    )
+    assert {s["metadata"]["uid"] for s in restored}.isdisjoint({s["metadata"]["uid"] for s in pool})
+
+
+@pytest.fixture(scope="module")
+def classes(cluster: Cluster, pool: list[dict]) -> None:
+    apply(
+        cluster,
+        namespace(NS),
+        device_class(
+            "gpu.example.com",
+            f'device.driver == "{DRIVER}" && !has(device.attributes["{DRIVER}"].profile)',
+        ),
+        device_class(
+            "mig.gpu.example.com",
+            f'device.driver == "{DRIVER}" && has(device.attributes["{DRIVER}"].profile)',
+        ),
+    )
+
+
+def _uuid(pool: list[dict], device: str) -> str:
+    return str(published_devices(pool)[device]["attributes"]["uuid"]["string"])
+
+
+def test_cel_selector_claim_is_allocated_to_the_matching_gpu(
+    cluster: Cluster, pool: list[dict], classes: None
+) -> None:
+    uuid = _uuid(pool, "gpu-5")
+    apply(
+        cluster,
+        claim("by-uuid", NS, "gpu.example.com", f'device.attributes["{DRIVER}"].uuid == "{uuid}"'),
+        pod_using("by-uuid", NS, "by-uuid"),
+    )
+    results = cluster.wait_for(
+        lambda: allocation(cluster, NS, "by-uuid"), timeout=60, what="allocation"
+    )
+    assert [(r["driver"], r["device"]) for r in results] == [(DRIVER, "gpu-5")]
+
+
+def test_partitions_never_overlap_and_never_share_a_gpu_with_the_whole_gpu(
+    cluster: Cluster, pool: list[dict], classes: None
+) -> None:
+    parent = _uuid(pool, "gpu-2")
+    on_gpu2 = f'device.attributes["{DRIVER}"].parentUUID == "{parent}"'
+    profile = lambda p: f'{on_gpu2} && device.attributes["{DRIVER}"].profile == "{p}"'  # noqa: E731
+    # 4g.40gb has one placement (slices 0-3); 3g.40gb has placements at 0 and 4.
+    apply(
+        cluster,
+        claim("p-4g", NS, "mig.gpu.example.com", profile("4g.40gb")),
+        pod_using("p-4g", NS, "p-4g"),
+    )
+    first = cluster.wait_for(
+        lambda: allocation(cluster, NS, "p-4g"), timeout=60, what="4g allocation"
+    )
+    apply(
+        cluster,
+        claim("p-3g-a", NS, "mig.gpu.example.com", profile("3g.40gb")),
+        pod_using("p-3g-a", NS, "p-3g-a"),
+    )
+    second = cluster.wait_for(
+        lambda: allocation(cluster, NS, "p-3g-a"), timeout=60, what="3g allocation"
+    )
+    apply(
+        cluster,
+        claim("p-3g-b", NS, "mig.gpu.example.com", profile("3g.40gb")),
+        pod_using("p-3g-b", NS, "p-3g-b"),
+        claim("whole", NS, "gpu.example.com", f'device.attributes["{DRIVER}"].uuid == "{parent}"'),
+        pod_using("whole", NS, "whole"),
+    )
+    for pod in ("p-3g-b", "whole"):
+        cluster.wait_for(
+            lambda pod=pod: unschedulable(cluster, NS, pod), timeout=60, what=f"{pod} unschedulable"
+        )
+        assert allocation(cluster, NS, pod) is None
+
+    devices = published_devices(pool)
+    taken = []
+    for results in (first, second):
+        attrs = devices[results[0]["device"]]["attributes"]
+        start, size = attrs["placementStart"]["int"], attrs["placementSize"]["int"]
+        taken.append(set(range(start, start + size)))
+    assert not taken[0] & taken[1], f"overlapping placements {first} {second}"
+
+
+def test_64_gpu_fleet_needs_several_slices(
+    cluster: Cluster, node: FakeNode, tmp_path: Path, plugin: PluginProcess
+) -> None:
+    fleet = tmp_path / "fleet.yaml"
+    fleet.write_text(json.dumps({"gpus": [{"model": "A100-80GB", "count": 64}]}))
+    expected = build_pool(
+        NvmlBackend(
+            MockNvml(parse_fleet({"gpus": [{"model": "A100-80GB", "count": 64}]}), node.name)
+        ).discover()
+    )
+    plugin.stop()  # one instance per node: the big fleet replaces the default one
+    with running_plugin(
+        kubeconfig=cluster.kubeconfig,
+        node_name=node.name,
+        root=tmp_path / "big",
+        args=[f"--mock-fleet={fleet}"],
+    ) as big:
+        slices = cluster.wait_for(
+            lambda: (
+                (p := complete_pool(cluster, node.name))
+                and len(published_devices(p)) == len(expected.devices)
+                and p
+            ),
+            timeout=120,
+            what="64-GPU pool",
+        )
+        assert big.metric("gpu_dra_published_devices") == len(expected.devices)
+    counter_slices = [s for s in slices if s["spec"].get("sharedCounters")]
+    assert len(counter_slices) == 8  # 64 counter sets, at most 8 per slice
+    assert len(slices) > len(expected.devices) // 64
