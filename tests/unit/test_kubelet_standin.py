@@ -47,7 +47,7 @@ ks = _load_standin()
 DRIVER = "gpu.example.com"
 
 
-class FakeRegistration(reg_grpc.RegistrationServicer):  # type: ignore[misc]
+class FakeRegistration(reg_grpc.RegistrationServicer):
     def __init__(self, info: reg_pb2.PluginInfo, delays: list[float] | None = None) -> None:
         self.info = info
         self.delays = list(delays or [])
@@ -67,7 +67,7 @@ class FakeRegistration(reg_grpc.RegistrationServicer):  # type: ignore[misc]
         return reg_pb2.RegistrationStatusResponse()
 
 
-class FakeDRA(dra_v1_grpc.DRAPluginServicer):  # type: ignore[misc]
+class FakeDRA(dra_v1_grpc.DRAPluginServicer):
     def __init__(self, skip: set[str] | None = None) -> None:
         self.requests: list[Any] = []
         self.skip = skip or set()
@@ -91,7 +91,7 @@ class FakeDRA(dra_v1_grpc.DRAPluginServicer):  # type: ignore[misc]
         return resp
 
 
-class FakeDRAv1beta1(dra_v1beta1_grpc.DRAPluginServicer):  # type: ignore[misc]
+class FakeDRAv1beta1(dra_v1beta1_grpc.DRAPluginServicer):
     def __init__(self) -> None:
         self.calls = 0
 
@@ -103,7 +103,7 @@ class FakeDRAv1beta1(dra_v1beta1_grpc.DRAPluginServicer):  # type: ignore[misc]
         return resp
 
 
-class FakeHealth(health_v1_grpc.DRAResourceHealthServicer):  # type: ignore[misc]
+class FakeHealth(health_v1_grpc.DRAResourceHealthServicer):
     def NodeWatchResources(self, request: Any, context: Any) -> Iterator[Any]:
         for health in (health_v1.HEALTHY, health_v1.UNHEALTHY):
             yield health_v1.NodeWatchResourcesResponse(
