@@ -140,26 +140,21 @@ def _tail(text: str, lines: int = 60) -> str:
 @pytest.fixture(scope="session")
 def cluster() -> Iterator[Cluster]:
     bin_dir = _bin_dir()
-    if not (bin_dir / "kubectl").is_file():
-        pytest.fail(
-            f"integration tier: kubectl v1.37 is missing from {bin_dir}; "
-            "build it with `make cluster-build` (hack/local-cluster.sh build)"
-        )
-
     existing = os.environ.get("GPU_DRA_KUBECONFIG")
-    if existing:
-        if not Path(existing).is_file():
-            pytest.fail(f"GPU_DRA_KUBECONFIG={existing} does not exist")
-        yield Cluster(kubeconfig=Path(existing), bin_dir=bin_dir)
-        return
-
-    missing = [b for b in CONTROL_PLANE_BINARIES if not (bin_dir / b).is_file()]
+    needed = ("kubectl",) if existing else (*CONTROL_PLANE_BINARIES, "kubectl")
+    missing = [b for b in needed if not (bin_dir / b).is_file()]
     if missing:
         pytest.fail(
             f"integration tier: {', '.join(missing)} missing from {bin_dir}; "
             "build them with `make cluster-build` (hack/local-cluster.sh build, "
             "about 40 min cold on 2 cores)"
         )
+    if existing:
+        if not Path(existing).is_file():
+            pytest.fail(f"GPU_DRA_KUBECONFIG={existing} does not exist")
+        yield Cluster(kubeconfig=Path(existing), bin_dir=bin_dir)
+        return
+
     tools = [t for t in HOST_TOOLS if shutil.which(t) is None]
     if tools:
         pytest.fail(f"integration tier: host tools missing from PATH: {', '.join(tools)}")
