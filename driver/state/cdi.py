@@ -64,16 +64,17 @@ def visible_device_id(
 ) -> str:
     """The `NVIDIA_VISIBLE_DEVICES` entry for one device on a real GPU.
 
-    A whole GPU is its UUID. A partition is named `MIG-<gpu-uuid>/<profile>/<start>`:
+    A whole GPU is its UUID. A MIG partition is named `MIG-<gpu-uuid>/<profile>/<start>`:
     this driver publishes every (profile, placement) of a GPU but does not create MIG
     instances itself, so no MIG UUID exists at prepare time; the descriptor names the
     partition unambiguously (parent, profile, placement start) for whatever creates
-    or selects the instance. Documented in docs/state.md.
+    or selects the instance. A partition without a MIG profile (the reference's
+    `--gpu-partitions` shares) is its parent GPU's UUID. Documented in docs/state.md.
     """
-    if not is_partition:
+    if not is_partition or profile is None:
         return gpu_uuid
     start = placement_start if placement_start is not None else 0
-    return f"MIG-{gpu_uuid}/{profile or 'unknown'}/{start}"
+    return f"MIG-{gpu_uuid}/{profile}/{start}"
 
 
 @dataclass(frozen=True)

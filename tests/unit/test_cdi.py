@@ -102,6 +102,10 @@ def test_visible_device_ids() -> None:
         visible_device_id(gpu_uuid="GPU-a", is_partition=True, profile="1g.10gb", placement_start=3)
         == "MIG-GPU-a/1g.10gb/3"
     )
+    assert (
+        visible_device_id(gpu_uuid="GPU-a", is_partition=True, profile=None, placement_start=None)
+        == "GPU-a"
+    )
 
 
 def test_claim_spec_is_compact_reference_json_with_mode_0600(specs: CdiSpecs) -> None:

@@ -28,30 +28,32 @@ from driver.state.prepare import ClaimRef, DeviceState
 HARNESS = r"""
 import json
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
+from driver.devices.model import PublishedDevice
 from driver.errors import transient
 from driver.state.prepare import ClaimRef, DeviceState
 
 
-@dataclass(frozen=True)
-class Device:
-    name: str
-    gpu_uuid: str
-    gpu_minor: int | None
-    is_partition: bool = False
-    max_partitions: int | None = None
-    profile: str | None = None
-    placement: tuple[int, int] | None = None
+def device(name, uuid, minor, max_partitions=None, profile=None, placement=None):
+    return PublishedDevice(
+        name=name,
+        document={"name": name},
+        gpu_uuid=uuid,
+        gpu_minor=minor,
+        is_partition=profile is not None,
+        max_partitions=max_partitions,
+        profile=profile,
+        placement=placement,
+    )
 
 
 DEVICES = {
     d.name: d
     for d in [
-        Device("gpu-0", "GPU-aaaa", 0, max_partitions=7),
-        Device("gpu-1", "GPU-bbbb", 1, max_partitions=7),
-        Device("gpu-1-mig-2g20gb-0", "GPU-bbbb", 1, True, None, "2g.20gb", (0, 2)),
+        device("gpu-0", "GPU-aaaa", 0, max_partitions=7),
+        device("gpu-1", "GPU-bbbb", 1, max_partitions=7),
+        device("gpu-1-mig-2g20gb-0", "GPU-bbbb", 1, profile="2g.20gb", placement=(0, 2)),
     ]
 }
 

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from driver.devices.model import PublishedDevice
 from driver.errors import DriverError, ErrorClass, transient
 from driver.state.checkpoint import (
     Checkpoint,
@@ -31,32 +32,33 @@ KIND = "k8s.gpu.example.com/gpu"
 # -- test doubles ------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class FakeDevice:
-    """Stands in for driver.devices.model.PublishedDevice."""
-
-    name: str
-    gpu_uuid: str
-    gpu_minor: int | None
-    is_partition: bool = False
-    max_partitions: int | None = None
-    profile: str | None = None
-    placement: tuple[int, int] | None = None
+def _device(
+    name: str,
+    uuid: str,
+    minor: int,
+    *,
+    max_partitions: int | None = None,
+    profile: str | None = None,
+    placement: tuple[int, int] | None = None,
+) -> PublishedDevice:
+    return PublishedDevice(
+        name=name,
+        document={"name": name},
+        gpu_uuid=uuid,
+        gpu_minor=minor,
+        is_partition=profile is not None,
+        max_partitions=max_partitions,
+        profile=profile,
+        placement=placement,
+    )
 
 
 DEVICES = {
     d.name: d
     for d in [
-        FakeDevice("gpu-0", "GPU-aaaa", 0, max_partitions=7),
-        FakeDevice("gpu-1", "GPU-bbbb", 1, max_partitions=7),
-        FakeDevice(
-            "gpu-0-mig-1g10gb-3",
-            "GPU-aaaa",
-            0,
-            is_partition=True,
-            profile="1g.10gb",
-            placement=(3, 1),
-        ),
+        _device("gpu-0", "GPU-aaaa", 0, max_partitions=7),
+        _device("gpu-1", "GPU-bbbb", 1, max_partitions=7),
+        _device("gpu-0-mig-1g10gb-3", "GPU-aaaa", 0, profile="1g.10gb", placement=(3, 1)),
     ]
 }
 
