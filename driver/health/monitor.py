@@ -1,0 +1,214 @@
+"""The health monitor thread and the prepare path's view of device health.
+
+`HealthMonitor` waits on NVML events through the backend with a short timeout
+(100 ms by default, so an event becomes a published taint quickly and shutdown is
+prompt), classifies each event (`XidPolicy`), records fatal ones in the
+`HealthStore`, clears a GPU on `recovered`, and asks the slice publisher to
+republish. It never dies: any exception is logged and followed by a short backoff;
+an event set that failed is reopened.
+
+`KubeDeviceHealth` implements the `DeviceHealth` protocol of `driver.state.prepare`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from typing import Protocol
+
+from driver.errors import transient
+from driver.health.store import HealthDevice, HealthStore
+from driver.health.xid import Verdict, XidPolicy
+from driver.nvml.types import HealthEvent
+from driver.observability import metrics
+
+log = logging.getLogger(__name__)
+
+DEFAULT_WAIT_TIMEOUT_MS = 100
+ECC_DBE_XID = 48  # NVIDIA's Xid for a double-bit ECC error
+
+
+class EventSource(Protocol):
+    """What the monitor needs of `NvmlBackend`."""
+
+    def open_event_set(self) -> None: ...
+    def wait_event(self, timeout_ms: int) -> HealthEvent | None: ...
+    def close_event_set(self) -> None: ...
+
+
+class Publisher(Protocol):
+    """What health needs of `SlicePublisher`."""
+
+    def trigger(self) -> int: ...
+    def wait_synced(self, ticket: int, timeout: float) -> bool: ...
+
+
+class HealthMonitor:
+    """Background thread: NVML health events -> HealthStore -> slice republish."""
+
+    def __init__(
+        self,
+        backend: EventSource,
+        store: HealthStore,
+        policy: XidPolicy,
+        publisher: Publisher | None,
+        devices: Iterable[HealthDevice] = (),
+        *,
+        wait_timeout_ms: int = DEFAULT_WAIT_TIMEOUT_MS,
+        pollers: Sequence[Callable[[], object]] = (),
+        error_backoff: float = 0.5,
+        max_backoff: float = 5.0,
+    ) -> None:
+        if not 0 < wait_timeout_ms <= 1000:
+            raise ValueError("wait_timeout_ms must be in 1..1000")
+        self._backend = backend
+        self._store = store
+        self._policy = policy
+        self._publisher = publisher
+        self._devices = list(devices)
+        self._wait_ms = wait_timeout_ms
+        self._pollers = list(pollers)
+        self._backoff0 = error_backoff
+        self._max_backoff = max_backoff
+        self._backoff = error_backoff
+        self._opened = False
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.events_handled = 0
+        self.errors = 0
+        self._update_gauge()
+
+    # -- lifecycle ---------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self._thread is not None:
+            raise RuntimeError("health monitor already started")
+        log.info("health monitor: %s", self._policy.describe())
+        self._thread = threading.Thread(target=self._run, name="health-monitor", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                log.warning("health monitor did not stop within %.1fs", timeout)
+        self._close()
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.run_once()
+                self._backoff = self._backoff0
+            except Exception:
+                self.errors += 1
+                log.exception("health monitor: error; retrying in %.1fs", self._backoff)
+                self._close()
+                self._stop.wait(self._backoff)
+                self._backoff = min(self._backoff * 2, self._max_backoff)
+        self._close()
+
+    def _close(self) -> None:
+        if self._opened:
+            self._opened = False
+            with contextlib.suppress(Exception):
+                self._backend.close_event_set()
+
+    # -- one iteration -----------------------------------------------------------------
+
+    def run_once(self) -> HealthEvent | None:
+        """Run the pollers, wait up to the timeout for one event and handle it."""
+        for poll in self._pollers:
+            try:
+                poll()
+            except Exception:
+                log.exception("health monitor: poller %r failed", poll)
+        if not self._opened:
+            self._backend.open_event_set()
+            self._opened = True
+        event = self._backend.wait_event(self._wait_ms)
+        if event is not None:
+            self.handle(event)
+        return event
+
+    def handle(self, event: HealthEvent) -> bool:
+        """Apply one event to the store; True when a taint was added, changed or cleared."""
+        self.events_handled += 1
+        if event.kind == "recovered":
+            metrics.XID_EVENTS.labels(xid="recovered", verdict="recovered").inc()
+            changed = self._store.clear(event.gpu_uuid)
+        else:
+            verdict = self._policy.classify(event)
+            label = str(event.xid) if event.kind == "xid" else event.kind
+            metrics.XID_EVENTS.labels(xid=label, verdict=verdict.value).inc()
+            if verdict is Verdict.IGNORED:
+                log.info(
+                    "GPU %s: %s ignored (%s)",
+                    event.gpu_uuid,
+                    event.message or label,
+                    "application Xid" if event.kind == "xid" else event.kind,
+                )
+                return False
+            if event.kind == "gpu-lost":
+                changed = self._store.record_lost(event.gpu_uuid, event.message)
+            elif event.kind == "ecc-dbe":
+                changed = self._store.record_xid(
+                    event.gpu_uuid, ECC_DBE_XID, event.message or "double-bit ECC error"
+                )
+            else:
+                xid = event.xid if event.xid is not None else 0
+                changed = self._store.record_xid(event.gpu_uuid, xid, event.message)
+        if changed:
+            self._update_gauge()
+            if self._publisher is not None:
+                self._publisher.trigger()
+        return changed
+
+    def _update_gauge(self) -> None:
+        metrics.TAINTED_DEVICES.set(self._store.tainted_device_count(self._devices))
+
+
+class KubeDeviceHealth:
+    """`DeviceHealth` for prepare: answers from the store, taints through the publisher.
+
+    `ensure_tainted` triggers a republish and waits until a reconcile that started
+    after the trigger has succeeded, i.e. the API server has accepted the slices that
+    carry the taint (the publisher's desired state is built from the same store).
+    """
+
+    def __init__(
+        self,
+        store: HealthStore,
+        publisher: Publisher,
+        devices: Iterable[HealthDevice],
+        *,
+        sync_timeout: float = 10.0,
+    ) -> None:
+        self._store = store
+        self._publisher = publisher
+        self._gpu_of = {d.name: d.gpu_uuid for d in devices}
+        self._timeout = sync_timeout
+
+    def failure(self, device_name: str) -> str | None:
+        uuid = self._gpu_of.get(device_name)
+        if uuid is None:
+            return None
+        failure = self._store.gpu_failure(uuid)
+        return failure.message() if failure is not None else None
+
+    def ensure_tainted(self, device_name: str) -> None:
+        uuid = self._gpu_of.get(device_name)
+        if uuid is None or self._store.gpu_failure(uuid) is None:
+            raise transient(f"device {device_name}: no recorded failure to publish as a taint")
+        ticket = self._publisher.trigger()
+        if not self._publisher.wait_synced(ticket, self._timeout):
+            raise transient(
+                f"device {device_name}: the API server has not accepted its taint within "
+                f"{self._timeout:.0f}s; retrying"
+            )
