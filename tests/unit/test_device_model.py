@@ -1,0 +1,314 @@
+"""Inventory -> PoolDevices: GPU attributes, MIG counters, reference partitions."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable
+from fractions import Fraction
+from typing import Any
+
+import pytest
+
+from driver.devices import model as dm
+from driver.nvml.backend import NvmlBackend
+from driver.nvml.fleet import default_fleet, example_fleet, parse_fleet
+from driver.nvml.mock import MockNvml
+from driver.nvml.types import GpuInfo, Inventory
+
+UNITS = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
+
+
+def qty(text: str) -> Fraction:
+    for suffix, mult in UNITS.items():
+        if text.endswith(suffix):
+            return Fraction(text[: -len(suffix)]) * mult
+    return Fraction(text)
+
+
+def inventory(fleet_data: dict[str, Any] | None = None, node: str = "node-a") -> Inventory:
+    fleet = parse_fleet(fleet_data) if fleet_data else default_fleet()
+    return NvmlBackend(MockNvml(fleet, node)).discover()
+
+
+def fits(pool: dm.PoolDevices, names: Iterable[str]) -> bool:
+    """Could the scheduler allocate all these devices together, counters-wise?"""
+    capacity: dict[tuple[str, str], Fraction] = {}
+    for cs in pool.counter_sets:
+        for counter, v in cs["counters"].items():
+            capacity[(cs["name"], counter)] = qty(v["value"])
+    used: dict[tuple[str, str], Fraction] = {}
+    for name in names:
+        for c in pool.device(name).document.get("consumesCounters", []):
+            for counter, v in c["counters"].items():
+                key = (c["counterSet"], counter)
+                used[key] = used.get(key, Fraction(0)) + qty(v["value"])
+    return all(v <= capacity[k] for k, v in used.items())
+
+
+def test_quantities() -> None:
+    assert dm.binary_quantity(80 * 2**30) == "80Gi"
+    assert dm.binary_quantity(20 * 2**30) == "20Gi"
+    assert dm.binary_quantity(28633115306) == "28633115306"
+    assert dm.binary_quantity(9984 * 2**20) == "9984Mi"
+    assert dm.binary_quantity(1536) == "1536"
+    assert dm.binary_quantity(1024) == "1Ki"
+    assert dm.binary_quantity(0) == "0"
+    with pytest.raises(ValueError):
+        dm.binary_quantity(-1)
+    assert dm.decimal_quantity(25) == "25"
+
+
+@pytest.mark.parametrize(
+    ("raw", "semver"),
+    [
+        ("580.95.05", "580.95.5"),
+        ("9.0", "9.0.0"),
+        ("13.0", "13.0.0"),
+        ("1.0.0", "1.0.0"),
+        ("550", "550.0.0"),
+        ("470.82.01.1", "470.82.1"),
+        ("v1.2.3-rc1", "1.2.3"),
+        ("garbage", None),
+        (None, None),
+    ],
+)
+def test_normalize_version(raw: str | None, semver: str | None) -> None:
+    assert dm.normalize_version(raw) == semver
+
+
+def test_profile_label() -> None:
+    assert dm.profile_label("1g.10gb") == "1g10gb"
+    assert dm.profile_label("1g.10gb+me") == "1g10gb-me"
+    assert dm.profile_label("1c.2g.10gb") == "1c2g10gb"
+    assert dm.profile_label("+++") == "profile"
+
+
+def test_pool_options_validation() -> None:
+    with pytest.raises(ValueError):
+        dm.PoolOptions(gpu_partitions=-1)
+
+
+def test_default_fleet_pool_shape() -> None:
+    pool = dm.build_pool(inventory())
+    assert len(pool.devices) == 8 * 26
+    assert [cs["name"] for cs in pool.counter_sets] == [f"gpu-{i}-counter-set" for i in range(8)]
+    gpus = [d for d in pool.devices if not d.is_partition]
+    assert [d.name for d in gpus] == [f"gpu-{i}" for i in range(8)]
+    assert len({d.name for d in pool.devices}) == len(pool.devices)
+
+
+def test_gpu_attributes_and_capacity() -> None:
+    inv = inventory()
+    pool = dm.build_pool(inv)
+    gpu = pool.device("gpu-2")
+    attrs = gpu.document["attributes"]
+    assert attrs["index"] == {"int": 2}
+    assert attrs["uuid"] == {"string": inv.gpus[2].uuid}
+    assert attrs["model"] == {"string": "NVIDIA H100 80GB HBM3"}
+    assert attrs["productName"] == {"string": "NVIDIA H100 80GB HBM3"}
+    assert attrs["driverVersion"] == {"version": "580.95.5"}
+    assert attrs["cudaDriverVersion"] == {"version": "13.0.0"}
+    assert attrs["cudaComputeCapability"] == {"version": "9.0.0"}
+    assert attrs["brand"] == {"string": "Nvidia"}
+    assert attrs["architecture"] == {"string": "Hopper"}
+    assert attrs["migCapable"] == {"bool": True}
+    assert attrs["maxPartitions"] == {"int": 7}
+    assert attrs["resource.kubernetes.io/pciBusID"] == {"string": "0000:3a:00.0"}
+    cap = gpu.document["capacity"]
+    assert cap["memory"] == {"value": "81559Mi"} and cap["compute"] == {"value": "100"}
+    assert cap["multiprocessors"] == {"value": "132"} and cap["copyEngines"] == {"value": "8"}
+    assert (gpu.gpu_uuid, gpu.gpu_minor, gpu.is_partition) == (inv.gpus[2].uuid, 2, False)
+    assert gpu.max_partitions == 7 and gpu.profile is None and gpu.placement is None
+
+
+def test_not_supported_attributes_are_omitted() -> None:
+    gpu = GpuInfo(
+        index=0,
+        minor=4,
+        uuid="GPU-x",
+        product_name="Tesla T4",
+        pci_bus_id="0000:3b:00.0",
+        memory_bytes=None,
+    )
+    pool = dm.build_pool(
+        Inventory(
+            backend="nvml", driver_version="535.104.05", cuda_driver_version=None, gpus=(gpu,)
+        )
+    )
+    (device,) = pool.devices
+    attrs = device.document["attributes"]
+    assert device.name == "gpu-4"
+    assert set(attrs) == {
+        "index",
+        "uuid",
+        "model",
+        "driverVersion",
+        "productName",
+        "migCapable",
+        "resource.kubernetes.io/pciBusID",
+    }
+    assert attrs["driverVersion"] == {"version": "535.104.5"}
+    assert device.document["capacity"] == {"compute": {"value": "100"}}
+    assert "consumesCounters" not in device.document
+    assert device.max_partitions is None and pool.counter_sets == ()
+
+
+def test_mig_partition_devices() -> None:
+    inv = inventory()
+    pool = dm.build_pool(inv)
+    d = pool.device("gpu-1-mig-1g10gb-me-3")
+    assert d.is_partition and d.max_partitions is None
+    assert d.profile == "1g.10gb+me" and d.placement == (3, 1)
+    assert d.gpu_uuid == inv.gpus[1].uuid and d.gpu_minor == 1
+    attrs = d.document["attributes"]
+    assert attrs["profile"] == {"string": "1g.10gb+me"}
+    assert attrs["parentUUID"] == {"string": inv.gpus[1].uuid}
+    assert attrs["placementStart"] == {"int": 3} and attrs["placementSize"] == {"int": 1}
+    assert attrs["model"] == {"string": "NVIDIA H100 80GB HBM3"}
+    assert "uuid" not in attrs and "maxPartitions" not in attrs
+    assert d.document["capacity"]["memory"] == {"value": "9984Mi"}
+    assert d.document["capacity"]["ofaEngines"] == {"value": "1"}
+    (consumption,) = d.document["consumesCounters"]
+    assert consumption["counterSet"] == "gpu-1-counter-set"
+    assert consumption["counters"]["memory-slice-3"] == {"value": "1"}
+    assert "memory-slice-2" not in consumption["counters"]
+    assert consumption["counters"]["ofa-engines"] == {"value": "1"}
+    three = pool.device("gpu-1-mig-3g40gb-4").document["consumesCounters"][0]["counters"]
+    assert {k for k in three if k.startswith("memory-slice-")} == {
+        f"memory-slice-{i}" for i in range(4, 8)
+    }
+    names = [x.name for x in pool.devices_of_gpu(inv.gpus[1].uuid)]
+    assert names[0] == "gpu-1" and len(names) == 26
+    assert names[1:8] == [f"gpu-1-mig-1g10gb-{s}" for s in range(7)]
+    assert names[-1] == "gpu-1-mig-7g80gb-0"
+
+
+def test_counter_set_and_whole_gpu_consumption() -> None:
+    pool = dm.build_pool(inventory())
+    cs = pool.counter_sets[0]
+    counters = cs["counters"]
+    assert counters["memory"] == {"value": "81152Mi"}
+    assert counters["multiprocessors"] == {"value": "132"}
+    for name in ("copy-engines", "decoders", "encoders", "jpeg-engines", "ofa-engines"):
+        assert name in counters
+    assert [f"memory-slice-{i}" for i in range(8)] == [k for k in counters if "slice" in k]
+    whole = pool.device("gpu-0").document["consumesCounters"][0]["counters"]
+    nonzero = {k: v for k, v in counters.items() if v != {"value": "0"}}
+    assert whole == nonzero
+
+
+def test_counters_forbid_overlaps_and_gpu_plus_partition() -> None:
+    pool = dm.build_pool(inventory())
+    assert fits(pool, ["gpu-0"])
+    assert not fits(pool, ["gpu-0", "gpu-0-mig-1g10gb-6"])
+    assert fits(pool, ["gpu-0", "gpu-1-mig-1g10gb-6"])  # other GPU
+    assert not fits(pool, ["gpu-0-mig-3g40gb-0", "gpu-0-mig-2g20gb-2"])  # slices 0-3 vs 2-3
+    assert not fits(pool, ["gpu-0-mig-1g10gb-0", "gpu-0-mig-1g10gb-me-0"])
+    assert fits(pool, ["gpu-0-mig-3g40gb-0", "gpu-0-mig-3g40gb-4"])
+    assert fits(pool, ["gpu-0-mig-4g40gb-0", "gpu-0-mig-2g20gb-4", "gpu-0-mig-1g20gb-6"])
+    assert fits(pool, [f"gpu-0-mig-1g10gb-{s}" for s in range(7)])
+    # Only one +me instance: the OFA engine is consumed once.
+    assert not fits(pool, ["gpu-0-mig-1g10gb-me-0", "gpu-0-mig-1g10gb-me-4"])
+
+
+@pytest.mark.parametrize("model", ["A100-40GB", "A100-80GB", "H100-80GB", "H200-141GB"])
+def test_any_pair_of_partitions_fits_iff_placements_do_not_overlap(model: str) -> None:
+    pool = dm.build_pool(inventory({"gpus": [{"model": model}]}))
+    parts = [d for d in pool.devices if d.is_partition]
+    for a, b in itertools.combinations(parts, 2):
+        assert a.placement is not None and b.placement is not None
+        sa = set(range(a.placement[0], sum(a.placement)))
+        sb = set(range(b.placement[0], sum(b.placement)))
+        both_me = a.profile == b.profile and (a.profile or "").endswith("+me")
+        assert fits(pool, [a.name, b.name]) == (not sa & sb and not both_me), (a.name, b.name)
+
+
+def test_mig_disabled_or_off_publishes_whole_gpus_only() -> None:
+    inv = inventory({"gpus": [{"model": "H100-80GB", "count": 2, "migMode": "disabled"}]})
+    pool = dm.build_pool(inv)
+    assert [d.name for d in pool.devices] == ["gpu-0", "gpu-1"]
+    assert pool.counter_sets == ()
+    assert pool.devices[0].document["attributes"]["migCapable"] == {"bool": True}
+    pool = dm.build_pool(inventory(), dm.PoolOptions(mig=False))
+    assert len(pool.devices) == 8 and pool.counter_sets == ()
+
+
+REFERENCE_UUIDS = [
+    "gpu-18db0e85-99e9-c746-8531-ffeb86328b39",
+    "gpu-93d37703-997c-c46f-a531-755e3e0dc2ac",
+]
+
+
+def test_example_reproduces_reference_devices() -> None:
+    inv = NvmlBackend(MockNvml(example_fleet(), "dra-example-driver-cluster-worker")).discover()
+    pool = dm.build_pool(inv)
+    assert pool.devices[1].document == {
+        "name": "gpu-1",
+        "attributes": {
+            "index": {"int": 1},
+            "uuid": {"string": REFERENCE_UUIDS[1]},
+            "model": {"string": "LATEST-GPU-MODEL"},
+            "driverVersion": {"version": "1.0.0"},
+        },
+        "capacity": {"memory": {"value": "80Gi"}, "compute": {"value": "100"}},
+        "allowMultipleAllocations": False,
+    }
+    assert pool.devices[0].max_partitions is None  # the reference sets no limit
+
+
+@pytest.mark.parametrize(
+    ("n", "memory", "compute"), [(4, "20Gi", "25"), (2, "40Gi", "50"), (3, "28633115306", "33")]
+)
+def test_reference_gpu_partitions(n: int, memory: str, compute: str) -> None:
+    inv = NvmlBackend(MockNvml(example_fleet(2), "dra-example-driver-cluster-worker")).discover()
+    pool = dm.build_pool(inv, dm.PoolOptions(gpu_partitions=n))
+    names = [d.name for d in pool.devices]
+    expected = []
+    for i in range(2):
+        expected += [f"gpu-{i}-partition-{j}" for j in range(n)] + [f"gpu-{i}-full"]
+    assert names == expected
+    assert pool.counter_sets[0] == {
+        "name": "gpu-0-counters",
+        "counters": {"memory": {"value": "80Gi"}, "compute": {"value": "100"}},
+    }
+    part = pool.device("gpu-1-partition-0")
+    assert part.is_partition and part.max_partitions is None
+    assert part.document["attributes"] == {
+        "index": {"int": 1},
+        "uuid": {"string": REFERENCE_UUIDS[1]},
+        "model": {"string": "LATEST-GPU-MODEL"},
+        "driverVersion": {"version": "1.0.0"},
+        "partition": {"int": 0},
+        "partitionable": {"bool": True},
+    }
+    assert part.document["capacity"] == {"memory": {"value": memory}, "compute": {"value": compute}}
+    assert part.document["consumesCounters"] == [
+        {"counterSet": "gpu-1-counters", "counters": part.document["capacity"]}
+    ]
+    full = pool.device("gpu-1-full")
+    assert not full.is_partition
+    assert full.document["attributes"]["full"] == {"bool": True}
+    assert full.document["capacity"] == {"memory": {"value": "80Gi"}, "compute": {"value": "100"}}
+    assert not fits(pool, ["gpu-1-full", "gpu-1-partition-0"])
+    assert fits(pool, [f"gpu-1-partition-{j}" for j in range(n)])
+
+
+def test_gpu_partitions_replace_mig_on_real_models() -> None:
+    pool = dm.build_pool(inventory(), dm.PoolOptions(gpu_partitions=2))
+    assert len(pool.devices) == 8 * 3
+    assert pool.counter_sets[0]["name"] == "gpu-0-counters"
+    attrs = pool.device("gpu-0-full").document["attributes"]
+    assert attrs["productName"] == {"string": "NVIDIA H100 80GB HBM3"}
+    assert pool.device("gpu-0-full").max_partitions == 7
+
+
+def test_lookup_errors() -> None:
+    pool = dm.build_pool(inventory())
+    with pytest.raises(KeyError):
+        pool.device("gpu-99")
+    assert pool.devices_of_gpu("GPU-none") == ()
+
+
+def test_empty_inventory() -> None:
+    pool = dm.build_pool(Inventory(backend="nvml", driver_version="1", cuda_driver_version=None))
+    assert pool.devices == () and pool.counter_sets == ()
