@@ -29,6 +29,7 @@ class to transient.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -249,6 +250,7 @@ class DeviceState:
         self._verdict_limit = verdict_limit
         self._clock = clock
         self._verdicts: OrderedDict[str, _Verdict] = OrderedDict()
+        self._verdict_lock = threading.Lock()
         # Journal removals owed by unprepares that ran while the journal was unreadable.
         self._pending_removals: set[str] = set()
         self._last_swept: list[Path] = []
@@ -263,13 +265,14 @@ class DeviceState:
         return self._checkpoint_problem
 
     def remembered_verdict(self, uid: str) -> DriverError | None:
-        verdict = self._verdicts.get(uid)
-        if verdict is None:
-            return None
-        if self._clock() >= verdict.expires:
-            del self._verdicts[uid]
-            return None
-        return verdict.error
+        with self._verdict_lock:
+            verdict = self._verdicts.get(uid)
+            if verdict is None:
+                return None
+            if self._clock() >= verdict.expires:
+                del self._verdicts[uid]
+                return None
+            return verdict.error
 
     def prepare(self, claims: Sequence[ClaimRef]) -> dict[str, PrepareResult]:
         """Prepare every claim; one result per UID, never raises for a claim's failure."""
@@ -314,8 +317,9 @@ class DeviceState:
 
     def unprepare(self, claims: Sequence[ClaimRef]) -> dict[str, DriverError | None]:
         """Remove each claim's local state. Never permanent; unknown claims succeed."""
-        for ref in claims:
-            self._verdicts.pop(ref.uid, None)
+        with self._verdict_lock:
+            for ref in claims:
+                self._verdicts.pop(ref.uid, None)
         results: dict[str, DriverError | None] = {}
         try:
             with self._lock.hold():
@@ -647,10 +651,11 @@ class DeviceState:
         return PrepareResult(error=err)
 
     def _remember(self, uid: str, err: DriverError) -> None:
-        self._verdicts[uid] = _Verdict(err, self._clock() + self._verdict_ttl)
-        self._verdicts.move_to_end(uid)
-        while len(self._verdicts) > self._verdict_limit:
-            self._verdicts.popitem(last=False)
+        with self._verdict_lock:
+            self._verdicts[uid] = _Verdict(err, self._clock() + self._verdict_ttl)
+            self._verdicts.move_to_end(uid)
+            while len(self._verdicts) > self._verdict_limit:
+                self._verdicts.popitem(last=False)
 
 
 # -- helpers -----------------------------------------------------------------------------

@@ -365,3 +365,32 @@ def test_kill_at_failpoint_then_restart(
 def _copy(root: Path, target: Path) -> Path:
     shutil.copytree(root, target)
     return target
+
+
+def test_two_plugin_instances_racing_for_one_device(tmp_path: Path) -> None:
+    """A rolling update: two processes prepare conflicting claims at the same time.
+    The serialize lock makes exactly one win; the journal and CDI specs agree."""
+    root = _root(tmp_path, "node")
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", HARNESS + "\nmain()\n", str(root), "prepare", key],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for key in ("default/claim-a", "default/claim-b")
+    ]
+    outputs: dict[str, str | None] = {}
+    for proc in procs:
+        stdout, stderr = proc.communicate(timeout=120)
+        assert proc.returncode == 0, stderr
+        outputs.update(json.loads(stdout))
+    winners = [uid for uid, err in outputs.items() if err is None]
+    assert len(winners) == 1, outputs
+    loser = UID_B if winners == [UID_A] else UID_A
+    assert winners[0] in str(outputs[loser])  # refused, naming the holder
+    journal = Checkpoint(root / "plugin").load()
+    assert set(journal) == set(winners)
+    assert journal[winners[0]].state is ClaimState.PREPARE_COMPLETED
+    assert [name for name in _claim_specs(root)] == [f"k8s.gpu.example.com-gpu_{winners[0]}.json"]
+    assert _temp_files(root) == []

@@ -736,3 +736,18 @@ def test_recover_reports_a_corrupt_checkpoint(env: Env) -> None:
         report.checkpoint_problem is not None and "not a JSON object" in report.checkpoint_problem
     )
     assert env.state.checkpoint_problem == report.checkpoint_problem
+
+
+def test_verdict_memory_is_bounded(env: Env) -> None:
+    env.state = env.new_state(verdict_limit=2)
+    refs = [
+        env.claims.add(
+            make_claim(f"uid-{i}", [result("gpu-0")], configs=[gpu_config({"strategy": "X"})])
+        )
+        for i in range(3)
+    ]
+    for ref in refs:
+        env.prepare_one(ref)
+    assert env.state.remembered_verdict("uid-0") is None  # evicted, oldest first
+    assert env.state.remembered_verdict("uid-1") is not None
+    assert env.state.remembered_verdict("uid-2") is not None
