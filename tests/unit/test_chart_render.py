@@ -1,0 +1,553 @@
+"""The Helm chart, rendered with `helm template`: the invariants operators rely on.
+
+Needs the pinned helm (HELM_VERSION in hack/versions.env) built by hack/install-helm.sh,
+or HELM=/path/to/helm. Without it these tests fail and say how to get it.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import re
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+CHART = REPO / "deployments" / "helm" / "gpu-dra-driver"
+MOCK_VALUES = CHART / "values-mock.yaml"
+NAMESPACE = "gpu-dra-driver"
+RELEASE = "gpu-dra-driver"
+DRIVER = "gpu.example.com"
+
+# gpu-kubelet-plugin's environment variables (driver/plugin/flags.py), each the env
+# form of a flag; NVIDIA_DRIVER_ROOT(_HOST) tell the nvml backend where the host's
+# driver (libnvidia-ml.so.1) is mounted.
+PLUGIN_FLAG_ENV = {
+    "NODE_NAME",
+    "DRIVER_NAME",
+    "CDI_ROOT",
+    "KUBELET_REGISTRAR_DIRECTORY_PATH",
+    "KUBELET_PLUGINS_DIRECTORY_PATH",
+    "POD_UID",
+    "NVML_BACKEND",
+    "MOCK_FLEET",
+    "GPU_PARTITIONS",
+    "XID_TAINT_EFFECT",
+    "ADDITIONAL_XIDS_TO_IGNORE",
+    "FATAL_XIDS",
+    "PERMANENT_ERRORS",
+    "DEVICE_STATUS",
+    "HTTP_PORT",
+    "LOG_FORMAT",
+    "V",
+}
+DRIVER_ROOT_ENV = {"NVIDIA_DRIVER_ROOT", "NVIDIA_DRIVER_ROOT_HOST"}
+
+Doc = dict[str, Any]
+
+
+def find_helm() -> str:
+    """The pinned helm, or fail naming how to install it."""
+    if os.environ.get("HELM"):
+        return os.environ["HELM"]
+    proc = subprocess.run(
+        ["bash", str(REPO / "hack" / "install-helm.sh"), "path"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    path = proc.stdout.strip()
+    if proc.returncode == 0 and path and os.access(path, os.X_OK):
+        return path
+    pytest.fail(
+        f"helm is not installed (expected {path or 'the pinned helm'}): run "
+        "hack/install-helm.sh (builds HELM_VERSION from hack/versions.env) or set HELM=/path/to/helm"
+    )
+
+
+def helm_template(
+    *args: str,
+    release: str = RELEASE,
+    namespace: str = NAMESPACE,
+    check: bool = True,
+) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run(
+        [find_helm(), "template", release, str(CHART), "--namespace", namespace, *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    if check and proc.returncode != 0:
+        pytest.fail(f"helm template {' '.join(args)} failed:\n{proc.stderr}")
+    return proc
+
+
+def render(*args: str, release: str = RELEASE, namespace: str = NAMESPACE) -> list[Doc]:
+    out = helm_template(*args, release=release, namespace=namespace).stdout
+    return [d for d in yaml.safe_load_all(out) if d]
+
+
+def one(docs: list[Doc], kind: str, component: str | None = None) -> Doc:
+    found = [
+        d
+        for d in docs
+        if d["kind"] == kind
+        and (
+            component is None
+            or d["metadata"].get("labels", {}).get("app.kubernetes.io/component") == component
+        )
+    ]
+    assert len(found) == 1, f"expected one {kind} ({component}), got {len(found)}"
+    return found[0]
+
+
+@pytest.fixture(scope="module")
+def default_docs() -> list[Doc]:
+    return render()
+
+
+@pytest.fixture(scope="module")
+def mock_docs() -> list[Doc]:
+    return render("--values", str(MOCK_VALUES))
+
+
+def plugin_container(docs: list[Doc]) -> Doc:
+    ds = one(docs, "DaemonSet")
+    (container,) = ds["spec"]["template"]["spec"]["containers"]
+    return container
+
+
+def env_of(container: Doc) -> dict[str, Doc]:
+    return {e["name"]: e for e in container["env"]}
+
+
+# --- lint, schema, validation -------------------------------------------------------
+
+
+@pytest.mark.parametrize("values", [[], ["--values", str(MOCK_VALUES)]], ids=["default", "mock"])
+def test_helm_lint_is_clean(values: list[str]) -> None:
+    proc = subprocess.run(
+        [find_helm(), "lint", "--strict", str(CHART), "--namespace", NAMESPACE, *values],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "[WARNING]" not in proc.stdout and "[ERROR]" not in proc.stdout, proc.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--set", "nvml.backend=fake"], "backend"),
+        (["--set", "bogus=1"], "bogus"),
+        (["--set", "kubeletPlugin.health.xidTaintEffect=Evict"], "xidTaintEffect"),
+        (["--set", "kubeletPlugin.health.fatalXids=79;48"], "fatalXids"),
+        (["--set", "webhook.failurePolicy=Maybe"], "failurePolicy"),
+        (["--set", "nvml.mockFleet=gpus: []"], "mockFleet"),
+    ],
+)
+def test_bad_values_are_rejected(args: list[str], message: str) -> None:
+    proc = helm_template(*args, check=False)
+    assert proc.returncode != 0
+    assert message in proc.stderr, proc.stderr
+
+
+def test_default_namespace_is_refused() -> None:
+    proc = helm_template(namespace="default", check=False)
+    assert proc.returncode != 0
+    assert "'default' namespace" in proc.stderr
+    render("--set", "allowDefaultNamespace=true", namespace="default")
+
+
+def test_objects(default_docs: list[Doc], mock_docs: list[Doc]) -> None:
+    kinds = sorted((d["kind"], d["metadata"]["name"]) for d in default_docs)
+    assert kinds == sorted(
+        [
+            ("ClusterRole", "gpu-dra-driver-kubeletplugin"),
+            ("ClusterRoleBinding", "gpu-dra-driver-kubeletplugin"),
+            ("DaemonSet", "gpu-dra-driver-kubeletplugin"),
+            ("Deployment", "gpu-dra-driver-webhook"),
+            ("DeviceClass", "gpu.example.com"),
+            ("DeviceClass", "mig.gpu.example.com"),
+            ("Secret", "gpu-dra-driver-webhook-tls"),
+            ("Service", "gpu-dra-driver-kubeletplugin-metrics"),
+            ("Service", "gpu-dra-driver-webhook"),
+            ("ServiceAccount", "gpu-dra-driver-kubeletplugin"),
+            ("ServiceAccount", "gpu-dra-driver-webhook"),
+            ("ValidatingAdmissionPolicy", "gpu-dra-driver-resourceslices"),
+            ("ValidatingAdmissionPolicyBinding", "gpu-dra-driver-resourceslices"),
+            ("ValidatingWebhookConfiguration", "gpu-dra-driver-webhook"),
+        ]
+    )
+    for d in default_docs + mock_docs:
+        if d["kind"] not in {
+            "ClusterRole",
+            "ClusterRoleBinding",
+            "DeviceClass",
+            "ValidatingAdmissionPolicy",
+            "ValidatingAdmissionPolicyBinding",
+            "ValidatingWebhookConfiguration",
+        }:
+            assert d["metadata"]["namespace"] == NAMESPACE, d["metadata"]
+
+
+# --- RBAC -----------------------------------------------------------------------------
+
+BASE_RULES = [
+    {
+        "apiGroups": ["resource.k8s.io"],
+        "resources": ["resourceslices"],
+        "verbs": ["get", "list", "watch", "create", "update", "patch", "delete"],
+    },
+    {"apiGroups": ["resource.k8s.io"], "resources": ["resourceclaims"], "verbs": ["get"]},
+    {"apiGroups": ["", "events.k8s.io"], "resources": ["events"], "verbs": ["create", "patch"]},
+    {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get"]},
+]
+STATUS_RULES = [
+    {
+        "apiGroups": ["resource.k8s.io"],
+        "resources": ["resourceclaims/status"],
+        "verbs": ["update", "patch"],
+    },
+    {
+        "apiGroups": ["resource.k8s.io"],
+        "resources": ["resourceclaims/driver"],
+        "verbs": ["associated-node:update", "associated-node:patch"],
+        "resourceNames": [DRIVER],
+    },
+]
+
+
+def _sorted_rules(rules: list[Doc]) -> list[str]:
+    return sorted(yaml.safe_dump(r, sort_keys=True) for r in rules)
+
+
+def test_rbac_is_exactly_least_privilege(default_docs: list[Doc]) -> None:
+    role = one(default_docs, "ClusterRole")
+    assert _sorted_rules(role["rules"]) == _sorted_rules(BASE_RULES)
+
+
+def test_rbac_device_status_adds_claim_status_rules(mock_docs: list[Doc]) -> None:
+    # values-mock.yaml enables deviceStatus.
+    role = one(mock_docs, "ClusterRole")
+    assert _sorted_rules(role["rules"]) == _sorted_rules(BASE_RULES + STATUS_RULES)
+    other = render("--set", "deviceStatus=true", "--set", "driverName=gpu.acme.io")
+    rules = one(other, "ClusterRole")["rules"]
+    assert [r["resourceNames"] for r in rules if "resourceNames" in r] == [["gpu.acme.io"]]
+
+
+def test_no_wildcards_or_secrets_in_rbac(default_docs: list[Doc], mock_docs: list[Doc]) -> None:
+    for docs in (default_docs, mock_docs):
+        for rule in one(docs, "ClusterRole")["rules"]:
+            for key in ("apiGroups", "resources", "verbs"):
+                assert "*" not in rule[key], rule
+            assert "secrets" not in rule["resources"]
+            assert "pods" not in rule["resources"]
+
+
+def test_binding_targets_plugin_service_account(default_docs: list[Doc]) -> None:
+    binding = one(default_docs, "ClusterRoleBinding")
+    assert binding["roleRef"]["name"] == one(default_docs, "ClusterRole")["metadata"]["name"]
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": "gpu-dra-driver-kubeletplugin", "namespace": NAMESPACE}
+    ]
+    pod = one(default_docs, "DaemonSet")["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == "gpu-dra-driver-kubeletplugin"
+
+
+# --- ValidatingAdmissionPolicy ---------------------------------------------------------
+
+
+def test_policy_limits_plugin_to_own_node(default_docs: list[Doc]) -> None:
+    vap = one(default_docs, "ValidatingAdmissionPolicy")
+    spec = vap["spec"]
+    assert spec["failurePolicy"] == "Fail"
+    (rule,) = spec["matchConstraints"]["resourceRules"]
+    assert rule["resources"] == ["resourceslices"]
+    assert set(rule["operations"]) == {"CREATE", "UPDATE", "DELETE"}
+    (cond,) = spec["matchConditions"]
+    assert f"system:serviceaccount:{NAMESPACE}:gpu-dra-driver-kubeletplugin" in cond["expression"]
+    variables = {v["name"]: v["expression"] for v in spec["variables"]}
+    assert "authentication.kubernetes.io/node-name" in variables["userNodeName"]
+    assert "oldObject" in variables["slice"] and "DELETE" in variables["slice"]
+    exprs = [v["expression"] for v in spec["validations"]]
+    assert "variables.userNodeName == variables.objectNodeName" in exprs
+    assert any(f"'{DRIVER}'" in e or f'"{DRIVER}"' in e for e in exprs)
+    binding = one(default_docs, "ValidatingAdmissionPolicyBinding")
+    assert binding["spec"] == {"policyName": vap["metadata"]["name"], "validationActions": ["Deny"]}
+
+
+# --- DaemonSet -----------------------------------------------------------------------
+
+
+def test_plugin_host_paths(default_docs: list[Doc], mock_docs: list[Doc]) -> None:
+    for docs, nvml in ((default_docs, True), (mock_docs, False)):
+        pod = one(docs, "DaemonSet")["spec"]["template"]["spec"]
+        host_paths = {v["name"]: v["hostPath"]["path"] for v in pod["volumes"] if "hostPath" in v}
+        expected = {
+            "plugins-registry": "/var/lib/kubelet/plugins_registry",
+            "plugin-data": f"/var/lib/kubelet/plugins/{DRIVER}",
+            "cdi": "/var/run/cdi",
+        }
+        if nvml:
+            expected["driver-root"] = "/"
+        assert host_paths == expected
+        mounts = {m["name"]: m for m in plugin_container(docs)["volumeMounts"]}
+        # Sockets and CDI specs: identical paths inside the container and on the host.
+        for name in ("plugins-registry", "plugin-data", "cdi"):
+            assert mounts[name]["mountPath"] == host_paths[name]
+        if nvml:
+            assert mounts["driver-root"]["readOnly"] is True
+            assert mounts["driver-root"]["mountPath"] == "/driver-root"
+
+
+def test_plugin_env_matches_plugin_flags(default_docs: list[Doc], mock_docs: list[Doc]) -> None:
+    for docs, extra in ((default_docs, DRIVER_ROOT_ENV), (mock_docs, set())):
+        env = env_of(plugin_container(docs))
+        assert set(env) - PLUGIN_FLAG_ENV - extra == set(), "env var the plugin does not read"
+        assert set(env) >= PLUGIN_FLAG_ENV - {"MOCK_FLEET"}
+        assert env["NODE_NAME"]["valueFrom"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
+        assert env["POD_UID"]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.uid"}}
+        for e in env.values():
+            if "value" in e:
+                assert isinstance(e["value"], str), e
+    assert env_of(plugin_container(default_docs))["NVML_BACKEND"]["value"] == "nvml"
+    assert env_of(plugin_container(mock_docs))["NVML_BACKEND"]["value"] == "mock"
+
+
+def test_plugin_env_parses_with_plugin_flags(
+    mock_docs: list[Doc], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The chart's env, fed to the plugin's own flag parser, gives the intended options."""
+    from driver.plugin.flags import parse_options
+
+    for name in PLUGIN_FLAG_ENV | DRIVER_ROOT_ENV:
+        monkeypatch.delenv(name, raising=False)
+    for name, e in env_of(plugin_container(mock_docs)).items():
+        monkeypatch.setenv(name, e.get("value", "node-a" if name == "NODE_NAME" else "uid-1"))
+    opts = parse_options([])
+    assert opts.node_name == "node-a"
+    assert opts.pod_uid == "uid-1"
+    assert opts.driver_name == DRIVER
+    assert opts.nvml_backend == "mock"
+    assert str(opts.cdi_root) == "/var/run/cdi"
+    assert str(opts.data_dir) == f"/var/lib/kubelet/plugins/{DRIVER}"
+    assert opts.device_status is True
+    assert opts.http_port == 8080
+    assert opts.xid_taint_effect == "NoSchedule"
+    assert opts.permanent_errors == "invalid-config,device-failed"
+    assert opts.verbosity == 4
+
+
+def test_plugin_probe_ports_and_rolling_update(default_docs: list[Doc]) -> None:
+    ds = one(default_docs, "DaemonSet")
+    c = plugin_container(default_docs)
+    port = int(env_of(c)["HTTP_PORT"]["value"])
+    assert c["ports"] == [{"name": "metrics", "containerPort": port, "protocol": "TCP"}]
+    assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"}
+    assert c["command"] == ["gpu-kubelet-plugin"]
+    assert ds["spec"]["updateStrategy"] == {
+        "type": "RollingUpdate",
+        "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
+    }
+    svc = next(d for d in default_docs if d["metadata"]["name"].endswith("kubeletplugin-metrics"))
+    assert svc["spec"]["ports"][0]["targetPort"] == "metrics"
+    surge0 = render(
+        "--set",
+        "kubeletPlugin.updateStrategy.rollingUpdate.maxSurge=0",
+        "--set",
+        "kubeletPlugin.updateStrategy.rollingUpdate.maxUnavailable=1",
+    )
+    assert one(surge0, "DaemonSet")["spec"]["updateStrategy"]["rollingUpdate"] == {
+        "maxSurge": 0,
+        "maxUnavailable": 1,
+    }
+
+
+def test_plugin_privileged_only_for_real_nvml(
+    default_docs: list[Doc], mock_docs: list[Doc]
+) -> None:
+    real = plugin_container(default_docs)["securityContext"]
+    assert real["privileged"] is True and real["runAsUser"] == 0
+    mock = plugin_container(mock_docs)["securityContext"]
+    assert mock["privileged"] is False
+    assert mock["runAsUser"] == 0  # sockets in root-owned host directories
+    assert mock["allowPrivilegeEscalation"] is False
+    assert mock["readOnlyRootFilesystem"] is True
+    assert mock["capabilities"] == {"drop": ["ALL"]}
+
+
+def test_mock_fleet_is_mounted_from_a_configmap() -> None:
+    docs = render("--values", str(MOCK_VALUES), "--set", "nvml.mockFleet=gpus: []")
+    cm = one(docs, "ConfigMap")
+    assert cm["data"]["mock-fleet.yaml"].strip() == "gpus: []"
+    env = env_of(plugin_container(docs))
+    assert env["MOCK_FLEET"]["value"] == "/etc/gpu-dra-driver/mock-fleet.yaml"
+    mounts = {m["mountPath"] for m in plugin_container(docs)["volumeMounts"]}
+    assert "/etc/gpu-dra-driver" in mounts
+
+
+# --- DeviceClasses --------------------------------------------------------------------
+
+
+def test_device_classes(default_docs: list[Doc]) -> None:
+    classes = {d["metadata"]["name"]: d for d in default_docs if d["kind"] == "DeviceClass"}
+    whole = classes[DRIVER]["spec"]["selectors"][0]["cel"]["expression"]
+    part = classes[f"mig.{DRIVER}"]["spec"]["selectors"][0]["cel"]["expression"]
+    for expr in (whole, part):
+        assert f"device.driver == '{DRIVER}'" in expr
+    assert f"!('profile' in device.attributes['{DRIVER}'])" in whole
+    assert f"'profile' in device.attributes['{DRIVER}']" in part
+    renamed = render("--set", "driverName=gpu.acme.io")
+    names = {d["metadata"]["name"] for d in renamed if d["kind"] == "DeviceClass"}
+    assert names == {"gpu.acme.io", "mig.gpu.acme.io"}
+
+
+# --- webhook --------------------------------------------------------------------------
+
+
+def test_webhook_configuration(default_docs: list[Doc]) -> None:
+    vwc = one(default_docs, "ValidatingWebhookConfiguration")
+    (hook,) = vwc["webhooks"]
+    (rule,) = hook["rules"]
+    assert rule["apiGroups"] == ["resource.k8s.io"]
+    assert set(rule["apiVersions"]) == {"v1", "v1beta1", "v1beta2"}
+    assert set(rule["resources"]) == {"resourceclaims", "resourceclaimtemplates"}
+    assert set(rule["operations"]) == {"CREATE", "UPDATE"}
+    svc = hook["clientConfig"]["service"]
+    assert svc["path"] == "/validate-resource-claim-parameters"
+    assert svc["name"] == "gpu-dra-driver-webhook" and svc["namespace"] == NAMESPACE
+    assert hook["sideEffects"] == "None" and hook["admissionReviewVersions"] == ["v1"]
+    assert f"'{DRIVER}'" in hook["matchConditions"][0]["expression"]
+    ca = base64.b64decode(hook["clientConfig"]["caBundle"]).decode()
+    assert ca.startswith("-----BEGIN CERTIFICATE-----")
+    secret = one(default_docs, "Secret")
+    assert secret["type"] == "kubernetes.io/tls"
+    assert base64.b64decode(secret["data"]["ca.crt"]).decode() == ca
+    assert "PRIVATE KEY" in base64.b64decode(secret["data"]["tls.key"]).decode()
+
+    dep = one(default_docs, "Deployment", "webhook")
+    pod = dep["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    assert c["command"] == ["gpu-dra-webhook"]
+    assert c["args"] == [
+        "--tls-cert-file=/cert/tls.crt",
+        "--tls-private-key-file=/cert/tls.key",
+        "--port=8443",
+        f"--driver-name={DRIVER}",
+    ]
+    assert c["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "webhook", "scheme": "HTTPS"}
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["automountServiceAccountToken"] is False
+    assert pod["volumes"] == [{"name": "cert", "secret": {"secretName": secret["metadata"]["name"]}}]
+
+
+def test_webhook_cert_manager_variant() -> None:
+    docs = render("--set", "webhook.certManager.enabled=true")
+    kinds = {d["kind"] for d in docs}
+    assert {"Issuer", "Certificate"} <= kinds
+    assert "Secret" not in kinds
+    vwc = one(docs, "ValidatingWebhookConfiguration")
+    assert vwc["metadata"]["annotations"]["cert-manager.io/inject-ca-from"] == (
+        f"{NAMESPACE}/gpu-dra-driver-webhook-cert"
+    )
+    assert "caBundle" not in vwc["webhooks"][0]["clientConfig"]
+    cert = one(docs, "Certificate")
+    assert f"gpu-dra-driver-webhook.{NAMESPACE}.svc" in cert["spec"]["dnsNames"]
+
+
+def test_webhook_disabled() -> None:
+    docs = render("--set", "webhook.enabled=false")
+    assert not [d for d in docs if "webhook" in d["metadata"]["name"]]
+
+
+# --- values hygiene -------------------------------------------------------------------
+
+SECRET_KEY = re.compile(r"(password|passwd|token|secret|credential|apikey|privatekey)", re.I)
+
+
+def _leaves(node: Any, prefix: str = "") -> list[tuple[str, Any]]:
+    if isinstance(node, dict) and node:
+        out: list[tuple[str, Any]] = []
+        for k, v in node.items():
+            out += _leaves(v, f"{prefix}.{k}" if prefix else str(k))
+        return out
+    return [(prefix, node)]
+
+
+@pytest.mark.parametrize("path", [CHART / "values.yaml", MOCK_VALUES], ids=lambda p: p.name)
+def test_no_secrets_in_values(path: Path) -> None:
+    text = path.read_text()
+    assert "BEGIN" not in text and "PRIVATE KEY" not in text
+    for key, value in _leaves(yaml.safe_load(text)):
+        if SECRET_KEY.search(key.split(".")[-1]):
+            # Only references to Secrets by name are allowed, never their content.
+            assert key == "imagePullSecrets" and value == [], (key, value)
+
+
+def documented_values() -> tuple[list[str], list[str]]:
+    """Paths of values.yaml keys with a '# --' comment, and leaves not covered by one."""
+    lines = (CHART / "values.yaml").read_text().splitlines()
+    stack: list[tuple[int, str, bool]] = []  # indent, key, documented (itself or ancestor)
+    documented, undocumented = [], []
+    for i, line in enumerate(lines):
+        m = re.match(r"^(\s*)([A-Za-z]\w*):(.*)$", line)
+        if not m:
+            continue
+        indent, key, rest = len(m.group(1)), m.group(2), m.group(3).strip()
+        while stack and stack[-1][0] >= indent:
+            stack.pop()
+        j = i - 1
+        while j >= 0 and lines[j].strip().startswith("#") and "# --" not in lines[j]:
+            j -= 1
+        has_doc = j >= 0 and lines[j].strip().startswith("# --")
+        covered = has_doc or any(d for _, _, d in stack)
+        path = ".".join([k for _, k, _ in stack] + [key])
+        if has_doc:
+            documented.append(path)
+        elif rest and not covered:
+            undocumented.append(path)
+        stack.append((indent, key, covered))
+    return documented, undocumented
+
+
+def test_every_value_is_documented() -> None:
+    documented, undocumented = documented_values()
+    assert undocumented == [], "values without a '# --' comment in values.yaml"
+    assert len(documented) > 60
+    readme = (CHART / "README.md").read_text()
+    missing = [k for k in documented if f"`{k}`" not in readme]
+    assert missing == [], "values missing from the chart README"
+    schema = yaml.safe_load((CHART / "values.schema.json").read_text())
+    assert schema["additionalProperties"] is False
+
+
+def test_kind_config_uses_the_local_cluster_feature_gates() -> None:
+    gates = subprocess.run(
+        ["bash", "-c", 'HACK_DIR=hack; source hack/lib/common.sh; echo "$FEATURE_GATES|$RUNTIME_CONFIG"'],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    feature_gates, runtime_config = gates.split("|")
+    proc = subprocess.run(
+        ["bash", str(REPO / "hack" / "kind" / "create-cluster.sh"), "--print-config"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    config = yaml.safe_load(proc.stdout)
+    assert config["featureGates"] == {
+        k: v == "true" for k, v in (item.split("=") for item in feature_gates.split(","))
+    }
+    assert config["runtimeConfig"] == dict(item.split("=") for item in runtime_config.split(","))
+    assert "enable_cdi = true" in config["containerdConfigPatches"][0]
+    assert [n["role"] for n in config["nodes"]] == ["control-plane", "worker"]
