@@ -7,6 +7,10 @@ prompt), classifies each event (`XidPolicy`), records fatal ones in the
 republish. It never dies: any exception is logged and followed by a short backoff;
 an event set that failed is reopened.
 
+With `data_dir` and a backend over `MockNvml`, the monitor also serves the mock
+control channel (`driver.health.mock_control`): it announces itself on `start()`,
+polls the spool before every event wait and withdraws on `stop()`.
+
 `KubeDeviceHealth` implements the `DeviceHealth` protocol of `driver.state.prepare`.
 """
 
@@ -15,12 +19,15 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Protocol
 
 from driver.errors import transient
-from driver.health.store import HealthDevice, HealthStore
+from driver.health.mock_control import MockControl
+from driver.health.store import Devices, HealthStore, device_list
 from driver.health.xid import Verdict, XidPolicy
+from driver.nvml.mock import MockNvml
 from driver.nvml.types import HealthEvent
 from driver.observability import metrics
 
@@ -54,8 +61,10 @@ class HealthMonitor:
         store: HealthStore,
         policy: XidPolicy,
         publisher: Publisher | None,
-        devices: Iterable[HealthDevice] = (),
+        devices: Devices = (),
         *,
+        data_dir: str | Path | None = None,
+        node_name: str = "",
         wait_timeout_ms: int = DEFAULT_WAIT_TIMEOUT_MS,
         pollers: Sequence[Callable[[], object]] = (),
         error_backoff: float = 0.5,
@@ -67,9 +76,15 @@ class HealthMonitor:
         self._store = store
         self._policy = policy
         self._publisher = publisher
-        self._devices = list(devices)
+        self._devices = device_list(devices)
         self._wait_ms = wait_timeout_ms
         self._pollers = list(pollers)
+        # The mock backend's control channel (`gpu-dra mock ...`), polled on every wait.
+        self.mock_control: MockControl | None = None
+        module = getattr(backend, "module", None)
+        if data_dir is not None and isinstance(module, MockNvml):
+            self.mock_control = MockControl(data_dir, module, self._devices, node_name=node_name)
+            self._pollers.append(self.mock_control.poll)
         self._backoff0 = error_backoff
         self._max_backoff = max_backoff
         self._backoff = error_backoff
@@ -86,6 +101,8 @@ class HealthMonitor:
         if self._thread is not None:
             raise RuntimeError("health monitor already started")
         log.info("health monitor: %s", self._policy.describe())
+        if self.mock_control is not None:
+            self.mock_control.activate()
         self._thread = threading.Thread(target=self._run, name="health-monitor", daemon=True)
         self._thread.start()
 
@@ -96,6 +113,8 @@ class HealthMonitor:
             if self._thread.is_alive():
                 log.warning("health monitor did not stop within %.1fs", timeout)
         self._close()
+        if self.mock_control is not None:
+            self.mock_control.close()
 
     @property
     def running(self) -> bool:
@@ -186,13 +205,13 @@ class KubeDeviceHealth:
         self,
         store: HealthStore,
         publisher: Publisher,
-        devices: Iterable[HealthDevice],
+        devices: Devices,
         *,
         sync_timeout: float = 10.0,
     ) -> None:
         self._store = store
         self._publisher = publisher
-        self._gpu_of = {d.name: d.gpu_uuid for d in devices}
+        self._gpu_of = {d.name: d.gpu_uuid for d in device_list(devices)}
         self._timeout = sync_timeout
 
     def failure(self, device_name: str) -> str | None:

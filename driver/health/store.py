@@ -74,6 +74,16 @@ class GpuFailure:
         return taint
 
 
+Devices = Iterable[HealthDevice] | Mapping[str, HealthDevice]
+
+
+def device_list(devices: Devices) -> list[HealthDevice]:
+    """Devices given as a sequence or as a name -> device mapping."""
+    if isinstance(devices, Mapping):
+        return list(devices.values())
+    return list(devices)
+
+
 def _now_rfc3339() -> str:
     return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
@@ -236,9 +246,9 @@ class HealthStore:
         with self._cond:
             return dict(self._failures)
 
-    def set_devices(self, devices: Iterable[HealthDevice]) -> None:
+    def set_devices(self, devices: Devices) -> None:
         """The published devices, for `failure(device_name)`."""
-        mapping = {d.name: d.gpu_uuid for d in devices}
+        mapping = {d.name: d.gpu_uuid for d in device_list(devices)}
         with self._cond:
             self._devices = mapping
 
@@ -251,7 +261,7 @@ class HealthStore:
 
     def device_taints(
         self,
-        devices: Iterable[HealthDevice],
+        devices: Devices,
         *,
         driver: str | None = None,
         effect: str = "NoSchedule",
@@ -261,19 +271,12 @@ class HealthStore:
         driver = driver or self.driver
         failures = self.failed_gpus()
         out: dict[str, list[dict[str, str]]] = {}
-        for device in devices:
+        for device in device_list(devices):
             failure = failures.get(device.gpu_uuid)
             if failure is not None:
                 out[device.name] = [failure.taint(driver, effect)]
         return out
 
-    def tainted_device_count(self, devices: Iterable[HealthDevice]) -> int:
+    def tainted_device_count(self, devices: Devices) -> int:
         failures = self.failed_gpus()
-        return sum(1 for d in devices if d.gpu_uuid in failures)
-
-
-def failures_by_device(
-    failures: Mapping[str, GpuFailure], devices: Iterable[HealthDevice]
-) -> dict[str, GpuFailure | None]:
-    """Device name -> its GPU's failure (None when healthy), in device order."""
-    return {d.name: failures.get(d.gpu_uuid) for d in devices}
+        return sum(1 for d in device_list(devices) if d.gpu_uuid in failures)

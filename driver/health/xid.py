@@ -104,15 +104,16 @@ class XidPolicy:
     @classmethod
     def from_flags(
         cls,
-        additional_xids_to_ignore: str | Iterable[int] | None = None,
-        fatal_xids: str | Iterable[int] | None = None,
+        additional_ignored: str | Iterable[int] | None = None,
+        fatal: str | Iterable[int] | None = None,
     ) -> XidPolicy:
-        """The policy for flag values (strings as given on the command line, or ints)."""
-        extra = _as_list(additional_xids_to_ignore, IGNORE_FLAG)
-        fatal = _as_list(fatal_xids, FATAL_FLAG)
+        """The policy for `--additional-xids-to-ignore` and `--fatal-xids` values (strings
+        as given on the command line, or ints). Raises XidListError naming the flag."""
+        extra = _as_list(additional_ignored, IGNORE_FLAG)
+        forced = _as_list(fatal, FATAL_FLAG)
         return cls(
             ignored=XidList(DEFAULT_IGNORED_XIDS | extra.xids, extra.all),
-            fatal=fatal,
+            fatal=forced,
         )
 
     @classmethod

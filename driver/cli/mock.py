@@ -1,0 +1,113 @@
+"""`gpu-dra mock xid|lost|reset`: inject health events into a running mock plugin.
+
+Works only against a kubelet plugin started with the mock NVML backend. The request
+goes through the plugin's root-only spool directory `<state-dir>/mock-control/`; the
+plugin injects it into its mock NVML, where it takes the same path as a real event
+(classification, taint, health stream). Run it inside the plugin's pod:
+
+    kubectl exec -n <ns> <plugin-pod> -- gpu-dra mock xid --device gpu-3 --xid 79
+    kubectl exec -n <ns> <plugin-pod> -- gpu-dra mock lost --device gpu-0-mig-1g10gb-0
+    kubectl exec -n <ns> <plugin-pod> -- gpu-dra mock reset --all
+
+A partition name means its GPU. Exit codes: 0 injected, 1 refused or no mock plugin
+consumes the spool, 2 usage error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any, TextIO
+
+from driver.health.mock_control import (
+    DEFAULT_STATE_DIR,
+    MockControlError,
+    MockRequest,
+    submit,
+)
+
+STATE_DIR_ENV = "GPU_DRA_STATE_DIR"
+
+
+def _xid(text: str) -> int:
+    try:
+        value = int(text, 10)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an Xid: {text!r}") from None
+    if not 0 < value <= 0xFFFFFFFF:
+        raise argparse.ArgumentTypeError(f"Xid {value} is out of range (1..4294967295)")
+    return value
+
+
+def _positive(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def _common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--state-dir",
+        default=os.environ.get(STATE_DIR_ENV) or str(DEFAULT_STATE_DIR),
+        help=f"the plugin's data directory (default: ${STATE_DIR_ENV} or %(default)s)",
+    )
+    parser.add_argument(
+        "--timeout",
+        type=_positive,
+        default=5.0,
+        help="seconds to wait for the plugin's answer (default: %(default)s)",
+    )
+
+
+def add_parser(subcommands: Any) -> None:
+    parser: argparse.ArgumentParser = subcommands.add_parser(
+        "mock",
+        help="inject health events (Xid, GPU lost, reset) into a running mock plugin",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    actions = parser.add_subparsers(dest="mock_action", required=True, metavar="ACTION")
+
+    xid = actions.add_parser("xid", help="report an Xid error on a device's GPU")
+    xid.add_argument("--device", required=True, help="gpu-<n>, a partition name, or a GPU UUID")
+    xid.add_argument("--xid", required=True, type=_xid, help="the Xid number, e.g. 79")
+    _common(xid)
+    xid.set_defaults(run=run)
+
+    lost = actions.add_parser("lost", help="make a device's GPU fall off the bus (GPU is lost)")
+    lost.add_argument("--device", required=True, help="gpu-<n>, a partition name, or a GPU UUID")
+    _common(lost)
+    lost.set_defaults(run=run)
+
+    reset = actions.add_parser("reset", help="reset a GPU (or all): clears its health taints")
+    target = reset.add_mutually_exclusive_group(required=True)
+    target.add_argument("--device", help="gpu-<n>, a partition name, or a GPU UUID")
+    target.add_argument("--all", action="store_true", help="reset every GPU of the node")
+    _common(reset)
+    reset.set_defaults(run=run)
+
+
+def request_from_args(args: argparse.Namespace) -> MockRequest:
+    return MockRequest(
+        action=args.mock_action,
+        device=args.device,
+        xid=getattr(args, "xid", None),
+        all=bool(getattr(args, "all", False)),
+    )
+
+
+def run(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None = None) -> int:
+    out = out if out is not None else sys.stdout
+    err = err if err is not None else sys.stderr
+    try:
+        message = submit(args.state_dir, request_from_args(args), timeout=args.timeout)
+    except MockControlError as error:
+        print(f"gpu-dra mock {args.mock_action}: {error}", file=err)
+        return 1
+    print(f"injected: {message}", file=out)
+    return 0

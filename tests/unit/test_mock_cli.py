@@ -1,0 +1,266 @@
+"""`gpu-dra mock ...` through the spool directory to a running monitor's MockNvml."""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import stat
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from driver.cli import mock as mock_cli
+from driver.devices.model import PoolDevices, build_pool
+from driver.health.mock_control import (
+    ACTIVE_NAME,
+    MockControl,
+    MockControlError,
+    MockRequest,
+    spool_dir,
+    submit,
+)
+from driver.health.monitor import HealthMonitor
+from driver.health.store import HealthStore
+from driver.health.xid import XidPolicy
+from driver.nvml.backend import NvmlBackend
+from driver.nvml.fleet import default_fleet
+from driver.nvml.mock import MockNvml
+
+DRIVER = "gpu.example.com"
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="gpu-dra")
+    mock_cli.add_parser(parser.add_subparsers(dest="command", required=True))
+    return parser.parse_args(argv)
+
+
+def cli(argv: list[str]) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    code = mock_cli.run(parse(argv), out=out, err=err)
+    return code, out.getvalue(), err.getvalue()
+
+
+class Plugin:
+    """A monitor over a mock backend with the control channel, as the plugin wires it."""
+
+    def __init__(self, state_dir: Path) -> None:
+        self.mock = MockNvml(default_fleet(), "node-1")
+        backend = NvmlBackend(self.mock)
+        self.pool: PoolDevices = build_pool(backend.discover())
+        self.store = HealthStore(state_dir / "health.json")
+        self.monitor = HealthMonitor(
+            backend,
+            self.store,
+            XidPolicy(),
+            None,
+            self.pool.devices,
+            data_dir=state_dir,
+            node_name="node-1",
+        )
+
+    def uuid(self, minor: int) -> str:
+        return self.pool.device(f"gpu-{minor}").gpu_uuid
+
+    def wait_for(self, predicate: Callable[[], bool], timeout: float = 2.0) -> float:
+        start = time.monotonic()
+        while not predicate():
+            assert time.monotonic() - start < timeout, "condition not reached"
+            time.sleep(0.005)
+        return time.monotonic() - start
+
+
+@pytest.fixture
+def plugin(tmp_path: Path) -> Iterator[Plugin]:
+    p = Plugin(tmp_path)
+    p.monitor.start()
+    yield p
+    p.monitor.stop()
+
+
+def test_xid_lost_reset_round_trip(plugin: Plugin, tmp_path: Path) -> None:
+    start = time.monotonic()
+    code, out, err = cli(
+        ["mock", "xid", "--device", "gpu-3", "--xid", "79", "--state-dir", str(tmp_path)]
+    )
+    assert (code, err) == (0, "")
+    assert out.startswith("injected: Xid 79 on gpu-3 (GPU-")
+    plugin.wait_for(lambda: plugin.store.gpu_failure(plugin.uuid(3)) is not None)
+    assert time.monotonic() - start < 0.5
+    taints = plugin.store.device_taints(plugin.pool.devices, driver=DRIVER, effect="NoSchedule")
+    assert set(taints) == {d.name for d in plugin.pool.devices_of_gpu(plugin.uuid(3))}
+
+    # A partition name means its GPU.
+    code, out, _ = cli(
+        ["mock", "lost", "--device", "gpu-2-mig-1g10gb-0", "--state-dir", str(tmp_path)]
+    )
+    assert code == 0 and plugin.uuid(2) in out
+    plugin.wait_for(lambda: plugin.store.gpu_failure(plugin.uuid(2)) is not None)
+    failure = plugin.store.gpu_failure(plugin.uuid(2))
+    assert failure is not None and failure.kind == "gpu-lost"
+    assert plugin.mock.is_lost(plugin.uuid(2))
+
+    code, out, _ = cli(["mock", "reset", "--device", "gpu-3", "--state-dir", str(tmp_path)])
+    assert code == 0 and out.startswith("injected: reset of gpu-3")
+    plugin.wait_for(lambda: plugin.store.gpu_failure(plugin.uuid(3)) is None)
+    assert plugin.store.gpu_failure(plugin.uuid(2)) is not None
+
+    code, out, _ = cli(["mock", "reset", "--all", "--state-dir", str(tmp_path)])
+    assert code == 0 and out.startswith("injected: reset of all GPUs")
+    plugin.wait_for(lambda: plugin.store.failed_gpus() == {})
+    assert not plugin.mock.is_lost(plugin.uuid(2))
+
+
+def test_application_xid_via_cli_changes_nothing(plugin: Plugin, tmp_path: Path) -> None:
+    assert (
+        cli(["mock", "xid", "--device", "gpu-1", "--xid", "13", "--state-dir", str(tmp_path)])[0]
+        == 0
+    )
+    plugin.wait_for(lambda: plugin.monitor.events_handled >= 1)
+    assert plugin.store.failed_gpus() == {}
+
+
+def test_spool_permissions(plugin: Plugin, tmp_path: Path) -> None:
+    spool = spool_dir(tmp_path)
+    assert stat.S_IMODE(spool.stat().st_mode) == 0o700
+    assert stat.S_IMODE((spool / ACTIVE_NAME).stat().st_mode) == 0o600
+    marker = json.loads((spool / ACTIVE_NAME).read_text())
+    assert marker["pid"] == os.getpid() and marker["node"] == "node-1"
+
+
+def test_unknown_device_is_refused(plugin: Plugin, tmp_path: Path) -> None:
+    code, out, err = cli(
+        ["mock", "xid", "--device", "gpu-99", "--xid", "79", "--state-dir", str(tmp_path)]
+    )
+    assert code == 1 and out == ""
+    assert "the plugin refused the request: unknown device 'gpu-99'" in err
+    assert "gpu-0" in err
+    assert plugin.store.failed_gpus() == {}
+
+
+def test_no_plugin_fails_clearly(tmp_path: Path) -> None:
+    code, _, err = cli(
+        ["mock", "xid", "--device", "gpu-3", "--xid", "79", "--state-dir", str(tmp_path)]
+    )
+    assert code == 1
+    assert "no kubelet plugin with the mock NVML backend is consuming" in err
+    assert not spool_dir(tmp_path).exists()  # the CLI never creates the spool
+
+
+def test_stopped_plugin_fails_clearly(tmp_path: Path) -> None:
+    plugin = Plugin(tmp_path)
+    plugin.monitor.start()
+    plugin.monitor.stop()
+    assert not (spool_dir(tmp_path) / ACTIVE_NAME).exists()
+    code, _, err = cli(["mock", "reset", "--all", "--state-dir", str(tmp_path)])
+    assert code == 1 and "no kubelet plugin" in err
+
+
+def test_stale_marker_fails_clearly(tmp_path: Path) -> None:
+    control = MockControl(tmp_path, MockNvml(default_fleet(), "node-1"))
+    control.activate()
+    marker = spool_dir(tmp_path) / ACTIVE_NAME
+    old = time.time() - 60
+    os.utime(marker, (old, old))
+    with pytest.raises(MockControlError, match=r"is not running: its ACTIVE marker is \d+s old"):
+        submit(tmp_path, MockRequest("reset", all=True))
+
+
+def test_unanswered_request_is_withdrawn(tmp_path: Path) -> None:
+    control = MockControl(tmp_path, MockNvml(default_fleet(), "node-1"))
+    control.activate()  # announced, but nobody polls
+    with pytest.raises(MockControlError, match="did not answer within"):
+        submit(tmp_path, MockRequest("xid", device="gpu-0", xid=79), timeout=0.1)
+    assert [p.name for p in spool_dir(tmp_path).iterdir()] == [ACTIVE_NAME]
+
+
+def test_requests_owned_by_others_are_refused(tmp_path: Path) -> None:
+    nvml = MockNvml(default_fleet(), "node-1")
+    control = MockControl(tmp_path, nvml)
+    control.activate()
+    request = spool_dir(tmp_path) / "req-00000000000000000001.json"
+    request.write_bytes(MockRequest("lost", device="gpu-0").to_json())
+    os.chown(request, 12345, 12345)
+    assert control.poll() == 1
+    answer = json.loads((spool_dir(tmp_path) / "res-00000000000000000001.json").read_text())
+    assert answer["ok"] is False and "owned by root" in answer["message"]
+    assert not nvml.is_lost(nvml.gpus[0].uuid)
+    assert not request.exists()
+
+
+def test_malformed_request_is_refused(tmp_path: Path) -> None:
+    control = MockControl(tmp_path, MockNvml(default_fleet(), "node-1"))
+    control.activate()
+    (spool_dir(tmp_path) / "req-00000000000000000002.json").write_text('{"action": "explode"}')
+    control.poll()
+    answer = json.loads((spool_dir(tmp_path) / "res-00000000000000000002.json").read_text())
+    assert answer == {"ok": False, "message": "unknown action 'explode'"}
+
+
+def test_spool_consumer_injects_into_mock(tmp_path: Path) -> None:
+    nvml = MockNvml(default_fleet(), "node-1")
+    backend = NvmlBackend(nvml)
+    backend.open_event_set()
+    control = MockControl(tmp_path, nvml)
+    control.activate()
+    answers: list[str] = []
+    thread = threading.Thread(
+        target=lambda: answers.append(submit(tmp_path, MockRequest("xid", device="gpu-5", xid=94)))
+    )
+    thread.start()
+    deadline = time.monotonic() + 2
+    while not control.poll():
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    thread.join(2)
+    assert answers and answers[0].startswith("Xid 94 on gpu-5")
+    event = backend.wait_event(100)
+    assert event is not None and (event.gpu_uuid, event.kind, event.xid) == (
+        nvml.gpus[5].uuid,
+        "xid",
+        94,
+    )
+    backend.close_event_set()
+
+
+def test_restart_drops_stale_requests(tmp_path: Path) -> None:
+    control = MockControl(tmp_path, MockNvml(default_fleet(), "node-1"))
+    control.activate()
+    (spool_dir(tmp_path) / "req-00000000000000000003.json").write_bytes(
+        MockRequest("reset", all=True).to_json()
+    )
+    control.close()
+    again = MockControl(tmp_path, MockNvml(default_fleet(), "node-1"))
+    again.activate()
+    assert again.poll() == 0
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["mock", "reset"], "one of the arguments --device --all is required"),
+        (["mock", "reset", "--device", "gpu-0", "--all"], "not allowed with argument"),
+        (["mock", "xid", "--device", "gpu-0", "--xid", "abc"], "not an Xid: 'abc'"),
+        (["mock", "xid", "--device", "gpu-0", "--xid", "0"], "out of range"),
+        (["mock", "xid", "--device", "gpu-0"], "the following arguments are required: --xid"),
+        (["mock", "lost"], "the following arguments are required: --device"),
+        (["mock"], "required"),
+    ],
+)
+def test_usage_errors(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        parse(argv)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_default_state_dir(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("GPU_DRA_STATE_DIR", raising=False)
+    args = parse(["mock", "reset", "--all"])
+    assert args.state_dir == "/var/lib/kubelet/plugins/gpu.example.com"
+    assert mock_cli.request_from_args(args) == MockRequest("reset", all=True)
