@@ -118,5 +118,6 @@ def run(args: argparse.Namespace) -> int:
     elif args.output == "json":
         print(json.dumps({"apiVersion": "v1", "kind": "List", "items": docs}, indent=2))
     else:
-        sys.stdout.write(yaml.safe_dump_all(docs, sort_keys=False, explicit_start=True))
+        dumper = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
+        sys.stdout.write(yaml.dump_all(docs, Dumper=dumper, sort_keys=False, explicit_start=True))
     return 0

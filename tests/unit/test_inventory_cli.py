@@ -1,0 +1,127 @@
+"""`gpu-dra inventory`: ResourceSlice documents for a mock fleet, and its errors."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from driver.cli import main
+from driver.devices.slices import validate_slice_specs
+
+LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(["inventory", *argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_default_mock_fleet_yaml(
+    capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.WARNING):
+        code, out, _ = run(capsys, "--mock", "--node-name", "n1", "-o", "yaml")
+    assert code == 0
+    docs: list[dict[str, Any]] = list(yaml.load_all(out, Loader=LOADER))
+    assert len(docs) == 5
+    assert all(
+        d["kind"] == "ResourceSlice" and d["apiVersion"] == "resource.k8s.io/v1" for d in docs
+    )
+    specs = [d["spec"] for d in docs]
+    assert validate_slice_specs(specs) == []
+    devices = [dev for s in specs for dev in s.get("devices", [])]
+    gpus = [dev for dev in devices if "-mig-" not in dev["name"]]
+    assert [g["name"] for g in gpus] == [f"gpu-{i}" for i in range(8)]
+    migs = [dev for dev in devices if "-mig-" in dev["name"]]
+    assert len(migs) == 8 * 25
+    assert all(m["consumesCounters"][0]["counterSet"].endswith("-counter-set") for m in migs)
+    assert docs[0]["metadata"]["generateName"] == "00000-gpu.example.com-n1-"
+    assert "USING MOCK NVML" in caplog.text  # the mock is announced loudly
+
+
+def test_json_and_options(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(
+        capsys,
+        "--mock",
+        "example",
+        "--node-name",
+        "dra-example-driver-cluster-worker",
+        "--driver-name",
+        "gpu.acme.io",
+        "--gpu-partitions",
+        "2",
+        "--node-uid",
+        "u-1",
+        "-o",
+        "json",
+    )
+    assert code == 0
+    data = json.loads(out)
+    assert data["kind"] == "List" and len(data["items"]) == 2
+    first, second = data["items"]
+    assert first["spec"]["driver"] == "gpu.acme.io"
+    assert first["metadata"]["ownerReferences"][0]["uid"] == "u-1"
+    assert len(first["spec"]["sharedCounters"]) == 8
+    names = [d["name"] for d in second["spec"]["devices"]][:3]
+    assert names == ["gpu-0-partition-0", "gpu-0-partition-1", "gpu-0-full"]
+    assert second["spec"]["devices"][0]["attributes"]["uuid"] == {
+        "string": "gpu-18db0e85-99e9-c746-8531-ffeb86328b39"
+    }
+
+
+def test_table(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "--mock", "--node-name", "n1", "-o", "table")
+    assert code == 0
+    lines = out.splitlines()
+    assert lines[0].split() == ["DEVICE", "MODEL", "MEMORY", "PARTITIONS", "HEALTH"]
+    assert lines[1].split()[0] == "gpu-0" and "25" in lines[1] and "Healthy" in lines[1]
+    assert "8 GPU(s), 208 device(s) in 5 slice(s)" in out
+    code, out, _ = run(capsys, "--mock", "--node-name", "n1", "-o", "table", "--partitions")
+    assert "gpu-0-mig-1g10gb-me-3" in out and "1g.10gb+me @3+1" in out
+
+
+def test_no_mig(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "--mock", "--node-name", "n1", "--no-mig")
+    docs = list(yaml.load_all(out, Loader=LOADER))
+    assert code == 0 and len(docs) == 1 and len(docs[0]["spec"]["devices"]) == 8
+
+
+def test_fleet_file_and_errors(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    fleet = tmp_path / "fleet.yaml"
+    fleet.write_text("gpus:\n- model: A100-40GB\n  count: 16\n")
+    code, out, _ = run(capsys, "--mock", str(fleet), "--node-name", "big", "-o", "json")
+    assert code == 0
+    specs = [d["spec"] for d in json.loads(out)["items"]]
+    assert validate_slice_specs(specs) == []
+    assert [len(s.get("sharedCounters", [])) for s in specs[:3]] == [8, 8, 0]
+    fleet.write_text("gpus:\n- model: A100-40GB\n  colour: green\n")
+    code, out, err = run(capsys, "--mock", str(fleet), "--node-name", "n")
+    assert code == 1 and out == ""
+    assert "gpus[0].colour: unknown field" in err
+
+
+def test_negative_partitions_rejected(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["inventory", "--mock", "--gpu-partitions", "-1"])
+    assert exc.value.code == 2
+    assert "must be >= 0" in capsys.readouterr().err
+
+
+def test_without_nvml_library_is_a_clear_error(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import pynvml
+
+    def missing() -> None:
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_LIBRARY_NOT_FOUND)
+
+    monkeypatch.setattr(pynvml, "nvmlInit", missing)
+    code, out, err = run(capsys, "--node-name", "n1")
+    assert code == 1 and out == ""
+    assert "NVML is not available" in err and "--mock" in err
