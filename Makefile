@@ -32,8 +32,9 @@ typecheck: venv
 unit: venv
 	$(VENV)/bin/pytest tests/unit $(PYTEST_ARGS)
 
+# Control plane and the real node (kubelet, containerd, runc, Debian packages).
 cluster-build:
-	hack/local-cluster.sh build
+	GPU_DRA_WITH_NODE=1 hack/local-cluster.sh build
 
 cluster-up: cluster-build
 	hack/local-cluster.sh up
@@ -48,6 +49,16 @@ cluster-status:
 # binaries; cluster-build builds them first on a machine where they are missing.
 integration: venv cluster-build
 	$(VENV)/bin/pytest tests/integration $(PYTEST_ARGS)
+
+# The e2e tier starts its own cluster with the real node (or uses GPU_DRA_KUBECONFIG)
+# and installs the chart; the driver image is built by `up` when the sources changed.
+e2e: venv cluster-build
+	$(VENV)/bin/pytest tests/e2e $(PYTEST_ARGS)
+
+# One command on a fresh machine: build what is missing, start the cluster with its
+# node, install the driver, run every demo/ example and the failure scenarios.
+demo:
+	demo/demo.sh
 
 # Everything CI runs: static checks, generated code up to date, every test tier.
 test: venv proto-check lint typecheck cluster-build

@@ -5,6 +5,8 @@
 #   hack/local-cluster.sh build    build (or reuse) etcd and the Kubernetes binaries
 #   hack/local-cluster.sh up       start etcd + control plane, write an admin kubeconfig
 #                                  (builds first when binaries are missing; idempotent)
+#   hack/local-cluster.sh up --with-node   also the real node (same as GPU_DRA_WITH_NODE=1;
+#                                  `build` with GPU_DRA_WITH_NODE=1 builds its binaries)
 #   hack/local-cluster.sh down     stop only the processes this script started, remove
 #                                  the run dir (GPU_DRA_KEEP_RUN_DIR=1 keeps it)
 #   hack/local-cluster.sh status   show what runs and where (exit 1 if not all healthy)
@@ -97,13 +99,19 @@ cmd_env() {
 
 cmd_main() {
   case ${1:-} in
-    build) cmd_build ;;
-    up) cmd_up ;;
+    build)
+      cmd_build
+      if node_wanted; then cmd_build_node; fi
+      ;;
+    up)
+      [[ ${2:-} == --with-node ]] && export GPU_DRA_WITH_NODE=1
+      cmd_up
+      ;;
     down) cmd_down ;;
     status) cmd_status ;;
     env) cmd_env ;;
     bin-dir) printf '%s\n' "$BIN_DIR" ;;
-    *) die "usage: $0 build|up|down|status|env|bin-dir" ;;
+    *) die "usage: $0 build|up [--with-node]|down|status|env|bin-dir" ;;
   esac
 }
 

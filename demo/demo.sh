@@ -1,0 +1,135 @@
+#!/usr/bin/env bash
+# `make demo`: the whole user story on this machine, from nothing.
+#   1. build what is missing (control plane, kubelet, containerd, runc, helm, images)
+#   2. start the local cluster with its real node (hack/local-cluster.sh up --with-node)
+#   3. helm install the driver (mock GPUs) as a DaemonSet on that node
+#   4. apply demo/[0-9]*.yaml, print per pod and container the GPUs it sees (the
+#      GPU_DEVICE_* variables CDI put into the container environment)
+#   5. the permanent-error scenario (KEP-5322) and the Xid/NoExecute scenario
+# The cluster stays up afterwards; `hack/local-cluster.sh down` stops it.
+#
+# Environment: GPU_DRA_DEMO_KEEP=1 leaves the example namespaces in place (default:
+# they stay too; GPU_DRA_DEMO_CLEAN=1 deletes them at the end). Every setting of
+# hack/local-cluster.sh applies (GPU_DRA_CLUSTER_DIR, ports, ...).
+set -euo pipefail
+
+DEMO_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+REPO=$(cd "$DEMO_DIR/.." && pwd)
+CLUSTER=$REPO/hack/local-cluster.sh
+CHART=$REPO/deployments/helm/gpu-dra-driver
+RELEASE="gpu-dra-driver"
+DRIVER_NS="gpu-dra-driver"
+export GPU_DRA_WITH_NODE=1
+
+START=$(date +%s)
+step() { printf '\n\033[1m[demo %4ss] == %s\033[0m\n' "$(( $(date +%s) - START ))" "$*"; }
+say() { printf '[demo %4ss] %s\n' "$(( $(date +%s) - START ))" "$*"; }
+die() { printf 'demo: %s\n' "$*" >&2; exit 1; }
+
+step "1/6 build what is missing (cold: about an hour on 2 cores; warm: seconds)"
+"$CLUSTER" build
+HELM=$("$REPO/hack/install-helm.sh" | tail -n 1)
+
+step "2/6 start the local cluster with its node"
+"$CLUSTER" up --with-node
+eval "$("$CLUSTER" env)"
+k() { kubectl "$@"; }
+NODE=$(k get nodes -o jsonpath='{.items[0].metadata.name}')
+say "node $NODE: $(k get node "$NODE" -o jsonpath='{.status.nodeInfo.kubeletVersion} {.status.nodeInfo.containerRuntimeVersion}')"
+
+step "3/6 helm install the driver (mock GPUs, values-mock.yaml + demo/values-demo.yaml)"
+"$HELM" upgrade --install "$RELEASE" "$CHART" --namespace "$DRIVER_NS" --create-namespace \
+  -f "$CHART/values-mock.yaml" -f "$DEMO_DIR/values-demo.yaml" --wait --timeout 5m
+k -n "$DRIVER_NS" rollout status daemonset --timeout=180s
+PLUGIN_POD=$(k -n "$DRIVER_NS" get pods -l app.kubernetes.io/component=kubeletplugin -o jsonpath='{.items[0].metadata.name}')
+say "plugin pod $PLUGIN_POD registered with the kubelet; waiting for its ResourceSlices"
+devices() { k get resourceslices --field-selector spec.driver=gpu.example.com -o jsonpath='{range .items[*]}{range .spec.devices[*]}{.name}{"\n"}{end}{end}' | grep -c . || true; }
+for _ in $(seq 120); do (( $(devices) > 0 )) && break; sleep 1; done
+sleep 3
+say "$(k get resourceslices --field-selector spec.driver=gpu.example.com --no-headers | wc -l) ResourceSlices, $(devices) devices (20 mock GPUs and their MIG partitions)"
+
+step "4/6 apply the examples"
+for f in "$DEMO_DIR"/[0-9]*.yaml; do
+  say "kubectl apply -f demo/$(basename "$f")"
+  k apply -f "$f" >/dev/null
+done
+say "waiting for every example pod to be Ready"
+k wait pods -A -l app=gpu-demo --for=condition=Ready --timeout=300s >/dev/null ||
+  { k get pods -A -l app=gpu-demo -o wide; k get events -A --field-selector type=Warning | tail -20; die "example pods not Ready"; }
+k get pods -A -l app=gpu-demo -o wide
+
+step "5/6 the GPUs each container sees (kubectl logs: env | grep GPU_DEVICE)"
+for f in "$DEMO_DIR"/[0-9]*.yaml; do
+  ns=$(awk '/^kind: Namespace/{f=1} f && /name:/{print $2; exit}' "$f")
+  printf '\n# %s (namespace %s)\n' "$(basename "$f")" "$ns"
+  for pod in $(k -n "$ns" get pods -l app=gpu-demo -o jsonpath='{.items[*].metadata.name}'); do
+    for c in $(k -n "$ns" get pod "$pod" -o jsonpath='{.spec.containers[*].name}'); do
+      gpus=$(k -n "$ns" logs "$pod" -c "$c" | sed -n 's/^GPU_DEVICE_[A-Z0-9_]*=\(gpu-.*\)$/\1/p' | sort -V | tr '\n' ' ')
+      extra=$(k -n "$ns" logs "$pod" -c "$c" | grep -E '_(SHARING_STRATEGY|TIMESLICE_INTERVAL|PARTITION_COUNT)=|^DRA_ADMIN_ACCESS=true' | sed 's/^GPU_DEVICE_//' | sort -u | tr '\n' ' ')
+      printf '  %-8s %-8s GPUs: %s\n' "$pod" "$c" "${gpus:-none}"
+      [[ -n $extra ]] && printf '  %-17s %s\n' "" "$extra"
+    done
+  done
+done
+say "prioritized alternatives: $(k -n gpu-demo-prioritized get resourceclaims -o jsonpath='{range .items[*]}{.metadata.name}={.status.allocation.devices.results[0].request} {end}')"
+
+step "6/6 failure scenarios"
+say "permanent error: a claim asks for 64 partitions (demo/scenarios/permanent-error.yaml)"
+k apply -f "$DEMO_DIR/scenarios/permanent-error.yaml" >/dev/null
+msg=
+for _ in $(seq 120); do
+  msg=$(k -n gpu-demo-permanent-error get events --field-selector reason=FailedPrepareDynamicResources -o jsonpath='{.items[0].message}' 2>/dev/null || true)
+  [[ -n $msg ]] && break
+  sleep 1
+done
+[[ $msg == *"permanent (invalid-config)"* ]] || die "no FailedPrepareDynamicResources event with 'permanent (invalid-config)' (got: ${msg:-nothing})"
+say "pod0 event FailedPrepareDynamicResources: $msg"
+PLUGIN_IP=$(k -n "$DRIVER_NS" get pod "$PLUGIN_POD" -o jsonpath='{.status.podIP}')
+replays() { curl -sf "http://$PLUGIN_IP:8080/metrics" | awk '/^gpu_dra_permanent_verdict_replays(_total)? /{print $2}'; }
+say "waiting for the kubelet to retry (its backoff grows; the plugin answers from its remembered verdict)"
+for _ in $(seq 90); do
+  r=$(replays); [[ -n $r && ${r%.*} -ge 1 ]] && break; sleep 2
+done
+say "plugin metrics: $(curl -sf "http://$PLUGIN_IP:8080/metrics" | grep -E '^gpu_dra_(permanent_verdict_replays|prepare_claims)' | tr '\n' ' ')"
+k -n gpu-demo-permanent-error get pod pod0 -o wide
+k delete namespace gpu-demo-permanent-error --wait=false >/dev/null
+
+say "Xid 79 on the GPU of a running Deployment pod (demo/scenarios/xid-eviction.yaml; xidTaintEffect NoExecute)"
+k apply -f "$DEMO_DIR/scenarios/xid-eviction.yaml" >/dev/null
+k -n gpu-demo-xid rollout status deployment/trainer --timeout=180s >/dev/null
+old_pod=$(k -n gpu-demo-xid get pods -l app=gpu-demo-xid -o jsonpath='{.items[0].metadata.name}')
+gpu=$(k -n gpu-demo-xid logs "$old_pod" | sed -n 's/^GPU_DEVICE_[A-Z0-9_]*=\(gpu-[0-9]*\)$/\1/p' | head -n 1)
+[[ -n $gpu ]] || die "pod $old_pod printed no GPU"
+say "pod $old_pod runs on $gpu; injecting: kubectl exec $PLUGIN_POD -- gpu-dra mock xid --device $gpu --xid 79"
+k -n "$DRIVER_NS" exec "$PLUGIN_POD" -c plugin -- gpu-dra mock xid --device "$gpu" --xid 79
+for _ in $(seq 120); do
+  taint=$(k get resourceslices --field-selector spec.driver=gpu.example.com -o json |
+    python3 -c 'import json,sys; d=sys.argv[1]; print(" ".join(f"{t[\"key\"]}={t.get(\"value\",\"\")}:{t[\"effect\"]}" for s in json.load(sys.stdin)["items"] for x in s["spec"].get("devices",[]) if x["name"]==d for t in x.get("taints",[])))' "$gpu")
+  [[ -n $taint ]] && break; sleep 1
+done
+say "ResourceSlice: $gpu taints: ${taint:-none}"
+say "waiting for the eviction of $old_pod and a replacement on a healthy GPU"
+new_pod=
+for _ in $(seq 180); do
+  new_pod=$(k -n gpu-demo-xid get pods -l app=gpu-demo-xid --field-selector status.phase=Running -o jsonpath='{range .items[*]}{.metadata.name} {.status.conditions[?(@.type=="Ready")].status}{"\n"}{end}' | awk -v old="$old_pod" '$1 != old && $2 == "True" {print $1; exit}')
+  [[ -n $new_pod ]] && break; sleep 1
+done
+[[ -n $new_pod ]] || { k -n gpu-demo-xid get pods,events; die "no replacement pod became Ready"; }
+new_gpu=$(k -n gpu-demo-xid logs "$new_pod" | sed -n 's/^GPU_DEVICE_[A-Z0-9_]*=\(gpu-[0-9]*\)$/\1/p' | head -n 1)
+say "$old_pod evicted: $(k -n gpu-demo-xid get events --field-selector involvedObject.name="$old_pod" -o jsonpath='{range .items[*]}{.reason}: {.message}{"\n"}{end}' | grep -iE 'evict|taint|kill' | head -n 2 | tr '\n' ' ')"
+say "replacement $new_pod runs on $new_gpu (was $gpu)"
+[[ $new_gpu != "$gpu" ]] || die "replacement got the failed GPU $gpu"
+k -n gpu-demo-xid get pods -o wide
+say "clearing the mock Xid: gpu-dra mock reset --all"
+k -n "$DRIVER_NS" exec "$PLUGIN_POD" -c plugin -- gpu-dra mock reset --all
+
+if [[ ${GPU_DRA_DEMO_CLEAN:-0} == 1 ]]; then
+  k delete namespace gpu-demo-xid >/dev/null
+  for f in "$DEMO_DIR"/[0-9]*.yaml; do k delete -f "$f" --wait=false --ignore-not-found >/dev/null; done
+fi
+step "done in $(( $(date +%s) - START ))s"
+cat <<EOF
+The cluster keeps running:
+  eval "\$($CLUSTER env)"; kubectl get pods -A
+  $CLUSTER down          # stop everything
+EOF

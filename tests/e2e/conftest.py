@@ -1,0 +1,427 @@
+"""Fixtures for the e2e tier: the local cluster WITH its real node (kubelet, containerd
+with CDI, runc), the driver installed by `helm install` as a DaemonSet.
+
+``e2e`` (session): starts hack/local-cluster.sh ``up --with-node`` in a private run dir
+on free loopback ports, installs the chart (mock values + demo/values-demo.yaml) and
+waits for the plugin's ResourceSlices. At the end: uninstalls (if the uninstall test
+did not) and stops the cluster. With ``GPU_DRA_KUBECONFIG`` set, that cluster (which
+must have a Ready node with this project's images) is used; nothing is started or
+stopped, only the Helm release is installed and removed.
+``GPU_DRA_KEEP_CLUSTER=1`` leaves a started cluster running for inspection.
+
+A missing binary, package or image fails the tests and names it; nothing skips.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "hack" / "local-cluster.sh"
+CHART = REPO / "deployments" / "helm" / "gpu-dra-driver"
+DEMO = REPO / "demo"
+DRIVER = "gpu.example.com"
+RELEASE = "gpu-dra-e2e"
+NAMESPACE = "gpu-dra-e2e"
+NODE_BINARIES = ("kubelet", "kubectl", "kube-apiserver", "etcd")
+RUNTIME_BINARIES = ("containerd", "containerd-shim-runc-v2", "ctr", "runc")
+HOST_TOOLS = ("bash", "openssl", "curl", "flock", "socat", "ip", "gcc", "debootstrap")
+CNI_PLUGINS = ("bridge", "host-local", "loopback")
+UP_TIMEOUT = 1500  # a cold driver-image build (debootstrap) is part of `up`
+E2E_TIMEOUT = 2400  # per test, including the session fixture's setup
+
+T = TypeVar("T")
+GPU_LINE = re.compile(r"^GPU_DEVICE_([A-Z0-9_]+)=(gpu-\S+)$")
+PROP_LINE = re.compile(
+    r"^GPU_DEVICE_([A-Z0-9_]+?)_(SHARING_STRATEGY|TIMESLICE_INTERVAL|PARTITION_COUNT)=(.*)$"
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    here = Path(__file__).parent
+    for item in items:
+        if here in Path(str(item.fspath)).parents:
+            item.add_marker(pytest.mark.e2e)
+            item.add_marker(pytest.mark.timeout(E2E_TIMEOUT))
+
+
+class KubectlError(AssertionError):
+    pass
+
+
+def wait_for(
+    fn: Callable[[], T | None], timeout: float = 60, what: str = "condition", interval: float = 1.0
+) -> T:
+    """Poll ``fn`` until it returns something truthy; fail naming ``what``."""
+    deadline = time.monotonic() + timeout
+    last_error: Exception | None = None
+    while True:
+        try:
+            result = fn()
+            if result:
+                return result
+        except Exception as err:  # keep polling; report the last error
+            last_error = err
+        if time.monotonic() >= deadline:
+            detail = f" (last error: {last_error})" if last_error else ""
+            pytest.fail(f"timed out after {timeout}s waiting for {what}{detail}")
+        time.sleep(interval)
+
+
+@dataclass
+class ContainerGpus:
+    """What one container saw: GPU device names and their per-device properties."""
+
+    gpus: list[str]
+    props: dict[str, dict[str, str]]  # gpu -> {SHARING_STRATEGY: ..., ...}
+    admin_access: bool
+    log: str
+
+
+@dataclass
+class E2E:
+    kubeconfig: Path
+    bin_dir: Path
+    helm: str
+    run_dir: Path | None = None
+    env: dict[str, str] = field(default_factory=dict)
+    installed: bool = False
+
+    # --- kubectl ----------------------------------------------------------------
+    def kubectl(
+        self, *args: str, input: str | None = None, check: bool = True, timeout: float = 120
+    ) -> subprocess.CompletedProcess[str]:
+        cmd = [str(self.bin_dir / "kubectl"), "--kubeconfig", str(self.kubeconfig), *args]
+        proc = subprocess.run(
+            cmd, input=input, capture_output=True, text=True, timeout=timeout, check=False
+        )
+        if check and proc.returncode != 0:
+            raise KubectlError(
+                f"kubectl {' '.join(args)} exited {proc.returncode}:\n{proc.stderr.strip()}"
+            )
+        return proc
+
+    def get(self, *args: str) -> Any:
+        return json.loads(self.kubectl("get", "-o", "json", *args).stdout)
+
+    def script(self, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            ["bash", str(SCRIPT), *args],
+            env={**os.environ, **self.env},
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
+
+    def helm_cmd(self, *args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [self.helm, "--kubeconfig", str(self.kubeconfig), *args],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
+
+    # --- the driver ---------------------------------------------------------------
+    def plugin_pod(self) -> dict[str, Any]:
+        pods = self.get("pods", "-n", NAMESPACE, "-l", "app.kubernetes.io/component=kubeletplugin")[
+            "items"
+        ]
+        running = [p for p in pods if p["status"].get("phase") == "Running"]
+        assert running, f"no running plugin pod in {NAMESPACE}"
+        return running[0]
+
+    def metrics(self) -> str:
+        ip = self.plugin_pod()["status"]["podIP"]
+        with urllib.request.urlopen(f"http://{ip}:8080/metrics", timeout=5) as resp:
+            return resp.read().decode()
+
+    def metric(self, name: str) -> float:
+        total = 0.0
+        for line in self.metrics().splitlines():
+            if (
+                line.startswith(f"{name}_total")
+                or line.startswith(f"{name} ")
+                or line.startswith(f"{name}{{")
+            ):
+                if "_created" in line.split()[0]:
+                    continue
+                total += float(line.split()[-1])
+        return total
+
+    def plugin_exec(self, *args: str) -> subprocess.CompletedProcess[str]:
+        pod = self.plugin_pod()["metadata"]["name"]
+        return self.kubectl("exec", "-n", NAMESPACE, pod, "-c", "plugin", "--", *args)
+
+    def slices(self) -> list[dict[str, Any]]:
+        items: list[dict[str, Any]] = self.get(
+            "resourceslices", f"--field-selector=spec.driver={DRIVER}"
+        )["items"]
+        return items
+
+    def devices(self) -> dict[str, dict[str, Any]]:
+        return {d["name"]: d for s in self.slices() for d in s["spec"].get("devices") or []}
+
+    # --- workloads ----------------------------------------------------------------
+    def apply_file(self, path: Path) -> None:
+        self.kubectl("apply", "-f", str(path))
+
+    def delete_file(self, path: Path, wait: bool = True) -> None:
+        self.kubectl(
+            "delete",
+            "-f",
+            str(path),
+            "--ignore-not-found",
+            f"--wait={str(wait).lower()}",
+            timeout=300,
+        )
+
+    def wait_pods_ready(
+        self, namespace: str, selector: str, count: int, timeout: float = 300
+    ) -> list[dict[str, Any]]:
+        def ready() -> list[dict[str, Any]] | None:
+            pods = self.get("pods", "-n", namespace, "-l", selector)["items"]
+            ok = [
+                p
+                for p in pods
+                if p["metadata"].get("deletionTimestamp") is None
+                and any(
+                    c["type"] == "Ready" and c["status"] == "True"
+                    for c in p["status"].get("conditions", [])
+                )
+            ]
+            return ok if len(ok) >= count else None
+
+        try:
+            return wait_for(ready, timeout, f"{count} Ready pod(s) {selector} in {namespace}")
+        except pytest.fail.Exception:
+            pods = self.kubectl("get", "pods", "-n", namespace, "-o", "wide", check=False).stdout
+            events = self.kubectl("get", "events", "-n", namespace, check=False).stdout
+            pytest.fail(f"pods in {namespace} not Ready:\n{pods}\n{events[-3000:]}")
+
+    def container_gpus(self, namespace: str, pod: str, container: str) -> ContainerGpus:
+        log = self.kubectl("logs", "-n", namespace, pod, "-c", container).stdout
+        gpus: list[str] = []
+        ids: dict[str, str] = {}
+        props: dict[str, dict[str, str]] = {}
+        for line in log.splitlines():
+            m = GPU_LINE.match(line.strip())
+            if m:
+                gpus.append(m.group(2))
+                ids[m.group(1)] = m.group(2)
+        for line in log.splitlines():
+            m = PROP_LINE.match(line.strip())
+            if m and m.group(1) in ids:
+                props.setdefault(ids[m.group(1)], {})[m.group(2)] = m.group(3)
+        return ContainerGpus(
+            gpus=sorted(gpus),
+            props=props,
+            admin_access="DRA_ADMIN_ACCESS=true" in log.splitlines(),
+            log=log,
+        )
+
+
+def _run(
+    cmd: list[str], timeout: float = 3600, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        cmd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def _tail(text: str, lines: int = 60) -> str:
+    return "\n".join(text.strip().splitlines()[-lines:])
+
+
+def _free_ports(count: int) -> list[int]:
+    socks = []
+    try:
+        for _ in range(count):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def _check_prerequisites(bin_dir: Path, node_bin_dir: Path, reuse: bool) -> None:
+    missing = [f"{bin_dir}/{b}" for b in ("kubectl",) if not (bin_dir / b).is_file()]
+    if not reuse:
+        missing += [f"{bin_dir}/{b}" for b in NODE_BINARIES if not (bin_dir / b).is_file()]
+        missing += [
+            f"{node_bin_dir}/{b}" for b in RUNTIME_BINARIES if not (node_bin_dir / b).is_file()
+        ]
+        missing += [f"host tool {t}" for t in HOST_TOOLS if shutil.which(t) is None]
+        missing += [
+            f"/usr/lib/cni/{p} (apt-get install containernetworking-plugins)"
+            for p in CNI_PLUGINS
+            if not Path("/usr/lib/cni", p).is_file()
+        ]
+        if os.geteuid() != 0:
+            missing.append("root (the node needs mounts, bridges and cgroups)")
+    if missing:
+        pytest.fail(
+            "e2e tier: missing " + ", ".join(missing) + "; build the node components with "
+            "`make cluster-build` (GPU_DRA_WITH_NODE=1 hack/local-cluster.sh build)"
+        )
+
+
+def _paths() -> tuple[Path, Path]:
+    proc = _run(["bash", str(SCRIPT), "bin-dir"])
+    if proc.returncode != 0:
+        pytest.fail(f"hack/local-cluster.sh bin-dir failed: {proc.stderr.strip()}")
+    bin_dir = Path(proc.stdout.strip())
+    versions = dict(
+        line.split("=", 1)
+        for line in (REPO / "hack" / "versions.env").read_text().splitlines()
+        if "=" in line and not line.startswith("#")
+    )
+    node_bin = (
+        bin_dir.parent
+        / f"containerd-{versions['CONTAINERD_VERSION']}-runc-{versions['RUNC_VERSION']}"
+    )
+    return bin_dir, node_bin
+
+
+def _helm() -> str:
+    proc = _run(["bash", str(REPO / "hack" / "install-helm.sh")], timeout=1800)
+    if proc.returncode != 0:
+        pytest.fail(
+            "hack/install-helm.sh failed (helm is needed to install the chart):\n"
+            + _tail(proc.stderr)
+        )
+    return proc.stdout.strip().splitlines()[-1]
+
+
+def install_chart(e: E2E) -> None:
+    proc = e.helm_cmd(
+        "upgrade",
+        "--install",
+        RELEASE,
+        str(CHART),
+        "--namespace",
+        NAMESPACE,
+        "--create-namespace",
+        "-f",
+        str(CHART / "values-mock.yaml"),
+        "-f",
+        str(DEMO / "values-demo.yaml"),
+        "--wait",
+        "--timeout",
+        "5m",
+    )
+    if proc.returncode != 0:
+        pods = e.kubectl("get", "pods", "-n", NAMESPACE, "-o", "wide", check=False).stdout
+        logs = e.kubectl(
+            "logs",
+            "-n",
+            NAMESPACE,
+            "-l",
+            "app.kubernetes.io/component=kubeletplugin",
+            "--tail=40",
+            check=False,
+        )
+        pytest.fail(
+            f"helm install failed:\n{_tail(proc.stdout + proc.stderr)}\n{pods}\n"
+            f"{logs.stdout}{logs.stderr}"
+        )
+    e.installed = True
+    # The kubelet wipes a node's slices when a plugin (re)registers; wait for the full pool.
+    wait_for(lambda: len(e.devices()) >= 400, 180, "the plugin's ResourceSlices (420 devices)")
+
+
+@pytest.fixture(scope="session")
+def e2e() -> Iterator[E2E]:
+    bin_dir, node_bin = _paths()
+    existing = os.environ.get("GPU_DRA_KUBECONFIG")
+    _check_prerequisites(bin_dir, node_bin, reuse=bool(existing))
+    helm = _helm()
+    if existing:
+        if not Path(existing).is_file():
+            pytest.fail(f"GPU_DRA_KUBECONFIG={existing} does not exist")
+        e = E2E(kubeconfig=Path(existing), bin_dir=bin_dir, helm=helm)
+        classes = e.kubectl("get", "deviceclass", DRIVER, check=False)
+        if (
+            classes.returncode == 0
+            and e.helm_cmd("status", RELEASE, "-n", NAMESPACE).returncode != 0
+        ):
+            pytest.fail(
+                f"GPU_DRA_KUBECONFIG cluster already has DeviceClass {DRIVER} from another "
+                "installation of the driver; uninstall it first (one driver per cluster)"
+            )
+    else:
+        run_dir = Path(tempfile.mkdtemp(prefix="gpu-dra-e2e-", dir="/tmp"))
+        api, etcd, peer, kcm, sched = _free_ports(5)
+        env = {
+            "GPU_DRA_CLUSTER_DIR": str(run_dir),
+            "GPU_DRA_API_PORT": str(api),
+            "GPU_DRA_ETCD_PORT": str(etcd),
+            "GPU_DRA_ETCD_PEER_PORT": str(peer),
+            "GPU_DRA_KCM_PORT": str(kcm),
+            "GPU_DRA_SCHEDULER_PORT": str(sched),
+            "GPU_DRA_WITH_NODE": "1",
+        }
+        e = E2E(
+            kubeconfig=run_dir / "admin.kubeconfig",
+            bin_dir=bin_dir,
+            helm=helm,
+            run_dir=run_dir,
+            env=env,
+        )
+        try:
+            up = e.script("up", "--with-node", timeout=UP_TIMEOUT)
+        except subprocess.TimeoutExpired as err:
+            e.script("down")
+            pytest.fail(
+                f"hack/local-cluster.sh up --with-node did not finish in {UP_TIMEOUT}s: {err}"
+            )
+        if up.returncode != 0:
+            if os.environ.get("GPU_DRA_KEEP_CLUSTER") != "1":
+                e.script("down")
+            pytest.fail(
+                f"hack/local-cluster.sh up --with-node failed (exit {up.returncode}):\n"
+                f"{_tail(up.stdout + up.stderr)}"
+            )
+    try:
+        install_chart(e)
+        yield e
+    finally:
+        if e.installed and os.environ.get("GPU_DRA_KEEP_CLUSTER") != "1":
+            e.helm_cmd("uninstall", RELEASE, "-n", NAMESPACE, "--wait", "--timeout", "2m")
+        if e.run_dir is not None:
+            if os.environ.get("GPU_DRA_KEEP_CLUSTER") == "1":
+                print(f"\nGPU_DRA_KEEP_CLUSTER=1: cluster left running, KUBECONFIG={e.kubeconfig}")
+            else:
+                down = e.script("down")
+                if down.returncode != 0:
+                    print(f"hack/local-cluster.sh down failed:\n{_tail(down.stdout + down.stderr)}")
+
+
+def demo_namespace(path: Path) -> str:
+    for doc in yaml.safe_load_all(path.read_text()):
+        if doc and doc.get("kind") == "Namespace":
+            return str(doc["metadata"]["name"])
+    raise AssertionError(f"{path} has no Namespace")
