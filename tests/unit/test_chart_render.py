@@ -65,7 +65,8 @@ def find_helm() -> str:
         return path
     pytest.fail(
         f"helm is not installed (expected {path or 'the pinned helm'}): run "
-        "hack/install-helm.sh (builds HELM_VERSION from hack/versions.env) or set HELM=/path/to/helm"
+        "hack/install-helm.sh (builds HELM_VERSION from hack/versions.env) "
+        "or set HELM=/path/to/helm"
     )
 
 
@@ -443,10 +444,16 @@ def test_webhook_configuration(default_docs: list[Doc]) -> None:
         "--port=8443",
         f"--driver-name={DRIVER}",
     ]
-    assert c["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "webhook", "scheme": "HTTPS"}
+    assert c["readinessProbe"]["httpGet"] == {
+        "path": "/readyz",
+        "port": "webhook",
+        "scheme": "HTTPS",
+    }
     assert pod["securityContext"]["runAsNonRoot"] is True
     assert pod["automountServiceAccountToken"] is False
-    assert pod["volumes"] == [{"name": "cert", "secret": {"secretName": secret["metadata"]["name"]}}]
+    assert pod["volumes"] == [
+        {"name": "cert", "secret": {"secretName": secret["metadata"]["name"]}}
+    ]
 
 
 def test_webhook_cert_manager_variant() -> None:
@@ -531,7 +538,11 @@ def test_every_value_is_documented() -> None:
 
 def test_kind_config_uses_the_local_cluster_feature_gates() -> None:
     gates = subprocess.run(
-        ["bash", "-c", 'HACK_DIR=hack; source hack/lib/common.sh; echo "$FEATURE_GATES|$RUNTIME_CONFIG"'],
+        [
+            "bash",
+            "-c",
+            'HACK_DIR=hack; source hack/lib/common.sh; echo "$FEATURE_GATES|$RUNTIME_CONFIG"',
+        ],
         cwd=REPO,
         capture_output=True,
         text=True,

@@ -1,0 +1,281 @@
+"""The Helm chart against a real API server (the local control plane).
+
+* `helm template` with the default and the mock values is accepted by the API server
+  (`kubectl apply --dry-run=server`: schema, CEL in DeviceClasses / the policy / the
+  webhook's matchConditions, RBAC objects).
+* The RBAC and the ValidatingAdmissionPolicy, applied for real: a token bound to a pod
+  on node A (so it carries the node-name extra) may write node A's ResourceSlices and
+  is denied node B's, and has no rights beyond the ClusterRole.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import tempfile
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from tests.unit.test_chart_render import CHART, DRIVER, MOCK_VALUES, find_helm
+
+Doc = dict[str, Any]
+
+
+def _template(release: str, namespace: str, *args: str) -> str:
+    proc = subprocess.run(
+        [find_helm(), "template", release, str(CHART), "--namespace", namespace, *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+def _dump(docs: list[Doc]) -> str:
+    return yaml.safe_dump_all(docs, sort_keys=False)
+
+
+@pytest.mark.parametrize(
+    "values", [[], ["--values", str(MOCK_VALUES)]], ids=["default-values", "mock-values"]
+)
+def test_rendered_chart_is_accepted_by_the_api_server(cluster: Any, values: list[str]) -> None:
+    ns = f"chart-dry-{uuid.uuid4().hex[:6]}"
+    cluster.kubectl("create", "namespace", ns)
+    try:
+        manifest = _template("gpu-dra-driver", ns, *values)
+        proc = cluster.kubectl(
+            "apply", "--dry-run=server", "-f", "-", input=manifest, check=False, timeout=120
+        )
+        assert proc.returncode == 0, f"API server rejected the chart:\n{proc.stderr}"
+        applied = proc.stdout.splitlines()
+        for kind in (
+            "daemonset.apps/gpu-dra-driver-kubeletplugin",
+            "deviceclass.resource.k8s.io/gpu.example.com",
+            "deviceclass.resource.k8s.io/mig.gpu.example.com",
+            "validatingadmissionpolicy.admissionregistration.k8s.io/gpu-dra-driver-resourceslices",
+            "validatingwebhookconfiguration.admissionregistration.k8s.io/gpu-dra-driver-webhook",
+            "clusterrole.rbac.authorization.k8s.io/gpu-dra-driver-kubeletplugin",
+        ):
+            assert any(line.startswith(kind) for line in applied), (kind, applied)
+    finally:
+        cluster.kubectl("delete", "namespace", ns, "--wait=false", check=False)
+
+
+# --- the node-scoped policy, for real ---------------------------------------------------
+
+
+class PluginIdentity:
+    """kubectl acting as the plugin's service account, with a pod-bound token."""
+
+    def __init__(self, cluster: Any, kubeconfig: Path) -> None:
+        self.cluster = cluster
+        self.kubeconfig = kubeconfig
+
+    def kubectl(self, *args: str, input: str | None = None) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [str(self.cluster.bin_dir / "kubectl"), "--kubeconfig", str(self.kubeconfig), *args],
+            input=input,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+
+
+def _slice(name: str, node: str, driver: str = DRIVER) -> str:
+    return json.dumps(
+        {
+            "apiVersion": "resource.k8s.io/v1",
+            "kind": "ResourceSlice",
+            "metadata": {"name": name},
+            "spec": {
+                "driver": driver,
+                "nodeName": node,
+                "pool": {"name": node, "generation": 1, "resourceSliceCount": 1},
+                "devices": [],
+            },
+        }
+    )
+
+
+def _token_kubeconfig(cluster: Any, token: str, path: Path) -> None:
+    admin = yaml.safe_load(cluster.kubeconfig.read_text())
+    ctx_name = admin["current-context"]
+    ctx = next(c["context"] for c in admin["contexts"] if c["name"] == ctx_name)
+    cl = next(c["cluster"] for c in admin["clusters"] if c["name"] == ctx["cluster"])
+    if "certificate-authority" in cl:
+        ca_path = Path(cl["certificate-authority"])
+        if not ca_path.is_absolute():
+            cl["certificate-authority"] = str(cluster.kubeconfig.parent / ca_path)
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "clusters": [{"name": "c", "cluster": cl}],
+                "users": [{"name": "plugin", "user": {"token": token}}],
+                "contexts": [{"name": "plugin", "context": {"cluster": "c", "user": "plugin"}}],
+                "current-context": "plugin",
+            }
+        )
+    )
+    path.chmod(0o600)
+
+
+@pytest.fixture(scope="module")
+def policy_setup(cluster: Any) -> Iterator[tuple[PluginIdentity, str, str, str]]:
+    """Chart RBAC + policy applied; a plugin pod on node A; its token's kubeconfig."""
+    suffix = uuid.uuid4().hex[:6]
+    ns = f"chart-policy-{suffix}"
+    node_a, node_b = f"chart-node-a-{suffix}", f"chart-node-b-{suffix}"
+    release = "gpu-dra-driver"
+    docs = [d for d in yaml.safe_load_all(_template(release, ns)) if d]
+    wanted = {
+        "ServiceAccount",
+        "ClusterRole",
+        "ClusterRoleBinding",
+        "ValidatingAdmissionPolicy",
+        "ValidatingAdmissionPolicyBinding",
+    }
+    policy_docs = [
+        d
+        for d in docs
+        if d["kind"] in wanted
+        and d["metadata"]["labels"].get("app.kubernetes.io/component") == "kubeletplugin"
+    ]
+    assert {d["kind"] for d in policy_docs} == wanted
+    sa = next(d["metadata"]["name"] for d in policy_docs if d["kind"] == "ServiceAccount")
+    nodes = [
+        {"apiVersion": "v1", "kind": "Node", "metadata": {"name": n}} for n in (node_a, node_b)
+    ]
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "plugin-on-a", "namespace": ns},
+        "spec": {
+            "nodeName": node_a,
+            "serviceAccountName": sa,
+            "containers": [{"name": "plugin", "image": "gpu-dra-driver:dev"}],
+        },
+    }
+    cluster.kubectl("create", "namespace", ns)
+    cluster.kubectl("apply", "-f", "-", input=_dump(policy_docs + nodes))
+    cluster.kubectl("apply", "-f", "-", input=_dump([pod]))
+    token = cluster.kubectl(
+        "create",
+        "token",
+        sa,
+        "--namespace",
+        ns,
+        "--bound-object-kind",
+        "Pod",
+        "--bound-object-name",
+        "plugin-on-a",
+        "--duration",
+        "30m",
+    ).stdout.strip()
+    tmp = Path(tempfile.mkdtemp(prefix="gpu-dra-chart-"))
+    _token_kubeconfig(cluster, token, tmp / "plugin.kubeconfig")
+    try:
+        yield PluginIdentity(cluster, tmp / "plugin.kubeconfig"), ns, node_a, node_b
+    finally:
+        for name in (f"slice-a-{suffix}", f"slice-b-{suffix}", f"slice-x-{suffix}"):
+            cluster.kubectl("delete", "resourceslice", name, "--ignore-not-found", check=False)
+        cluster.kubectl(
+            "delete", "-f", "-", "--ignore-not-found", "--wait=false",
+            input=_dump(policy_docs + nodes), check=False,
+        )  # fmt: skip
+        cluster.kubectl("delete", "namespace", ns, "--wait=false", check=False)
+
+
+def test_token_carries_the_node(cluster: Any, policy_setup: Any) -> None:
+    plugin, ns, node_a, _ = policy_setup
+    proc = plugin.kubectl("auth", "whoami", "-o", "json")
+    assert proc.returncode == 0, proc.stderr
+    user = json.loads(proc.stdout)["status"]["userInfo"]
+    assert user["username"] == f"system:serviceaccount:{ns}:gpu-dra-driver-kubeletplugin"
+    assert user.get("extra", {}).get("authentication.kubernetes.io/node-name") == [node_a], (
+        "the API server did not put the pod's node into the token "
+        "(ServiceAccountTokenPodNodeInfo); the policy cannot work without it"
+    )
+
+
+def test_rbac_grants_exactly_the_plugin_rights(cluster: Any, policy_setup: Any) -> None:
+    plugin = policy_setup[0]
+
+    def can(*args: str) -> bool:
+        proc = plugin.kubectl("auth", "can-i", *args)
+        return proc.stdout.strip() == "yes"
+
+    cluster.wait_for(lambda: can("create", "resourceslices.resource.k8s.io"), what="RBAC binding")
+    for verb in ("get", "list", "watch", "create", "update", "patch", "delete"):
+        assert can(verb, "resourceslices.resource.k8s.io"), verb
+    assert can("get", "resourceclaims.resource.k8s.io", "--all-namespaces")
+    assert can("get", "nodes")
+    assert can("create", "events", "--all-namespaces")
+    for denied in (
+        ("list", "resourceclaims.resource.k8s.io", "--all-namespaces"),
+        ("update", "resourceclaims.resource.k8s.io", "--subresource=status", "--all-namespaces"),
+        ("list", "nodes"),
+        ("get", "secrets", "--all-namespaces"),
+        ("list", "pods", "--all-namespaces"),
+        ("create", "deviceclasses.resource.k8s.io"),
+    ):
+        assert not can(*denied), denied
+
+
+def test_policy_allows_own_node_and_denies_other_nodes(cluster: Any, policy_setup: Any) -> None:
+    plugin, _, node_a, node_b = policy_setup
+    suffix = node_a.rsplit("-", 1)[1]
+    slice_a, slice_b, slice_x = f"slice-a-{suffix}", f"slice-b-{suffix}", f"slice-x-{suffix}"
+
+    # The policy is enforced once the API server's policy informer has it: probe with
+    # a server-side dry run until node B's slice is denied.
+    def denied_for_b() -> bool:
+        proc = plugin.kubectl(
+            "create", "--dry-run=server", "-f", "-", input=_slice(slice_b, node_b)
+        )
+        return proc.returncode != 0 and "may not modify resourceslices on node" in proc.stderr
+
+    cluster.wait_for(denied_for_b, timeout=60, what="the ValidatingAdmissionPolicy to deny node B")
+
+    # Own node: create, update, delete are allowed.
+    proc = plugin.kubectl("create", "-f", "-", input=_slice(slice_a, node_a))
+    assert proc.returncode == 0, proc.stderr
+    proc = plugin.kubectl("label", "resourceslice", slice_a, "example.com/touched=yes")
+    assert proc.returncode == 0, proc.stderr
+
+    # Another node: create is denied, naming both nodes.
+    proc = plugin.kubectl("create", "-f", "-", input=_slice(slice_b, node_b))
+    assert proc.returncode != 0
+    assert f"running on node '{node_a}' may not modify resourceslices on node '{node_b}'" in (
+        proc.stderr
+    )
+    assert "ValidatingAdmissionPolicy" in proc.stderr
+
+    # Another node's existing slice (made by the admin): update and delete are denied.
+    cluster.kubectl("create", "-f", "-", input=_slice(slice_b, node_b))
+    proc = plugin.kubectl("label", "resourceslice", slice_b, "example.com/touched=yes")
+    assert proc.returncode != 0 and "may not modify resourceslices" in proc.stderr
+    proc = plugin.kubectl("delete", "resourceslice", slice_b)
+    assert proc.returncode != 0 and "may not modify resourceslices" in proc.stderr
+    assert cluster.kubectl("get", "resourceslice", slice_b, check=False).returncode == 0
+
+    # Own node but another driver: denied.
+    proc = plugin.kubectl("create", "-f", "-", input=_slice(slice_x, node_a, "other.example.com"))
+    assert proc.returncode != 0 and "may only modify resourceslices of driver" in proc.stderr
+
+    # Own slice: delete is allowed.
+    proc = plugin.kubectl("delete", "resourceslice", slice_a)
+    assert proc.returncode == 0, proc.stderr
+
+    # The admin is not affected by the policy.
+    proc = cluster.kubectl("delete", "resourceslice", slice_b, check=False)
+    assert proc.returncode == 0, proc.stderr
