@@ -96,11 +96,34 @@ def _handle_key(handle: Any) -> object:
     return ("obj", id(handle))
 
 
+class _CountingModule:
+    """Counts calls of the module's `nvml*` functions; everything else passes through.
+
+    The count backs the `gpu_dra_nvml_calls` metric, which is how tests and operators
+    see that a remembered permanent verdict costs no NVML call.
+    """
+
+    def __init__(self, module: Any) -> None:
+        self.wrapped = module
+        self.count = 0
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(self.wrapped, name)
+        if not (name.startswith("nvml") and callable(value)):
+            return value
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            self.count += 1
+            return value(*args, **kwargs)
+
+        return counted
+
+
 class NvmlBackend:
     """Discovery and health events through a pynvml-compatible module."""
 
     def __init__(self, module: Any, *, backend_name: str | None = None) -> None:
-        self._nvml = module
+        self._nvml = _CountingModule(module)
         if backend_name is None:
             from driver.nvml.mock import MockNvml
 
@@ -115,7 +138,12 @@ class NvmlBackend:
 
     @property
     def module(self) -> Any:
-        return self._nvml
+        return self._nvml.wrapped
+
+    @property
+    def nvml_calls(self) -> int:
+        """NVML functions called through this backend since it was created."""
+        return self._nvml.count
 
     # ------------------------------------------------------------ errors
 
@@ -219,9 +247,9 @@ class NvmlBackend:
         """Published-model overrides the mock's `example` profile carries (not NVML)."""
         from driver.nvml.mock import MockNvml
 
-        if not isinstance(self._nvml, MockNvml):
+        if not isinstance(self._nvml.wrapped, MockNvml):
             return {}
-        gpu = self._nvml.mock_gpu(uuid)
+        gpu = self._nvml.wrapped.mock_gpu(uuid)
         if gpu.profile.referenceExample:
             return {"model": gpu.profile.productName, "reference_example": True}
         return {}

@@ -51,3 +51,13 @@ SLICE_WRITES = Gauge(
     "Write requests sent to the API server since start.",
     registry=REGISTRY,
 )
+STATE_FILE_WRITES = Counter(
+    "gpu_dra_state_file_writes",
+    "Files written or removed durably (checkpoint, CDI specs, health state).",
+    registry=REGISTRY,
+)
+NVML_CALLS = Gauge(
+    "gpu_dra_nvml_calls",
+    "NVML functions called since start.",
+    registry=REGISTRY,
+)

@@ -8,6 +8,7 @@ import secrets
 from pathlib import Path
 from typing import Final
 
+from driver.observability import metrics
 from driver.state.failpoints import failpoint
 
 TEMP_MARKER: Final = ".tmp-"
@@ -50,6 +51,7 @@ def atomic_write(
         if before_rename is not None:
             failpoint(before_rename)
         os.replace(tmp, target)
+        metrics.STATE_FILE_WRITES.inc()
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
@@ -63,6 +65,7 @@ def remove_durably(target: Path) -> bool:
         os.unlink(target)
     except FileNotFoundError:
         return False
+    metrics.STATE_FILE_WRITES.inc()
     fsync_dir(target.parent)
     return True
 

@@ -125,14 +125,14 @@ def test_impossible_partition_count_is_permanent_cheap_and_visible(
     assert "taints" not in published_devices(complete_pool(cluster, node.name) or [])["gpu-1"]
 
     nvml_before = plugin.metric("gpu_dra_nvml_calls")
-    writes_before = plugin.metric("gpu_dra_state_file_writes")
-    replays_before = plugin.metric("gpu_dra_permanent_verdict_replays")
+    writes_before = plugin.metric("gpu_dra_state_file_writes_total")
+    replays_before = plugin.metric("gpu_dra_permanent_verdict_replays_total")
     for _ in range(100):
         again = kubelet.prepare(DRIVER, [ref])[ref[1]]
         assert (again.error, again.error_type) == (first.error, first.error_type)
-    assert plugin.metric("gpu_dra_permanent_verdict_replays") - replays_before == 100
+    assert plugin.metric("gpu_dra_permanent_verdict_replays_total") - replays_before == 100
     assert plugin.metric("gpu_dra_nvml_calls") == nvml_before
-    assert plugin.metric("gpu_dra_state_file_writes") == writes_before
+    assert plugin.metric("gpu_dra_state_file_writes_total") == writes_before
     assert kubelet.unprepare(DRIVER, [ref])[ref[1]].error == ""
 
 

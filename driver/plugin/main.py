@@ -1,0 +1,171 @@
+"""gpu-kubelet-plugin: discovery, ResourceSlices, the kubelet's gRPC services, health."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import threading
+from collections.abc import Sequence
+from concurrent import futures
+from pathlib import Path
+from types import FrameType
+
+import grpc
+
+from driver.devices.model import PoolOptions, build_pool
+from driver.devices.slices import build_slice_specs
+from driver.health.monitor import HealthMonitor, KubeDeviceHealth
+from driver.health.store import HealthStore
+from driver.health.xid import XidPolicy
+from driver.kube.api import KubeApi
+from driver.kube.claims import ApiClaimReader, ClaimFailureReporter
+from driver.kube.publisher import SlicePublisher
+from driver.nvml.backend import select_backend
+from driver.observability import metrics
+from driver.observability.http import serve_http
+from driver.observability.logs import setup_logging
+from driver.plugin.dra import add_dra_services
+from driver.plugin.flags import PluginOptions, parse_options
+from driver.plugin.health import add_health_services
+from driver.plugin.registration import DRA_SERVICES, HEALTH_SERVICES, RegistrationServicer
+from driver.plugin.sockets import socket_paths
+from driver.proto.pluginregistration.v1 import api_pb2_grpc as registration_grpc
+from driver.state.prepare import DeviceState, parse_permanent_errors
+
+log = logging.getLogger("gpu-kubelet-plugin")
+
+SHUTDOWN_GRACE_SECONDS = 5.0
+
+
+def _serve_unix(path: Path, server: grpc.Server) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    server.add_insecure_port(f"unix://{path}")
+    server.start()
+    # The kubelet runs as root; nobody else needs these sockets.
+    os.chmod(path, 0o600)
+
+
+class Plugin:
+    def __init__(self, options: PluginOptions) -> None:
+        self.options = options
+        self.stopping = threading.Event()
+
+    def run(self) -> int:
+        o = self.options
+        o.data_dir.mkdir(parents=True, exist_ok=True, mode=0o750)
+        o.cdi_root.mkdir(parents=True, exist_ok=True, mode=0o755)
+        permanent_errors = parse_permanent_errors(o.permanent_errors)
+        policy = XidPolicy.from_flags(
+            additional_ignored=o.additional_xids_to_ignore, fatal=o.fatal_xids
+        )
+
+        backend = select_backend(
+            mock=o.nvml_backend == "mock", fleet_path=o.mock_fleet, node_name=o.node_name
+        )
+        inventory = backend.discover()
+        metrics.NVML_CALLS.set_function(lambda: backend.nvml_calls)
+        pool = build_pool(
+            inventory, PoolOptions(driver_name=o.driver_name, gpu_partitions=o.gpu_partitions)
+        )
+        devices = {device.name: device for device in pool.devices}
+        metrics.PUBLISHED_DEVICES.set(len(devices))
+        log.info(
+            "discovered %d GPU(s) via %s: publishing %d devices",
+            len(inventory.gpus),
+            inventory.backend,
+            len(devices),
+        )
+
+        api = KubeApi.from_kubeconfig(o.kubeconfig)
+        store = HealthStore(o.data_dir / "health.json")
+
+        def desired_slices() -> list[dict[str, object]]:
+            taints = store.device_taints(devices, driver=o.driver_name, effect=o.xid_taint_effect)
+            metrics.SLICE_WRITES.set(api.writes)
+            return build_slice_specs(
+                pool, driver=o.driver_name, node_name=o.node_name, taints=taints
+            )
+
+        publisher = SlicePublisher(
+            api, driver=o.driver_name, node_name=o.node_name, desired=desired_slices
+        )
+        device_health = KubeDeviceHealth(store, publisher, devices)
+        state = DeviceState(
+            driver_name=o.driver_name,
+            node_name=o.node_name,
+            devices=devices,
+            cdi_root=o.cdi_root,
+            data_dir=o.data_dir,
+            claims=ApiClaimReader(api),
+            health=device_health,
+            reporter=ClaimFailureReporter(
+                api, driver=o.driver_name, node_name=o.node_name, device_status=o.device_status
+            ),
+            real_devices=inventory.backend == "nvml",
+            permanent_errors=permanent_errors,
+        )
+        log.info("recovered local state: %s", state.recover())
+
+        monitor = HealthMonitor(
+            backend, store, policy, publisher, devices, data_dir=o.data_dir, node_name=o.node_name
+        )
+
+        paths = socket_paths(o.driver_name, o.registrar_dir, o.data_dir, o.pod_uid or None)
+        # Each open health stream holds a worker thread for its lifetime.
+        service_server = grpc.server(futures.ThreadPoolExecutor(max_workers=16))
+        add_dra_services(service_server, state)
+        health_services = add_health_services(service_server, store, devices, pool_name=o.node_name)
+        _serve_unix(paths.service, service_server)
+
+        registration = RegistrationServicer(
+            o.driver_name, str(paths.service), DRA_SERVICES + HEALTH_SERVICES
+        )
+        registration_server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+        registration_grpc.add_RegistrationServicer_to_server(registration, registration_server)
+        _serve_unix(paths.registration, registration_server)
+        log.info("serving %s; registration socket %s", paths.service, paths.registration)
+
+        publisher.start()
+        monitor.start()
+
+        def healthy() -> tuple[bool, str]:
+            registered = "registered" if registration.registered.is_set() else "not registered"
+            return True, f"ok: {registered}, slices synced at {publisher.stats.last_synced:.0f}\n"
+
+        http = serve_http(o.http_port, healthy) if o.http_port >= 0 else None
+
+        self.stopping.wait()
+        log.info("shutting down")
+        # Registration socket first: its removal is what deregisters this instance.
+        registration_server.stop(0).wait()
+        health_services.stop()
+        service_server.stop(SHUTDOWN_GRACE_SECONDS).wait()
+        monitor.stop()
+        publisher.stop()  # slices stay: a restart must not make the scheduler forget them
+        if http is not None:
+            http.shutdown()
+        return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    options = parse_options(argv)
+    setup_logging(options.log_format, options.verbosity)
+    plugin = Plugin(options)
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        log.info("received %s", signal.Signals(signum).name)
+        plugin.stopping.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, on_signal)
+    try:
+        return plugin.run()
+    except Exception:
+        log.exception("gpu-kubelet-plugin failed")
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
