@@ -120,6 +120,19 @@ say "$old_pod evicted: $(k -n gpu-demo-xid get events --field-selector involvedO
 say "replacement $new_pod runs on $new_gpu (was $gpu)"
 [[ $new_gpu != "$gpu" ]] || die "replacement got the failed GPU $gpu"
 k -n gpu-demo-xid get pods -o wide
+# ResourceHealthStatus: the kubelet reports device health from the plugin's health
+# stream in the status of containers using the device - here the admin-access pod,
+# which uses every GPU and tolerates every taint.
+health=$(k -n gpu-demo-admin-access get pod pod0 -o json 2>/dev/null | python3 -c '
+import json, sys
+gpu = sys.argv[1]
+for c in json.load(sys.stdin)["status"].get("containerStatuses", []):
+    for r in c.get("allocatedResourcesStatus") or []:
+        for h in r.get("resources") or []:
+            if h.get("resourceID", "").endswith("/" + gpu) or h.get("resourceID") == gpu:
+                print(f"{c[\"name\"]}: {r[\"name\"]} {h[\"resourceID\"]} health={h.get(\"health\")}")
+' "$gpu" || true)
+say "device health in pod status (admin-access pod0, which tolerates the taint): ${health:-not reported yet}"
 say "clearing the mock Xid: gpu-dra mock reset --all"
 k -n "$DRIVER_NS" exec "$PLUGIN_POD" -c plugin -- gpu-dra mock reset --all
 

@@ -169,7 +169,9 @@ import_image() { # <archive> <name>
   ctr_node images import --platform linux/amd64 "$1" >/dev/null 2>"$LOG_DIR/ctr-import.err" ||
     ctr_node images import --local --platform linux/amd64 "$1" >/dev/null 2>>"$LOG_DIR/ctr-import.err" ||
     { cat "$LOG_DIR/ctr-import.err" >&2; die "ctr images import $1 failed"; }
-  ctr_node images ls -q | grep -qx "$2" || die "image $2 missing after importing $1"
+  local names
+  names=$(ctr_node images ls -q)
+  grep -qx "$2" <<<"$names" || die "image $2 missing after importing $1"
 }
 
 # Builds what is missing and imports all three images (pause first: a pod sandbox

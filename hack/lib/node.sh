@@ -335,7 +335,7 @@ cleanup_node_state() {
   done
   unmount_under "$NODE_DIR" "$KUBELET_ROOT/pods" "$KUBELET_ROOT/plugins" /run/containerd
   if [[ -d $KUBELET_ROOT ]]; then
-    if findmnt -rn -o TARGET | grep -q "^$KUBELET_ROOT/"; then
+    if [[ -n $(findmnt -rn -o TARGET | awk -v d="$KUBELET_ROOT/" 'index($0, d) == 1') ]]; then
       progress "warning: mounts remain under $KUBELET_ROOT; leaving it"
     else
       rm -rf "$KUBELET_ROOT"
