@@ -5,7 +5,8 @@ PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
 .PHONY: venv proto proto-check lint typecheck unit integration e2e test test-reliability \
-        cluster-build cluster-up cluster-down cluster-status demo bench clean
+        cluster-build cluster-up cluster-down cluster-status demo bench clean helm image \
+        kind-up kind-install kind-demo kind-down
 
 venv: $(VENV)/.installed
 
@@ -29,7 +30,11 @@ lint: venv
 typecheck: venv
 	$(VENV)/bin/mypy
 
-unit: venv
+# Helm is built from the Go module proxy into the cache (pinned in hack/versions.env).
+helm:
+	hack/install-helm.sh
+
+unit: venv helm
 	$(VENV)/bin/pytest tests/unit $(PYTEST_ARGS)
 
 # Control plane and the real node (kubelet, containerd, runc, Debian packages).
@@ -47,7 +52,7 @@ cluster-status:
 
 # The integration tier starts (and stops) its own control plane from the cached
 # binaries; cluster-build builds them first on a machine where they are missing.
-integration: venv cluster-build
+integration: venv cluster-build helm
 	$(VENV)/bin/pytest tests/integration $(PYTEST_ARGS)
 
 # The e2e tier starts its own cluster with the real node (or uses GPU_DRA_KUBECONFIG)
@@ -61,8 +66,22 @@ demo:
 	demo/demo.sh
 
 # Everything CI runs: static checks, generated code up to date, every test tier.
-test: venv proto-check lint typecheck cluster-build
+test: venv proto-check lint typecheck cluster-build helm
 	$(VENV)/bin/pytest tests $(PYTEST_ARGS)
+
+# The driver image as an OCI archive, without Docker (needs root); see hack/build-image.sh.
+image:
+	hack/build-image.sh
+
+# The path for users with Docker: a kind cluster with the same gates and chart values.
+kind-up:
+	hack/kind/create-cluster.sh
+kind-install:
+	hack/kind/build-and-load-image.sh && hack/kind/install.sh
+kind-demo:
+	hack/kind/demo.sh
+kind-down:
+	hack/kind/delete-cluster.sh
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+import os
 import threading
 import time
 from collections import deque
@@ -451,4 +452,27 @@ def select_backend(
         import pynvml
     except ImportError as err:  # pragma: no cover - pynvml is a hard dependency
         raise NvmlUnavailableError(f"pynvml is not installed: {err}") from err
+    _load_library_from_driver_root(pynvml, os.environ.get("NVIDIA_DRIVER_ROOT", ""))
     return NvmlBackend(pynvml)
+
+
+NVML_LIBRARY = "libnvidia-ml.so.1"
+_LIBRARY_DIRS = ("usr/lib/x86_64-linux-gnu", "usr/lib64", "usr/lib/aarch64-linux-gnu", "usr/lib")
+
+
+def _load_library_from_driver_root(pynvml: Any, driver_root: str) -> None:
+    """Loads libnvidia-ml from the mounted driver root (the chart mounts it at
+    /driver-root) instead of the container's loader path; pointing LD_LIBRARY_PATH at
+    the host's library directory would pull in the host's libc too."""
+    if not driver_root or driver_root == "/":
+        return
+    for directory in _LIBRARY_DIRS:
+        candidate = Path(driver_root) / directory / NVML_LIBRARY
+        if candidate.exists():
+            log.info("loading NVML from %s", candidate)
+            pynvml.nvmlLib = ctypes.CDLL(str(candidate))
+            return
+    raise NvmlUnavailableError(
+        f"NVIDIA_DRIVER_ROOT={driver_root}: no {NVML_LIBRARY} under "
+        + ", ".join(f"{driver_root}/{d}" for d in _LIBRARY_DIRS)
+    )
