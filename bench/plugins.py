@@ -1,0 +1,147 @@
+"""The two kubelet plugins under test, started the same way: own kubelet-like dirs,
+same node, same driver name (gpu.example.com), same API server."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+DRIVER = "gpu.example.com"
+
+
+class PluginUnderTest:
+    label = "plugin"
+
+    def __init__(self, root: Path, kubeconfig: Path, node_name: str) -> None:
+        self.root = root
+        self.kubeconfig = kubeconfig
+        self.node_name = node_name
+        self.registry_dir = root / "plugins_registry"
+        self.plugins_dir = root / "plugins"
+        self.cdi_root = root / "cdi"
+        self.data_dir = self.plugins_dir / DRIVER
+        self.log_path = root / "plugin.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.spawned_at = 0.0
+        self.spawned_mono = 0.0
+
+    def command(self, gpus: str) -> list[str]:
+        raise NotImplementedError
+
+    def start(self, gpus: str, env: dict[str, str] | None = None) -> PluginUnderTest:
+        self.root.mkdir(parents=True, exist_ok=True)
+        log = self.log_path.open("ab")
+        cmd = self.command(gpus)
+        self.spawned_at = time.perf_counter()
+        self.spawned_mono = time.monotonic()  # the clock of RegisteredPlugin.registered_at
+        self.proc = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
+        )
+        return self
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def check_alive(self) -> None:
+        if self.proc is not None and self.proc.poll() is not None:
+            raise RuntimeError(f"{self.label} exited with {self.proc.returncode}:\n{self.logs()}")
+
+    def rss_kib(self) -> int:
+        for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+        raise RuntimeError("no VmRSS")
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 20) -> None:
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        self.proc = None
+
+    def wipe(self) -> None:
+        shutil.rmtree(self.root, ignore_errors=True)
+
+    def logs(self) -> str:
+        return self.log_path.read_text(errors="replace")[-4000:] if self.log_path.exists() else ""
+
+    def metric(self, name: str) -> float | None:
+        return None
+
+
+class OursPlugin(PluginUnderTest):
+    label = "this driver"
+
+    def __init__(self, root: Path, kubeconfig: Path, node_name: str, http_port: int) -> None:
+        super().__init__(root, kubeconfig, node_name)
+        self.http_port = http_port
+
+    def command(self, gpus: str) -> list[str]:
+        """`gpus`: `default` (8 H100, MIG), or a fleet file path."""
+        return [
+            sys.executable,
+            "-m",
+            "driver.plugin.main",
+            f"--node-name={self.node_name}",
+            f"--kubeconfig={self.kubeconfig}",
+            f"--kubelet-registrar-directory-path={self.registry_dir}",
+            f"--kubelet-plugins-directory-path={self.plugins_dir}",
+            f"--cdi-root={self.cdi_root}",
+            f"--http-port={self.http_port}",
+            "--nvml-backend=mock",
+            f"--mock-fleet={gpus}",
+        ]
+
+    def metric(self, name: str) -> float | None:
+        try:
+            url = f"http://127.0.0.1:{self.http_port}/metrics"
+            with urllib.request.urlopen(url, timeout=5) as response:
+                text = response.read().decode()
+        except OSError:
+            return None
+        total = 0.0
+        for line in text.splitlines():
+            if line.startswith("#"):
+                continue
+            sample, _, value = line.rpartition(" ")
+            if sample.split("{")[0] == name:
+                total += float(value)
+        return total
+
+
+class ReferencePlugin(PluginUnderTest):
+    """The Go reference (sigs.k8s.io/dra-example-driver cmd/dra-example-kubeletplugin)."""
+
+    label = "reference"
+
+    def __init__(self, binary: Path, root: Path, kubeconfig: Path, node_name: str) -> None:
+        super().__init__(root, kubeconfig, node_name)
+        self.binary = binary
+
+    def command(self, gpus: str) -> list[str]:
+        """`gpus`: the number of GPUs (--num-devices)."""
+        return [
+            str(self.binary),
+            f"--node-name={self.node_name}",
+            f"--kubeconfig={self.kubeconfig}",
+            f"--kubelet-registrar-directory-path={self.registry_dir}",
+            f"--kubelet-plugins-directory-path={self.plugins_dir}",
+            f"--cdi-root={self.cdi_root}",
+            f"--num-devices={gpus}",
+            "--device-profile=gpu",
+            "--healthcheck-port=-1",
+            "--metrics-port=-1",
+        ]

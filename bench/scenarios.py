@@ -1,0 +1,414 @@
+"""The benchmark scenarios, run identically against either plugin.
+
+Everything is timed by the harness from the outside (wall clock around the kubelet's
+gRPC call, or from the action to the watch event that shows its effect), so both
+plugins are measured the same way.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from bench.cluster import Api, BenchError, wait_for
+from bench.plugins import DRIVER, OursPlugin, PluginUnderTest
+from driver.kube.api import ApiError
+from tests.integration.kubelet_standin import ClaimRef, KubeletStandin
+
+SLICES = "/apis/resource.k8s.io/v1/resourceslices"
+NS = "gpu-dra-bench"
+DEVICE_CLASS = "bench-gpu.example.com"
+
+
+def summary(samples: list[float]) -> dict[str, Any]:
+    """p50/p99/mean/max in milliseconds, plus the raw samples (seconds)."""
+    if not samples:
+        return {"n": 0}
+    ordered = sorted(samples)
+
+    def pct(p: float) -> float:
+        k = (len(ordered) - 1) * p / 100
+        lo = int(k)
+        hi = min(lo + 1, len(ordered) - 1)
+        return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
+
+    return {
+        "n": len(samples),
+        "p50_ms": round(pct(50) * 1000, 3),
+        "p99_ms": round(pct(99) * 1000, 3),
+        "mean_ms": round(statistics.fmean(samples) * 1000, 3),
+        "max_ms": round(ordered[-1] * 1000, 3),
+        "samples_s": [round(s, 6) for s in samples],
+    }
+
+
+# --------------------------------------------------------------------------- slices
+
+
+class SliceWatcher:
+    """Mirrors the node's ResourceSlices of the driver from a watch; waiters get the
+    arrival time of the event that made their predicate true."""
+
+    def __init__(self, api: Api, node: str) -> None:
+        self.api = api
+        self.node = node
+        self.slices: dict[str, dict[str, Any]] = {}
+        self.changed_at = 0.0
+        self._cond = threading.Condition()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="slice-watch", daemon=True)
+
+    def start(self) -> SliceWatcher:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _query(self) -> dict[str, str]:
+        return {"fieldSelector": f"spec.driver={DRIVER},spec.nodeName={self.node}"}
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                listing = self.api.kube.request("GET", SLICES, query=self._query())
+                with self._cond:
+                    self.slices = {s["metadata"]["name"]: s for s in listing["items"]}
+                    self.changed_at = time.perf_counter()
+                    self._cond.notify_all()
+                rv = listing["metadata"]["resourceVersion"]
+                for kind, obj in self.api.kube.watch(
+                    SLICES, query={**self._query(), "resourceVersion": rv}, timeout_seconds=60
+                ):
+                    now = time.perf_counter()
+                    if self._stop.is_set():
+                        return
+                    if kind == "ERROR":
+                        break
+                    with self._cond:
+                        name = obj["metadata"]["name"]
+                        if kind == "DELETED":
+                            self.slices.pop(name, None)
+                        else:
+                            self.slices[name] = obj
+                        self.changed_at = now
+                        self._cond.notify_all()
+            except Exception:  # the API server may restart; re-list
+                self._stop.wait(0.2)
+
+    def wait(
+        self, predicate: Callable[[list[dict[str, Any]]], Any], timeout: float, what: str
+    ) -> float:
+        """Waits for `predicate(slices)`; returns the perf_counter time it became true."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                if predicate(list(self.slices.values())):
+                    return self.changed_at
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise BenchError(f"timed out after {timeout}s waiting for {what}")
+                self._cond.wait(min(left, 0.5))
+
+
+def complete_pool(slices: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
+    if not slices:
+        return None
+    generation = max(s["spec"]["pool"]["generation"] for s in slices)
+    current = [s for s in slices if s["spec"]["pool"]["generation"] == generation]
+    if len(current) != current[0]["spec"]["pool"]["resourceSliceCount"]:
+        return None
+    if len(current) != len(slices):
+        return None
+    return current
+
+
+def devices_of(slices: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    return {d["name"]: d for s in slices for d in s["spec"].get("devices") or []}
+
+
+def delete_node_slices(api: Api, node: str) -> None:
+    api.delete(SLICES, fieldSelector=f"spec.nodeName={node},spec.driver={DRIVER}")
+    wait_for(
+        lambda: not api.get(SLICES, fieldSelector=f"spec.nodeName={node}")["items"],
+        30,
+        "the node's slices deleted",
+    )
+
+
+# --------------------------------------------------------------------------- claims
+
+
+def setup_namespace(api: Api) -> None:
+    try:
+        api.post(
+            "/api/v1/namespaces",
+            {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NS}},
+        )
+    except ApiError as err:
+        if not err.conflict:
+            raise
+    try:
+        api.post(
+            "/apis/resource.k8s.io/v1/deviceclasses",
+            {
+                "apiVersion": "resource.k8s.io/v1",
+                "kind": "DeviceClass",
+                "metadata": {"name": DEVICE_CLASS},
+                "spec": {"selectors": [{"cel": {"expression": f'device.driver == "{DRIVER}"'}}]},
+            },
+        )
+    except ApiError as err:
+        if not err.conflict:
+            raise
+
+
+def allocated_claim(api: Api, node: str, name: str, device: str, config: Any = None) -> ClaimRef:
+    """A ResourceClaim allocated to `device` of this node's pool.
+
+    The allocation is written into the claim's status directly, as the scheduler would
+    (the scheduler's own latency is not what is measured here, and 64 pods would only
+    slow the setup down). No reservation and no finalizer: the resourceclaim controller
+    leaves such a claim alone.
+    """
+    path = f"/apis/resource.k8s.io/v1/namespaces/{NS}/resourceclaims"
+    api.delete(f"{path}/{name}")
+    wait_for(lambda: _absent(api, f"{path}/{name}"), 30, f"old claim {name} deleted")
+    spec: dict[str, Any] = {
+        "devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": DEVICE_CLASS}}]}
+    }
+    allocation: dict[str, Any] = {
+        "devices": {
+            "results": [{"request": "gpu", "driver": DRIVER, "pool": node, "device": device}]
+        },
+        "nodeSelector": {
+            "nodeSelectorTerms": [
+                {"matchFields": [{"key": "metadata.name", "operator": "In", "values": [node]}]}
+            ]
+        },
+    }
+    if config is not None:
+        opaque = {"requests": ["gpu"], "opaque": {"driver": DRIVER, "parameters": config}}
+        spec["devices"]["config"] = [opaque]
+        allocation["devices"]["config"] = [{"source": "FromClaim", **opaque}]
+    created = api.post(
+        path,
+        {
+            "apiVersion": "resource.k8s.io/v1",
+            "kind": "ResourceClaim",
+            "metadata": {"name": name},
+            "spec": spec,
+        },
+    )
+    created["status"] = {"allocation": allocation}
+    api.put(f"{path}/{name}/status", created)
+    return ClaimRef(NS, created["metadata"]["uid"], name)
+
+
+def _absent(api: Api, path: str) -> bool:
+    try:
+        api.get(path)
+    except ApiError as err:
+        return err.not_found
+    return False
+
+
+# --------------------------------------------------------------------------- scenarios
+
+
+def start_and_publish(
+    plugin: PluginUnderTest, gpus: str, api: Api, watcher: SliceWatcher, settle: float = 3.0
+) -> tuple[KubeletStandin, dict[str, Any]]:
+    """Start the plugin; time until the kubelet registered it and until its complete
+    pool is visible in the API; count the ResourceSlice writes it made meanwhile."""
+    writes_before = api.slice_writes()
+    kubelet = KubeletStandin(plugin.registry_dir, poll_interval=0.005).start()
+    plugin.start(gpus)
+    registered = kubelet.wait_for_plugin(DRIVER, timeout=120)
+    published_at = watcher.wait(
+        lambda s: (p := complete_pool(s)) and devices_of(p), 180, f"{plugin.label}: pool published"
+    )
+    time.sleep(settle)  # let it finish whatever it still writes
+    plugin.check_alive()
+    pool = complete_pool(list(watcher.slices.values())) or []
+    result = {
+        "registered_s": round(registered.registered_at - plugin.spawned_mono, 4),
+        "published_s": round(published_at - plugin.spawned_at, 4),
+        "slice_writes": api.slice_writes() - writes_before,
+        "slices": len(pool),
+        "devices": len(devices_of(pool)),
+    }
+    return kubelet, result
+
+
+def prepare_single(kubelet: KubeletStandin, ref: ClaimRef, n: int) -> dict[str, Any]:
+    prep: list[float] = []
+    unprep: list[float] = []
+    for _ in range(n):
+        t = time.perf_counter()
+        res = kubelet.prepare(DRIVER, [ref])[ref.uid]
+        prep.append(time.perf_counter() - t)
+        if res.error:
+            raise BenchError(f"prepare failed: {res.error}")
+        t = time.perf_counter()
+        ures = kubelet.unprepare(DRIVER, [ref])[ref.uid]
+        unprep.append(time.perf_counter() - t)
+        if ures.error:
+            raise BenchError(f"unprepare failed: {ures.error}")
+    return {"prepare": summary(prep), "unprepare": summary(unprep)}
+
+
+def prepare_batch(kubelet: KubeletStandin, refs: list[ClaimRef], rounds: int) -> dict[str, Any]:
+    prep: list[float] = []
+    unprep: list[float] = []
+    for _ in range(rounds):
+        t = time.perf_counter()
+        res = kubelet.prepare(DRIVER, refs, timeout=120)
+        prep.append(time.perf_counter() - t)
+        failed = {uid: r.error for uid, r in res.items() if r.error}
+        if failed:
+            raise BenchError(
+                f"batch prepare failed for {len(failed)} claims: {next(iter(failed.values()))}"
+            )
+        t = time.perf_counter()
+        ures = kubelet.unprepare(DRIVER, refs, timeout=120)
+        unprep.append(time.perf_counter() - t)
+        if any(r.error for r in ures.values()):
+            raise BenchError("batch unprepare failed")
+    return {"claims": len(refs), "prepare": summary(prep), "unprepare": summary(unprep)}
+
+
+def permanent_error_repeats(
+    kubelet: KubeletStandin, plugin: OursPlugin, ref: ClaimRef, n: int
+) -> dict[str, Any]:
+    t = time.perf_counter()
+    first = kubelet.prepare(DRIVER, [ref])[ref.uid]
+    first_s = time.perf_counter() - t
+    if not first.error.startswith("permanent ("):
+        raise BenchError(f"expected a permanent error, got {first.error!r}")
+    nvml = plugin.metric("gpu_dra_nvml_calls")
+    writes = plugin.metric("gpu_dra_state_file_writes_total")
+    samples: list[float] = []
+    for _ in range(n):
+        t = time.perf_counter()
+        again = kubelet.prepare(DRIVER, [ref])[ref.uid]
+        samples.append(time.perf_counter() - t)
+        if again.error != first.error:
+            raise BenchError(f"verdict changed: {again.error!r}")
+    kubelet.unprepare(DRIVER, [ref])
+    return {
+        "first_ms": round(first_s * 1000, 3),
+        "repeat": summary(samples),
+        "nvml_calls_during_repeats": (plugin.metric("gpu_dra_nvml_calls") or 0) - (nvml or 0),
+        "state_writes_during_repeats": (plugin.metric("gpu_dra_state_file_writes_total") or 0)
+        - (writes or 0),
+        "error": first.error[:160],
+    }
+
+
+def xid_to_taint(
+    plugin: OursPlugin, watcher: SliceWatcher, n: int, gpus: int = 8
+) -> dict[str, Any]:
+    from driver.health.mock_control import MockRequest, submit
+
+    key = f"{DRIVER}/xid"
+
+    def tainted(device: str) -> Callable[[list[dict[str, Any]]], bool]:
+        def check(slices: list[dict[str, Any]]) -> bool:
+            d = devices_of(slices).get(device) or {}
+            return any(t.get("key") == key for t in d.get("taints") or [])
+
+        return check
+
+    def untainted(device: str) -> Callable[[list[dict[str, Any]]], bool]:
+        is_tainted = tainted(device)
+        return lambda slices: not is_tainted(slices)
+
+    samples: list[float] = []
+    acked: list[float] = []
+    for i in range(n):
+        device = f"gpu-{i % gpus}"
+        t0 = time.perf_counter()
+        submit(plugin.data_dir, MockRequest(action="xid", device=device, xid=79), timeout=10)
+        acked.append(time.perf_counter() - t0)
+        seen = watcher.wait(tainted(device), 30, f"taint on {device}")
+        samples.append(max(seen, t0) - t0)
+        submit(plugin.data_dir, MockRequest(action="reset", device=device), timeout=10)
+        watcher.wait(untainted(device), 30, f"taint removed from {device}")
+    return {"taint_visible": summary(samples), "injection_acked": summary(acked)}
+
+
+def resync_writes(
+    plugin: PluginUnderTest, api: Api, watcher: SliceWatcher, settle: float = 3.0
+) -> dict[str, Any]:
+    """A no-change resync: touch a slice (an annotation; the spec is unchanged), which
+    makes a watching publisher reconcile; count the slice writes beyond our own."""
+    pool = complete_pool(list(watcher.slices.values())) or []
+    if not pool:
+        raise BenchError("no pool to resync")
+    before = api.slice_writes()
+    name = pool[0]["metadata"]["name"]
+    api.merge_patch(
+        f"{SLICES}/{name}",
+        {"metadata": {"annotations": {"bench.gpu.example.com/poke": str(time.time())}}},
+    )
+    time.sleep(settle)
+    plugin.check_alive()
+    return {"slice_writes": api.slice_writes() - before - 1}
+
+
+def restart_writes(
+    plugin: PluginUnderTest, gpus: str, api: Api, watcher: SliceWatcher, kubelet: KubeletStandin
+) -> tuple[KubeletStandin, dict[str, Any]]:
+    """Restart with the slices already published: time to registered, writes made."""
+    plugin.stop()
+    kubelet.wait_for_deregistration(DRIVER, timeout=30)
+    kubelet.stop()
+    writes_before = api.slice_writes()
+    new_kubelet = KubeletStandin(plugin.registry_dir, poll_interval=0.005).start()
+    plugin.start(gpus)
+    registered = (
+        new_kubelet.wait_for_plugin(DRIVER, timeout=120).registered_at - plugin.spawned_mono
+    )
+    time.sleep(4.0)
+    plugin.check_alive()
+    return new_kubelet, {
+        "registered_s": round(registered, 4),
+        "slice_writes": api.slice_writes() - writes_before,
+    }
+
+
+def fsync_floor(directory: Path, n: int = 200) -> dict[str, Any]:
+    """The disk's floor for the prepare path: fsync of a small file, and one complete
+    atomic write (temp file, write, fsync, rename, directory fsync)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    target = directory / "bench-fsync.json"
+    payload = b'{"bench": "' + b"x" * 200 + b'"}\n'
+    fsyncs: list[float] = []
+    atomic: list[float] = []
+    for _ in range(n):
+        fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.write(fd, payload)
+        t = time.perf_counter()
+        os.fsync(fd)
+        fsyncs.append(time.perf_counter() - t)
+        os.close(fd)
+    tmp = directory / ".bench-fsync.tmp"
+    for _ in range(n):
+        t = time.perf_counter()
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.write(fd, payload)
+        os.fsync(fd)
+        os.close(fd)
+        os.rename(tmp, target)
+        dfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+        os.fsync(dfd)
+        os.close(dfd)
+        atomic.append(time.perf_counter() - t)
+    target.unlink(missing_ok=True)
+    return {"fsync": summary(fsyncs), "atomic_write": summary(atomic)}
