@@ -1,0 +1,54 @@
+"""Fixtures and the figures summary of the reliability suite.
+
+The suite runs against the integration tier's real control plane (`cluster`, `node`
+from tests/integration/conftest.py) and real plugin processes. Each test records what
+it survived in `FIGURES`; the session ends with a summary of them.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.integration.conftest import cluster, node  # noqa: F401 - shared fixtures
+
+FIGURES: Counter[str] = Counter()
+
+_HERE = Path(__file__).parent
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "reliability: fault-injection suite (tests/reliability)")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if _HERE in Path(str(item.fspath)).parents:
+            item.add_marker(pytest.mark.reliability)
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if not FIGURES:
+        return
+    terminalreporter.section("reliability figures")
+    for key in sorted(FIGURES):
+        terminalreporter.write_line(f"{key:<44} {FIGURES[key]:>8}")
+
+
+@pytest.fixture
+def figures() -> Counter[str]:
+    return FIGURES
+
+
+@pytest.fixture
+def root() -> Iterator[Path]:
+    """A short directory for a plugin's kubelet-like dirs (unix socket paths must stay
+    under 108 bytes, which pytest's tmp_path does not guarantee)."""
+    path = Path(tempfile.mkdtemp(prefix="rel-", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)

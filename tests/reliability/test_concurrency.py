@@ -1,0 +1,189 @@
+"""Concurrent and overlapping calls: two plugin instances of a rolling update on the
+same directories, and 100 overlapping prepare/unprepare calls at once on one instance.
+Both must serialise: no device handed to two claims, CDI specs == journal, and every
+answer either success or a clear transient error."""
+
+from __future__ import annotations
+
+import random
+import threading
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from driver.proto.dra.v1 import api_pb2
+from tests.integration.conftest import Cluster, FakeNode
+from tests.integration.kubelet_standin import ClaimRef, RegisteredPlugin
+from tests.integration.plugin_process import DRIVER
+from tests.reliability.support import (
+    allocated_claim,
+    api_for,
+    assert_consistent,
+    ensure_namespace,
+    prepare_request,
+    start_instance,
+    stub,
+    unprepare_request,
+)
+
+NS = "reliability-concurrency"
+REFUSAL = "refusing to hand it to a second claim"
+
+
+def _check_error(message: str, error_type: int = api_pb2.Unknown) -> None:
+    assert error_type != api_pb2.Permanent, message
+    assert REFUSAL in message or "lock" in message, f"unexpected error: {message}"
+
+
+def test_rolling_update_two_instances_take_concurrent_calls(
+    cluster: Cluster, node: FakeNode, root: Path, figures: Counter[str]
+) -> None:
+    """Two instances (--pod-uid a/b, the same dirs) both registered; four kubelet
+    threads each own two claims and send them, at random, to either instance. Claims
+    of different threads want the same devices, so half the prepares must be refused."""
+    api = api_for(cluster)
+    ensure_namespace(api, NS)
+    # thread t owns claims on gpu-t and gpu-(t+1)%4: every device is wanted by two threads
+    owned = [
+        [allocated_claim(api, node.name, NS, f"ru-{t}-{k}", f"gpu-{(t + k) % 4}") for k in range(2)]
+        for t in range(4)
+    ]
+    old = start_instance(cluster, node, root, args=["--pod-uid=old-pod"])
+    new = start_instance(cluster, node, root, args=["--pod-uid=new-pod"])
+    try:
+        # Both instances register (the new one's stand-in sees both sockets).
+        both = cluster.wait_for(
+            lambda: len(new.kubelet.plugins) == 2 and new.kubelet.plugins,
+            30,
+            "both instances registered",
+        )
+        instances: list[RegisteredPlugin] = sorted(both.values(), key=lambda p: p.endpoint)
+        assert [Path(p.endpoint).name for p in instances] == [
+            "dra-new-pod.sock",
+            "dra-old-pod.sock",
+        ]
+        assert instances[0].endpoint != instances[1].endpoint
+        counts = Counter[str]()
+        failures: list[BaseException] = []
+        lock = threading.Lock()
+
+        def run(t: int) -> set[str]:
+            rng = random.Random(t)
+            mine: set[str] = set()
+            for _ in range(25):
+                ref = rng.choice(owned[t])
+                target = stub(rng.choice(instances))
+                if ref.uid in mine:
+                    resp = target.NodeUnprepareResources(unprepare_request([ref]), timeout=30)
+                    assert resp.claims[ref.uid].error == "", resp.claims[ref.uid].error
+                    mine.discard(ref.uid)
+                    key = "unprepared"
+                else:
+                    resp = target.NodePrepareResources(prepare_request([ref]), timeout=30)
+                    result = resp.claims[ref.uid]
+                    if result.error:
+                        _check_error(result.error, result.error_type)
+                        key = "refused"
+                    else:
+                        mine.add(ref.uid)
+                        key = "prepared"
+                with lock:
+                    counts[key] += 1
+            return mine
+
+        def guarded(t: int) -> set[str]:
+            try:
+                return run(t)
+            except BaseException as err:
+                failures.append(err)
+                return set()
+
+        with ThreadPoolExecutor(4) as pool:
+            held = set().union(*pool.map(guarded, range(4)))
+        assert not failures, failures[0]
+        old.plugin.check_alive()
+        new.plugin.check_alive()
+        state = assert_consistent(new.plugin, held)
+        assert len(state.completed) <= 4  # four devices
+        assert counts["refused"] > 0, counts  # the overlap really happened
+        figures["rolling update: calls across two instances"] += sum(counts.values())
+        figures["rolling update: double-bookings refused"] += counts["refused"]
+
+        # The old instance goes away; the new one carries on with the same state.
+        old.stop()
+        everything = [r for refs in owned for r in refs]
+        resp = stub(instances[0]).NodeUnprepareResources(unprepare_request(everything), timeout=30)
+        assert all(c.error == "" for c in resp.claims.values())
+        assert_consistent(new.plugin, set())
+    finally:
+        old.stop()
+        new.stop()
+
+
+def test_100_concurrent_overlapping_calls(
+    cluster: Cluster, node: FakeNode, root: Path, figures: Counter[str]
+) -> None:
+    """100 calls at once from 100 threads: prepares and unprepares of overlapping sets
+    of 8 claims (two claims per device), repeated claims within and across calls."""
+    api = api_for(cluster)
+    ensure_namespace(api, NS)
+    refs = [allocated_claim(api, node.name, NS, f"cc-{i}", f"gpu-{i % 4}") for i in range(8)]
+    inst = start_instance(cluster, node, root)
+    try:
+        target = stub(inst.kubelet.plugin(DRIVER))
+        rng = random.Random(100)
+        calls: list[tuple[str, list[ClaimRef]]] = [
+            (rng.choice(("prepare", "unprepare")), rng.sample(refs, rng.randint(1, 4)))
+            for _ in range(100)
+        ]
+        barrier = threading.Barrier(100)
+        outcomes = Counter[str]()
+        failures: list[BaseException] = []
+        lock = threading.Lock()
+
+        def call(op: str, batch: list[ClaimRef]) -> None:
+            try:
+                barrier.wait(timeout=30)
+                if op == "prepare":
+                    resp = target.NodePrepareResources(prepare_request(batch), timeout=60)
+                else:
+                    resp = target.NodeUnprepareResources(unprepare_request(batch), timeout=60)
+                assert set(resp.claims) == {r.uid for r in batch}, "a claim was left out"
+                for result in resp.claims.values():
+                    if result.error:
+                        _check_error(result.error, getattr(result, "error_type", 0))
+                with lock:
+                    for result in resp.claims.values():
+                        outcomes[f"{op} {'error' if result.error else 'ok'}"] += 1
+            except BaseException as err:
+                failures.append(err)
+
+        threads = [threading.Thread(target=call, args=c) for c in calls]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(timeout=120)
+        assert not failures, failures[0]
+        inst.plugin.check_alive()
+        state = assert_consistent(inst.plugin)
+        for uid, devices in state.completed.items():
+            ref = next(r for r in refs if r.uid == uid)
+            assert devices == [f"gpu-{refs.index(ref) % 4}"]
+        figures["concurrency: overlapping calls at once"] += len(calls)
+        figures["concurrency: claim results checked"] += sum(outcomes.values())
+
+        # Afterwards the state is usable: unprepare everything, then one claim per device.
+        assert all(
+            c.error == ""
+            for c in target.NodeUnprepareResources(
+                unprepare_request(refs), timeout=30
+            ).claims.values()
+        )
+        assert_consistent(inst.plugin, set())
+        first = refs[:4]
+        resp = target.NodePrepareResources(prepare_request(first), timeout=30)
+        assert all(c.error == "" for c in resp.claims.values())
+        assert_consistent(inst.plugin, {r.uid for r in first})
+        target.NodeUnprepareResources(unprepare_request(first), timeout=30)
+    finally:
+        inst.stop()
