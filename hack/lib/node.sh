@@ -289,7 +289,7 @@ up_node() {
 our_shim_pids() {
   local p cmd
   for p in /proc/[0-9]*; do
-    cmd=$(tr '\0' ' ' <"$p/cmdline" 2>/dev/null) || continue
+    cmd=$( { tr '\0' ' ' <"$p/cmdline"; } 2>/dev/null) || continue
     [[ $cmd == *containerd-shim-runc-v2*"$CONTAINERD_SOCK"* ]] && printf '%s\n' "${p#/proc/}"
   done
 }
