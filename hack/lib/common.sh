@@ -28,6 +28,11 @@ SCHEDULER_PORT=${GPU_DRA_SCHEDULER_PORT:-10259}
 SERVICE_CIDR=${GPU_DRA_SERVICE_CIDR:-10.96.0.0/16}
 FIRST_SERVICE_IP=${GPU_DRA_FIRST_SERVICE_IP:-10.96.0.1}
 SA_ISSUER=https://kubernetes.default.svc.cluster.local
+# The apiserver refuses a loopback advertise address while its endpoint reconciler
+# maintains the `kubernetes` Service endpoints ("may not be in the loopback range"), so
+# with 127.0.0.1 the reconciler is off (type none) and that Service has no endpoints.
+# A non-loopback address (e.g. a node bridge address) turns the lease reconciler on.
+API_ADVERTISE_ADDRESS=${GPU_DRA_API_ADVERTISE_ADDRESS:-127.0.0.1}
 # Readiness timeouts (seconds); a cold start on 2 cores takes about 20-40 s in total.
 UP_TIMEOUT=${GPU_DRA_UP_TIMEOUT:-180}
 
@@ -35,19 +40,21 @@ CONTROL_PLANE_BINARIES=(etcd kube-apiserver kube-controller-manager kube-schedul
 # Start order; `down` stops them in reverse.
 CONTROL_PLANE_COMPONENTS=(etcd kube-apiserver kube-controller-manager kube-scheduler)
 
-# Feature gates, checked against pkg/features/kube_features.go of v1.37.1:
-#   DRADeviceTaints, DRADeviceTaintRules  GA in 1.37, on, not locked (locked in 1.38)
-#   DRAPartitionableDevices               beta, on
-#   DRAConsumableCapacity                 beta, on
-#   ResourceHealthStatus                  beta, on (device health in pod status)
-# Also needed by the driver but GA *and locked on* in 1.37, so they must not be set
-# (setting a locked gate only warns today and becomes an error once the gate is
-# removed): DynamicResourceAllocation, DRAResourceClaimDeviceStatus, DRAAdminAccess,
-# DRAPrioritizedList. tests/integration/test_control_plane.py checks through the
-# apiserver's kubernetes_feature_enabled metric that every one of them is on.
-# The same string goes to every component (apiserver, controller-manager, scheduler,
-# and the kubelet of hack/lib/node.sh).
-FEATURE_GATES=DRADeviceTaints=true,DRADeviceTaintRules=true,DRAPartitionableDevices=true,DRAConsumableCapacity=true,ResourceHealthStatus=true
+# Feature gates, checked against pkg/features/kube_features.go of v1.37.1. Set here:
+#   DRAPartitionableDevices   beta, on by default (pinned: beta defaults can change)
+#   DRAConsumableCapacity     beta, on by default (pinned)
+#   ResourceHealthStatus      beta, on by default (pinned; device health in pod status)
+# Also needed by the driver, but GA in 1.37 and therefore not set: setting a GA gate
+# logs "setting GA feature gate. It will be removed in a future release" and becomes an
+# unknown-gate error once the gate is removed.
+#   DRADeviceTaints, DRADeviceTaintRules  GA, on (locked from 1.38); DeviceTaintRule is
+#                                         in resource.k8s.io/v1
+#   DynamicResourceAllocation, DRAResourceClaimDeviceStatus, DRAAdminAccess,
+#   DRAPrioritizedList                    GA, locked on
+# tests/integration/test_control_plane.py checks every one of them through the
+# apiserver's kubernetes_feature_enabled metric. The same string goes to every
+# component (apiserver, controller-manager, scheduler, and the kubelet of node.sh).
+FEATURE_GATES=DRAPartitionableDevices=true,DRAConsumableCapacity=true,ResourceHealthStatus=true
 FEATURE_GATES+=${GPU_DRA_EXTRA_FEATURE_GATES:+,$GPU_DRA_EXTRA_FEATURE_GATES}
 # resource.k8s.io/v1 (with devicetaintrules since 1.37) is on by default; it is listed
 # so that the intent is explicit. v1beta1/v1beta2 are off by default in 1.37 and the
@@ -106,22 +113,29 @@ component_running() {
   [[ $cmdline == *"$RUN_DIR"* ]]
 }
 
+# stop_component <name>...: SIGTERM to each (together), SIGKILL after 10 s.
 stop_component() {
-  local name=$1 pid i
-  if component_running "$name"; then
-    pid=$(component_pid "$name")
-    kill -TERM "$pid" 2>/dev/null || true
-    for ((i = 0; i < 100; i++)); do
-      kill -0 "$pid" 2>/dev/null || break
+  local name pid i names=() pids=()
+  for name in "$@"; do
+    if component_running "$name"; then
+      pid=$(component_pid "$name")
+      kill -TERM "$pid" 2>/dev/null || true
+      names+=("$name"); pids+=("$pid")
+    fi
+  done
+  for ((i = 0; i < ${#pids[@]}; i++)); do
+    local waited
+    for ((waited = 0; waited < 100; waited++)); do
+      kill -0 "${pids[i]}" 2>/dev/null || break
       sleep 0.1
     done
-    if kill -0 "$pid" 2>/dev/null; then
-      progress "$name (pid $pid) ignored SIGTERM for 10 s; sending SIGKILL"
-      kill -KILL "$pid" 2>/dev/null || true
+    if kill -0 "${pids[i]}" 2>/dev/null; then
+      progress "${names[i]} (pid ${pids[i]}) ignored SIGTERM for 10 s; sending SIGKILL"
+      kill -KILL "${pids[i]}" 2>/dev/null || true
     fi
-    progress "stopped $name (pid $pid)"
-  fi
-  rm -f "$PID_DIR/$name.pid"
+    progress "stopped ${names[i]} (pid ${pids[i]})"
+  done
+  for name in "$@"; do rm -f "$PID_DIR/$name.pid"; done
 }
 
 show_log_tail() {

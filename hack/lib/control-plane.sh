@@ -109,10 +109,13 @@ etcd_healthy() {
 }
 
 start_apiserver() {
+  local reconciler=lease
+  [[ $API_ADVERTISE_ADDRESS == 127.* ]] && reconciler=none
   start_component kube-apiserver "$BIN_DIR/kube-apiserver" \
     --etcd-servers="http://127.0.0.1:$ETCD_PORT" \
     --bind-address=127.0.0.1 \
-    --advertise-address=127.0.0.1 \
+    --advertise-address="$API_ADVERTISE_ADDRESS" \
+    --endpoint-reconciler-type="$reconciler" \
     --secure-port="$API_PORT" \
     --tls-cert-file="$PKI_DIR/apiserver.crt" \
     --tls-private-key-file="$PKI_DIR/apiserver.key" \
@@ -244,8 +247,7 @@ up_control_plane() {
   fi
   # Partial state from an earlier run (a component died): stop what is left, keep the
   # PKI and etcd data, start again.
-  local c
-  for c in "${CONTROL_PLANE_COMPONENTS[@]}"; do stop_component "$c"; done
+  down_control_plane
   check_ports_free
   mkdir -p "$RUN_DIR" "$LOG_DIR" "$PID_DIR"
   touch "$RUN_MARKER"
@@ -273,10 +275,10 @@ up_control_plane() {
 }
 
 down_control_plane() {
-  local i
-  for ((i = ${#CONTROL_PLANE_COMPONENTS[@]} - 1; i >= 0; i--)); do
-    stop_component "${CONTROL_PLANE_COMPONENTS[i]}"
-  done
+  # Clients of the apiserver first (together), then the apiserver, then etcd.
+  stop_component kube-scheduler kube-controller-manager
+  stop_component kube-apiserver
+  stop_component etcd
 }
 
 status_control_plane() {

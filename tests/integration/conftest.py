@@ -259,5 +259,9 @@ def node(cluster: Cluster) -> Iterator[FakeNode]:
     cluster.kubectl(
         "patch", "node", NODE_NAME, "--subresource=status", "--type=merge", "-p", json.dumps(status)
     )
+    # The TaintNodesByCondition admission plugin gives every new Node the
+    # node.kubernetes.io/not-ready:NoSchedule taint; the node-lifecycle controller,
+    # off without a kubelet, would remove it once the node is Ready.
+    cluster.kubectl("patch", "node", NODE_NAME, "--type=merge", "-p", '{"spec":{"taints":null}}')
     yield FakeNode(name=NODE_NAME, uid=created["metadata"]["uid"])
     cluster.kubectl("delete", "node", NODE_NAME, "--ignore-not-found", "--wait=false", check=False)

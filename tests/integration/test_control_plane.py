@@ -41,7 +41,7 @@ REQUIRED_GATES = (
 def _versions() -> dict[str, str]:
     out = {}
     for line in (REPO / "hack" / "versions.env").read_text().splitlines():
-        m = re.match(r"^([A-Z_]+)=(\S+)", line)
+        m = re.match(r"^([A-Z0-9_]+)=(\S+)", line)
         if m:
             out[m.group(1)] = m.group(2)
     return out
@@ -67,6 +67,11 @@ def namespace(cluster: Cluster) -> Any:
         f"ServiceAccount {name}/default",
     )
     yield name
+    # Without a kubelet a gracefully deleted pod stays Terminating (and so would the
+    # namespace): force-delete the pods first, as the kubelet stand-in would.
+    cluster.kubectl(
+        "delete", "pods", "--all", "-n", name, "--grace-period=0", "--force", check=False
+    )
     cluster.kubectl("delete", "namespace", name, "--wait=false", check=False)
 
 
