@@ -168,6 +168,8 @@ def cluster() -> Iterator[Cluster]:
         "GPU_DRA_ETCD_PEER_PORT": str(peer),
         "GPU_DRA_KCM_PORT": str(kcm),
         "GPU_DRA_SCHEDULER_PORT": str(sched),
+        # The integration tier has the fake node; the real one is tests/e2e's.
+        "GPU_DRA_WITH_NODE": "0",
     }
     c = Cluster(kubeconfig=run_dir / "admin.kubeconfig", bin_dir=bin_dir, run_dir=run_dir, env=env)
     try:
