@@ -83,5 +83,15 @@ kind-demo:
 kind-down:
 	hack/kind/delete-cluster.sh
 
+# The reliability suite alone (make test runs it too): fault injection against the
+# local control plane; prints its figures at the end.
+test-reliability: venv cluster-build
+	$(VENV)/bin/pytest tests/reliability $(PYTEST_ARGS)
+
+# Benchmarks (docs/benchmarks.md). The Go reference runs when GPU_DRA_REFERENCE_PLUGIN
+# names its binary (built by hand, outside the repo); BENCH_ARGS e.g. --scenario prepare.
+bench: venv cluster-build
+	$(PY) -m bench.run --plot bench/results/prepare-latency.png $(BENCH_ARGS)
+
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -15,7 +15,11 @@ def plot(results: dict[str, Any], out: Path) -> None:
     import matplotlib.pyplot as plt
 
     drivers = results.get("drivers", {})
-    names = {"ours": "this driver", "reference": "Go reference"}
+    names = {
+        "ours": "this driver",
+        "reference": "Go reference (defaults: 5 QPS)",
+        "reference_unthrottled": "Go reference (QPS 1000)",
+    }
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     for ax, key, title in (
         (axes[0], "prepare_1", "NodePrepareResources, 1 claim"),

@@ -127,9 +127,17 @@ class ReferencePlugin(PluginUnderTest):
 
     label = "reference"
 
-    def __init__(self, binary: Path, root: Path, kubeconfig: Path, node_name: str) -> None:
+    def __init__(
+        self,
+        binary: Path,
+        root: Path,
+        kubeconfig: Path,
+        node_name: str,
+        extra_args: tuple[str, ...] = (),
+    ) -> None:
         super().__init__(root, kubeconfig, node_name)
         self.binary = binary
+        self.extra_args = extra_args
 
     def command(self, gpus: str) -> list[str]:
         """`gpus`: the number of GPUs (--num-devices)."""
@@ -144,4 +152,5 @@ class ReferencePlugin(PluginUnderTest):
             "--device-profile=gpu",
             "--healthcheck-port=-1",
             "--metrics-port=-1",
+            *self.extra_args,
         ]

@@ -82,27 +82,35 @@ def _floor_row(label: str, stats: dict[str, Any]) -> str:
 def markdown(results: dict[str, Any]) -> str:
     ours = _get(results, "drivers", "ours") or {}
     ref = _get(results, "drivers", "reference")
+    fast = _get(results, "drivers", "reference_unthrottled")
     lines = [
-        "| scenario | this driver | reference | ratio (this / reference) |",
-        "|---|---:|---:|---:|",
+        "| scenario | this driver | reference | ratio (this / reference) "
+        "| reference, QPS 1000 | ratio |",
+        "|---|---:|---:|---:|---:|---:|",
     ]
     for label, path, unit, scale in ROWS:
         o = _get(ours, *path)
         r = _get(ref, *path) if ref else None
+        f = _get(fast, *path) if fast else None
         if o is None and r is None:
             continue
         if label.endswith("devices / slices"):
             slices = _get(ours, path[0], "slices")
-            lines.append(f"| {label} | {o} / {slices} | - | - |")
+            lines.append(f"| {label} | {o} / {slices} | - | - | - | - |")
             continue
         if label.startswith("  NVML"):
             writes = _get(ours, "permanent_repeat", "state_writes_during_repeats")
-            lines.append(f"| {label.strip()} | {o:.0f} / {writes:.0f} | - | - |")
+            lines.append(f"| {label.strip()} | {o:.0f} / {writes:.0f} | - | - | - | - |")
             continue
         o_s = o * scale if isinstance(o, (int, float)) and scale != 1 else o
         r_s = r * scale if isinstance(r, (int, float)) and scale != 1 else r
+        f_s = f * scale if isinstance(f, (int, float)) and scale != 1 else f
         ref_cell = _fmt(r_s, unit) if ref else "not run"
-        lines.append(f"| {label} | {_fmt(o_s, unit)} | {ref_cell} | {_ratio(o, r)} |")
+        fast_cell = _fmt(f_s, unit) if fast else "not run"
+        lines.append(
+            f"| {label} | {_fmt(o_s, unit)} | {ref_cell} | {_ratio(o, r)} "
+            f"| {fast_cell} | {_ratio(o, f)} |"
+        )
     floor = results.get("floor")
     if floor:
         lines += [

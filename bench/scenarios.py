@@ -340,6 +340,7 @@ def xid_to_taint(
         samples.append(max(seen, t0) - t0)
         submit(plugin.data_dir, MockRequest(action="reset", device=device), timeout=10)
         watcher.wait(untainted(device), 30, f"taint removed from {device}")
+        watcher.wait(complete_pool, 30, "a complete pool after the reset")
     return {"taint_visible": summary(samples), "injection_acked": summary(acked)}
 
 
@@ -348,6 +349,8 @@ def resync_writes(
 ) -> dict[str, Any]:
     """A no-change resync: touch a slice (an annotation; the spec is unchanged), which
     makes a watching publisher reconcile; count the slice writes beyond our own."""
+    watcher.wait(complete_pool, 60, "a complete pool before the resync")
+    time.sleep(1.0)  # let a publisher finish whatever it was doing
     pool = complete_pool(list(watcher.slices.values())) or []
     if not pool:
         raise BenchError("no pool to resync")

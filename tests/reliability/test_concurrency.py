@@ -52,11 +52,11 @@ def test_rolling_update_two_instances_take_concurrent_calls(
     new = start_instance(cluster, node, root, args=["--pod-uid=new-pod"])
     try:
         # Both instances register (the new one's stand-in sees both sockets).
-        both = cluster.wait_for(
-            lambda: len(new.kubelet.plugins) == 2 and new.kubelet.plugins,
-            30,
-            "both instances registered",
-        )
+        def both_registered() -> dict[str, RegisteredPlugin] | None:
+            plugins = new.kubelet.plugins
+            return plugins if len(plugins) == 2 else None
+
+        both = cluster.wait_for(both_registered, 30, "both instances registered")
         instances: list[RegisteredPlugin] = sorted(both.values(), key=lambda p: p.endpoint)
         assert [Path(p.endpoint).name for p in instances] == [
             "dra-new-pod.sock",
