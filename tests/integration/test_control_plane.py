@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 from tests.integration.conftest import REPO, Cluster, FakeNode
+from tests.integration.kubelet_standin import ClaimRef, KubeletStandin
 
 pytestmark = pytest.mark.integration
 
@@ -321,6 +322,40 @@ def test_scheduler_allocates_claim_and_binds_pod_to_fake_node(
     ]
     node_selector = claim["status"]["allocation"]["nodeSelector"]
     assert node.name in json.dumps(node_selector)
+
+
+def test_claim_template_is_instantiated_and_resolved_like_the_kubelet(
+    cluster: Cluster, node: FakeNode, namespace: str, allocatable_device: Any
+) -> None:
+    """resourceclaim-controller + scheduler + the stand-in's pod-claim resolution."""
+    _, class_name = allocatable_device
+    template = {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceClaimTemplate",
+        "metadata": {"name": "gpu-template", "namespace": namespace},
+        "spec": {"spec": _claim("unused", class_name)["spec"]},
+    }
+    _apply(cluster, template)
+    pod = _pod("tmpl-pod", "unused")
+    pod["metadata"]["namespace"] = namespace
+    pod["spec"]["resourceClaims"] = [{"name": "gpu", "resourceClaimTemplateName": "gpu-template"}]
+    _apply(cluster, pod)
+
+    def generated_and_bound() -> dict[str, Any] | None:
+        p = _get(cluster, "pod", "tmpl-pod", "-n", namespace)
+        statuses = p.get("status", {}).get("resourceClaimStatuses") or []
+        if p["spec"].get("nodeName") and statuses and statuses[0].get("resourceClaimName"):
+            return p
+        return None
+
+    bound = cluster.wait_for(generated_and_bound, 60, "a generated claim and a bound tmpl-pod")
+    claim_name = bound["status"]["resourceClaimStatuses"][0]["resourceClaimName"]
+    claim = _get(cluster, "resourceclaim", claim_name, "-n", namespace)
+
+    kubelet = KubeletStandin("/nonexistent", api_client=cluster.api_client(), node_name=node.name)
+    assert kubelet.pod_claims(namespace, "tmpl-pod") == {
+        DRIVER: [ClaimRef(namespace, claim["metadata"]["uid"], claim_name)]
+    }
 
 
 def test_device_taint_rule_no_execute_evicts_pod(
