@@ -54,7 +54,9 @@ for f in "$DEMO_DIR"/[0-9]*.yaml; do
   k apply -f "$f" >/dev/null
 done
 say "waiting for every example pod to be Ready"
-k wait pods -A -l app=gpu-demo --for=condition=Ready --timeout=300s >/dev/null ||
+not_ready() { k get pods -A -l app=gpu-demo -o jsonpath='{range .items[*]}{.metadata.namespace}/{.metadata.name} {.status.conditions[?(@.type=="Ready")].status}{"\n"}{end}' | awk '$2 != "True"' | wc -l; }
+for _ in $(seq 300); do (( $(not_ready) == 0 )) && break; sleep 1; done
+(( $(not_ready) == 0 )) ||
   { k get pods -A -l app=gpu-demo -o wide; k get events -A --field-selector type=Warning | tail -20; die "example pods not Ready"; }
 k get pods -A -l app=gpu-demo -o wide
 
