@@ -14,7 +14,7 @@ NODE_APT_PACKAGES=(containernetworking-plugins libseccomp-dev pkg-config busybox
 node_apt_missing() {
   local p out=()
   for p in "${NODE_APT_PACKAGES[@]}"; do
-    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || out+=("$p")
+    [[ $(dpkg-query -W -f='${Status}' "$p" 2>/dev/null) == *"install ok installed"* ]] || out+=("$p")
   done
   printf '%s\n' "${out[@]}"
 }
@@ -87,9 +87,11 @@ cmd_build_node() {
     [[ -x $NODE_BIN_DIR/runc ]] || build_runc
     [[ -x $NODE_BIN_DIR/containerd && -x $NODE_BIN_DIR/ctr && -x $NODE_BIN_DIR/containerd-shim-runc-v2 ]] || build_containerd
   fi
-  "$BIN_DIR/kubelet" --version | grep -q "v$K8S_VERSION" || die "kubelet is not stamped v$K8S_VERSION"
-  "$NODE_BIN_DIR/containerd" --version | grep -q "v$CONTAINERD_VERSION" || die "containerd is not v$CONTAINERD_VERSION"
-  "$NODE_BIN_DIR/runc" --version | grep -q "$RUNC_VERSION" || die "runc is not $RUNC_VERSION"
+  # (Outputs captured first: `cmd | grep -q` can fail on SIGPIPE under pipefail.)
+  local v
+  v=$("$BIN_DIR/kubelet" --version); [[ $v == *"v$K8S_VERSION"* ]] || die "kubelet is not stamped v$K8S_VERSION: $v"
+  v=$("$NODE_BIN_DIR/containerd" --version); [[ $v == *"v$CONTAINERD_VERSION"* ]] || die "containerd is not v$CONTAINERD_VERSION: $v"
+  v=$("$NODE_BIN_DIR/runc" --version); [[ $v == *"runc version $RUNC_VERSION"* ]] || die "runc is not $RUNC_VERSION: $v"
   exec 8>&-
   progress "node build done: kubelet in $BIN_DIR; containerd, ctr, shim, runc in $NODE_BIN_DIR"
 }
