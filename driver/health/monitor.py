@@ -55,6 +55,8 @@ class Publisher(Protocol):
 class HealthMonitor:
     """Background thread: NVML health events -> HealthStore -> slice republish."""
 
+    THREAD_NAME = "health-monitor"
+
     def __init__(
         self,
         backend: EventSource,
@@ -103,7 +105,7 @@ class HealthMonitor:
         log.info("health monitor: %s", self._policy.describe())
         if self.mock_control is not None:
             self.mock_control.activate()
-        self._thread = threading.Thread(target=self._run, name="health-monitor", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=self.THREAD_NAME, daemon=True)
         self._thread.start()
 
     def stop(self, timeout: float = 5.0) -> None:

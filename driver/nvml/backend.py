@@ -8,6 +8,7 @@ fail discovery.
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import functools
 import logging
@@ -98,15 +99,17 @@ def _handle_key(handle: Any) -> object:
 
 
 class _CountingModule:
-    """Counts calls of the module's `nvml*` functions; everything else passes through.
+    """Counts calls of the module's `nvml*` functions per calling thread; everything
+    else passes through.
 
-    The count backs the `gpu_dra_nvml_calls` metric, which is how tests and operators
-    see that a remembered permanent verdict costs no NVML call.
+    The counts back the `gpu_dra_nvml_calls{caller=...}` metric, which is how tests and
+    operators see that a remembered permanent verdict costs no NVML call while the
+    health monitor keeps polling for events on its own thread.
     """
 
     def __init__(self, module: Any) -> None:
         self.wrapped = module
-        self.count = 0
+        self.counts: collections.Counter[str] = collections.Counter()
 
     def __getattr__(self, name: str) -> Any:
         value = getattr(self.wrapped, name)
@@ -114,7 +117,7 @@ class _CountingModule:
             return value
 
         def counted(*args: Any, **kwargs: Any) -> Any:
-            self.count += 1
+            self.counts[threading.current_thread().name] += 1
             return value(*args, **kwargs)
 
         return counted
@@ -142,9 +145,10 @@ class NvmlBackend:
         return self._nvml.wrapped
 
     @property
-    def nvml_calls(self) -> int:
-        """NVML functions called through this backend since it was created."""
-        return self._nvml.count
+    def nvml_calls(self) -> dict[str, int]:
+        """NVML functions called through this backend since it was created, by the
+        name of the calling thread."""
+        return dict(self._nvml.counts)
 
     # ------------------------------------------------------------ errors
 

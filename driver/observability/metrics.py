@@ -58,6 +58,7 @@ STATE_FILE_WRITES = Counter(
 )
 NVML_CALLS = Gauge(
     "gpu_dra_nvml_calls",
-    "NVML functions called since start.",
+    "NVML functions called since start, by caller (health-monitor, other).",
+    ["caller"],
     registry=REGISTRY,
 )

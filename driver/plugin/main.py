@@ -65,7 +65,13 @@ class Plugin:
             mock=o.nvml_backend == "mock", fleet_path=o.mock_fleet, node_name=o.node_name
         )
         inventory = backend.discover()
-        metrics.NVML_CALLS.set_function(lambda: backend.nvml_calls)
+        monitor_thread = HealthMonitor.THREAD_NAME
+        metrics.NVML_CALLS.labels(caller="health-monitor").set_function(
+            lambda: backend.nvml_calls.get(monitor_thread, 0)
+        )
+        metrics.NVML_CALLS.labels(caller="other").set_function(
+            lambda: sum(n for t, n in backend.nvml_calls.items() if t != monitor_thread)
+        )
         pool = build_pool(
             inventory, PoolOptions(driver_name=o.driver_name, gpu_partitions=o.gpu_partitions)
         )

@@ -32,7 +32,17 @@ def socket_paths(
     registration name is shortened step by step until it fits in sun_path.
     """
     if not pod_uid:
-        return SocketPaths(registrar_dir / f"{driver_name}-reg.sock", plugin_dir / "dra.sock")
+        fixed = SocketPaths(registrar_dir / f"{driver_name}-reg.sock", plugin_dir / "dra.sock")
+        for path, flag in (
+            (fixed.registration, "--kubelet-registrar-directory-path"),
+            (fixed.service, "--kubelet-plugins-directory-path"),
+        ):
+            if len(os.fsencode(path)) > SUN_PATH_MAX:
+                raise ValueError(
+                    f"{flag}: socket path {path} is longer than {SUN_PATH_MAX} bytes "
+                    "(the unix socket limit); use a shorter directory"
+                )
+        return fixed
     instance_key = driver_name.encode() + b"\0" + pod_uid.encode()
     candidates = (
         f"{driver_name}-{pod_uid}-reg.sock",

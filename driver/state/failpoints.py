@@ -20,8 +20,8 @@ ENV_VAR: Final = "GPU_DRA_FAILPOINTS"
 
 # In the order they are passed on the happy path.
 PREPARE_FAILPOINTS: Final[tuple[str, ...]] = (
-    # a PrepareStarted entry for this claim was found (retried half-done prepare):
-    # its CDI spec has been removed, the entry not yet rewritten
+    # a PrepareStarted entry was found (a retried half-done prepare, or recover() at
+    # startup): its CDI spec has been removed, the entry not yet rewritten
     "prepare-rollback-after-cdi-removed",
     # all checks passed, nothing written yet
     "prepare-before-started",

@@ -39,6 +39,7 @@ from typing import Any, Final, Protocol
 
 from driver.config import GpuConfig, resolve_configs, validate_for_device
 from driver.errors import DriverError, ErrorClass, device_failed, transient
+from driver.observability import metrics
 from driver.state.cdi import (
     CONTROL_DEVICE_NODES,
     CdiDevice,
@@ -282,6 +283,9 @@ class DeviceState:
             remembered = self.remembered_verdict(ref.uid)
             if remembered is not None:
                 self.stats.verdict_hits += 1
+                metrics.PERMANENT_VERDICT_REPLAYS.labels(
+                    error_class=remembered.error_class.value
+                ).inc()
                 results[ref.uid] = PrepareResult(error=remembered)
             else:
                 to_read.append(ref)
@@ -352,6 +356,7 @@ class DeviceState:
             for uid, entry in sorted(journal.items()):
                 if entry.state is ClaimState.PREPARE_STARTED:
                     self.cdi.remove_claim_spec(uid)
+                    failpoint("prepare-rollback-after-cdi-removed")
                     del journal[uid]
                     rolled_back.append(uid)
             if rolled_back:

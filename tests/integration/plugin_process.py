@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import signal
@@ -39,9 +40,12 @@ class PluginProcess:
         self.kubeconfig = kubeconfig
         self.node_name = node_name
         self.root = root
-        self.registry_dir = root / "plugins_registry"
-        self.plugins_dir = root / "plugins"
-        self.cdi_root = root / "cdi"
+        # Unix socket paths must stay under 108 bytes, and pytest's tmp paths can be
+        # long: the kubelet-like directories live under a short path derived from root.
+        short = Path("/tmp") / f"gdra-{hashlib.sha1(str(root).encode()).hexdigest()[:10]}"
+        self.registry_dir = short / "plugins_registry"
+        self.plugins_dir = short / "plugins"
+        self.cdi_root = short / "cdi"
         self.data_dir = self.plugins_dir / DRIVER
         self.http_port = free_port()
         self.args = list(args)

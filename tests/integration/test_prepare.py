@@ -124,14 +124,14 @@ def test_impossible_partition_count_is_permanent_cheap_and_visible(
     assert events[0]["message"].startswith("permanent (invalid-config)")
     assert "taints" not in published_devices(complete_pool(cluster, node.name) or [])["gpu-1"]
 
-    nvml_before = plugin.metric("gpu_dra_nvml_calls")
+    nvml_before = plugin.metric("gpu_dra_nvml_calls", {"caller": "other"})
     writes_before = plugin.metric("gpu_dra_state_file_writes_total")
     replays_before = plugin.metric("gpu_dra_permanent_verdict_replays_total")
     for _ in range(100):
         again = kubelet.prepare(DRIVER, [ref])[ref[1]]
         assert (again.error, again.error_type) == (first.error, first.error_type)
     assert plugin.metric("gpu_dra_permanent_verdict_replays_total") - replays_before == 100
-    assert plugin.metric("gpu_dra_nvml_calls") == nvml_before
+    assert plugin.metric("gpu_dra_nvml_calls", {"caller": "other"}) == nvml_before
     assert plugin.metric("gpu_dra_state_file_writes_total") == writes_before
     assert kubelet.unprepare(DRIVER, [ref])[ref[1]].error == ""
 
@@ -156,10 +156,14 @@ def test_valid_config_yields_cdi_env_and_calls_are_idempotent(
     spec_path = CdiSpecs(plugin.cdi_root, DRIVER).claim_spec_path(ref[1])
     spec = plugin.cdi_specs()[spec_path.name]
     env = [e for d in spec["devices"] for e in d["containerEdits"].get("env", [])]
-    uuid = published_devices(pool)["gpu-2"]["attributes"]["uuid"]["string"]
-    assert any(e.endswith(f"={uuid}") for e in env), env
-    assert any("TIMESLICE_INTERVAL=Long" in e for e in env), env
-    assert any("SHARING_STRATEGY=TimeSlicing" in e for e in env), env
+    assert spec["kind"] == f"k8s.{DRIVER}/gpu"
+    assert env == [
+        f"GPU_DEVICE_GPU_2_RESOURCE_CLAIM={ref[1]}",
+        "DRA_ADMIN_ACCESS=false",
+        "GPU_DEVICE_2=gpu-2",
+        "GPU_DEVICE_2_SHARING_STRATEGY=TimeSlicing",
+        "GPU_DEVICE_2_TIMESLICE_INTERVAL=Long",
+    ]
     known = {f"{s['kind']}={d['name']}" for s in plugin.cdi_specs().values() for d in s["devices"]}
     for cdi_id in device.cdi_device_ids:
         assert cdi_id in known, f"{cdi_id} resolves to no CDI device"
@@ -214,9 +218,13 @@ def test_kill_during_prepare_then_retry(
 ) -> None:
     ref = crash_claim
     if failpoint == "prepare-rollback-after-cdi-removed":
-        # Only reachable when a half-done prepare is retried: leave one behind first.
+        # Reached when a half-done prepare is rolled back: leave one behind, then the
+        # next instance dies in its start-up recovery.
         _crash(cluster, node, plugin_root, "prepare-after-cdi", lambda k: k.prepare(DRIVER, [ref]))
-    _crash(cluster, node, plugin_root, failpoint, lambda k: k.prepare(DRIVER, [ref]))
+        dying = start_plugin(cluster, node, plugin_root, GPU_DRA_FAILPOINTS=failpoint)
+        assert dying.wait_exit(timeout=30) == -signal.SIGKILL, dying.logs()
+    else:
+        _crash(cluster, node, plugin_root, failpoint, lambda k: k.prepare(DRIVER, [ref]))
 
     plugin = start_plugin(cluster, node, plugin_root)
     try:
@@ -274,7 +282,10 @@ def test_corrupt_checkpoint_is_reported_and_kept(
     cluster: Cluster, node: FakeNode, plugin_root: Path, crash_claim: tuple[str, str, str]
 ) -> None:
     ref = crash_claim
-    journal = plugin_root / "plugins" / DRIVER / "checkpoint.json"
+    data_dir = PluginProcess(
+        kubeconfig=cluster.kubeconfig, node_name=node.name, root=plugin_root
+    ).data_dir
+    journal = data_dir / "checkpoint.json"
     journal.parent.mkdir(parents=True, exist_ok=True)
     journal.write_bytes(b'{"schemaVersion": 1, "checksum": "0000", "entries": {}}')
     corrupt = journal.read_bytes()

@@ -226,3 +226,9 @@ def test_long_paths_are_shortened_to_fit_sun_path() -> None:
         "1f6c2a4e-1b0e-4c55-9e57-6e1a1f0d2b7a",
     )
     assert other.registration != paths.registration and other.service != paths.service
+
+
+def test_fixed_names_that_do_not_fit_name_the_flag() -> None:
+    deep = Path("/var/lib/kubelet/" + "x" * 100)
+    with pytest.raises(ValueError, match="--kubelet-registrar-directory-path: socket path"):
+        socket_paths("gpu.example.com", deep, Path("/p"), None)
