@@ -106,7 +106,7 @@ say "pod $old_pod runs on $gpu; injecting: kubectl exec $PLUGIN_POD -- gpu-dra m
 k -n "$DRIVER_NS" exec "$PLUGIN_POD" -c plugin -- gpu-dra mock xid --device "$gpu" --xid 79
 for _ in $(seq 120); do
   taint=$(k get resourceslices --field-selector spec.driver=gpu.example.com -o json |
-    python3 -c 'import json,sys; d=sys.argv[1]; print(" ".join(f"{t[\"key\"]}={t.get(\"value\",\"\")}:{t[\"effect\"]}" for s in json.load(sys.stdin)["items"] for x in s["spec"].get("devices",[]) if x["name"]==d for t in x.get("taints",[])))' "$gpu")
+    python3 -c 'import json,sys; d=sys.argv[1]; print(" ".join("%s=%s:%s" % (t["key"], t.get("value", ""), t["effect"]) for s in json.load(sys.stdin)["items"] for x in s["spec"].get("devices",[]) if x["name"]==d for t in x.get("taints",[])))' "$gpu")
   [[ -n $taint ]] && break; sleep 1
 done
 say "ResourceSlice: $gpu taints: ${taint:-none}"
