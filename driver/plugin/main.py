@@ -29,9 +29,11 @@ from driver.observability.logs import setup_logging
 from driver.plugin.dra import add_dra_services
 from driver.plugin.flags import PluginOptions, parse_options
 from driver.plugin.health import add_health_services
+from driver.plugin.instances import InstanceLock
 from driver.plugin.registration import DRA_SERVICES, HEALTH_SERVICES, RegistrationServicer
 from driver.plugin.sockets import socket_paths
 from driver.proto.pluginregistration.v1 import api_pb2_grpc as registration_grpc
+from driver.state.fileio import remove_durably
 from driver.state.prepare import DeviceState, parse_permanent_errors
 
 log = logging.getLogger("gpu-kubelet-plugin")
@@ -56,6 +58,7 @@ class Plugin:
         o = self.options
         o.data_dir.mkdir(parents=True, exist_ok=True, mode=0o750)
         o.cdi_root.mkdir(parents=True, exist_ok=True, mode=0o755)
+        instance = InstanceLock(o.data_dir)
         permanent_errors = parse_permanent_errors(o.permanent_errors)
         policy = XidPolicy.from_flags(
             additional_ignored=o.additional_xids_to_ignore, fatal=o.fatal_xids
@@ -152,6 +155,11 @@ class Plugin:
         publisher.stop()  # slices stay: a restart must not make the scheduler forget them
         if http is not None:
             http.shutdown()
+        if instance.release():
+            # The last instance leaves: an uninstall must not leave CDI files behind.
+            # (Claim specs go with their unprepare; ResourceSlices are removed by the
+            # kubelet once no instance is registered.)
+            remove_durably(state.cdi.common_spec_path)
         return 0
 
 
