@@ -7,6 +7,7 @@ it survived in `FIGURES`; the session ends with a summary of them.
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 from collections import Counter
@@ -16,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.integration.conftest import cluster, node  # noqa: F401 - shared fixtures
+from tests.reliability.support import PLUGIN_DIRS
 
 FIGURES: Counter[str] = Counter()
 
@@ -52,3 +54,7 @@ def root() -> Iterator[Path]:
     path = Path(tempfile.mkdtemp(prefix="rel-", dir="/tmp"))
     yield path
     shutil.rmtree(path, ignore_errors=True)
+    for directory in list(PLUGIN_DIRS):
+        if directory.is_dir() and not os.path.ismount(directory):
+            shutil.rmtree(directory, ignore_errors=True)
+        PLUGIN_DIRS.discard(directory)

@@ -21,6 +21,10 @@ from tests.integration.conftest import Cluster, FakeNode
 from tests.integration.kubelet_standin import ClaimRef, KubeletStandin, RegisteredPlugin
 from tests.integration.plugin_process import DRIVER, PluginProcess
 
+# The kubelet-like directories of every plugin started (PluginProcess may keep them
+# outside its root); the `root` fixture removes them.
+PLUGIN_DIRS: set[Path] = set()
+
 CLAIMS = "/apis/resource.k8s.io/v1/namespaces/{ns}/resourceclaims"
 
 
@@ -112,7 +116,9 @@ def start_instance(
 ) -> Instance:
     plugin = PluginProcess(
         kubeconfig=cluster.kubeconfig, node_name=node.name, root=root, args=args, env=env
-    ).start()
+    )
+    PLUGIN_DIRS.add(plugin.registry_dir.parent)
+    plugin.start()
     kubelet = KubeletStandin(plugin.registry_dir, poll_interval=0.02).start()
     try:
         plugin.wait_serving(timeout=60)

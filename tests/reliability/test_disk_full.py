@@ -20,8 +20,9 @@ import pytest
 
 from driver.proto.dra.v1 import api_pb2
 from tests.integration.conftest import Cluster, FakeNode
-from tests.integration.plugin_process import DRIVER
+from tests.integration.plugin_process import DRIVER, PluginProcess
 from tests.reliability.support import (
+    PLUGIN_DIRS,
     allocated_claim,
     api_for,
     assert_consistent,
@@ -96,9 +97,12 @@ def test_disk_full_while_writing_cdi_and_checkpoint(
     # Enough prepared claims that the journal is larger than one page.
     refs = [allocated_claim(api, node.name, NS, f"disk-{i}", f"gpu-{i}") for i in range(8)]
     base, victim = refs[:7], refs[7]
+    # Where a plugin with this root keeps its kubelet-like directories.
+    layout = PluginProcess(kubeconfig=cluster.kubeconfig, node_name=node.name, root=root)
+    PLUGIN_DIRS.add(layout.registry_dir.parent)
     with (
-        small_tmpfs(root / "plugins", "192k") as plugins_dir,
-        small_tmpfs(root / "cdi", "192k") as cdi_root,
+        small_tmpfs(layout.plugins_dir, "192k") as plugins_dir,
+        small_tmpfs(layout.cdi_root, "192k") as cdi_root,
     ):
         inst = start_instance(cluster, node, root)
         try:
