@@ -1,0 +1,235 @@
+"""Device health against the real control plane: Xid -> taint -> scheduler, eviction,
+permanent device-failed errors. Events are injected with `gpu-dra mock`."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from driver.proto.dra.v1 import api_pb2
+from tests.integration.conftest import Cluster, FakeNode
+from tests.integration.helpers import (
+    allocation,
+    apply,
+    claim,
+    complete_pool,
+    device_class,
+    get_json,
+    namespace,
+    pod_using,
+    published_devices,
+    unschedulable,
+)
+from tests.integration.kubelet_standin import KubeletStandin
+from tests.integration.plugin_process import DRIVER, PluginProcess, running_plugin
+
+NS = "health-test"
+XID_KEY = f"{DRIVER}/xid"
+
+
+GPU_DRA = Path(sys.executable).parent / "gpu-dra"
+
+
+def gpu_dra(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([GPU_DRA, *args], capture_output=True, text=True, timeout=30)
+
+
+def inject(plugin: PluginProcess, *args: str) -> None:
+    done = gpu_dra("mock", *args, f"--state-dir={plugin.data_dir}")
+    assert done.returncode == 0, done.stderr
+
+
+def taints(cluster: Cluster, node: str) -> dict[str, list[dict[str, Any]]]:
+    pool = complete_pool(cluster, node) or []
+    return {name: d["taints"] for name, d in published_devices(pool).items() if d.get("taints")}
+
+
+def family(pool: list[dict[str, Any]], gpu: str) -> set[str]:
+    """The GPU and every partition of it."""
+    uuid = published_devices(pool)[gpu]["attributes"]["uuid"]["string"]
+    return {
+        name
+        for name, d in published_devices(pool).items()
+        if d["attributes"].get("uuid", {}).get("string") == uuid
+        or d["attributes"].get("parentUUID", {}).get("string") == uuid
+    }
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("plugin")
+
+
+@pytest.fixture(scope="module")
+def pool(cluster: Cluster, node: FakeNode, root: Path) -> Iterator[list[dict[str, Any]]]:
+    apply(
+        cluster,
+        namespace(NS),
+        device_class(
+            "hw-gpu.example.com",
+            f'device.driver == "{DRIVER}" && !has(device.attributes["{DRIVER}"].profile)',
+        ),
+        device_class(
+            "hw-mig.example.com",
+            f'device.driver == "{DRIVER}" && has(device.attributes["{DRIVER}"].profile)',
+        ),
+    )
+    with running_plugin(kubeconfig=cluster.kubeconfig, node_name=node.name, root=root):
+        published = cluster.wait_for(
+            lambda: complete_pool(cluster, node.name), timeout=60, what="pool"
+        )
+    # Each test runs its own instance on these directories; the slices stay published.
+    yield published
+
+
+def selector_for(pool: list[dict[str, Any]], gpu: str, attribute: str = "uuid") -> str:
+    uuid = published_devices(pool)[gpu]["attributes"]["uuid"]["string"]
+    return f'device.attributes["{DRIVER}"].{attribute} == "{uuid}"'
+
+
+def test_xid_79_taints_gpu_and_partitions_blocks_scheduling_and_fails_prepare(
+    cluster: Cluster, node: FakeNode, root: Path, pool: list[dict[str, Any]]
+) -> None:
+    apply(
+        cluster,
+        claim("before", NS, "hw-gpu.example.com", selector_for(pool, "gpu-4")),
+        pod_using("before", NS, "before"),
+    )
+    cluster.wait_for(
+        lambda: allocation(cluster, NS, "before"), timeout=60, what="allocation before the Xid"
+    )
+    uid = get_json(cluster, "resourceclaim", "-n", NS, "before")["metadata"]["uid"]
+
+    with running_plugin(kubeconfig=cluster.kubeconfig, node_name=node.name, root=root) as plugin:
+        started = time.monotonic()
+        inject(plugin, "xid", "--device", "gpu-4", "--xid", "79")
+        tainted = cluster.wait_for(
+            lambda: (t := taints(cluster, node.name)) and family(pool, "gpu-4") <= set(t) and t,
+            timeout=10,
+            interval=0.05,
+            what="Xid 79 taint on gpu-4 and its partitions",
+        )
+        print(f"Xid 79 -> taint visible in the API after {time.monotonic() - started:.3f}s")
+        assert set(tainted) == family(pool, "gpu-4")
+        assert tainted["gpu-4"] == [
+            {
+                "key": XID_KEY,
+                "value": "79",
+                "effect": "NoSchedule",
+                "timeAdded": tainted["gpu-4"][0]["timeAdded"],
+            }
+        ]
+
+        # New claims never get the GPU or any of its partitions.
+        apply(
+            cluster,
+            claim("whole-after", NS, "hw-gpu.example.com", selector_for(pool, "gpu-4")),
+            pod_using("whole-after", NS, "whole-after"),
+            claim(
+                "part-after", NS, "hw-mig.example.com", selector_for(pool, "gpu-4", "parentUUID")
+            ),
+            pod_using("part-after", NS, "part-after"),
+        )
+        for pod in ("whole-after", "part-after"):
+            cluster.wait_for(
+                lambda pod=pod: unschedulable(cluster, NS, pod),
+                timeout=60,
+                what=f"{pod} unschedulable",
+            )
+            assert allocation(cluster, NS, pod) is None
+
+        # The claim allocated before the failure learns that retrying is pointless.
+        with KubeletStandin(plugin.registry_dir) as kubelet:
+            kubelet.wait_for_plugin(DRIVER)
+            result = kubelet.prepare(DRIVER, [(NS, uid, "before")])[uid]
+            assert result.error.startswith("permanent (device-failed): "), result.error
+            assert result.error_type == api_pb2.Permanent
+            assert kubelet.unprepare(DRIVER, [(NS, uid, "before")])[uid].error == ""
+
+    # A restart keeps the taint; deleting the slices brings them back tainted.
+    with running_plugin(kubeconfig=cluster.kubeconfig, node_name=node.name, root=root) as plugin:
+        cluster.kubectl("delete", "resourceslices", f"--field-selector=spec.nodeName={node.name}")
+        cluster.wait_for(
+            lambda: family(pool, "gpu-4") <= set(taints(cluster, node.name)),
+            timeout=30,
+            what="taint after restart",
+        )
+        inject(plugin, "reset", "--device", "gpu-4")
+        cluster.wait_for(
+            lambda: not taints(cluster, node.name), timeout=10, what="taint removed by reset"
+        )
+        # Once the old claim lets go of the healthy GPU, the waiting claim gets it.
+        cluster.kubectl("delete", "pod", "-n", NS, "before", "--force", "--grace-period=0")
+        cluster.kubectl("delete", "resourceclaim", "-n", NS, "before", "--wait=false")
+        cluster.wait_for(
+            lambda: allocation(cluster, NS, "whole-after"),
+            timeout=60,
+            what="allocation after reset",
+        )
+
+
+def test_application_xid_13_changes_nothing(
+    cluster: Cluster, node: FakeNode, root: Path, pool: list[dict[str, Any]]
+) -> None:
+    with running_plugin(kubeconfig=cluster.kubeconfig, node_name=node.name, root=root) as plugin:
+        cluster.wait_for(lambda: complete_pool(cluster, node.name), timeout=30, what="pool")
+        writes = plugin.metric("gpu_dra_api_writes")
+        inject(plugin, "xid", "--device", "gpu-5", "--xid", "13")
+        cluster.wait_for(
+            lambda: (
+                plugin.metric("gpu_dra_xid_events_total", {"xid": "13", "verdict": "ignored"}) == 1
+            ),
+            timeout=10,
+            what="Xid 13 handled",
+        )
+        time.sleep(1)
+        assert taints(cluster, node.name) == {}
+        assert plugin.metric("gpu_dra_api_writes") == writes
+
+
+def test_no_execute_taint_evicts_the_pod_using_the_gpu(
+    cluster: Cluster, node: FakeNode, tmp_path: Path, pool: list[dict[str, Any]]
+) -> None:
+    apply(
+        cluster,
+        claim("evict-me", NS, "hw-gpu.example.com", selector_for(pool, "gpu-6")),
+        pod_using("evict-me", NS, "evict-me"),
+    )
+    cluster.wait_for(lambda: allocation(cluster, NS, "evict-me"), timeout=60, what="allocation")
+    cluster.wait_for(
+        lambda: get_json(cluster, "pod", "-n", NS, "evict-me")["spec"].get("nodeName") == node.name,
+        timeout=60,
+        what="pod bound to the node",
+    )
+    with running_plugin(
+        kubeconfig=cluster.kubeconfig,
+        node_name=node.name,
+        root=tmp_path,
+        args=["--xid-taint-effect=NoExecute"],
+    ) as plugin:
+        inject(plugin, "xid", "--device", "gpu-6", "--xid", "79")
+
+        def evicted() -> bool:
+            pod = json.loads(
+                cluster.kubectl(
+                    "get", "pod", "-n", NS, "evict-me", "-o", "json", "--ignore-not-found"
+                ).stdout
+                or "null"
+            )
+            if pod is None or pod["metadata"].get("deletionTimestamp"):
+                return True
+            return any(
+                c["type"] == "DisruptionTarget" and c["status"] == "True"
+                for c in pod["status"].get("conditions", [])
+            )
+
+        cluster.wait_for(evicted, timeout=90, what="device-taint eviction of the pod")
+        inject(plugin, "reset", "--all")
+        cluster.wait_for(lambda: not taints(cluster, node.name), timeout=10, what="taints cleared")
