@@ -8,7 +8,6 @@ consumes counters or carries taints). Order is the pool's preference order.
 
 from __future__ import annotations
 
-import copy
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -48,11 +47,12 @@ def _device_documents(
 ) -> list[dict[str, Any]]:
     docs = []
     for device in pool.devices:
-        doc = copy.deepcopy(device.document)
         device_taints = taints.get(device.name)
         if device_taints:
-            doc["taints"] = _check_taints(device.name, device_taints)
-        docs.append(doc)
+            # A shallow copy: the document's nested values are shared, never mutated.
+            docs.append({**device.document, "taints": _check_taints(device.name, device_taints)})
+        else:
+            docs.append(device.document)
     return docs
 
 
@@ -94,7 +94,7 @@ def build_slice_specs(
     document; names not in the pool are ignored.
     """
     bodies: list[dict[str, Any]] = []
-    sets = [copy.deepcopy(cs) for cs in pool.counter_sets]
+    sets = list(pool.counter_sets)
     for i in range(0, len(sets), MAX_COUNTER_SETS_PER_SLICE):
         bodies.append({"sharedCounters": sets[i : i + MAX_COUNTER_SETS_PER_SLICE]})
     for chunk in _pack_devices(_device_documents(pool, taints or {})):

@@ -9,10 +9,12 @@ to change writes nothing.
 from __future__ import annotations
 
 import copy
+import json
 import logging
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from decimal import Decimal
 from typing import Any
@@ -25,6 +27,7 @@ log = logging.getLogger(__name__)
 
 SLICES_PATH = "/apis/resource.k8s.io/v1/resourceslices"
 RESYNC_SECONDS = 300.0
+PARALLEL_WRITES = 4
 WATCH_RETRY_SECONDS = 1.0
 
 
@@ -53,6 +56,14 @@ def comparable_spec(spec: JSON) -> JSON:
         for counter in (counter_set.get("counters") or {}).values():
             _normalise_quantity(counter)
     return out
+
+
+def _layout(spec: JSON) -> tuple[list[str], list[str]]:
+    """Which devices and counter sets a slice holds."""
+    return (
+        [d["name"] for d in spec.get("devices") or []],
+        [c["name"] for c in spec.get("sharedCounters") or []],
+    )
 
 
 def _normalise_quantity(holder: dict[str, Any]) -> None:
@@ -94,6 +105,10 @@ class SlicePublisher:
         self._generation_synced = 0
         self._requested = 0
         self._threads: list[threading.Thread] = []
+        # Slice name -> (resourceVersion, canonical JSON of the spec we wrote or verified):
+        # a slice nobody touched since is compared by string, not re-normalised.
+        self._known: dict[str, tuple[str, str]] = {}
+        self._checked_dropped_fields = False
         self.stats = PublisherStats()
 
     # -- public API --------------------------------------------------------------------
@@ -187,12 +202,13 @@ class SlicePublisher:
                 by_index[index] = item
 
         generation = max((s["spec"]["pool"]["generation"] for s in existing), default=0)
+        canonical = [json.dumps(spec, sort_keys=True) for spec in desired]
         changed = [
             i
             for i, spec in enumerate(desired)
             if i not in by_index
-            or comparable_spec(by_index[i]["spec"]) != comparable_spec(spec)
             or by_index[i]["spec"]["pool"]["resourceSliceCount"] != len(desired)
+            or not self._matches(by_index[i], spec, canonical[i])
         ]
         stale_generation = any(
             s["spec"]["pool"]["generation"] != generation for s in by_index.values()
@@ -200,31 +216,63 @@ class SlicePublisher:
         if not changed and not obsolete and not stale_generation:
             return
 
-        # A single in-place update keeps the pool consistent at the same generation;
-        # anything larger is published as a new generation so that readers never mix
-        # slices of two versions of the pool.
-        single_update = (
-            len(changed) == 1 and changed[0] in by_index and not obsolete and not stale_generation
+        # Updates that leave every device and counter set in the slice it was in are
+        # written in place at the same generation: each write is atomic, and a reader
+        # never sees a device twice or not at all (taints, the common change, touch
+        # only the slices of the failed GPU). Anything that moves, adds or removes
+        # slices is published as a new generation, rewriting every slice.
+        in_place = (
+            not obsolete
+            and not stale_generation
+            and all(
+                i in by_index
+                and by_index[i]["spec"]["pool"]["resourceSliceCount"] == len(desired)
+                and _layout(by_index[i]["spec"]) == _layout(desired[i])
+                for i in changed
+            )
         )
-        if not single_update:
+        if not in_place:
             generation += 1
             changed = list(range(len(desired)))
 
         for item in obsolete:
             self._delete(item)
-        for index in changed:
-            spec = copy.deepcopy(desired[index])
-            spec["pool"] = {
-                "name": self._node,
-                "generation": generation,
-                "resourceSliceCount": len(desired),
+
+        def write(index: int) -> None:
+            spec = {
+                **desired[index],
+                "pool": {
+                    "name": self._node,
+                    "generation": generation,
+                    "resourceSliceCount": len(desired),
+                },
             }
             if index in by_index:
-                self._update(by_index[index], spec)
+                stored = self._update(by_index[index], spec)
             else:
-                self._create(index, spec)
+                stored = self._create(index, spec)
+            self._known[stored["metadata"]["name"]] = (
+                stored["metadata"]["resourceVersion"],
+                canonical[index],
+            )
 
-    def _create(self, index: int, spec: JSON) -> None:
+        # Slices are independent objects: writing them concurrently is what makes a
+        # taint on a GPU whose devices span two slices visible in one round trip.
+        with ThreadPoolExecutor(max_workers=PARALLEL_WRITES) as pool:
+            for future in [pool.submit(write, index) for index in changed]:
+                future.result()
+
+    def _matches(self, existing: JSON, spec: JSON, canonical: str) -> bool:
+        meta = existing["metadata"]
+        known = self._known.get(meta["name"])
+        if known is not None and known[0] == meta["resourceVersion"]:
+            return known[1] == canonical
+        if comparable_spec(existing["spec"]) != comparable_spec(spec):
+            return False
+        self._known[meta["name"]] = (meta["resourceVersion"], canonical)
+        return True
+
+    def _create(self, index: int, spec: JSON) -> JSON:
         body = {
             "apiVersion": "resource.k8s.io/v1",
             "kind": "ResourceSlice",
@@ -245,14 +293,15 @@ class SlicePublisher:
         created = self._api.request("POST", SLICES_PATH, body=body)
         self.stats.creates += 1
         self._warn_dropped(spec, created["spec"], created["metadata"]["name"])
+        return created
 
-    def _update(self, current: JSON, spec: JSON) -> None:
-        body = copy.deepcopy(current)
-        body["spec"] = spec
+    def _update(self, current: JSON, spec: JSON) -> JSON:
+        body = {**current, "spec": spec}
         name = current["metadata"]["name"]
         updated = self._api.request("PUT", f"{SLICES_PATH}/{name}", body=body)
         self.stats.updates += 1
         self._warn_dropped(spec, updated["spec"], name)
+        return updated
 
     def _delete(self, item: JSON) -> None:
         meta = item["metadata"]
@@ -269,6 +318,10 @@ class SlicePublisher:
                 raise
 
     def _warn_dropped(self, sent: JSON, stored: JSON, name: str) -> None:
+        """Checks the first write: a server with a DRA gate off drops fields silently."""
+        if self._checked_dropped_fields:
+            return
+        self._checked_dropped_fields = True
         if comparable_spec(stored) != comparable_spec(sent):
             log.error(
                 "the API server dropped fields of ResourceSlice %s: is a DRA feature gate "

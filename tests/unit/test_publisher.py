@@ -118,6 +118,7 @@ def test_quantity_spelling_and_server_stamped_taint_time_are_not_changes(api: Fa
     stored = next(iter(api.slices.values()))
     stored["spec"]["devices"][0]["capacity"]["memory"]["value"] = str(80 * 2**30)
     stored["spec"]["devices"][0]["taints"][0]["timeAdded"] = "2026-11-21T10:00:00Z"
+    stored["metadata"]["resourceVersion"] = "rewritten-by-the-server"
     writes = len(api.writes)
     pub.reconcile()
     assert len(api.writes) == writes
@@ -213,3 +214,41 @@ def test_background_loop_signals_sync_and_retries_after_api_errors(api: FakeApi)
         assert pub.stats.errors and "503" in pub.stats.errors[0]
     finally:
         pub.stop()
+
+
+def test_changes_in_several_slices_without_moving_devices_stay_in_place(api: FakeApi) -> None:
+    desired = [spec(device("gpu-0")), spec(device("gpu-1")), spec(device("gpu-2"))]
+    pub = publisher(api, desired)
+    pub.reconcile()
+    api.writes.clear()
+    taint = [{"key": f"{DRIVER}/xid", "value": "79", "effect": "NoSchedule"}]
+    desired[0] = spec(device("gpu-0", taints=taint))
+    desired[2] = spec(device("gpu-2", taints=taint))
+    pub.reconcile()
+    assert [m for m, _ in api.writes] == ["PUT", "PUT"]
+    assert {o["spec"]["pool"]["generation"] for o in api.slices.values()} == {1}
+
+
+def test_a_device_moving_between_slices_is_a_new_generation(api: FakeApi) -> None:
+    desired = [spec(device("gpu-0"), device("gpu-1")), spec(device("gpu-2"))]
+    pub = publisher(api, desired)
+    pub.reconcile()
+    desired[:] = [spec(device("gpu-0")), spec(device("gpu-1"), device("gpu-2"))]
+    pub.reconcile()
+    assert {o["spec"]["pool"]["generation"] for o in api.slices.values()} == {2}
+    names = sorted(api.slices)
+    assert [d["name"] for d in api.slices[names[1]]["spec"]["devices"]] == ["gpu-1", "gpu-2"]
+
+
+def test_a_slice_changed_by_someone_else_is_written_back(api: FakeApi) -> None:
+    pub = publisher(api, [spec(device("gpu-0"))])
+    pub.reconcile()
+    stored = next(iter(api.slices.values()))
+    stored["spec"]["devices"][0]["attributes"]["index"] = {"int": 42}
+    stored["metadata"]["resourceVersion"] = "edited"
+    api.writes.clear()
+    pub.reconcile()
+    assert [m for m, _ in api.writes] == ["PUT"]
+    assert next(iter(api.slices.values()))["spec"]["devices"][0]["attributes"]["index"] == {
+        "int": 0
+    }
