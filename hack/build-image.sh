@@ -123,6 +123,11 @@ def tar_tree(root, paths, out):
             # device nodes, sockets and fifos are never part of the image
         for top in paths:
             add(top)
+            # A top-level symlink (bin -> usr/bin on merged-/usr Debian) is stored as a
+            # symlink only: walking through it would store usr/bin's files a second time
+            # under bin/, which containerd cannot unpack.
+            if os.path.islink(os.path.join(root, top)):
+                continue
             for dirpath, dirnames, filenames in os.walk(os.path.join(root, top)):
                 dirnames.sort()
                 rel_dir = os.path.relpath(dirpath, root)
@@ -155,8 +160,9 @@ with tempfile.TemporaryDirectory() as layout:
     os.makedirs(blobs)
     layers = []
     # Base layer: cached next to the base rootfs, rebuilt only when that changes.
-    cached = os.path.join(base_dir, "layer.tar.gz")
-    meta = os.path.join(base_dir, "layer.json")
+    # (v2: symlinks stored as symlinks; v1 layers walked through bin -> usr/bin.)
+    cached = os.path.join(base_dir, "layer-v2.tar.gz")
+    meta = os.path.join(base_dir, "layer-v2.json")
     if not (os.path.exists(cached) and os.path.exists(meta)):
         raw = os.path.join(base_dir, "layer.tar")
         base_root = os.path.join(base_dir, "rootfs")

@@ -12,6 +12,8 @@
 #   hack/local-cluster.sh status   show what runs and where (exit 1 if not all healthy)
 #   hack/local-cluster.sh env      print shell exports (KUBECONFIG, PATH) for the cluster
 #   hack/local-cluster.sh bin-dir  print the directory of the cached binaries
+#   hack/local-cluster.sh driver-image-tag  print the tag (src-<hash of the driver
+#                                  sources>) `up --with-node` imports the driver image as
 #
 # Environment (defaults in brackets):
 #   GPU_DRA_CLUSTER_DIR      run dir: pki, kubeconfigs, logs, pids, etcd data
@@ -111,7 +113,12 @@ cmd_main() {
     status) cmd_status ;;
     env) cmd_env ;;
     bin-dir) printf '%s\n' "$BIN_DIR" ;;
-    *) die "usage: $0 build|up [--with-node]|down|status|env|bin-dir" ;;
+    driver-image-tag)
+      declare -F driver_image_tag >/dev/null || die "hack/lib/images.sh is missing"
+      driver_image_tag
+      printf '\n'
+      ;;
+    *) die "usage: $0 build|up [--with-node]|down|status|env|bin-dir|driver-image-tag" ;;
   esac
 }
 

@@ -2,7 +2,8 @@
 # Container images for the real node, without Docker or a registry:
 #   pause    a static binary from our own C source (below)      $PAUSE_IMAGE
 #   busybox  Debian's busybox-static                             $BUSYBOX_IMAGE
-#   driver   hack/build-image.sh (Debian python + the package)  $DRIVER_IMAGE
+#   driver   hack/build-image.sh (Debian python + the package)  $DRIVER_IMAGE_TAG, also
+#            tagged src-<hash of the sources> (driver_image_tag): cached per hash
 # Each is an OCI archive cached under $CACHE_ROOT/images and imported with
 # `ctr -n k8s.io images import`. Sourced by hack/lib/node.sh, never executed.
 
@@ -86,86 +87,6 @@ os.replace(tmp, output)
 PY
 }
 
-# repack_oci <input OCI archive> <output OCI archive>
-# Flattens an image into one layer written from an unpacked root filesystem.
-# Workaround: hack/build-image.sh's base layer stores files under top-level symlinks
-# (bin -> usr/bin: "bin/gunzip" as a file, "usr/bin/gunzip" as a hard link to it),
-# which containerd refuses to unpack ("link usr/bin/gunzip usr/bin/gunzip: no such
-# file"). Unpacking through the symlinks and walking the tree without following them
-# gives a consistent layer. The image config (user, env, command) is kept.
-repack_oci() {
-  python3 - "$@" <<'PY'
-import gzip, hashlib, io, json, os, shutil, sys, tarfile, tempfile
-
-src, out = sys.argv[1:]
-
-def digest(data):
-    return "sha256:" + hashlib.sha256(data).hexdigest()
-
-work = tempfile.mkdtemp(prefix="gpu-dra-repack-")
-try:
-    with tarfile.open(src) as archive:
-        archive.extractall(os.path.join(work, "oci"), filter="fully_trusted")
-    oci = os.path.join(work, "oci")
-    blob = lambda d: os.path.join(oci, "blobs", "sha256", d.split(":", 1)[1])
-    index = json.load(open(os.path.join(oci, "index.json")))
-    entry = index["manifests"][0]
-    manifest = json.load(open(blob(entry["digest"])))
-    config = json.load(open(blob(manifest["config"]["digest"])))
-    rootfs = os.path.join(work, "rootfs")
-    os.makedirs(rootfs)
-    for layer in manifest["layers"]:
-        with tarfile.open(blob(layer["digest"]), "r:*") as t:
-            members = t.getmembers()
-            # Top-level directory symlinks (bin -> usr/bin) must point at an existing
-            # directory before entries below them are unpacked through them.
-            links = {m.name: os.path.normpath(os.path.join(os.path.dirname(m.name), m.linkname))
-                     for m in members if m.issym() and "/" not in m.name and not m.linkname.startswith("/")}
-            for m in members:
-                top = m.name.split("/", 1)[0]
-                if top in links and "/" in m.name:
-                    os.makedirs(os.path.join(rootfs, links[top]), exist_ok=True)
-            t.extractall(rootfs, members=members, filter="fully_trusted", numeric_owner=True)
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as layer:
-        for dirpath, dirnames, filenames in os.walk(rootfs):
-            dirnames.sort()
-            for name in sorted(dirnames) + sorted(filenames):
-                path = os.path.join(dirpath, name)
-                info = layer.gettarinfo(path, arcname=os.path.relpath(path, rootfs))
-                info.uname = info.gname = ""
-                if info.isreg():
-                    with open(path, "rb") as fh:
-                        layer.addfile(info, fh)
-                elif info.isdir() or info.issym() or info.islnk():
-                    layer.addfile(info)
-    data = buf.getvalue()
-    config["rootfs"] = {"type": "layers", "diff_ids": [digest(data)]}
-    config.pop("history", None)
-    cfg = json.dumps(config, sort_keys=True).encode()
-    man = json.dumps({
-        "schemaVersion": 2, "mediaType": "application/vnd.oci.image.manifest.v1+json",
-        "config": {"mediaType": "application/vnd.oci.image.config.v1+json", "digest": digest(cfg), "size": len(cfg)},
-        "layers": [{"mediaType": "application/vnd.oci.image.layer.v1.tar", "digest": digest(data), "size": len(data)}],
-    }, sort_keys=True).encode()
-    new_entry = {"mediaType": "application/vnd.oci.image.manifest.v1+json", "digest": digest(man),
-                 "size": len(man), "platform": {"architecture": "amd64", "os": "linux"},
-                 "annotations": entry.get("annotations", {})}
-    idx = json.dumps({"schemaVersion": 2, "mediaType": "application/vnd.oci.image.index.v1+json",
-                      "manifests": [new_entry]}, sort_keys=True).encode()
-    with tarfile.open(out + ".tmp", "w") as t:
-        def put(name, payload):
-            ti = tarfile.TarInfo(name); ti.size = len(payload); t.addfile(ti, io.BytesIO(payload))
-        put("oci-layout", b'{"imageLayoutVersion":"1.0.0"}')
-        put("index.json", idx)
-        for b in (data, cfg, man):
-            put("blobs/sha256/" + digest(b).split(":")[1], b)
-    os.replace(out + ".tmp", out)
-finally:
-    shutil.rmtree(work, ignore_errors=True)
-PY
-}
-
 build_pause_image() {
   local out=$IMAGES_DIR/pause.oci.tar work
   [[ -f $out ]] && return 0
@@ -230,19 +151,21 @@ driver_source_hash() {
     ! -path '*/__pycache__/*' ! -name '*.pyc' -print0 | sort -z | xargs -0 sha256sum | sha256sum | cut -c1-16)
 }
 
+# The tag every driver image is also imported under: changes with the sources, so a
+# `helm upgrade --set image.tag=$(hack/local-cluster.sh driver-image-tag)` restarts the
+# plugin on the image built from this tree, never on a stale one.
+driver_image_tag() { printf 'src-%s' "$(driver_source_hash)"; }
+
 build_driver_image() {
   local hash out
   hash=$(driver_source_hash)
   out=$IMAGES_DIR/driver-$hash.oci.tar
   DRIVER_IMAGE_ARCHIVE=$out
   [[ -f $out ]] && { progress "driver image for source $hash cached"; return 0; }
-  progress "building the driver image $DRIVER_IMAGE_TAG with hack/build-image.sh (first time: debootstrap, a few minutes)"
+  progress "building the driver image $DRIVER_IMAGE_TAG for source $hash with hack/build-image.sh (first time: debootstrap, a few minutes)"
   mkdir -p "$IMAGES_DIR"
-  "$HACK_DIR/build-image.sh" --tag "$DRIVER_IMAGE_TAG" --output "$out.built" >"$CACHE_ROOT/build-driver-image.log" 2>&1 ||
+  "$HACK_DIR/build-image.sh" --tag "$DRIVER_IMAGE_TAG" --output "$out.partial" >"$CACHE_ROOT/build-driver-image.log" 2>&1 ||
     { tail -n 30 "$CACHE_ROOT/build-driver-image.log" >&2; die "driver image build failed (log: $CACHE_ROOT/build-driver-image.log)"; }
-  progress "flattening the driver image into one layer for containerd"
-  repack_oci "$out.built" "$out.partial" || die "repacking $out.built failed"
-  rm -f "$out.built"
   mv "$out.partial" "$out"
   # Keep only the newest few archives.
   find "$IMAGES_DIR" -maxdepth 1 -name 'driver-*.oci.tar' -printf '%T@ %p\n' | sort -rn | tail -n +4 | cut -d' ' -f2- | xargs -r rm -f
@@ -268,7 +191,11 @@ ensure_images() {
   import_image "$IMAGES_DIR/pause.oci.tar" "$PAUSE_IMAGE"
   import_image "$IMAGES_DIR/busybox.oci.tar" "$BUSYBOX_IMAGE"
   if [[ ${GPU_DRA_SKIP_DRIVER_IMAGE:-0} != 1 ]]; then
-    import_image "$DRIVER_IMAGE_ARCHIVE" "$(normalize_image_name "$DRIVER_IMAGE_TAG")"
+    local driver_name
+    driver_name=$(normalize_image_name "$DRIVER_IMAGE_TAG")
+    import_image "$DRIVER_IMAGE_ARCHIVE" "$driver_name"
+    ctr_node images tag --force "$driver_name" "${driver_name%:*}:$(driver_image_tag)" >/dev/null ||
+      die "ctr images tag $driver_name ${driver_name%:*}:$(driver_image_tag) failed"
   fi
   progress "images imported in $(( $(date +%s) - t0 ))s: $(ctr_node images ls -q | grep -v '^sha256:' | tr '\n' ' ')"
 }

@@ -259,7 +259,8 @@ up_node() {
     cmd_build_node
   fi
   if node_running && node_ready; then
-    progress "node $NODE_NAME already running"
+    progress "node $NODE_NAME already running; importing the images of this tree"
+    ensure_images
     return
   fi
   check_node_owner
