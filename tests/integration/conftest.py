@@ -210,6 +210,10 @@ def node(cluster: Cluster) -> Iterator[FakeNode]:
     import json
 
     cluster.kubectl("delete", "node", NODE_NAME, "--ignore-not-found", "--wait=true")
+    # Like a starting kubelet: no ResourceSlices of an earlier node of this name (the
+    # garbage collector removes slices owned by a deleted Node only eventually; stale
+    # ones of a higher pool generation would hide the new ones from the scheduler).
+    _delete_node_slices(cluster)
     manifest = {
         "apiVersion": "v1",
         "kind": "Node",
@@ -266,4 +270,27 @@ def node(cluster: Cluster) -> Iterator[FakeNode]:
     # off without a kubelet, would remove it once the node is Ready.
     cluster.kubectl("patch", "node", NODE_NAME, "--type=merge", "-p", '{"spec":{"taints":null}}')
     yield FakeNode(name=NODE_NAME, uid=created["metadata"]["uid"])
+    # The node goes away with its pods, as the kubelet stand-in would have it: without
+    # this they linger (pod GC waits), stay reserved on their claims and keep the
+    # devices allocated for the next module's node of the same name.
+    cluster.kubectl(
+        "delete",
+        "pods",
+        "--all-namespaces",
+        f"--field-selector=spec.nodeName={NODE_NAME}",
+        "--grace-period=0",
+        "--force",
+        check=False,
+    )
+    _delete_node_slices(cluster)
     cluster.kubectl("delete", "node", NODE_NAME, "--ignore-not-found", "--wait=false", check=False)
+
+
+def _delete_node_slices(cluster: Cluster) -> None:
+    cluster.kubectl(
+        "delete",
+        "resourceslices",
+        f"--field-selector=spec.nodeName={NODE_NAME}",
+        "--ignore-not-found",
+        check=False,
+    )
