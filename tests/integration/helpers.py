@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from tests.integration.conftest import Cluster
+from tests.conftest import Cluster
 from tests.integration.plugin_process import DRIVER
 
 
@@ -116,3 +116,17 @@ def unschedulable(cluster: Cluster, namespace: str, pod: str) -> bool:
 
 def namespace(name: str) -> dict[str, Any]:
     return {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}}
+
+
+def delete_namespace(cluster: Cluster, name: str) -> None:
+    """Frees what a test module allocated: with no kubelet, pods bound to the fake
+    node only go away when force-deleted; their claims are then deallocated."""
+    cluster.kubectl(
+        "delete", "pods", "--all", "-n", name, "--force", "--grace-period=0", check=False
+    )
+    cluster.kubectl("delete", "namespace", name, "--ignore-not-found", "--wait=false", check=False)
+    cluster.wait_for(
+        lambda: not get_json(cluster, "resourceclaims", "-n", name)["items"],
+        timeout=60,
+        what=f"claims of namespace {name} to be released",
+    )

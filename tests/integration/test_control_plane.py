@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from tests.integration.conftest import REPO, Cluster, FakeNode
+from tests.conftest import REPO, Cluster, FakeNode
 from tests.integration.kubelet_standin import ClaimRef, KubeletStandin
 
 pytestmark = pytest.mark.integration

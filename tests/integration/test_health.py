@@ -14,12 +14,13 @@ from typing import Any
 import pytest
 
 from driver.proto.dra.v1 import api_pb2
-from tests.integration.conftest import Cluster, FakeNode
+from tests.conftest import Cluster, FakeNode
 from tests.integration.helpers import (
     allocation,
     apply,
     claim,
     complete_pool,
+    delete_namespace,
     device_class,
     get_json,
     namespace,
@@ -60,6 +61,12 @@ def family(pool: list[dict[str, Any]], gpu: str) -> set[str]:
         if d["attributes"].get("uuid", {}).get("string") == uuid
         or d["attributes"].get("parentUUID", {}).get("string") == uuid
     }
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _release_namespace(cluster: Cluster) -> Iterator[None]:
+    yield
+    delete_namespace(cluster, NS)
 
 
 @pytest.fixture(scope="module")

@@ -12,12 +12,13 @@ from driver.devices.model import build_pool
 from driver.nvml.backend import NvmlBackend
 from driver.nvml.fleet import default_fleet, parse_fleet
 from driver.nvml.mock import MockNvml
-from tests.integration.conftest import Cluster, FakeNode
+from tests.conftest import Cluster, FakeNode
 from tests.integration.helpers import (
     allocation,
     apply,
     claim,
     complete_pool,
+    delete_namespace,
     device_class,
     namespace,
     pod_using,
@@ -27,6 +28,12 @@ from tests.integration.helpers import (
 from tests.integration.plugin_process import DRIVER, PluginProcess, running_plugin
 
 NS = "slices-test"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _release_namespace(cluster: Cluster) -> Iterator[None]:
+    yield
+    delete_namespace(cluster, NS)
 
 
 @pytest.fixture(scope="module")

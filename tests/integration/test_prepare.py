@@ -17,12 +17,13 @@ from driver.proto.dra.v1 import api_pb2
 from driver.state.cdi import CdiSpecs
 from driver.state.checkpoint import Checkpoint, ClaimState
 from driver.state.failpoints import PREPARE_FAILPOINTS, UNPREPARE_FAILPOINTS
-from tests.integration.conftest import Cluster, FakeNode
+from tests.conftest import Cluster, FakeNode
 from tests.integration.helpers import (
     allocation,
     apply,
     claim,
     complete_pool,
+    delete_namespace,
     device_class,
     get_json,
     namespace,
@@ -34,6 +35,12 @@ from tests.integration.plugin_process import DRIVER, PluginProcess
 
 NS = "prepare-test"
 WHOLE_GPU = f'device.driver == "{DRIVER}" && !has(device.attributes["{DRIVER}"].profile)'
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _release_namespace(cluster: Cluster) -> Iterator[None]:
+    yield
+    delete_namespace(cluster, NS)
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,7 @@
 """Fixtures and the figures summary of the reliability suite.
 
 The suite runs against the integration tier's real control plane (`cluster`, `node`
-from tests/integration/conftest.py) and real plugin processes. Each test records what
+from tests/conftest.py) and real plugin processes. Each test records what
 it survived in `FIGURES`; the session ends with a summary of them.
 """
 
@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.conftest import cluster, node  # noqa: F401 - shared fixtures
 from tests.reliability.support import PLUGIN_DIRS
 
 FIGURES: Counter[str] = Counter()

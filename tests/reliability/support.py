@@ -17,7 +17,7 @@ from driver.proto.dra.v1 import api_pb2 as dra
 from driver.proto.dra.v1 import api_pb2_grpc as dra_grpc
 from driver.state.cdi import CdiSpecs
 from driver.state.checkpoint import Checkpoint, ClaimState
-from tests.integration.conftest import Cluster, FakeNode
+from tests.conftest import Cluster, FakeNode
 from tests.integration.kubelet_standin import ClaimRef, KubeletStandin, RegisteredPlugin
 from tests.integration.plugin_process import DRIVER, PluginProcess
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from driver.health.mock_control import MockRequest, submit
 from driver.proto.dra.v1 import api_pb2
-from tests.integration.conftest import SCRIPT, Cluster, FakeNode
+from tests.conftest import SCRIPT, Cluster, FakeNode
 from tests.integration.helpers import complete_pool, published_devices
 from tests.integration.plugin_process import DRIVER
 from tests.reliability.support import (

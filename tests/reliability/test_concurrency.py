@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from driver.proto.dra.v1 import api_pb2
-from tests.integration.conftest import Cluster, FakeNode
+from tests.conftest import Cluster, FakeNode
 from tests.integration.kubelet_standin import ClaimRef, RegisteredPlugin
 from tests.integration.plugin_process import DRIVER
 from tests.reliability.support import (

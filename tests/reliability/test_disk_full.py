@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from driver.proto.dra.v1 import api_pb2
-from tests.integration.conftest import Cluster, FakeNode
+from tests.conftest import Cluster, FakeNode
 from tests.integration.plugin_process import DRIVER, PluginProcess
 from tests.reliability.support import (
     PLUGIN_DIRS,

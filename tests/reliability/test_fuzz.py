@@ -13,7 +13,7 @@ from pathlib import Path
 import grpc
 
 from driver.proto.dra.v1 import api_pb2
-from tests.integration.conftest import Cluster, FakeNode
+from tests.conftest import Cluster, FakeNode
 from tests.integration.kubelet_standin import ClaimRef
 from tests.integration.plugin_process import DRIVER
 from tests.reliability.support import (

@@ -15,7 +15,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from tests.integration.conftest import Cluster, FakeNode
+from tests.conftest import Cluster, FakeNode
 from tests.integration.kubelet_standin import ClaimRef, KubeletStandin, KubeletStandinError
 from tests.integration.plugin_process import DRIVER
 from tests.reliability.support import (
