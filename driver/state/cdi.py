@@ -13,7 +13,8 @@ Names and contents follow the reference driver (example-driver.md §4.4):
 
 Real GPUs additionally get device nodes (`/dev/nvidia<minor>` per device; the control
 nodes at spec level) and `NVIDIA_VISIBLE_DEVICES` (see `visible_device_id`).
-Writes are atomic (temp file in the same directory, fsync, rename, fsync directory).
+Writes are atomic (temp file in the same directory, fsync, rename, fsync directory);
+a batch of claim specs can defer the directory fsync to one `sync_root()`.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
-from driver.state.fileio import atomic_write, remove_durably, sweep_temp_files
+from driver.state.fileio import atomic_write, fsync_dir, remove_durably, sweep_temp_files
 
 PROFILE: Final = "gpu"
 CDI_VERSION: Final = "0.3.0"
@@ -208,8 +209,11 @@ class CdiSpecs:
         *,
         spec_device_nodes: Sequence[str] = (),
         before_rename: str | None = None,
+        sync_dir: bool = True,
     ) -> Path:
-        """Atomically write (or replace) the claim's spec. `before_rename`: failpoint."""
+        """Atomically write (or replace) the claim's spec. `before_rename`: failpoint.
+        `sync_dir=False` defers the fsync of the CDI root to one `sync_root()` call
+        for a batch of specs (the spec is not durably in place until then)."""
         self._ensure_root()
         path = self.claim_spec_path(claim_uid)
         atomic_write(
@@ -217,12 +221,18 @@ class CdiSpecs:
             self._render(devices, spec_device_nodes),
             mode=SPEC_MODE,
             before_rename=before_rename,
+            sync_dir=sync_dir,
         )
         return path
 
-    def remove_claim_spec(self, claim_uid: str) -> bool:
-        """Delete the claim's spec; False if there was none."""
-        return remove_durably(self.claim_spec_path(claim_uid))
+    def remove_claim_spec(self, claim_uid: str, *, sync_dir: bool = True) -> bool:
+        """Delete the claim's spec; False if there was none. `sync_dir=False`: the
+        removal is durable only after `sync_root()`."""
+        return remove_durably(self.claim_spec_path(claim_uid), sync_dir=sync_dir)
+
+    def sync_root(self) -> None:
+        """fsync the CDI root: makes the batch's deferred renames and unlinks durable."""
+        fsync_dir(self.root)
 
     def sweep_temp_files(self) -> list[Path]:
         """Remove spec temp files left by a crash (call under the serialize lock)."""

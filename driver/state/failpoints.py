@@ -18,35 +18,41 @@ from typing import Final
 
 ENV_VAR: Final = "GPU_DRA_FAILPOINTS"
 
-# In the order they are passed on the happy path.
+# In the order they are passed on the happy path. Prepare and unprepare work on the
+# whole request (a batch of claims) at once, so each failpoint is passed at most once
+# per call and a crash leaves every claim of the batch at the same step.
 PREPARE_FAILPOINTS: Final[tuple[str, ...]] = (
-    # a PrepareStarted entry was found (a retried half-done prepare, or recover() at
-    # startup): its CDI spec has been removed, the entry not yet rewritten
+    # entries were found for claims being prepared (a retried half-done prepare, or
+    # recover() at startup): their CDI specs have been removed (one directory fsync),
+    # the entries not yet rewritten
     "prepare-rollback-after-cdi-removed",
-    # all checks passed, nothing written yet
+    # all claims checked and planned, nothing written yet
     "prepare-before-started",
-    # checkpoint temp file with the PrepareStarted entry written + fsynced, not renamed
+    # checkpoint temp file with the batch's PrepareStarted entries written + fsynced,
+    # not renamed
     "prepare-started-before-rename",
-    # PrepareStarted is durable, no CDI spec yet
+    # the PrepareStarted entries are durable, no CDI spec yet
     "prepare-after-started",
-    # CDI spec temp file written + fsynced, not renamed
+    # the batch's first CDI spec temp file written + fsynced, not renamed
     "prepare-cdi-before-rename",
-    # CDI spec in place, checkpoint still says PrepareStarted
+    # every CDI spec in place and the CDI root fsynced, checkpoint still says
+    # PrepareStarted
     "prepare-after-cdi",
-    # checkpoint temp file with PrepareCompleted written + fsynced, not renamed
+    # checkpoint temp file with the PrepareCompleted entries written + fsynced, not
+    # renamed
     "prepare-completed-before-rename",
     # PrepareCompleted is durable, the answer has not reached the kubelet
     "prepare-after-completed",
 )
 
 UNPREPARE_FAILPOINTS: Final[tuple[str, ...]] = (
-    # entry found, nothing removed yet
+    # entries/specs found for the batch, nothing removed yet
     "unprepare-before-cdi-removed",
-    # CDI spec removed, checkpoint entry still present
+    # the batch's CDI specs removed (one directory fsync), checkpoint entries present
     "unprepare-after-cdi-removed",
-    # checkpoint temp file without the entry written + fsynced, not renamed
+    # checkpoint temp file without the batch's entries written + fsynced, not renamed
     "unprepare-entry-before-rename",
-    # entry removed durably, the answer has not reached the kubelet
+    # entries removed durably, the answer has not reached the kubelet
     "unprepare-after-entry-removed",
 )
 

@@ -29,13 +29,22 @@ def fsync_dir(directory: Path) -> None:
 
 
 def atomic_write(
-    target: Path, data: bytes, *, mode: int = 0o600, before_rename: str | None = None
+    target: Path,
+    data: bytes,
+    *,
+    mode: int = 0o600,
+    before_rename: str | None = None,
+    sync_dir: bool = True,
 ) -> None:
     """Replace `target` with `data` so that a crash leaves either the old or the new
     content: temp file in the same directory, fsync, rename, fsync the directory.
 
     `before_rename` names a failpoint passed after the temp file is durable and
     before the rename. On error the temp file is removed and OSError propagates.
+
+    `sync_dir=False` skips the directory fsync: the content is durable but the rename
+    is not until the caller runs `fsync_dir(target.parent)`, once for a whole batch of
+    writes to that directory, before anything that relies on the new content.
     """
     tmp = temp_name(target)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
@@ -56,17 +65,21 @@ def atomic_write(
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
-    fsync_dir(target.parent)
+    if sync_dir:
+        fsync_dir(target.parent)
 
 
-def remove_durably(target: Path) -> bool:
-    """Unlink `target` and fsync its directory. Returns False if it did not exist."""
+def remove_durably(target: Path, *, sync_dir: bool = True) -> bool:
+    """Unlink `target` and fsync its directory. Returns False if it did not exist
+    (then nothing is synced). `sync_dir=False`: as for `atomic_write`, the caller
+    fsyncs the directory once after a batch of removals."""
     try:
         os.unlink(target)
     except FileNotFoundError:
         return False
     metrics.STATE_FILE_WRITES.inc()
-    fsync_dir(target.parent)
+    if sync_dir:
+        fsync_dir(target.parent)
     return True
 
 

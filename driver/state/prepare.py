@@ -4,26 +4,31 @@
 results into protobuf; the Kubernetes API, device health and failure reporting come
 in as the small protocols below.
 
-Per claim, `prepare` does:
+`prepare` of a request (a batch of claims) does:
 
-1. a remembered permanent verdict for the UID is answered again at once (no API
-   read, no NVML, no disk access, not even the lock file);
-2. read the claim; its UID must match, it must be allocated, to this node, with
+1. per claim, a remembered permanent verdict for the UID is answered again at once (no
+   API read, no NVML, no disk access, not even the lock file);
+2. per claim, read it; its UID must match, it must be allocated, to this node, with
    results for this driver (failures: transient);
-3. under the serialize lock, with the journal loaded: a `PrepareCompleted` entry
-   whose CDI spec exists is answered as before (idempotent);
-4. resolve configs (`ConfigError` -> permanent invalid-config); device health (a
+3. under the serialize lock, with the journal loaded, per claim: a `PrepareCompleted`
+   entry whose CDI spec exists is answered as before (idempotent); otherwise plan it:
+   resolve configs (`ConfigError` -> permanent invalid-config); device health (a
    failed device is tainted, the taint accepted by the API server, then permanent
-   device-failed); device rules (impossible partition count -> invalid-config);
-   no device may be held by another claim unless both hold shares / admin access;
-5. a found entry (half-done prepare, or a completed one whose CDI spec vanished) is
-   rolled back: CDI spec removed, then redone from scratch;
-6. journal `PrepareStarted` -> write the CDI spec -> journal `PrepareCompleted`.
+   device-failed); device rules (impossible partition count -> invalid-config); no
+   device may be held by another journal entry or by a claim planned earlier in the
+   same request unless both hold shares / admin access;
+4. found entries of planned claims (half-done prepare, or a completed one whose CDI
+   spec vanished) are rolled back: their CDI specs removed (one directory fsync);
+5. ONE journal store with every planned claim's `PrepareStarted` entry -> every CDI
+   spec (atomic, one fsync of the CDI root for the batch) -> ONE journal store with
+   the `PrepareCompleted` entries.
 
-A failure after step 5 began rolls the claim's local state back, so a failed prepare
-leaves nothing behind. Permanent verdicts are remembered (bounded, with a TTL), an
-Event/condition is reported once per verdict, and `--permanent-errors` can downgrade a
-class to transient.
+So a batch costs two journal writes plus one spec per claim. A claim that fails in
+steps 4-5 is rolled back alone (its spec removed, its entry dropped in the next
+store); only a failed journal store or CDI root fsync fails the whole batch, which is
+then rolled back. A failed prepare leaves nothing behind. Permanent verdicts are
+remembered (bounded, with a TTL), an Event/condition is reported once per verdict,
+and `--permanent-errors` can downgrade a class to transient.
 """
 
 from __future__ import annotations
@@ -64,6 +69,7 @@ log = logging.getLogger(__name__)
 DEFAULT_PERMANENT_ERRORS: Final = frozenset({ErrorClass.INVALID_CONFIG, ErrorClass.DEVICE_FAILED})
 DEFAULT_VERDICT_TTL: Final = 300.0
 DEFAULT_VERDICT_LIMIT: Final = 4096
+PREPARE_STARTED: Final = ClaimState.PREPARE_STARTED
 
 __all__ = [
     "DEFAULT_PERMANENT_ERRORS",
@@ -205,6 +211,17 @@ class _Plan:
 
 
 @dataclass
+class _Work:
+    """A claim of the current batch that is being written."""
+
+    ref: ClaimRef
+    claim: dict[str, Any]
+    plan: _Plan
+    written: bool = False  # its CDI spec was renamed into place
+    error: DriverError | None = None
+
+
+@dataclass
 class _Verdict:
     error: DriverError
     expires: float
@@ -279,7 +296,7 @@ class DeviceState:
         """Prepare every claim; one result per UID, never raises for a claim's failure."""
         results: dict[str, PrepareResult] = {}
         to_read: list[ClaimRef] = []
-        for ref in claims:
+        for ref in _unique(claims):
             remembered = self.remembered_verdict(ref.uid)
             if remembered is not None:
                 self.stats.verdict_hits += 1
@@ -309,14 +326,16 @@ class DeviceState:
         try:
             with self._lock.hold():
                 journal = self._load_journal()
-                for ref, claim, driver_results in todo:
-                    results[ref.uid] = self._prepare_locked(ref, claim, driver_results, journal)
-        except DriverError as err:  # lock timeout, unreadable/corrupt journal
-            if isinstance(err, CheckpointCorruptError):
+                self._prepare_batch(todo, journal, results)
+        except Exception as exc:  # lock timeout, unreadable/corrupt journal, a bug
+            if isinstance(exc, CheckpointCorruptError):
                 self.stats.checkpoint_corrupt += 1
+            if not isinstance(exc, DriverError):
+                log.exception("prepare failed")
+            error = exc if isinstance(exc, DriverError) else _as_transient(exc)
             for ref, claim, _ in todo:
                 if ref.uid not in results:
-                    results[ref.uid] = self._fail(ref, claim, err)
+                    results[ref.uid] = self._fail(ref, claim, error)
         return results
 
     def unprepare(self, claims: Sequence[ClaimRef]) -> dict[str, DriverError | None]:
@@ -334,11 +353,13 @@ class DeviceState:
                     self.stats.checkpoint_corrupt += 1
                     log.error("%s; unprepare removes CDI specs only", err)
                     journal = None
-                for ref in claims:
-                    results[ref.uid] = self._unprepare_locked(ref, journal)
-        except DriverError as err:
+                results.update(self._unprepare_batch(_unique(claims), journal))
+        except Exception as exc:  # lock timeout, unreadable journal, a bug
+            if not isinstance(exc, DriverError):
+                log.exception("unprepare failed")
+            error = exc if isinstance(exc, DriverError) else _as_transient(exc)
             for ref in claims:
-                results.setdefault(ref.uid, err)
+                results.setdefault(ref.uid, error)
         return results
 
     def recover(self) -> RecoveryReport:
@@ -352,13 +373,16 @@ class DeviceState:
             except CheckpointCorruptError as err:
                 return RecoveryReport(checkpoint_problem=str(err))
             swept = tuple(self._last_swept)
+            started = [u for u, e in sorted(journal.items()) if e.state is PREPARE_STARTED]
             rolled_back: list[str] = []
-            for uid, entry in sorted(journal.items()):
-                if entry.state is ClaimState.PREPARE_STARTED:
-                    self.cdi.remove_claim_spec(uid)
-                    failpoint("prepare-rollback-after-cdi-removed")
+            if started:  # specs first (one fsync of the CDI root), then one journal store
+                gone, errors = self._remove_specs(started)
+                failpoint("prepare-rollback-after-cdi-removed")
+                for uid, problem in errors.items():  # the entry keeps holding its devices
+                    log.error("rolling back claim %s failed: %s", uid, problem)
+                rolled_back = [uid for uid in started if uid in gone]
+                for uid in rolled_back:
                     del journal[uid]
-                    rolled_back.append(uid)
             if rolled_back:
                 self.checkpoint.store(journal)
                 self.stats.rollbacks += len(rolled_back)
@@ -421,68 +445,175 @@ class DeviceState:
             self._pending_removals.clear()
         return journal
 
-    def _prepare_locked(
+    def _prepare_batch(
         self,
-        ref: ClaimRef,
-        claim: dict[str, Any],
-        driver_results: list[dict[str, Any]],
+        todo: Sequence[tuple[ClaimRef, dict[str, Any], list[dict[str, Any]]]],
         journal: dict[str, ClaimEntry],
-    ) -> PrepareResult:
-        uid = ref.uid
-        entry = journal.get(uid)
-        if (
-            entry is not None
-            and entry.state is ClaimState.PREPARE_COMPLETED
-            and self.cdi.claim_spec_exists(uid)
-        ):
-            self.stats.idempotent_hits += 1
-            return PrepareResult(devices=entry.devices)
-        touched = False
-        try:
-            plan = self._plan(ref, claim, driver_results)
-            self._refuse_double_booking(uid, plan.devices, journal)
+        results: dict[str, PrepareResult],
+    ) -> None:
+        """Prepare the checked claims of one request under the lock, at a constant
+        number of journal writes: plan all -> ONE store with every new `PrepareStarted`
+        entry -> all CDI specs (one fsync of the CDI root) -> ONE store with the
+        `PrepareCompleted` entries. A claim that fails is rolled back (spec removed,
+        entry dropped in the next store) without touching the others; only a failed
+        journal store or CDI root fsync fails (and rolls back) the whole batch."""
+        work: list[_Work] = []
+        found: dict[str, ClaimEntry] = {}  # pre-existing entries of claims being redone
+        planned: dict[str, ClaimEntry] = {}  # the new PrepareStarted entries
+        for ref, claim, driver_results in todo:
+            uid = ref.uid
+            entry = journal.get(uid)
+            if (
+                entry is not None
+                and entry.state is ClaimState.PREPARE_COMPLETED
+                and self.cdi.claim_spec_exists(uid)
+            ):
+                self.stats.idempotent_hits += 1
+                results[uid] = PrepareResult(devices=entry.devices)
+                continue
+            try:
+                plan = self._plan(ref, claim, driver_results)
+                # Against every journal entry (a found entry of a claim being redone
+                # holds its old devices until it is rolled back) and every claim
+                # planned before this one in the same request.
+                self._refuse_double_booking(uid, plan.devices, journal)
+                self._refuse_double_booking(uid, plan.devices, planned)
+            except Exception as exc:
+                results[uid] = self._fail(ref, claim, self._error(exc, uid))
+                continue
             if entry is not None:
-                touched = True
-                self.stats.rollbacks += 1
-                log.info("claim %s: rolling back a %s entry before redoing it", uid, entry.state)
-                self.cdi.remove_claim_spec(uid)
-                failpoint("prepare-rollback-after-cdi-removed")
-            failpoint("prepare-before-started")
-            touched = True
-            journal[uid] = ClaimEntry(
-                ClaimState.PREPARE_STARTED, ref.namespace, ref.name, plan.devices
-            )
-            self.checkpoint.store(journal, before_rename="prepare-started-before-rename")
-            failpoint("prepare-after-started")
-            self.cdi.write_claim_spec(
-                uid,
-                plan.cdi_devices,
-                spec_device_nodes=plan.spec_device_nodes,
-                before_rename="prepare-cdi-before-rename",
-            )
-            failpoint("prepare-after-cdi")
-            journal[uid] = ClaimEntry(
-                ClaimState.PREPARE_COMPLETED, ref.namespace, ref.name, plan.devices
-            )
-            self.checkpoint.store(journal, before_rename="prepare-completed-before-rename")
-            failpoint("prepare-after-completed")
-        except Exception as exc:
-            err = exc if isinstance(exc, DriverError) else _as_transient(exc)
-            if not isinstance(exc, DriverError):
-                log.exception("prepare of claim %s failed", uid)
-            if touched:
-                self._rollback(uid, journal)
-            return self._fail(ref, claim, err)
-        self.stats.prepared += 1
-        return PrepareResult(devices=plan.devices)
+                found[uid] = entry
+            planned[uid] = ClaimEntry(PREPARE_STARTED, ref.namespace, ref.name, plan.devices)
+            work.append(_Work(ref, claim, plan))
+        if not work:
+            return
+        journal.update(planned)
 
-    def _rollback(self, uid: str, journal: dict[str, ClaimEntry]) -> None:
+        if found:  # half-done (or spec-less completed) entries: remove their specs first
+            self.stats.rollbacks += len(found)
+            log.info("rolling back %d found entries before redoing them", len(found))
+            gone, errors = self._remove_specs(sorted(found))
+            failpoint("prepare-rollback-after-cdi-removed")
+            for w in work:
+                uid = w.ref.uid
+                if uid in errors:  # left as it was found; the retry or recover() redoes it
+                    journal[uid] = found[uid]
+                    w.error = transient(f"rolling back claim {uid}: {errors[uid]}")
+            self._fail_work(work, results)
+            work = [w for w in work if w.error is None]
+            if not work:
+                return
+
+        failpoint("prepare-before-started")
         try:
-            self.cdi.remove_claim_spec(uid)
-            if journal.pop(uid, None) is not None:
+            self.checkpoint.store(journal, before_rename="prepare-started-before-rename")
+        except DriverError as err:
+            self._abort(work, journal, results, err)
+            return
+        failpoint("prepare-after-started")
+
+        for w in work:
+            try:
+                self.cdi.write_claim_spec(
+                    w.ref.uid,
+                    w.plan.cdi_devices,
+                    spec_device_nodes=w.plan.spec_device_nodes,
+                    before_rename="prepare-cdi-before-rename",
+                    sync_dir=False,
+                )
+                w.written = True
+            except Exception as exc:
+                w.error = self._error(exc, w.ref.uid)
+        if any(w.written for w in work):
+            try:
+                self.cdi.sync_root()  # one directory fsync for every spec of the batch
+            except OSError as err:
+                for w in work:
+                    if w.written:
+                        w.error = transient(f"cannot sync CDI root {self.cdi.root}: {err}")
+        failpoint("prepare-after-cdi")
+
+        failed = [w for w in work if w.error is not None]
+        if failed:  # their specs go now, their entries in the PrepareCompleted store
+            gone, errors = self._remove_specs([w.ref.uid for w in failed])
+            for w in failed:
+                if w.ref.uid in gone:
+                    del journal[w.ref.uid]
+                else:  # stays PrepareStarted: rolled back by a retry or recover()
+                    log.error("rolling back claim %s failed: %s", w.ref.uid, errors[w.ref.uid])
+            self._fail_work(failed, results)
+            work = [w for w in work if w.error is None]
+        for w in work:
+            journal[w.ref.uid] = ClaimEntry(
+                ClaimState.PREPARE_COMPLETED, w.ref.namespace, w.ref.name, w.plan.devices
+            )
+        try:
+            self.checkpoint.store(journal, before_rename="prepare-completed-before-rename")
+        except DriverError as err:
+            self._abort(work, journal, results, err)
+            return
+        failpoint("prepare-after-completed")
+        for w in work:
+            self.stats.prepared += 1
+            results[w.ref.uid] = PrepareResult(devices=w.plan.devices)
+
+    def _error(self, exc: BaseException, uid: str) -> DriverError:
+        if isinstance(exc, DriverError):
+            return exc
+        log.error("prepare of claim %s failed", uid, exc_info=exc)
+        return _as_transient(exc)
+
+    def _fail_work(self, work: Sequence[_Work], results: dict[str, PrepareResult]) -> None:
+        for w in work:
+            if w.error is not None and w.ref.uid not in results:
+                results[w.ref.uid] = self._fail(w.ref, w.claim, w.error)
+
+    def _abort(
+        self,
+        work: Sequence[_Work],
+        journal: dict[str, ClaimEntry],
+        results: dict[str, PrepareResult],
+        err: DriverError,
+    ) -> None:
+        """A journal store failed: fail every claim of the batch and roll them all back
+        (specs removed, entries dropped) as far as the disk lets us; whatever is left
+        is a `PrepareStarted` entry that the retry or `recover()` rolls back."""
+        gone, errors = self._remove_specs([w.ref.uid for w in work])
+        for w in work:
+            w.error = err
+            if w.ref.uid in gone:
+                journal.pop(w.ref.uid, None)
+            else:  # never left as PrepareCompleted after answering with an error
+                journal[w.ref.uid] = ClaimEntry(
+                    PREPARE_STARTED, w.ref.namespace, w.ref.name, w.plan.devices
+                )
+                log.error("rolling back claim %s failed: %s", w.ref.uid, errors[w.ref.uid])
+        self._fail_work(work, results)
+        if gone:
+            try:
                 self.checkpoint.store(journal)
-        except (OSError, DriverError) as err:  # the next call or recover() finishes it
-            log.error("rolling back claim %s failed: %s", uid, err)
+            except DriverError as again:
+                log.error("rolling back %d claims failed: %s", len(gone), again)
+
+    def _remove_specs(self, uids: Sequence[str]) -> tuple[set[str], dict[str, OSError]]:
+        """Remove the claims' CDI specs with one fsync of the CDI root. Returns the
+        UIDs whose spec is durably gone and the errors of the others."""
+        gone: set[str] = set()
+        errors: dict[str, OSError] = {}
+        removed = False
+        for uid in uids:
+            try:
+                removed = self.cdi.remove_claim_spec(uid, sync_dir=False) or removed
+                gone.add(uid)
+            except OSError as err:
+                errors[uid] = err
+        if removed:
+            try:
+                self.cdi.sync_root()
+            except OSError as err:
+                errors.update(dict.fromkeys(gone, err))
+                gone.clear()
+        return gone, errors
 
     def _plan(
         self, ref: ClaimRef, claim: dict[str, Any], driver_results: list[dict[str, Any]]
@@ -607,31 +738,48 @@ class DeviceState:
 
     # -- unprepare under the lock ----------------------------------------------------------
 
-    def _unprepare_locked(
-        self, ref: ClaimRef, journal: dict[str, ClaimEntry] | None
-    ) -> DriverError | None:
-        uid = ref.uid
-        entry = journal.get(uid) if journal is not None else None
-        try:
-            if entry is None and not self.cdi.claim_spec_exists(uid):
+    def _unprepare_batch(
+        self, claims: Sequence[ClaimRef], journal: dict[str, ClaimEntry] | None
+    ) -> dict[str, DriverError | None]:
+        """Remove every claim's CDI spec (one fsync of the CDI root), then drop their
+        entries in ONE journal store. A claim whose spec could not be removed keeps
+        its entry (and so its devices) and gets a transient error."""
+        results: dict[str, DriverError | None] = {}
+        targets: list[str] = []
+        for ref in claims:
+            uid = ref.uid
+            if (journal is None or uid not in journal) and not self.cdi.claim_spec_exists(uid):
                 if journal is None:
                     self._pending_removals.add(uid)
-                return None  # unknown or already unprepared: nothing to write
-            failpoint("unprepare-before-cdi-removed")
-            self.cdi.remove_claim_spec(uid)
-            failpoint("unprepare-after-cdi-removed")
-            if journal is None:
-                self._pending_removals.add(uid)  # removed from the journal once it is readable
-            elif entry is not None:
-                del journal[uid]
-                self.checkpoint.store(journal, before_rename="unprepare-entry-before-rename")
-                failpoint("unprepare-after-entry-removed")
-        except DriverError as err:
-            return err
-        except OSError as err:
-            return transient(f"unprepare of claim {uid}: {err}")
-        self.stats.unprepared += 1
-        return None
+                results[uid] = None  # unknown or already unprepared: nothing to write
+            else:
+                targets.append(uid)
+        if not targets:
+            return results
+
+        failpoint("unprepare-before-cdi-removed")
+        gone, errors = self._remove_specs(targets)
+        failpoint("unprepare-after-cdi-removed")
+        for uid, err in errors.items():
+            results[uid] = transient(f"unprepare of claim {uid}: {err}")
+        done = [uid for uid in targets if uid in gone]
+        if journal is None:
+            self._pending_removals.update(done)  # removed once the journal is readable
+        else:
+            dropped = [uid for uid in done if journal.pop(uid, None) is not None]
+            if dropped:
+                try:
+                    self.checkpoint.store(journal, before_rename="unprepare-entry-before-rename")
+                except DriverError as err:
+                    for uid in dropped:
+                        results[uid] = err
+                    done = [uid for uid in done if uid not in dropped]
+                else:
+                    failpoint("unprepare-after-entry-removed")
+        for uid in done:
+            results[uid] = None
+        self.stats.unprepared += len(done)
+        return results
 
     # -- verdicts ------------------------------------------------------------------------
 
@@ -664,6 +812,17 @@ class DeviceState:
 
 
 # -- helpers -----------------------------------------------------------------------------
+
+
+def _unique(claims: Iterable[ClaimRef]) -> list[ClaimRef]:
+    """The claims without repeated UIDs (first occurrence wins)."""
+    seen: set[str] = set()
+    out: list[ClaimRef] = []
+    for ref in claims:
+        if ref.uid not in seen:
+            seen.add(ref.uid)
+            out.append(ref)
+    return out
 
 
 def _as_transient(exc: BaseException) -> DriverError:

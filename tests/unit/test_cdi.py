@@ -200,3 +200,45 @@ def test_unknown_failpoint_name_is_rejected(specs: CdiSpecs) -> None:
     with pytest.raises(ValueError, match="unknown failpoint"):
         specs.write_claim_spec("a", [CdiDevice("a-gpu-0", ())], before_rename="no-such-point")
     assert specs.list_claim_specs() == {}
+
+
+class FsyncSpy:
+    """Counts fsyncs of directories and of files."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.dirs = 0
+        self.files = 0
+        real = os.fsync
+
+        def counting(fd: int) -> None:
+            if stat.S_ISDIR(os.fstat(fd).st_mode):
+                self.dirs += 1
+            else:
+                self.files += 1
+            real(fd)
+
+        monkeypatch.setattr(os, "fsync", counting)
+
+
+def test_batch_of_specs_defers_the_directory_fsync(
+    specs: CdiSpecs, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    specs.write_claim_spec("warm-up", [])  # creates the root
+    spy = FsyncSpy(monkeypatch)
+    for uid in ("a", "b", "c"):
+        specs.write_claim_spec(uid, [CdiDevice(f"{uid}-gpu-0", ())], sync_dir=False)
+    assert (spy.files, spy.dirs) == (3, 0)  # every spec's content is durable ...
+    specs.sync_root()
+    assert (spy.files, spy.dirs) == (3, 1)  # ... and one directory fsync covers the renames
+    assert set(specs.list_claim_specs()) == {"warm-up", "a", "b", "c"}
+
+    for uid in ("a", "b", "c", "never-written"):
+        specs.remove_claim_spec(uid, sync_dir=False)
+    assert spy.dirs == 1
+    specs.sync_root()
+    assert set(specs.list_claim_specs()) == {"warm-up"}
+
+    specs.write_claim_spec("d", [])  # the default still syncs each write
+    assert spy.dirs == 3
+    assert specs.remove_claim_spec("d") is True and spy.dirs == 4
+    assert specs.remove_claim_spec("d") is False and spy.dirs == 4  # nothing to sync

@@ -54,6 +54,7 @@ DEVICES = {
         device("gpu-0", "GPU-aaaa", 0, max_partitions=7),
         device("gpu-1", "GPU-bbbb", 1, max_partitions=7),
         device("gpu-1-mig-2g20gb-0", "GPU-bbbb", 1, profile="2g.20gb", placement=(0, 2)),
+        device("gpu-2", "GPU-cccc", 2, max_partitions=7),
     ]
 }
 
@@ -182,9 +183,15 @@ CLAIMS = {
     "default/claim-b": _claim(
         "0b0b0b0b-0000-4000-8000-00000000000b", "claim-b", [("gpu", "gpu-0")], []
     ),
+    # Prepared together with claim-a in one request (the batch tests).
+    "default/claim-c": _claim(
+        "0c0c0c0c-0000-4000-8000-00000000000c", "claim-c", [("gpu", "gpu-2")], []
+    ),
 }
 UID_A = CLAIMS["default/claim-a"]["metadata"]["uid"]
 UID_B = CLAIMS["default/claim-b"]["metadata"]["uid"]
+UID_C = CLAIMS["default/claim-c"]["metadata"]["uid"]
+BATCH = ("default/claim-a", "default/claim-c")
 
 # How each failpoint is reached. A new failpoint needs an entry here.
 SCENARIOS: dict[str, str] = {
@@ -220,10 +227,12 @@ def _ref(key: str) -> ClaimRef:
     return ClaimRef(doc["namespace"], doc["name"], doc["uid"])
 
 
-def _crash(root: Path, op: str, failpoint: str) -> None:
+def _crash(
+    root: Path, op: str, failpoint: str, names: tuple[str, ...] = ("default/claim-a",)
+) -> None:
     env = {**os.environ, ENV_VAR: failpoint}
     proc = subprocess.run(
-        [sys.executable, "-c", HARNESS + "\nmain()\n", str(root), op, "default/claim-a"],
+        [sys.executable, "-c", HARNESS + "\nmain()\n", str(root), op, *names],
         env=env,
         capture_output=True,
         text=True,
@@ -360,6 +369,67 @@ def test_kill_at_failpoint_then_restart(
 
     # After the claim is gone its device is free again.
     assert _state(root).prepare([claim_b])[UID_B].ok
+
+
+@pytest.fixture(scope="module")
+def golden_batch(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """What an uninterrupted prepare of claim-a and claim-c in one request produces."""
+    root = _root(tmp_path_factory.mktemp("golden-batch"), "root")
+    res = _state(root).prepare([_ref(key) for key in BATCH])
+    assert all(r.ok for r in res.values()), res
+    return {
+        "devices": {uid: r.devices for uid, r in res.items()},
+        "specs": _claim_specs(root),
+        "journal": Checkpoint(root / "plugin").load(),
+    }
+
+
+@pytest.mark.parametrize("failpoint", FAILPOINTS)
+def test_kill_during_a_batch_then_restart(
+    failpoint: str, tmp_path: Path, golden_batch: dict[str, Any]
+) -> None:
+    """The same failpoints at batch granularity: two claims in one request are always
+    in the same state after a crash (one journal store covers both), and the retry of
+    the request completes both exactly once."""
+    scenario = SCENARIOS[failpoint]
+    root = _root(tmp_path, "node")
+    refs = [_ref(key) for key in BATCH]
+    uids = sorted(r.uid for r in refs)
+    if scenario == "unprepare":
+        assert all(r.ok for r in _state(root).prepare(refs).values())
+        _crash(root, "unprepare", failpoint, BATCH)
+    else:
+        if scenario == "prepare-retry":
+            _crash(root, "prepare", "prepare-after-cdi", BATCH)
+        _crash(root, "prepare", failpoint, BATCH)
+
+    journal_after_crash = Checkpoint(root / "plugin").load()
+    assert sorted(journal_after_crash) in ([], uids)  # one store wrote both entries
+    assert len({e.state for e in journal_after_crash.values()}) <= 1
+
+    recovered = _copy(root, tmp_path / "recover")
+    report = _state(recovered).recover()
+    assert report.checkpoint_problem is None and report.orphan_specs == ()
+    assert _temp_files(recovered) == []
+    journal = Checkpoint(recovered / "plugin").load()
+    expected = RECOVERED.get(failpoint, "empty")
+    if expected == "prepared":
+        assert journal == golden_batch["journal"]
+        assert _claim_specs(recovered) == golden_batch["specs"]
+    elif expected == "entry-without-spec":
+        assert journal == golden_batch["journal"] and _claim_specs(recovered) == {}
+        assert sorted(report.missing_specs) == uids
+    else:
+        assert journal == {} and _claim_specs(recovered) == {}
+        assert sorted(report.rolled_back) in ([], uids)
+
+    if scenario != "unprepare":  # the kubelet retries the request
+        res = _state(root).prepare(refs)
+        assert {uid: r.devices for uid, r in res.items()} == golden_batch["devices"]
+        assert Checkpoint(root / "plugin").load() == golden_batch["journal"]
+        assert _claim_specs(root) == golden_batch["specs"] and _temp_files(root) == []
+    assert _state(root).unprepare(refs) == dict.fromkeys(uids)
+    _assert_empty(root)
 
 
 def _copy(root: Path, target: Path) -> Path:

@@ -13,8 +13,11 @@ from typing import Any
 
 import pytest
 
+import driver.state.cdi as cdi_module
+import driver.state.checkpoint as checkpoint_module
 from driver.devices.model import PublishedDevice
 from driver.errors import DriverError, ErrorClass, transient
+from driver.observability import metrics
 from driver.state.checkpoint import (
     Checkpoint,
     ClaimEntry,
@@ -22,6 +25,7 @@ from driver.state.checkpoint import (
     PreparedDevice,
     quarantine_checkpoint,
 )
+from driver.state.fileio import atomic_write
 from driver.state.prepare import ClaimRef, DeviceState, parse_permanent_errors
 
 DRIVER = "gpu.example.com"
@@ -335,6 +339,205 @@ def test_batch_results_keyed_by_uid(env: Env) -> None:
     assert out["uid-g"].ok
     err = out["uid-n"].error
     assert err is not None and not err.permanent and "not found" in str(err)
+
+
+# -- batches: a constant number of journal writes per request ------------------------------
+
+
+class BatchSpy:
+    """Every atomic write (journal or CDI spec) and every fsync, file or directory."""
+
+    def __init__(self, env: Env, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.journal_path = env.data_dir / "checkpoint.json"
+        self.targets: list[Path] = []
+        self.file_fsyncs = 0
+        self.dir_fsyncs = 0
+        self.fail_for: set[Path] = set()
+        self.fail_journal_write: int | None = None  # which store attempt fails (1-based)
+        self.journal_attempts = 0
+
+        def spying(target: Path, data: bytes, **kwargs: Any) -> None:
+            if target in self.fail_for:
+                raise OSError(28, "No space left on device")
+            if target == self.journal_path:
+                self.journal_attempts += 1
+                if self.journal_attempts == self.fail_journal_write:
+                    raise OSError(5, "Input/output error")
+            self.targets.append(target)
+            atomic_write(target, data, **kwargs)
+
+        monkeypatch.setattr(cdi_module, "atomic_write", spying)
+        monkeypatch.setattr(checkpoint_module, "atomic_write", spying)
+        real_fsync = os.fsync
+
+        def counting(fd: int) -> None:
+            if os.path.isdir(f"/proc/self/fd/{fd}"):
+                self.dir_fsyncs += 1
+            else:
+                self.file_fsyncs += 1
+            real_fsync(fd)
+
+        monkeypatch.setattr(os, "fsync", counting)
+
+    @property
+    def journal_writes(self) -> list[Path]:
+        return [t for t in self.targets if t == self.journal_path]
+
+    @property
+    def spec_writes(self) -> list[Path]:
+        return [t for t in self.targets if t != self.journal_path]
+
+
+def temp_files(env: Env) -> list[Path]:
+    return [
+        p
+        for d in (env.cdi_root, env.data_dir)
+        if d.exists()
+        for p in d.iterdir()
+        if ".tmp-" in p.name
+    ]
+
+
+def shared_claims(env: Env, n: int) -> list[ClaimRef]:
+    """`n` claims that each hold a share of gpu-0, so none conflicts with another."""
+    return [
+        env.claims.add(make_claim(f"uid-{i:02d}", [result("gpu-0", shareID=f"s-{i}")]))
+        for i in range(n)
+    ]
+
+
+def test_batch_of_64_claims_costs_two_journal_writes(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    refs = shared_claims(env, 64)
+    env.state.recover()  # the common spec, and the directories exist
+    spy = BatchSpy(env, monkeypatch)
+    writes_before = metrics.STATE_FILE_WRITES._value.get()
+    out = env.state.prepare(refs)
+    assert all(r.ok for r in out.values()) and len(out) == 64
+    assert len(spy.journal_writes) == 2  # PrepareStarted for all, PrepareCompleted for all
+    assert sorted(spy.spec_writes) == sorted(env.state.cdi.claim_spec_path(r.uid) for r in refs)
+    assert metrics.STATE_FILE_WRITES._value.get() - writes_before == 66
+    # Each written file's content is fsynced; directories: the data dir per journal
+    # store, the CDI root once for the whole batch.
+    assert (spy.file_fsyncs, spy.dir_fsyncs) == (66, 3)
+    journal = env.journal()
+    assert set(journal) == {r.uid for r in refs}
+    assert {e.state for e in journal.values()} == {ClaimState.PREPARE_COMPLETED}
+    assert env.state.stats.prepared == 64
+
+    spy.targets.clear()
+    spy.file_fsyncs = spy.dir_fsyncs = 0
+    assert env.state.prepare(refs) == out  # idempotent: nothing written at all
+    assert (spy.targets, spy.file_fsyncs, spy.dir_fsyncs) == ([], 0, 0)
+
+    assert env.state.unprepare(refs) == {r.uid: None for r in refs}
+    assert len(spy.journal_writes) == 1 and spy.spec_writes == []
+    assert (spy.file_fsyncs, spy.dir_fsyncs) == (1, 2)  # journal; CDI root once, data dir
+    assert env.journal() == {} and env.state.cdi.list_claim_specs() == {}
+    assert env.state.stats.unprepared == 64
+
+
+def test_one_failing_claim_in_a_batch_rolls_back_alone(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    refs = shared_claims(env, 10)
+    spy = BatchSpy(env, monkeypatch)
+    bad = refs[3].uid
+    spy.fail_for.add(env.state.cdi.claim_spec_path(bad))
+    out = env.state.prepare(refs)
+    err = out[bad].error
+    assert err is not None and not err.permanent and "No space left" in str(err)
+    good = [r.uid for r in refs if r.uid != bad]
+    assert all(out[uid].ok for uid in good)
+    assert len(spy.journal_writes) == 2
+    journal = env.journal()
+    assert set(journal) == set(good)
+    assert {e.state for e in journal.values()} == {ClaimState.PREPARE_COMPLETED}
+    assert set(env.state.cdi.list_claim_specs()) == set(good)
+    assert temp_files(env) == []
+    assert env.state.stats.prepared == 9 and env.state.remembered_verdict(bad) is None
+
+    spy.fail_for.clear()  # transient: the kubelet's retry of the same request succeeds
+    spy.targets.clear()
+    again = env.state.prepare(refs)
+    assert all(r.ok for r in again.values())
+    assert {uid: again[uid] for uid in good} == {uid: out[uid] for uid in good}
+    assert len(spy.journal_writes) == 2 and len(spy.spec_writes) == 1
+    assert set(env.journal()) == {r.uid for r in refs}
+
+
+def test_checks_fail_claims_alone_and_before_anything_is_written(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ok = shared_claims(env, 3)
+    invalid = env.claims.add(
+        make_claim("uid-bad", [result("gpu-1")], configs=[gpu_config({"strategy": "Bogus"})])
+    )
+    spy = BatchSpy(env, monkeypatch)
+    out = env.state.prepare([ok[0], invalid, ok[1], ClaimRef("default", "gone", "uid-x"), ok[2]])
+    assert [out[r.uid].ok for r in ok] == [True, True, True]
+    bad_err = out["uid-bad"].error
+    assert bad_err is not None and bad_err.permanent
+    assert out["uid-x"].error is not None
+    assert len(spy.journal_writes) == 2 and len(spy.spec_writes) == 3
+    assert set(env.journal()) == {r.uid for r in ok}
+
+
+def test_double_booking_is_refused_between_claims_of_one_request(env: Env) -> None:
+    a = env.claims.add(make_claim("uid-a", [result("gpu-0")]))
+    b = env.claims.add(make_claim("uid-b", [result("gpu-0")]))
+    mig = env.claims.add(make_claim("uid-m", [result("gpu-0-mig-1g10gb-3")]))
+    c = env.claims.add(make_claim("uid-c", [result("gpu-1")]))
+    out = env.state.prepare([a, b, mig, c])
+    assert out["uid-a"].ok and out["uid-c"].ok
+    for uid in ("uid-b", "uid-m"):
+        err = out[uid].error
+        assert err is not None and not err.permanent
+        assert "default/claim-uid-a" in str(err) and "uid-a" in str(err)
+    assert set(env.journal()) == {"uid-a", "uid-c"}
+    assert set(env.state.cdi.list_claim_specs()) == {"uid-a", "uid-c"}
+
+
+def test_duplicate_uids_in_one_request_are_prepared_once(env: Env) -> None:
+    (ref,) = shared_claims(env, 1)
+    out = env.state.prepare([ref, ref])
+    assert list(out) == [ref.uid] and out[ref.uid].ok
+    assert env.state.stats.prepared == 1 and env.state.stats.claim_reads == 1
+
+
+@pytest.mark.parametrize("failing_store", [1, 2], ids=["started", "completed"])
+def test_a_failed_journal_store_fails_and_rolls_back_the_whole_batch(
+    env: Env, monkeypatch: pytest.MonkeyPatch, failing_store: int
+) -> None:
+    refs = shared_claims(env, 5)
+    spy = BatchSpy(env, monkeypatch)
+    spy.fail_journal_write = failing_store
+    out = env.state.prepare(refs)
+    for r in refs:
+        err = out[r.uid].error
+        assert err is not None and not err.permanent and "checkpoint" in str(err)
+    assert env.journal() == {} and env.state.cdi.list_claim_specs() == {}
+    assert temp_files(env) == []
+    spy.fail_journal_write = None
+    assert all(r.ok for r in env.state.prepare(refs).values())
+
+
+def test_a_half_done_claim_in_a_batch_is_redone_with_the_others(env: Env) -> None:
+    refs = shared_claims(env, 3)
+    stale = PreparedDevice(NODE, "gpu-1", ("gpu",), ("stale",))
+    Checkpoint(env.data_dir).store(
+        {refs[1].uid: ClaimEntry(ClaimState.PREPARE_STARTED, "default", "x", (stale,))}
+    )
+    env.state.cdi.write_claim_spec(refs[1].uid, [])
+    out = env.state.prepare(refs)
+    assert all(r.ok for r in out.values())
+    assert env.state.stats.rollbacks == 1
+    journal = env.journal()
+    assert {uid: e.devices for uid, e in journal.items()} == {
+        r.uid: out[r.uid].devices for r in refs
+    }
+    assert [d["name"] for d in env.spec(refs[1].uid)["devices"]] == [f"{refs[1].uid}-gpu-0-s-1"]
 
 
 # -- idempotency -------------------------------------------------------------------------
