@@ -37,11 +37,16 @@ k() { kubectl "$@"; }
 NODE=$(k get nodes -o jsonpath='{.items[0].metadata.name}')
 say "node $NODE: $(k get node "$NODE" -o jsonpath='{.status.nodeInfo.kubeletVersion} {.status.nodeInfo.containerRuntimeVersion}')"
 
-step "3/6 helm install the driver (mock GPUs, values-mock.yaml + demo/values-demo.yaml)"
+# The image `up` built from this tree and imported as gpu-dra-driver:src-<source hash>.
+IMAGE_TAG=$("$CLUSTER" driver-image-tag)
+step "3/6 helm install the driver gpu-dra-driver:$IMAGE_TAG (mock GPUs, values-mock.yaml + demo/values-demo.yaml)"
 "$HELM" upgrade --install "$RELEASE" "$CHART" --namespace "$DRIVER_NS" --create-namespace \
-  -f "$CHART/values-mock.yaml" -f "$DEMO_DIR/values-demo.yaml" --wait --timeout 5m
+  -f "$CHART/values-mock.yaml" -f "$DEMO_DIR/values-demo.yaml" --set-string image.tag="$IMAGE_TAG" \
+  --wait --timeout 5m
 k -n "$DRIVER_NS" rollout status daemonset --timeout=180s
-PLUGIN_POD=$(k -n "$DRIVER_NS" get pods -l app.kubernetes.io/component=kubeletplugin -o jsonpath='{.items[0].metadata.name}')
+PLUGIN_POD=$(k -n "$DRIVER_NS" get pods -l app.kubernetes.io/component=kubeletplugin --field-selector status.phase=Running \
+  -o jsonpath='{range .items[*]}{.metadata.name} {.spec.containers[0].image}{"\n"}{end}' | awk -v tag=":$IMAGE_TAG" 'index($2, tag) {print $1; exit}')
+[[ -n $PLUGIN_POD ]] || die "no running plugin pod with image tag $IMAGE_TAG"
 say "plugin pod $PLUGIN_POD registered with the kubelet; waiting for its ResourceSlices"
 devices() { k get resourceslices --field-selector spec.driver=gpu.example.com -o jsonpath='{range .items[*]}{range .spec.devices[*]}{.name}{"\n"}{end}{end}' | grep -c . || true; }
 for _ in $(seq 120); do (( $(devices) > 0 )) && break; sleep 1; done
@@ -87,12 +92,15 @@ done
 [[ $msg == *"permanent (invalid-config)"* ]] || die "no FailedPrepareDynamicResources event with 'permanent (invalid-config)' (got: ${msg:-nothing})"
 say "pod0 event FailedPrepareDynamicResources: $msg"
 PLUGIN_IP=$(k -n "$DRIVER_NS" get pod "$PLUGIN_POD" -o jsonpath='{.status.podIP}')
-replays() { curl -sf "http://$PLUGIN_IP:8080/metrics" | awk '/^gpu_dra_permanent_verdict_replays(_total)? /{print $2}'; }
+# Summed over the error_class label: gpu_dra_permanent_verdict_replays_total{error_class="..."} N
+replays() { curl -sf "http://$PLUGIN_IP:8080/metrics" | awk '/^gpu_dra_permanent_verdict_replays_total[{ ]/{n += $NF; seen = 1} END {if (seen) print n}'; }
 say "waiting for the kubelet to retry (its backoff grows; the plugin answers from its remembered verdict)"
+r=
 for _ in $(seq 90); do
-  r=$(replays); [[ -n $r && ${r%.*} -ge 1 ]] && break; sleep 2
+  r=$(replays || true); [[ -n $r && ${r%.*} -ge 1 ]] && break; sleep 2
 done
-say "plugin metrics: $(curl -sf "http://$PLUGIN_IP:8080/metrics" | grep -E '^gpu_dra_(permanent_verdict_replays|prepare_claims)' | tr '\n' ' ')"
+[[ -n $r && ${r%.*} -ge 1 ]] || die "gpu_dra_permanent_verdict_replays_total stayed at ${r:-absent} in the plugin's /metrics"
+say "plugin metrics: $(curl -sf "http://$PLUGIN_IP:8080/metrics" | grep -E '^gpu_dra_(permanent_verdict_replays|prepare_claims)_total' | tr '\n' ' ')"
 k -n gpu-demo-permanent-error get pod pod0 -o wide
 k delete namespace gpu-demo-permanent-error --wait=false >/dev/null
 
@@ -104,7 +112,23 @@ gpu=$(k -n gpu-demo-xid logs "$old_pod" | sed -n 's/^GPU_DEVICE_[A-Z0-9_]*=\(gpu
 [[ -n $gpu ]] || die "pod $old_pod printed no GPU"
 say "pod $old_pod runs on $gpu; injecting: kubectl exec $PLUGIN_POD -- gpu-dra mock xid --device $gpu --xid 79"
 k -n "$DRIVER_NS" exec "$PLUGIN_POD" -c plugin -- gpu-dra mock xid --device "$gpu" --xid 79
+# ResourceHealthStatus: the kubelet reports the plugin's health stream in the status of
+# the containers using the device; the evicted pod shows it until it is gone.
+pod_health() { # <namespace> <pod> <gpu>
+  k -n "$1" get pod "$2" -o json 2>/dev/null | python3 -c '
+import json, sys
+gpu = sys.argv[1]
+for c in json.load(sys.stdin)["status"].get("containerStatuses", []):
+    for r in c.get("allocatedResourcesStatus") or []:
+        for h in r.get("resources") or []:
+            rid = h.get("resourceID", "")
+            if rid == gpu or rid.endswith("/" + gpu):
+                print("%s: %s %s health=%s" % (c["name"], r["name"], rid, h.get("health")))
+' "$3" || true
+}
+health=
 for _ in $(seq 120); do
+  [[ -n $health ]] || health=$(pod_health gpu-demo-xid "$old_pod" "$gpu")
   taint=$(k get resourceslices --field-selector spec.driver=gpu.example.com -o json |
     python3 -c 'import json,sys; d=sys.argv[1]; print(" ".join("%s=%s:%s" % (t["key"], t.get("value", ""), t["effect"]) for s in json.load(sys.stdin)["items"] for x in s["spec"].get("devices",[]) if x["name"]==d for t in x.get("taints",[])))' "$gpu")
   [[ -n $taint ]] && break; sleep 1
@@ -113,6 +137,7 @@ say "ResourceSlice: $gpu taints: ${taint:-none}"
 say "waiting for the eviction of $old_pod and a replacement on a healthy GPU"
 new_pod=
 for _ in $(seq 180); do
+  [[ -n $health ]] || health=$(pod_health gpu-demo-xid "$old_pod" "$gpu")
   new_pod=$(k -n gpu-demo-xid get pods -l app=gpu-demo-xid --field-selector status.phase=Running -o jsonpath='{range .items[*]}{.metadata.name} {.status.conditions[?(@.type=="Ready")].status}{"\n"}{end}' | awk -v old="$old_pod" '$1 != old && $2 == "True" {print $1; exit}')
   [[ -n $new_pod ]] && break; sleep 1
 done
@@ -122,19 +147,7 @@ say "$old_pod evicted: $(k -n gpu-demo-xid get events --field-selector involvedO
 say "replacement $new_pod runs on $new_gpu (was $gpu)"
 [[ $new_gpu != "$gpu" ]] || die "replacement got the failed GPU $gpu"
 k -n gpu-demo-xid get pods -o wide
-# ResourceHealthStatus: the kubelet reports device health from the plugin's health
-# stream in the status of containers using the device - here the admin-access pod,
-# which uses every GPU and tolerates every taint.
-health=$(k -n gpu-demo-admin-access get pod pod0 -o json 2>/dev/null | python3 -c '
-import json, sys
-gpu = sys.argv[1]
-for c in json.load(sys.stdin)["status"].get("containerStatuses", []):
-    for r in c.get("allocatedResourcesStatus") or []:
-        for h in r.get("resources") or []:
-            if h.get("resourceID", "").endswith("/" + gpu) or h.get("resourceID") == gpu:
-                print(f"{c[\"name\"]}: {r[\"name\"]} {h[\"resourceID\"]} health={h.get(\"health\")}")
-' "$gpu" || true)
-say "device health in pod status (admin-access pod0, which tolerates the taint): ${health:-not reported yet}"
+say "device health in pod status (allocatedResourcesStatus of $old_pod while it was evicted): ${health:-not reported by this cluster before the pod was gone}"
 say "clearing the mock Xid: gpu-dra mock reset --all"
 k -n "$DRIVER_NS" exec "$PLUGIN_POD" -c plugin -- gpu-dra mock reset --all
 
