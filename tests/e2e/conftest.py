@@ -316,6 +316,14 @@ def _helm() -> str:
     return proc.stdout.strip().splitlines()[-1]
 
 
+def driver_image_tag() -> str:
+    """The tag `up --with-node` imported this tree's driver image under (src-<hash>)."""
+    proc = _run(["bash", str(SCRIPT), "driver-image-tag"])
+    if proc.returncode != 0 or not proc.stdout.strip().startswith("src-"):
+        pytest.fail(f"hack/local-cluster.sh driver-image-tag failed: {proc.stderr.strip()}")
+    return proc.stdout.strip()
+
+
 def install_chart(e: E2E) -> None:
     proc = e.helm_cmd(
         "upgrade",
@@ -329,6 +337,9 @@ def install_chart(e: E2E) -> None:
         str(CHART / "values-mock.yaml"),
         "-f",
         str(DEMO / "values-demo.yaml"),
+        # Never a stale gpu-dra-driver:dev: the image built from this tree.
+        "--set-string",
+        f"image.tag={driver_image_tag()}",
         "--wait",
         "--timeout",
         "5m",

@@ -4,6 +4,7 @@ the driver that the other e2e tests use."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 from tests.e2e.conftest import DRIVER, E2E, NAMESPACE, RELEASE, wait_for
@@ -47,7 +48,9 @@ def test_uninstall_removes_slices_and_cdi_files(e2e: E2E) -> None:
         "plugin pods gone",
     )
     # The kubelet deletes a deregistered driver's slices after its 30 s grace period.
-    wait_for(lambda: not e2e.slices() or None, 150, f"no ResourceSlices of {DRIVER}")
+    t0 = time.monotonic()
+    wait_for(lambda: not e2e.slices() or None, 90, f"no ResourceSlices of {DRIVER}")
+    print(f"\nslices gone {time.monotonic() - t0:.0f}s after the plugin pods")
     assert not _registration_sockets()
     assert not _cdi_files(), f"CDI files left behind: {_cdi_files()}"
     assert e2e.kubectl("get", "deviceclass", DRIVER, check=False).returncode != 0
