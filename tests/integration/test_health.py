@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from driver.proto.dra.v1 import api_pb2
+from driver.proto.dra_health.v1 import api_pb2 as health_v1
 from tests.conftest import Cluster, FakeNode
 from tests.integration.helpers import (
     allocation,
@@ -160,6 +161,19 @@ def test_xid_79_taints_gpu_and_partitions_blocks_scheduling_and_fails_prepare(
             assert result.error_type == api_pb2.Permanent
             assert kubelet.unprepare(DRIVER, [(NS, uid, "before")])[uid].error == ""
 
+            # The kubelet's health stream says the same, with the complete device list.
+            watch = kubelet.watch_health(DRIVER)
+            try:
+                first = watch.wait_for(lambda messages: bool(messages), timeout=10)[0]
+            finally:
+                watch.close()
+            health = {d.device.device_name: d.health for d in first.devices}
+            assert set(health) == set(published_devices(pool))
+            unhealthy = {name for name, h in health.items() if h == health_v1.UNHEALTHY}
+            assert unhealthy == family(pool, "gpu-4")
+            assert all(h == health_v1.HEALTHY for n, h in health.items() if n not in unhealthy)
+            assert {d.device.pool_name for d in first.devices} == {node.name}
+
     # A restart keeps the taint; deleting the slices brings them back tainted.
     with running_plugin(kubeconfig=cluster.kubeconfig, node_name=node.name, root=root) as plugin:
         cluster.kubectl("delete", "resourceslices", f"--field-selector=spec.nodeName={node.name}")
@@ -172,9 +186,11 @@ def test_xid_79_taints_gpu_and_partitions_blocks_scheduling_and_fails_prepare(
         cluster.wait_for(
             lambda: not taints(cluster, node.name), timeout=10, what="taint removed by reset"
         )
-        # Once the old claim lets go of the healthy GPU, the waiting claim gets it.
-        cluster.kubectl("delete", "pod", "-n", NS, "before", "--force", "--grace-period=0")
-        cluster.kubectl("delete", "resourceclaim", "-n", NS, "before", "--wait=false")
+        # Once the old claim lets go of the healthy GPU, the waiting claim gets it (the
+        # waiting partition claim would compete for it: it goes first).
+        for name in ("part-after", "before"):
+            cluster.kubectl("delete", "pod", "-n", NS, name, "--force", "--grace-period=0")
+            cluster.kubectl("delete", "resourceclaim", "-n", NS, name, "--wait=false")
         cluster.wait_for(
             lambda: allocation(cluster, NS, "whole-after"),
             timeout=60,
