@@ -309,10 +309,16 @@ def test_plugin_host_paths(default_docs: list[Doc], mock_docs: list[Doc]) -> Non
             assert mounts["driver-root"]["mountPath"] == "/driver-root"
 
 
+CLI_STATE_DIR_ENV = "GPU_DRA_STATE_DIR"
+
+
 def test_plugin_env_matches_plugin_flags(default_docs: list[Doc], mock_docs: list[Doc]) -> None:
     for docs, extra in ((default_docs, DRIVER_ROOT_ENV), (mock_docs, set())):
         env = env_of(plugin_container(docs))
-        assert set(env) - PLUGIN_FLAG_ENV - extra == set(), "env var the plugin does not read"
+        unread = set(env) - PLUGIN_FLAG_ENV - extra - {CLI_STATE_DIR_ENV}
+        assert unread == set(), "env var the plugin does not read"
+        # `kubectl exec <pod> -- gpu-dra mock ...` finds the plugin's data dir from it.
+        assert env[CLI_STATE_DIR_ENV]["value"] == f"/var/lib/kubelet/plugins/{DRIVER}"
         assert set(env) >= PLUGIN_FLAG_ENV - {"MOCK_FLEET"}
         assert env["NODE_NAME"]["valueFrom"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
         assert env["POD_UID"]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.uid"}}
