@@ -143,6 +143,54 @@ def test_impossible_partition_count_is_permanent_cheap_and_visible(
     assert kubelet.unprepare(DRIVER, [ref])[ref[1]].error == ""
 
 
+def test_device_status_condition_for_a_permanent_failure(
+    cluster: Cluster,
+    node: FakeNode,
+    pool: list[dict[str, Any]],
+    tmp_path: Path,
+    plugin: PluginProcess,
+) -> None:
+    config = {
+        "apiVersion": "gpu.resource.example.com/v1alpha1",
+        "kind": "GpuConfig",
+        "sharing": {
+            "strategy": "SpacePartitioning",
+            "spacePartitioningConfig": {"partitionCount": 64},
+        },
+    }
+    ref = allocated_claim(cluster, "status-condition", "gpu-6", pool, config)
+    # A second plugin process with device status enabled, in directories of its own
+    # (it publishes the same slices as the module's instance, so the two agree).
+    other = PluginProcess(
+        kubeconfig=cluster.kubeconfig, node_name=node.name, root=tmp_path, args=["--device-status"]
+    )
+    other.start()
+    try:
+        other.wait_serving()
+        with KubeletStandin(other.registry_dir) as kubelet:
+            kubelet.wait_for_plugin(DRIVER)
+            result = kubelet.prepare(DRIVER, [ref])[ref[1]]
+            assert result.error_type == api_pb2.Permanent
+        devices = cluster.wait_for(
+            lambda: (get_json(cluster, "resourceclaim", "-n", NS, ref[2]).get("status") or {}).get(
+                "devices"
+            ),
+            timeout=30,
+            what="claim device status",
+        )
+        (status,) = devices
+        assert (status["driver"], status["device"]) == (DRIVER, "gpu-6")
+        (condition,) = status["conditions"]
+        assert (condition["type"], condition["status"], condition["reason"]) == (
+            "PrepareFailed",
+            "True",
+            "InvalidConfig",
+        )
+        assert condition["message"].startswith("permanent (invalid-config): ")
+    finally:
+        other.stop()
+
+
 def test_valid_config_yields_cdi_env_and_calls_are_idempotent(
     cluster: Cluster, plugin: PluginProcess, kubelet: KubeletStandin, pool: list[dict[str, Any]]
 ) -> None:
