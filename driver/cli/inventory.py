@@ -23,18 +23,9 @@ from driver.devices.slices import build_slice_documents, validate_slice_specs
 from driver.devices.table import format_table
 from driver.nvml.backend import NvmlUnavailableError, select_backend
 from driver.nvml.fleet import FleetError
+from driver.plugin.flags import non_negative_int
 
 log = logging.getLogger(__name__)
-
-
-def _non_negative(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
 
 
 def add_parser(subcommands: Any) -> None:
@@ -63,7 +54,7 @@ def add_parser(subcommands: Any) -> None:
     )
     parser.add_argument(
         "--gpu-partitions",
-        type=_non_negative,
+        type=non_negative_int("--gpu-partitions"),
         default=0,
         metavar="N",
         help="publish N equal partitions per GPU like the Go reference, instead of MIG",

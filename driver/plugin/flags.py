@@ -19,7 +19,7 @@ def _env_bool(name: str) -> bool:
     return os.environ.get(name, "").lower() in ("1", "true", "yes")
 
 
-def _non_negative_int(flag: str) -> Callable[[str], int]:
+def non_negative_int(flag: str) -> Callable[[str], int]:
     def parse(value: str) -> int:
         try:
             number = int(value)
@@ -96,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--gpu-partitions",
-        type=_non_negative_int("--gpu-partitions"),
+        type=non_negative_int("--gpu-partitions"),
         default=int(_env("GPU_PARTITIONS", "0") or 0),
         help="N equal partitions per GPU (reference-compatible); 0 = MIG partitions",
     )
