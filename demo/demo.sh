@@ -113,22 +113,29 @@ gpu=$(k -n gpu-demo-xid logs "$old_pod" | sed -n 's/^GPU_DEVICE_[A-Z0-9_]*=\(gpu
 say "pod $old_pod runs on $gpu; injecting: kubectl exec $PLUGIN_POD -- gpu-dra mock xid --device $gpu --xid 79"
 k -n "$DRIVER_NS" exec "$PLUGIN_POD" -c plugin -- gpu-dra mock xid --device "$gpu" --xid 79
 # ResourceHealthStatus: the kubelet reports the plugin's health stream in the status of
-# the containers using the device; the evicted pod shows it until it is gone.
+# the containers using the device; the evicted pod shows it until it is gone. Printed:
+# the entries naming the GPU, else every entry (1.37 names a claim's devices by their
+# first CDI id, which is this driver's common device).
 pod_health() { # <namespace> <pod> <gpu>
-  k -n "$1" get pod "$2" -o json 2>/dev/null | python3 -c '
+  local json
+  json=$(k -n "$1" get pod "$2" -o json 2>/dev/null) || return 0
+  python3 -c '
 import json, sys
 gpu = sys.argv[1]
+named, other = [], []
 for c in json.load(sys.stdin)["status"].get("containerStatuses", []):
     for r in c.get("allocatedResourcesStatus") or []:
         for h in r.get("resources") or []:
             rid = h.get("resourceID", "")
-            if rid == gpu or rid.endswith("/" + gpu):
-                print("%s: %s %s health=%s" % (c["name"], r["name"], rid, h.get("health")))
-' "$3" || true
+            line = "%s: %s %s health=%s" % (c["name"], r["name"], rid, h.get("health"))
+            (named if rid.endswith("=" + gpu) or rid.endswith("/" + gpu) else other).append(line)
+print("; ".join(named or other))
+' "$3" <<<"$json" 2>/dev/null || true
 }
 health=
+h=
 for _ in $(seq 120); do
-  [[ -n $health ]] || health=$(pod_health gpu-demo-xid "$old_pod" "$gpu")
+  h=$(pod_health gpu-demo-xid "$old_pod" "$gpu"); [[ -n $h ]] && health=$h  # the last one reported
   taint=$(k get resourceslices --field-selector spec.driver=gpu.example.com -o json |
     python3 -c 'import json,sys; d=sys.argv[1]; print(" ".join("%s=%s:%s" % (t["key"], t.get("value", ""), t["effect"]) for s in json.load(sys.stdin)["items"] for x in s["spec"].get("devices",[]) if x["name"]==d for t in x.get("taints",[])))' "$gpu")
   [[ -n $taint ]] && break; sleep 1
@@ -137,7 +144,7 @@ say "ResourceSlice: $gpu taints: ${taint:-none}"
 say "waiting for the eviction of $old_pod and a replacement on a healthy GPU"
 new_pod=
 for _ in $(seq 180); do
-  [[ -n $health ]] || health=$(pod_health gpu-demo-xid "$old_pod" "$gpu")
+  h=$(pod_health gpu-demo-xid "$old_pod" "$gpu"); [[ -n $h ]] && health=$h  # the last one reported
   new_pod=$(k -n gpu-demo-xid get pods -l app=gpu-demo-xid --field-selector status.phase=Running -o jsonpath='{range .items[*]}{.metadata.name} {.status.conditions[?(@.type=="Ready")].status}{"\n"}{end}' | awk -v old="$old_pod" '$1 != old && $2 == "True" {print $1; exit}')
   [[ -n $new_pod ]] && break; sleep 1
 done
