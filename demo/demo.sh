@@ -114,8 +114,8 @@ say "pod $old_pod runs on $gpu; injecting: kubectl exec $PLUGIN_POD -- gpu-dra m
 k -n "$DRIVER_NS" exec "$PLUGIN_POD" -c plugin -- gpu-dra mock xid --device "$gpu" --xid 79
 # ResourceHealthStatus: the kubelet reports the plugin's health stream in the status of
 # the containers using the device; the evicted pod shows it until it is gone. Printed:
-# the entries naming the GPU, else every entry (1.37 names a claim's devices by their
-# first CDI id, which is this driver's common device).
+# the entries naming the GPU (the kubelet names a device by its first CDI id,
+# `k8s.gpu.example.com/gpu=<claim uid>-<device>`), else every entry.
 pod_health() { # <namespace> <pod> <gpu>
   local json
   json=$(k -n "$1" get pod "$2" -o json 2>/dev/null) || return 0
@@ -128,7 +128,7 @@ for c in json.load(sys.stdin)["status"].get("containerStatuses", []):
         for h in r.get("resources") or []:
             rid = h.get("resourceID", "")
             line = "%s: %s %s health=%s" % (c["name"], r["name"], rid, h.get("health"))
-            (named if rid.endswith("=" + gpu) or rid.endswith("/" + gpu) else other).append(line)
+            (named if rid.endswith("-" + gpu) else other).append(line)
 print("; ".join(named or other))
 ' "$3" <<<"$json" 2>/dev/null || true
 }

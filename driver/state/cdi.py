@@ -158,10 +158,14 @@ class CdiSpecs:
         return self.qualified(COMMON_DEVICE)
 
     def device_ids(self, claim_uid: str, device_name: str, share_id: str | None) -> list[str]:
-        """The CDI ids the kubelet gets for one prepared device: common + the device."""
+        """The CDI ids the kubelet gets for one prepared device: the device, then common.
+
+        The device's own id comes first because the kubelet reports device health in
+        the pod status under a device's first CDI id.
+        """
         return [
-            self.common_device_id,
             self.qualified(cdi_device_name(claim_uid, device_name, share_id)),
+            self.common_device_id,
         ]
 
     @property

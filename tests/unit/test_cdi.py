@@ -34,11 +34,12 @@ def test_names_follow_the_reference(specs: CdiSpecs, tmp_path: Path) -> None:
     assert specs.common_spec_path == tmp_path / "cdi" / "k8s.gpu.example.com-gpu_common.json"
     assert specs.claim_spec_path(UID) == tmp_path / "cdi" / f"k8s.gpu.example.com-gpu_{UID}.json"
     assert specs.claim_spec_path("a/b").name == "k8s.gpu.example.com-gpu_a_b.json"
+    # The device's own id first: the kubelet reports device health under the first id.
     assert specs.device_ids(UID, "gpu-0", None) == [
-        "k8s.gpu.example.com/gpu=common",
         f"k8s.gpu.example.com/gpu={UID}-gpu-0",
+        "k8s.gpu.example.com/gpu=common",
     ]
-    assert specs.device_ids(UID, "gpu-0", "share-1")[1] == (
+    assert specs.device_ids(UID, "gpu-0", "share-1")[0] == (
         f"k8s.gpu.example.com/gpu={UID}-gpu-0-share-1"
     )
     assert cdi_device_name(UID, "gpu-0", "") == f"{UID}-gpu-0"

@@ -233,7 +233,7 @@ def test_gpu_claim_default_config(env: Env) -> None:
             pool_name=NODE,
             device_name="gpu-0",
             request_names=("gpu",),
-            cdi_device_ids=(f"{KIND}=common", f"{KIND}=uid-1-gpu-0"),
+            cdi_device_ids=(f"{KIND}=uid-1-gpu-0", f"{KIND}=common"),
             share_id=None,
             admin_access=False,
         ),
@@ -277,7 +277,7 @@ def test_mig_partition_claim(env: Env) -> None:
     ref = env.claims.add(make_claim("uid-m", [result("gpu-0-mig-1g10gb-3", request="mig")]))
     res = env.prepare_one(ref)
     assert res.ok, res.error
-    assert res.devices[0].cdi_device_ids[1] == f"{KIND}=uid-m-gpu-0-mig-1g10gb-3"
+    assert res.devices[0].cdi_device_ids[0] == f"{KIND}=uid-m-gpu-0-mig-1g10gb-3"
     edits = env.spec("uid-m")["devices"][0]["containerEdits"]
     assert edits["env"] == [
         "GPU_DEVICE_GPU_0_MIG_1G10GB_3_RESOURCE_CLAIM=uid-m",
@@ -323,7 +323,7 @@ def test_shares_admin_access_and_consumed_capacity(env: Env) -> None:
     ra, rb, rx = (env.prepare_one(r) for r in (a, b, admin))
     assert ra.ok and rb.ok and rx.ok, (ra.error, rb.error, rx.error)
     assert ra.devices[0].share_id == "s-1"
-    assert ra.devices[0].cdi_device_ids[1] == f"{KIND}=uid-a-gpu-0-s-1"
+    assert ra.devices[0].cdi_device_ids[0] == f"{KIND}=uid-a-gpu-0-s-1"
     assert env.spec("uid-a")["devices"][0]["name"] == "uid-a-gpu-0-s-1"
     assert "GPU_DEVICE_0_MEMORY=8Gi" in env.env_of("uid-a")
     assert rx.devices[0].admin_access is True
