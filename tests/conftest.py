@@ -40,6 +40,28 @@ NODE_NAME = "gpu-node-1"
 T = TypeVar("T")
 
 
+def wait_for(
+    fn: Callable[[], T | None],
+    timeout: float = 60,
+    what: str = "condition",
+    interval: float = 0.5,
+) -> T:
+    """Poll ``fn`` until it returns something truthy; fail naming ``what``."""
+    deadline = time.monotonic() + timeout
+    last_error: Exception | None = None
+    while True:
+        try:
+            result = fn()
+            if result:
+                return result
+        except Exception as err:  # keep polling; report the last error
+            last_error = err
+        if time.monotonic() >= deadline:
+            detail = f" (last error: {last_error})" if last_error else ""
+            pytest.fail(f"timed out after {timeout}s waiting for {what}{detail}")
+        time.sleep(interval)
+
+
 class KubectlError(AssertionError):
     pass
 
@@ -82,27 +104,7 @@ class Cluster:
             check=False,
         )
 
-    @staticmethod
-    def wait_for(
-        fn: Callable[[], T | None],
-        timeout: float = 60,
-        what: str = "condition",
-        interval: float = 0.5,
-    ) -> T:
-        """Poll ``fn`` until it returns something truthy; fail naming ``what``."""
-        deadline = time.monotonic() + timeout
-        last_error: Exception | None = None
-        while True:
-            try:
-                result = fn()
-                if result:
-                    return result
-            except Exception as err:  # keep polling; report the last error
-                last_error = err
-            if time.monotonic() >= deadline:
-                detail = f" (last error: {last_error})" if last_error else ""
-                pytest.fail(f"timed out after {timeout}s waiting for {what}{detail}")
-            time.sleep(interval)
+    wait_for = staticmethod(wait_for)
 
 
 def _bin_dir() -> Path:
@@ -114,7 +116,7 @@ def _bin_dir() -> Path:
     return Path(proc.stdout.strip())
 
 
-def _free_ports(count: int) -> list[int]:
+def free_ports(count: int) -> list[int]:
     socks = []
     try:
         for _ in range(count):
@@ -154,7 +156,7 @@ def cluster() -> Iterator[Cluster]:
         pytest.fail(f"integration tier: host tools missing from PATH: {', '.join(tools)}")
 
     run_dir = Path(tempfile.mkdtemp(prefix="gpu-dra-it-", dir=os.environ.get("TMPDIR", "/tmp")))
-    api, etcd, peer, kcm, sched = _free_ports(5)
+    api, etcd, peer, kcm, sched = free_ports(5)
     env = {
         "GPU_DRA_CLUSTER_DIR": str(run_dir),
         "GPU_DRA_API_PORT": str(api),

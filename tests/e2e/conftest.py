@@ -18,18 +18,18 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import tempfile
-import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
 import yaml
+
+from tests.conftest import KubectlError, free_ports, wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "hack" / "local-cluster.sh"
@@ -58,29 +58,6 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         if here in Path(str(item.fspath)).parents:
             item.add_marker(pytest.mark.e2e)
             item.add_marker(pytest.mark.timeout(E2E_TIMEOUT))
-
-
-class KubectlError(AssertionError):
-    pass
-
-
-def wait_for(
-    fn: Callable[[], T | None], timeout: float = 60, what: str = "condition", interval: float = 1.0
-) -> T:
-    """Poll ``fn`` until it returns something truthy; fail naming ``what``."""
-    deadline = time.monotonic() + timeout
-    last_error: Exception | None = None
-    while True:
-        try:
-            result = fn()
-            if result:
-                return result
-        except Exception as err:  # keep polling; report the last error
-            last_error = err
-        if time.monotonic() >= deadline:
-            detail = f" (last error: {last_error})" if last_error else ""
-            pytest.fail(f"timed out after {timeout}s waiting for {what}{detail}")
-        time.sleep(interval)
 
 
 @dataclass
@@ -254,19 +231,6 @@ def _tail(text: str, lines: int = 60) -> str:
     return "\n".join(text.strip().splitlines()[-lines:])
 
 
-def _free_ports(count: int) -> list[int]:
-    socks = []
-    try:
-        for _ in range(count):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
 def _check_prerequisites(bin_dir: Path, node_bin_dir: Path, reuse: bool) -> None:
     missing = [f"{bin_dir}/{b}" for b in ("kubectl",) if not (bin_dir / b).is_file()]
     if not reuse:
@@ -385,7 +349,7 @@ def e2e() -> Iterator[E2E]:
             )
     else:
         run_dir = Path(tempfile.mkdtemp(prefix="gpu-dra-e2e-", dir="/tmp"))
-        api, etcd, peer, kcm, sched = _free_ports(5)
+        api, etcd, peer, kcm, sched = free_ports(5)
         env = {
             "GPU_DRA_CLUSTER_DIR": str(run_dir),
             "GPU_DRA_API_PORT": str(api),
