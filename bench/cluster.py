@@ -9,7 +9,6 @@ from __future__ import annotations
 import datetime as dt
 import json
 import os
-import socket
 import subprocess
 import tempfile
 import time
@@ -19,6 +18,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from driver.kube.api import ApiError, KubeApi
+from tests.conftest import free_ports
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "hack" / "local-cluster.sh"
@@ -30,19 +30,6 @@ T = TypeVar("T")
 
 class BenchError(RuntimeError):
     pass
-
-
-def free_ports(count: int) -> list[int]:
-    socks = []
-    try:
-        for _ in range(count):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def wait_for(fn: Callable[[], T | None], timeout: float, what: str, interval: float = 0.05) -> T:

@@ -26,9 +26,10 @@ from typing import Any
 import yaml
 
 from bench import scenarios as sc
-from bench.cluster import NODE_NAME, Api, LocalCluster, ensure_node, free_ports
+from bench.cluster import NODE_NAME, Api, LocalCluster, ensure_node
 from bench.plugins import OursPlugin, PluginUnderTest, ReferencePlugin
 from bench.report import markdown
+from tests.conftest import free_ports
 
 SCENARIOS = (
     "prepare",
