@@ -104,7 +104,6 @@ class SlicePublisher:
         self._synced = threading.Condition()
         self._generation_synced = 0
         self._requested = 0
-        self._threads: list[threading.Thread] = []
         # Slice name -> (resourceVersion, canonical JSON of the spec we wrote or verified):
         # a slice nobody touched since is compared by string, not re-normalised.
         self._known: dict[str, tuple[str, str]] = {}
@@ -118,9 +117,7 @@ class SlicePublisher:
             (self._reconcile_loop, "slice-reconcile"),
             (self._watch_loop, "slice-watch"),
         ):
-            thread = threading.Thread(target=target, name=name, daemon=True)
-            thread.start()
-            self._threads.append(thread)
+            threading.Thread(target=target, name=name, daemon=True).start()
         self.trigger()
 
     def stop(self) -> None:

@@ -106,7 +106,7 @@ class DraService:
             for ref in refs:
                 error = results[ref.uid]
                 metrics.UNPREPARE_REQUESTS.labels(outcome="ok" if error is None else "error").inc()
-                response.claims[ref.uid].error = "" if error is None else error.message
+                response.claims[ref.uid].error = "" if error is None else str(error)
             return response
 
 

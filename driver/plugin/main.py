@@ -88,11 +88,11 @@ class Plugin:
         )
 
         api = KubeApi.from_kubeconfig(o.kubeconfig)
+        metrics.SLICE_WRITES.set_function(lambda: api.writes)
         store = HealthStore(o.data_dir / "health.json")
 
         def desired_slices() -> list[dict[str, object]]:
             taints = store.device_taints(devices, driver=o.driver_name, effect=o.xid_taint_effect)
-            metrics.SLICE_WRITES.set(api.writes)
             return build_slice_specs(
                 pool, driver=o.driver_name, node_name=o.node_name, taints=taints
             )
