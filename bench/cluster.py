@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from driver.kube.api import ApiError, KubeApi
-from tests.conftest import free_ports
+from tests.conftest import private_cluster_env
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "hack" / "local-cluster.sh"
@@ -69,15 +69,7 @@ class LocalCluster:
                 f"{', '.join(missing)} missing from {bin_dir}: run `make cluster-build` first"
             )
         run_dir = Path(tempfile.mkdtemp(prefix="gpu-dra-bench-"))
-        api, etcd, peer, kcm, sched = free_ports(5)
-        env = {
-            "GPU_DRA_CLUSTER_DIR": str(run_dir),
-            "GPU_DRA_API_PORT": str(api),
-            "GPU_DRA_ETCD_PORT": str(etcd),
-            "GPU_DRA_ETCD_PEER_PORT": str(peer),
-            "GPU_DRA_KCM_PORT": str(kcm),
-            "GPU_DRA_SCHEDULER_PORT": str(sched),
-        }
+        env = private_cluster_env(run_dir, with_node=False)
         c = cls(run_dir=run_dir, kubeconfig=run_dir / "admin.kubeconfig", env=env)
         up = c.script("up", timeout=300)
         if up.returncode != 0:

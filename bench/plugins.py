@@ -7,10 +7,11 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 import urllib.request
 from pathlib import Path
+
+from tests.integration.plugin_process import plugin_command
 
 DRIVER = "gpu.example.com"
 
@@ -91,19 +92,15 @@ class OursPlugin(PluginUnderTest):
 
     def command(self, gpus: str) -> list[str]:
         """`gpus`: `default` (8 H100, MIG), or a fleet file path."""
-        return [
-            sys.executable,
-            "-m",
-            "driver.plugin.main",
-            f"--node-name={self.node_name}",
-            f"--kubeconfig={self.kubeconfig}",
-            f"--kubelet-registrar-directory-path={self.registry_dir}",
-            f"--kubelet-plugins-directory-path={self.plugins_dir}",
-            f"--cdi-root={self.cdi_root}",
-            f"--http-port={self.http_port}",
-            "--nvml-backend=mock",
-            f"--mock-fleet={gpus}",
-        ]
+        return plugin_command(
+            node_name=self.node_name,
+            kubeconfig=self.kubeconfig,
+            registry_dir=self.registry_dir,
+            plugins_dir=self.plugins_dir,
+            cdi_root=self.cdi_root,
+            http_port=self.http_port,
+            extra=[f"--mock-fleet={gpus}"],
+        )
 
     def metric(self, name: str) -> float | None:
         try:

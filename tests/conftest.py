@@ -23,7 +23,7 @@ import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple, TypeVar
@@ -66,6 +66,40 @@ class KubectlError(AssertionError):
     pass
 
 
+def run_kubectl(
+    bin_dir: Path,
+    kubeconfig: Path,
+    args: Sequence[str],
+    input: str | None = None,
+    check: bool = True,
+    timeout: float = 60,
+) -> subprocess.CompletedProcess[str]:
+    """The built kubectl against `kubeconfig`; KubectlError names the command on failure."""
+    cmd = [str(bin_dir / "kubectl"), "--kubeconfig", str(kubeconfig), *args]
+    proc = subprocess.run(
+        cmd, input=input, capture_output=True, text=True, timeout=timeout, check=False
+    )
+    if check and proc.returncode != 0:
+        raise KubectlError(
+            f"kubectl {' '.join(args)} exited {proc.returncode}:\n{proc.stderr.strip()}"
+        )
+    return proc
+
+
+def private_cluster_env(run_dir: Path, *, with_node: bool) -> dict[str, str]:
+    """hack/local-cluster.sh settings for a cluster of its own: run dir, free ports."""
+    api, etcd, peer, kcm, sched = free_ports(5)
+    return {
+        "GPU_DRA_CLUSTER_DIR": str(run_dir),
+        "GPU_DRA_API_PORT": str(api),
+        "GPU_DRA_ETCD_PORT": str(etcd),
+        "GPU_DRA_ETCD_PEER_PORT": str(peer),
+        "GPU_DRA_KCM_PORT": str(kcm),
+        "GPU_DRA_SCHEDULER_PORT": str(sched),
+        "GPU_DRA_WITH_NODE": "1" if with_node else "0",
+    }
+
+
 @dataclass
 class Cluster:
     kubeconfig: Path
@@ -77,15 +111,7 @@ class Cluster:
         self, *args: str, input: str | None = None, check: bool = True, timeout: float = 60
     ) -> subprocess.CompletedProcess[str]:
         """Run the built kubectl against this cluster (text mode)."""
-        cmd = [str(self.bin_dir / "kubectl"), "--kubeconfig", str(self.kubeconfig), *args]
-        proc = subprocess.run(
-            cmd, input=input, capture_output=True, text=True, timeout=timeout, check=False
-        )
-        if check and proc.returncode != 0:
-            raise KubectlError(
-                f"kubectl {' '.join(args)} exited {proc.returncode}:\n{proc.stderr.strip()}"
-            )
-        return proc
+        return run_kubectl(self.bin_dir, self.kubeconfig, args, input, check, timeout)
 
     def api_client(self) -> Any:
         """A ``kubernetes.client.ApiClient`` for the admin kubeconfig."""
@@ -156,17 +182,8 @@ def cluster() -> Iterator[Cluster]:
         pytest.fail(f"integration tier: host tools missing from PATH: {', '.join(tools)}")
 
     run_dir = Path(tempfile.mkdtemp(prefix="gpu-dra-it-", dir=os.environ.get("TMPDIR", "/tmp")))
-    api, etcd, peer, kcm, sched = free_ports(5)
-    env = {
-        "GPU_DRA_CLUSTER_DIR": str(run_dir),
-        "GPU_DRA_API_PORT": str(api),
-        "GPU_DRA_ETCD_PORT": str(etcd),
-        "GPU_DRA_ETCD_PEER_PORT": str(peer),
-        "GPU_DRA_KCM_PORT": str(kcm),
-        "GPU_DRA_SCHEDULER_PORT": str(sched),
-        # The integration tier has the fake node; the real one is tests/e2e's.
-        "GPU_DRA_WITH_NODE": "0",
-    }
+    # The integration tier has the fake node; the real one is tests/e2e's.
+    env = private_cluster_env(run_dir, with_node=False)
     c = Cluster(kubeconfig=run_dir / "admin.kubeconfig", bin_dir=bin_dir, run_dir=run_dir, env=env)
     try:
         up = c.script("up", timeout=UP_TIMEOUT)

@@ -29,7 +29,7 @@ from typing import Any, TypeVar
 import pytest
 import yaml
 
-from tests.conftest import KubectlError, free_ports, wait_for
+from tests.conftest import private_cluster_env, run_kubectl, wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "hack" / "local-cluster.sh"
@@ -83,15 +83,7 @@ class E2E:
     def kubectl(
         self, *args: str, input: str | None = None, check: bool = True, timeout: float = 120
     ) -> subprocess.CompletedProcess[str]:
-        cmd = [str(self.bin_dir / "kubectl"), "--kubeconfig", str(self.kubeconfig), *args]
-        proc = subprocess.run(
-            cmd, input=input, capture_output=True, text=True, timeout=timeout, check=False
-        )
-        if check and proc.returncode != 0:
-            raise KubectlError(
-                f"kubectl {' '.join(args)} exited {proc.returncode}:\n{proc.stderr.strip()}"
-            )
-        return proc
+        return run_kubectl(self.bin_dir, self.kubeconfig, args, input, check, timeout)
 
     def get(self, *args: str) -> Any:
         return json.loads(self.kubectl("get", "-o", "json", *args).stdout)
@@ -349,16 +341,7 @@ def e2e() -> Iterator[E2E]:
             )
     else:
         run_dir = Path(tempfile.mkdtemp(prefix="gpu-dra-e2e-", dir="/tmp"))
-        api, etcd, peer, kcm, sched = free_ports(5)
-        env = {
-            "GPU_DRA_CLUSTER_DIR": str(run_dir),
-            "GPU_DRA_API_PORT": str(api),
-            "GPU_DRA_ETCD_PORT": str(etcd),
-            "GPU_DRA_ETCD_PEER_PORT": str(peer),
-            "GPU_DRA_KCM_PORT": str(kcm),
-            "GPU_DRA_SCHEDULER_PORT": str(sched),
-            "GPU_DRA_WITH_NODE": "1",
-        }
+        env = private_cluster_env(run_dir, with_node=True)
         e = E2E(
             kubeconfig=run_dir / "admin.kubeconfig",
             bin_dir=bin_dir,

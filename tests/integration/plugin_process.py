@@ -25,6 +25,32 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def plugin_command(
+    *,
+    node_name: str,
+    kubeconfig: Path,
+    registry_dir: Path,
+    plugins_dir: Path,
+    cdi_root: Path,
+    http_port: int,
+    extra: Sequence[str] = (),
+) -> list[str]:
+    """gpu-kubelet-plugin on mock GPUs with kubelet-like directories of its own."""
+    return [
+        sys.executable,
+        "-m",
+        "driver.plugin.main",
+        f"--node-name={node_name}",
+        f"--kubeconfig={kubeconfig}",
+        f"--kubelet-registrar-directory-path={registry_dir}",
+        f"--kubelet-plugins-directory-path={plugins_dir}",
+        f"--cdi-root={cdi_root}",
+        f"--http-port={http_port}",
+        "--nvml-backend=mock",
+        *extra,
+    ]
+
+
 class PluginProcess:
     """One plugin instance with its own kubelet-like directories under `root`."""
 
@@ -54,19 +80,15 @@ class PluginProcess:
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> PluginProcess:
-        command = [
-            sys.executable,
-            "-m",
-            "driver.plugin.main",
-            f"--node-name={self.node_name}",
-            f"--kubeconfig={self.kubeconfig}",
-            f"--kubelet-registrar-directory-path={self.registry_dir}",
-            f"--kubelet-plugins-directory-path={self.plugins_dir}",
-            f"--cdi-root={self.cdi_root}",
-            f"--http-port={self.http_port}",
-            "--nvml-backend=mock",
-            *self.args,
-        ]
+        command = plugin_command(
+            node_name=self.node_name,
+            kubeconfig=self.kubeconfig,
+            registry_dir=self.registry_dir,
+            plugins_dir=self.plugins_dir,
+            cdi_root=self.cdi_root,
+            http_port=self.http_port,
+            extra=self.args,
+        )
         self.root.mkdir(parents=True, exist_ok=True)
         log = self.log_path.open("ab")
         self.proc = subprocess.Popen(
