@@ -130,6 +130,51 @@ class CdiDevice:
             edits["deviceNodes"] = [{"path": p} for p in self.device_nodes]
         return {"name": self.name, "containerEdits": edits}
 
+    @classmethod
+    def from_json(cls, doc: object) -> CdiDevice:
+        """Inverse of `to_json`; ValueError names what is malformed."""
+        if not isinstance(doc, Mapping) or not isinstance(doc.get("name"), str):
+            raise ValueError("CDI device must be an object with a string name")
+        name = doc["name"]
+        edits = doc.get("containerEdits")
+        if not isinstance(edits, Mapping):
+            raise ValueError(f"CDI device {name}: containerEdits must be an object")
+        env, nodes = edits.get("env", []), edits.get("deviceNodes", [])
+        if not isinstance(env, list) or not all(isinstance(e, str) for e in env):
+            raise ValueError(f"CDI device {name}: env must be a list of strings")
+        if not isinstance(nodes, list) or not all(
+            isinstance(n, Mapping) and isinstance(n.get("path"), str) for n in nodes
+        ):
+            raise ValueError(f"CDI device {name}: deviceNodes must be objects with a path")
+        return cls(name, tuple(env), tuple(n["path"] for n in nodes))
+
+
+@dataclass(frozen=True)
+class ClaimSpec:
+    """Everything a claim's CDI spec file holds besides its fixed header. The journal
+    keeps it with the claim so the file can be recreated without the API server (the
+    CDI root is a tmpfs that a reboot empties while the journal survives)."""
+
+    devices: tuple[CdiDevice, ...]
+    device_nodes: tuple[str, ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "devices": [d.to_json() for d in self.devices],
+            "deviceNodes": list(self.device_nodes),
+        }
+
+    @classmethod
+    def from_json(cls, doc: object) -> ClaimSpec:
+        if not isinstance(doc, Mapping):
+            raise ValueError("cdiSpec must be an object")
+        devices, nodes = doc.get("devices"), doc.get("deviceNodes", [])
+        if not isinstance(devices, list):
+            raise ValueError("cdiSpec.devices must be a list")
+        if not isinstance(nodes, list) or not all(isinstance(n, str) for n in nodes):
+            raise ValueError("cdiSpec.deviceNodes must be a list of strings")
+        return cls(tuple(CdiDevice.from_json(d) for d in devices), tuple(nodes))
+
 
 def _cdi_version(device_names: Iterable[str]) -> str:
     if any(name[:1].isdigit() for name in device_names):
@@ -209,9 +254,8 @@ class CdiSpecs:
     def write_claim_spec(
         self,
         claim_uid: str,
-        devices: Sequence[CdiDevice],
+        spec: ClaimSpec,
         *,
-        spec_device_nodes: Sequence[str] = (),
         before_rename: str | None = None,
         sync_dir: bool = True,
     ) -> Path:
@@ -222,7 +266,7 @@ class CdiSpecs:
         path = self.claim_spec_path(claim_uid)
         atomic_write(
             path,
-            self._render(devices, spec_device_nodes),
+            self._render(spec.devices, spec.device_nodes),
             mode=SPEC_MODE,
             before_rename=before_rename,
             sync_dir=sync_dir,

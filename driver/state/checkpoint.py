@@ -10,7 +10,8 @@ File format (docs/state.md)::
           "state": "PrepareStarted" | "PrepareCompleted",
           "namespace": "...", "name": "...",
           "devices": [{"pool": ..., "device": ..., "requestNames": [...],
-                       "cdiDeviceIds": [...], "shareID": null | "...", "adminAccess": false}]
+                       "cdiDeviceIds": [...], "shareID": null | "...", "adminAccess": false}],
+          "cdiSpec": {"devices": [<CDI device>...], "deviceNodes": [...]}   # PrepareCompleted
         }
       }
     }
@@ -44,6 +45,7 @@ from pathlib import Path
 from typing import Any, Final, TypeGuard
 
 from driver.errors import DriverError, ErrorClass, transient
+from driver.state.cdi import ClaimSpec
 from driver.state.fileio import atomic_write, fsync_dir, sweep_temp_files
 
 SCHEMA_VERSION: Final = 1
@@ -112,14 +114,21 @@ class ClaimEntry:
     namespace: str
     name: str
     devices: tuple[PreparedDevice, ...] = field(default=())
+    # The claim's CDI spec content, kept so a spec lost with the CDI root (a tmpfs
+    # emptied by a reboot) is recreated at start without the API server. Absent in
+    # entries written before it existed.
+    cdi_spec: ClaimSpec | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        doc: dict[str, Any] = {
             "state": self.state.value,
             "namespace": self.namespace,
             "name": self.name,
             "devices": [d.to_json() for d in self.devices],
         }
+        if self.cdi_spec is not None:
+            doc["cdiSpec"] = self.cdi_spec.to_json()
+        return doc
 
     @classmethod
     def from_json(cls, doc: object) -> ClaimEntry:
@@ -134,7 +143,14 @@ class ClaimEntry:
         if not isinstance(devices, list):
             raise ValueError("devices must be a list")
         parsed = tuple(PreparedDevice.from_json(d) for d in devices)
-        return cls(ClaimState(str(state)), namespace, name, parsed)
+        spec = doc.get("cdiSpec")
+        return cls(
+            ClaimState(str(state)),
+            namespace,
+            name,
+            parsed,
+            ClaimSpec.from_json(spec) if spec is not None else None,
+        )
 
 
 class CheckpointCorruptError(DriverError):

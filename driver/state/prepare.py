@@ -49,6 +49,7 @@ from driver.state.cdi import (
     CONTROL_DEVICE_NODES,
     CdiDevice,
     CdiSpecs,
+    ClaimSpec,
     SharingEnv,
     cdi_device_name,
     claim_device_env,
@@ -180,7 +181,8 @@ class RecoveryReport:
     swept_temp_files: tuple[Path, ...] = ()
     rolled_back: tuple[str, ...] = ()  # PrepareStarted claims rolled back
     orphan_specs: tuple[str, ...] = ()  # claim specs without a journal entry (kept)
-    missing_specs: tuple[str, ...] = ()  # completed claims whose spec is gone
+    recreated_specs: tuple[str, ...] = ()  # completed claims whose lost spec was rewritten
+    missing_specs: tuple[str, ...] = ()  # completed claims whose spec is gone for good
     checkpoint_problem: str | None = None
 
 
@@ -206,8 +208,7 @@ def parse_permanent_errors(value: str) -> frozenset[ErrorClass]:
 @dataclass(frozen=True)
 class _Plan:
     devices: tuple[PreparedDevice, ...]
-    cdi_devices: tuple[CdiDevice, ...]
-    spec_device_nodes: tuple[str, ...]
+    spec: ClaimSpec
 
 
 @dataclass
@@ -388,10 +389,36 @@ class DeviceState:
                 self.stats.rollbacks += len(rolled_back)
             specs = self.cdi.list_claim_specs()
             orphans = tuple(uid for uid in specs if uid not in journal)
-            missing = tuple(uid for uid in sorted(journal) if not self.cdi.claim_spec_exists(uid))
+            lost = [uid for uid in sorted(journal) if uid not in specs]
+            recreated, missing = self._recreate_specs(lost, journal)
         for uid in orphans:
             log.warning("CDI spec for claim %s has no journal entry; kept until unprepare", uid)
-        return RecoveryReport(swept, tuple(rolled_back), orphans, missing, None)
+        for uid in missing:
+            log.warning(
+                "CDI spec of prepared claim %s is gone and its journal entry predates stored "
+                "specs; the kubelet's next prepare of it redoes it",
+                uid,
+            )
+        return RecoveryReport(swept, tuple(rolled_back), orphans, recreated, missing, None)
+
+    def _recreate_specs(
+        self, uids: Sequence[str], journal: Mapping[str, ClaimEntry]
+    ) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """Rewrite the lost CDI specs of completed claims from the journal (one fsync
+        of the CDI root). Returns (recreated, not recreatable)."""
+        recreated: list[str] = []
+        missing: list[str] = []
+        for uid in uids:
+            spec = journal[uid].cdi_spec
+            if spec is None:
+                missing.append(uid)
+                continue
+            self.cdi.write_claim_spec(uid, spec, sync_dir=False)
+            recreated.append(uid)
+        if recreated:
+            self.cdi.sync_root()
+            log.info("recreated the CDI specs of %d prepared claim(s)", len(recreated))
+        return tuple(recreated), tuple(missing)
 
     # -- claim checks ----------------------------------------------------------------------
 
@@ -463,14 +490,17 @@ class DeviceState:
         for ref, claim, driver_results in todo:
             uid = ref.uid
             entry = journal.get(uid)
-            if (
-                entry is not None
-                and entry.state is ClaimState.PREPARE_COMPLETED
-                and self.cdi.claim_spec_exists(uid)
-            ):
-                self.stats.idempotent_hits += 1
-                results[uid] = PrepareResult(devices=entry.devices)
-                continue
+            if entry is not None and entry.state is ClaimState.PREPARE_COMPLETED:
+                try:
+                    if self._spec_in_place(uid, entry):
+                        self.stats.idempotent_hits += 1
+                        results[uid] = PrepareResult(devices=entry.devices)
+                        continue
+                except OSError as err:
+                    results[uid] = self._fail(
+                        ref, claim, transient(f"cannot rewrite the CDI spec of {uid}: {err}")
+                    )
+                    continue
             try:
                 plan = self._plan(ref, claim, driver_results)
                 # Against every journal entry (a found entry of a claim being redone
@@ -516,8 +546,7 @@ class DeviceState:
             try:
                 self.cdi.write_claim_spec(
                     w.ref.uid,
-                    w.plan.cdi_devices,
-                    spec_device_nodes=w.plan.spec_device_nodes,
+                    w.plan.spec,
                     before_rename="prepare-cdi-before-rename",
                     sync_dir=False,
                 )
@@ -545,7 +574,11 @@ class DeviceState:
             work = [w for w in work if w.error is None]
         for w in work:
             journal[w.ref.uid] = ClaimEntry(
-                ClaimState.PREPARE_COMPLETED, w.ref.namespace, w.ref.name, w.plan.devices
+                ClaimState.PREPARE_COMPLETED,
+                w.ref.namespace,
+                w.ref.name,
+                w.plan.devices,
+                w.plan.spec,
             )
         try:
             self.checkpoint.store(journal, before_rename="prepare-completed-before-rename")
@@ -556,6 +589,17 @@ class DeviceState:
         for w in work:
             self.stats.prepared += 1
             results[w.ref.uid] = PrepareResult(devices=w.plan.devices)
+
+    def _spec_in_place(self, uid: str, entry: ClaimEntry) -> bool:
+        """Is the completed claim's CDI spec on disk, rewritten from the journal if it
+        was lost? False only for an entry without a stored spec (then it is redone)."""
+        if self.cdi.claim_spec_exists(uid):
+            return True
+        if entry.cdi_spec is None:
+            return False
+        self.cdi.write_claim_spec(uid, entry.cdi_spec)
+        log.warning("rewrote the lost CDI spec of prepared claim %s from the journal", uid)
+        return True
 
     def _error(self, exc: BaseException, uid: str) -> DriverError:
         if isinstance(exc, DriverError):
@@ -703,7 +747,7 @@ class DeviceState:
             extra = f"NVIDIA_VISIBLE_DEVICES={','.join(visible)}"
             cdi_devices = [CdiDevice(d.name, (*d.env, extra), d.device_nodes) for d in cdi_devices]
             spec_nodes = CONTROL_DEVICE_NODES
-        return _Plan(tuple(prepared), tuple(cdi_devices), spec_nodes)
+        return _Plan(tuple(prepared), ClaimSpec(tuple(cdi_devices), spec_nodes))
 
     def _refuse_double_booking(
         self, uid: str, planned: tuple[PreparedDevice, ...], journal: Mapping[str, ClaimEntry]

@@ -333,6 +333,40 @@ def test_kill_during_unprepare_then_retry(
         plugin.stop()
 
 
+def test_reboot_empties_cdi_root_specs_are_back_before_registration(
+    cluster: Cluster, node: FakeNode, plugin_root: Path, crash_claim: tuple[str, str, str]
+) -> None:
+    ref = crash_claim
+    plugin = start_plugin(cluster, node, plugin_root)
+    try:
+        with KubeletStandin(plugin.registry_dir) as kubelet:
+            kubelet.wait_for_plugin(DRIVER)
+            assert kubelet.prepare(DRIVER, [ref])[ref[1]].error == ""
+    finally:
+        plugin.stop()
+    specs = CdiSpecs(plugin.cdi_root, DRIVER)
+    before = specs.claim_spec_path(ref[1]).read_bytes()
+    for path in plugin.cdi_root.iterdir():  # the CDI root is a tmpfs: a reboot empties it
+        path.unlink()
+
+    plugin = start_plugin(cluster, node, plugin_root)
+    try:
+        registration = plugin.registry_dir / f"{DRIVER}-reg.sock"
+        cluster.wait_for(registration.exists, timeout=30, what="registration socket")
+        # The kubelet may call prepare the moment the socket appears: the spec is there.
+        assert specs.claim_spec_path(ref[1]).read_bytes() == before
+        assert specs.common_spec_path.exists()
+        with KubeletStandin(plugin.registry_dir) as kubelet:
+            kubelet.wait_for_plugin(DRIVER)
+            again = kubelet.prepare(DRIVER, [ref])[ref[1]]
+            assert again.error == "" and [d.device_name for d in again.devices] == ["gpu-3"]
+            assert kubelet.unprepare(DRIVER, [ref])[ref[1]].error == ""
+            assert _local_state(plugin, ref[1]) == (False, None)
+    finally:
+        plugin.stop()
+    assert "recreated the CDI specs of 1 prepared claim(s)" in plugin.logs()
+
+
 def test_corrupt_checkpoint_is_reported_and_kept(
     cluster: Cluster, node: FakeNode, plugin_root: Path, crash_claim: tuple[str, str, str]
 ) -> None:

@@ -12,6 +12,7 @@ import pytest
 from driver.state.cdi import (
     CdiDevice,
     CdiSpecs,
+    ClaimSpec,
     SharingEnv,
     cdi_device_name,
     claim_device_env,
@@ -111,7 +112,7 @@ def test_visible_device_ids() -> None:
 
 def test_claim_spec_is_compact_reference_json_with_mode_0600(specs: CdiSpecs) -> None:
     device = CdiDevice(f"{UID}-gpu-0", ("A=1", "B=2"))
-    path = specs.write_claim_spec(UID, [device])
+    path = specs.write_claim_spec(UID, ClaimSpec((device,)))
     raw = path.read_bytes()
     assert raw == (
         b'{"cdiVersion":"0.5.0","kind":"k8s.gpu.example.com/gpu","devices":[{"name":"'
@@ -123,13 +124,13 @@ def test_claim_spec_is_compact_reference_json_with_mode_0600(specs: CdiSpecs) ->
 
 
 def test_cdi_version_is_0_3_0_without_leading_digits(specs: CdiSpecs) -> None:
-    specs.write_claim_spec("claim-a", [CdiDevice("claim-a-gpu-0", ("A=1",))])
+    specs.write_claim_spec("claim-a", ClaimSpec((CdiDevice("claim-a-gpu-0", ("A=1",)),)))
     assert specs.read_claim_spec("claim-a")["cdiVersion"] == "0.3.0"  # type: ignore[index]
 
 
 def test_device_nodes_per_device_and_spec(specs: CdiSpecs) -> None:
     device = CdiDevice("x-gpu-0", ("A=1",), ("/dev/nvidia0",))
-    specs.write_claim_spec("x", [device], spec_device_nodes=("/dev/nvidiactl",))
+    specs.write_claim_spec("x", ClaimSpec((device,), ("/dev/nvidiactl",)))
     doc = specs.read_claim_spec("x")
     assert doc is not None
     assert doc["devices"][0]["containerEdits"]["deviceNodes"] == [{"path": "/dev/nvidia0"}]
@@ -159,8 +160,8 @@ def test_common_spec(specs: CdiSpecs) -> None:
 
 def test_remove_and_list(specs: CdiSpecs) -> None:
     specs.write_common_spec("node-a")
-    specs.write_claim_spec("a", [CdiDevice("a-gpu-0", ())])
-    specs.write_claim_spec("b", [CdiDevice("b-gpu-1", ())])
+    specs.write_claim_spec("a", ClaimSpec((CdiDevice("a-gpu-0", ()),)))
+    specs.write_claim_spec("b", ClaimSpec((CdiDevice("b-gpu-1", ()),)))
     (specs.root / "k8s.other.com-gpu_c.json").write_text("{}")
     (specs.root / ".k8s.gpu.example.com-gpu_d.json.tmp-abc").write_text("{")
     assert set(specs.list_claim_specs()) == {"a", "b"}
@@ -174,7 +175,7 @@ def test_remove_and_list(specs: CdiSpecs) -> None:
 def test_failed_rename_keeps_old_content_and_leaves_no_temp_file(
     specs: CdiSpecs, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    specs.write_claim_spec("a", [CdiDevice("a-gpu-0", ("OLD=1",))])
+    specs.write_claim_spec("a", ClaimSpec((CdiDevice("a-gpu-0", ("OLD=1",)),)))
     before = specs.claim_spec_path("a").read_bytes()
 
     def broken_replace(src: object, dst: object) -> None:
@@ -182,7 +183,7 @@ def test_failed_rename_keeps_old_content_and_leaves_no_temp_file(
 
     monkeypatch.setattr(os, "replace", broken_replace)
     with pytest.raises(OSError):
-        specs.write_claim_spec("a", [CdiDevice("a-gpu-0", ("NEW=1",))])
+        specs.write_claim_spec("a", ClaimSpec((CdiDevice("a-gpu-0", ("NEW=1",)),)))
     assert specs.claim_spec_path("a").read_bytes() == before
     assert sorted(os.listdir(specs.root)) == ["k8s.gpu.example.com-gpu_a.json"]
 
@@ -199,7 +200,9 @@ def test_sweep_removes_only_this_drivers_temp_files(specs: CdiSpecs) -> None:
 
 def test_unknown_failpoint_name_is_rejected(specs: CdiSpecs) -> None:
     with pytest.raises(ValueError, match="unknown failpoint"):
-        specs.write_claim_spec("a", [CdiDevice("a-gpu-0", ())], before_rename="no-such-point")
+        specs.write_claim_spec(
+            "a", ClaimSpec((CdiDevice("a-gpu-0", ()),)), before_rename="no-such-point"
+        )
     assert specs.list_claim_specs() == {}
 
 
@@ -224,10 +227,10 @@ class FsyncSpy:
 def test_batch_of_specs_defers_the_directory_fsync(
     specs: CdiSpecs, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    specs.write_claim_spec("warm-up", [])  # creates the root
+    specs.write_claim_spec("warm-up", ClaimSpec(()))  # creates the root
     spy = FsyncSpy(monkeypatch)
     for uid in ("a", "b", "c"):
-        specs.write_claim_spec(uid, [CdiDevice(f"{uid}-gpu-0", ())], sync_dir=False)
+        specs.write_claim_spec(uid, ClaimSpec((CdiDevice(f"{uid}-gpu-0", ()),)), sync_dir=False)
     assert (spy.files, spy.dirs) == (3, 0)  # every spec's content is durable ...
     specs.sync_root()
     assert (spy.files, spy.dirs) == (3, 1)  # ... and one directory fsync covers the renames
@@ -239,7 +242,29 @@ def test_batch_of_specs_defers_the_directory_fsync(
     specs.sync_root()
     assert set(specs.list_claim_specs()) == {"warm-up"}
 
-    specs.write_claim_spec("d", [])  # the default still syncs each write
+    specs.write_claim_spec("d", ClaimSpec(()))  # the default still syncs each write
     assert spy.dirs == 3
     assert specs.remove_claim_spec("d") is True and spy.dirs == 4
     assert specs.remove_claim_spec("d") is False and spy.dirs == 4  # nothing to sync
+
+
+def test_claim_spec_round_trips_through_json() -> None:
+    spec = ClaimSpec(
+        (CdiDevice("u-gpu-0", ("A=1", "B=2"), ("/dev/nvidia0",)), CdiDevice("u-gpu-1", ())),
+        ("/dev/nvidiactl",),
+    )
+    assert ClaimSpec.from_json(spec.to_json()) == spec
+
+
+@pytest.mark.parametrize(
+    ("doc", "field"),
+    [
+        ({"devices": {}}, "cdiSpec.devices"),
+        ({"devices": [], "deviceNodes": [1]}, "cdiSpec.deviceNodes"),
+        ({"devices": [{"name": "x", "containerEdits": {"env": [1]}}]}, "env"),
+        ({"devices": [{"name": "x"}]}, "containerEdits"),
+    ],
+)
+def test_claim_spec_from_json_names_the_bad_field(doc: dict[str, object], field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        ClaimSpec.from_json(doc)

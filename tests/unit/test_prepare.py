@@ -18,6 +18,7 @@ import driver.state.checkpoint as checkpoint_module
 from driver.devices.model import PublishedDevice
 from driver.errors import DriverError, ErrorClass, transient
 from driver.observability import metrics
+from driver.state.cdi import ClaimSpec
 from driver.state.checkpoint import (
     Checkpoint,
     ClaimEntry,
@@ -185,6 +186,12 @@ class Env:
     def journal(self) -> dict[str, ClaimEntry]:
         return Checkpoint(self.data_dir).load()
 
+    def spec_content(self, uid: str) -> ClaimSpec:
+        """The claim's spec file as the journal stores it."""
+        doc = self.spec(uid)
+        nodes = [n["path"] for n in doc["containerEdits"].get("deviceNodes", [])]
+        return ClaimSpec.from_json({"devices": doc["devices"], "deviceNodes": nodes})
+
     def prepare_one(self, ref: ClaimRef) -> Any:
         return self.state.prepare([ref])[ref.uid]
 
@@ -251,7 +258,13 @@ def test_gpu_claim_default_config(env: Env) -> None:
     assert "deviceNodes" not in spec["devices"][0]["containerEdits"]  # mock: env only
     journal = env.journal()
     assert journal == {
-        "uid-1": ClaimEntry(ClaimState.PREPARE_COMPLETED, "default", "claim-uid-1", res.devices)
+        "uid-1": ClaimEntry(
+            ClaimState.PREPARE_COMPLETED,
+            "default",
+            "claim-uid-1",
+            res.devices,
+            env.spec_content("uid-1"),
+        )
     }
     assert env.state.stats.prepared == 1 and env.state.stats.claim_reads == 1
 
@@ -529,7 +542,7 @@ def test_a_half_done_claim_in_a_batch_is_redone_with_the_others(env: Env) -> Non
     Checkpoint(env.data_dir).store(
         {refs[1].uid: ClaimEntry(ClaimState.PREPARE_STARTED, "default", "x", (stale,))}
     )
-    env.state.cdi.write_claim_spec(refs[1].uid, [])
+    env.state.cdi.write_claim_spec(refs[1].uid, ClaimSpec(()))
     out = env.state.prepare(refs)
     assert all(r.ok for r in out.values())
     assert env.state.stats.rollbacks == 1
@@ -584,11 +597,17 @@ def test_half_done_prepare_is_rolled_back_and_completed(env: Env) -> None:
     Checkpoint(env.data_dir).store(
         {"uid-1": ClaimEntry(ClaimState.PREPARE_STARTED, "default", "claim-uid-1", (stale,))}
     )
-    env.state.cdi.write_claim_spec("uid-1", [])
+    env.state.cdi.write_claim_spec("uid-1", ClaimSpec(()))
     res = env.prepare_one(ref)
     assert res.ok and res.devices[0].device_name == "gpu-0"
     assert env.journal() == {
-        "uid-1": ClaimEntry(ClaimState.PREPARE_COMPLETED, "default", "claim-uid-1", res.devices)
+        "uid-1": ClaimEntry(
+            ClaimState.PREPARE_COMPLETED,
+            "default",
+            "claim-uid-1",
+            res.devices,
+            env.spec_content("uid-1"),
+        )
     }
     assert [d["name"] for d in env.spec("uid-1")["devices"]] == ["uid-1-gpu-0"]
     assert list(env.state.cdi.list_claim_specs()) == ["uid-1"]
@@ -915,8 +934,8 @@ def test_recover_rolls_back_started_entries_and_reports_orphans(env: Env) -> Non
     held = PreparedDevice(NODE, "gpu-1", ("gpu",), ("x",))
     journal["uid-s"] = ClaimEntry(ClaimState.PREPARE_STARTED, "default", "claim-s", (held,))
     cp.store(journal)
-    env.state.cdi.write_claim_spec("uid-s", [])
-    env.state.cdi.write_claim_spec("uid-orphan", [])
+    env.state.cdi.write_claim_spec("uid-s", ClaimSpec(()))
+    env.state.cdi.write_claim_spec("uid-orphan", ClaimSpec(()))
     temp = env.state.cdi.root / ".k8s.gpu.example.com-gpu_uid-z.json.tmp-00ff"
     temp.write_text("{")
 
@@ -954,3 +973,59 @@ def test_verdict_memory_is_bounded(env: Env) -> None:
     assert env.state.remembered_verdict("uid-0") is None  # evicted, oldest first
     assert env.state.remembered_verdict("uid-1") is not None
     assert env.state.remembered_verdict("uid-2") is not None
+
+
+def _wipe_cdi_root(env: Env) -> None:
+    """What a reboot does to /var/run/cdi (a tmpfs): every spec gone, journal kept."""
+    for path in env.cdi_root.iterdir():
+        path.unlink()
+
+
+def test_start_recreates_every_completed_claims_spec_byte_exact(env: Env) -> None:
+    env.state = env.new_state(real_devices=True)
+    refs = [env.claims.add(make_claim(f"uid-{i}", [result(f"gpu-{i}")])) for i in range(2)]
+    assert all(r.ok for r in env.state.prepare(refs).values())
+    before = {uid: p.read_bytes() for uid, p in env.state.cdi.list_claim_specs().items()}
+    _wipe_cdi_root(env)
+
+    restarted = env.new_state(real_devices=True)  # a new process: no memory of the specs
+    env.claims.calls = 0
+    report = restarted.recover()
+
+    assert sorted(report.recreated_specs) == ["uid-0", "uid-1"]
+    assert report.missing_specs == ()
+    after = {uid: p.read_bytes() for uid, p in restarted.cdi.list_claim_specs().items()}
+    assert after == before
+    assert restarted.cdi.common_spec_path.exists()
+    assert env.claims.calls == 0  # no API server needed
+
+
+def test_prepare_of_a_completed_claim_rewrites_its_lost_spec_without_redoing_it(
+    env: Env,
+) -> None:
+    ref = env.claims.add(make_claim("uid-1", [result("gpu-0")]))
+    first = env.prepare_one(ref)
+    before = env.state.cdi.claim_spec_path("uid-1").read_bytes()
+    journal = env.journal()
+    _wipe_cdi_root(env)
+
+    again = env.prepare_one(ref)
+
+    assert again.ok and again.devices == first.devices
+    assert env.state.cdi.claim_spec_path("uid-1").read_bytes() == before
+    assert env.journal() == journal
+    assert env.state.stats.rollbacks == 0 and env.state.stats.prepared == 1
+
+
+def test_entry_without_stored_spec_is_reported_missing_and_redone(env: Env) -> None:
+    ref = env.claims.add(make_claim("uid-1", [result("gpu-0")]))
+    devices = env.prepare_one(ref).devices
+    legacy = ClaimEntry(ClaimState.PREPARE_COMPLETED, "default", "claim-uid-1", devices)
+    Checkpoint(env.data_dir).store({"uid-1": legacy})  # written before specs were stored
+    _wipe_cdi_root(env)
+
+    report = env.new_state().recover()
+    assert report.recreated_specs == () and report.missing_specs == ("uid-1",)
+    res = env.prepare_one(ref)
+    assert res.ok and env.state.cdi.claim_spec_exists("uid-1")
+    assert env.state.stats.rollbacks == 1
