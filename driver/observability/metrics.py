@@ -56,6 +56,17 @@ STATE_FILE_WRITES = Counter(
     "Files written or removed durably (checkpoint, CDI specs, health state).",
     registry=REGISTRY,
 )
+KUBELET_REGISTERED = Gauge(
+    "gpu_dra_kubelet_registered",
+    "1 while the kubelet has confirmed this plugin's registration, else 0.",
+    registry=REGISTRY,
+)
+SOCKET_RECREATIONS = Counter(
+    "gpu_dra_socket_recreations",
+    "Plugin sockets served again after their file vanished, by socket (service, registration).",
+    ["socket"],
+    registry=REGISTRY,
+)
 NVML_CALLS = Gauge(
     "gpu_dra_nvml_calls",
     "NVML functions called since start, by caller (health-monitor, other).",

@@ -10,20 +10,28 @@ from __future__ import annotations
 
 import fcntl
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 
 class InstanceLock:
     def __init__(self, data_dir: Path) -> None:
-        self._fd = os.open(data_dir / "instances.lock", os.O_RDWR | os.O_CREAT, 0o600)
-        fcntl.flock(self._fd, fcntl.LOCK_SH)
+        self._fd = os.open(
+            data_dir / "instances.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600
+        )
+        fcntl.flock(self._fd, fcntl.LOCK_SH)  # waits while a last instance cleans up
 
-    def release(self) -> bool:
-        """Releases the lock; True when no other instance holds it."""
+    def release(self, on_last: Callable[[], None]) -> bool:
+        """Releases the lock; when no other instance holds it, runs `on_last` first,
+        still holding it exclusively, so a successor that starts meanwhile waits for
+        the cleanup instead of having its fresh files removed. True when last."""
         try:
             fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            last = True
         except BlockingIOError:
-            last = False
-        os.close(self._fd)
-        return last
+            os.close(self._fd)
+            return False
+        try:
+            on_last()
+        finally:
+            os.close(self._fd)
+        return True

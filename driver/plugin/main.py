@@ -3,16 +3,11 @@
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import sys
 import threading
 from collections.abc import Sequence
-from concurrent import futures
-from pathlib import Path
 from types import FrameType
-
-import grpc
 
 from driver.devices.model import PoolOptions, build_pool
 from driver.devices.slices import build_slice_specs
@@ -31,6 +26,7 @@ from driver.plugin.flags import PluginOptions, parse_options
 from driver.plugin.health import add_health_services
 from driver.plugin.instances import InstanceLock
 from driver.plugin.registration import DRA_SERVICES, HEALTH_SERVICES, RegistrationServicer
+from driver.plugin.serving import BuiltServer, SocketServer, SocketWatcher, new_server
 from driver.plugin.sockets import socket_paths
 from driver.proto.pluginregistration.v1 import api_pb2_grpc as registration_grpc
 from driver.state.fileio import remove_durably
@@ -39,14 +35,6 @@ from driver.state.prepare import DeviceState, parse_permanent_errors
 log = logging.getLogger("gpu-kubelet-plugin")
 
 SHUTDOWN_GRACE_SECONDS = 5.0
-
-
-def _serve_unix(path: Path, server: grpc.Server) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    server.add_insecure_port(f"unix://{path}")
-    server.start()
-    # The kubelet runs as root; nobody else needs these sockets.
-    os.chmod(path, 0o600)
 
 
 class Plugin:
@@ -122,22 +110,37 @@ class Plugin:
         )
 
         paths = socket_paths(o.driver_name, o.registrar_dir, o.data_dir, o.pod_uid or None)
-        # Each open health stream holds a worker thread for its lifetime.
-        service_server = grpc.server(futures.ThreadPoolExecutor(max_workers=16))
-        add_dra_services(service_server, state)
-        health_services = add_health_services(service_server, store, devices, pool_name=o.node_name)
-        _serve_unix(paths.service, service_server)
+
+        def build_service() -> BuiltServer:
+            # Each open health stream holds a worker thread for its lifetime.
+            server = new_server(max_workers=16)
+            add_dra_services(server, state)
+            health = add_health_services(server, store, devices, pool_name=o.node_name)
+            return BuiltServer(server, before_stop=health.stop)
 
         registration = RegistrationServicer(
             o.driver_name, str(paths.service), DRA_SERVICES + HEALTH_SERVICES
         )
-        registration_server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
-        registration_grpc.add_RegistrationServicer_to_server(registration, registration_server)
-        _serve_unix(paths.registration, registration_server)
+
+        def build_registration() -> BuiltServer:
+            server = new_server(max_workers=2)
+            registration_grpc.add_RegistrationServicer_to_server(registration, server)
+            return BuiltServer(server)
+
+        service_socket = SocketServer("service", paths.service, build_service)
+        registration_socket = SocketServer("registration", paths.registration, build_registration)
+        # The service first: the kubelet dials it as soon as the registration appears.
+        service_socket.start()
+        registration_socket.start()
         log.info("serving %s; registration socket %s", paths.service, paths.registration)
+        metrics.KUBELET_REGISTERED.set_function(lambda: float(registration.registered.is_set()))
+        watcher = SocketWatcher(
+            service_socket, registration_socket, on_reregister=registration.registered.clear
+        )
 
         publisher.start()
         monitor.start()
+        watcher.start()
 
         def healthy() -> tuple[bool, str]:
             registered = "registered" if registration.registered.is_set() else "not registered"
@@ -147,19 +150,22 @@ class Plugin:
 
         self.stopping.wait()
         log.info("shutting down")
+        watcher.stop()
         # Registration socket first: its removal is what deregisters this instance.
-        registration_server.stop(0).wait()
-        health_services.stop()
-        service_server.stop(SHUTDOWN_GRACE_SECONDS).wait()
+        registration_socket.stop(0)
+        service_socket.stop(SHUTDOWN_GRACE_SECONDS)
         monitor.stop()
         publisher.stop()  # slices stay: a restart must not make the scheduler forget them
         if http is not None:
             http.shutdown()
-        if instance.release():
-            # The last instance leaves: an uninstall must not leave CDI files behind.
-            # (Claim specs go with their unprepare; ResourceSlices are removed by the
-            # kubelet once no instance is registered.)
+
+        # The last instance leaves: an uninstall must not leave CDI files behind.
+        # (Claim specs go with their unprepare; ResourceSlices are removed by the
+        # kubelet once no instance is registered.)
+        def remove_common_spec() -> None:
             remove_durably(state.cdi.common_spec_path)
+
+        instance.release(on_last=remove_common_spec)
         return 0
 
 

@@ -1,13 +1,16 @@
 """The failure scenarios on the real node: a KEP-5322 permanent error reported through
-the kubelet, and a critical Xid with NoExecute evicting a running pod."""
+the kubelet, a critical Xid with NoExecute evicting a running pod, and the plugin's
+registration socket deleted under the real kubelet."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
-from tests.e2e.conftest import DEMO, E2E, wait_for
+from tests.e2e.conftest import DEMO, DRIVER, E2E, demo_namespace, wait_for
 
 PERMANENT = DEMO / "scenarios" / "permanent-error.yaml"
 XID = DEMO / "scenarios" / "xid-eviction.yaml"
@@ -105,3 +108,47 @@ def test_xid_noexecute_evicts_and_replaces_on_healthy_gpu(xid: E2E) -> None:
     new_gpu = _gpu_of(e, ns, new["metadata"]["name"])
     assert new_gpu != gpu
     assert not e.devices()[new_gpu].get("taints")
+
+
+REGISTRY = Path("/var/lib/kubelet/plugins_registry")  # the local node's kubelet root
+TEMPLATE = DEMO / "01-resourceclaimtemplate.yaml"
+REREGISTER_BOUND_SECONDS = 10.0  # socket check every 1 s + the kubelet's plugin watcher
+
+
+def _registration_sockets() -> list[Path]:
+    return sorted(p for p in REGISTRY.glob(f"{DRIVER}*-reg.sock") if p.is_socket())
+
+
+def test_deleted_registration_socket_the_real_kubelet_registers_the_plugin_again(
+    e2e: E2E,
+) -> None:
+    e = e2e
+    (socket,) = _registration_sockets()
+    recreated = e.metric("gpu_dra_socket_recreations")
+    assert e.metric("gpu_dra_kubelet_registered") == 1
+
+    socket.unlink()  # what a cleanup script or an operator's rm does
+    deleted = time.monotonic()
+    wait_for(
+        lambda: e.metric("gpu_dra_socket_recreations") > recreated,
+        REREGISTER_BOUND_SECONDS,
+        "the plugin to recreate its registration socket",
+        interval=0.2,
+    )
+    wait_for(
+        lambda: e.metric("gpu_dra_kubelet_registered") == 1,
+        REREGISTER_BOUND_SECONDS,
+        "the kubelet to confirm the new registration",
+        interval=0.2,
+    )
+    elapsed = time.monotonic() - deleted
+    assert elapsed <= REREGISTER_BOUND_SECONDS
+    print(f"registered again {elapsed:.2f}s after the socket was deleted")
+    assert [p.name for p in _registration_sockets()] == [socket.name]
+
+    # Pods with claims start again: the kubelet reaches the plugin through the new socket.
+    e.apply_file(TEMPLATE)
+    try:
+        e.wait_pods_ready(demo_namespace(TEMPLATE), "app=gpu-demo", 2, timeout=180)
+    finally:
+        e.delete_file(TEMPLATE)

@@ -7,6 +7,7 @@ tier exists); claims are allocated by the real scheduler.
 from __future__ import annotations
 
 import signal
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -231,6 +232,45 @@ def test_valid_config_yields_cdi_env_and_calls_are_idempotent(
     assert (
         kubelet.unprepare(DRIVER, [("ns", "never-seen-uid", "ghost")])["never-seen-uid"].error == ""
     )
+
+
+SOCKET_BOUND_SECONDS = 3.0  # the plugin checks its sockets every second
+
+
+@pytest.mark.parametrize("socket", ["registration", "service"])
+def test_deleted_socket_is_recreated_and_the_plugin_serves_again(
+    cluster: Cluster,
+    plugin: PluginProcess,
+    kubelet: KubeletStandin,
+    pool: list[dict[str, Any]],
+    socket: str,
+) -> None:
+    name = f"socket-loss-{socket}"
+    ref = allocated_claim(cluster, name, "gpu-4" if socket == "service" else "gpu-5", pool)
+    path = {
+        "registration": plugin.registry_dir / f"{DRIVER}-reg.sock",
+        "service": plugin.data_dir / "dra.sock",
+    }[socket]
+    labels = {"socket": socket}
+    before = plugin.metric("gpu_dra_socket_recreations_total", labels)
+
+    path.unlink()
+    deleted = time.monotonic()
+    cluster.wait_for(
+        lambda: plugin.metric("gpu_dra_socket_recreations_total", labels) > before,
+        timeout=SOCKET_BOUND_SECONDS,
+        interval=0.05,
+        what=f"{socket} socket recreated within {SOCKET_BOUND_SECONDS}s",
+    )
+    elapsed = time.monotonic() - deleted
+    assert path.is_socket()
+    print(f"{socket} socket back after {elapsed:.2f}s")
+
+    kubelet.wait_for_plugin(DRIVER, timeout=10)
+    result = kubelet.prepare(DRIVER, [ref])[ref[1]]
+    assert result.error == "", result.error
+    assert kubelet.unprepare(DRIVER, [ref])[ref[1]].error == ""
+    plugin.check_alive()
 
 
 def _local_state(plugin: PluginProcess, uid: str) -> tuple[bool, str | None]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import fcntl
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -15,12 +17,12 @@ from driver.plugin.instances import InstanceLock
 lock = InstanceLock(Path(sys.argv[1]))
 print("held", flush=True)
 sys.stdin.readline()
-print("last" if lock.release() else "not-last", flush=True)
+print("last" if lock.release(lambda: None) else "not-last", flush=True)
 """
 
 
 def test_single_instance_is_last(tmp_path: Path) -> None:
-    assert InstanceLock(tmp_path).release() is True
+    assert InstanceLock(tmp_path).release(lambda: None) is True
 
 
 def test_overlapping_instances_only_the_later_leaver_is_last(tmp_path: Path) -> None:
@@ -33,8 +35,29 @@ def test_overlapping_instances_only_the_later_leaver_is_last(tmp_path: Path) -> 
     assert other.stdout is not None and other.stdin is not None
     assert other.stdout.readline().strip() == "held"
     mine = InstanceLock(tmp_path)
-    assert mine.release() is False  # the other instance still runs
+    ran: list[str] = []
+    assert mine.release(lambda: ran.append("cleanup")) is False  # the other still runs
+    assert ran == []
     other.stdin.write("\n")
     other.stdin.flush()
     assert other.stdout.readline().strip() == "last"
     assert other.wait(10) == 0
+
+
+def test_last_instance_cleans_up_while_holding_the_lock(tmp_path: Path) -> None:
+    """A successor starting during the cleanup must wait for it (its InstanceLock
+    blocks), or the leaver would remove the common spec the successor just wrote."""
+    seen: list[bool] = []
+
+    def cleanup() -> None:
+        fd = os.open(tmp_path / "instances.lock", os.O_RDWR)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            seen.append(False)  # a successor could have started
+        except BlockingIOError:
+            seen.append(True)
+        finally:
+            os.close(fd)
+
+    assert InstanceLock(tmp_path).release(cleanup) is True
+    assert seen == [True]
