@@ -8,7 +8,11 @@
 #   hack/local-cluster.sh up --with-node   also the real node (same as GPU_DRA_WITH_NODE=1;
 #                                  `build` with GPU_DRA_WITH_NODE=1 builds its binaries)
 #   hack/local-cluster.sh down     stop only the processes this script started, remove
-#                                  the run dir (GPU_DRA_KEEP_RUN_DIR=1 keeps it)
+#                                  the run dir (GPU_DRA_KEEP_RUN_DIR=1 keeps it); exit 1
+#                                  when the node's host state was left alone (foreign)
+#   hack/local-cluster.sh node-preflight   check the host for kubelet/containerd state
+#                                  that these scripts did not create (what `up
+#                                  --with-node` refuses on); changes nothing
 #   hack/local-cluster.sh status   show what runs and where (exit 1 if not all healthy)
 #   hack/local-cluster.sh env      print shell exports (KUBECONFIG, PATH) for the cluster
 #   hack/local-cluster.sh bin-dir  print the directory of the cached binaries
@@ -25,6 +29,11 @@
 #                            down_node, status_node)
 #   GPU_DRA_EXTRA_FEATURE_GATES, GPU_DRA_RUNTIME_CONFIG, GPU_DRA_KCM_CONTROLLERS,
 #   GPU_DRA_UP_TIMEOUT [180]
+#   node host paths and ports [real ones]: GPU_DRA_KUBELET_ROOT [/var/lib/kubelet],
+#   GPU_DRA_KUBELET_PORT [10250], GPU_DRA_KUBELET_HEALTHZ_PORT [10248]; only inspected,
+#   for tests: GPU_DRA_NODE_MARKER [/run/gpu-dra-local-node], GPU_DRA_NETNS_DIR
+#   [/var/run/netns], GPU_DRA_HOST_CONTAINERD_DIR [/run/containerd],
+#   GPU_DRA_CNI_STATE_DIR [/var/lib/cni/networks], GPU_DRA_KUBELET_PROCESS_NAME [kubelet]
 # docs/local-cluster.md has timings and troubleshooting.
 set -euo pipefail
 
@@ -82,6 +91,9 @@ cmd_down() {
   elif [[ -e $RUN_DIR ]]; then
     progress "left $RUN_DIR alone: it has no $(basename "$RUN_MARKER") marker"
   fi
+  if [[ ${NODE_DOWN_INCOMPLETE:-0} == 1 ]]; then
+    die "down left the node's host state alone: foreign node state (listed above)"
+  fi
 }
 
 cmd_status() {
@@ -110,6 +122,11 @@ cmd_main() {
       cmd_up
       ;;
     down) cmd_down ;;
+    node-preflight)
+      declare -F node_host_guard >/dev/null || die "hack/lib/node.sh is missing"
+      if ! node_host_guard "set up the node"; then exit 1; fi
+      progress "no foreign node state: $(node_marker_state)"
+      ;;
     status) cmd_status ;;
     env) cmd_env ;;
     bin-dir) printf '%s\n' "$BIN_DIR" ;;
@@ -118,7 +135,7 @@ cmd_main() {
       driver_image_tag
       printf '\n'
       ;;
-    *) die "usage: $0 build|up [--with-node]|down|status|env|bin-dir|driver-image-tag" ;;
+    *) die "usage: $0 build|up [--with-node]|down|status|env|bin-dir|driver-image-tag|node-preflight" ;;
   esac
 }
 
