@@ -18,7 +18,13 @@ from typing import Any
 
 import yaml
 
-from driver.devices.model import DEFAULT_DRIVER_NAME, PoolOptions, build_pool
+from driver.devices.model import (
+    DEFAULT_DRIVER_NAME,
+    MigStrategy,
+    PoolError,
+    PoolOptions,
+    build_pool,
+)
 from driver.devices.slices import build_slice_documents, validate_slice_specs
 from driver.devices.table import format_table
 from driver.nvml.backend import NvmlUnavailableError, select_backend
@@ -59,7 +65,13 @@ def add_parser(subcommands: Any) -> None:
         metavar="N",
         help="publish N equal partitions per GPU like the Go reference, instead of MIG",
     )
-    parser.add_argument("--no-mig", action="store_true", help="do not publish MIG partitions")
+    parser.add_argument(
+        "--mig-strategy",
+        choices=[m.value for m in MigStrategy],
+        default=MigStrategy.AUTO.value,
+        help="GPUs in MIG mode: auto (static where MIG devices exist, else dynamic), "
+        "dynamic or static (default: %(default)s)",
+    )
     parser.add_argument(
         "--partitions", action="store_true", help="table output: also list partitions"
     )
@@ -85,12 +97,18 @@ def run(args: argparse.Namespace) -> int:
     except Exception as err:
         print(f"gpu-dra inventory: NVML discovery failed: {err}", file=sys.stderr)
         return 1
-    pool = build_pool(
-        inventory,
-        PoolOptions(
-            driver_name=args.driver_name, gpu_partitions=args.gpu_partitions, mig=not args.no_mig
-        ),
+    options = PoolOptions(
+        driver_name=args.driver_name,
+        gpu_partitions=args.gpu_partitions,
+        mig_strategy=MigStrategy(args.mig_strategy),
     )
+    try:
+        pool = build_pool(inventory, options)
+    except PoolError as err:
+        print(f"gpu-dra inventory: {err}", file=sys.stderr)
+        return 1
+    for note in pool.notes:
+        print(f"gpu-dra inventory: {note}", file=sys.stderr)
     docs = build_slice_documents(
         pool, driver=args.driver_name, node_name=args.node_name, node_uid=args.node_uid
     )

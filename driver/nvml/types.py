@@ -24,6 +24,20 @@ class PartitionProfile:
 
 
 @dataclass(frozen=True)
+class MigInstance:
+    """A live GPU instance at a placement and its compute instance (the MIG device).
+    A GPU instance without a compute instance (left by a crash or an administrator)
+    has no MIG device: `ci_id` and `uuid` are None."""
+
+    gpu_uuid: str  # the parent GPU
+    gi_id: int
+    profile_id: int  # the GPU-instance profile id (nvmlGpuInstanceInfo.profileId)
+    placement: tuple[int, int]  # (start, size) in memory slices
+    ci_id: int | None = None
+    uuid: str | None = None  # "MIG-..." as NVML reports it; what NVIDIA_VISIBLE_DEVICES takes
+
+
+@dataclass(frozen=True)
 class GpuInfo:
     """One physical GPU. Optional fields are None where NVML answered NOT_SUPPORTED."""
 
@@ -41,6 +55,9 @@ class GpuInfo:
     memory_slices: int = 0  # largest placement end over all profiles; 0 without MIG
     multiprocessors: int | None = None
     partition_profiles: tuple[PartitionProfile, ...] = ()
+    # MIG devices that exist at discovery (created by an administrator, or by this
+    # driver for a prepared claim), GPU instances without a compute instance included.
+    mig_instances: tuple[MigInstance, ...] = ()
     # Overrides for the `example` profile, which reproduces the Go reference exactly.
     model: str | None = None  # published `model`; defaults to product_name
     compute: int | None = None  # published `compute` capacity (reference: 100)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Iterable
 from fractions import Fraction
@@ -9,11 +10,12 @@ from typing import Any
 
 import pytest
 
+from driver.devices import documents
 from driver.devices import model as dm
 from driver.nvml.backend import NvmlBackend
 from driver.nvml.fleet import default_fleet, example_fleet, parse_fleet
 from driver.nvml.mock import MockNvml
-from driver.nvml.types import GpuInfo, Inventory
+from driver.nvml.types import GpuInfo, Inventory, MigInstance
 
 UNITS = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
 
@@ -46,16 +48,16 @@ def fits(pool: dm.PoolDevices, names: Iterable[str]) -> bool:
 
 
 def test_quantities() -> None:
-    assert dm.binary_quantity(80 * 2**30) == "80Gi"
-    assert dm.binary_quantity(20 * 2**30) == "20Gi"
-    assert dm.binary_quantity(28633115306) == "28633115306"
-    assert dm.binary_quantity(9984 * 2**20) == "9984Mi"
-    assert dm.binary_quantity(1536) == "1536"
-    assert dm.binary_quantity(1024) == "1Ki"
-    assert dm.binary_quantity(0) == "0"
+    assert documents.binary_quantity(80 * 2**30) == "80Gi"
+    assert documents.binary_quantity(20 * 2**30) == "20Gi"
+    assert documents.binary_quantity(28633115306) == "28633115306"
+    assert documents.binary_quantity(9984 * 2**20) == "9984Mi"
+    assert documents.binary_quantity(1536) == "1536"
+    assert documents.binary_quantity(1024) == "1Ki"
+    assert documents.binary_quantity(0) == "0"
     with pytest.raises(ValueError):
-        dm.binary_quantity(-1)
-    assert dm.decimal_quantity(25) == "25"
+        documents.binary_quantity(-1)
+    assert documents.decimal_quantity(25) == "25"
 
 
 @pytest.mark.parametrize(
@@ -73,14 +75,14 @@ def test_quantities() -> None:
     ],
 )
 def test_normalize_version(raw: str | None, semver: str | None) -> None:
-    assert dm.normalize_version(raw) == semver
+    assert documents.normalize_version(raw) == semver
 
 
 def test_profile_label() -> None:
-    assert dm.profile_label("1g.10gb") == "1g10gb"
-    assert dm.profile_label("1g.10gb+me") == "1g10gb-me"
-    assert dm.profile_label("1c.2g.10gb") == "1c2g10gb"
-    assert dm.profile_label("+++") == "profile"
+    assert documents.profile_label("1g.10gb") == "1g10gb"
+    assert documents.profile_label("1g.10gb+me") == "1g10gb-me"
+    assert documents.profile_label("1c.2g.10gb") == "1c2g10gb"
+    assert documents.profile_label("+++") == "profile"
 
 
 def test_pool_options_validation() -> None:
@@ -229,8 +231,6 @@ def test_mig_disabled_or_off_publishes_whole_gpus_only() -> None:
     assert [d.name for d in pool.devices] == ["gpu-0", "gpu-1"]
     assert pool.counter_sets == ()
     assert pool.devices[0].document["attributes"]["migCapable"] == {"bool": True}
-    pool = dm.build_pool(inventory(), dm.PoolOptions(mig=False))
-    assert len(pool.devices) == 8 and pool.counter_sets == ()
 
 
 REFERENCE_UUIDS = [
@@ -312,3 +312,84 @@ def test_lookup_errors() -> None:
 def test_empty_inventory() -> None:
     pool = dm.build_pool(Inventory(backend="nvml", driver_version="1", cuda_driver_version=None))
     assert pool.devices == () and pool.counter_sets == ()
+
+
+# -- MIG strategies ------------------------------------------------------------------
+
+
+def _with_instances(inv: Inventory, by_minor: dict[int, tuple[MigInstance, ...]]) -> Inventory:
+    gpus = tuple(dataclasses.replace(g, mig_instances=by_minor.get(g.minor, ())) for g in inv.gpus)
+    return dataclasses.replace(inv, gpus=gpus)
+
+
+def _instance(inv: Inventory, minor: int, profile: str, start: int, gi: int) -> MigInstance:
+    gpu = inv.gpus[minor]
+    p = next(p for p in gpu.partition_profiles if p.name == profile)
+    size = next(sz for st, sz in p.placements if st == start)
+    return MigInstance(gpu.uuid, gi, p.profile_id, (start, size), ci_id=0, uuid=f"MIG-{gi:08x}")
+
+
+TWO_H100 = {"gpus": [{"model": "H100-80GB", "count": 2}]}
+
+
+def test_dynamic_whole_gpu_is_backed_by_the_full_size_profile() -> None:
+    pool = dm.build_pool(inventory(TWO_H100))
+    whole = pool.device("gpu-0")
+    assert whole.mig is not None and whole.mig.placement == (0, 8)
+    full = next(p for p in inventory(TWO_H100).gpus[0].partition_profiles if p.name == "7g.80gb")
+    assert (whole.mig.profile_id, whole.mig.slice_count) == (full.profile_id, 7)
+    part = pool.device("gpu-0-mig-1g10gb-3")
+    assert part.mig is not None and part.mig.existing is None
+    assert part.mig.placement == (3, 1) and part.mig.slice_count == 1
+    assert pool.mig_modes == dict.fromkeys((g.uuid for g in inventory(TWO_H100).gpus), "dynamic")
+
+
+def test_auto_publishes_exactly_the_foreign_instances_of_a_gpu() -> None:
+    inv = inventory(TWO_H100)
+    small = _instance(inv, 0, "1g.10gb", 0, gi=9)
+    big = _instance(inv, 0, "3g.40gb", 4, gi=2)
+    pool = dm.build_pool(_with_instances(inv, {0: (small, big)}))
+
+    gpu0 = [d.name for d in pool.devices_of_gpu(inv.gpus[0].uuid)]
+    assert gpu0 == ["gpu-0-mig-1g10gb-0", "gpu-0-mig-3g40gb-4"]  # no whole GPU, no overlap
+    static = pool.device("gpu-0-mig-3g40gb-4")
+    assert static.document["attributes"]["uuid"] == {"string": big.uuid}
+    assert static.mig is not None and static.mig.existing == big
+    assert pool.mig_modes[inv.gpus[0].uuid] == "static"
+    assert pool.mig_modes[inv.gpus[1].uuid] == "dynamic"
+    assert (
+        "gpu-1" in [d.name for d in pool.devices]
+        and len(pool.devices_of_gpu(inv.gpus[1].uuid)) > 20
+    )
+
+
+def test_instances_the_driver_created_keep_the_gpu_dynamic() -> None:
+    inv = inventory(TWO_H100)
+    mine = _instance(inv, 0, "1g.10gb", 2, gi=11)
+    pool = dm.build_pool(_with_instances(inv, {0: (mine,)}), owned_mig={(mine.gpu_uuid, 11)})
+    assert pool.mig_modes[inv.gpus[0].uuid] == "dynamic"
+    assert "gpu-0" in [d.name for d in pool.devices]
+
+
+def test_dynamic_strategy_refuses_foreign_instances_naming_them() -> None:
+    inv = inventory(TWO_H100)
+    foreign = _instance(inv, 1, "2g.20gb", 2, gi=4)
+    options = dm.PoolOptions(mig_strategy=dm.MigStrategy.DYNAMIC)
+    with pytest.raises(dm.PoolError, match=r"GPU 1 .*GPU instance 4 .*--mig-strategy=auto"):
+        dm.build_pool(_with_instances(inv, {1: (foreign,)}), options)
+
+
+def test_static_strategy_without_usable_instances_publishes_nothing_and_says_why() -> None:
+    inv = inventory(TWO_H100)
+    half = dataclasses.replace(_instance(inv, 0, "1g.10gb", 0, gi=9), ci_id=None, uuid=None)
+    options = dm.PoolOptions(mig_strategy=dm.MigStrategy.STATIC)
+    pool = dm.build_pool(_with_instances(inv, {0: (half,)}), options)
+    assert pool.devices == ()
+    assert any("GPU instance 9" in n and "no compute instance" in n for n in pool.notes)
+    assert any("GPU 1" in n and "nothing of it is published" in n for n in pool.notes)
+
+
+def test_reference_partitions_on_a_real_mig_gpu_fail_at_start() -> None:
+    inv = dataclasses.replace(inventory(TWO_H100), backend="nvml")
+    with pytest.raises(dm.PoolError, match=r"--gpu-partitions=2: GPU 0 .* MIG mode"):
+        dm.build_pool(inv, dm.PoolOptions(gpu_partitions=2))

@@ -86,10 +86,12 @@ def test_table(capsys: pytest.CaptureFixture[str]) -> None:
     assert "gpu-0-mig-1g10gb-me-3" in out and "1g.10gb+me @3+1" in out
 
 
-def test_no_mig(capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, _ = run(capsys, "--mock", "--node-name", "n1", "--no-mig")
+def test_static_strategy_without_instances(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(capsys, "--mock", "--node-name", "n1", "--mig-strategy", "static")
     docs = list(yaml.load_all(out, Loader=LOADER))
-    assert code == 0 and len(docs) == 1 and len(docs[0]["spec"]["devices"]) == 8
+    assert code == 0
+    assert [d for doc in docs for d in doc["spec"].get("devices", [])] == []
+    assert err.count("nothing of it is published") == 8
 
 
 def test_fleet_file_and_errors(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:

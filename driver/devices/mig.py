@@ -1,0 +1,181 @@
+"""The devices of one GPU in MIG mode (pure): dynamic or static (docs/mig.md).
+
+Per GPU one counter set `gpu-<minor>-counter-set` (memory, multiprocessors, engine
+counters and one `memory-slice-<i>` counter per memory slice). Every partition is a
+device `gpu-<minor>-mig-<profile label>-<placement start>` consuming its profile's
+share and its memory slices, so the scheduler never hands out overlapping
+partitions, or a GPU together with one of its partitions.
+
+- dynamic: every (profile, placement) NVML reports, and the whole GPU `gpu-<minor>`
+  consuming all counters. CUDA cannot use a GPU in MIG mode without a MIG device, so
+  the whole GPU is delivered as a MIG device of the full-size profile (the one whose
+  placement spans every memory slice); a GPU without such a profile publishes no
+  whole-GPU device.
+- static: exactly the MIG devices that exist, under the same names, with attribute
+  `uuid` = the MIG device's UUID; no whole GPU (it is split already).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from driver.devices.documents import (
+    MIG_DIMENSIONS,
+    counter_quantity,
+    counters,
+    decimal_quantity,
+    device_doc,
+    int_attr,
+    profile_label,
+    quantity,
+    string_attr,
+)
+from driver.devices.types import MigBacking, PublishedDevice
+from driver.nvml.types import GpuInfo, MigInstance, PartitionProfile
+
+PARENT_ATTRIBUTES = (
+    "model",
+    "driverVersion",
+    "productName",
+    "brand",
+    "architecture",
+    "cudaComputeCapability",
+    "cudaDriverVersion",
+    "resource.kubernetes.io/pciBusID",
+)
+
+
+def counter_set_name(gpu: GpuInfo) -> str:
+    return f"gpu-{gpu.minor}-counter-set"
+
+
+def partition_name(gpu: GpuInfo, profile: PartitionProfile, start: int) -> str:
+    return f"gpu-{gpu.minor}-mig-{profile_label(profile.name)}-{start}"
+
+
+def _counter_values(gpu: GpuInfo) -> dict[str, int]:
+    """Counter capacities of a GPU's set: per-dimension max over profiles + memory slices."""
+    values: dict[str, int] = {}
+    for _, counter, attr in MIG_DIMENSIONS:
+        values[counter] = max(getattr(p, attr) for p in gpu.partition_profiles)
+    for i in range(gpu.memory_slices):
+        values[f"memory-slice-{i}"] = 1
+    return values
+
+
+def counter_set(gpu: GpuInfo) -> dict[str, Any]:
+    return {
+        "name": counter_set_name(gpu),
+        "counters": counters(_counter_values(gpu), skip_zero=False),
+    }
+
+
+def full_size_profile(gpu: GpuInfo) -> PartitionProfile | None:
+    """The profile whose placement spans every memory slice (7g.80gb on an H100)."""
+    spanning = [p for p in gpu.partition_profiles if (0, gpu.memory_slices) in p.placements]
+    return max(spanning, key=lambda p: (p.slice_count, p.memory_bytes), default=None)
+
+
+def whole_gpu(
+    gpu: GpuInfo, gpu_attrs: dict[str, Any], capacity: dict[str, Any], max_partitions: int | None
+) -> PublishedDevice | None:
+    """The whole GPU of a dynamic MIG GPU, backed by a full-size MIG device."""
+    full = full_size_profile(gpu)
+    if full is None:
+        return None
+    values = _counter_values(gpu)
+    capacity = dict(capacity)
+    for cap, counter, _ in MIG_DIMENSIONS[1:]:
+        capacity[cap] = quantity(decimal_quantity(values[counter]))
+    doc = device_doc(f"gpu-{gpu.minor}", gpu_attrs, capacity)
+    doc["consumesCounters"] = [
+        {"counterSet": counter_set_name(gpu), "counters": counters(values, skip_zero=True)}
+    ]
+    return PublishedDevice(
+        name=doc["name"],
+        document=doc,
+        gpu_uuid=gpu.uuid,
+        gpu_minor=gpu.minor,
+        is_partition=False,
+        max_partitions=max_partitions,
+        mig=MigBacking(full.profile_id, full.slice_count, (0, gpu.memory_slices)),
+    )
+
+
+def _partition(
+    gpu: GpuInfo,
+    parent_attrs: dict[str, Any],
+    profile: PartitionProfile,
+    placement: tuple[int, int],
+    existing: MigInstance | None,
+) -> PublishedDevice:
+    start, size = placement
+    name = partition_name(gpu, profile, start)
+    attrs = {
+        "profile": string_attr(profile.name),
+        "parentUUID": string_attr(gpu.uuid),
+        "parentIndex": int_attr(gpu.index),
+        "placementStart": int_attr(start),
+        "placementSize": int_attr(size),
+        **parent_attrs,
+    }
+    if existing is not None and existing.uuid is not None:
+        attrs["uuid"] = string_attr(existing.uuid)
+    values = {counter: getattr(profile, attr) for _, counter, attr in MIG_DIMENSIONS}
+    capacity = {
+        c: quantity(counter_quantity(counter, values[counter])) for c, counter, _ in MIG_DIMENSIONS
+    }
+    for i in range(start, start + size):
+        values[f"memory-slice-{i}"] = 1
+    doc = device_doc(name, attrs, capacity)
+    doc["consumesCounters"] = [
+        {"counterSet": counter_set_name(gpu), "counters": counters(values, skip_zero=True)}
+    ]
+    return PublishedDevice(
+        name=name,
+        document=doc,
+        gpu_uuid=gpu.uuid,
+        gpu_minor=gpu.minor,
+        is_partition=True,
+        max_partitions=None,
+        profile=profile.name,
+        placement=placement,
+        mig=MigBacking(profile.profile_id, profile.slice_count, placement, existing),
+    )
+
+
+def _order(item: tuple[PartitionProfile, tuple[int, int]]) -> tuple[int, int, str, int]:
+    p, (start, size) = item
+    return (size, p.memory_bytes, p.name, start)
+
+
+def _parent_attributes(gpu_attrs: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in gpu_attrs.items() if k in PARENT_ATTRIBUTES}
+
+
+def dynamic_partitions(gpu: GpuInfo, gpu_attrs: dict[str, Any]) -> list[PublishedDevice]:
+    """Every (profile, placement) of the GPU, smallest first."""
+    parent = _parent_attributes(gpu_attrs)
+    items = [(p, pl) for p in gpu.partition_profiles for pl in p.placements]
+    return [_partition(gpu, parent, p, pl, None) for p, pl in sorted(items, key=_order)]
+
+
+def static_partitions(
+    gpu: GpuInfo, gpu_attrs: dict[str, Any]
+) -> tuple[list[PublishedDevice], list[str]]:
+    """The GPU's existing MIG devices, and why any existing instance is not published
+    (no compute instance, or a profile NVML did not report)."""
+    parent = _parent_attributes(gpu_attrs)
+    profiles = {p.profile_id: p for p in gpu.partition_profiles}
+    devices: list[tuple[PartitionProfile, tuple[int, int], MigInstance]] = []
+    skipped: list[str] = []
+    for instance in gpu.mig_instances:
+        profile = profiles.get(instance.profile_id)
+        if profile is None:
+            skipped.append(f"GPU instance {instance.gi_id}: unknown profile {instance.profile_id}")
+        elif instance.uuid is None:
+            skipped.append(f"GPU instance {instance.gi_id} ({profile.name}): no compute instance")
+        else:
+            devices.append((profile, instance.placement, instance))
+    devices.sort(key=lambda d: _order((d[0], d[1])))
+    return [_partition(gpu, parent, p, pl, inst) for p, pl, inst in devices], skipped
