@@ -6,8 +6,17 @@ A fleet file (YAML) names models and counts:
     - model: H100-80GB
       count: 8
       migMode: enabled        # enabled | disabled; default: enabled when MIG-capable
+      migInstances:           # optional: MIG devices an administrator pre-created
+      - {profile: 1g.10gb, start: 0}
+      - {profile: 3g.40gb, start: 4}
     driverVersion: "580.95.05"
     cudaDriverVersion: "13.0"
+
+`migInstances` lists, for every GPU of the group, the GPU instances that exist from
+boot (as mig-parted creates them), each with one compute instance covering it. A
+`profile` is a MIG profile name of the model (`nvidia-smi mig -lgip`), `start` one of
+its possible placements (`nvidia-smi mig -lgipp`, in memory slices); MIG mode must be
+enabled and no two instances may overlap or exceed the profile's instance count.
 
 Decoding is strict: unknown fields, wrong types and unknown models are errors that
 name the field path. Model profiles (what NVML reports for one GPU of a kind, with its
@@ -19,6 +28,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import uuid as uuidlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -79,6 +89,48 @@ class MigProfileSpec(_Strict):
 class MigSpec(_Strict):
     profiles: tuple[MigProfileSpec, ...] = Field(min_length=1)
 
+    @property
+    def compute_slices(self) -> int:
+        """Compute slices of the whole GPU (7 on A100/H100): the largest profile's."""
+        return max(p.sliceCount for p in self.profiles)
+
+    def by_name(self, name: str) -> MigProfileSpec | None:
+        return next((p for p in self.profiles if p.name == name), None)
+
+    def by_id(self, profile_id: int) -> MigProfileSpec | None:
+        return next((p for p in self.profiles if p.id == profile_id), None)
+
+
+@dataclass(frozen=True)
+class MigPlacement:
+    """A GPU instance of `profile` at memory slices [start, start + size)."""
+
+    profile: MigProfileSpec
+    start: int
+    size: int
+
+    def overlaps(self, other: MigPlacement) -> bool:
+        return self.start < other.start + other.size and other.start < self.start + self.size
+
+
+def mig_conflict(mig: MigSpec, placed: Sequence[MigPlacement], new: MigPlacement) -> str | None:
+    """Why `new` cannot be created next to `placed` on one GPU (None: it can).
+
+    `new.start`/`new.size` must already be one of the profile's possible placements.
+    NVML refuses an occupied or overlapping placement, a profile past its instance
+    count, and compute slices past the GPU's (INSUFFICIENT_RESOURCES).
+    """
+    for other in placed:
+        if new.overlaps(other):
+            return (
+                f"{new.profile.name} at {new.start} overlaps {other.profile.name} at {other.start}"
+            )
+    if sum(1 for p in placed if p.profile.id == new.profile.id) >= new.profile.instanceCount:
+        return f"{new.profile.name}: at most {new.profile.instanceCount} instance(s) per GPU"
+    if sum(p.profile.sliceCount for p in placed) + new.profile.sliceCount > mig.compute_slices:
+        return f"{new.profile.name}: no {new.profile.sliceCount} free compute slice(s)"
+    return None
+
 
 class ModelProfile(_Strict):
     productName: StrictStr
@@ -99,10 +151,16 @@ class _ModelTable(_Strict):
     models: dict[StrictStr, ModelProfile]
 
 
+class MigInstanceSpec(_Strict):
+    profile: StrictStr
+    start: StrictInt = Field(ge=0)
+
+
 class FleetGpus(_Strict):
     model: StrictStr
     count: StrictInt = Field(default=1, ge=1, le=MAX_GPUS)
     migMode: Literal["enabled", "disabled"] | None = None
+    migInstances: tuple[MigInstanceSpec, ...] = ()
 
 
 class Fleet(_Strict):
@@ -123,6 +181,7 @@ class Fleet(_Strict):
                 raise ValueError(f"gpus[{i}].model: unknown model {group.model!r} (known: {known})")
             if group.migMode == "enabled" and not profile.mig_capable:
                 raise ValueError(f"gpus[{i}].migMode: model {group.model} is not MIG-capable")
+            static_mig_placements(group, profile, f"gpus[{i}]")
             total += group.count
         if total > MAX_GPUS:
             raise ValueError(f"gpus: {total} GPUs exceed the maximum of {MAX_GPUS}")
@@ -139,6 +198,37 @@ class Fleet(_Strict):
     @property
     def resolved_cuda_driver_version(self) -> str:
         return self.cudaDriverVersion or DEFAULT_CUDA_DRIVER_VERSION
+
+
+def static_mig_placements(group: FleetGpus, model: ModelProfile, path: str) -> list[MigPlacement]:
+    """The group's `migInstances` as placements; ValueError naming the field path."""
+    if not group.migInstances:
+        return []
+    if model.mig is None or group.migMode == "disabled":
+        raise ValueError(f"{path}.migInstances: MIG mode must be enabled on model {group.model}")
+    placed: list[MigPlacement] = []
+    for j, spec in enumerate(group.migInstances):
+        where = f"{path}.migInstances[{j}]"
+        profile = model.mig.by_name(spec.profile)
+        if profile is None:
+            known = ", ".join(p.name for p in model.mig.profiles)
+            raise ValueError(
+                f"{where}.profile: unknown MIG profile {spec.profile!r} for model "
+                f"{group.model} (known: {known})"
+            )
+        sizes = {start: size for start, size in profile.placements}
+        if spec.start not in sizes:
+            starts = ", ".join(str(s) for s in sizes)
+            raise ValueError(
+                f"{where}.start: {spec.start} is not a possible placement of {profile.name} "
+                f"(possible starts: {starts})"
+            )
+        new = MigPlacement(profile, spec.start, sizes[spec.start])
+        conflict = mig_conflict(model.mig, placed, new)
+        if conflict is not None:
+            raise ValueError(f"{where}: {conflict}")
+        placed.append(new)
+    return placed
 
 
 # --------------------------------------------------------------------------- loading
@@ -230,6 +320,7 @@ class MockGpu:
     mig_enabled: bool
     pci_domain: int
     pci_bus: int
+    static_mig: tuple[MigPlacement, ...] = ()  # the group's `migInstances`
 
     @property
     def pci_bus_id(self) -> str:
@@ -256,6 +347,7 @@ def expand_fleet(fleet: Fleet, node_name: str) -> list[MockGpu]:
     for group in fleet.gpus:
         profile = table[group.model]
         mig_enabled = profile.mig_capable and group.migMode != "disabled"
+        static_mig = tuple(static_mig_placements(group, profile, "gpus"))
         for _ in range(group.count):
             index = len(gpus)
             uuid = (
@@ -271,6 +363,7 @@ def expand_fleet(fleet: Fleet, node_name: str) -> list[MockGpu]:
                     mig_enabled=mig_enabled,
                     pci_domain=index // len(_PCI_BUSES),
                     pci_bus=_PCI_BUSES[index % len(_PCI_BUSES)],
+                    static_mig=static_mig,
                 )
             )
     return gpus

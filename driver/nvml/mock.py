@@ -14,20 +14,29 @@ Extras for tests and demos (not part of pynvml):
   injection, which the next wait reports as a `GpuRecoveryAction` event with
   action NONE.
 - `mock_gpu(uuid)`: the fleet entry behind a GPU.
+- MIG instances (`driver/nvml/mock_mig.py`): GPU and compute instances and MIG device
+  handles, kept in memory or, given `driver_root`, in a state file under it shared by
+  every process on that root; `mock_reboot()` drops the dynamic ones.
 """
 
 from __future__ import annotations
 
 import collections
 import ctypes
-import functools
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar, cast
+from pathlib import Path
+from typing import Any
 
+from driver.nvml import mock_mig
 from driver.nvml.fleet import Fleet, MigProfileSpec, MockGpu, expand_fleet
+from driver.nvml.mock_mig import MigFunctions, get_out_uint, nvml_call, set_out_uint
+from driver.nvml.mock_mig_state import (
+    MockMigDeviceHandle,
+    c_nvmlComputeInstance_t,
+    c_nvmlGpuInstance_t,
+)
 from driver.nvml.types import HealthEvent
 
 # --------------------------------------------------------------------------- constants
@@ -123,6 +132,11 @@ nvmlEventTypeNone = 0x0
 NVML_GPU_RECOVERY_ACTION_NONE = 0
 NVML_GPU_RECOVERY_ACTION_GPU_RESET = 1
 
+# NVML_COMPUTE_INSTANCE_* and nvmlComputeInstanceProfileInfo_v2 live with the MIG model.
+globals().update(
+    {k: v for k, v in vars(mock_mig).items() if k.startswith(("NVML_COMPUTE", "nvmlC"))}
+)
+
 _NO_INSTANCE = 0xFFFFFFFF  # gpuInstanceId/computeInstanceId outside MIG
 
 _ERROR_NAMES = {
@@ -139,6 +153,8 @@ _ERROR_TEXT = {
     NVML_ERROR_TIMEOUT: "Timeout",
     NVML_ERROR_FUNCTION_NOT_FOUND: "Function Not Found",
     NVML_ERROR_GPU_IS_LOST: "GPU is lost",
+    NVML_ERROR_IN_USE: "In use by another client",
+    NVML_ERROR_INSUFFICIENT_RESOURCES: "Ran out of critical resources, other than memory",
     NVML_ERROR_UNKNOWN: "Unknown Error",
 }
 
@@ -307,21 +323,7 @@ _SUPPORTED_EVENTS = (
     | nvmlEventTypeGpuRecoveryAction
 )
 
-_F = TypeVar("_F", bound=Callable[..., Any])
-
-
-def _nvml_call(fn: _F) -> _F:
-    """Count the call; require nvmlInit (except for init itself)."""
-
-    @functools.wraps(fn)
-    def wrapper(self: MockNvml, *args: Any, **kwargs: Any) -> Any:
-        with self._lock:
-            self.calls[fn.__name__] += 1
-            if fn.__name__ not in ("nvmlInit", "nvmlInitWithFlags") and self._init_count == 0:
-                raise NVMLError(NVML_ERROR_UNINITIALIZED)
-        return fn(self, *args, **kwargs)
-
-    return cast(_F, wrapper)
+_nvml_call = nvml_call  # count the call; require nvmlInit; MigError -> NVMLError
 
 
 def _slot_value(slot: str) -> int:
@@ -331,28 +333,19 @@ def _slot_value(slot: str) -> int:
     return value
 
 
-def _set_out_uint(ref: Any, value: int) -> None:
-    """Write through `byref(c_uint)` or `pointer(c_uint)`, as NVML writes its out-args."""
-    target = getattr(ref, "_obj", None)  # ctypes.byref(...) argument
-    if target is None:
-        target = ref.contents  # ctypes.pointer(...)
-    target.value = value
+class MockNvml(MigFunctions):
+    """A pynvml-compatible module object for one mock node.
 
-
-def _get_out_uint(ref: Any) -> int:
-    target = getattr(ref, "_obj", None)
-    if target is None:
-        target = ref.contents
-    return int(target.value)
-
-
-class MockNvml:
-    """A pynvml-compatible module object for one mock node."""
+    `driver_root`: keep MIG instances in a state file under it (shared by every
+    process on that root) and write the driver's MIG capability files there.
+    """
 
     NVMLError = NVMLError
     c_nvmlGpuInstancePlacement_t = c_nvmlGpuInstancePlacement_t
+    c_nvmlGpuInstance_t = c_nvmlGpuInstance_t
+    c_nvmlComputeInstance_t = c_nvmlComputeInstance_t
 
-    def __init__(self, fleet: Fleet, node_name: str) -> None:
+    def __init__(self, fleet: Fleet, node_name: str, driver_root: Path | None = None) -> None:
         self.fleet = fleet
         self.node_name = node_name
         self.gpus: list[MockGpu] = expand_fleet(fleet, node_name)
@@ -364,6 +357,7 @@ class MockNvml:
         self._lost: set[int] = set()
         self._pending: list[_Pending] = []
         self.calls: collections.Counter[str] = collections.Counter()
+        self._init_mig(None if driver_root is None else Path(driver_root))
 
     def __getattr__(self, name: str) -> Any:
         # Constants and error classes, like `pynvml.NVML_ERROR_NOT_SUPPORTED`.
@@ -430,6 +424,20 @@ class MockNvml:
                 raise NVMLError(NVML_ERROR_GPU_IS_LOST)
         return self.gpus[handle.index]
 
+    def _target(self, handle: Any) -> tuple[MockGpu, mock_mig.MigDevice | None]:
+        """The GPU behind a device handle or a MIG device handle, and the MIG device."""
+        if self._is_mig_handle(handle):
+            mig = self._mig_device(handle)
+            return mig.gpu, mig
+        return self._gpu(handle), None
+
+    def _not_mig(self, handle: Any) -> MockGpu:
+        """The GPU of a device handle; NOT_SUPPORTED for a (valid) MIG device handle."""
+        if self._is_mig_handle(handle):
+            self._mig_device(handle)
+            raise NVMLError(NVML_ERROR_NOT_SUPPORTED)
+        return self._gpu(handle)
+
     @staticmethod
     def _mig_profile(gpu: MockGpu, slot: int) -> MigProfileSpec:
         if gpu.profile.mig is None:
@@ -480,8 +488,12 @@ class MockNvml:
         return self._handles[index]
 
     @_nvml_call
-    def nvmlDeviceGetHandleByUUID(self, uuid: str | bytes) -> MockDeviceHandle:
+    def nvmlDeviceGetHandleByUUID(
+        self, uuid: str | bytes
+    ) -> MockDeviceHandle | MockMigDeviceHandle:
         key = uuid.decode() if isinstance(uuid, bytes) else uuid
+        if key.startswith("MIG-") and (mig := self._mig_handle_by_uuid(key)) is not None:
+            return mig
         gpu = self._by_uuid.get(key)
         if gpu is None:
             raise NVMLError(NVML_ERROR_NOT_FOUND)
@@ -492,33 +504,35 @@ class MockNvml:
 
     @_nvml_call
     def nvmlDeviceGetMinorNumber(self, handle: Any) -> int:
-        return self._gpu(handle).minor
+        return self._not_mig(handle).minor  # no /dev/nvidiaN of its own
 
     @_nvml_call
     def nvmlDeviceGetUUID(self, handle: Any) -> str:
-        return self._gpu(handle).uuid
+        gpu, mig = self._target(handle)
+        return mig.uuid if mig else gpu.uuid
 
     @_nvml_call
     def nvmlDeviceGetName(self, handle: Any) -> str:
-        return self._gpu(handle).profile.productName
+        gpu, mig = self._target(handle)
+        return f"{gpu.profile.productName} MIG {mig.name}" if mig else gpu.profile.productName
 
     @_nvml_call
     def nvmlDeviceGetBrand(self, handle: Any) -> int:
-        brand = self._gpu(handle).profile.brand
+        brand = self._target(handle)[0].profile.brand
         if brand is None:
             raise NVMLError(NVML_ERROR_NOT_SUPPORTED)
         return _BRAND_BY_NAME.get(brand, NVML_BRAND_UNKNOWN)
 
     @_nvml_call
     def nvmlDeviceGetArchitecture(self, device: Any) -> int:
-        arch = self._gpu(device).profile.architecture
+        arch = self._target(device)[0].profile.architecture
         if arch is None:
             raise NVMLError(NVML_ERROR_NOT_SUPPORTED)
         return _ARCH_BY_NAME.get(arch, NVML_DEVICE_ARCH_UNKNOWN)
 
     @_nvml_call
     def nvmlDeviceGetCudaComputeCapability(self, handle: Any) -> tuple[int, int]:
-        cc = self._gpu(handle).profile.cudaComputeCapability
+        cc = self._target(handle)[0].profile.cudaComputeCapability
         if cc is None:
             raise NVMLError(NVML_ERROR_NOT_SUPPORTED)
         major, minor = cc.split(".")
@@ -526,7 +540,10 @@ class MockNvml:
 
     @_nvml_call
     def nvmlDeviceGetMemoryInfo(self, handle: Any, version: int | None = None) -> MemoryInfo:
-        total = self._gpu(handle).profile.memoryMiB * 1024 * 1024
+        gpu, mig = self._target(handle)
+        total = (mig.profile if mig else gpu.profile).memoryMiB * 1024 * 1024
+        if mig:
+            return MemoryInfo(total, total, 0, version=version or 0)
         if version:
             reserved = 512 * 1024 * 1024
             return MemoryInfo(total, total - reserved, 0, reserved=reserved, version=version)
@@ -534,7 +551,7 @@ class MockNvml:
 
     @_nvml_call
     def nvmlDeviceGetPciInfo(self, handle: Any) -> PciInfo:
-        gpu = self._gpu(handle)
+        gpu = self._target(handle)[0]
         return PciInfo(
             busIdLegacy=f"{gpu.pci_domain:04X}:{gpu.pci_bus:02X}:00.0",
             domain=gpu.pci_domain,
@@ -547,7 +564,7 @@ class MockNvml:
 
     @_nvml_call
     def nvmlDeviceGetMigMode(self, device: Any) -> list[int]:
-        gpu = self._gpu(device)
+        gpu = self._not_mig(device)
         if not gpu.profile.mig_capable:
             raise NVMLError(NVML_ERROR_NOT_SUPPORTED)
         mode = NVML_DEVICE_MIG_ENABLE if gpu.mig_enabled else NVML_DEVICE_MIG_DISABLE
@@ -588,15 +605,15 @@ class MockNvml:
             raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)
         placements = matches[0].placements
         if placementsRef is None:
-            _set_out_uint(countRef, len(placements))
+            set_out_uint(countRef, len(placements))
             return NVML_SUCCESS
-        if _get_out_uint(countRef) < len(placements):
-            _set_out_uint(countRef, len(placements))
+        if get_out_uint(countRef) < len(placements):
+            set_out_uint(countRef, len(placements))
             raise NVMLError(NVML_ERROR_INSUFFICIENT_SIZE)
         for i, (start, size) in enumerate(placements):
             placementsRef[i].start = start
             placementsRef[i].size = size
-        _set_out_uint(countRef, len(placements))
+        set_out_uint(countRef, len(placements))
         return NVML_SUCCESS
 
     # ------------------------------------------------------------ events
@@ -607,12 +624,12 @@ class MockNvml:
 
     @_nvml_call
     def nvmlDeviceGetSupportedEventTypes(self, handle: Any) -> int:
-        self._gpu(handle)
+        self._not_mig(handle)  # no per-MIG-device events (nvml.h)
         return _SUPPORTED_EVENTS
 
     @_nvml_call
     def nvmlDeviceRegisterEvents(self, handle: Any, eventTypes: int, eventSet: Any) -> None:
-        gpu = self._gpu(handle)
+        gpu = self._not_mig(handle)
         if not isinstance(eventSet, MockEventSet) or eventSet.freed:
             raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)
         if eventTypes & ~_SUPPORTED_EVENTS:

@@ -204,3 +204,38 @@ def test_resolve_builtin_names(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
     # An existing file wins over a built-in name.
     (tmp_path / "example").write_text("gpus:\n- model: A100-40GB\n")
     assert fl.resolve_fleet("example").gpus[0].model == "A100-40GB"
+
+
+def test_mig_instances_apply_to_every_gpu_of_the_group() -> None:
+    instances = [{"profile": "4g.20gb", "start": 0}, {"profile": "3g.20gb", "start": 4}]
+    fleet = fl.parse_fleet(
+        {
+            "gpus": [
+                {"model": "A100-40GB", "count": 2, "migInstances": instances},
+                {"model": "H100-80GB"},
+            ]
+        }
+    )
+    gpus = fl.expand_fleet(fleet, "n")
+    placed = [[(p.profile.name, p.profile.id, p.start, p.size) for p in g.static_mig] for g in gpus]
+    assert placed == [[("4g.20gb", 5, 0, 4), ("3g.20gb", 9, 4, 4)]] * 2 + [[]]
+    assert fl.default_fleet().gpus[0].migInstances == ()
+
+
+def test_mig_conflict_rules() -> None:
+    mig = fl.model_profiles()["H100-80GB"].mig
+    assert mig is not None and mig.compute_slices == 7
+
+    def at(name: str, start: int) -> fl.MigPlacement:
+        profile = mig.by_name(name)
+        assert profile is not None
+        return fl.MigPlacement(profile, start, dict(profile.placements)[start])
+
+    four = [at("4g.40gb", 0)]
+    assert fl.mig_conflict(mig, four, at("3g.40gb", 4)) is None
+    assert fl.mig_conflict(mig, four, at("1g.10gb", 3)) == "1g.10gb at 3 overlaps 4g.40gb at 0"
+    me = [at("1g.10gb+me", 6)]
+    assert "at most 1" in str(fl.mig_conflict(mig, me, at("1g.10gb+me", 0)))
+    sevens = [at("1g.10gb", s) for s in range(6)] + [at("1g.20gb", 6)]
+    assert fl.mig_conflict(mig, sevens[:6], sevens[6]) is None
+    assert mig.by_id(15) == sevens[6].profile and mig.by_id(99) is None

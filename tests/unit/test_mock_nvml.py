@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import inspect
 import threading
 import time
 
@@ -255,3 +256,45 @@ def test_module_style_constant_access(nvml: m.MockNvml) -> None:
     assert nvml.NVMLError_NotSupported is m.ERROR_CLASSES["NVMLError_NotSupported"]
     with pytest.raises(AttributeError):
         _ = nvml.nvmlDeviceGetNoSuchThing
+
+
+def test_mig_constants_and_types_module_style(nvml: m.MockNvml) -> None:
+    assert (
+        nvml.NVML_COMPUTE_INSTANCE_PROFILE_7_SLICE == m.NVML_COMPUTE_INSTANCE_PROFILE_7_SLICE == 4
+    )
+    assert nvml.NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED == 0
+    assert nvml.nvmlComputeInstanceProfileInfo_v2 == 0x02000088
+    assert nvml.NVMLError_InUse(19).value == m.NVML_ERROR_IN_USE
+    assert str(m.NVMLError(m.NVML_ERROR_IN_USE)) == "In use by another client"
+    array = (nvml.c_nvmlGpuInstance_t * 2)()
+    assert len(array) == 2 and not array[0]
+
+
+def test_every_device_query_answers_a_mig_handle_without_crashing(nvml: m.MockNvml) -> None:
+    dev = nvml.nvmlDeviceGetHandleByIndex(0)
+    gi = nvml.nvmlDeviceCreateGpuInstance(dev, 19)
+    nvml.nvmlGpuInstanceCreateComputeInstance(gi, m.NVML_COMPUTE_INSTANCE_PROFILE_1_SLICE)
+    mig = nvml.nvmlDeviceGetMigDeviceHandleByIndex(dev, 0)
+    answers: dict[str, object] = {}
+    for name in sorted(n for n in dir(nvml) if n.startswith("nvmlDevice")):
+        fn = getattr(nvml, name)
+        params = list(inspect.signature(fn).parameters)
+        if not params or params[0] not in ("handle", "device", "migDevice"):
+            continue
+        extra = {"nvmlDeviceRegisterEvents": (m.nvmlEventTypeXidCriticalError, None)}
+        args: tuple[object, ...] = (mig, *extra.get(name, ()))
+        args += (0,) * (len([p for p in params if p not in ("version",)]) - len(args))
+        try:
+            answers[name] = fn(*args)
+        except m.NVMLError as err:
+            answers[name] = type(err).__name__
+    assert answers["nvmlDeviceGetUUID"] == nvml.nvmlDeviceGetUUID(mig)
+    assert str(answers["nvmlDeviceGetUUID"]).startswith("MIG-")
+    assert answers["nvmlDeviceGetName"] == "NVIDIA H100 80GB HBM3 MIG 1g.10gb"
+    assert answers["nvmlDeviceGetMinorNumber"] == "NVMLError_NotSupported"
+    assert answers["nvmlDeviceGetMigMode"] == "NVMLError_NotSupported"
+    assert answers["nvmlDeviceRegisterEvents"] == "NVMLError_NotSupported"
+    assert answers["nvmlDeviceGetGpuInstanceProfileInfo"] == "NVMLError_InvalidArgument"
+    assert answers["nvmlDeviceGetPciInfo"] == nvml.nvmlDeviceGetPciInfo(dev)
+    assert answers["nvmlDeviceGetDeviceHandleFromMigDeviceHandle"] is dev
+    assert answers["nvmlDeviceGetGpuInstanceId"] == 13

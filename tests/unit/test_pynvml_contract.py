@@ -8,14 +8,17 @@ and struct fields must match pynvml's.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import inspect
+from pathlib import Path
 from typing import Any
 
 import pynvml
 import pytest
 
 from driver.nvml import mock as m
+from driver.nvml import mock_mig, mock_mig_state
 from driver.nvml.backend import NvmlBackend
 from driver.nvml.fleet import parse_fleet
 
@@ -115,7 +118,7 @@ def test_constants_the_backend_reads_match_pynvml(recorded: Recorder) -> None:
 
 def test_mock_functions_have_pynvml_signatures() -> None:
     names = [n for n in dir(m.MockNvml) if n.startswith("nvml")]
-    assert len(names) >= 22
+    assert len(names) >= 41
     mock = m.MockNvml(parse_fleet({"gpus": [{"model": "example"}]}), "n")
     for name in names:
         assert hasattr(pynvml, name), f"pynvml has no {name}"
@@ -124,12 +127,18 @@ def test_mock_functions_have_pynvml_signatures() -> None:
 
 def test_mock_constants_match_pynvml() -> None:
     checked = 0
-    for name, value in vars(m).items():
-        prefixes = ("NVML_", "nvmlEvent", "nvmlMemory_v", "nvmlGpuInstanceProfileInfo_v")
-        if name.startswith(prefixes) and isinstance(value, int):
-            assert getattr(pynvml, name) == value, name
-            checked += 1
-    assert checked > 60
+    for module in (m, mock_mig, mock_mig_state):
+        for name, value in vars(module).items():
+            prefixes = ("NVML_", "nvmlEvent", "nvmlMemory_v", "nvmlGpuInstanceProfileInfo_v")
+            if name.startswith((*prefixes, "nvmlComputeInstanceProfileInfo_v")) and isinstance(
+                value, int
+            ):
+                assert getattr(pynvml, name) == value, f"{module.__name__}.{name}"
+                checked += 1
+    assert checked > 90
+    for name in dir(pynvml):  # every compute-instance constant pynvml has, the mock has
+        if name.startswith("NVML_COMPUTE_INSTANCE_"):
+            assert getattr(m, name) == getattr(pynvml, name), name
 
 
 def test_mock_error_classes_match_pynvml() -> None:
@@ -168,3 +177,107 @@ def test_placement_struct_matches() -> None:
     assert _ctypes_fields(m.c_nvmlGpuInstancePlacement_t) == _ctypes_fields(
         pynvml.c_nvmlGpuInstancePlacement_t
     )
+
+
+@pytest.mark.parametrize(
+    ("mock_struct", "real_struct"),
+    [
+        (mock_mig_state.Placement, pynvml.c_nvmlGpuInstancePlacement_t),
+        (mock_mig_state.Placement, pynvml.c_nvmlComputeInstancePlacement_t),
+        (mock_mig_state.GpuInstanceInfo, pynvml.c_nvmlGpuInstanceInfo_t),
+        (mock_mig_state.ComputeInstanceInfo, pynvml.c_nvmlComputeInstanceInfo_t),
+        (mock_mig_state.ComputeInstanceProfileInfo, pynvml.c_nvmlComputeInstanceProfileInfo_v2_t),
+    ],
+)
+def test_mig_struct_field_names_match(mock_struct: Any, real_struct: Any) -> None:
+    assert {f.name for f in dataclasses.fields(mock_struct)} == _ctypes_fields(real_struct)
+
+
+def test_mig_handle_types_are_pointer_types_as_in_pynvml() -> None:
+    for name in ("c_nvmlGpuInstance_t", "c_nvmlComputeInstance_t"):
+        mock_type, real_type = getattr(m.MockNvml, name), getattr(pynvml, name)
+        assert issubclass(mock_type, ctypes._Pointer) and issubclass(real_type, ctypes._Pointer)
+        assert mock_type._type_.__name__ == real_type._type_.__name__
+
+
+MIG_FUNCTIONS = {
+    "nvmlDeviceCreateGpuInstanceWithPlacement",
+    "nvmlDeviceCreateGpuInstance",
+    "nvmlDeviceGetGpuInstanceById",
+    "nvmlDeviceGetGpuInstances",
+    "nvmlGpuInstanceGetInfo",
+    "nvmlGpuInstanceDestroy",
+    "nvmlGpuInstanceGetComputeInstanceProfileInfo",
+    "nvmlGpuInstanceCreateComputeInstance",
+    "nvmlGpuInstanceGetComputeInstanceById",
+    "nvmlGpuInstanceGetComputeInstances",
+    "nvmlComputeInstanceGetInfo",
+    "nvmlComputeInstanceGetInfo_v2",
+    "nvmlComputeInstanceDestroy",
+    "nvmlDeviceGetMaxMigDeviceCount",
+    "nvmlDeviceGetMigDeviceHandleByIndex",
+    "nvmlDeviceIsMigDeviceHandle",
+    "nvmlDeviceGetDeviceHandleFromMigDeviceHandle",
+    "nvmlDeviceGetGpuInstanceId",
+    "nvmlDeviceGetComputeInstanceId",
+}
+
+
+@pytest.fixture
+def mig_recorded(tmp_path: Path) -> Recorder:
+    """A MIG lifecycle driven the way a pynvml caller drives it, through a recorder."""
+    fleet = parse_fleet(
+        {"gpus": [{"model": "H100-80GB", "migInstances": [{"profile": "1g.10gb", "start": 6}]}]}
+    )
+    inner = m.MockNvml(fleet, "node-a", driver_root=tmp_path)
+    nvml = Recorder(inner)
+    nvml.nvmlInit()
+    dev = nvml.nvmlDeviceGetHandleByIndex(0)
+    placement = nvml.c_nvmlGpuInstancePlacement_t()
+    placement.start, placement.size = 0, 4
+    gi = nvml.nvmlDeviceCreateGpuInstanceWithPlacement(dev, 9, ctypes.byref(placement))
+    info = nvml.nvmlGpuInstanceGetComputeInstanceProfileInfo(
+        gi,
+        nvml.NVML_COMPUTE_INSTANCE_PROFILE_3_SLICE,
+        nvml.NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED,
+    )
+    ci = nvml.nvmlGpuInstanceCreateComputeInstance(gi, info.id)
+    nvml.nvmlComputeInstanceGetInfo(ci)
+    cis = (nvml.c_nvmlComputeInstance_t * info.instanceCount)()
+    count = ctypes.c_uint(info.instanceCount)
+    nvml.nvmlGpuInstanceGetComputeInstances(gi, info.id, cis, ctypes.byref(count))
+    nvml.nvmlGpuInstanceGetComputeInstanceById(gi, nvml.nvmlComputeInstanceGetInfo_v2(cis[0]).id)
+    gis = (nvml.c_nvmlGpuInstance_t * 2)()
+    nvml.nvmlDeviceGetGpuInstances(dev, 9, gis, ctypes.byref(count))
+    nvml.nvmlGpuInstanceGetInfo(nvml.nvmlDeviceGetGpuInstanceById(dev, 1))
+    for i in range(nvml.nvmlDeviceGetMaxMigDeviceCount(dev)):
+        try:
+            mig = nvml.nvmlDeviceGetMigDeviceHandleByIndex(dev, i)
+        except nvml.NVMLError_NotFound:
+            continue
+        assert nvml.nvmlDeviceIsMigDeviceHandle(mig)
+        nvml.nvmlDeviceGetDeviceHandleFromMigDeviceHandle(mig)
+        nvml.nvmlDeviceGetGpuInstanceId(mig)
+        nvml.nvmlDeviceGetComputeInstanceId(mig)
+        nvml.nvmlDeviceGetUUID(mig)
+        nvml.nvmlDeviceGetMemoryInfo(mig)
+    nvml.nvmlComputeInstanceDestroy(ci)
+    nvml.nvmlGpuInstanceDestroy(gi)
+    nvml.nvmlDeviceCreateGpuInstance(dev, 19)
+    return nvml
+
+
+def test_every_mig_function_is_a_pynvml_function_with_its_signature(
+    mig_recorded: Recorder,
+) -> None:
+    mock = m.MockNvml(parse_fleet({"gpus": [{"model": "example"}]}), "n")
+    for name in MIG_FUNCTIONS:
+        assert _params(getattr(mock, name)) == _params(getattr(pynvml, name)), name
+    assert {name for name, _, _ in mig_recorded.calls} >= MIG_FUNCTIONS
+
+
+def test_mig_calls_bind_and_use_only_pynvml_names(mig_recorded: Recorder) -> None:
+    missing = sorted(a for a in mig_recorded.attributes if not hasattr(pynvml, a))
+    assert not missing, f"names pynvml lacks: {missing}"
+    for name, args, kwargs in mig_recorded.calls:
+        inspect.signature(getattr(pynvml, name)).bind(*args, **kwargs)
