@@ -154,6 +154,9 @@ class MigFunctions:
         self.mig_store = MigStore(self.gpus, driver_root)
         self._interned: dict[object, object] = {}  # one handle object per instance
         self._by_address: dict[int, object] = {}  # id(handle) -> handle, for ctypes arrays
+        if driver_root is not None:
+            with self.mig_store.open():
+                pass  # the node is up: state file and capability files exist from now on
 
     def mock_reboot(self) -> None:
         """Reboot the node: dynamic MIG instances vanish, the fleet's `migInstances` return."""
