@@ -233,3 +233,14 @@ class KubeDeviceHealth:
                 f"device {device_name}: the API server has not accepted its taint within "
                 f"{self._timeout:.0f}s; retrying"
             )
+
+
+class NoDeviceHealth:
+    """`DeviceHealth` before discovery: no device is known to have failed, and there
+    is nothing to taint. Replaced by `KubeDeviceHealth` before any prepare."""
+
+    def failure(self, device_name: str) -> str | None:
+        return None
+
+    def ensure_tainted(self, device_name: str) -> None:
+        raise RuntimeError(f"device {device_name}: health is not wired yet")

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+from driver.nvml.mig import MigManager
 from driver.nvml.types import GpuInfo, HealthEvent, Inventory, PartitionProfile
 
 log = logging.getLogger(__name__)
@@ -144,6 +145,10 @@ class NvmlBackend:
     def module(self) -> Any:
         return self._nvml.wrapped
 
+    def mig(self) -> MigManager:
+        """The MIG lifecycle on this backend's GPUs (calls are counted like all others)."""
+        return MigManager(self._nvml)
+
     @property
     def nvml_calls(self) -> dict[str, int]:
         """NVML functions called through this backend since it was created, by the
@@ -186,7 +191,8 @@ class NvmlBackend:
             ):
                 raise NvmlUnavailableError(
                     f"NVML is not available on this host ({err}); "
-                    "use --mock to run against a mock fleet"
+                    "for mock GPUs use gpu-kubelet-plugin --nvml-backend=mock "
+                    "or gpu-dra inventory --mock"
                 ) from err
             raise
 
@@ -228,6 +234,9 @@ class NvmlBackend:
         mig_capable = mig_mode is not None
         mig_enabled = mig_mode is not None and int(mig_mode[0]) == nvml.NVML_DEVICE_MIG_ENABLE
         profiles = self._partition_profiles(handle, uuid) if mig_capable else ()
+        instances = (
+            tuple(self.mig().instances(uuid, initialised=True)) if mig_enabled and profiles else ()
+        )
         overrides = self._mock_overrides(uuid)
         return GpuInfo(
             index=index,
@@ -244,6 +253,7 @@ class NvmlBackend:
             memory_slices=max((s + n for p in profiles for s, n in p.placements), default=0),
             multiprocessors=max((p.multiprocessors for p in profiles), default=None),
             partition_profiles=profiles,
+            mig_instances=instances,
             model=overrides.get("model"),
             reference_example=bool(overrides.get("reference_example", False)),
         )
@@ -429,7 +439,11 @@ class NvmlBackend:
 
 
 def select_backend(
-    *, mock: bool, fleet_path: str | Path | None = None, node_name: str = ""
+    *,
+    mock: bool,
+    fleet_path: str | Path | None = None,
+    node_name: str = "",
+    mock_driver_root: Path | None = None,
 ) -> NvmlBackend:
     """The backend for this process: real pynvml, or (explicitly chosen) a mock fleet.
 
@@ -451,7 +465,7 @@ def select_backend(
             node_name,
             fleet_path or "the built-in default fleet",
         )
-        return NvmlBackend(MockNvml(fleet, node_name))
+        return NvmlBackend(MockNvml(fleet, node_name, driver_root=mock_driver_root))
     try:
         import pynvml
     except ImportError as err:  # pragma: no cover - pynvml is a hard dependency

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 TAINT_EFFECTS = ("NoSchedule", "NoExecute", "None")
+MIG_STRATEGIES = ("auto", "dynamic", "static")
 
 
 def _env(name: str, default: str | None = None) -> str | None:
@@ -43,6 +44,8 @@ class PluginOptions:
     nvml_backend: str
     mock_fleet: str | None
     gpu_partitions: int
+    mig_strategy: str
+    mock_driver_root: Path | None
     xid_taint_effect: str
     additional_xids_to_ignore: str
     fatal_xids: str
@@ -97,8 +100,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--gpu-partitions",
         type=non_negative_int("--gpu-partitions"),
-        default=int(_env("GPU_PARTITIONS", "0") or 0),
+        default=_env("GPU_PARTITIONS", "0"),  # a string: argparse applies `type` to it
         help="N equal partitions per GPU (reference-compatible); 0 = MIG partitions",
+    )
+    p.add_argument(
+        "--mig-strategy",
+        choices=MIG_STRATEGIES,
+        default=_env("MIG_STRATEGY", "auto"),
+        help="GPUs in MIG mode: auto (static where MIG devices exist, else dynamic), "
+        "dynamic (created at prepare) or static (existing MIG devices only)",
+    )
+    p.add_argument(
+        "--mock-driver-root",
+        type=Path,
+        default=_env("MOCK_DRIVER_ROOT"),
+        help="mock backend: where its MIG state and capability files live "
+        "(default: <plugin data dir>/mock-driver-root)",
     )
     p.add_argument(
         "--xid-taint-effect", choices=TAINT_EFFECTS, default=_env("XID_TAINT_EFFECT", "NoSchedule")
@@ -121,13 +138,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--http-port",
         type=int,
-        default=int(_env("HTTP_PORT", "8080") or 8080),
+        default=_env("HTTP_PORT", "8080"),
         help="/metrics and /healthz; -1 disables",
     )
     p.add_argument(
         "--log-format", choices=("text", "json"), default=_env("LOG_FORMAT", "text") or "text"
     )
-    p.add_argument("-v", "--v", dest="verbosity", type=int, default=int(_env("V", "0") or 0))
+    p.add_argument("-v", "--v", dest="verbosity", type=int, default=_env("V", "0"))
     p.add_argument("--kubeconfig", default=_env("KUBECONFIG"), help="default: in-cluster config")
     return p
 
@@ -137,6 +154,16 @@ def parse_options(argv: Sequence[str] | None = None) -> PluginOptions:
     args = parser.parse_args(argv)
     if not args.node_name:
         parser.error("--node-name (or NODE_NAME) is required")
+    # argparse checks choices of values given on the command line only; a default
+    # taken from the environment must pass the same check.
+    for action in parser._actions:
+        value = getattr(args, action.dest, None)
+        if action.choices is not None and value is not None and value not in action.choices:
+            allowed = ", ".join(map(str, action.choices))
+            parser.error(
+                f"{action.option_strings[-1]}: invalid value {value!r} "
+                f"(from the environment; choose from {allowed})"
+            )
     return PluginOptions(
         node_name=args.node_name,
         driver_name=args.driver_name,
@@ -147,6 +174,8 @@ def parse_options(argv: Sequence[str] | None = None) -> PluginOptions:
         nvml_backend=args.nvml_backend,
         mock_fleet=args.mock_fleet,
         gpu_partitions=args.gpu_partitions,
+        mig_strategy=args.mig_strategy,
+        mock_driver_root=args.mock_driver_root,
         xid_taint_effect=args.xid_taint_effect,
         additional_xids_to_ignore=args.additional_xids_to_ignore,
         fatal_xids=args.fatal_xids,

@@ -7,11 +7,12 @@ import signal
 import sys
 import threading
 from collections.abc import Sequence
+from pathlib import Path
 from types import FrameType
 
-from driver.devices.model import PoolOptions, build_pool
+from driver.devices.model import MigStrategy, PoolOptions, build_pool
 from driver.devices.slices import build_slice_specs
-from driver.health.monitor import HealthMonitor, KubeDeviceHealth
+from driver.health.monitor import HealthMonitor, KubeDeviceHealth, NoDeviceHealth
 from driver.health.store import HealthStore
 from driver.health.xid import XidPolicy
 from driver.kube.api import KubeApi
@@ -30,7 +31,8 @@ from driver.plugin.serving import BuiltServer, SocketServer, SocketWatcher, new_
 from driver.plugin.sockets import socket_paths
 from driver.proto.pluginregistration.v1 import api_pb2_grpc as registration_grpc
 from driver.state.fileio import remove_durably
-from driver.state.prepare import DeviceState, parse_permanent_errors
+from driver.state.prepare import DeviceState
+from driver.state.verdicts import parse_permanent_errors
 
 log = logging.getLogger("gpu-kubelet-plugin")
 
@@ -52,10 +54,11 @@ class Plugin:
             additional_ignored=o.additional_xids_to_ignore, fatal=o.fatal_xids
         )
 
+        mock = o.nvml_backend == "mock"
+        mock_root = o.mock_driver_root or o.data_dir / "mock-driver-root"
         backend = select_backend(
-            mock=o.nvml_backend == "mock", fleet_path=o.mock_fleet, node_name=o.node_name
+            mock=mock, fleet_path=o.mock_fleet, node_name=o.node_name, mock_driver_root=mock_root
         )
-        inventory = backend.discover()
         monitor_thread = HealthMonitor.THREAD_NAME
         metrics.NVML_CALLS.labels(caller="health-monitor").set_function(
             lambda: backend.nvml_calls.get(monitor_thread, 0)
@@ -63,21 +66,50 @@ class Plugin:
         metrics.NVML_CALLS.labels(caller="other").set_function(
             lambda: sum(n for t, n in backend.nvml_calls.items() if t != monitor_thread)
         )
-        pool = build_pool(
-            inventory, PoolOptions(driver_name=o.driver_name, gpu_partitions=o.gpu_partitions)
-        )
-        devices = {device.name: device for device in pool.devices}
-        metrics.PUBLISHED_DEVICES.set(len(devices))
-        log.info(
-            "discovered %d GPU(s) via %s: publishing %d devices",
-            len(inventory.gpus),
-            inventory.backend,
-            len(devices),
-        )
-
         api = KubeApi.from_kubeconfig(o.kubeconfig)
         metrics.SLICE_WRITES.set_function(lambda: api.writes)
         store = HealthStore(o.data_dir / "health.json")
+        state = DeviceState(
+            driver_name=o.driver_name,
+            node_name=o.node_name,
+            devices={},  # set below, once discovery ran
+            cdi_root=o.cdi_root,
+            data_dir=o.data_dir,
+            claims=ApiClaimReader(api),
+            health=NoDeviceHealth(),
+            reporter=ClaimFailureReporter(
+                api, driver=o.driver_name, node_name=o.node_name, device_status=o.device_status
+            ),
+            real_devices=not mock,
+            mig=backend.mig(),
+            caps_root=mock_root if mock else Path("/"),
+            permanent_errors=permanent_errors,
+        )
+        # Before discovery: recovery destroys half-created MIG devices and recreates
+        # the ones a reboot destroyed, so discovery sees the node as it will be served.
+        log.info("recovered local state: %s", state.recover())
+
+        inventory = backend.discover()
+        pool = build_pool(
+            inventory,
+            PoolOptions(
+                driver_name=o.driver_name,
+                gpu_partitions=o.gpu_partitions,
+                mig_strategy=MigStrategy(o.mig_strategy),
+            ),
+            owned_mig=state.owned_mig(),
+        )
+        for note in pool.notes:
+            log.warning("%s", note)
+        devices = {device.name: device for device in pool.devices}
+        metrics.PUBLISHED_DEVICES.set(len(devices))
+        log.info(
+            "discovered %d GPU(s) via %s: publishing %d devices (MIG: %s)",
+            len(inventory.gpus),
+            inventory.backend,
+            len(devices),
+            ", ".join(f"{uuid} {mode}" for uuid, mode in pool.mig_modes.items()) or "none",
+        )
 
         def desired_slices() -> list[dict[str, object]]:
             taints = store.device_taints(devices, driver=o.driver_name, effect=o.xid_taint_effect)
@@ -88,22 +120,8 @@ class Plugin:
         publisher = SlicePublisher(
             api, driver=o.driver_name, node_name=o.node_name, desired=desired_slices
         )
-        device_health = KubeDeviceHealth(store, publisher, devices)
-        state = DeviceState(
-            driver_name=o.driver_name,
-            node_name=o.node_name,
-            devices=devices,
-            cdi_root=o.cdi_root,
-            data_dir=o.data_dir,
-            claims=ApiClaimReader(api),
-            health=device_health,
-            reporter=ClaimFailureReporter(
-                api, driver=o.driver_name, node_name=o.node_name, device_status=o.device_status
-            ),
-            real_devices=inventory.backend == "nvml",
-            permanent_errors=permanent_errors,
-        )
-        log.info("recovered local state: %s", state.recover())
+        state.devices = devices
+        state.health = KubeDeviceHealth(store, publisher, devices)
 
         monitor = HealthMonitor(
             backend, store, policy, publisher, devices, data_dir=o.data_dir, node_name=o.node_name

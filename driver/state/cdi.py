@@ -11,8 +11,8 @@ Names and contents follow the reference driver (example-driver.md §4.4):
 - compact JSON, `cdiVersion` 0.3.0, or 0.5.0 when a device name starts with a digit
   (claim UIDs usually do); file mode 0600.
 
-Real GPUs additionally get device nodes (`/dev/nvidia<minor>` per device; the control
-nodes at spec level) and `NVIDIA_VISIBLE_DEVICES` (see `visible_device_id`).
+Real GPUs additionally get device nodes and `NVIDIA_VISIBLE_DEVICES`
+(driver/state/planning.py renders them).
 Writes are atomic (temp file in the same directory, fsync, rename, fsync directory);
 a batch of claim specs can defer the directory fsync to one `sync_root()`.
 """
@@ -58,24 +58,6 @@ def cdi_device_name(claim_uid: str, device_name: str, share_id: str | None) -> s
     """`<claimUID>-<device>` or `<claimUID>-<device>-<shareID>`."""
     device_id = f"{device_name}-{share_id}" if share_id else device_name
     return f"{claim_uid}-{device_id}"
-
-
-def visible_device_id(
-    *, gpu_uuid: str, is_partition: bool, profile: str | None, placement_start: int | None
-) -> str:
-    """The `NVIDIA_VISIBLE_DEVICES` entry for one device on a real GPU.
-
-    A whole GPU is its UUID. A MIG partition is named `MIG-<gpu-uuid>/<profile>/<start>`:
-    this driver publishes every (profile, placement) of a GPU but does not create MIG
-    instances itself, so no MIG UUID exists at prepare time; the descriptor names the
-    partition unambiguously (parent, profile, placement start) for whatever creates
-    or selects the instance. A partition without a MIG profile (the reference's
-    `--gpu-partitions` shares) is its parent GPU's UUID. Documented in docs/state.md.
-    """
-    if not is_partition or profile is None:
-        return gpu_uuid
-    start = placement_start if placement_start is not None else 0
-    return f"MIG-{gpu_uuid}/{profile}/{start}"
 
 
 @dataclass(frozen=True)
@@ -277,6 +259,26 @@ class CdiSpecs:
         """Delete the claim's spec; False if there was none. `sync_dir=False`: the
         removal is durable only after `sync_root()`."""
         return remove_durably(self.claim_spec_path(claim_uid), sync_dir=sync_dir)
+
+    def remove_claim_specs(self, uids: Sequence[str]) -> tuple[set[str], dict[str, OSError]]:
+        """Remove the claims' specs with one fsync of the root. Returns the UIDs whose
+        spec is durably gone and the errors of the others."""
+        gone: set[str] = set()
+        errors: dict[str, OSError] = {}
+        removed = False
+        for uid in uids:
+            try:
+                removed = self.remove_claim_spec(uid, sync_dir=False) or removed
+                gone.add(uid)
+            except OSError as err:
+                errors[uid] = err
+        if removed:
+            try:
+                self.sync_root()
+            except OSError as err:
+                errors.update(dict.fromkeys(gone, err))
+                gone.clear()
+        return gone, errors
 
     def sync_root(self) -> None:
         """fsync the CDI root: makes the batch's deferred renames and unlinks durable."""

@@ -62,6 +62,65 @@ class ClaimState(enum.StrEnum):
 
 
 @dataclass(frozen=True)
+class MigRecord:
+    """The MIG device behind a prepared device. `owned`: the driver created it for
+    the claim and destroys it at unprepare (dynamic); otherwise it existed before
+    (static) and is never touched. In a `PrepareStarted` entry an owned record is the
+    intent (placement only, no ids yet); `PrepareCompleted` adds the ids and UUID."""
+
+    gpu_uuid: str
+    profile_id: int
+    slice_count: int
+    placement: tuple[int, int]  # (start, size) in memory slices
+    owned: bool
+    gi_id: int | None = None
+    ci_id: int | None = None
+    uuid: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "gpu": self.gpu_uuid,
+            "profileId": self.profile_id,
+            "sliceCount": self.slice_count,
+            "placement": list(self.placement),
+            "owned": self.owned,
+            "giId": self.gi_id,
+            "ciId": self.ci_id,
+            "uuid": self.uuid,
+        }
+
+    @classmethod
+    def from_json(cls, doc: object) -> MigRecord:
+        if not isinstance(doc, Mapping):
+            raise ValueError("mig must be an object")
+        gpu, owned, uuid = doc.get("gpu"), doc.get("owned"), doc.get("uuid")
+        placement = doc.get("placement")
+        profile_id, slice_count = doc.get("profileId"), doc.get("sliceCount")
+        gi_id, ci_id = doc.get("giId"), doc.get("ciId")
+        if not isinstance(gpu, str) or not isinstance(owned, bool):
+            raise ValueError("mig needs a string gpu and a boolean owned")
+        if not (
+            isinstance(placement, list)
+            and len(placement) == 2
+            and all(_is_int(v) for v in placement)
+        ):
+            raise ValueError("mig.placement must be [start, size]")
+        if not _is_int(profile_id) or not _is_int(slice_count):
+            raise ValueError("mig.profileId and mig.sliceCount must be integers")
+        if not (gi_id is None or _is_int(gi_id)) or not (ci_id is None or _is_int(ci_id)):
+            raise ValueError("mig.giId and mig.ciId must be integers or null")
+        if uuid is not None and not isinstance(uuid, str):
+            raise ValueError("mig.uuid must be a string or null")
+        return cls(
+            gpu, profile_id, slice_count, (placement[0], placement[1]), owned, gi_id, ci_id, uuid
+        )
+
+
+def _is_int(value: object) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
 class PreparedDevice:
     """One device handed to the kubelet for a claim (also what the journal stores)."""
 
@@ -71,9 +130,10 @@ class PreparedDevice:
     cdi_device_ids: tuple[str, ...]
     share_id: str | None = None
     admin_access: bool = False
+    mig: MigRecord | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        doc: dict[str, Any] = {
             "pool": self.pool_name,
             "device": self.device_name,
             "requestNames": list(self.request_names),
@@ -81,6 +141,9 @@ class PreparedDevice:
             "shareID": self.share_id,
             "adminAccess": self.admin_access,
         }
+        if self.mig is not None:
+            doc["mig"] = self.mig.to_json()
+        return doc
 
     @classmethod
     def from_json(cls, doc: object) -> PreparedDevice:
@@ -99,7 +162,12 @@ class PreparedDevice:
             raise ValueError(f"device {device}: shareID must be a string or null")
         if not isinstance(admin, bool):
             raise ValueError(f"device {device}: adminAccess must be a boolean")
-        return cls(pool, device, tuple(requests), tuple(ids), share, admin)
+        mig = doc.get("mig")
+        try:
+            record = MigRecord.from_json(mig) if mig is not None else None
+        except ValueError as err:
+            raise ValueError(f"device {device}: {err}") from err
+        return cls(pool, device, tuple(requests), tuple(ids), share, admin, record)
 
 
 def _str_list(value: object) -> TypeGuard[list[str]]:

@@ -33,6 +33,11 @@ PREPARE_FAILPOINTS: Final[tuple[str, ...]] = (
     "prepare-started-before-rename",
     # the PrepareStarted entries are durable, no CDI spec yet
     "prepare-after-started",
+    # a MIG device of the batch is about to be created (its intent is journaled)
+    "prepare-before-mig-create",
+    # the batch's first MIG device exists (GPU and compute instance), not journaled
+    # beyond its intent
+    "prepare-after-mig-create",
     # the batch's first CDI spec temp file written + fsynced, not renamed
     "prepare-cdi-before-rename",
     # every CDI spec in place and the CDI root fsynced, checkpoint still says
@@ -50,6 +55,10 @@ UNPREPARE_FAILPOINTS: Final[tuple[str, ...]] = (
     "unprepare-before-cdi-removed",
     # the batch's CDI specs removed (one directory fsync), checkpoint entries present
     "unprepare-after-cdi-removed",
+    # an owned MIG device of the batch is about to be destroyed
+    "unprepare-before-mig-destroy",
+    # the batch's first owned MIG device is destroyed, entries present
+    "unprepare-after-mig-destroy",
     # checkpoint temp file without the batch's entries written + fsynced, not renamed
     "unprepare-entry-before-rename",
     # entries removed durably, the answer has not reached the kubelet

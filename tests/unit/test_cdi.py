@@ -18,7 +18,6 @@ from driver.state.cdi import (
     claim_device_env,
     device_key,
     gpu_env_id,
-    visible_device_id,
 )
 
 UID = "11111111-2222-3333-4444-555555555555"
@@ -93,21 +92,6 @@ def test_space_partitioning_and_consumed_capacity_env() -> None:
         "GPU_DEVICE_1_PARTITION_0_MEMORY=16Gi",
         "GPU_DEVICE_1_PARTITION_0_COMPUTE=20",
     ]
-
-
-def test_visible_device_ids() -> None:
-    assert (
-        visible_device_id(gpu_uuid="GPU-a", is_partition=False, profile=None, placement_start=None)
-        == "GPU-a"
-    )
-    assert (
-        visible_device_id(gpu_uuid="GPU-a", is_partition=True, profile="1g.10gb", placement_start=3)
-        == "MIG-GPU-a/1g.10gb/3"
-    )
-    assert (
-        visible_device_id(gpu_uuid="GPU-a", is_partition=True, profile=None, placement_start=None)
-        == "GPU-a"
-    )
 
 
 def test_claim_spec_is_compact_reference_json_with_mode_0600(specs: CdiSpecs) -> None:

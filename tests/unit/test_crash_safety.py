@@ -22,41 +22,32 @@ from typing import Any
 import pytest
 
 from driver.state.checkpoint import Checkpoint, ClaimState
+from driver.state.claims import ClaimRef
 from driver.state.failpoints import ENV_VAR, FAILPOINTS, PREPARE_FAILPOINTS, UNPREPARE_FAILPOINTS
-from driver.state.prepare import ClaimRef, DeviceState
+from driver.state.prepare import DeviceState
 
 HARNESS = r"""
 import json
 import sys
 from pathlib import Path
 
-from driver.devices.model import PublishedDevice
+from driver.devices.model import build_pool
 from driver.errors import transient
-from driver.state.prepare import ClaimRef, DeviceState
+from driver.nvml.backend import NvmlBackend
+from driver.nvml.fleet import parse_fleet
+from driver.nvml.mock import MockNvml
+from driver.state.claims import ClaimRef
+from driver.state.prepare import DeviceState
+
+FLEET = parse_fleet({"gpus": [{"model": "H100-80GB", "count": 3}]})
+# Every GPU in dynamic MIG mode: gpu-N is backed by a full-size MIG device, the
+# partitions by theirs; all are created at prepare and destroyed at unprepare.
+DEVICES = {d.name: d for d in build_pool(NvmlBackend(MockNvml(FLEET, "node-a")).discover()).devices}
 
 
-def device(name, uuid, minor, max_partitions=None, profile=None, placement=None):
-    return PublishedDevice(
-        name=name,
-        document={"name": name},
-        gpu_uuid=uuid,
-        gpu_minor=minor,
-        is_partition=profile is not None,
-        max_partitions=max_partitions,
-        profile=profile,
-        placement=placement,
-    )
-
-
-DEVICES = {
-    d.name: d
-    for d in [
-        device("gpu-0", "GPU-aaaa", 0, max_partitions=7),
-        device("gpu-1", "GPU-bbbb", 1, max_partitions=7),
-        device("gpu-1-mig-2g20gb-0", "GPU-bbbb", 1, profile="2g.20gb", placement=(0, 2)),
-        device("gpu-2", "GPU-cccc", 2, max_partitions=7),
-    ]
-}
+def nvml(root):
+    # The node's GPUs: MIG state lives under the driver root, like a real GPU's.
+    return NvmlBackend(MockNvml(FLEET, "node-a", driver_root=Path(root) / "driver-root"))
 
 
 class FileClaims:
@@ -96,6 +87,8 @@ def build_state(root):
         health=Healthy(),
         reporter=NoReports(),
         real_devices=True,
+        mig=nvml(root).mig(),
+        caps_root=root / "driver-root",
     )
 
 
@@ -205,6 +198,10 @@ RECOVERED = {
     "unprepare-before-cdi-removed": "prepared",
     "unprepare-after-cdi-removed": "entry-without-spec",
     "unprepare-entry-before-rename": "entry-without-spec",
+    # The spec is gone, the entry completed: start recreates the spec, and the MIG
+    # device destroyed before the crash is created again at its placement.
+    "unprepare-before-mig-destroy": "entry-without-spec",
+    "unprepare-after-mig-destroy": "entry-without-spec",
 }
 BEFORE_RENAME = {name for name in FAILPOINTS if name.endswith("-before-rename")}
 
@@ -271,10 +268,30 @@ def golden(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     state = _state(root)
     res = state.prepare([_ref("default/claim-a")])[UID_A]
     assert res.ok, res.error
+    assert len(_live_mig(root)) == 2  # gpu-0's full-size device and the 2g partition
     return {
         "devices": res.devices,
         "specs": _claim_specs(root),
         "journal": Checkpoint(root / "plugin").load(),
+        "mig": _live_mig(root),
+    }
+
+
+def _live_mig(root: Path) -> set[tuple[str, int, tuple[int, int], str | None]]:
+    backend = _NS["nvml"](root)
+    return {
+        (m.gpu_uuid, m.gi_id, m.placement, m.uuid)
+        for gpu in backend.module.gpus
+        for m in backend.mig().instances(gpu.uuid)
+    }
+
+
+def _owned_mig(root: Path) -> set[tuple[str, int, tuple[int, int], str | None]]:
+    return {
+        (d.mig.gpu_uuid, d.mig.gi_id, d.mig.placement, d.mig.uuid)
+        for e in Checkpoint(root / "plugin").load().values()
+        for d in e.devices
+        if d.mig is not None and d.mig.owned and d.mig.gi_id is not None
     }
 
 
@@ -282,12 +299,15 @@ def _assert_prepared_exactly_once(root: Path, golden: dict[str, Any]) -> None:
     assert _claim_specs(root) == golden["specs"]
     assert Checkpoint(root / "plugin").load() == golden["journal"]
     assert _temp_files(root) == []
+    # Every MIG device belongs to a completed claim, and every one of those exists.
+    assert _live_mig(root) == _owned_mig(root) == golden["mig"]
 
 
 def _assert_empty(root: Path) -> None:
     assert _claim_specs(root) == {}
     assert Checkpoint(root / "plugin").load() == {}
     assert _temp_files(root) == []
+    assert _live_mig(root) == set(), "a MIG device leaked"
 
 
 def test_every_failpoint_has_a_scenario() -> None:
@@ -378,10 +398,12 @@ def golden_batch(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     root = _root(tmp_path_factory.mktemp("golden-batch"), "root")
     res = _state(root).prepare([_ref(key) for key in BATCH])
     assert all(r.ok for r in res.values()), res
+    assert len(_live_mig(root)) == 3
     return {
         "devices": {uid: r.devices for uid, r in res.items()},
         "specs": _claim_specs(root),
         "journal": Checkpoint(root / "plugin").load(),
+        "mig": _live_mig(root),
     }
 
 
@@ -424,12 +446,15 @@ def test_kill_during_a_batch_then_restart(
     else:
         assert journal == {} and _claim_specs(recovered) == {}
         assert sorted(report.rolled_back) in ([], uids)
+    leaked_or_lost = _live_mig(recovered) ^ (golden_batch["mig"] if journal else set())
+    assert not leaked_or_lost, f"MIG devices leaked or lost: {leaked_or_lost}"
 
     if scenario != "unprepare":  # the kubelet retries the request
         res = _state(root).prepare(refs)
         assert {uid: r.devices for uid, r in res.items()} == golden_batch["devices"]
         assert Checkpoint(root / "plugin").load() == golden_batch["journal"]
         assert _claim_specs(root) == golden_batch["specs"] and _temp_files(root) == []
+        assert _live_mig(root) == golden_batch["mig"]
     assert _state(root).unprepare(refs) == dict.fromkeys(uids)
     _assert_empty(root)
 

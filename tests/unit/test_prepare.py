@@ -26,8 +26,10 @@ from driver.state.checkpoint import (
     PreparedDevice,
     quarantine_checkpoint,
 )
+from driver.state.claims import ClaimRef
 from driver.state.fileio import atomic_write
-from driver.state.prepare import ClaimRef, DeviceState, parse_permanent_errors
+from driver.state.prepare import DeviceState
+from driver.state.verdicts import parse_permanent_errors
 
 DRIVER = "gpu.example.com"
 NODE = "node-a"
@@ -283,24 +285,6 @@ def test_real_gpu_gets_device_nodes_and_visible_devices(env: Env) -> None:
         edits = spec["devices"][index]["containerEdits"]
         assert edits["deviceNodes"] == [{"path": f"/dev/nvidia{minor}"}]
         assert edits["env"][-1] == "NVIDIA_VISIBLE_DEVICES=GPU-aaaa,GPU-bbbb"
-
-
-def test_mig_partition_claim(env: Env) -> None:
-    env.state = env.new_state(real_devices=True)
-    ref = env.claims.add(make_claim("uid-m", [result("gpu-0-mig-1g10gb-3", request="mig")]))
-    res = env.prepare_one(ref)
-    assert res.ok, res.error
-    assert res.devices[0].cdi_device_ids[0] == f"{KIND}=uid-m-gpu-0-mig-1g10gb-3"
-    edits = env.spec("uid-m")["devices"][0]["containerEdits"]
-    assert edits["env"] == [
-        "GPU_DEVICE_GPU_0_MIG_1G10GB_3_RESOURCE_CLAIM=uid-m",
-        "DRA_ADMIN_ACCESS=false",
-        "GPU_DEVICE_0_MIG_1G10GB_3=gpu-0-mig-1g10gb-3",
-        "GPU_DEVICE_0_MIG_1G10GB_3_SHARING_STRATEGY=TimeSlicing",
-        "GPU_DEVICE_0_MIG_1G10GB_3_TIMESLICE_INTERVAL=Default",
-        "NVIDIA_VISIBLE_DEVICES=MIG-GPU-aaaa/1g.10gb/3",
-    ]
-    assert edits["deviceNodes"] == [{"path": "/dev/nvidia0"}]
 
 
 def test_config_env_vars_and_subrequests(env: Env) -> None:

@@ -1,0 +1,324 @@
+"""The MIG lifecycle over a pynvml-compatible module: list, create and destroy MIG
+devices (a GPU instance at a placement plus one compute instance covering it).
+
+The calls and the error handling follow NVML (nvml.h) and what NVIDIA's DRA driver
+does (docs/mig.md):
+
+- create: `nvmlDeviceCreateGpuInstanceWithPlacement` -> `nvmlGpuInstanceGetInfo` ->
+  the compute-instance profile whose slice count equals the GPU instance's ->
+  `nvmlGpuInstanceCreateComputeInstance` -> `nvmlComputeInstanceGetInfo` -> the MIG
+  device's UUID. A failure after the GPU instance exists destroys it again, so a
+  failed create leaves nothing. An occupied placement is NVML's
+  `INSUFFICIENT_RESOURCES` (NVML has no "already exists");
+- destroy: compute instance, then GPU instance; an instance that is already gone is
+  success (destroy is what unprepare and crash recovery repeat);
+- list: every GPU instance of every profile (`nvmlDeviceGetGpuInstances`) and its
+  compute instances, so a GPU instance without a compute instance (a crash between
+  the two creates) is found too - enumerating MIG device handles would miss it.
+
+No MIG mode is ever changed here.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from driver.nvml.types import MigInstance
+
+log = logging.getLogger(__name__)
+
+_REV1 = "NVML_COMPUTE_INSTANCE_PROFILE_1_SLICE_REV1"  # NVIDIA's driver skips it too
+
+
+class MigError(RuntimeError):
+    """A MIG operation NVML refused. `code` is the NVML return code name (e.g.
+    `NVML_ERROR_INSUFFICIENT_RESOURCES`); `retryable` says whether the same call can
+    succeed later without a change by an administrator."""
+
+    def __init__(self, message: str, *, code: str, retryable: bool) -> None:
+        super().__init__(message)
+        self.code = code
+        self.retryable = retryable
+
+
+@dataclass(frozen=True)
+class MigTarget:
+    """Where to create a MIG device: parent GPU, GPU-instance profile and placement."""
+
+    gpu_uuid: str
+    profile_id: int
+    placement: tuple[int, int]  # (start, size)
+    slice_count: int  # compute slices of the profile: the compute instance covers them
+
+    def describe(self) -> str:
+        return f"profile {self.profile_id} at {self.placement[0]}+{self.placement[1]}"
+
+
+# NVML return codes that no retry fixes without someone changing the GPU's setup.
+_NOT_RETRYABLE = frozenset(
+    {
+        "NVML_ERROR_NOT_SUPPORTED",  # MIG mode off, or profile unsupported
+        "NVML_ERROR_INVALID_ARGUMENT",  # placement not possible for the profile
+        "NVML_ERROR_NO_PERMISSION",  # the plugin lacks the MIG capability
+    }
+)
+
+
+_KNOWN_ERRORS = (
+    "NVML_ERROR_INSUFFICIENT_RESOURCES",
+    "NVML_ERROR_NOT_SUPPORTED",
+    "NVML_ERROR_INVALID_ARGUMENT",
+    "NVML_ERROR_NO_PERMISSION",
+    "NVML_ERROR_NOT_FOUND",
+    "NVML_ERROR_IN_USE",
+    "NVML_ERROR_GPU_IS_LOST",
+    "NVML_ERROR_UNINITIALIZED",
+    "NVML_ERROR_UNKNOWN",
+)
+
+
+class MigManager:
+    """MIG devices of this node's GPUs. Holds one NVML session open while in use;
+    calls are serialised (the plugin also holds its node-wide lock around them)."""
+
+    def __init__(self, module: Any) -> None:
+        self._nvml = module
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------ helpers
+
+    def _code(self, err: BaseException) -> str:
+        value = getattr(err, "value", None)
+        for name in _KNOWN_ERRORS:
+            if getattr(self._nvml, name, None) == value:
+                return name
+        return f"NVML error {value}"
+
+    def _fail(self, err: BaseException, what: str) -> MigError:
+        code = self._code(err)
+        return MigError(f"{what}: {err} ({code})", code=code, retryable=code not in _NOT_RETRYABLE)
+
+    def _is(self, err: BaseException, name: str) -> bool:
+        return getattr(err, "value", None) == getattr(self._nvml, name, object())
+
+    @contextmanager
+    def _session(self) -> Iterator[Any]:
+        nvml = self._nvml
+        with self._lock:
+            nvml.nvmlInit()
+            try:
+                yield nvml
+            finally:
+                nvml.nvmlShutdown()
+
+    def _handle(self, nvml: Any, gpu_uuid: str) -> Any:
+        return nvml.nvmlDeviceGetHandleByUUID(gpu_uuid)
+
+    # ------------------------------------------------------------ list
+
+    def instances(self, gpu_uuid: str, *, initialised: bool = False) -> list[MigInstance]:
+        """Every GPU instance on the GPU with its compute instance and MIG UUID.
+        `initialised`: the caller holds an NVML session already (discovery)."""
+        if initialised:
+            with self._lock:
+                return self._list(self._nvml, gpu_uuid)
+        with self._session() as nvml:
+            return self._list(nvml, gpu_uuid)
+
+    def _list(self, nvml: Any, gpu_uuid: str) -> list[MigInstance]:
+        handle = self._handle(nvml, gpu_uuid)
+        found: list[MigInstance] = []
+        for slot in range(int(nvml.NVML_GPU_INSTANCE_PROFILE_COUNT)):
+            try:
+                info = nvml.nvmlDeviceGetGpuInstanceProfileInfo(handle, slot)
+            except nvml.NVMLError as err:
+                if self._is(err, "NVML_ERROR_NOT_SUPPORTED") or self._is(
+                    err, "NVML_ERROR_INVALID_ARGUMENT"
+                ):
+                    continue
+                raise
+            for gi in self._gpu_instances(nvml, handle, int(info.id), int(info.instanceCount)):
+                found.append(self._describe(nvml, handle, gpu_uuid, gi))
+        return sorted(found, key=lambda m: (m.placement, m.gi_id))
+
+    def _gpu_instances(self, nvml: Any, handle: Any, profile_id: int, limit: int) -> list[Any]:
+        if limit <= 0:
+            return []
+        array = (nvml.c_nvmlGpuInstance_t * limit)()
+        count = ctypes.c_uint(limit)
+        nvml.nvmlDeviceGetGpuInstances(handle, profile_id, array, ctypes.byref(count))
+        return [array[i] for i in range(count.value)]
+
+    def _mig_uuid(self, nvml: Any, handle: Any, gi_id: int, ci_id: int) -> str | None:
+        """The UUID of the MIG device of (GPU instance, compute instance). The compute
+        instance's info names its parent GPU, not the MIG device (nvml.h), so the
+        parent's MIG device handles are searched."""
+        for index in range(int(nvml.nvmlDeviceGetMaxMigDeviceCount(handle))):
+            try:
+                mig = nvml.nvmlDeviceGetMigDeviceHandleByIndex(handle, index)
+            except nvml.NVMLError as err:
+                if self._is(err, "NVML_ERROR_NOT_FOUND") or self._is(
+                    err, "NVML_ERROR_INVALID_ARGUMENT"
+                ):
+                    continue
+                raise
+            if (
+                int(nvml.nvmlDeviceGetGpuInstanceId(mig)) == gi_id
+                and int(nvml.nvmlDeviceGetComputeInstanceId(mig)) == ci_id
+            ):
+                return _text(nvml.nvmlDeviceGetUUID(mig))
+        return None
+
+    def _describe(self, nvml: Any, handle: Any, gpu_uuid: str, gi: Any) -> MigInstance:
+        info = nvml.nvmlGpuInstanceGetInfo(gi)
+        placement = (int(info.placement.start), int(info.placement.size))
+        ci_id: int | None = None
+        uuid: str | None = None
+        for ci in self._compute_instances(nvml, gi):
+            ci_id = int(nvml.nvmlComputeInstanceGetInfo(ci).id)
+            uuid = self._mig_uuid(nvml, handle, int(info.id), ci_id)
+            break  # the driver creates one; an administrator's extra ones share the GI
+        return MigInstance(
+            gpu_uuid=gpu_uuid,
+            gi_id=int(info.id),
+            profile_id=int(info.profileId),
+            placement=placement,
+            ci_id=ci_id,
+            uuid=uuid,
+        )
+
+    def _compute_instances(self, nvml: Any, gi: Any) -> list[Any]:
+        found: list[Any] = []
+        for slot in self._ci_profile_slots(nvml):
+            try:
+                info = nvml.nvmlGpuInstanceGetComputeInstanceProfileInfo(
+                    gi, slot, nvml.NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED
+                )
+            except nvml.NVMLError as err:
+                if self._is(err, "NVML_ERROR_NOT_SUPPORTED") or self._is(
+                    err, "NVML_ERROR_INVALID_ARGUMENT"
+                ):
+                    continue
+                raise
+            limit = int(info.instanceCount)
+            if limit <= 0:
+                continue
+            array = (nvml.c_nvmlComputeInstance_t * limit)()
+            count = ctypes.c_uint(limit)
+            nvml.nvmlGpuInstanceGetComputeInstances(gi, int(info.id), array, ctypes.byref(count))
+            found.extend(array[i] for i in range(count.value))
+        return found
+
+    def _ci_profile_slots(self, nvml: Any) -> list[int]:
+        rev1 = getattr(nvml, _REV1, None)
+        return [
+            slot for slot in range(int(nvml.NVML_COMPUTE_INSTANCE_PROFILE_COUNT)) if slot != rev1
+        ]
+
+    # ------------------------------------------------------------ create
+
+    def create(self, target: MigTarget) -> MigInstance:
+        """Create the MIG device; raise MigError naming what NVML refused."""
+        with self._session() as nvml:
+            handle = self._handle(nvml, target.gpu_uuid)
+            placement = nvml.c_nvmlGpuInstancePlacement_t()
+            placement.start, placement.size = target.placement
+            try:
+                gi = nvml.nvmlDeviceCreateGpuInstanceWithPlacement(
+                    handle, target.profile_id, ctypes.byref(placement)
+                )
+            except nvml.NVMLError as err:
+                raise self._fail(
+                    err, f"creating a GPU instance ({target.describe()}) on {target.gpu_uuid}"
+                ) from err
+            try:
+                gi_id = int(nvml.nvmlGpuInstanceGetInfo(gi).id)
+                ci = nvml.nvmlGpuInstanceCreateComputeInstance(
+                    gi, self._covering_ci_profile(nvml, gi, target.slice_count)
+                )
+                ci_id = int(nvml.nvmlComputeInstanceGetInfo(ci).id)
+                uuid = self._mig_uuid(nvml, handle, gi_id, ci_id)
+                if uuid is None:
+                    raise MigError(
+                        f"the MIG device of GPU instance {gi_id} / compute instance {ci_id} "
+                        f"on {target.gpu_uuid} has no device handle",
+                        code="NVML_ERROR_NOT_FOUND",
+                        retryable=True,
+                    )
+            except (nvml.NVMLError, MigError) as err:
+                self._undo(nvml, gi, target)
+                if isinstance(err, MigError):
+                    raise
+                raise self._fail(
+                    err,
+                    f"creating the compute instance of {target.describe()} on {target.gpu_uuid}",
+                ) from err
+            return MigInstance(
+                gpu_uuid=target.gpu_uuid,
+                gi_id=gi_id,
+                profile_id=target.profile_id,
+                placement=target.placement,
+                ci_id=ci_id,
+                uuid=uuid,
+            )
+
+    def _covering_ci_profile(self, nvml: Any, gi: Any, slice_count: int) -> int:
+        for slot in self._ci_profile_slots(nvml):
+            try:
+                info = nvml.nvmlGpuInstanceGetComputeInstanceProfileInfo(
+                    gi, slot, nvml.NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED
+                )
+            except nvml.NVMLError as err:
+                if self._is(err, "NVML_ERROR_NOT_SUPPORTED") or self._is(
+                    err, "NVML_ERROR_INVALID_ARGUMENT"
+                ):
+                    continue
+                raise
+            if int(info.sliceCount) == slice_count:
+                return int(info.id)
+        raise MigError(
+            f"no compute-instance profile covers {slice_count} slice(s)",
+            code="NVML_ERROR_NOT_SUPPORTED",
+            retryable=False,
+        )
+
+    def _undo(self, nvml: Any, gi: Any, target: MigTarget) -> None:
+        try:
+            for ci in self._compute_instances(nvml, gi):
+                nvml.nvmlComputeInstanceDestroy(ci)
+            nvml.nvmlGpuInstanceDestroy(gi)
+        except nvml.NVMLError as err:  # recovery at start finds it by its placement
+            log.error("undoing the half-created %s failed: %s", target.describe(), err)
+
+    # ------------------------------------------------------------ destroy
+
+    def destroy(self, gpu_uuid: str, gi_id: int) -> bool:
+        """Destroy the GPU instance and its compute instances. False when it did not
+        exist (or MIG mode is off): nothing to do. Raises MigError otherwise."""
+        with self._session() as nvml:
+            handle = self._handle(nvml, gpu_uuid)
+            try:
+                gi = nvml.nvmlDeviceGetGpuInstanceById(handle, gi_id)
+            except nvml.NVMLError as err:
+                if self._is(err, "NVML_ERROR_NOT_FOUND") or self._is(
+                    err, "NVML_ERROR_NOT_SUPPORTED"
+                ):
+                    return False
+                raise self._fail(err, f"looking up GPU instance {gi_id} on {gpu_uuid}") from err
+            try:
+                for ci in self._compute_instances(nvml, gi):
+                    nvml.nvmlComputeInstanceDestroy(ci)
+                nvml.nvmlGpuInstanceDestroy(gi)
+            except nvml.NVMLError as err:
+                raise self._fail(err, f"destroying GPU instance {gi_id} on {gpu_uuid}") from err
+            return True
+
+
+def _text(value: str | bytes) -> str:
+    return value.decode() if isinstance(value, bytes) else value

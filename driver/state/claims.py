@@ -1,0 +1,136 @@
+"""Claims as the kubelet names them, what prepare answers, the collaborators prepare
+talks to (as protocols), and the checks a claim read from the API must pass."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from driver.devices.types import MigBacking
+from driver.errors import DriverError, transient
+from driver.state.checkpoint import PreparedDevice
+
+
+@dataclass(frozen=True)
+class ClaimRef:
+    """A claim as the kubelet names it."""
+
+    namespace: str
+    name: str
+    uid: str
+
+
+@dataclass(frozen=True)
+class PrepareResult:
+    """The outcome for one claim: its devices, or an error (never both)."""
+
+    devices: tuple[PreparedDevice, ...] = ()
+    error: DriverError | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+class ClaimReader(Protocol):
+    def get(self, namespace: str, name: str) -> dict[str, Any]:
+        """The ResourceClaim as raw JSON. Raises a transient DriverError on API errors
+        (including not found)."""
+        ...
+
+
+class DeviceHealth(Protocol):
+    def failure(self, device_name: str) -> str | None:
+        """Why the device is unusable (critical Xid, lost), or None if healthy.
+        Must not block on NVML: answered from the health monitor's state."""
+        ...
+
+    def ensure_tainted(self, device_name: str) -> None:
+        """Return once the API server has accepted the device's taint; raise otherwise."""
+        ...
+
+
+class FailureReporter(Protocol):
+    def permanent_failure(self, claim: dict[str, Any], error: DriverError) -> None:
+        """Make a permanent failure visible: an Event on the claim and, where enabled,
+        a condition in its device status. Called once per verdict; best effort."""
+        ...
+
+
+class PreparableDevice(Protocol):
+    """What prepare needs of a published device (`driver.devices.types.PublishedDevice`)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def gpu_uuid(self) -> str: ...
+    @property
+    def gpu_minor(self) -> int | None: ...
+    @property
+    def is_partition(self) -> bool: ...
+    @property
+    def max_partitions(self) -> int | None: ...
+    @property
+    def profile(self) -> str | None: ...
+    @property
+    def placement(self) -> tuple[int, int] | None: ...
+    @property
+    def mig(self) -> MigBacking | None: ...
+
+
+def unique(claims: list[ClaimRef] | tuple[ClaimRef, ...]) -> list[ClaimRef]:
+    """The claims without repeated UIDs (first occurrence wins)."""
+    seen: set[str] = set()
+    out: list[ClaimRef] = []
+    for ref in claims:
+        if ref.uid not in seen:
+            seen.add(ref.uid)
+            out.append(ref)
+    return out
+
+
+def check_claim(
+    ref: ClaimRef, claim: dict[str, Any], *, driver_name: str, node_name: str
+) -> list[dict[str, Any]]:
+    """Validate the claim read from the API against the kubelet's request; return
+    this driver's allocation results. Every failure is transient."""
+    where = f"claim {ref.namespace}/{ref.name}"
+    uid = (claim.get("metadata") or {}).get("uid")
+    if uid != ref.uid:
+        raise transient(
+            f"{where}: UID {uid} does not match the requested UID {ref.uid} "
+            "(the claim was deleted and recreated)"
+        )
+    allocation = (claim.get("status") or {}).get("allocation")
+    if not isinstance(allocation, dict):
+        raise transient(f"{where}: claim not yet allocated")
+    if not _allocated_to_node(allocation.get("nodeSelector"), node_name):
+        raise transient(f"{where}: allocated to a different node, not {node_name}")
+    results = (allocation.get("devices") or {}).get("results") or []
+    mine = [r for r in results if isinstance(r, dict) and r.get("driver") == driver_name]
+    if not mine:
+        raise transient(f"{where}: no allocation results for driver {driver_name}")
+    return mine
+
+
+def _allocated_to_node(selector: object, node_name: str) -> bool:
+    """Does an allocation's nodeSelector admit `node_name`? Only `metadata.name` field
+    selectors can be evaluated here; label expressions are assumed to match."""
+    if not isinstance(selector, dict):
+        return True
+    terms = selector.get("nodeSelectorTerms") or []
+    if not terms:
+        return True
+    return any(_term_admits(term, node_name) for term in terms if isinstance(term, dict))
+
+
+def _term_admits(term: dict[str, Any], node_name: str) -> bool:
+    for req in term.get("matchFields") or []:
+        if not isinstance(req, dict) or req.get("key") != "metadata.name":
+            continue
+        values = req.get("values") or []
+        if req.get("operator") == "In" and node_name not in values:
+            return False
+        if req.get("operator") == "NotIn" and node_name in values:
+            return False
+    return True

@@ -1,0 +1,173 @@
+"""MIG devices of prepared claims: created at prepare, destroyed at unprepare, and
+reconciled with the journal at start (docs/mig.md, "Crash safety").
+
+The journal names each owned MIG device by its parent GPU, profile and placement
+before it is created (`PrepareStarted`), and adds the GPU/compute-instance ids and
+UUID once it exists (`PrepareCompleted`). A placement holds at most one GPU instance,
+so the placement alone finds a half-created device after a crash, even a GPU
+instance without its compute instance. Destroying by id first checks that the
+instance with that id still sits at the recorded placement: ids are reused, and an
+id must never destroy another claim's device. Static (not owned) MIG devices are
+never created or destroyed here.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Protocol
+
+from driver.errors import DriverError, transient
+from driver.nvml.mig import MigError, MigTarget
+from driver.nvml.types import MigInstance
+from driver.state.checkpoint import MigRecord, PreparedDevice
+from driver.state.failpoints import failpoint
+from driver.state.planning import PlannedDevice, with_mig
+
+log = logging.getLogger(__name__)
+
+
+class MigOps(Protocol):
+    """`driver.nvml.mig.MigManager`, or a test double."""
+
+    def create(self, target: MigTarget) -> MigInstance: ...
+    def destroy(self, gpu_uuid: str, gi_id: int) -> bool: ...
+    def instances(self, gpu_uuid: str) -> list[MigInstance]: ...
+
+
+def _target(record: MigRecord) -> MigTarget:
+    return MigTarget(record.gpu_uuid, record.profile_id, record.placement, record.slice_count)
+
+
+def _record(record: MigRecord, instance: MigInstance) -> MigRecord:
+    return replace(record, gi_id=instance.gi_id, ci_id=instance.ci_id, uuid=instance.uuid)
+
+
+def _refusal(device: str, err: MigError) -> DriverError:
+    if err.code == "NVML_ERROR_INSUFFICIENT_RESOURCES":
+        hint = (
+            "the placement is occupied (a MIG device created outside this driver, or one "
+            "not yet destroyed); a retry succeeds once it is gone"
+        )
+    elif err.retryable:
+        hint = "a retry may succeed"
+    else:
+        hint = "a retry cannot help until an administrator fixes the GPU's MIG setup"
+    return transient(f"device {device}: {err}; {hint}")
+
+
+class ClaimInstances:
+    """The MIG side of prepare and unprepare. `ops` is None on nodes without MIG
+    support in the backend; then a device that needs a MIG device fails."""
+
+    def __init__(self, ops: MigOps | None) -> None:
+        self._ops = ops
+
+    def _need_ops(self, device: str) -> MigOps:
+        if self._ops is None:
+            raise transient(f"device {device}: this backend cannot manage MIG devices")
+        return self._ops
+
+    # -- prepare -----------------------------------------------------------------------
+
+    def create(self, planned: Sequence[PlannedDevice]) -> list[PlannedDevice]:
+        """Create the claim's owned MIG devices. On a failure the ones created for the
+        claim are destroyed again and a transient error names the device."""
+        done: list[PlannedDevice] = []
+        created: list[MigRecord] = []
+        try:
+            for p in planned:
+                record = p.prepared.mig
+                if record is None or not record.owned:
+                    done.append(p)
+                    continue
+                ops = self._need_ops(p.prepared.device_name)
+                failpoint("prepare-before-mig-create")
+                try:
+                    instance = ops.create(_target(record))
+                except MigError as err:
+                    raise _refusal(p.prepared.device_name, err) from err
+                filled = _record(record, instance)
+                created.append(filled)
+                failpoint("prepare-after-mig-create")
+                done.append(with_mig(p, filled))
+        except BaseException:
+            self._destroy_records(created)
+            raise
+        return done
+
+    def _destroy_records(self, records: Sequence[MigRecord]) -> None:
+        for record in records:
+            try:
+                self._destroy(record)
+            except DriverError as err:  # found by its placement at the next start
+                log.error("destroying MIG device %s failed: %s", record.uuid, err)
+
+    # -- unprepare ---------------------------------------------------------------------
+
+    def destroy(self, devices: Sequence[PreparedDevice]) -> None:
+        """Destroy the owned MIG devices of a prepared (or half-prepared) claim.
+        Raises a transient error; what is gone stays gone, a repeat finishes."""
+        for device in devices:
+            record = device.mig
+            if record is None or not record.owned:
+                continue
+            failpoint("unprepare-before-mig-destroy")
+            self._destroy(record, device.device_name)
+            failpoint("unprepare-after-mig-destroy")
+
+    def _live_at(self, record: MigRecord, device: str) -> MigInstance | None:
+        ops = self._need_ops(device)
+        try:
+            live = ops.instances(record.gpu_uuid)
+        except MigError as err:
+            raise _refusal(device, err) from err
+        for instance in live:
+            same_place = (instance.placement, instance.profile_id) == (
+                record.placement,
+                record.profile_id,
+            )
+            if same_place and (record.gi_id is None or instance.gi_id == record.gi_id):
+                return instance
+        return None
+
+    def _destroy(self, record: MigRecord, device: str = "") -> None:
+        name = device or f"MIG {record.placement} on {record.gpu_uuid}"
+        instance = self._live_at(record, name)
+        if instance is None:
+            return  # already gone (a repeated unprepare, a reboot)
+        try:
+            self._need_ops(name).destroy(record.gpu_uuid, instance.gi_id)
+        except MigError as err:
+            raise _refusal(name, err) from err
+
+    # -- start -------------------------------------------------------------------------
+
+    def restore(self, devices: Sequence[PreparedDevice]) -> tuple[PreparedDevice, ...] | None:
+        """A completed claim's owned MIG devices after a restart: each must still be at
+        its placement; one that is gone (a reboot destroys every MIG device) is created
+        again there. Returns the devices with the new ids/UUIDs, or None if nothing
+        changed. Raises a transient error if a device cannot be recreated."""
+        changed = False
+        out: list[PreparedDevice] = []
+        for device in devices:
+            record = device.mig
+            if record is None or not record.owned:
+                out.append(device)
+                continue
+            live = self._live_at(record, device.device_name)
+            if live is None:
+                try:
+                    live = self._need_ops(device.device_name).create(_target(record))
+                except MigError as err:
+                    raise _refusal(device.device_name, err) from err
+                log.warning(
+                    "recreated the MIG device of %s for a prepared claim (was %s, now %s)",
+                    device.device_name,
+                    record.uuid,
+                    live.uuid,
+                )
+                changed = True
+            out.append(replace(device, mig=_record(record, live)))
+        return tuple(out) if changed else None

@@ -1,0 +1,246 @@
+"""Planning a claim (no NVML, no disk) and rendering its CDI spec.
+
+`plan_claim` resolves the claim's configs, checks device health and the device rules,
+and yields one `PlannedDevice` per allocated device: the journal's `PreparedDevice`
+(with the MIG intent where a MIG device must be created) and the device's env. Once
+the MIG devices exist, `render_spec` builds the CDI spec: the env, and on real GPUs
+`NVIDIA_VISIBLE_DEVICES` and the device nodes the container needs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from driver.config import GpuConfig, resolve_configs, validate_for_device
+from driver.errors import device_failed, transient
+from driver.nvml.caps import mig_device_nodes
+from driver.state.cdi import (
+    CONTROL_DEVICE_NODES,
+    CdiDevice,
+    ClaimSpec,
+    SharingEnv,
+    cdi_device_name,
+    claim_device_env,
+)
+from driver.state.checkpoint import MigRecord, PreparedDevice
+from driver.state.claims import ClaimRef, DeviceHealth, PreparableDevice
+
+
+@dataclass(frozen=True)
+class PlannedDevice:
+    prepared: PreparedDevice
+    cdi_name: str
+    env: tuple[str, ...]
+    gpu_uuid: str
+    gpu_minor: int | None
+
+
+@dataclass(frozen=True)
+class CdiContext:
+    """How specs are rendered on this node."""
+
+    real_devices: bool  # device nodes and NVIDIA_VISIBLE_DEVICES for real GPUs
+    caps_root: Path  # where /proc/driver/nvidia/capabilities is read (real: "/")
+
+
+def _sharing_env(config: GpuConfig) -> SharingEnv:
+    return SharingEnv(
+        strategy=config.strategy.value,
+        interval=config.interval.value if config.interval is not None else None,
+        partition_count=config.partition_count,
+    )
+
+
+def check_health(ref: ClaimRef, results: Sequence[dict[str, Any]], health: DeviceHealth) -> None:
+    """A failed allocated device is tainted (waiting until the API server accepted
+    the taint), then the claim fails permanently with device-failed."""
+    failed: list[str] = []
+    for result in results:
+        name = str(result.get("device"))
+        reason = health.failure(name)
+        if reason is not None:
+            failed.append(f"{name}: {reason}")
+            try:
+                health.ensure_tainted(name)
+            except Exception as err:  # not permanent until the API accepted the taint
+                raise transient(
+                    f"device {name} failed ({reason}) but tainting it failed: {err}"
+                ) from err
+    if failed:
+        raise device_failed(
+            f"allocated device(s) unusable for claim {ref.namespace}/{ref.name}: "
+            + "; ".join(failed)
+            + " (tainted; the scheduler will not pick them again)"
+        )
+
+
+def _mig_intent(device: PreparableDevice) -> MigRecord | None:
+    backing = device.mig
+    if backing is None:
+        return None
+    existing = backing.existing
+    return MigRecord(
+        gpu_uuid=device.gpu_uuid,
+        profile_id=backing.profile_id,
+        slice_count=backing.slice_count,
+        placement=backing.placement,
+        owned=existing is None,
+        gi_id=existing.gi_id if existing is not None else None,
+        ci_id=existing.ci_id if existing is not None else None,
+        uuid=existing.uuid if existing is not None else None,
+    )
+
+
+def plan_claim(
+    ref: ClaimRef,
+    claim: dict[str, Any],
+    driver_results: Sequence[dict[str, Any]],
+    *,
+    driver_name: str,
+    devices: Mapping[str, PreparableDevice],
+    cdi_ids: Callable[[str, str, str | None], list[str]],
+) -> tuple[PlannedDevice, ...]:
+    """Raises ConfigError (permanent invalid-config) or a transient error. Device
+    health is checked before (`check_health`), outside the node lock."""
+    configs = resolve_configs(claim["status"]["allocation"], driver_name)
+    planned: list[PlannedDevice] = []
+    for result in driver_results:
+        name = str(result.get("device"))
+        device = devices.get(name)
+        if device is None:
+            raise transient(
+                f"requested device is not allocatable: {name} (not published by this node)"
+            )
+        request = str(result.get("request"))
+        config = configs[request]
+        validate_for_device(
+            config,
+            device_name=name,
+            is_partition=device.is_partition,
+            max_partitions=device.max_partitions,
+        )
+        share_id = result.get("shareID") or None
+        admin = bool(result.get("adminAccess", False))
+        prepared = PreparedDevice(
+            pool_name=str(result.get("pool")),
+            device_name=name,
+            request_names=(request.split("/", 1)[0],),
+            cdi_device_ids=tuple(cdi_ids(ref.uid, name, share_id)),
+            share_id=share_id,
+            admin_access=admin,
+            mig=_mig_intent(device),
+        )
+        env = claim_device_env(
+            claim_uid=ref.uid,
+            device_name=name,
+            admin_access=admin,
+            sharing=_sharing_env(config),
+            consumed_capacity=result.get("consumedCapacity"),
+        )
+        planned.append(
+            PlannedDevice(
+                prepared=prepared,
+                cdi_name=cdi_device_name(ref.uid, name, share_id),
+                env=tuple(env),
+                gpu_uuid=device.gpu_uuid,
+                gpu_minor=device.gpu_minor,
+            )
+        )
+    return tuple(planned)
+
+
+def with_mig(planned: PlannedDevice, record: MigRecord) -> PlannedDevice:
+    return replace(planned, prepared=replace(planned.prepared, mig=record))
+
+
+def _visible_id(planned: PlannedDevice) -> str:
+    mig = planned.prepared.mig
+    if mig is not None:
+        if mig.uuid is None:
+            raise transient(f"device {planned.prepared.device_name}: its MIG device has no UUID")
+        return mig.uuid
+    return planned.gpu_uuid
+
+
+def _device_nodes(planned: PlannedDevice, context: CdiContext) -> tuple[str, ...]:
+    if planned.gpu_minor is None:
+        return ()
+    parent = f"/dev/nvidia{planned.gpu_minor}"
+    mig = planned.prepared.mig
+    if mig is None:
+        return (parent,)
+    if mig.gi_id is None or mig.ci_id is None:
+        raise transient(f"device {planned.prepared.device_name}: MIG device ids unknown")
+    return (parent, *mig_device_nodes(context.caps_root, planned.gpu_minor, mig.gi_id, mig.ci_id))
+
+
+def render_spec(planned: Sequence[PlannedDevice], context: CdiContext) -> ClaimSpec:
+    """The claim's CDI spec. Every device of the claim carries the same
+    `NVIDIA_VISIBLE_DEVICES` (all of the claim's GPUs / MIG devices), so a container
+    that gets several of them sees all; on the mock it is set only for MIG devices,
+    whose UUIDs the driver created (whole mock GPUs keep the reference's env)."""
+    visible: list[str] = []
+    for p in planned:
+        vid = _visible_id(p)
+        if vid not in visible:
+            visible.append(vid)
+    with_visible = context.real_devices or any(p.prepared.mig is not None for p in planned)
+    extra = (f"NVIDIA_VISIBLE_DEVICES={','.join(visible)}",) if with_visible else ()
+    devices = tuple(
+        CdiDevice(
+            name=p.cdi_name,
+            env=(*p.env, *extra),
+            device_nodes=_device_nodes(p, context) if context.real_devices else (),
+        )
+        for p in planned
+    )
+    nodes = CONTROL_DEVICE_NODES if context.real_devices else ()
+    return ClaimSpec(devices, nodes)
+
+
+def respec_restored(
+    spec: ClaimSpec,
+    old: Sequence[PreparedDevice],
+    new: Sequence[PreparedDevice],
+    context: CdiContext,
+) -> ClaimSpec:
+    """The claim's spec after `restore` recreated MIG devices (new UUIDs and ids):
+    the old UUIDs in every env replaced, and the capability nodes of the recreated
+    devices re-read. Everything else stays byte for byte."""
+    uuids: dict[str, str] = {}
+    nodes: dict[str, tuple[str, ...]] = {}
+    for before, after in zip(old, new, strict=True):
+        if before.mig is None or after.mig is None or before.mig == after.mig:
+            continue
+        if before.mig.uuid and after.mig.uuid:
+            uuids[before.mig.uuid] = after.mig.uuid
+        name = after.cdi_device_ids[0].split("=", 1)[-1]
+        if context.real_devices and after.mig.gi_id is not None and after.mig.ci_id is not None:
+            minor = _parent_minor(spec, name)
+            if minor is not None:
+                caps = mig_device_nodes(context.caps_root, minor, after.mig.gi_id, after.mig.ci_id)
+                nodes[name] = (f"/dev/nvidia{minor}", *caps)
+
+    def env(values: tuple[str, ...]) -> tuple[str, ...]:
+        out = []
+        for value in values:
+            for before, after in uuids.items():
+                value = value.replace(before, after)
+            out.append(value)
+        return tuple(out)
+
+    devices = tuple(
+        CdiDevice(d.name, env(d.env), nodes.get(d.name, d.device_nodes)) for d in spec.devices
+    )
+    return ClaimSpec(devices, spec.device_nodes)
+
+
+def _parent_minor(spec: ClaimSpec, name: str) -> int | None:
+    for device in spec.devices:
+        if device.name == name and device.device_nodes:
+            tail = device.device_nodes[0].removeprefix("/dev/nvidia")
+            return int(tail) if tail.isdigit() else None
+    return None

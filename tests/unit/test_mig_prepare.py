@@ -1,0 +1,245 @@
+"""Prepare/unprepare of MIG devices through DeviceState, the MIG manager and the mock
+NVML (whose MIG state and capability files live under a driver root, as on a GPU)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from driver.devices.model import MigStrategy, PoolDevices, PoolOptions, build_pool
+from driver.nvml.backend import NvmlBackend
+from driver.nvml.fleet import parse_fleet
+from driver.nvml.mig import MigTarget
+from driver.nvml.mock import MockNvml
+from driver.nvml.mock_mig_state import mig_minor
+from driver.state.checkpoint import Checkpoint, ClaimState
+from driver.state.claims import ClaimRef
+from driver.state.prepare import DeviceState
+
+DRIVER = "gpu.example.com"
+NODE = "node-a"
+
+
+class Claims:
+    def __init__(self) -> None:
+        self.docs: dict[str, dict[str, Any]] = {}
+
+    def add(self, uid: str, *devices: str) -> ClaimRef:
+        results = [
+            {"request": f"r{i}", "driver": DRIVER, "pool": NODE, "device": d}
+            for i, d in enumerate(devices)
+        ]
+        self.docs[uid] = {
+            "metadata": {"namespace": "default", "name": f"claim-{uid}", "uid": uid},
+            "status": {"allocation": {"devices": {"results": results, "config": []}}},
+        }
+        return ClaimRef("default", f"claim-{uid}", uid)
+
+    def get(self, namespace: str, name: str) -> dict[str, Any]:
+        return self.docs[name.removeprefix("claim-")]
+
+
+class Healthy:
+    def failure(self, device_name: str) -> str | None:
+        return None
+
+    def ensure_tainted(self, device_name: str) -> None:
+        raise AssertionError("nothing is failed")
+
+
+class NoReports:
+    def permanent_failure(self, claim: dict[str, Any], error: Any) -> None:
+        raise AssertionError(f"unexpected permanent error {error}")
+
+
+@dataclass
+class Node:
+    root: Path
+    backend: NvmlBackend
+    pool: PoolDevices
+    state: DeviceState
+    claims: Claims
+
+    @property
+    def mock(self) -> MockNvml:
+        module = self.backend.module
+        assert isinstance(module, MockNvml)
+        return module
+
+    def live(self, minor: int = 0) -> list[Any]:
+        return self.backend.mig().instances(self.mock.gpus[minor].uuid)
+
+    def spec(self, uid: str) -> dict[str, Any]:
+        doc = self.state.cdi.read_claim_spec(uid)
+        assert doc is not None, f"no CDI spec for {uid}"
+        return doc
+
+
+def make_node(root: Path, fleet: dict[str, Any], strategy: MigStrategy = MigStrategy.AUTO) -> Node:
+    driver_root = root / "driver-root"
+    backend = NvmlBackend(MockNvml(parse_fleet(fleet), NODE, driver_root=driver_root))
+    claims = Claims()
+    state = DeviceState(
+        driver_name=DRIVER,
+        node_name=NODE,
+        devices={},
+        cdi_root=root / "cdi",
+        data_dir=root / "plugin",
+        claims=claims,
+        health=Healthy(),
+        reporter=NoReports(),
+        real_devices=True,
+        mig=backend.mig(),
+        caps_root=driver_root,
+    )
+    state.recover()
+    pool = build_pool(
+        backend.discover(), PoolOptions(mig_strategy=strategy), owned_mig=state.owned_mig()
+    )
+    state.devices = {d.name: d for d in pool.devices}
+    return Node(root, backend, pool, state, claims)
+
+
+H100 = {"gpus": [{"model": "H100-80GB", "count": 1}]}
+
+
+@pytest.fixture
+def node(tmp_path: Path) -> Node:
+    return make_node(tmp_path, H100)
+
+
+def test_dynamic_partition_is_created_at_prepare_and_destroyed_at_unprepare(node: Node) -> None:
+    ref = node.claims.add("u1", "gpu-0-mig-1g10gb-3")
+    res = node.state.prepare([ref])["u1"]
+    assert res.ok, res.error
+
+    (live,) = node.live()
+    assert live.placement == (3, 1) and live.uuid is not None and live.uuid.startswith("MIG-")
+    record = res.devices[0].mig
+    assert record is not None and record.owned
+    assert (record.gi_id, record.ci_id, record.uuid) == (live.gi_id, live.ci_id, live.uuid)
+    edits = node.spec("u1")["devices"][0]["containerEdits"]
+    assert edits["env"][-1] == f"NVIDIA_VISIBLE_DEVICES={live.uuid}"
+    # The MIG device only: its parent's node and its two capability nodes.
+    assert [n["path"] for n in edits["deviceNodes"]] == [
+        "/dev/nvidia0",
+        f"/dev/nvidia-caps/nvidia-cap{mig_minor(0, live.gi_id)}",
+        f"/dev/nvidia-caps/nvidia-cap{mig_minor(0, live.gi_id, live.ci_id)}",
+    ]
+    entry = Checkpoint(node.root / "plugin").load()["u1"]
+    assert entry.state is ClaimState.PREPARE_COMPLETED and entry.devices == res.devices
+
+    assert node.state.unprepare([ref]) == {"u1": None}
+    assert node.live() == []
+    assert node.state.unprepare([ref]) == {"u1": None}  # repeated: nothing left to do
+
+
+def test_whole_gpu_in_mig_mode_is_delivered_as_the_full_size_mig_device(node: Node) -> None:
+    res = node.state.prepare([node.claims.add("w", "gpu-0")])["w"]
+    assert res.ok, res.error
+    (live,) = node.live()
+    assert live.placement == (0, 8)
+    env = node.spec("w")["devices"][0]["containerEdits"]["env"]
+    assert env[-1] == f"NVIDIA_VISIBLE_DEVICES={live.uuid}"
+
+
+def test_two_partitions_of_one_claim_see_both_mig_devices(node: Node) -> None:
+    ref = node.claims.add("two", "gpu-0-mig-1g10gb-0", "gpu-0-mig-1g10gb-1")
+    assert node.state.prepare([ref])["two"].ok
+    uuids = sorted(str(m.uuid) for m in node.live())
+    for device in node.spec("two")["devices"]:
+        visible = device["containerEdits"]["env"][-1].split("=", 1)[1].split(",")
+        assert sorted(visible) == uuids
+
+
+def test_occupied_placement_is_a_transient_error_naming_the_device(node: Node) -> None:
+    gpu = node.mock.gpus[0].uuid
+    node.backend.mig().create(MigTarget(gpu, 19, (2, 1), 1))  # created behind the driver's back
+    ref = node.claims.add("busy", "gpu-0-mig-2g20gb-2")
+    error = node.state.prepare([ref])["busy"].error
+    assert error is not None and not error.permanent
+    assert "gpu-0-mig-2g20gb-2" in str(error) and "occupied" in str(error)
+    assert "NVML_ERROR_INSUFFICIENT_RESOURCES" in str(error)
+    assert [m.placement for m in node.live()] == [(2, 1)]  # nothing half-created left
+    assert Checkpoint(node.root / "plugin").load() == {}
+
+
+def test_overlapping_placements_are_refused_on_the_node(node: Node) -> None:
+    """The scheduler's counters normally prevent this; the node must hold even when
+    they are bypassed (a stale allocation, a force-deleted claim)."""
+    first = node.claims.add("big", "gpu-0-mig-3g40gb-0")
+    assert node.state.prepare([first])["big"].ok
+    second = node.claims.add("small", "gpu-0-mig-1g10gb-2")  # slice 2 lies in 0..3
+    error = node.state.prepare([second])["small"].error
+    assert error is not None and "overlaps device gpu-0-mig-3g40gb-0" in str(error)
+    third = node.claims.add("whole", "gpu-0")
+    assert "overlaps" in str(node.state.prepare([third])["whole"].error)
+    beside = node.claims.add("beside", "gpu-0-mig-1g10gb-4")
+    assert node.state.prepare([beside])["beside"].ok
+    assert sorted(m.placement for m in node.live()) == [(0, 4), (4, 1)]
+
+
+def test_overlapping_placements_in_one_request_are_refused(node: Node) -> None:
+    a = node.claims.add("a", "gpu-0-mig-2g20gb-0")
+    b = node.claims.add("b", "gpu-0-mig-1g10gb-1")
+    res = node.state.prepare([a, b])
+    assert res["a"].ok and res["b"].error is not None
+    assert [m.placement for m in node.live()] == [(0, 2)]
+
+
+STATIC = {
+    "gpus": [
+        {
+            "model": "H100-80GB",
+            "count": 1,
+            "migInstances": [
+                {"profile": "1g.10gb", "start": 0},
+                {"profile": "3g.40gb", "start": 4},
+            ],
+        }
+    ]
+}
+
+
+def test_static_mig_devices_are_published_prepared_and_never_destroyed(tmp_path: Path) -> None:
+    node = make_node(tmp_path, STATIC)
+    names = [d.name for d in node.pool.devices]
+    assert names == ["gpu-0-mig-1g10gb-0", "gpu-0-mig-3g40gb-4"]  # exactly those
+    before = node.live()
+    published = node.pool.device("gpu-0-mig-3g40gb-4").document["attributes"]["uuid"]
+    static = next(m for m in before if m.placement == (4, 4))
+    assert published == {"string": static.uuid}
+
+    ref = node.claims.add("s", "gpu-0-mig-3g40gb-4")
+    res = node.state.prepare([ref])["s"]
+    assert res.ok, res.error
+    assert res.devices[0].mig is not None and not res.devices[0].mig.owned
+    env = node.spec("s")["devices"][0]["containerEdits"]["env"]
+    assert env[-1] == f"NVIDIA_VISIBLE_DEVICES={static.uuid}"
+    assert node.state.unprepare([ref]) == {"s": None}
+    assert node.live() == before  # untouched
+
+
+def test_reboot_recreates_the_mig_devices_of_prepared_claims(tmp_path: Path) -> None:
+    node = make_node(tmp_path, H100)
+    ref = node.claims.add("r", "gpu-0-mig-2g20gb-4")
+    assert node.state.prepare([ref])["r"].ok
+    for path in (tmp_path / "cdi").iterdir():  # the CDI root is a tmpfs
+        path.unlink()
+    node.mock.mock_reboot()
+    assert node.live() == []
+
+    restarted = make_node(tmp_path, H100)  # recover() runs first, then discovery
+
+    (live,) = restarted.live()
+    assert live.placement == (4, 2)
+    entry = Checkpoint(tmp_path / "plugin").load()["r"]
+    record = entry.devices[0].mig
+    assert record is not None and record.uuid == live.uuid
+    env = restarted.spec("r")["devices"][0]["containerEdits"]["env"]
+    assert env[-1] == f"NVIDIA_VISIBLE_DEVICES={live.uuid}"
+    assert restarted.pool.mig_modes[restarted.mock.gpus[0].uuid] == "dynamic"
+    assert restarted.state.unprepare([ref]) == {"r": None} and restarted.live() == []
