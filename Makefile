@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: venv proto proto-check lint typecheck unit integration e2e test test-reliability \
+.PHONY: venv proto proto-check lint typecheck unit integration e2e test test-gpu test-reliability \
         cluster-build cluster-up cluster-down cluster-status demo bench clean helm image \
         kind-up kind-install kind-demo kind-down
 
@@ -67,7 +67,13 @@ demo:
 
 # Everything CI runs: static checks, generated code up to date, every test tier.
 test: venv proto-check lint typecheck cluster-build helm
-	$(VENV)/bin/pytest tests $(PYTEST_ARGS)
+	$(VENV)/bin/pytest tests --ignore=tests/gpu $(PYTEST_ARGS)
+
+# The real-GPU tier: discovery, events, prepare and the MIG lifecycle against the
+# host's libnvidia-ml. Skips with one line where there is no GPU; never changes a
+# GPU's MIG mode. docs/gpu-testing.md.
+test-gpu: venv
+	$(VENV)/bin/pytest tests/gpu $(PYTEST_ARGS)
 
 # The driver image as an OCI archive, without Docker (needs root); see hack/build-image.sh.
 image:

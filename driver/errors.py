@@ -1,4 +1,4 @@
-"""Error classification shared by every failure path (DESIGN.md §6, KEP-5322)."""
+"""Error classification shared by every failure path (docs/architecture.md "Errors", KEP-5322)."""
 
 from __future__ import annotations
 
