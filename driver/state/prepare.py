@@ -220,9 +220,14 @@ class DeviceState:
         return teardown.recover(self)
 
     def owned_mig(self) -> frozenset[tuple[str, int]]:
-        """(GPU UUID, GPU-instance id) of every MIG device a completed claim owns."""
+        """(GPU UUID, GPU-instance id) of every MIG device a completed claim owns. With
+        a corrupt journal nothing is known to be owned: every MIG device counts as
+        foreign, so none is ever destroyed or overlapped until the journal is repaired."""
         with self.lock.hold():
-            journal = self.checkpoint.load()
+            try:
+                journal = self.checkpoint.load()
+            except CheckpointCorruptError:
+                return frozenset()
         return frozenset(
             (d.mig.gpu_uuid, d.mig.gi_id)
             for entry in journal.values()

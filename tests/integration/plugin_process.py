@@ -73,6 +73,7 @@ class PluginProcess:
         self.plugins_dir = short / "plugins"
         self.cdi_root = short / "cdi"
         self.data_dir = self.plugins_dir / DRIVER
+        self.mock_driver_root = self.data_dir / "mock-driver-root"  # the plugin's default
         self.http_port = free_port()
         self.args = list(args)
         self.env = env or {}

@@ -7,6 +7,7 @@ tier exists); claims are allocated by the real scheduler.
 from __future__ import annotations
 
 import signal
+import uuid
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,6 +15,10 @@ from typing import Any
 
 import pytest
 
+from driver.nvml.backend import NvmlBackend
+from driver.nvml.fleet import default_fleet
+from driver.nvml.mock import MockNvml
+from driver.nvml.types import MigInstance
 from driver.proto.dra.v1 import api_pb2
 from driver.state.cdi import CdiSpecs
 from driver.state.checkpoint import Checkpoint, ClaimState
@@ -79,6 +84,13 @@ def kubelet(plugin: PluginProcess, cluster: Cluster, node: FakeNode) -> Iterator
 def pool(cluster: Cluster, node: FakeNode, plugin: PluginProcess) -> list[dict[str, Any]]:
     apply(cluster, namespace(NS), device_class("whole-gpu.example.com", WHOLE_GPU))
     return cluster.wait_for(lambda: complete_pool(cluster, node.name), timeout=60, what="pool")
+
+
+def live_mig(plugin: PluginProcess, pool: list[dict[str, Any]], gpu: str) -> list[MigInstance]:
+    """The MIG devices on a GPU of the plugin's mock node, as NVML reports them."""
+    uuid = published_devices(pool)[gpu]["attributes"]["uuid"]["string"]
+    mock = MockNvml(default_fleet(), plugin.node_name, driver_root=plugin.mock_driver_root)
+    return NvmlBackend(mock).mig().instances(uuid)
 
 
 def allocated_claim(
@@ -213,12 +225,17 @@ def test_valid_config_yields_cdi_env_and_calls_are_idempotent(
     spec = plugin.cdi_specs()[spec_path.name]
     env = [e for d in spec["devices"] for e in d["containerEdits"].get("env", [])]
     assert spec["kind"] == f"k8s.{DRIVER}/gpu"
+    # The default mock fleet has MIG on: the whole GPU is its full-size MIG device,
+    # created by this prepare in the plugin's mock driver root.
+    (mig,) = live_mig(plugin, pool, "gpu-2")
+    assert mig.placement == (0, 8)
     assert env == [
         f"GPU_DEVICE_GPU_2_RESOURCE_CLAIM={ref[1]}",
         "DRA_ADMIN_ACCESS=false",
         "GPU_DEVICE_2=gpu-2",
         "GPU_DEVICE_2_SHARING_STRATEGY=TimeSlicing",
         "GPU_DEVICE_2_TIMESLICE_INTERVAL=Long",
+        f"NVIDIA_VISIBLE_DEVICES={mig.uuid}",
     ]
     known = {f"{s['kind']}={d['name']}" for s in plugin.cdi_specs().values() for d in s["devices"]}
     for cdi_id in device.cdi_device_ids:
@@ -228,10 +245,10 @@ def test_valid_config_yields_cdi_env_and_calls_are_idempotent(
     assert again == first
     assert kubelet.unprepare(DRIVER, [ref])[ref[1]].error == ""
     assert not spec_path.exists()
+    assert live_mig(plugin, pool, "gpu-2") == []
     assert kubelet.unprepare(DRIVER, [ref])[ref[1]].error == ""
-    assert (
-        kubelet.unprepare(DRIVER, [("ns", "never-seen-uid", "ghost")])["never-seen-uid"].error == ""
-    )
+    ghost = str(uuid.uuid4())
+    assert kubelet.unprepare(DRIVER, [("ns", ghost, "ghost")])[ghost].error == ""
 
 
 SOCKET_BOUND_SECONDS = 3.0  # the plugin checks its sockets every second
