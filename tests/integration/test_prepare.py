@@ -7,8 +7,8 @@ tier exists); claims are allocated by the real scheduler.
 from __future__ import annotations
 
 import signal
-import uuid
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
