@@ -131,7 +131,9 @@ def plan_claim(
             cdi_device_ids=tuple(cdi_ids(ref.uid, name, share_id)),
             share_id=share_id,
             admin_access=admin,
-            mig=_mig_intent(device),
+            # Admin access observes a device another claim may be using: it never
+            # creates (or later destroys) a MIG device; it sees the parent GPU.
+            mig=None if admin else _mig_intent(device),
         )
         env = claim_device_env(
             claim_uid=ref.uid,

@@ -243,3 +243,17 @@ def test_reboot_recreates_the_mig_devices_of_prepared_claims(tmp_path: Path) -> 
     assert env[-1] == f"NVIDIA_VISIBLE_DEVICES={live.uuid}"
     assert restarted.pool.mig_modes[restarted.mock.gpus[0].uuid] == "dynamic"
     assert restarted.state.unprepare([ref]) == {"r": None} and restarted.live() == []
+
+
+def test_admin_access_never_creates_a_mig_device(node: Node) -> None:
+    user = node.claims.add("user", "gpu-0-mig-2g20gb-0")
+    assert node.state.prepare([user])["user"].ok
+    admin = node.claims.add("admin", "gpu-0-mig-2g20gb-0")
+    node.claims.docs["admin"]["status"]["allocation"]["devices"]["results"][0]["adminAccess"] = True
+    res = node.state.prepare([admin])["admin"]
+    assert res.ok, res.error
+    assert res.devices[0].mig is None
+    env = node.spec("admin")["devices"][0]["containerEdits"]["env"]
+    assert env[-1] == f"NVIDIA_VISIBLE_DEVICES={node.mock.gpus[0].uuid}"
+    assert node.state.unprepare([admin]) == {"admin": None}
+    assert [m.placement for m in node.live()] == [(0, 2)]  # the user's device stays
