@@ -7,6 +7,8 @@ import copy
 import io
 import json
 import os
+import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -1013,3 +1015,34 @@ def test_entry_without_stored_spec_is_reported_missing_and_redone(env: Env) -> N
     res = env.prepare_one(ref)
     assert res.ok and env.state.cdi.claim_spec_exists("uid-1")
     assert env.state.stats.rollbacks == 1
+
+
+def test_taint_wait_of_a_failed_gpu_does_not_stall_other_claims(env: Env) -> None:
+    """During an API outage tainting a failed GPU waits (up to 10 s in the plugin);
+    that wait happens outside the node lock, so unrelated prepares and unprepares go on."""
+    release = threading.Event()
+    env.health.failures["gpu-1"] = "Xid 79"
+
+    def slow_taint(device_name: str) -> None:
+        release.wait(5)
+        raise transient("API server unreachable")
+
+    env.health.ensure_tainted = slow_taint  # type: ignore[method-assign]
+    failed = env.claims.add(make_claim("uid-f", [result("gpu-1")]))
+    healthy = env.claims.add(make_claim("uid-h", [result("gpu-0")]))
+    outcome: dict[str, Any] = {}
+    waiting = threading.Thread(target=lambda: outcome.update(env.state.prepare([failed])))
+    waiting.start()
+    try:
+        time.sleep(0.2)  # the failed claim is now waiting for its taint
+        started = time.monotonic()
+        assert env.prepare_one(healthy).ok
+        assert env.state.unprepare([healthy]) == {"uid-h": None}
+        elapsed = time.monotonic() - started
+    finally:
+        release.set()
+        waiting.join(10)
+    assert not waiting.is_alive()
+    assert elapsed < 1.0, f"unrelated prepare+unprepare took {elapsed:.2f}s"
+    error = outcome["uid-f"].error
+    assert error is not None and not error.permanent and "tainting it failed" in str(error)
