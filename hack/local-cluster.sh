@@ -13,6 +13,7 @@
 #   hack/local-cluster.sh node-preflight   check the host for kubelet/containerd state
 #                                  that these scripts did not create (what `up
 #                                  --with-node` refuses on); changes nothing
+#   hack/local-cluster.sh restart-kubelet   restart the node's kubelet alone (containers keep running)
 #   hack/local-cluster.sh status   show what runs and where (exit 1 if not all healthy)
 #   hack/local-cluster.sh env      print shell exports (KUBECONFIG, PATH) for the cluster
 #   hack/local-cluster.sh bin-dir  print the directory of the cached binaries
@@ -127,6 +128,11 @@ cmd_main() {
       if ! node_host_guard "set up the node"; then exit 1; fi
       progress "no foreign node state: $(node_marker_state)"
       ;;
+    restart-kubelet)
+      declare -F restart_kubelet >/dev/null || die "hack/lib/node.sh is missing"
+      load_recorded_ports
+      restart_kubelet
+      ;;
     status) cmd_status ;;
     env) cmd_env ;;
     bin-dir) printf '%s\n' "$BIN_DIR" ;;
@@ -135,7 +141,7 @@ cmd_main() {
       driver_image_tag
       printf '\n'
       ;;
-    *) die "usage: $0 build|up [--with-node]|down|status|env|bin-dir|driver-image-tag|node-preflight" ;;
+    *) die "usage: $0 build|up [--with-node]|down|restart-kubelet|status|env|bin-dir|driver-image-tag|node-preflight" ;;
   esac
 }
 

@@ -651,6 +651,20 @@ up_node() {
   progress "node $NODE_NAME up in $(( $(date +%s) - t0 ))s (kubelet $NODE_IP:$KUBELET_PORT, containerd $CONTAINERD_SOCK)"
 }
 
+# The kubelet alone restarts (running containers stay, as with systemctl restart
+# kubelet): the fault the e2e tier injects to check re-registration and idempotency.
+restart_kubelet() {
+  node_running || die "the node is not running (hack/local-cluster.sh up --with-node)"
+  local t0
+  t0=$(date +%s)
+  stop_component kubelet
+  start_kubelet
+  wait_for 120 "kubelet healthy" kubelet kubelet_healthy
+  write_node_marker # the new kubelet pid
+  wait_for "$UP_TIMEOUT" "node $NODE_NAME Ready" kubelet node_ready
+  progress "kubelet restarted in $(( $(date +%s) - t0 ))s"
+}
+
 kill_node_containers() {
   containerd_ready >/dev/null 2>&1 || return 0
   local id n=0

@@ -152,3 +152,46 @@ def test_deleted_registration_socket_the_real_kubelet_registers_the_plugin_again
         e.wait_pods_ready(demo_namespace(TEMPLATE), "app=gpu-demo", 2, timeout=180)
     finally:
         e.delete_file(TEMPLATE)
+
+
+JOURNAL = Path("/var/lib/kubelet/plugins") / DRIVER / "checkpoint.json"
+
+
+def _restarts(e: E2E, namespace: str) -> dict[str, int]:
+    pods = e.get("pods", "-n", namespace)["items"]
+    return {
+        p["metadata"]["name"]: sum(c["restartCount"] for c in p["status"]["containerStatuses"])
+        for p in pods
+    }
+
+
+def test_kubelet_restart_registers_again_and_prepares_nothing_twice(e2e: E2E) -> None:
+    e = e2e
+    namespace = demo_namespace(TEMPLATE)
+    e.apply_file(TEMPLATE)
+    try:
+        e.wait_pods_ready(namespace, "app=gpu-demo", 2, timeout=180)
+        journal = JOURNAL.read_bytes()
+        restarts = _restarts(e, namespace)
+
+        restarted = e.script("restart-kubelet", timeout=300)
+        assert restarted.returncode == 0, restarted.stdout + restarted.stderr
+        wait_for(
+            lambda: e.metric("gpu_dra_kubelet_registered") == 1,
+            REREGISTER_BOUND_SECONDS * 6,
+            "the restarted kubelet to register the plugin",
+            interval=0.5,
+        )
+        e.wait_pods_ready(namespace, "app=gpu-demo", 2, timeout=120)
+        # Running pods kept their containers and their claims' local state: the
+        # journal (with any MIG device ids and UUIDs) is byte for byte the same.
+        assert _restarts(e, namespace) == restarts
+        assert JOURNAL.read_bytes() == journal
+    finally:
+        e.delete_file(TEMPLATE)
+    # And the node still prepares new claims through the new kubelet.
+    e.apply_file(TEMPLATE)
+    try:
+        e.wait_pods_ready(namespace, "app=gpu-demo", 2, timeout=180)
+    finally:
+        e.delete_file(TEMPLATE)
