@@ -127,3 +127,24 @@ def test_without_nvml_library_is_a_clear_error(
     code, out, err = run(capsys, "--node-name", "n1")
     assert code == 1 and out == ""
     assert "NVML is not available" in err and "--mock" in err
+
+
+def test_mig_on_with_precreated_instances_shows_exactly_those(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    fleet = tmp_path / "static.yaml"
+    fleet.write_text(
+        "gpus:\n"
+        "- model: H100-80GB\n"
+        "  count: 1\n"
+        "  migInstances: [{profile: 1g.10gb, start: 0}, {profile: 3g.40gb, start: 4}]\n"
+        "- model: H100-80GB\n"
+        "  count: 1\n"
+    )
+    code, out, _ = run(capsys, "--mock", str(fleet), "--node-name", "n1", "-o", "json")
+    assert code == 0
+    names = [d["name"] for doc in json.loads(out)["items"] for d in doc["spec"].get("devices", [])]
+    gpu0 = [n for n in names if n == "gpu-0" or n.startswith("gpu-0-")]
+    assert gpu0 == ["gpu-0-mig-1g10gb-0", "gpu-0-mig-3g40gb-4"]  # static: exactly those
+    gpu1 = [n for n in names if n == "gpu-1" or n.startswith("gpu-1-")]
+    assert "gpu-1" in gpu1 and len(gpu1) > 20  # MIG on, no instances: dynamic
