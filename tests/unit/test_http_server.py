@@ -1,0 +1,231 @@
+"""The plugin's /metrics + /healthz server stays answerable under idle and slow clients."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from driver.observability.http import (
+    DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_TIMEOUT,
+    HttpServer,
+    serve_http,
+)
+
+
+def _ok() -> tuple[bool, str]:
+    return True, "ok\n"
+
+
+@pytest.fixture
+def start() -> Iterator[Callable[..., HttpServer]]:
+    servers: list[HttpServer] = []
+
+    def _start(healthy: Callable[[], tuple[bool, str]] = _ok, **kwargs: Any) -> HttpServer:
+        server = serve_http(0, healthy, "127.0.0.1", **kwargs)
+        servers.append(server)
+        return server
+
+    yield _start
+    for server in servers:
+        server.shutdown()
+
+
+def _get(server: HttpServer, path: str, timeout: float = 5.0) -> tuple[int, bytes, str]:
+    url = f"http://127.0.0.1:{server.port}{path}"
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            return resp.status, resp.read(), resp.headers["Content-Type"]
+    except urllib.error.HTTPError as err:
+        return err.code, err.read(), err.headers["Content-Type"]
+
+
+def _idle(server: HttpServer, n: int) -> list[socket.socket]:
+    return [socket.create_connection(("127.0.0.1", server.port), timeout=10) for _ in range(n)]
+
+
+def _closed_by_server(sock: socket.socket, within: float) -> float | None:
+    """Seconds until the server closed `sock` (EOF or reset), None if still open."""
+    start = time.monotonic()
+    sock.settimeout(within)
+    try:
+        data = sock.recv(1024)
+    except TimeoutError:
+        return None
+    except ConnectionResetError:
+        return time.monotonic() - start
+    assert data == b"", data
+    return time.monotonic() - start
+
+
+def _wait(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.01)
+
+
+# --- what it serves ---------------------------------------------------------------------
+
+
+def test_endpoints(start: Callable[..., HttpServer]) -> None:
+    state = {"ok": True}
+    server = start(lambda: (state["ok"], "detail\n"))
+    assert _get(server, "/healthz") == (200, b"detail\n", "text/plain; charset=utf-8")
+    state["ok"] = False
+    assert _get(server, "/healthz")[0] == 503
+    status, body, ctype = _get(server, "/metrics")
+    assert status == 200 and ctype.startswith("text/plain; version=")
+    assert b"# HELP gpu_dra_" in body
+    assert _get(server, "/metrics?x=1")[0] == 200
+    assert _get(server, "/nope")[0] == 404
+
+
+def test_head_post_and_a_failing_health_callback(start: Callable[..., HttpServer]) -> None:
+    def broken() -> tuple[bool, str]:
+        raise RuntimeError("boom")
+
+    server = start(broken)
+    assert _get(server, "/healthz")[0] == 500
+    req = urllib.request.Request(f"http://127.0.0.1:{server.port}/healthz", method="HEAD")
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(req, timeout=5)
+    assert err.value.code == 500
+    req = urllib.request.Request(f"http://127.0.0.1:{server.port}/healthz", data=b"x")
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(req, timeout=5)
+    assert err.value.code == 405 and err.value.headers["Allow"] == "GET, HEAD"
+
+
+def test_garbage_and_oversized_requests_are_closed(start: Callable[..., HttpServer]) -> None:
+    server = start()
+    (garbage, big) = _idle(server, 2)
+    garbage.sendall(b"hello\r\n\r\n")
+    assert _closed_by_server(garbage, 2) is not None
+    big.sendall(b"GET /healthz HTTP/1.1\r\nX: " + b"a" * 20000)
+    assert _closed_by_server(big, 2) is not None
+    assert _get(server, "/healthz")[0] == 200
+    assert server.stats.bad_requests == 2
+
+
+# --- bounds -----------------------------------------------------------------------------
+
+
+def test_defaults_are_bounded() -> None:
+    assert 0 < DEFAULT_TIMEOUT <= 5
+    assert 0 < DEFAULT_MAX_CONNECTIONS <= 128
+
+
+def test_health_answers_quickly_with_many_idle_connections(
+    start: Callable[..., HttpServer],
+) -> None:
+    """Twice the connection limit of idle clients: no thread each, the probe still
+    answers at once (the oldest idle connections make room for it)."""
+    server = start()
+    threads_before = threading.active_count()
+    idle = _idle(server, 2 * DEFAULT_MAX_CONNECTIONS)
+    try:
+        _wait(lambda: server.stats.accepted >= len(idle))
+        assert threading.active_count() <= threads_before + 1  # the urlopen below: none
+        assert server.open_connections <= DEFAULT_MAX_CONNECTIONS
+        for _ in range(5):
+            began = time.monotonic()
+            status, _, _ = _get(server, "/healthz", timeout=2)
+            assert status == 200
+            assert time.monotonic() - began < 1.0
+        assert server.stats.evicted >= DEFAULT_MAX_CONNECTIONS
+    finally:
+        for s in idle:
+            s.close()
+
+
+def test_idle_connection_is_closed_after_the_timeout(start: Callable[..., HttpServer]) -> None:
+    server = start(timeout=0.5)
+    (sock,) = _idle(server, 1)
+    closed_after = _closed_by_server(sock, within=3)
+    assert closed_after is not None, "the idle connection was never closed"
+    assert 0.3 <= closed_after <= 2.0
+    _wait(lambda: server.open_connections == 0)
+    assert server.stats.timed_out == 1
+
+
+def test_default_timeout_closes_an_idle_connection(start: Callable[..., HttpServer]) -> None:
+    server = start()
+    (sock,) = _idle(server, 1)
+    closed_after = _closed_by_server(sock, within=DEFAULT_TIMEOUT + 3)
+    assert closed_after is not None and closed_after <= DEFAULT_TIMEOUT + 1.5
+
+
+def test_a_dribbling_client_gets_no_more_than_the_timeout(
+    start: Callable[..., HttpServer],
+) -> None:
+    server = start(timeout=0.6)
+    (sock,) = _idle(server, 1)
+    began = time.monotonic()
+    closed = False
+    for byte in b"GET /healthz HTTP/1.1\r\nX-Slow: " + b"a" * 100:
+        try:
+            sock.send(bytes([byte]))
+        except OSError:
+            closed = True
+            break
+        if time.monotonic() - began > 3:
+            break
+        time.sleep(0.1)
+    if not closed:
+        closed = _closed_by_server(sock, within=1) is not None
+    assert closed and time.monotonic() - began < 2.5
+
+
+def test_new_connection_evicts_the_oldest_idle_one(start: Callable[..., HttpServer]) -> None:
+    server = start(max_connections=3, timeout=30)
+    first, second, third = _idle(server, 3)
+    _wait(lambda: server.open_connections == 3)
+    (fourth,) = _idle(server, 1)
+    assert _closed_by_server(first, within=2) is not None  # closed at once
+    assert _closed_by_server(second, within=0.2) is None
+    fourth.sendall(b"GET /healthz HTTP/1.0\r\n\r\n")
+    fourth.settimeout(5)
+    assert fourth.recv(1024).startswith(b"HTTP/1.1 200 OK\r\n")
+    for s in (first, second, third, fourth):
+        s.close()
+
+
+def test_a_client_that_never_reads_holds_no_worker(start: Callable[..., HttpServer]) -> None:
+    """Requests whose answers are never read: the answers wait in the I/O loop (until
+    the timeout), the workers stay free for the probe."""
+    slow = threading.Event()
+
+    def healthy() -> tuple[bool, str]:
+        return True, "x" * (4 << 20) if slow.is_set() else "ok\n"
+
+    server = start(healthy, workers=1, timeout=3)
+    slow.set()
+    readers = _idle(server, 4)
+    for s in readers:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        s.sendall(b"GET /healthz HTTP/1.0\r\n\r\n")
+    time.sleep(0.3)
+    slow.clear()
+    began = time.monotonic()
+    assert _get(server, "/healthz", timeout=2)[1] == b"ok\n"
+    assert time.monotonic() - began < 1.0
+    for s in readers:
+        s.close()
+
+
+def test_shutdown_closes_everything(start: Callable[..., HttpServer]) -> None:
+    server = start()
+    (sock,) = _idle(server, 1)
+    _wait(lambda: server.open_connections == 1)
+    server.shutdown()
+    assert _closed_by_server(sock, within=2) is not None
+    with pytest.raises(OSError):
+        socket.create_connection(("127.0.0.1", server.port), timeout=1)
