@@ -36,6 +36,7 @@ PLUGIN_FLAG_ENV = {
     "NVML_BACKEND",
     "MOCK_FLEET",
     "GPU_PARTITIONS",
+    "MIG_STRATEGY",
     "XID_TAINT_EFFECT",
     "ADDITIONAL_XIDS_TO_IGNORE",
     "FATAL_XIDS",
@@ -151,6 +152,7 @@ def test_helm_lint_is_clean(values: list[str]) -> None:
         (["--set", "kubeletPlugin.health.xidTaintEffect=Evict"], "xidTaintEffect"),
         (["--set", "kubeletPlugin.health.fatalXids=79;48"], "fatalXids"),
         (["--set", "webhook.failurePolicy=Maybe"], "failurePolicy"),
+        (["--set", "kubeletPlugin.migStrategy=mixed"], "migStrategy"),
         (["--set", "nvml.mockFleet=gpus: []"], "mockFleet"),
     ],
 )
@@ -351,6 +353,27 @@ def test_plugin_env_parses_with_plugin_flags(
     assert opts.xid_taint_effect == "NoSchedule"
     assert opts.permanent_errors == "invalid-config,device-failed"
     assert opts.verbosity == 4
+    assert opts.mig_strategy == "auto"
+
+
+def test_mig_strategy_value(monkeypatch: pytest.MonkeyPatch) -> None:
+    """kubeletPlugin.migStrategy: the plugin's --mig-strategy choices, passed as MIG_STRATEGY."""
+    from driver.devices.types import MigStrategy
+    from driver.plugin.flags import MIG_STRATEGIES, parse_options
+
+    schema = yaml.safe_load((CHART / "values.schema.json").read_text())
+    enum = schema["properties"]["kubeletPlugin"]["properties"]["migStrategy"]["enum"]
+    assert enum == list(MIG_STRATEGIES) == [s.value for s in MigStrategy]
+    assert (
+        yaml.safe_load((CHART / "values.yaml").read_text())["kubeletPlugin"]["migStrategy"]
+        == MigStrategy.AUTO.value
+    )
+    for strategy in MIG_STRATEGIES:
+        docs = render("--set", f"kubeletPlugin.migStrategy={strategy}")
+        value = env_of(plugin_container(docs))["MIG_STRATEGY"]["value"]
+        assert value == strategy
+        monkeypatch.setenv("MIG_STRATEGY", value)
+        assert parse_options(["--node-name=n"]).mig_strategy == strategy
 
 
 def test_plugin_probe_ports_and_rolling_update(default_docs: list[Doc]) -> None:
