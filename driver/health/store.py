@@ -30,6 +30,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Protocol
 
+from driver.state.cdi import UnsafeFileError, read_file_nofollow
 from driver.state.fileio import atomic_write
 
 log = logging.getLogger(__name__)
@@ -105,8 +106,11 @@ class HealthStore:
 
     def _load(self) -> None:
         try:
-            raw = self.path.read_bytes()
+            raw = read_file_nofollow(self.path)
         except FileNotFoundError:
+            return
+        except UnsafeFileError as err:  # a symlink is never followed: set aside, not read
+            self._set_aside(err)
             return
         try:
             doc = json.loads(raw)
@@ -128,15 +132,7 @@ class HealthStore:
                     since=str(rec.get("since", "")),
                 )
         except (ValueError, KeyError, TypeError, AttributeError) as err:
-            quarantine = self.path.with_name(f"{self.path.name}.corrupt-{int(time.time())}")
-            with contextlib.suppress(OSError):
-                os.replace(self.path, quarantine)
-            log.error(
-                "health store %s is unreadable (%s); moved to %s, starting with no failed GPUs",
-                self.path,
-                err,
-                quarantine,
-            )
+            self._set_aside(err)
             return
         self._failures = failures
         if failures:
@@ -145,6 +141,18 @@ class HealthStore:
                 len(failures),
                 ", ".join(f"{u} ({f.message()})" for u, f in sorted(failures.items())),
             )
+
+    def _set_aside(self, err: Exception) -> None:
+        """Move an unreadable file (or a symlink: the link itself) aside; start empty."""
+        quarantine = self.path.with_name(f"{self.path.name}.corrupt-{int(time.time())}")
+        with contextlib.suppress(OSError):
+            os.replace(self.path, quarantine)
+        log.error(
+            "health store %s is unreadable (%s); moved to %s, starting with no failed GPUs",
+            self.path,
+            err,
+            quarantine,
+        )
 
     def _persist_locked(self) -> None:
         doc = {

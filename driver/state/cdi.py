@@ -14,14 +14,17 @@ Names and contents follow the reference driver (example-driver.md §4.4):
 Real GPUs additionally get device nodes and `NVIDIA_VISIBLE_DEVICES`
 (driver/state/planning.py renders them).
 Writes are atomic (temp file in the same directory, fsync, rename, fsync directory);
-a batch of claim specs can defer the directory fsync to one `sync_root()`.
+a batch of claim specs can defer the directory fsync to one `sync_root()`. Reads never
+follow a symlink at the file's path (`read_file_nofollow`).
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
+import stat
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -158,6 +161,34 @@ class ClaimSpec:
         return cls(tuple(CdiDevice.from_json(d) for d in devices), tuple(nodes))
 
 
+class UnsafeFileError(OSError):
+    """A state file's path holds a symlink (errno ELOOP) or something other than a
+    regular file (EINVAL): refused, never followed or opened for reading."""
+
+
+def read_file_nofollow(path: Path) -> bytes:
+    """The content of the regular file at `path`, opened with O_NOFOLLOW: a symlink
+    at `path` itself is refused (`UnsafeFileError`, ELOOP), whatever it points to.
+    O_NONBLOCK keeps a FIFO planted there from blocking the open; anything but a
+    regular file is refused (`UnsafeFileError`, EINVAL). Raises FileNotFoundError if
+    nothing is there. (Directories above `path` are resolved as usual: an operator
+    may mount or link the CDI root or the data directory anywhere.)"""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            raise UnsafeFileError(
+                errno.ELOOP, "is a symbolic link; refusing to follow it", str(path)
+            ) from err
+        raise
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            raise UnsafeFileError(
+                errno.EINVAL, "is not a regular file; refusing to read it", str(path)
+            )
+        return f.read()
+
+
 def _cdi_version(device_names: Iterable[str]) -> str:
     if any(name[:1].isdigit() for name in device_names):
         return CDI_VERSION_DIGIT_NAMES
@@ -291,7 +322,12 @@ class CdiSpecs:
     # -- reads ---------------------------------------------------------------------
 
     def claim_spec_exists(self, claim_uid: str) -> bool:
-        return self.claim_spec_path(claim_uid).is_file()
+        """A regular file is at the claim's spec path. A symlink there is not the
+        claim's spec (never followed), so prepare rewrites the spec over it."""
+        try:
+            return stat.S_ISREG(os.lstat(self.claim_spec_path(claim_uid)).st_mode)
+        except FileNotFoundError:
+            return False
 
     def list_claim_specs(self) -> dict[str, Path]:
         """`{claim UID (as in the file name): path}` of every claim spec in the root."""
@@ -308,9 +344,10 @@ class CdiSpecs:
         return out
 
     def read_claim_spec(self, claim_uid: str) -> dict[str, Any] | None:
-        """The parsed claim spec, or None if absent."""
+        """The parsed claim spec, or None if absent. A symlink at the path is refused
+        (`UnsafeFileError`, errno ELOOP), never followed."""
         try:
-            raw = self.claim_spec_path(claim_uid).read_bytes()
+            raw = read_file_nofollow(self.claim_spec_path(claim_uid))
         except FileNotFoundError:
             return None
         doc = json.loads(raw)

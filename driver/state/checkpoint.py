@@ -22,9 +22,11 @@ against a re-encoding through this module's types, so a newer driver that adds a
 field does not invalidate older files (the upgrade hazard NVIDIA's driver hit).
 
 A file that does not parse, has an unknown schema version, a wrong checksum or
-malformed entries is *corrupt*: `load()` raises `CheckpointCorruptError` (transient,
-names the file and the reason). It is never discarded automatically; an operator
-moves it aside with `quarantine_checkpoint()` (renamed `checkpoint.json.corrupt-<ts>`).
+malformed entries is *corrupt*, and so is a symlink (or anything but a regular file)
+at the journal's path, which is never followed (O_NOFOLLOW): `load()` raises
+`CheckpointCorruptError` (transient, names the file and the reason). It is never
+discarded automatically; an operator moves it aside with `quarantine_checkpoint()`
+(renamed `checkpoint.json.corrupt-<ts>`).
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ from pathlib import Path
 from typing import Any, Final, TypeGuard
 
 from driver.errors import DriverError, ErrorClass, transient
-from driver.state.cdi import ClaimSpec
+from driver.state.cdi import ClaimSpec, UnsafeFileError, read_file_nofollow
 from driver.state.fileio import atomic_write, fsync_dir, sweep_temp_files
 
 SCHEMA_VERSION: Final = 1
@@ -294,12 +296,16 @@ class Checkpoint:
         self.path = self.data_dir / CHECKPOINT_FILE
 
     def load(self) -> dict[str, ClaimEntry]:
-        """The entries; `{}` if the file does not exist. Raises CheckpointCorruptError,
-        or a transient DriverError if the file cannot be read."""
+        """The entries; `{}` if the file does not exist. Raises CheckpointCorruptError
+        (also for a symlink at the path: never followed), or a transient DriverError if
+        the file cannot be read."""
         try:
-            data = self.path.read_bytes()
+            data = read_file_nofollow(self.path)
         except FileNotFoundError:
             return {}
+        except UnsafeFileError as err:
+            code = errno.errorcode.get(err.errno or 0, str(err.errno))
+            raise CheckpointCorruptError(self.path, f"{err.strerror} ({code})") from err
         except OSError as err:
             raise transient(f"cannot read checkpoint {self.path}: {err}") from err
         return decode(data, self.path)
@@ -337,7 +343,7 @@ def quarantine_checkpoint(
     """
     cp = Checkpoint(data_dir)
     with SerializeLock(cp.data_dir).hold():
-        if not cp.path.exists():
+        if not os.path.lexists(cp.path):  # a symlink, even a dangling one, is moved aside
             return None
         if not force:
             try:

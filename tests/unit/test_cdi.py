@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import stat
@@ -14,6 +15,7 @@ from driver.state.cdi import (
     CdiSpecs,
     ClaimSpec,
     SharingEnv,
+    UnsafeFileError,
     cdi_device_name,
     claim_device_env,
     device_key,
@@ -252,3 +254,37 @@ def test_claim_spec_round_trips_through_json() -> None:
 def test_claim_spec_from_json_names_the_bad_field(doc: dict[str, object], field: str) -> None:
     with pytest.raises(ValueError, match=field):
         ClaimSpec.from_json(doc)
+
+
+@pytest.mark.parametrize("dangling", [False, True])
+def test_symlink_at_a_claim_spec_path_is_never_followed(
+    specs: CdiSpecs, tmp_path: Path, dangling: bool
+) -> None:
+    """A spec-like file elsewhere, linked in at a claim's path: reading it is refused
+    (ELOOP), and it does not count as the claim's spec."""
+    elsewhere = tmp_path / "elsewhere.json"
+    elsewhere.write_text('{"cdiVersion": "0.3.0", "kind": "k8s.gpu.example.com/gpu"}')
+    specs.root.mkdir()
+    link = specs.claim_spec_path(UID)
+    link.symlink_to(tmp_path / "gone.json" if dangling else elsewhere)
+    with pytest.raises(UnsafeFileError) as info:
+        specs.read_claim_spec(UID)
+    assert info.value.errno == errno.ELOOP
+    assert str(info.value) == (
+        f"[Errno {errno.ELOOP}] is a symbolic link; refusing to follow it: '{link}'"
+    )
+    assert not specs.claim_spec_exists(UID)
+    # Writing the claim's spec replaces the link, never the file it points to.
+    specs.write_claim_spec(UID, ClaimSpec((CdiDevice(f"{UID}-gpu-0", ("A=1",)),)))
+    assert not link.is_symlink() and specs.claim_spec_exists(UID)
+    assert specs.read_claim_spec(UID) is not None
+    assert elsewhere.read_text().startswith('{"cdiVersion": "0.3.0"')
+
+
+def test_non_regular_file_at_a_claim_spec_path_is_refused(specs: CdiSpecs) -> None:
+    specs.root.mkdir()
+    os.mkfifo(specs.claim_spec_path(UID))
+    with pytest.raises(UnsafeFileError) as info:
+        specs.read_claim_spec(UID)  # a plain open() would block
+    assert info.value.errno == errno.EINVAL
+    assert not specs.claim_spec_exists(UID)

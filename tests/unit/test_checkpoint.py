@@ -128,6 +128,37 @@ def test_malformed_entry_with_valid_checksum_is_corrupt(cp: Checkpoint) -> None:
     _assert_corrupt(cp, "entry uid-a: unknown state")
 
 
+@pytest.mark.parametrize("dangling", [False, True])
+def test_symlink_at_the_checkpoint_path_is_never_followed(
+    cp: Checkpoint, tmp_path: Path, dangling: bool
+) -> None:
+    """A valid journal elsewhere, linked in: refused as corrupt (ELOOP), not read."""
+    elsewhere = Checkpoint(tmp_path / "elsewhere")
+    elsewhere.store(ENTRIES)
+    cp.data_dir.mkdir()
+    target = tmp_path / "gone.json" if dangling else elsewhere.path
+    cp.path.symlink_to(target)
+    with pytest.raises(CheckpointCorruptError) as info:
+        cp.load()
+    err = info.value
+    assert not err.permanent and str(cp.path) in str(err)
+    assert err.reason == "is a symbolic link; refusing to follow it (ELOOP)"
+    assert cp.path.is_symlink()  # never discarded
+    assert elsewhere.load() == ENTRIES  # the target is untouched
+    # The operator's remedy moves the link itself aside, never its target.
+    moved = quarantine_checkpoint(cp.data_dir)
+    assert moved is not None and moved.is_symlink() and not os.path.lexists(cp.path)
+    assert elsewhere.load() == ENTRIES and cp.load() == {}
+
+
+def test_fifo_at_the_checkpoint_path_is_refused_without_blocking(cp: Checkpoint) -> None:
+    cp.data_dir.mkdir()
+    os.mkfifo(cp.path)
+    with pytest.raises(CheckpointCorruptError) as info:
+        cp.load()  # a plain open() would block here until a writer appeared
+    assert info.value.reason == "is not a regular file; refusing to read it (EINVAL)"
+
+
 def test_checksum_is_over_stored_value_so_added_fields_stay_valid(cp: Checkpoint) -> None:
     """A newer driver adding a field does not break older readers' checksum."""
     cp.store(ENTRIES)
