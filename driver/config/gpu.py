@@ -9,7 +9,7 @@ Wire format (identical to the reference driver's)::
       timeSlicingConfig:           # optional, only with TimeSlicing
         interval: Default          # Default | Short | Medium | Long (optional)
       spacePartitioningConfig:     # optional, only with SpacePartitioning
-        partitionCount: 1          # int >= 1 (optional)
+        partitionCount: 1          # int, 1..64 (MAX_PARTITION_COUNT) (optional)
 
 Decoding is strict: unknown fields, duplicate fields, wrong JSON types (no
 coercion: `"2"` is not an integer, `true` is not an integer) are errors. A `null`
@@ -24,8 +24,15 @@ CLI and the plugin alike:
   (divergence from the reference, which keeps `""` / `0`).
 
 Static rules: known strategy and interval; the sub-config matches the strategy;
-never both sub-configs; `partitionCount >= 1`. Unlike the reference, a config with
-both sub-configs is rejected at decode time (in the webhook), not at prepare.
+never both sub-configs; `1 <= partitionCount <= MAX_PARTITION_COUNT` (64). Unlike the
+reference, a config with both sub-configs is rejected at decode time (in the
+webhook), not at prepare.
+
+The upper bound on `partitionCount` is a divergence from the reference, which has
+none: a device that publishes `maxPartitions` is checked against it at prepare, but
+one that does not (the reference's example GPUs) took any count, 10^30 included,
+straight into its container's env. 64 is far above any real split of one GPU (MIG
+makes at most 7 instances); a device's own `maxPartitions` stays the tighter limit.
 """
 
 from __future__ import annotations
@@ -56,6 +63,8 @@ class Interval(enum.StrEnum):
 
 
 DEFAULT_PARTITION_COUNT: Final = 1
+#: The most partitions any config may ask for (see the module docstring).
+MAX_PARTITION_COUNT: Final = 64
 
 _MODEL_CONFIG = ConfigDict(strict=True, extra="forbid", frozen=True)
 
@@ -188,6 +197,13 @@ def _normalize(config: GpuConfig) -> GpuConfig:
     )
 
 
+def _int(value: int) -> str:
+    """An integer for a message; a huge one (which `str` may refuse) described instead."""
+    if abs(value) < 10**30:
+        return str(value)
+    return f"{'-' if value < 0 else ''}a number of {value.bit_length()} bits"
+
+
 def _one_of(values: type[enum.StrEnum]) -> str:
     return ", ".join(v.value for v in values)
 
@@ -231,11 +247,16 @@ def _static_errors(config: GpuConfig, path: str) -> list[FieldError]:
                 f"(must be one of {_one_of(Interval)})",
             )
         )
-    if spc is not None and spc.partitionCount is not None and spc.partitionCount < 1:
+    count = spc.partitionCount if spc is not None else None
+    if count is not None and count < 1:
+        errors.append(
+            FieldError(join_path(spc_path, "partitionCount"), f"must be >= 1, got {_int(count)}")
+        )
+    elif count is not None and count > MAX_PARTITION_COUNT:
         errors.append(
             FieldError(
                 join_path(spc_path, "partitionCount"),
-                f"must be >= 1, got {spc.partitionCount}",
+                f"must be <= {MAX_PARTITION_COUNT}, got {_int(count)}",
             )
         )
     if tsc is not None and spc is not None:
@@ -312,7 +333,8 @@ def validate_for_device(
     - SpacePartitioning is not possible on a device that is itself a partition.
     - `partitionCount` must be <= `max_partitions` (the device's `maxPartitions`);
       `max_partitions=None` means the device publishes no limit (the reference's
-      `example` devices) and any count >= 1 is accepted.
+      `example` devices): then `MAX_PARTITION_COUNT` is the limit (a decoded config
+      never exceeds it; this guards configs built in code).
 
     Raises `ConfigError` (permanent invalid-config, "impossible partition count")
     whose message names the device and the numbers. `path` prefixes the field path.
@@ -333,13 +355,14 @@ def validate_for_device(
                 )
             ]
         )
-    if max_partitions is not None and count > max_partitions:
+    limit = max_partitions if max_partitions is not None else MAX_PARTITION_COUNT
+    if count > limit:
         raise ConfigError(
             [
                 (
                     field,
                     f"impossible partition count: device {device_name} supports at most "
-                    f"{max_partitions} partitions, config requests {count}",
+                    f"{limit} partitions, config requests {_int(count)}",
                 )
             ]
         )

@@ -115,7 +115,7 @@ def load_yaml_documents(data: str | bytes | bytearray) -> list[Any]:
         return [doc for doc in yaml.load_all(text, Loader=_TrackingLoader) if doc is not None]
     except RecursionError as err:
         raise NestingError("invalid YAML: too deeply nested") from err
-    except yaml.YAMLError as err:
+    except (yaml.YAMLError, ValueError) as err:  # ValueError: int() of a huge integer
         raise LoadError(f"invalid YAML: {err}") from err
 
 

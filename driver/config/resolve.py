@@ -42,11 +42,11 @@ def resolve_configs(
     `configs[result["request"]]`: every result of the driver has an entry; all
     results of one request share the same config.
 
-    Rules (docs/architecture.md "Config precedence"): class configs, then claim configs, each in list order; the
-    last matching one wins as a whole (no field merging). A config's `requests`
-    entry `r` matches results `r` and `r/<sub>`; empty `requests` matches every
-    result. Configs of other drivers are ignored. A result with no matching config
-    gets `default_gpu_config()`.
+    Rules (docs/architecture.md "Config precedence"): class configs, then claim
+    configs, each in list order; the last matching one wins as a whole (no field
+    merging). A config's `requests` entry `r` matches results `r` and `r/<sub>`;
+    empty `requests` matches every result. Configs of other drivers are ignored. A
+    result with no matching config gets `default_gpu_config()`.
 
     Raises `ConfigError` (permanent invalid-config) listing every problem: a
     non-opaque entry, an unknown `source`, or any of this driver's configs that does

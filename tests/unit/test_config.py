@@ -19,12 +19,14 @@ from driver.config import (
     Strategy,
     decode_gpu_config,
     default_gpu_config,
+    gpu_config_errors,
     load_yaml_documents,
     loads_json,
     resolve_configs,
     validate_claim_document,
     validate_for_device,
 )
+from driver.config.gpu import MAX_PARTITION_COUNT, SpacePartitioningConfig
 from driver.errors import DriverError, ErrorClass
 
 P = "spec.devices.config[0].opaque.parameters"
@@ -256,6 +258,46 @@ def test_partition_count_must_be_positive(count: int) -> None:
     ]
 
 
+@pytest.mark.parametrize(
+    ("count", "shown"),
+    [(MAX_PARTITION_COUNT + 1, str(MAX_PARTITION_COUNT + 1)), (10**30, "a number of 100 bits")],
+)
+def test_partition_count_is_bounded(count: int, shown: str) -> None:
+    sharing = {
+        "strategy": "SpacePartitioning",
+        "spacePartitioningConfig": {"partitionCount": count},
+    }
+    expected = [
+        FieldError(
+            f"{P}.sharing.spacePartitioningConfig.partitionCount",
+            f"must be <= {MAX_PARTITION_COUNT}, got {shown}",
+        )
+    ]
+    assert errors_of(gpu(sharing)) == expected
+    # The same from the wire: JSON and YAML text, as the webhook and the CLI read it.
+    assert errors_of(loads_json(json.dumps(gpu(sharing)))) == expected
+
+
+def test_partition_count_up_to_the_bound_is_accepted() -> None:
+    sharing = {
+        "strategy": "SpacePartitioning",
+        "spacePartitioningConfig": {"partitionCount": MAX_PARTITION_COUNT},
+    }
+    assert decode_gpu_config(gpu(sharing)).partition_count == MAX_PARTITION_COUNT == 64
+
+
+def test_integers_too_long_to_convert_are_errors_not_crashes() -> None:
+    digits = "1" * 5000  # past Python's int/str conversion limit
+    for text in (
+        f'{{"partitionCount": {digits}}}',
+        f"apiVersion: {API_VERSION}\nkind: {KIND}\nsharing:\n  strategy: SpacePartitioning\n"
+        f"  spacePartitioningConfig:\n    partitionCount: {digits}\n",
+    ):
+        config, errors = gpu_config_errors(text, P)
+        assert config is None and len(errors) == 1 and errors[0].path == P, errors
+        assert "invalid" in errors[0].message
+
+
 def test_sub_config_must_match_strategy() -> None:
     assert errors_of(
         gpu({"strategy": "TimeSlicing", "spacePartitioningConfig": {"partitionCount": 2}})
@@ -299,7 +341,9 @@ def sp(count: int) -> GpuConfig:
 
 def test_partition_count_within_device_limit() -> None:
     validate_for_device(sp(7), device_name="gpu-0", is_partition=False, max_partitions=7)
-    validate_for_device(sp(100), device_name="gpu-0", is_partition=False, max_partitions=None)
+    validate_for_device(
+        sp(MAX_PARTITION_COUNT), device_name="gpu-0", is_partition=False, max_partitions=None
+    )
     validate_for_device(
         default_gpu_config(), device_name="gpu-0-mig-1g10gb-0", is_partition=True, max_partitions=0
     )
@@ -323,6 +367,22 @@ def test_impossible_partition_count() -> None:
     )
     assert "impossible partition count" in field.message
     assert "gpu-3" in field.message and "7" in field.message and "8" in field.message
+
+
+def test_partition_count_built_in_code_is_bounded_on_devices_without_a_limit() -> None:
+    config = decode_gpu_config(gpu({"strategy": "SpacePartitioning"}))
+    assert config.sharing is not None
+    huge = config.model_copy(
+        update={
+            "sharing": config.sharing.model_copy(
+                update={"spacePartitioningConfig": SpacePartitioningConfig(partitionCount=10**30)}
+            )
+        }
+    )
+    with pytest.raises(ConfigError) as info:
+        validate_for_device(huge, device_name="gpu-0", is_partition=False, max_partitions=None)
+    assert f"supports at most {MAX_PARTITION_COUNT} partitions" in str(info.value)
+    assert "a number of 100 bits" in str(info.value)
 
 
 def test_no_space_partitioning_on_a_partition() -> None:

@@ -229,6 +229,23 @@ def test_duplicate_field_in_raw_body_denied(served: Served) -> None:
     ) in response["status"]["message"]
 
 
+def test_unbounded_partition_count_denied(served: Served) -> None:
+    huge = params({"strategy": "SpacePartitioning", "spacePartitioningConfig": {}})
+    body = json.dumps(admission(claim([config(huge)]), "resourceclaims"))
+    body = body.replace(
+        '"spacePartitioningConfig": {}',
+        '"spacePartitioningConfig": {"partitionCount": 1' + "0" * 30 + "}",
+    )
+    status, data = served.post(body.encode())
+    assert status == 200
+    response = json.loads(data)["response"]
+    assert response["allowed"] is False
+    assert response["status"]["message"] == (
+        "1 config failed to validate: spec.devices.config[0].opaque.parameters.sharing"
+        ".spacePartitioningConfig.partitionCount: must be <= 64, got a number of 100 bits"
+    )
+
+
 def test_unsupported_resource_denied_as_bad_request(served: Served) -> None:
     response = served.admit(admission(claim([]), "deviceclasses"))
     assert response["allowed"] is False
