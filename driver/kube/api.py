@@ -4,17 +4,24 @@ The typed models of the official client drop fields they do not know on read and
 strict about types, so a read-modify-write through them can erase what a newer server
 added. Everything here sends dict bodies and returns parsed JSON; the client library
 still does what it is good at: kubeconfig / in-cluster loading, TLS and authentication.
+
+Every body is parsed with `driver.config.loads_json`, the decoder the webhook uses:
+it keeps duplicate keys detectable, so a ResourceClaim whose opaque parameters repeat
+a key (the API server stores them verbatim) fails at prepare exactly as it fails
+admission. Names that go into a URL are quoted with `segment()`.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
+import urllib.parse
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 from kubernetes import client, config
+
+from driver.config.loader import loads_json
 
 log = logging.getLogger(__name__)
 
@@ -44,9 +51,18 @@ class ApiError(Exception):
         return self.status == 410
 
 
+def segment(value: str) -> str:
+    """`value` as one URL path segment: every reserved character quoted (`/` included),
+    so a name can never add, remove or leave a path segment. Raises ValueError for
+    `""`, `.` and `..`, which quoting leaves as they are."""
+    if value in ("", ".", ".."):
+        raise ValueError(f"{value!r} cannot be a URL path segment")
+    return urllib.parse.quote(value, safe="")
+
+
 def _status_message(body: str) -> str:
     try:
-        return str(json.loads(body).get("message", body))
+        return str(loads_json(body).get("message", body))
     except (ValueError, AttributeError):
         return body[:500]
 
@@ -82,7 +98,7 @@ class KubeApi:
         data = response.read()
         if not 200 <= response.status <= 299:
             raise ApiError(response.status, response.reason or "", data.decode(errors="replace"))
-        parsed: JSON = json.loads(data) if data else {}
+        parsed: JSON = loads_json(data) if data else {}
         return parsed
 
     def watch(
@@ -102,7 +118,7 @@ class KubeApi:
                 while b"\n" in buffer:
                     line, buffer = buffer.split(b"\n", 1)
                     if line.strip():
-                        event = json.loads(line)
+                        event = loads_json(line)
                         yield event["type"], event["object"]
         finally:
             raw.release_conn()

@@ -8,7 +8,7 @@ import uuid
 from typing import Any
 
 from driver.errors import DriverError, transient
-from driver.kube.api import APPLY_PATCH, JSON, ApiError, KubeApi
+from driver.kube.api import APPLY_PATCH, JSON, ApiError, KubeApi, segment
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +26,9 @@ class ApiClaimReader:
     def get(self, namespace: str, name: str) -> dict[str, Any]:
         try:
             return self._api.request(
-                "GET", f"/apis/resource.k8s.io/v1/namespaces/{namespace}/resourceclaims/{name}"
+                "GET",
+                f"/apis/resource.k8s.io/v1/namespaces/{segment(namespace)}"
+                f"/resourceclaims/{segment(name)}",
             )
         except ApiError as err:
             raise transient(f"reading ResourceClaim {namespace}/{name}: {err}") from err
@@ -77,7 +79,7 @@ class ClaimFailureReporter:
             "lastTimestamp": now,
             "count": 1,
         }
-        self._api.request("POST", f"/api/v1/namespaces/{namespace}/events", body=body)
+        self._api.request("POST", f"/api/v1/namespaces/{segment(namespace)}/events", body=body)
 
     def _condition(self, claim: JSON, error: DriverError) -> None:
         meta = claim["metadata"]
@@ -111,8 +113,8 @@ class ClaimFailureReporter:
         }
         self._api.request(
             "PATCH",
-            f"/apis/resource.k8s.io/v1/namespaces/{meta['namespace']}/resourceclaims/"
-            f"{meta['name']}/status",
+            f"/apis/resource.k8s.io/v1/namespaces/{segment(meta['namespace'])}/resourceclaims/"
+            f"{segment(meta['name'])}/status",
             query={"fieldManager": self._driver, "force": "true"},
             body=body,
             content_type=APPLY_PATCH,

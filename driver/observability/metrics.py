@@ -56,6 +56,12 @@ STATE_FILE_WRITES = Counter(
     "Files written or removed durably (checkpoint, CDI specs, health state).",
     registry=REGISTRY,
 )
+CHECKPOINT_CORRUPT = Gauge(
+    "gpu_dra_checkpoint_corrupt",
+    "1 while the prepare journal (checkpoint.json) is corrupt and prepare is refused, else 0; "
+    "as of the last prepare, unprepare or start.",
+    registry=REGISTRY,
+)
 KUBELET_REGISTERED = Gauge(
     "gpu_dra_kubelet_registered",
     "1 while the kubelet has confirmed this plugin's registration, else 0.",

@@ -3,11 +3,29 @@
 Transport only. Per-claim failures travel in the response map with `error_type` set
 for permanent ones (KEP-5322); a gRPC error is reserved for a request that cannot be
 answered at all.
+
+Claim references are validated here, before anything uses them (INVALID_ARGUMENT
+naming the field, e.g. `claims[3].uid: "common" is not a UID`): the UID becomes a
+file name (`<cdi root>/k8s.<driver>-gpu_<uid>.json`, so the UID `common` would be
+the node-wide spec) and the namespace and name become API URL path segments.
+
+- uid: the canonical 8-4-4-4-12 lowercase hex form of a UUID. `types.UID` in
+  k8s.io/apimachinery is any string, but every ResourceClaim UID is set by the API
+  server (clients cannot choose it), which generates it with
+  k8s.io/apimachinery/pkg/util/uuid.NewUUID(): google/uuid's `uuid.New().String()`,
+  a random (version 4) UUID in exactly that form. Version and variant bits are not
+  checked: the form is what makes the UID safe as a file name, and an API server
+  with another generator may set other bits.
+- namespace: a DNS-1123 label (at most 63 characters), as the API server requires.
+- name: a DNS-1123 subdomain (at most 253 characters), as the API server requires
+  of ResourceClaim names.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import re
 import time
 from collections.abc import Sequence
 from typing import Any, Protocol
@@ -27,6 +45,45 @@ log = logging.getLogger(__name__)
 
 MAX_CLAIMS_PER_CALL = 1024
 
+DNS1123_LABEL_MAX = 63
+DNS1123_SUBDOMAIN_MAX = 253
+_UID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
+_LABEL = r"[a-z0-9](?:[-a-z0-9]*[a-z0-9])?"
+_DNS1123_LABEL = re.compile(_LABEL)
+_DNS1123_SUBDOMAIN = re.compile(rf"{_LABEL}(?:\.{_LABEL})*")
+_SHOWN = 64  # characters of a bad value quoted in the error
+
+
+def _show(value: str) -> str:
+    """The value as a JSON string (control characters escaped), long ones cut short."""
+    if len(value) <= _SHOWN:
+        return json.dumps(value)
+    return f"{json.dumps(value[:_SHOWN])}... ({len(value)} characters)"
+
+
+def claim_field_error(namespace: str, uid: str, name: str) -> tuple[str, str] | None:
+    """(field, problem) for the first bad field of one claim reference, or None."""
+    for field, value in (("namespace", namespace), ("uid", uid), ("name", name)):
+        if not value:
+            return field, "required value"
+    if len(namespace) > DNS1123_LABEL_MAX:
+        return "namespace", f"{_show(namespace)} is longer than {DNS1123_LABEL_MAX} characters"
+    if not _DNS1123_LABEL.fullmatch(namespace):
+        return "namespace", (
+            f"{_show(namespace)} is not a DNS-1123 label (lowercase letters, digits and "
+            "'-', starting and ending with a letter or digit)"
+        )
+    if not _UID.fullmatch(uid):
+        return "uid", f"{_show(uid)} is not a UID (a lowercase 8-4-4-4-12 hex UUID)"
+    if len(name) > DNS1123_SUBDOMAIN_MAX:
+        return "name", f"{_show(name)} is longer than {DNS1123_SUBDOMAIN_MAX} characters"
+    if not _DNS1123_SUBDOMAIN.fullmatch(name):
+        return "name", (
+            f"{_show(name)} is not a DNS-1123 subdomain (lowercase letters, digits, '-' "
+            "and '.', each dot-separated part starting and ending with a letter or digit)"
+        )
+    return None
+
 
 class ClaimPreparer(Protocol):
     def prepare(self, claims: Sequence[ClaimRef]) -> dict[str, PrepareResult]: ...
@@ -42,10 +99,10 @@ def _claim_refs(claims: Sequence[Any], context: grpc.ServicerContext) -> list[Cl
     refs: list[ClaimRef] = []
     seen: set[str] = set()
     for i, claim in enumerate(claims):
-        missing = [f for f in ("namespace", "uid", "name") if not getattr(claim, f)]
-        if missing:
+        problem = claim_field_error(claim.namespace, claim.uid, claim.name)
+        if problem is not None:
             context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT, f"claims[{i}].{missing[0]}: required value"
+                grpc.StatusCode.INVALID_ARGUMENT, f"claims[{i}].{problem[0]}: {problem[1]}"
             )
         if claim.uid in seen:
             continue  # one answer per UID: the response is a map

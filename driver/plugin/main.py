@@ -29,6 +29,7 @@ from driver.plugin.instances import InstanceLock
 from driver.plugin.registration import DRA_SERVICES, HEALTH_SERVICES, RegistrationServicer
 from driver.plugin.serving import BuiltServer, SocketServer, SocketWatcher, new_server
 from driver.plugin.sockets import socket_paths
+from driver.plugin.status import export_checkpoint_state, health_report
 from driver.proto.pluginregistration.v1 import api_pb2_grpc as registration_grpc
 from driver.state.fileio import remove_durably
 from driver.state.prepare import DeviceState
@@ -85,6 +86,7 @@ class Plugin:
             caps_root=mock_root if mock else Path("/"),
             permanent_errors=permanent_errors,
         )
+        export_checkpoint_state(state)
         # Before discovery: recovery destroys half-created MIG devices and recreates
         # the ones a reboot destroyed, so discovery sees the node as it will be served.
         log.info("recovered local state: %s", state.recover())
@@ -161,8 +163,11 @@ class Plugin:
         watcher.start()
 
         def healthy() -> tuple[bool, str]:
-            registered = "registered" if registration.registered.is_set() else "not registered"
-            return True, f"ok: {registered}, slices synced at {publisher.stats.last_synced:.0f}\n"
+            return health_report(
+                registered=registration.registered.is_set(),
+                last_synced=publisher.stats.last_synced,
+                checkpoint_problem=state.checkpoint_problem,
+            )
 
         http = serve_http(o.http_port, healthy) if o.http_port >= 0 else None
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Iterator, Sequence
 from concurrent import futures
 from pathlib import Path
@@ -64,8 +65,13 @@ def served(tmp_path: Path) -> Iterator[tuple[FakeState, grpc.Channel]]:
     server.stop(0).wait()
 
 
-def claim(uid: str) -> v1.Claim:
-    return v1.Claim(namespace="ns", uid=uid, name=f"claim-{uid}")
+def uid(tag: str) -> str:
+    """A claim UID in the API server's form, the same for the same tag."""
+    return str(uuid.uuid5(uuid.NAMESPACE_URL, tag))
+
+
+def claim(tag: str) -> v1.Claim:
+    return v1.Claim(namespace="ns", uid=uid(tag), name=f"claim-{tag}")
 
 
 def test_prepare_reports_devices_and_share_id_on_v1(served: tuple[FakeState, grpc.Channel]) -> None:
@@ -73,7 +79,7 @@ def test_prepare_reports_devices_and_share_id_on_v1(served: tuple[FakeState, grp
     response = v1_grpc.DRAPluginStub(channel).NodePrepareResources(
         v1.NodePrepareResourcesRequest(claims=[claim("a")])
     )
-    entry = response.claims["a"]
+    entry = response.claims[uid("a")]
     assert entry.error == "" and entry.error_type == v1.Unknown
     (device,) = entry.devices
     assert (device.pool_name, device.device_name, list(device.request_names)) == (
@@ -81,7 +87,7 @@ def test_prepare_reports_devices_and_share_id_on_v1(served: tuple[FakeState, grp
         "gpu-0",
         ["gpu"],
     )
-    assert list(device.cdi_device_ids) == ["k8s.gpu.example.com/gpu=a-gpu-0"]
+    assert list(device.cdi_device_ids) == [f"k8s.gpu.example.com/gpu={uid('a')}-gpu-0"]
     assert device.HasField("share_id") and device.share_id == "share-1"
 
 
@@ -101,33 +107,34 @@ def test_prepare_errors_carry_marker_and_error_type(
     served: tuple[FakeState, grpc.Channel], error: DriverError, marker: str, error_type: int
 ) -> None:
     state, channel = served
-    state.outcomes["bad"] = error
+    state.outcomes[uid("bad")] = error
     response = v1_grpc.DRAPluginStub(channel).NodePrepareResources(
         v1.NodePrepareResourcesRequest(claims=[claim("bad"), claim("good")])
     )
-    assert response.claims["bad"].error.startswith(marker)
-    assert response.claims["bad"].error_type == error_type
-    assert not response.claims["bad"].devices
-    assert response.claims["good"].error == "" and len(response.claims["good"].devices) == 1
+    bad, good = response.claims[uid("bad")], response.claims[uid("good")]
+    assert bad.error.startswith(marker)
+    assert bad.error_type == error_type
+    assert not bad.devices
+    assert good.error == "" and len(good.devices) == 1
 
 
 def test_v1beta1_is_served_by_the_same_implementation(
     served: tuple[FakeState, grpc.Channel],
 ) -> None:
     state, channel = served
-    state.outcomes["bad"] = invalid_config("nope")
+    state.outcomes[uid("bad")] = invalid_config("nope")
     response = v1beta1_grpc.DRAPluginStub(channel).NodePrepareResources(
         v1beta1.NodePrepareResourcesRequest(
-            claims=[v1beta1.Claim(namespace="ns", uid="bad", name="c")]
+            claims=[v1beta1.Claim(namespace="ns", uid=uid("bad"), name="c")]
         )
     )
-    assert response.claims["bad"].error_type == v1beta1.Permanent
+    assert response.claims[uid("bad")].error_type == v1beta1.Permanent
     unprepared = v1beta1_grpc.DRAPluginStub(channel).NodeUnprepareResources(
         v1beta1.NodeUnprepareResourcesRequest(
-            claims=[v1beta1.Claim(namespace="ns", uid="x", name="c")]
+            claims=[v1beta1.Claim(namespace="ns", uid=uid("x"), name="c")]
         )
     )
-    assert unprepared.claims["x"].error == ""
+    assert unprepared.claims[uid("x")].error == ""
 
 
 def test_malformed_requests_are_rejected_with_the_field(
@@ -144,6 +151,79 @@ def test_malformed_requests_are_rejected_with_the_field(
     assert state.calls == []
 
 
+BAD_REFS = [
+    # (namespace, uid, name), the error details
+    (("ns", "common", "c"), 'claims[0].uid: "common" is not a UID'),
+    (("ns", "../x", "c"), 'claims[0].uid: "../x" is not a UID'),
+    (("ns", uid("a").upper(), "c"), "claims[0].uid: "),
+    (("ns", uid("a") + "/..", "c"), "claims[0].uid: "),
+    (("ns", " " + uid("a"), "c"), "claims[0].uid: "),
+    (("ns", uid("a"), "../x"), 'claims[0].name: "../x" is not a DNS-1123 subdomain'),
+    (("ns", uid("a"), "Claim"), 'claims[0].name: "Claim" is not a DNS-1123 subdomain'),
+    (("ns", uid("a"), "a/b"), 'claims[0].name: "a/b" is not a DNS-1123 subdomain'),
+    (("ns", uid("a"), "a%2Fb"), "claims[0].name: "),
+    (("ns", uid("a"), "a\x00b"), 'claims[0].name: "a\\u0000b" is not'),
+    (("ns", uid("a"), "x" * 254), "claims[0].name: " + '"' + "x" * 64 + '"... (254 characters)'),
+    (("Default", uid("a"), "c"), 'claims[0].namespace: "Default" is not a DNS-1123 label'),
+    (("a.b", uid("a"), "c"), 'claims[0].namespace: "a.b" is not a DNS-1123 label'),
+    (("..", uid("a"), "c"), 'claims[0].namespace: ".." is not a DNS-1123 label'),
+    (("n" * 64, uid("a"), "c"), "claims[0].namespace: "),
+    (("ns", "", "c"), "claims[0].uid: required value"),
+]
+
+
+@pytest.mark.parametrize(("ref", "details"), BAD_REFS)
+@pytest.mark.parametrize("method", ["NodePrepareResources", "NodeUnprepareResources"])
+def test_bad_claim_references_are_invalid_argument_naming_the_field(
+    served: tuple[FakeState, grpc.Channel], ref: tuple[str, str, str], details: str, method: str
+) -> None:
+    state, channel = served
+    namespace, claim_uid, name = ref
+    bad = v1.Claim(namespace=namespace, uid=claim_uid, name=name)
+    request_type = (
+        v1.NodePrepareResourcesRequest
+        if method == "NodePrepareResources"
+        else v1.NodeUnprepareResourcesRequest
+    )
+    with pytest.raises(grpc.RpcError) as err:
+        getattr(v1_grpc.DRAPluginStub(channel), method)(request_type(claims=[bad, claim("ok")]))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert (err.value.details() or "").startswith(details), err.value.details()
+    assert state.calls == []
+
+
+def test_the_bad_claim_is_named_by_its_index(served: tuple[FakeState, grpc.Channel]) -> None:
+    _, channel = served
+    claims = [claim("a"), claim("b"), claim("c"), v1.Claim(namespace="ns", uid="common", name="c")]
+    with pytest.raises(grpc.RpcError) as err:
+        v1_grpc.DRAPluginStub(channel).NodeUnprepareResources(
+            v1.NodeUnprepareResourcesRequest(claims=claims)
+        )
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert (err.value.details() or "").startswith('claims[3].uid: "common" is not a UID')
+
+
+def test_longest_valid_names_and_api_server_uids_are_accepted(
+    served: tuple[FakeState, grpc.Channel],
+) -> None:
+    state, channel = served
+    name = ".".join(["a" * 63] * 3 + ["b" * 61])  # 253 characters
+    good = [
+        v1.Claim(namespace="n" * 63, uid=str(uuid.uuid4()), name=name),
+        v1.Claim(namespace="kube-system", uid="00000000-0000-0000-0000-000000000000", name="x"),
+        v1.Claim(namespace="a1", uid=uid("z"), name="pod-0-gpu-x7k2p"),
+    ]
+    assert len(name) == 253
+    response = v1_grpc.DRAPluginStub(channel).NodePrepareResources(
+        v1.NodePrepareResourcesRequest(claims=good)
+    )
+    assert sorted(response.claims) == sorted(c.uid for c in good)
+    assert all(r.error == "" for r in response.claims.values())
+    assert [(r.namespace, r.uid, r.name) for r in state.calls[0]] == [
+        (c.namespace, c.uid, c.name) for c in good
+    ]
+
+
 def test_duplicate_uids_get_one_answer_and_one_prepare(
     served: tuple[FakeState, grpc.Channel],
 ) -> None:
@@ -151,8 +231,8 @@ def test_duplicate_uids_get_one_answer_and_one_prepare(
     response = v1_grpc.DRAPluginStub(channel).NodePrepareResources(
         v1.NodePrepareResourcesRequest(claims=[claim("a"), claim("a")])
     )
-    assert list(response.claims) == ["a"]
-    assert [r.uid for r in state.calls[0]] == ["a"]
+    assert list(response.claims) == [uid("a")]
+    assert [r.uid for r in state.calls[0]] == [uid("a")]
 
 
 def test_empty_request_gets_empty_answer(served: tuple[FakeState, grpc.Channel]) -> None:
