@@ -7,6 +7,7 @@ or HELM=/path/to/helm. Without it these tests fail and say how to get it.
 from __future__ import annotations
 
 import base64
+import json
 import os
 import re
 import subprocess
@@ -412,6 +413,46 @@ def test_plugin_privileged_only_for_real_nvml(
     assert mock["allowPrivilegeEscalation"] is False
     assert mock["readOnlyRootFilesystem"] is True
     assert mock["capabilities"] == {"drop": ["ALL"]}
+
+
+def test_metrics_network_policy(default_docs: list[Doc]) -> None:
+    assert not [d for d in default_docs if d["kind"] == "NetworkPolicy"]  # opt-in
+    peers = [
+        {
+            "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}},
+            "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}},
+        }
+    ]
+    docs = render(
+        "--set",
+        "kubeletPlugin.metrics.networkPolicy.enabled=true",
+        "--set-json",
+        f"kubeletPlugin.metrics.networkPolicy.from={json.dumps(peers)}",
+        "--set",
+        "kubeletPlugin.httpPort=9400",
+    )
+    policy = one(docs, "NetworkPolicy", "kubeletplugin")
+    assert policy["metadata"]["namespace"] == NAMESPACE
+    pod_labels = one(docs, "DaemonSet")["spec"]["template"]["metadata"]["labels"]
+    selector = policy["spec"]["podSelector"]["matchLabels"]
+    assert selector.items() <= pod_labels.items()
+    assert selector["app.kubernetes.io/component"] == "kubeletplugin"
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    assert policy["spec"]["ingress"] == [
+        {"from": peers, "ports": [{"protocol": "TCP", "port": 9400}]}
+    ]
+    assert "egress" not in policy["spec"]  # the plugin must reach the API server
+    # No peers: isolated; only the node (the kubelet's liveness probe) gets in.
+    closed = render("--set", "kubeletPlugin.metrics.networkPolicy.enabled=true")
+    assert one(closed, "NetworkPolicy")["spec"]["ingress"] == []
+    proc = helm_template(
+        "--set",
+        "kubeletPlugin.metrics.networkPolicy.enabled=true",
+        "--set-json",
+        "kubeletPlugin.metrics.networkPolicy.from=[{}]",
+        check=False,
+    )
+    assert proc.returncode != 0 and "networkPolicy" in proc.stderr  # {} would admit all
 
 
 def test_mock_fleet_is_mounted_from_a_configmap() -> None:
