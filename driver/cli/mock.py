@@ -6,11 +6,16 @@ plugin injects it into its mock NVML, where it takes the same path as a real eve
 (classification, taint, health stream). Run it inside the plugin's pod:
 
     kubectl exec -n <ns> <plugin-pod> -- gpu-dra mock xid --device gpu-3 --xid 79
+    kubectl exec -n <ns> <plugin-pod> -- gpu-dra mock xid --device gpu-0-mig-1g10gb-3 \
+        --xid 94 --instance
     kubectl exec -n <ns> <plugin-pod> -- gpu-dra mock lost --device gpu-0-mig-1g10gb-0
     kubectl exec -n <ns> <plugin-pod> -- gpu-dra mock reset --all
 
-A partition name means its GPU. Exit codes: 0 injected, 1 refused or no mock plugin
-consumes the spool, 2 usage error.
+A partition name means its GPU, unless `xid --instance` attributes the Xid to the
+partition's live MIG GPU instance (as NVML does for an Xid inside a partition): then
+only the devices on its memory slices are tainted. A dynamic partition has a GPU
+instance only while it is prepared. `reset` clears the GPU and all its partitions.
+Exit codes: 0 injected, 1 refused or no mock plugin consumes the spool, 2 usage error.
 """
 
 from __future__ import annotations
@@ -76,6 +81,14 @@ def add_parser(subcommands: Any) -> None:
     xid = actions.add_parser("xid", help="report an Xid error on a device's GPU")
     xid.add_argument("--device", required=True, help="gpu-<n>, a partition name, or a GPU UUID")
     xid.add_argument("--xid", required=True, type=_xid, help="the Xid number, e.g. 79")
+    xid.add_argument(
+        "--instance",
+        action="store_true",
+        help=(
+            "attribute the Xid to the device's live MIG GPU instance (a prepared "
+            "partition, or a static MIG device) instead of its whole GPU"
+        ),
+    )
     _common(xid)
     xid.set_defaults(run=run)
 
@@ -98,6 +111,7 @@ def request_from_args(args: argparse.Namespace) -> MockRequest:
         device=args.device,
         xid=getattr(args, "xid", None),
         all=bool(getattr(args, "all", False)),
+        instance=bool(getattr(args, "instance", False)),
     )
 
 

@@ -11,6 +11,13 @@ Transport: a root-only spool directory `<state-dir>/mock-control/` (0700, files 
 - The plugin translates device names (`gpu-3`, a partition name, or a GPU UUID) to
   the GPU and calls `MockNvml.inject(...)`; the event then travels the same path as a
   real NVML event (event wait -> classification -> store -> taint).
+- `xid` with `"instance": true` attributes the Xid to the device's live MIG GPU
+  instance, as NVML does for an Xid inside a partition: the plugin finds the GPU
+  instance at the device's placement in the live MIG state and injects the event
+  with its GPU- and compute-instance IDs. The answer then carries `instance` (the
+  IDs and placement); a CLI that asked for an instance and gets no `instance` back
+  talks to a plugin that predates it (which injected a whole-GPU Xid). The key is
+  written only when true, so every other request is byte-for-byte what it was.
 """
 
 from __future__ import annotations
@@ -23,12 +30,13 @@ import re
 import secrets
 import stat
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from driver.health.store import Devices, device_list
-from driver.nvml.types import HealthEvent
+from driver.health.store import Devices, HealthDevice, device_list, device_placement
+from driver.nvml.types import HealthEvent, MigInstance
 from driver.state.fileio import atomic_write
 
 log = logging.getLogger(__name__)
@@ -60,6 +68,7 @@ class MockRequest:
     device: str | None = None
     xid: int | None = None
     all: bool = False
+    instance: bool = False  # xid only: attribute it to the device's live GPU instance
 
     def validate(self) -> None:
         if self.action not in ACTIONS:
@@ -76,11 +85,21 @@ class MockRequest:
                 raise MockControlError(f"invalid Xid {self.xid!r} (1..4294967295)")
         elif self.xid is not None:
             raise MockControlError(f"--xid is only valid for the xid action, not {self.action}")
+        if self.instance and self.action != "xid":
+            raise MockControlError(
+                f"--instance is only valid for the xid action, not {self.action}"
+            )
 
     def to_json(self) -> bytes:
-        return json.dumps(
-            {"action": self.action, "device": self.device, "xid": self.xid, "all": self.all}
-        ).encode()
+        doc: dict[str, Any] = {
+            "action": self.action,
+            "device": self.device,
+            "xid": self.xid,
+            "all": self.all,
+        }
+        if self.instance:
+            doc["instance"] = True
+        return json.dumps(doc).encode()
 
     @classmethod
     def from_json(cls, data: bytes) -> MockRequest:
@@ -93,6 +112,7 @@ class MockRequest:
                 device=None if doc.get("device") is None else str(doc["device"]),
                 xid=None if doc.get("xid") is None else int(doc["xid"]),
                 all=bool(doc.get("all", False)),
+                instance=bool(doc.get("instance", False)),
             )
         except (ValueError, KeyError, TypeError) as err:
             raise MockControlError(f"malformed request: {err}") from None
@@ -102,7 +122,8 @@ class MockRequest:
     def describe(self) -> str:
         target = "all GPUs" if self.all else self.device
         if self.action == "xid":
-            return f"Xid {self.xid} on {target}"
+            where = f"the GPU instance of {target}" if self.instance else target
+            return f"Xid {self.xid} on {where}"
         if self.action == "lost":
             return f"GPU lost on {target}"
         return f"reset of {target}"
@@ -124,6 +145,18 @@ class InjectableNvml(Protocol):
     def inject(self, event: HealthEvent) -> None: ...
 
 
+MigInstances = Callable[[str], Iterable[MigInstance]]  # GPU UUID -> live GPU instances
+
+
+def _live_instances(nvml: InjectableNvml) -> MigInstances:
+    from driver.nvml.mig import MigManager
+
+    def instances(gpu_uuid: str) -> Iterable[MigInstance]:
+        return MigManager(nvml).instances(gpu_uuid)
+
+    return instances
+
+
 # -- plugin side ---------------------------------------------------------------------
 
 
@@ -138,6 +171,7 @@ class MockControl:
         devices: Devices = (),
         *,
         node_name: str = "",
+        mig_instances: MigInstances | None = None,
     ) -> None:
         self.dir = spool_dir(state_dir)
         self._nvml = nvml
@@ -146,7 +180,9 @@ class MockControl:
         self._uuids = [g.uuid for g in gpus]
         self._names: dict[str, str] = {f"gpu-{g.minor}": g.uuid for g in gpus}
         self._names.update({g.uuid: g.uuid for g in gpus})
-        self._names.update({d.name: d.gpu_uuid for d in device_list(devices)})
+        self._devices: dict[str, HealthDevice] = {d.name: d for d in device_list(devices)}
+        self._names.update({name: d.gpu_uuid for name, d in self._devices.items()})
+        self._mig_instances = mig_instances or _live_instances(nvml)
         self._last_beat = 0.0
         self._active = False
         self.handled = 0
@@ -225,12 +261,20 @@ class MockControl:
             if len(data) > MAX_REQUEST_BYTES:
                 raise MockControlError("request too large")
             request = MockRequest.from_json(data)
-            message = self.apply(request)
+            message, instance = self._apply(request)
         except (MockControlError, OSError) as err:
             log.warning("mock control: refused %s: %s", path.name, err)
             return {"ok": False, "message": str(err)}
         log.warning("mock control: injected %s", message)
-        return {"ok": True, "message": message}
+        answer: dict[str, Any] = {"ok": True, "message": message}
+        if instance is not None:
+            answer["instance"] = {
+                "gpuUUID": instance.gpu_uuid,
+                "gpuInstanceId": instance.gi_id,
+                "computeInstanceId": instance.ci_id,
+                "placement": list(instance.placement),
+            }
+        return answer
 
     def resolve(self, device: str) -> str:
         """Device name (`gpu-3`, a partition of it, or a GPU UUID) -> GPU UUID."""
@@ -243,8 +287,57 @@ class MockControl:
             )
         return uuid
 
+    def resolve_instance(self, device: str) -> MigInstance:
+        """A published MIG device's live GPU instance: the one at the device's
+        placement (and of its profile) in the GPU's MIG state right now."""
+        uuid = self.resolve(device)
+        published = self._devices.get(device)
+        placement = device_placement(published) if published is not None else None
+        if published is None or placement is None:
+            raise MockControlError(
+                f"--instance: {device!r} is not a MIG device of this node (name a MIG "
+                "partition, or the whole GPU of a GPU in dynamic MIG mode)"
+            )
+        mig = getattr(published, "mig", None)
+        profile_id = getattr(mig, "profile_id", None)
+        try:
+            instances = list(self._mig_instances(uuid))
+        except Exception as err:
+            raise MockControlError(
+                f"--instance: cannot list the GPU instances of {uuid}: {err}"
+            ) from None
+        for instance in instances:
+            if instance.placement == placement and profile_id in (None, instance.profile_id):
+                return instance
+        start, size = placement
+        raise MockControlError(
+            f"--instance: {device} has no GPU instance now (none of its profile at memory "
+            f"slices {start}+{size}; a dynamic partition has one only while it is prepared)"
+        )
+
     def apply(self, request: MockRequest) -> str:
+        return self._apply(request)[0]
+
+    def _apply(self, request: MockRequest) -> tuple[str, MigInstance | None]:
         request.validate()
+        if request.instance:
+            assert request.device is not None and request.xid is not None
+            instance = self.resolve_instance(request.device)
+            self._nvml.inject(
+                HealthEvent(
+                    instance.gpu_uuid,
+                    "xid",
+                    xid=request.xid,
+                    message=f"Xid {request.xid}",
+                    gpu_instance_id=instance.gi_id,
+                    compute_instance_id=instance.ci_id,
+                )
+            )
+            ci = "" if instance.ci_id is None else f", compute instance {instance.ci_id}"
+            return (
+                f"{request.describe()} ({instance.gpu_uuid}, GPU instance {instance.gi_id}{ci})",
+                instance,
+            )
         if request.all:
             uuids = list(self._uuids)
         else:
@@ -258,7 +351,7 @@ class MockControl:
             else:
                 event = HealthEvent(uuid, "recovered", message="reset (mock)")
             self._nvml.inject(event)
-        return f"{request.describe()} ({', '.join(uuids)})"
+        return f"{request.describe()} ({', '.join(uuids)})", None
 
 
 # -- CLI side ------------------------------------------------------------------------
@@ -329,4 +422,9 @@ def submit(state_dir: str | Path, request: MockRequest, *, timeout: float = 5.0)
     message = str(answer.get("message", ""))
     if not answer.get("ok"):
         raise MockControlError(f"the plugin refused the request: {message}")
+    if request.instance and "instance" not in answer:
+        raise MockControlError(
+            f"the plugin (pid {marker.get('pid', '?')}) predates --instance: it injected "
+            f"the Xid for the whole GPU ({message})"
+        )
     return message

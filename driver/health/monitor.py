@@ -7,6 +7,13 @@ prompt), classifies each event (`XidPolicy`), records fatal ones in the
 republish. It never dies: any exception is logged and followed by a short backoff;
 an event set that failed is reopened.
 
+A fatal Xid NVML attributes to a MIG GPU instance fails that instance only: the
+monitor asks NVML for the GPU's live instances (`MigManager.instances`) at that
+moment, since in dynamic MIG mode a GPU-instance ID means a placement only while
+that partition exists, and records the failure under the instance's placement. If
+the instance is gone already (or the lookup fails), the whole GPU is failed: a
+fatal error must never be dropped for want of an address.
+
 With `data_dir` and a backend over `MockNvml`, the monitor also serves the mock
 control channel (`driver.health.mock_control`): it announces itself on `start()`,
 polls the spool before every event wait and withdraws on `stop()`.
@@ -19,16 +26,16 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Protocol
 
 from driver.errors import transient
 from driver.health.mock_control import MockControl
-from driver.health.store import Devices, HealthStore, device_list
-from driver.health.xid import Verdict, XidPolicy
+from driver.health.store import Devices, HealthDevice, HealthStore, Placement, device_list
+from driver.health.xid import Verdict, XidPolicy, attributed_instance
 from driver.nvml.mock import MockNvml
-from driver.nvml.types import HealthEvent
+from driver.nvml.types import HealthEvent, MigInstance
 from driver.observability import metrics
 
 log = logging.getLogger(__name__)
@@ -43,6 +50,23 @@ class EventSource(Protocol):
     def open_event_set(self) -> None: ...
     def wait_event(self, timeout_ms: int) -> HealthEvent | None: ...
     def close_event_set(self) -> None: ...
+
+
+MigInstances = Callable[[str], Iterable[MigInstance]]  # GPU UUID -> its live GPU instances
+
+
+def backend_mig_instances(backend: object) -> MigInstances | None:
+    """`backend.mig().instances` for an `NvmlBackend`; None for a source without MIG."""
+    mig = getattr(backend, "mig", None)
+    if not callable(mig):
+        return None
+
+    def instances(gpu_uuid: str) -> Iterable[MigInstance]:
+        manager = mig()
+        listed: Iterable[MigInstance] = manager.instances(gpu_uuid)
+        return listed
+
+    return instances
 
 
 class Publisher(Protocol):
@@ -71,10 +95,15 @@ class HealthMonitor:
         pollers: Sequence[Callable[[], object]] = (),
         error_backoff: float = 0.5,
         max_backoff: float = 5.0,
+        mig_instances: MigInstances | None = None,
     ) -> None:
         if not 0 < wait_timeout_ms <= 1000:
             raise ValueError("wait_timeout_ms must be in 1..1000")
         self._backend = backend
+        # The live GPU instances of a GPU, to place an Xid attributed to one of them.
+        self._mig_instances = (
+            mig_instances if mig_instances is not None else backend_mig_instances(backend)
+        )
         self._store = store
         self._policy = policy
         self._publisher = publisher
@@ -85,7 +114,13 @@ class HealthMonitor:
         self.mock_control: MockControl | None = None
         module = getattr(backend, "module", None)
         if data_dir is not None and isinstance(module, MockNvml):
-            self.mock_control = MockControl(data_dir, module, self._devices, node_name=node_name)
+            self.mock_control = MockControl(
+                data_dir,
+                module,
+                self._devices,
+                node_name=node_name,
+                mig_instances=self._mig_instances,
+            )
             self._pollers.append(self.mock_control.poll)
         self._backoff0 = error_backoff
         self._max_backoff = max_backoff
@@ -184,12 +219,54 @@ class HealthMonitor:
                 )
             else:
                 xid = event.xid if event.xid is not None else 0
-                changed = self._store.record_xid(event.gpu_uuid, xid, event.message)
+                changed = self._record_xid(event, xid)
         if changed:
             self._update_gauge()
             if self._publisher is not None:
                 self._publisher.trigger()
         return changed
+
+    def _record_xid(self, event: HealthEvent, xid: int) -> bool:
+        gi = attributed_instance(event)
+        if gi is None:
+            return self._store.record_xid(event.gpu_uuid, xid, event.message)
+        placement = self._placement_of(event.gpu_uuid, gi)
+        if isinstance(placement, str):
+            return self._store.record_xid(
+                event.gpu_uuid, xid, f"attributed to GPU instance {gi}, {placement}"
+            )
+        return self._store.record_instance_xid(
+            event.gpu_uuid,
+            placement,
+            xid,
+            event.message,
+            gpu_instance_id=gi,
+            compute_instance_id=event.compute_instance_id,
+        )
+
+    def _placement_of(self, gpu_uuid: str, gi_id: int) -> Placement | str:
+        """The placement of the GPU's live GPU instance `gi_id`, or why it is unknown
+        (logged; the caller fails the whole GPU)."""
+        if self._mig_instances is None:
+            why = "but GPU instances cannot be listed here"
+        else:
+            try:
+                instances = list(self._mig_instances(gpu_uuid))
+            except Exception as err:
+                why = f"whose GPU instances could not be listed ({err})"
+            else:
+                for instance in instances:
+                    if instance.gi_id == gi_id:
+                        return instance.placement
+                live = ", ".join(str(i.gi_id) for i in instances) or "none"
+                why = f"which no longer exists (live: {live})"
+        log.warning(
+            "GPU %s: Xid attributed to GPU instance %d, %s: failing the whole GPU",
+            gpu_uuid,
+            gi_id,
+            why,
+        )
+        return why
 
     def _update_gauge(self) -> None:
         metrics.TAINTED_DEVICES.set(self._store.tainted_device_count(self._devices))
@@ -213,19 +290,19 @@ class KubeDeviceHealth:
     ) -> None:
         self._store = store
         self._publisher = publisher
-        self._gpu_of = {d.name: d.gpu_uuid for d in device_list(devices)}
+        self._devices: dict[str, HealthDevice] = {d.name: d for d in device_list(devices)}
         self._timeout = sync_timeout
 
     def failure(self, device_name: str) -> str | None:
-        uuid = self._gpu_of.get(device_name)
-        if uuid is None:
+        device = self._devices.get(device_name)
+        if device is None:
             return None
-        failure = self._store.gpu_failure(uuid)
+        failure = self._store.device_failure(device)
         return failure.message() if failure is not None else None
 
     def ensure_tainted(self, device_name: str) -> None:
-        uuid = self._gpu_of.get(device_name)
-        if uuid is None or self._store.gpu_failure(uuid) is None:
+        device = self._devices.get(device_name)
+        if device is None or self._store.device_failure(device) is None:
             raise transient(f"device {device_name}: no recorded failure to publish as a taint")
         ticket = self._publisher.trigger()
         if not self._publisher.wait_synced(ticket, self._timeout):

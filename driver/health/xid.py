@@ -5,6 +5,10 @@ Application Xids (a fault of the workload, not of the GPU) are ignored by defaul
 `--fatal-xids` forces Xids fatal and wins over every ignore list. A double-bit ECC
 error and a lost GPU are always fatal.
 
+The verdict depends on the Xid alone, not on where it happened; where (the whole
+GPU, or one MIG GPU instance NVML attributes it to: `attributed_instance`) decides
+which devices a fatal one taints.
+
 Both flags take a comma-separated list of Xids, or `all`:
 `--additional-xids-to-ignore=all` ignores every Xid except those in `--fatal-xids`
 ("Xid health checks off except N"); `--fatal-xids=all` ignores nothing.
@@ -146,6 +150,15 @@ class XidPolicy:
             return ",".join(items) or "-"
 
         return f"ignored Xids: {show(self.ignored)}; fatal Xids: {show(self.fatal)}"
+
+
+def attributed_instance(event: HealthEvent) -> int | None:
+    """The MIG GPU instance an Xid event is attributed to, or None when the event
+    concerns the whole GPU. NVML attributes only Xid events (nvml.h, nvmlEventData_t),
+    so any other kind is whole-GPU whatever it carries."""
+    if event.kind != "xid":
+        return None
+    return event.gpu_instance_id
 
 
 def _as_list(value: str | Iterable[int] | None, flag: str) -> XidList:

@@ -36,6 +36,9 @@ HEALTH_EVENT_MASK = (
     EVENT_DOUBLE_BIT_ECC | EVENT_XID_CRITICAL | EVENT_GPU_UNAVAILABLE | EVENT_GPU_RECOVERY_ACTION
 )
 RECOVERY_ACTION_NONE = 0
+# nvmlEventData_t.gpuInstanceId / computeInstanceId when an event is not attributable
+# to a MIG GPU / compute instance (nvml.h).
+NO_INSTANCE = 0xFFFFFFFF
 
 ARCHITECTURES = {
     2: "Kepler",
@@ -367,7 +370,8 @@ class NvmlBackend:
     def wait_event(self, timeout_ms: int) -> HealthEvent | None:
         """The next health event, or None when `timeout_ms` passes without one.
 
-        Xid and double-bit ECC events map to `xid` / `ecc-dbe`; NVML's "GPU is lost"
+        Xid and double-bit ECC events map to `xid` / `ecc-dbe` (an Xid keeps the MIG
+        GPU / compute instance NVML attributes it to, if any); NVML's "GPU is lost"
         (from the wait itself, or a GpuUnavailable event) maps to `gpu-lost` for each
         newly lost GPU; a GpuRecoveryAction event with action NONE maps to `recovered`.
         """
@@ -408,7 +412,15 @@ class NvmlBackend:
             return None
         etype, edata = int(data.eventType), int(data.eventData)
         if etype & EVENT_XID_CRITICAL:
-            return HealthEvent(uuid, "xid", xid=edata, message=f"Xid {edata}")
+            gi, ci = _instance_ids(data)
+            return HealthEvent(
+                uuid,
+                "xid",
+                xid=edata,
+                message=f"Xid {edata}",
+                gpu_instance_id=gi,
+                compute_instance_id=ci,
+            )
         if etype & EVENT_DOUBLE_BIT_ECC:
             return HealthEvent(uuid, "ecc-dbe", message="double-bit ECC error")
         if etype & EVENT_GPU_UNAVAILABLE:
@@ -436,6 +448,20 @@ class NvmlBackend:
                 if self._is(err, "NVML_ERROR_GPU_IS_LOST"):
                     self._lost.add(uuid)
                     self._pending.append(HealthEvent(uuid, "gpu-lost", message=str(err)))
+
+
+def _instance_ids(data: Any) -> tuple[int | None, int | None]:
+    """The MIG GPU instance and compute instance an Xid event is attributed to.
+
+    nvml.h: "If MIG is enabled and nvmlEventTypeXidCriticalError event is attributable
+    to a GPU instance, stores a valid GPU instance ID. gpuInstanceId is set to
+    0xFFFFFFFF otherwise" (computeInstanceId likewise). A compute instance lives in a
+    GPU instance, so a compute instance ID without a GPU instance ID is dropped."""
+    gi = int(getattr(data, "gpuInstanceId", NO_INSTANCE))
+    ci = int(getattr(data, "computeInstanceId", NO_INSTANCE))
+    if gi == NO_INSTANCE:
+        return None, None
+    return gi, None if ci == NO_INSTANCE else ci
 
 
 def select_backend(

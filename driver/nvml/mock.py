@@ -9,7 +9,8 @@ Extras for tests and demos (not part of pynvml):
 - `calls`: a `collections.Counter` of every NVML function called through the mock
   (`mock.calls.total() == 0` asserts "no NVML call").
 - `inject(event)`: thread-safe health injection. An Xid or double-bit ECC error makes
-  the next `nvmlEventSetWait*` return it; `gpu-lost` makes every query on that GPU
+  the next `nvmlEventSetWait*` return it (an Xid attributed to a MIG GPU / compute
+  instance carries their IDs in the event data); `gpu-lost` makes every query on that GPU
   raise `GPU_IS_LOST` (and the next wait raise it) until a `recovered` (reset)
   injection, which the next wait reports as a `GpuRecoveryAction` event with
   action NONE.
@@ -294,6 +295,8 @@ class _Pending:
     index: int
     event_type: int  # 0 = "GPU is lost" (the wait raises GPU_IS_LOST)
     event_data: int = 0
+    gpu_instance_id: int = _NO_INSTANCE
+    compute_instance_id: int = _NO_INSTANCE
 
 
 _ARCH_BY_NAME = {
@@ -377,13 +380,20 @@ class MockNvml(MigFunctions):
             raise KeyError(f"no mock GPU with UUID {uuid}") from None
 
     def inject(self, event: HealthEvent) -> None:
-        """Inject a health event for a GPU (thread-safe); see the module docstring."""
+        """Inject a health event for a GPU (thread-safe); see the module docstring.
+
+        An Xid may carry `gpu_instance_id` / `compute_instance_id` (a GPU in MIG mode
+        only, as in NVML): the wait reports them in the event data, 0xFFFFFFFF where
+        None. Whether that instance exists is not checked (an event can outlive it)."""
         gpu = self.mock_gpu(event.gpu_uuid)
+        gi, ci = self._instance_ids(gpu, event)
         with self._cond:
             if event.kind == "xid":
                 if event.xid is None:
                     raise ValueError("an xid event needs an xid number")
-                self._pending.append(_Pending(gpu.index, nvmlEventTypeXidCriticalError, event.xid))
+                self._pending.append(
+                    _Pending(gpu.index, nvmlEventTypeXidCriticalError, event.xid, gi, ci)
+                )
             elif event.kind == "ecc-dbe":
                 self._pending.append(_Pending(gpu.index, nvmlEventTypeDoubleBitEccError))
             elif event.kind == "gpu-lost":
@@ -401,8 +411,39 @@ class MockNvml(MigFunctions):
                 raise ValueError(f"unknown health event kind {event.kind!r}")
             self._cond.notify_all()
 
-    def inject_xid(self, uuid: str, xid: int) -> None:
-        self.inject(HealthEvent(gpu_uuid=uuid, kind="xid", xid=xid))
+    @staticmethod
+    def _instance_ids(gpu: MockGpu, event: HealthEvent) -> tuple[int, int]:
+        gi, ci = event.gpu_instance_id, event.compute_instance_id
+        if gi is None and ci is None:
+            return _NO_INSTANCE, _NO_INSTANCE
+        if event.kind != "xid":
+            raise ValueError(f"NVML attributes only Xid events to a MIG instance, not {event.kind}")
+        if not gpu.mig_enabled:
+            raise ValueError(f"GPU {gpu.uuid} is not in MIG mode: no event has a GPU instance")
+        if gi is None:
+            raise ValueError("a compute instance ID needs its GPU instance ID")
+        for value in (gi, ci):
+            if value is not None and not 0 <= value < _NO_INSTANCE:
+                raise ValueError(f"instance ID {value} is out of range")
+        return gi, _NO_INSTANCE if ci is None else ci
+
+    def inject_xid(
+        self,
+        uuid: str,
+        xid: int,
+        *,
+        gpu_instance_id: int | None = None,
+        compute_instance_id: int | None = None,
+    ) -> None:
+        self.inject(
+            HealthEvent(
+                gpu_uuid=uuid,
+                kind="xid",
+                xid=xid,
+                gpu_instance_id=gpu_instance_id,
+                compute_instance_id=compute_instance_id,
+            )
+        )
 
     def inject_gpu_lost(self, uuid: str) -> None:
         self.inject(HealthEvent(gpu_uuid=uuid, kind="gpu-lost"))
@@ -667,6 +708,8 @@ class MockNvml(MigFunctions):
             device=self._handles[pending.index],
             eventType=pending.event_type,
             eventData=pending.event_data,
+            gpuInstanceId=pending.gpu_instance_id,
+            computeInstanceId=pending.compute_instance_id,
         )
 
     def nvmlEventSetWait(self, eventSet: Any, timeoutms: int) -> EventData:

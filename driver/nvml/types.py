@@ -77,9 +77,17 @@ class Inventory:
 
 @dataclass(frozen=True)
 class HealthEvent:
-    """A health-relevant NVML event for one physical GPU."""
+    """A health-relevant NVML event for one physical GPU.
+
+    `gpu_instance_id` / `compute_instance_id`: the MIG GPU instance and compute
+    instance NVML attributes an Xid to (nvmlEventData_t.gpuInstanceId /
+    computeInstanceId); None where NVML reports 0xFFFFFFFF (not attributable: the
+    event concerns the whole GPU, or MIG mode is off). Only Xid events carry them.
+    """
 
     gpu_uuid: str
     kind: str  # "xid" | "ecc-dbe" | "gpu-lost" | "recovered"
     xid: int | None = None
     message: str = ""
+    gpu_instance_id: int | None = None
+    compute_instance_id: int | None = None

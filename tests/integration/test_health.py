@@ -256,3 +256,90 @@ def test_no_execute_taint_evicts_the_pod_using_the_gpu(
         cluster.wait_for(evicted, timeout=90, what="device-taint eviction of the pod")
         inject(plugin, "reset", "--all")
         cluster.wait_for(lambda: not taints(cluster, node.name), timeout=10, what="taints cleared")
+
+
+def on_slice(pool: list[dict[str, Any]], gpu: str, memory_slice: int) -> set[str]:
+    """The GPU and those of its partitions whose memory slices include `memory_slice`."""
+    out: set[str] = set()
+    for name in family(pool, gpu):
+        attrs = published_devices(pool)[name]["attributes"]
+        if "placementStart" not in attrs:
+            out.add(name)  # the whole GPU
+            continue
+        start, size = attrs["placementStart"]["int"], attrs["placementSize"]["int"]
+        if start <= memory_slice < start + size:
+            out.add(name)
+    return out
+
+
+def test_xid_on_a_partitions_gpu_instance_taints_only_its_memory_slices(
+    cluster: Cluster, node: FakeNode, root: Path, pool: list[dict[str, Any]]
+) -> None:
+    uuid = published_devices(pool)["gpu-7"]["attributes"]["uuid"]["string"]
+
+    def partition(start: int) -> str:
+        attrs = f'device.attributes["{DRIVER}"]'
+        return (
+            f'{attrs}.parentUUID == "{uuid}" && {attrs}.profile == "1g.10gb" && '
+            f"{attrs}.placementStart == {start}"
+        )
+
+    apply(
+        cluster,
+        claim("slice-3", NS, "hw-mig.example.com", partition(3)),
+        pod_using("slice-3", NS, "slice-3"),
+    )
+    results = cluster.wait_for(
+        lambda: allocation(cluster, NS, "slice-3"), timeout=60, what="partition allocation"
+    )
+    assert [r["device"] for r in results] == ["gpu-7-mig-1g10gb-3"]
+    uid = get_json(cluster, "resourceclaim", "-n", NS, "slice-3")["metadata"]["uid"]
+    expected = on_slice(pool, "gpu-7", 3)
+    assert {"gpu-7", "gpu-7-mig-1g10gb-3"} <= expected
+    assert "gpu-7-mig-1g10gb-4" not in expected
+
+    with (
+        running_plugin(kubeconfig=cluster.kubeconfig, node_name=node.name, root=root) as plugin,
+        KubeletStandin(plugin.registry_dir) as kubelet,
+    ):
+        kubelet.wait_for_plugin(DRIVER)
+        # Prepare creates the partition's GPU instance (dynamic MIG).
+        prepared = kubelet.prepare(DRIVER, [(NS, uid, "slice-3")])[uid]
+        assert prepared.error == "", prepared.error
+        inject(plugin, "xid", "--device", "gpu-7-mig-1g10gb-3", "--xid", "94", "--instance")
+        tainted = cluster.wait_for(
+            lambda: (t := taints(cluster, node.name)) and set(t) == expected and t,
+            timeout=10,
+            interval=0.05,
+            what="Xid 94 taint on the devices on memory slice 3 of gpu-7",
+        )
+        assert tainted["gpu-7-mig-1g10gb-3"][0]["key"] == XID_KEY
+        assert tainted["gpu-7-mig-1g10gb-3"][0]["value"] == "94"
+
+        # A partition on another memory slice of the same GPU is still allocatable.
+        apply(
+            cluster,
+            claim("slice-4", NS, "hw-mig.example.com", partition(4)),
+            pod_using("slice-4", NS, "slice-4"),
+        )
+        cluster.wait_for(
+            lambda: allocation(cluster, NS, "slice-4"), timeout=60, what="sibling allocation"
+        )
+        assert kubelet.unprepare(DRIVER, [(NS, uid, "slice-3")])[uid].error == ""
+
+    # The placement stays tainted across a restart, without the GPU instance; a reset
+    # of the GPU clears it.
+    with running_plugin(kubeconfig=cluster.kubeconfig, node_name=node.name, root=root) as plugin:
+        cluster.kubectl("delete", "resourceslices", f"--field-selector=spec.nodeName={node.name}")
+        cluster.wait_for(
+            lambda: set(taints(cluster, node.name)) == expected,
+            timeout=30,
+            what="partition taint after restart",
+        )
+        inject(plugin, "reset", "--device", "gpu-7")
+        cluster.wait_for(
+            lambda: not taints(cluster, node.name), timeout=10, what="taint removed by reset"
+        )
+    for name in ("slice-3", "slice-4"):
+        cluster.kubectl("delete", "pod", "-n", NS, name, "--force", "--grace-period=0")
+        cluster.kubectl("delete", "resourceclaim", "-n", NS, name, "--wait=false")

@@ -16,9 +16,10 @@ from driver.health.monitor import HealthMonitor, KubeDeviceHealth
 from driver.health.store import HealthStore
 from driver.health.xid import XidPolicy
 from driver.nvml.backend import NvmlBackend
-from driver.nvml.fleet import default_fleet
+from driver.nvml.fleet import Fleet, default_fleet, parse_fleet
+from driver.nvml.mig import MigTarget
 from driver.nvml.mock import MockNvml
-from driver.nvml.types import HealthEvent
+from driver.nvml.types import HealthEvent, MigInstance
 from driver.observability.metrics import REGISTRY
 
 DRIVER = "gpu.example.com"
@@ -70,8 +71,8 @@ class Rig:
             time.sleep(0.005)
 
 
-def make_rig(path: Path) -> Rig:
-    mock = MockNvml(default_fleet(), "node-1")
+def make_rig(path: Path, driver_root: Path | None = None, fleet: Fleet | None = None) -> Rig:
+    mock = MockNvml(fleet or default_fleet(), "node-1", driver_root=driver_root)
     backend = NvmlBackend(mock)
     pool = build_pool(backend.discover())
     store = HealthStore(path)
@@ -283,3 +284,179 @@ def test_kube_device_health_unsynced_is_transient(tmp_path: Path) -> None:
     with pytest.raises(DriverError) as err:
         health.ensure_tainted("gpu-0")  # nothing to publish
     assert err.value.error_class is ErrorClass.TRANSIENT
+
+
+# -- MIG partitions ----------------------------------------------------------------------
+
+PROFILE_1G = 19  # 1g.10gb on an H100 80GB: one memory slice
+
+
+def create_1g(rig: Rig, minor: int, start: int) -> MigInstance:
+    """Create the 1g.10gb partition at `start` as prepare does (dynamic MIG)."""
+    return NvmlBackend(rig.mock).mig().create(MigTarget(rig.uuid(minor), PROFILE_1G, (start, 1), 1))
+
+
+def on_slice_3(rig: Rig, minor: int) -> set[str]:
+    """The devices of the GPU whose memory slices include slice 3."""
+    names = set()
+    for d in rig.pool.devices_of_gpu(rig.uuid(minor)):
+        start, size = d.placement or (0, 8)
+        if start <= 3 < start + size:
+            names.add(d.name)
+    return names
+
+
+@pytest.fixture
+def mig_rig(tmp_path: Path) -> Iterator[Rig]:
+    r = make_rig(tmp_path / "health.json", tmp_path / "driver-root")
+    assert r.pool.mig_modes[r.uuid(0)] == "dynamic"
+    r.monitor.start()
+    yield r
+    r.monitor.stop()
+
+
+def test_xid_on_a_gpu_instance_taints_its_partition_and_the_gpu_only(mig_rig: Rig) -> None:
+    rig = mig_rig
+    failed = create_1g(rig, 0, 3)
+    create_1g(rig, 0, 4)  # a sibling partition in use on the next slice
+    rig.mock.inject_xid(
+        rig.uuid(0), 94, gpu_instance_id=failed.gi_id, compute_instance_id=failed.ci_id
+    )
+    assert rig.publisher.wait_triggers(1)
+    taints = rig.taints()
+    assert set(taints) == on_slice_3(rig, 0)
+    assert {"gpu-0", "gpu-0-mig-1g10gb-3", "gpu-0-mig-3g40gb-0"} <= set(taints)
+    for sibling in ("gpu-0-mig-1g10gb-4", "gpu-0-mig-1g10gb-2", "gpu-0-mig-3g40gb-4"):
+        assert sibling not in taints
+    assert taints["gpu-0-mig-1g10gb-3"] == [
+        {"key": f"{DRIVER}/xid", "value": "94", "effect": "NoSchedule"}
+    ]
+    assert rig.store.gpu_failure(rig.uuid(0)) is None  # the GPU itself is not failed
+    failure = rig.store.failed_instances()[rig.uuid(0)][(3, 1)]
+    assert (failure.gpu_instance_id, failure.compute_instance_id) == (failed.gi_id, failed.ci_id)
+    assert REGISTRY.get_sample_value("gpu_dra_tainted_devices") == len(taints)
+
+
+def test_unattributed_xid_on_a_mig_gpu_taints_everything_of_it(mig_rig: Rig) -> None:
+    rig = mig_rig
+    create_1g(rig, 0, 3)
+    rig.mock.inject_xid(rig.uuid(0), 79)
+    assert rig.publisher.wait_triggers(1)
+    assert set(rig.taints()) == rig.names_of(0)
+
+
+def test_xid_on_a_vanished_gpu_instance_fails_the_whole_gpu(mig_rig: Rig) -> None:
+    rig = mig_rig
+    gone = create_1g(rig, 0, 3)
+    NvmlBackend(rig.mock).mig().destroy(rig.uuid(0), gone.gi_id)  # unprepared meanwhile
+    rig.mock.inject_xid(rig.uuid(0), 94, gpu_instance_id=gone.gi_id)
+    assert rig.publisher.wait_triggers(1)
+    assert set(rig.taints()) == rig.names_of(0)
+    failure = rig.store.gpu_failure(rig.uuid(0))
+    assert failure is not None and "no longer exists" in failure.message()
+
+
+def test_ignored_xid_on_a_gpu_instance_costs_no_lookup(mig_rig: Rig) -> None:
+    rig = mig_rig
+    instance = create_1g(rig, 0, 3)
+    before = rig.mock.calls["nvmlDeviceGetGpuInstances"]
+    rig.mock.inject_xid(rig.uuid(0), 43, gpu_instance_id=instance.gi_id)  # application Xid
+    rig.wait_handled(1)
+    assert rig.taints() == {}
+    assert rig.mock.calls["nvmlDeviceGetGpuInstances"] == before
+
+
+def test_instance_taint_survives_a_restart_and_reset_clears_it(tmp_path: Path) -> None:
+    path, root = tmp_path / "health.json", tmp_path / "driver-root"
+    first = make_rig(path, root)
+    first.monitor.start()
+    try:
+        failed = create_1g(first, 1, 3)
+        first.mock.inject_xid(first.uuid(1), 94, gpu_instance_id=failed.gi_id)
+        assert first.publisher.wait_triggers(1)
+        expected = on_slice_3(first, 1)
+        assert set(first.taints()) == expected
+        # Unprepare destroys the partition: its placement stays tainted.
+        NvmlBackend(first.mock).mig().destroy(first.uuid(1), failed.gi_id)
+    finally:
+        first.monitor.stop()
+    second = make_rig(path, root)  # a new process on the same node
+    assert set(second.taints()) == expected
+    second.monitor.start()
+    try:
+        second.mock.reset(second.uuid(1))
+        assert second.publisher.wait_triggers(1)
+        assert second.taints() == {}
+    finally:
+        second.monitor.stop()
+    assert HealthStore(path).failed_instances() == {}
+
+
+def test_static_mig_device_is_tainted_alone(tmp_path: Path) -> None:
+    fleet = parse_fleet(
+        {
+            "gpus": [
+                {
+                    "model": "H100-80GB",
+                    "migInstances": [
+                        {"profile": "1g.10gb", "start": 5},
+                        {"profile": "1g.10gb", "start": 6},
+                    ],
+                }
+            ]
+        }
+    )
+    rig = make_rig(tmp_path / "health.json", tmp_path / "driver-root", fleet)
+    uuid = rig.mock.gpus[0].uuid
+    assert rig.pool.mig_modes[uuid] == "static"
+    static = {d.name: d for d in rig.pool.devices}
+    assert set(static) == {"gpu-0-mig-1g10gb-5", "gpu-0-mig-1g10gb-6"}
+    existing = static["gpu-0-mig-1g10gb-6"].mig
+    assert existing is not None and existing.existing is not None
+    rig.monitor.start()
+    try:
+        rig.mock.inject_xid(
+            uuid,
+            79,
+            gpu_instance_id=existing.existing.gi_id,
+            compute_instance_id=existing.existing.ci_id,
+        )
+        assert rig.publisher.wait_triggers(1)
+        assert set(rig.taints()) == {"gpu-0-mig-1g10gb-6"}
+    finally:
+        rig.monitor.stop()
+
+
+def test_kube_device_health_sees_instance_failures(tmp_path: Path) -> None:
+    rig = make_rig(tmp_path / "health.json", tmp_path / "driver-root")
+    health = KubeDeviceHealth(rig.store, rig.publisher, rig.pool.devices, sync_timeout=0.1)
+    rig.store.record_instance_xid(rig.uuid(2), (3, 1), 94, gpu_instance_id=10)
+    message = health.failure("gpu-2-mig-1g10gb-3")
+    assert message is not None and message.startswith("Xid 94 on GPU instance 10")
+    assert health.failure("gpu-2") == message
+    assert health.failure("gpu-2-mig-1g10gb-4") is None
+    health.ensure_tainted("gpu-2-mig-1g10gb-3")
+    with pytest.raises(DriverError) as err:
+        health.ensure_tainted("gpu-2-mig-1g10gb-4")
+    assert err.value.error_class is ErrorClass.TRANSIENT
+
+
+def test_failed_instance_lookup_fails_the_whole_gpu(tmp_path: Path) -> None:
+    uuid = "GPU-00000000-0000-4000-8000-000000000000"
+
+    def unlistable(gpu_uuid: str) -> list[MigInstance]:
+        raise RuntimeError("NVML hiccup")
+
+    store = HealthStore(tmp_path / "health.json")
+    monitor = HealthMonitor(
+        FlakySource([]), store, XidPolicy(), FakePublisher(), (), mig_instances=unlistable
+    )
+    assert monitor.handle(HealthEvent(uuid, "xid", xid=94, gpu_instance_id=9))
+    failure = store.gpu_failure(uuid)
+    assert failure is not None and "could not be listed (NVML hiccup)" in failure.message()
+    assert store.failed_instances() == {}
+    # A source without MIG (no `mig()`) cannot place it either.
+    other = HealthStore(tmp_path / "other.json")
+    plain = HealthMonitor(FlakySource([]), other, XidPolicy(), FakePublisher(), ())
+    assert plain.handle(HealthEvent(uuid, "xid", xid=94, gpu_instance_id=9))
+    assert other.gpu_failure(uuid) is not None

@@ -21,6 +21,7 @@ GPU1 = "GPU-11111111-1111-4111-8111-111111111111"
 class Dev:
     name: str
     gpu_uuid: str
+    placement: tuple[int, int] | None = None  # as PublishedDevice: MIG memory slices
 
 
 DEVICES = [
@@ -160,3 +161,154 @@ def test_wait_changed_wakes_on_change(tmp_path: Path) -> None:
     assert store.wait_changed(version, 5.0) == version + 1
     assert time.monotonic() - start < 2.0
     timer.join()
+
+
+# -- MIG GPU-instance failures -----------------------------------------------------------
+
+GPU2 = "GPU-22222222-2222-4222-8222-222222222222"
+
+
+@dataclass(frozen=True)
+class Backing:
+    placement: tuple[int, int]
+
+
+@dataclass(frozen=True)
+class WholeMigGpu:
+    """A dynamic MIG GPU's whole-GPU device: no placement, a full-size MIG backing."""
+
+    name: str
+    gpu_uuid: str
+    mig: Backing
+
+
+MIG_DEVICES = [
+    WholeMigGpu("gpu-2", GPU2, Backing((0, 8))),
+    Dev("gpu-2-mig-1g10gb-3", GPU2, (3, 1)),
+    Dev("gpu-2-mig-1g10gb-4", GPU2, (4, 1)),
+    Dev("gpu-2-mig-2g20gb-2", GPU2, (2, 2)),
+    Dev("gpu-2-mig-3g40gb-4", GPU2, (4, 4)),
+    Dev("gpu-1", GPU1),
+]
+
+
+def test_instance_failure_taints_devices_on_its_slices(tmp_path: Path) -> None:
+    store = HealthStore(tmp_path / "health.json")
+    assert store.record_instance_xid(GPU2, (3, 1), 94, gpu_instance_id=9, compute_instance_id=0)
+    taints = store.device_taints(MIG_DEVICES, driver="gpu.example.com", effect="NoSchedule")
+    expected = [{"key": "gpu.example.com/xid", "value": "94", "effect": "NoSchedule"}]
+    # The partition, the larger one containing slice 3 and the whole GPU; not the
+    # partitions on other slices.
+    assert taints == {
+        "gpu-2": expected,
+        "gpu-2-mig-1g10gb-3": expected,
+        "gpu-2-mig-2g20gb-2": expected,
+    }
+    assert store.tainted_device_count(MIG_DEVICES) == 3
+    assert store.gpu_failure(GPU2) is None and store.failed_gpus() == {}
+    failure = store.device_failure(MIG_DEVICES[1])
+    assert failure is not None
+    assert failure.message().startswith("Xid 94 on GPU instance 9/0 at memory slice 3 (since ")
+    assert store.device_failure(MIG_DEVICES[2]) is None
+    version, by_device = store.device_snapshot(MIG_DEVICES)  # for the health stream
+    assert version == store.version and set(by_device) == set(taints)
+    assert by_device["gpu-2"] == failure
+    store.set_devices(MIG_DEVICES)
+    assert store.failure("gpu-2") == failure.message()
+    assert store.failure("gpu-2-mig-3g40gb-4") is None
+
+
+def test_whole_gpu_failure_still_taints_every_partition(tmp_path: Path) -> None:
+    store = HealthStore(tmp_path / "health.json")
+    store.record_instance_xid(GPU2, (3, 1), 94, gpu_instance_id=9)
+    assert store.record_xid(GPU2, 79)
+    taints = store.device_taints(MIG_DEVICES, effect="NoSchedule")
+    assert set(taints) == {d.name for d in MIG_DEVICES if d.gpu_uuid == GPU2}
+    # The whole GPU's failure is the stronger one where both apply.
+    assert {t[0]["value"] for t in taints.values()} == {"79"}
+
+
+def test_gpu_lost_beats_instance_xid(tmp_path: Path) -> None:
+    store = HealthStore(tmp_path / "health.json")
+    assert store.record_instance_xid(GPU2, (4, 1), 94, gpu_instance_id=11)
+    assert store.record_lost(GPU2)
+    assert not store.record_instance_xid(GPU2, (3, 1), 94, gpu_instance_id=9)
+    failure = store.device_failure(MIG_DEVICES[2])
+    assert failure is not None and failure.kind == "gpu-lost"
+    assert list(store.failed_instances()[GPU2]) == [(4, 1)]
+
+
+def test_instance_records_follow_the_xid_rules(tmp_path: Path) -> None:
+    store = HealthStore(tmp_path / "health.json")
+    assert store.record_instance_xid(GPU2, (3, 1), 94, gpu_instance_id=9)
+    first = store.failed_instances()[GPU2][(3, 1)]
+    version = store.version
+    assert not store.record_instance_xid(GPU2, (3, 1), 94, gpu_instance_id=9)
+    assert store.version == version
+    assert store.record_instance_xid(GPU2, (3, 1), 95, gpu_instance_id=9)
+    now = store.failed_instances()[GPU2][(3, 1)]
+    assert (now.value, now.since) == ("95", first.since)
+    with pytest.raises(ValueError):
+        store.record_instance_xid(GPU2, (3, 0), 94)
+
+
+def test_instance_failures_persist_and_clear(tmp_path: Path) -> None:
+    path = tmp_path / "health.json"
+    store = HealthStore(path)
+    store.record_instance_xid(GPU2, (3, 1), 94, "Xid 94", gpu_instance_id=9, compute_instance_id=0)
+    store.record_xid(GPU1, 79)
+    doc = json.loads(path.read_text())
+    assert doc["version"] == 1 and list(doc["gpus"]) == [GPU1]
+    assert doc["instances"] == {
+        GPU2: [
+            {
+                "start": 3,
+                "size": 1,
+                "gpuInstanceId": 9,
+                "computeInstanceId": 0,
+                "key": "gpu.example.com/xid",
+                "value": "94",
+                "reason": "Xid 94",
+                "since": store.failed_instances()[GPU2][(3, 1)].since,
+            }
+        ]
+    }
+    again = HealthStore(path)  # a restart
+    assert again.failed_instances() == store.failed_instances()
+    assert again.device_taints(MIG_DEVICES) == store.device_taints(MIG_DEVICES)
+    assert again.clear(GPU2)  # recovery clears the GPU's instances
+    assert again.device_taints(MIG_DEVICES) == store.device_taints([MIG_DEVICES[-1]])
+    assert not again.clear(GPU2)
+    reread = json.loads(path.read_text())
+    assert "instances" not in reread and list(reread["gpus"]) == [GPU1]
+    assert HealthStore(path).failed_instances() == {}
+
+
+def test_file_without_instances_still_loads(tmp_path: Path) -> None:
+    """A file written before GPU-instance failures existed."""
+    path = tmp_path / "health.json"
+    old = {
+        "version": 1,
+        "gpus": {
+            GPU0: {
+                "key": "gpu.example.com/xid",
+                "value": "79",
+                "reason": "Xid 79",
+                "since": "2026-01-01T00:00:00Z",
+            }
+        },
+    }
+    path.write_text(json.dumps(old))
+    store = HealthStore(path)
+    assert set(store.device_taints(DEVICES)) == {d.name for d in DEVICES if d.gpu_uuid == GPU0}
+    assert store.failed_instances() == {}
+    store.record_lost(GPU1)  # files without instance failures keep the old shape
+    assert set(json.loads(path.read_text())) == {"version", "gpus"}
+
+
+def test_malformed_instance_record_is_quarantined(tmp_path: Path) -> None:
+    path = tmp_path / "health.json"
+    bad = {"version": 1, "gpus": {}, "instances": {GPU2: [{"key": "x/xid", "start": "3"}]}}
+    path.write_text(json.dumps(bad))
+    assert HealthStore(path).failed_instances() == {}
+    assert any(p.name.startswith("health.json.corrupt-") for p in tmp_path.iterdir())

@@ -29,7 +29,9 @@ from driver.health.store import HealthStore
 from driver.health.xid import XidPolicy
 from driver.nvml.backend import NvmlBackend
 from driver.nvml.fleet import default_fleet
+from driver.nvml.mig import MigTarget
 from driver.nvml.mock import MockNvml
+from driver.nvml.types import MigInstance
 
 DRIVER = "gpu.example.com"
 
@@ -49,8 +51,8 @@ def cli(argv: list[str]) -> tuple[int, str, str]:
 class Plugin:
     """A monitor over a mock backend with the control channel, as the plugin wires it."""
 
-    def __init__(self, state_dir: Path) -> None:
-        self.mock = MockNvml(default_fleet(), "node-1")
+    def __init__(self, state_dir: Path, driver_root: Path | None = None) -> None:
+        self.mock = MockNvml(default_fleet(), "node-1", driver_root=driver_root)
         backend = NvmlBackend(self.mock)
         self.pool: PoolDevices = build_pool(backend.discover())
         self.store = HealthStore(state_dir / "health.json")
@@ -264,3 +266,163 @@ def test_default_state_dir(monkeypatch: pytest.MonkeyPatch) -> None:
     args = parse(["mock", "reset", "--all"])
     assert args.state_dir == "/var/lib/kubelet/plugins/gpu.example.com"
     assert mock_cli.request_from_args(args) == MockRequest("reset", all=True)
+
+
+# -- xid --instance: an Xid attributed to a partition's GPU instance ----------------------
+
+
+@pytest.fixture
+def mig_plugin(tmp_path: Path) -> Iterator[Plugin]:
+    p = Plugin(tmp_path, driver_root=tmp_path / "driver-root")
+    p.monitor.start()
+    yield p
+    p.monitor.stop()
+
+
+def create(
+    plugin: Plugin, minor: int, profile_id: int, placement: tuple[int, int], slices: int = 1
+) -> MigInstance:
+    target = MigTarget(plugin.uuid(minor), profile_id, placement, slices)
+    return NvmlBackend(plugin.mock).mig().create(target)
+
+
+def test_xid_on_a_partitions_gpu_instance(mig_plugin: Plugin, tmp_path: Path) -> None:
+    plugin = mig_plugin
+    instance = create(plugin, 0, 19, (3, 1))  # gpu-0-mig-1g10gb-3, prepared
+    create(plugin, 0, 19, (4, 1))  # gpu-0-mig-1g10gb-4, prepared too
+    code, out, err = cli(
+        [
+            "mock",
+            "xid",
+            "--device",
+            "gpu-0-mig-1g10gb-3",
+            "--xid",
+            "94",
+            "--instance",
+            "--state-dir",
+            str(tmp_path),
+        ]
+    )
+    assert (code, err) == (0, "")
+    assert out.startswith("injected: Xid 94 on the GPU instance of gpu-0-mig-1g10gb-3 (GPU-")
+    assert f"GPU instance {instance.gi_id}, compute instance {instance.ci_id})" in out
+    plugin.wait_for(lambda: bool(plugin.store.failed_instances()))
+    failure = plugin.store.failed_instances()[plugin.uuid(0)][(3, 1)]
+    assert (failure.gpu_instance_id, failure.compute_instance_id) == (
+        instance.gi_id,
+        instance.ci_id,
+    )
+    taints = plugin.store.device_taints(plugin.pool.devices, driver=DRIVER)
+    assert {"gpu-0", "gpu-0-mig-1g10gb-3", "gpu-0-mig-7g80gb-0"} <= set(taints)
+    assert "gpu-0-mig-1g10gb-4" not in taints and "gpu-0-mig-1g10gb-2" not in taints
+    assert plugin.store.gpu_failure(plugin.uuid(0)) is None
+
+    code, out, _ = cli(["mock", "reset", "--device", "gpu-0", "--state-dir", str(tmp_path)])
+    assert code == 0
+    plugin.wait_for(lambda: plugin.store.failed_instances() == {})
+    assert plugin.store.device_taints(plugin.pool.devices) == {}
+
+
+def test_whole_gpu_of_a_dynamic_mig_gpu_has_an_instance_when_prepared(
+    mig_plugin: Plugin, tmp_path: Path
+) -> None:
+    plugin = mig_plugin
+    argv = ["mock", "xid", "--device", "gpu-1", "--xid", "79", "--instance"]
+    code, _, err = cli([*argv, "--state-dir", str(tmp_path)])
+    assert code == 1 and "gpu-1 has no GPU instance now" in err
+    create(plugin, 1, 0, (0, 8), 7)  # the whole GPU, delivered as a 7g.80gb MIG device
+    code, _, err = cli([*argv, "--state-dir", str(tmp_path)])
+    assert (code, err) == (0, "")
+    plugin.wait_for(lambda: bool(plugin.store.failed_instances()))
+    taints = plugin.store.device_taints(plugin.pool.devices)
+    assert set(taints) == {d.name for d in plugin.pool.devices_of_gpu(plugin.uuid(1))}
+
+
+def test_instance_needs_a_live_gpu_instance(mig_plugin: Plugin, tmp_path: Path) -> None:
+    plugin = mig_plugin
+    create(plugin, 0, 20, (3, 1))  # 1g.10gb+me at slice 3: not the 1g.10gb partition
+    code, out, err = cli(
+        [
+            "mock",
+            "xid",
+            "--device",
+            "gpu-0-mig-1g10gb-3",
+            "--xid",
+            "94",
+            "--instance",
+            "--state-dir",
+            str(tmp_path),
+        ]
+    )
+    assert code == 1 and out == ""
+    assert "gpu-0-mig-1g10gb-3 has no GPU instance now" in err
+    assert "only while it is prepared" in err
+    code, _, err = cli(
+        [
+            "mock",
+            "xid",
+            "--device",
+            plugin.uuid(0),
+            "--xid",
+            "94",
+            "--instance",
+            "--state-dir",
+            str(tmp_path),
+        ]
+    )
+    assert code == 1 and "is not a MIG device of this node" in err
+    plugin.wait_for(lambda: plugin.mock.calls["nvmlDeviceGetGpuInstances"] > 0)
+    assert plugin.store.failed_gpus() == {} and plugin.store.failed_instances() == {}
+
+
+def test_instance_flag_only_for_xid(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        parse(["mock", "lost", "--device", "gpu-0", "--instance"])
+    assert "unrecognized arguments: --instance" in capsys.readouterr().err
+    with pytest.raises(MockControlError, match="only valid for the xid action"):
+        MockRequest("reset", device="gpu-0", instance=True).validate()
+    with pytest.raises(MockControlError, match="either --device or --all"):
+        MockRequest("reset", device="gpu-0", all=True).validate()
+
+
+def test_requests_without_instance_are_unchanged_on_the_wire() -> None:
+    """An older plugin gets exactly the bytes it always got; an older CLI's request
+    (no `instance` key) means the whole GPU."""
+    plain = MockRequest("xid", device="gpu-0", xid=79)
+    assert json.loads(plain.to_json()) == {
+        "action": "xid",
+        "device": "gpu-0",
+        "xid": 79,
+        "all": False,
+    }
+    assert MockRequest.from_json(plain.to_json()) == plain
+    attributed = MockRequest("xid", device="gpu-0-mig-1g10gb-3", xid=94, instance=True)
+    assert json.loads(attributed.to_json())["instance"] is True
+    assert MockRequest.from_json(attributed.to_json()) == attributed
+    parsed = parse(["mock", "xid", "--device", "gpu-0-mig-1g10gb-3", "--xid", "94", "--instance"])
+    assert mock_cli.request_from_args(parsed) == attributed
+
+
+def test_plugin_predating_instance_is_reported(tmp_path: Path) -> None:
+    control = MockControl(tmp_path, MockNvml(default_fleet(), "node-1"))
+    control.activate()  # announced; the test answers like a plugin without --instance
+    request = MockRequest("xid", device="gpu-0-mig-1g10gb-3", xid=94, instance=True)
+    errors: list[str] = []
+
+    def send() -> None:
+        try:
+            submit(tmp_path, request, timeout=2.0)
+        except MockControlError as err:
+            errors.append(str(err))
+
+    thread = threading.Thread(target=send)
+    thread.start()
+    spool = spool_dir(tmp_path)
+    deadline = time.monotonic() + 2
+    while not (pending := [p for p in spool.iterdir() if p.name.startswith("req-")]):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    ident = pending[0].name.removeprefix("req-")
+    (spool / f"res-{ident}").write_text(json.dumps({"ok": True, "message": "Xid 94 on gpu-0"}))
+    thread.join(2)
+    assert errors and "predates --instance" in errors[0] and "whole GPU" in errors[0]

@@ -298,3 +298,35 @@ def test_every_device_query_answers_a_mig_handle_without_crashing(nvml: m.MockNv
     assert answers["nvmlDeviceGetPciInfo"] == nvml.nvmlDeviceGetPciInfo(dev)
     assert answers["nvmlDeviceGetDeviceHandleFromMigDeviceHandle"] is dev
     assert answers["nvmlDeviceGetGpuInstanceId"] == 13
+
+
+def test_attributed_xid_carries_the_instance_ids(nvml: m.MockNvml) -> None:
+    es = _event_set(nvml)
+    uuid = nvml.gpus[0].uuid
+    nvml.inject_xid(uuid, 94, gpu_instance_id=9, compute_instance_id=0)
+    nvml.inject_xid(uuid, 79, gpu_instance_id=13)  # a GPU instance, no compute instance
+    nvml.inject_xid(uuid, 79)  # the whole GPU
+    nvml.inject(HealthEvent(uuid, "ecc-dbe"))
+    got = [nvml.nvmlEventSetWait_v2(es, 0) for _ in range(4)]
+    assert [(d.eventData, d.gpuInstanceId, d.computeInstanceId) for d in got] == [
+        (94, 9, 0),
+        (79, 13, 0xFFFFFFFF),
+        (79, 0xFFFFFFFF, 0xFFFFFFFF),
+        (0, 0xFFFFFFFF, 0xFFFFFFFF),
+    ]
+
+
+def test_attribution_validation(nvml: m.MockNvml) -> None:
+    mig_gpu, plain_gpu = nvml.gpus[0].uuid, nvml.gpus[2].uuid  # H100 (MIG on), example
+    with pytest.raises(ValueError, match="not in MIG mode"):
+        nvml.inject_xid(plain_gpu, 79, gpu_instance_id=1)
+    with pytest.raises(ValueError, match="only Xid events"):
+        nvml.inject(HealthEvent(mig_gpu, "ecc-dbe", gpu_instance_id=1))
+    with pytest.raises(ValueError, match="needs its GPU instance"):
+        nvml.inject_xid(mig_gpu, 79, compute_instance_id=0)
+    with pytest.raises(ValueError, match="out of range"):
+        nvml.inject_xid(mig_gpu, 79, gpu_instance_id=0xFFFFFFFF)
+    es = _event_set(nvml)
+    with pytest.raises(m.NVMLError) as err:  # nothing was queued
+        nvml.nvmlEventSetWait_v2(es, 0)
+    assert err.value.value == m.NVML_ERROR_TIMEOUT

@@ -173,6 +173,40 @@ def test_struct_field_names_match(mock_struct: Any, real_struct: Any) -> None:
         assert {"total", "free", "used"} == _ctypes_fields(pynvml.c_nvmlMemory_t)
 
 
+def test_event_data_has_every_field_of_pynvml() -> None:
+    """The mock reports the MIG attribution fields the real wait fills (nvml.h
+    nvmlEventData_t: device, eventType, eventData, gpuInstanceId, computeInstanceId)."""
+    assert [f.name for f in dataclasses.fields(m.EventData)] == [
+        f[0] for f in pynvml.c_nvmlEventData_t._fields_
+    ]
+    assert m.EventData(m.MockDeviceHandle(0), 8, 79).gpuInstanceId == 0xFFFFFFFF
+
+
+@pytest.mark.parametrize(
+    ("gi", "ci", "expected"),
+    [
+        (0xFFFFFFFF, 0xFFFFFFFF, (None, None)),
+        (9, 0, (9, 0)),
+        (13, 0xFFFFFFFF, (13, None)),
+        (0xFFFFFFFF, 2, (None, None)),  # a compute instance lives in a GPU instance
+    ],
+)
+def test_backend_reads_instance_ids_from_the_real_struct(
+    gi: int, ci: int, expected: tuple[int | None, int | None]
+) -> None:
+    backend = NvmlBackend(m.MockNvml(parse_fleet({"gpus": [{"model": "H100-80GB"}]}), "n"))
+    data = pynvml.c_nvmlEventData_t()  # device NULL: register it as a known handle
+    backend._event_handles[("ptr", None)] = "GPU-x"
+    data.eventType, data.eventData = pynvml.nvmlEventTypeXidCriticalError, 94
+    data.gpuInstanceId, data.computeInstanceId = gi, ci
+    event = backend._translate(data)
+    assert event is not None and (event.gpu_uuid, event.kind, event.xid) == ("GPU-x", "xid", 94)
+    assert (event.gpu_instance_id, event.compute_instance_id) == expected
+    data.eventType, data.eventData = pynvml.nvmlEventTypeDoubleBitEccError, 0
+    ecc = backend._translate(data)
+    assert ecc is not None and (ecc.gpu_instance_id, ecc.compute_instance_id) == (None, None)
+
+
 def test_placement_struct_matches() -> None:
     assert _ctypes_fields(m.c_nvmlGpuInstancePlacement_t) == _ctypes_fields(
         pynvml.c_nvmlGpuInstancePlacement_t

@@ -12,6 +12,7 @@ from driver.health.xid import (
     XidListError,
     XidPolicy,
     add_arguments,
+    attributed_instance,
     parse_taint_effect,
     parse_xid_list,
 )
@@ -123,3 +124,16 @@ def test_argparse_flags(
     with pytest.raises(SystemExit):
         parser.parse_args(["--fatal-xids", "x"])
     assert "--fatal-xids: 'x' is not an Xid" in capsys.readouterr().err
+
+
+def test_attribution_decides_scope_not_verdict() -> None:
+    policy = XidPolicy()
+    on_instance = HealthEvent(UUID, "xid", xid=94, gpu_instance_id=9, compute_instance_id=0)
+    assert attributed_instance(on_instance) == 9
+    assert policy.classify(on_instance) is Verdict.FATAL
+    app_error = HealthEvent(UUID, "xid", xid=43, gpu_instance_id=9, compute_instance_id=0)
+    assert policy.classify(app_error) is Verdict.IGNORED  # an application Xid stays ignored
+    assert attributed_instance(xid(79)) is None
+    # NVML attributes only Xid events: anything else is about the whole GPU.
+    assert attributed_instance(HealthEvent(UUID, "ecc-dbe", gpu_instance_id=9)) is None
+    assert attributed_instance(HealthEvent(UUID, "recovered", gpu_instance_id=9)) is None
