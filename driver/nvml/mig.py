@@ -138,9 +138,7 @@ class MigManager:
             try:
                 info = nvml.nvmlDeviceGetGpuInstanceProfileInfo(handle, slot)
             except nvml.NVMLError as err:
-                if self._is(err, "NVML_ERROR_NOT_SUPPORTED") or self._is(
-                    err, "NVML_ERROR_INVALID_ARGUMENT"
-                ):
+                if self._unsupported(err):
                     continue
                 raise
             for gi in self._gpu_instances(nvml, handle, int(info.id), int(info.instanceCount)):
@@ -193,19 +191,25 @@ class MigManager:
             uuid=uuid,
         )
 
-    def _compute_instances(self, nvml: Any, gi: Any) -> list[Any]:
-        found: list[Any] = []
+    def _unsupported(self, err: BaseException) -> bool:
+        return self._is(err, "NVML_ERROR_NOT_SUPPORTED") or self._is(
+            err, "NVML_ERROR_INVALID_ARGUMENT"
+        )
+
+    def _ci_profiles(self, nvml: Any, gi: Any) -> Iterator[Any]:
+        """The compute-instance profiles the GPU instance supports (shared engines)."""
         for slot in self._ci_profile_slots(nvml):
             try:
-                info = nvml.nvmlGpuInstanceGetComputeInstanceProfileInfo(
+                yield nvml.nvmlGpuInstanceGetComputeInstanceProfileInfo(
                     gi, slot, nvml.NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED
                 )
             except nvml.NVMLError as err:
-                if self._is(err, "NVML_ERROR_NOT_SUPPORTED") or self._is(
-                    err, "NVML_ERROR_INVALID_ARGUMENT"
-                ):
-                    continue
-                raise
+                if not self._unsupported(err):
+                    raise
+
+    def _compute_instances(self, nvml: Any, gi: Any) -> list[Any]:
+        found: list[Any] = []
+        for info in self._ci_profiles(nvml, gi):
             limit = int(info.instanceCount)
             if limit <= 0:
                 continue
@@ -269,17 +273,7 @@ class MigManager:
             )
 
     def _covering_ci_profile(self, nvml: Any, gi: Any, slice_count: int) -> int:
-        for slot in self._ci_profile_slots(nvml):
-            try:
-                info = nvml.nvmlGpuInstanceGetComputeInstanceProfileInfo(
-                    gi, slot, nvml.NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED
-                )
-            except nvml.NVMLError as err:
-                if self._is(err, "NVML_ERROR_NOT_SUPPORTED") or self._is(
-                    err, "NVML_ERROR_INVALID_ARGUMENT"
-                ):
-                    continue
-                raise
+        for info in self._ci_profiles(nvml, gi):
             if int(info.sliceCount) == slice_count:
                 return int(info.id)
         raise MigError(
