@@ -48,13 +48,15 @@ class HealthSource:
     def __init__(self, store: HealthStore, devices: Devices, *, pool_name: str) -> None:
         self.store = store
         self.pool_name = pool_name
-        self._devices = [(d.name, d.gpu_uuid) for d in device_list(devices)]
+        self._devices = devices
+        self._names = [d.name for d in device_list(devices)]
 
     def snapshot(self) -> tuple[int, list[DeviceStatus]]:
-        version, failures = self.store.snapshot()
+        """Per device: a whole-GPU failure, or a GPU-instance failure on its slices."""
+        version, failures = self.store.device_snapshot(self._devices)
         statuses: list[DeviceStatus] = []
-        for name, uuid in self._devices:
-            failure = failures.get(uuid)
+        for name in self._names:
+            failure = failures.get(name)
             if failure is None:
                 statuses.append(DeviceStatus(name, True))
             else:

@@ -18,7 +18,12 @@ import grpc
 import pytest
 
 from driver.health.store import HealthStore
-from driver.plugin.health import SERVICE_NAMES, HealthServices, add_health_services
+from driver.plugin.health import (
+    SERVICE_NAMES,
+    HealthServices,
+    HealthSource,
+    add_health_services,
+)
 from driver.proto.dra_health.v1 import api_pb2 as v1
 from driver.proto.dra_health.v1 import api_pb2_grpc as v1_grpc
 from driver.proto.dra_health.v1alpha1 import api_pb2 as v1alpha1
@@ -222,3 +227,32 @@ def test_long_messages_are_truncated(served: Served) -> None:
     message = health_map(reader.next())["gpu-0"][1]
     assert len(message) == 1024 and message.endswith("...")
     reader.call.cancel()
+
+
+@dataclass(frozen=True)
+class MigDev:
+    name: str
+    gpu_uuid: str
+    placement: tuple[int, int] | None
+    mig: Any = None
+
+
+def test_gpu_instance_failure_marks_only_the_devices_on_its_slices(tmp_path: Path) -> None:
+    devices = {
+        d.name: d
+        for d in (
+            MigDev("gpu-0", GPU0, None),
+            MigDev("gpu-0-mig-1g10gb-3", GPU0, (3, 1)),
+            MigDev("gpu-0-mig-1g10gb-4", GPU0, (4, 1)),
+        )
+    }
+    store = HealthStore(tmp_path / "health.json")
+    source = HealthSource(store, devices, pool_name="node-a")
+    store.record_instance_xid(GPU0, (3, 1), 94, gpu_instance_id=10)
+    _, statuses = source.snapshot()
+    healthy = {s.name: s.healthy for s in statuses}
+    assert healthy == {
+        "gpu-0": False,  # contains slice 3
+        "gpu-0-mig-1g10gb-3": False,
+        "gpu-0-mig-1g10gb-4": True,
+    }
