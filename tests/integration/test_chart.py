@@ -6,6 +6,8 @@
 * The RBAC and the ValidatingAdmissionPolicy, applied for real: a token bound to a pod
   on node A (so it carries the node-name extra) may write node A's ResourceSlices and
   is denied node B's, and has no rights beyond the ClusterRole.
+* The plugin's own API code (slice publisher, claim reader, failure reporter with
+  device status), run with that token, works with exactly these rules.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import yaml
 from tests.unit.test_chart_render import CHART, DRIVER, MOCK_VALUES, find_helm
 
 Doc = dict[str, Any]
+DEVICE_STATUS = ("--set", "deviceStatus=true")
 
 
 def _template(release: str, namespace: str, *args: str) -> str:
@@ -43,7 +46,19 @@ def _dump(docs: list[Doc]) -> str:
 
 
 @pytest.mark.parametrize(
-    "values", [[], ["--values", str(MOCK_VALUES)]], ids=["default-values", "mock-values"]
+    "values",
+    [
+        [],
+        ["--values", str(MOCK_VALUES)],
+        [
+            "--set",
+            "kubeletPlugin.metrics.networkPolicy.enabled=true",
+            "--set-json",
+            'kubeletPlugin.metrics.networkPolicy.from=[{"namespaceSelector":'
+            '{"matchLabels":{"kubernetes.io/metadata.name":"monitoring"}}}]',
+        ],
+    ],
+    ids=["default-values", "mock-values", "network-policy"],
 )
 def test_rendered_chart_is_accepted_by_the_api_server(cluster: Any, values: list[str]) -> None:
     ns = f"chart-dry-{uuid.uuid4().hex[:6]}"
@@ -105,6 +120,14 @@ def _slice(name: str, node: str, driver: str = DRIVER) -> str:
     )
 
 
+def _touched(cluster: Any, name: str) -> str:
+    """A slice as stored (read by the admin: the plugin may list, not get), labelled: a
+    PUT, the only way the plugin changes a slice (it has no `patch`)."""
+    obj = json.loads(cluster.kubectl("get", "resourceslice", name, "-o", "json").stdout)
+    obj["metadata"].setdefault("labels", {})["example.com/touched"] = "yes"
+    return json.dumps(obj)
+
+
 def _token_kubeconfig(cluster: Any, token: str, path: Path) -> None:
     admin = yaml.safe_load(cluster.kubeconfig.read_text())
     ctx_name = admin["current-context"]
@@ -136,7 +159,8 @@ def policy_setup(cluster: Any) -> Iterator[tuple[PluginIdentity, str, str, str]]
     ns = f"chart-policy-{suffix}"
     node_a, node_b = f"chart-node-a-{suffix}", f"chart-node-b-{suffix}"
     release = "gpu-dra-driver"
-    docs = [d for d in yaml.safe_load_all(_template(release, ns)) if d]
+    # deviceStatus=true: the claim-status rules too (the full set the plugin can need).
+    docs = [d for d in yaml.safe_load_all(_template(release, ns, *DEVICE_STATUS)) if d]
     wanted = {
         "ServiceAccount",
         "ClusterRole",
@@ -208,6 +232,8 @@ def test_token_carries_the_node(cluster: Any, policy_setup: Any) -> None:
 
 
 def test_rbac_grants_exactly_the_plugin_rights(cluster: Any, policy_setup: Any) -> None:
+    """The verbs of the plugin's requests (tests/unit/test_chart_render.py derives them
+    from the code) are allowed; the ones the plugin never sends are denied."""
     plugin = policy_setup[0]
 
     def can(*args: str) -> bool:
@@ -215,14 +241,25 @@ def test_rbac_grants_exactly_the_plugin_rights(cluster: Any, policy_setup: Any) 
         return proc.stdout.strip() == "yes"
 
     cluster.wait_for(lambda: can("create", "resourceslices.resource.k8s.io"), what="RBAC binding")
-    for verb in ("get", "list", "watch", "create", "update", "patch", "delete"):
+    for verb in ("list", "watch", "create", "update", "delete"):
         assert can(verb, "resourceslices.resource.k8s.io"), verb
     assert can("get", "resourceclaims.resource.k8s.io", "--all-namespaces")
     assert can("get", "nodes")
     assert can("create", "events", "--all-namespaces")
+    claims = "resourceclaims.resource.k8s.io"
+    assert can("patch", claims, "--subresource=status", "--all-namespaces")
+    assert can("associated-node:patch", f"{claims}/{DRIVER}", "--subresource=driver", "-A")
     for denied in (
-        ("list", "resourceclaims.resource.k8s.io", "--all-namespaces"),
-        ("update", "resourceclaims.resource.k8s.io", "--subresource=status", "--all-namespaces"),
+        ("get", "resourceslices.resource.k8s.io"),
+        ("patch", "resourceslices.resource.k8s.io"),
+        ("list", claims, "--all-namespaces"),
+        ("watch", claims, "--all-namespaces"),
+        ("update", claims, "--subresource=status", "--all-namespaces"),
+        ("associated-node:update", f"{claims}/{DRIVER}", "--subresource=driver", "-A"),
+        ("arbitrary-node:patch", f"{claims}/{DRIVER}", "--subresource=driver", "-A"),
+        ("associated-node:patch", f"{claims}/other.example.com", "--subresource=driver", "-A"),
+        ("patch", "events", "--all-namespaces"),
+        ("create", "events.events.k8s.io", "--all-namespaces"),
         ("list", "nodes"),
         ("get", "secrets", "--all-namespaces"),
         ("list", "pods", "--all-namespaces"),
@@ -249,7 +286,7 @@ def test_policy_allows_own_node_and_denies_other_nodes(cluster: Any, policy_setu
     # Own node: create, update, delete are allowed.
     proc = plugin.kubectl("create", "-f", "-", input=_slice(slice_a, node_a))
     assert proc.returncode == 0, proc.stderr
-    proc = plugin.kubectl("label", "resourceslice", slice_a, "example.com/touched=yes")
+    proc = plugin.kubectl("replace", "-f", "-", input=_touched(cluster, slice_a))
     assert proc.returncode == 0, proc.stderr
 
     # Another node: create is denied, naming both nodes.
@@ -262,7 +299,7 @@ def test_policy_allows_own_node_and_denies_other_nodes(cluster: Any, policy_setu
 
     # Another node's existing slice (made by the admin): update and delete are denied.
     cluster.kubectl("create", "-f", "-", input=_slice(slice_b, node_b))
-    proc = plugin.kubectl("label", "resourceslice", slice_b, "example.com/touched=yes")
+    proc = plugin.kubectl("replace", "-f", "-", input=_touched(cluster, slice_b))
     assert proc.returncode != 0 and "may not modify resourceslices" in proc.stderr
     proc = plugin.kubectl("delete", "resourceslice", slice_b)
     assert proc.returncode != 0 and "may not modify resourceslices" in proc.stderr
@@ -279,3 +316,112 @@ def test_policy_allows_own_node_and_denies_other_nodes(cluster: Any, policy_setu
     # The admin is not affected by the policy.
     proc = cluster.kubectl("delete", "resourceslice", slice_b, check=False)
     assert proc.returncode == 0, proc.stderr
+
+
+# --- the plugin's own API code, authenticated as the plugin pod ---------------------------
+
+
+def _claim(cluster: Any, ns: str, name: str, node: str) -> None:
+    """A ResourceClaim allocated (by the admin, like the scheduler) on `node`."""
+    cluster.kubectl(
+        "create",
+        "-f",
+        "-",
+        input=json.dumps(
+            {
+                "apiVersion": "resource.k8s.io/v1",
+                "kind": "ResourceClaim",
+                "metadata": {"name": name, "namespace": ns},
+                "spec": {
+                    "devices": {
+                        "requests": [{"name": "gpu", "exactly": {"deviceClassName": DRIVER}}]
+                    }
+                },
+            }
+        ),
+    )
+    allocation = {
+        "devices": {
+            "results": [{"request": "gpu", "driver": DRIVER, "pool": node, "device": "gpu-0"}]
+        },
+        "nodeSelector": {
+            "nodeSelectorTerms": [
+                {"matchFields": [{"key": "metadata.name", "operator": "In", "values": [node]}]}
+            ]
+        },
+    }
+    cluster.kubectl(
+        "patch", "resourceclaim", name, "-n", ns, "--subresource=status", "--type=merge",
+        "-p", json.dumps({"status": {"allocation": allocation}}),
+    )  # fmt: skip
+
+
+def test_plugin_api_code_works_with_exactly_the_chart_rbac(cluster: Any, policy_setup: Any) -> None:
+    """SlicePublisher (list, watch, create, update, delete, node lookup), ApiClaimReader
+    and ClaimFailureReporter with device status, run as the plugin pod's identity,
+    against the chart's RBAC and policy: every request they send is allowed, and the
+    device-status write is allowed for a claim on the plugin's node only."""
+    from driver.errors import invalid_config
+    from driver.kube.api import KubeApi
+    from driver.kube.claims import ApiClaimReader, ClaimFailureReporter
+    from driver.kube.publisher import SlicePublisher
+
+    plugin, ns, node_a, node_b = policy_setup
+    api = KubeApi.from_kubeconfig(str(plugin.kubeconfig))
+
+    def pool_spec(*devices: str) -> dict[str, Any]:
+        return {
+            "driver": DRIVER,
+            "nodeName": node_a,
+            "pool": {"name": node_a, "generation": 0, "resourceSliceCount": 0},
+            "devices": [{"name": d, "attributes": {"index": {"int": 0}}} for d in devices],
+        }
+
+    def slices() -> list[Doc]:
+        out = cluster.kubectl(
+            "get", "resourceslices", "--field-selector", f"spec.nodeName={node_a}", "-o", "json"
+        ).stdout
+        items: list[Doc] = json.loads(out)["items"]
+        return items
+
+    desired = [pool_spec("gpu-0"), pool_spec("gpu-1")]
+    pub = SlicePublisher(api, driver=DRIVER, node_name=node_a, desired=lambda: desired)
+    pub.start()
+    try:
+        assert pub.wait_synced(pub.trigger(), 60), pub.stats.errors
+        assert len(slices()) == 2
+        desired[:] = [pool_spec("gpu-0", "gpu-9")]  # one slice changed, one surplus
+        assert pub.wait_synced(pub.trigger(), 60), pub.stats.errors
+        assert [[d["name"] for d in s["spec"]["devices"]] for s in slices()] == [["gpu-0", "gpu-9"]]
+        # The watch: a slice deleted behind the plugin's back is re-created.
+        cluster.kubectl("delete", "resourceslices", "--field-selector", f"spec.nodeName={node_a}")
+        cluster.wait_for(lambda: len(slices()) == 1, timeout=60, what="the watch to re-create")
+        assert pub.stats.errors == [], pub.stats.errors
+    finally:
+        pub.stop()
+        cluster.kubectl(
+            "delete", "resourceslices", "--field-selector", f"spec.nodeName={node_a}",
+            check=False,
+        )  # fmt: skip
+
+    reader = ApiClaimReader(api)
+    reporter = ClaimFailureReporter(api, driver=DRIVER, node_name=node_a, device_status=True)
+    for name, node in (("claim-on-a", node_a), ("claim-on-b", node_b)):
+        _claim(cluster, ns, name, node)
+        reporter.permanent_failure(reader.get(ns, name), invalid_config("bad parameters"))
+
+    def status_devices(name: str) -> list[Doc]:
+        out = cluster.kubectl("get", "resourceclaim", name, "-n", ns, "-o", "json").stdout
+        devices: list[Doc] = json.loads(out).get("status", {}).get("devices", [])
+        return devices
+
+    (entry,) = status_devices("claim-on-a")
+    assert entry["driver"] == DRIVER and entry["conditions"][0]["type"] == "PrepareFailed"
+    # associated-node: not for a claim allocated on another node.
+    assert status_devices("claim-on-b") == []
+    events = json.loads(cluster.kubectl("get", "events", "-n", ns, "-o", "json").stdout)["items"]
+    reasons = {(e["involvedObject"]["name"], e["reason"]) for e in events}
+    assert {
+        ("claim-on-a", "PermanentPrepareFailure"),
+        ("claim-on-b", "PermanentPrepareFailure"),
+    } <= reasons

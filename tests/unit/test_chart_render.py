@@ -204,26 +204,28 @@ def test_objects(default_docs: list[Doc], mock_docs: list[Doc]) -> None:
 
 # --- RBAC -----------------------------------------------------------------------------
 
+# Exactly the plugin's API requests (driver/kube/publisher.py, driver/kube/claims.py);
+# test_rbac_rules_are_the_requests_the_plugin_sends derives them from the code.
 BASE_RULES = [
     {
         "apiGroups": ["resource.k8s.io"],
         "resources": ["resourceslices"],
-        "verbs": ["get", "list", "watch", "create", "update", "patch", "delete"],
+        "verbs": ["list", "watch", "create", "update", "delete"],
     },
     {"apiGroups": ["resource.k8s.io"], "resources": ["resourceclaims"], "verbs": ["get"]},
-    {"apiGroups": ["", "events.k8s.io"], "resources": ["events"], "verbs": ["create", "patch"]},
+    {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
     {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get"]},
 ]
 STATUS_RULES = [
     {
         "apiGroups": ["resource.k8s.io"],
         "resources": ["resourceclaims/status"],
-        "verbs": ["update", "patch"],
+        "verbs": ["patch"],
     },
     {
         "apiGroups": ["resource.k8s.io"],
         "resources": ["resourceclaims/driver"],
-        "verbs": ["associated-node:update", "associated-node:patch"],
+        "verbs": ["associated-node:patch"],
         "resourceNames": [DRIVER],
     },
 ]
@@ -245,6 +247,141 @@ def test_rbac_device_status_adds_claim_status_rules(mock_docs: list[Doc]) -> Non
     other = render("--set", "deviceStatus=true", "--set", "driverName=gpu.acme.io")
     rules = one(other, "ClusterRole")["rules"]
     assert [r["resourceNames"] for r in rules if "resourceNames" in r] == [["gpu.acme.io"]]
+
+
+_API_PATH = re.compile(
+    r"^/(?:api/v1|apis/(?P<group>[^/]+)/[^/]+)(?:/namespaces/[^/]+)?"
+    r"/(?P<resource>[^/]+)(?:/(?P<name>[^/]+))?(?:/(?P<sub>[^/]+))?$"
+)
+_WRITE_VERBS = {"POST": "create", "PUT": "update", "PATCH": "patch", "DELETE": "delete"}
+
+Permission = tuple[str, str, str]  # API group, resource[/subresource], verb
+
+
+def _permission(method: str, path: str, *, watch: bool = False) -> Permission:
+    """The RBAC attributes of a request, as the API server's request-info resolver
+    derives them (GET on a collection is list, with watch=true watch)."""
+    m = _API_PATH.match(path)
+    assert m, path
+    resource = m["resource"] + (f"/{m['sub']}" if m["sub"] else "")
+    if method == "GET":
+        verb = "watch" if watch else ("get" if m["name"] else "list")
+    else:
+        verb = _WRITE_VERBS[method]
+    return m["group"] or "", resource, verb
+
+
+def _granted(rules: list[Doc]) -> set[Permission]:
+    return {
+        (group, resource, verb)
+        for rule in rules
+        for group in rule["apiGroups"]
+        for resource in rule["resources"]
+        for verb in rule["verbs"]
+    }
+
+
+def _api_call_sites() -> set[tuple[str, str]]:
+    """(module, function) of every `*api.request(...)` / `*api.watch(...)` call in driver/."""
+    import ast
+
+    sites: set[tuple[str, str]] = set()
+    for path in sorted((REPO / "driver").rglob("*.py")):
+        if "proto" in path.parts:
+            continue
+        module = ".".join(path.relative_to(REPO).with_suffix("").parts)
+        tree = ast.parse(path.read_text())
+
+        def visit(node: ast.AST, scope: list[str], module: str = module) -> None:
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                scope = [*scope, node.name]
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr in ("request", "watch")
+                and isinstance(node.func.value, ast.Attribute | ast.Name)
+                and (getattr(node.func.value, "attr", None) or getattr(node.func.value, "id", ""))
+                .lstrip("_")
+                .endswith("api")
+            ):
+                sites.add((module, ".".join(scope)))
+            for child in ast.iter_child_nodes(node):
+                visit(child, scope)
+
+        visit(tree, [])
+    return sites
+
+
+def test_rbac_rules_are_the_requests_the_plugin_sends() -> None:
+    """Runs every code path that calls the API (publisher: list, watch, create, update,
+    delete, node lookup; claim read; permanent-failure Event and device-status apply)
+    against a recording fake, and derives the RBAC the requests need: the ClusterRole
+    grants exactly that, no verb more or less."""
+    import sys
+    import threading
+
+    from driver.errors import invalid_config
+    from driver.kube.claims import ApiClaimReader, ClaimFailureReporter
+    from driver.kube.publisher import SlicePublisher
+    from tests.unit.test_publisher import NODE, FakeApi, device, spec
+
+    class RecordingApi(FakeApi):
+        def __init__(self) -> None:
+            super().__init__()
+            self.used: set[Permission] = set()
+            self.sites: set[tuple[str, str]] = set()
+            self.watching = threading.Event()
+
+        def _record(self, method: str, path: str, *, watch: bool = False) -> None:
+            caller = sys._getframe(2).f_code
+            self.sites.add((sys._getframe(2).f_globals["__name__"], caller.co_qualname))
+            self.used.add(_permission(method, path.split("?", 1)[0], watch=watch))
+
+        def request(self, method: str, path: str, **kwargs: Any) -> Any:
+            self._record(method, path)
+            if path.startswith("/apis/resource.k8s.io/v1/namespaces/"):
+                return {"metadata": {"name": "claim", "namespace": "ns", "uid": "u"}}
+            if "/events" in path:
+                return {}
+            return super().request(method, path, **kwargs)
+
+        def watch(self, path: str, **_: Any) -> Any:
+            self._record("GET", path, watch=True)
+            self.watching.set()
+            yield from ()
+
+    api = RecordingApi()
+    desired = [spec(device("gpu-0")), spec(device("gpu-1"))]
+    pub = SlicePublisher(api, driver=DRIVER, node_name=NODE, desired=lambda: desired)  # type: ignore[arg-type]
+    pub.start()
+    try:
+        assert api.watching.wait(10), "the slice watch never started"
+        assert pub.wait_synced(pub.trigger(), 10)
+    finally:
+        pub.stop()
+    desired[:] = [spec(device("gpu-0", attributes={"index": {"int": 1}}))]
+    pub.reconcile()  # one slice changed (update), one surplus (delete)
+
+    claim = ApiClaimReader(api).get("ns", "claim")  # type: ignore[arg-type]
+    claim["status"] = {
+        "allocation": {
+            "devices": {
+                "results": [{"driver": DRIVER, "pool": NODE, "device": "gpu-0", "request": "r"}]
+            }
+        }
+    }
+    reporter = ClaimFailureReporter(api, driver=DRIVER, node_name=NODE, device_status=True)  # type: ignore[arg-type]
+    reporter.permanent_failure(claim, invalid_config("bad"))
+
+    assert api.sites >= _api_call_sites(), "an API call site this test does not exercise"
+    used = set(api.used)
+    if ("resource.k8s.io", "resourceclaims/status", "patch") in used:
+        # 1.36+: the API server authorizes changed status.devices entries again as
+        # associated-node:<verb> on resourceclaims/driver (named after the driver).
+        used.add(("resource.k8s.io", "resourceclaims/driver", "associated-node:patch"))
+    assert _granted(BASE_RULES + STATUS_RULES) == used
+    status_only = {p for p in used if p[1].startswith("resourceclaims/")}
+    assert _granted(BASE_RULES) == used - status_only
 
 
 def test_no_wildcards_or_secrets_in_rbac(default_docs: list[Doc], mock_docs: list[Doc]) -> None:
