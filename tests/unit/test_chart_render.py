@@ -350,19 +350,20 @@ def test_rbac_rules_are_the_requests_the_plugin_sends() -> None:
             self.watching.set()
             yield from ()
 
-    api = RecordingApi()
+    recording = RecordingApi()
+    api: Any = recording  # duck-typed KubeApi
     desired = [spec(device("gpu-0")), spec(device("gpu-1"))]
-    pub = SlicePublisher(api, driver=DRIVER, node_name=NODE, desired=lambda: desired)  # type: ignore[arg-type]
+    pub = SlicePublisher(api, driver=DRIVER, node_name=NODE, desired=lambda: desired)
     pub.start()
     try:
-        assert api.watching.wait(10), "the slice watch never started"
+        assert recording.watching.wait(10), "the slice watch never started"
         assert pub.wait_synced(pub.trigger(), 10)
     finally:
         pub.stop()
     desired[:] = [spec(device("gpu-0", attributes={"index": {"int": 1}}))]
     pub.reconcile()  # one slice changed (update), one surplus (delete)
 
-    claim = ApiClaimReader(api).get("ns", "claim")  # type: ignore[arg-type]
+    claim = ApiClaimReader(api).get("ns", "claim")
     claim["status"] = {
         "allocation": {
             "devices": {
@@ -370,11 +371,11 @@ def test_rbac_rules_are_the_requests_the_plugin_sends() -> None:
             }
         }
     }
-    reporter = ClaimFailureReporter(api, driver=DRIVER, node_name=NODE, device_status=True)  # type: ignore[arg-type]
+    reporter = ClaimFailureReporter(api, driver=DRIVER, node_name=NODE, device_status=True)
     reporter.permanent_failure(claim, invalid_config("bad"))
 
-    assert api.sites >= _api_call_sites(), "an API call site this test does not exercise"
-    used = set(api.used)
+    assert recording.sites >= _api_call_sites(), "an API call site this test does not exercise"
+    used = set(recording.used)
     if ("resource.k8s.io", "resourceclaims/status", "patch") in used:
         # 1.36+: the API server authorizes changed status.devices entries again as
         # associated-node:<verb> on resourceclaims/driver (named after the driver).
@@ -438,7 +439,7 @@ def test_plugin_host_paths(default_docs: list[Doc], mock_docs: list[Doc]) -> Non
             "cdi": "/var/run/cdi",
         }
         if nvml:
-            expected["driver-root"] = "/"
+            expected["driver-root"] = "/usr"  # not the host's whole root
         assert host_paths == expected
         mounts = {m["name"]: m for m in plugin_container(docs)["volumeMounts"]}
         # Sockets and CDI specs: identical paths inside the container and on the host.
@@ -446,7 +447,24 @@ def test_plugin_host_paths(default_docs: list[Doc], mock_docs: list[Doc]) -> Non
             assert mounts[name]["mountPath"] == host_paths[name]
         if nvml:
             assert mounts["driver-root"]["readOnly"] is True
-            assert mounts["driver-root"]["mountPath"] == "/driver-root"
+            assert mounts["driver-root"]["mountPath"] == "/driver-root/usr"
+
+
+def test_driver_root_mount_is_only_where_nvml_is_loaded_from() -> None:
+    """Only <driverRoot>/usr is mounted, and it holds every directory the nvml backend
+    searches for libnvidia-ml under NVIDIA_DRIVER_ROOT."""
+    from driver.nvml.backend import _LIBRARY_DIRS
+
+    docs = render("--set", "nvml.driverRoot=/run/nvidia/driver/")
+    pod = one(docs, "DaemonSet")["spec"]["template"]["spec"]
+    (volume,) = [v for v in pod["volumes"] if v["name"] == "driver-root"]
+    assert volume["hostPath"] == {"path": "/run/nvidia/driver/usr", "type": "Directory"}
+    env = env_of(plugin_container(docs))
+    assert env["NVIDIA_DRIVER_ROOT_HOST"]["value"] == "/run/nvidia/driver/"
+    root = env["NVIDIA_DRIVER_ROOT"]["value"]
+    (mount,) = [m for m in plugin_container(docs)["volumeMounts"] if m["name"] == "driver-root"]
+    for directory in _LIBRARY_DIRS:
+        assert f"{root}/{directory}".startswith(mount["mountPath"] + "/"), directory
 
 
 CLI_STATE_DIR_ENV = "GPU_DRA_STATE_DIR"
@@ -544,6 +562,7 @@ def test_plugin_privileged_only_for_real_nvml(
 ) -> None:
     real = plugin_container(default_docs)["securityContext"]
     assert real["privileged"] is True and real["runAsUser"] == 0
+    assert real["readOnlyRootFilesystem"] is True
     mock = plugin_container(mock_docs)["securityContext"]
     assert mock["privileged"] is False
     assert mock["runAsUser"] == 0  # sockets in root-owned host directories
@@ -590,6 +609,96 @@ def test_metrics_network_policy(default_docs: list[Doc]) -> None:
         check=False,
     )
     assert proc.returncode != 0 and "networkPolicy" in proc.stderr  # {} would admit all
+
+
+def test_plugin_writes_only_to_volumes(default_docs: list[Doc], mock_docs: list[Doc]) -> None:
+    """Read-only root filesystem for both backends: every writable mount is a host path
+    of the plugin's or the /tmp emptyDir."""
+    for docs in (default_docs, mock_docs):
+        c = plugin_container(docs)
+        assert c["securityContext"]["readOnlyRootFilesystem"] is True
+        pod = one(docs, "DaemonSet")["spec"]["template"]["spec"]
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        writable = {m["mountPath"] for m in c["volumeMounts"] if not m.get("readOnly")}
+        assert writable == {
+            "/var/lib/kubelet/plugins_registry",
+            f"/var/lib/kubelet/plugins/{DRIVER}",
+            "/var/run/cdi",
+            "/tmp",
+        }
+        assert volumes["tmp"] == {"name": "tmp", "emptyDir": {}}
+
+
+GPU_TERM = {"key": "nvidia.com/gpu.present", "operator": "In", "values": ["true"]}
+
+
+def _affinity(docs: list[Doc]) -> Doc | None:
+    pod = one(docs, "DaemonSet")["spec"]["template"]["spec"]
+    affinity: Doc | None = pod.get("affinity")
+    return affinity
+
+
+def test_plugin_runs_on_gpu_nodes_by_default(default_docs: list[Doc]) -> None:
+    assert _affinity(default_docs) == {
+        "nodeAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": {
+                "nodeSelectorTerms": [{"matchExpressions": [GPU_TERM]}]
+            }
+        }
+    }
+    other = render(
+        "--set",
+        "kubeletPlugin.gpuNodeLabel.key=feature.node.kubernetes.io/pci-10de.present",
+    )
+    affinity = _affinity(other)
+    assert affinity is not None
+    (term,) = affinity["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][
+        "nodeSelectorTerms"
+    ]
+    assert term["matchExpressions"] == [
+        {"key": "feature.node.kubernetes.io/pci-10de.present", "operator": "In", "values": ["true"]}
+    ]
+    assert _affinity(render("--set", "kubeletPlugin.gpuNodeLabel.key=")) is None
+    proc = helm_template("--set", "kubeletPlugin.gpuNodeLabel.key=not a label", check=False)
+    assert proc.returncode != 0 and "gpuNodeLabel" in proc.stderr
+
+
+def test_gpu_node_label_is_added_to_a_user_affinity() -> None:
+    user = {
+        "nodeAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": {
+                "nodeSelectorTerms": [
+                    {"matchExpressions": [{"key": "pool", "operator": "In", "values": ["a"]}]},
+                    {"matchFields": [{"key": "metadata.name", "operator": "In", "values": ["n"]}]},
+                ]
+            }
+        },
+        "podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": []},
+    }
+    docs = render("--set-json", f"kubeletPlugin.affinity={json.dumps(user)}")
+    affinity = _affinity(docs)
+    assert affinity is not None
+    terms = affinity["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][
+        "nodeSelectorTerms"
+    ]
+    # Terms are ORed: each one must require the GPU label.
+    assert terms == [
+        {"matchExpressions": [{"key": "pool", "operator": "In", "values": ["a"]}, GPU_TERM]},
+        {
+            "matchFields": [{"key": "metadata.name", "operator": "In", "values": ["n"]}],
+            "matchExpressions": [GPU_TERM],
+        },
+    ]
+    assert affinity["podAntiAffinity"] == user["podAntiAffinity"]
+
+
+def test_mock_and_demo_installs_run_on_every_node(mock_docs: list[Doc]) -> None:
+    """GPU-less clusters (kind, tests/integration, the demo and tests/e2e, which layer
+    demo/values-demo.yaml on values-mock.yaml) have no GPU label on their nodes."""
+    demo = render("--values", str(MOCK_VALUES), "--values", str(REPO / "demo" / "values-demo.yaml"))
+    for docs in (mock_docs, demo):
+        pod = one(docs, "DaemonSet")["spec"]["template"]["spec"]
+        assert "affinity" not in pod and "nodeSelector" not in pod
 
 
 def test_mock_fleet_is_mounted_from_a_configmap() -> None:

@@ -79,8 +79,12 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 
 {{/*
 Security context of the plugin container. The plugin creates its sockets in
-root-owned host directories, so it runs as root; only the nvml backend needs
-privileged access (GPU device nodes). An explicit value wins.
+root-owned host directories, so it runs as root. Both backends get a read-only root
+filesystem: the plugin writes only to its host paths (data dir, registrar dir, CDI
+root) and /tmp (an emptyDir). Only the nvml backend is privileged: NVML opens the
+host's GPU device nodes (/dev/nvidiactl, /dev/nvidia<N>, /dev/nvidia-caps/* for MIG),
+and a pod can get host device nodes only by being privileged (allowPrivilegeEscalation
+cannot be false then). An explicit value wins.
 */}}
 {{- define "gpu-dra-driver.pluginSecurityContext" -}}
 {{- if .Values.kubeletPlugin.containers.plugin.securityContext }}
@@ -89,6 +93,7 @@ privileged access (GPU device nodes). An explicit value wins.
 privileged: true
 runAsUser: 0
 runAsGroup: 0
+readOnlyRootFilesystem: true
 {{- else }}
 privileged: false
 runAsUser: 0
@@ -99,5 +104,32 @@ capabilities:
   drop: ["ALL"]
 seccompProfile:
   type: RuntimeDefault
+{{- end }}
+{{- end }}
+
+{{/*
+Affinity of the plugin pods: kubeletPlugin.affinity with the gpuNodeLabel expression
+added to every required nodeSelectorTerm (terms are ORed, so each must carry it), or
+as the only term. Empty output: no affinity.
+*/}}
+{{- define "gpu-dra-driver.pluginAffinity" -}}
+{{- $kp := .Values.kubeletPlugin }}
+{{- $affinity := deepCopy (default (dict) $kp.affinity) }}
+{{- if $kp.gpuNodeLabel.key }}
+{{- $gpu := dict "key" $kp.gpuNodeLabel.key "operator" "In" "values" $kp.gpuNodeLabel.values }}
+{{- $nodeAffinity := default (dict) (get $affinity "nodeAffinity") }}
+{{- $required := default (dict) (get $nodeAffinity "requiredDuringSchedulingIgnoredDuringExecution") }}
+{{- $terms := list }}
+{{- range (default (list (dict)) (get $required "nodeSelectorTerms")) }}
+{{- $term := deepCopy . }}
+{{- $_ := set $term "matchExpressions" (append (default (list) (get $term "matchExpressions")) $gpu) }}
+{{- $terms = append $terms $term }}
+{{- end }}
+{{- $_ := set $required "nodeSelectorTerms" $terms }}
+{{- $_ := set $nodeAffinity "requiredDuringSchedulingIgnoredDuringExecution" $required }}
+{{- $_ := set $affinity "nodeAffinity" $nodeAffinity }}
+{{- end }}
+{{- if $affinity }}
+{{- toYaml $affinity }}
 {{- end }}
 {{- end }}
