@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -28,6 +29,7 @@ from tests.reliability.support import (
 
 NS = "reliability-concurrency"
 REFUSAL = "refusing to hand it to a second claim"
+JOIN_TIMEOUT = 120.0  # seconds for all 100 concurrent calls to finish
 
 
 def _check_error(message: str, error_type: int = api_pb2.Unknown) -> None:
@@ -158,11 +160,25 @@ def test_100_concurrent_overlapping_calls(
             except BaseException as err:
                 failures.append(err)
 
-        threads = [threading.Thread(target=call, args=c) for c in calls]
+        # Daemon threads: a hung call must fail the test, not keep pytest from exiting.
+        threads = [
+            threading.Thread(
+                target=call,
+                args=(op, batch),
+                name=f"call-{i}-{op}-{'+'.join(r.name for r in batch)}",
+                daemon=True,
+            )
+            for i, (op, batch) in enumerate(calls)
+        ]
         for th in threads:
             th.start()
+        # One deadline for all of them (not JOIN_TIMEOUT each): every call has a 60 s
+        # gRPC deadline, so a thread still alive after that did not finish at all.
+        deadline = time.monotonic() + JOIN_TIMEOUT
         for th in threads:
-            th.join(timeout=120)
+            th.join(timeout=max(0.0, deadline - time.monotonic()))
+        hung = [th.name for th in threads if th.is_alive()]
+        assert not hung, f"{len(hung)} call(s) still running after {JOIN_TIMEOUT}s: {hung}"
         assert not failures, failures[0]
         inst.plugin.check_alive()
         state = assert_consistent(inst.plugin)
