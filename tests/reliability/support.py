@@ -3,20 +3,33 @@ kubelet, direct gRPC calls to one instance, and the local-state invariants."""
 
 from __future__ import annotations
 
+import functools
+import itertools
 import json
+import os
 import time
-from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import grpc
 
+from driver.devices.model import (
+    MigStrategy,
+    PoolDevices,
+    PoolOptions,
+    PublishedDevice,
+    build_pool,
+)
 from driver.kube.api import ApiError, KubeApi
+from driver.nvml.backend import NvmlBackend
+from driver.nvml.fleet import resolve_fleet
+from driver.nvml.mock import MockNvml
 from driver.proto.dra.v1 import api_pb2 as dra
 from driver.proto.dra.v1 import api_pb2_grpc as dra_grpc
 from driver.state.cdi import CdiSpecs
-from driver.state.checkpoint import Checkpoint, ClaimState
+from driver.state.checkpoint import Checkpoint, ClaimEntry, ClaimState
 from tests.conftest import Cluster, FakeNode
 from tests.integration.kubelet_standin import ClaimRef, KubeletStandin, RegisteredPlugin
 from tests.integration.plugin_process import DRIVER, PluginProcess
@@ -44,10 +57,13 @@ def ensure_namespace(api: KubeApi, ns: str) -> None:
             raise
 
 
-def allocated_claim(api: KubeApi, node: str, ns: str, name: str, device: str) -> ClaimRef:
+def allocated_claim(
+    api: KubeApi, node: str, ns: str, name: str, device: str, share_id: str | None = None
+) -> ClaimRef:
     """A claim allocated to `device` of `node`'s pool: the allocation is written into the
     status as the scheduler would (no pod, no reservation, no finalizer, so the
-    resourceclaim controller leaves it alone)."""
+    resourceclaim controller leaves it alone). `share_id` makes it one share of a
+    multi-allocatable device (the scheduler's `shareID`, a UUID)."""
     path = CLAIMS.format(ns=ns)
     try:
         api.request("DELETE", f"{path}/{name}")
@@ -78,11 +94,12 @@ def allocated_claim(api: KubeApi, node: str, ns: str, name: str, device: str) ->
             },
         },
     )
+    result = {"request": "gpu", "driver": DRIVER, "pool": node, "device": device}
+    if share_id is not None:
+        result["shareID"] = share_id
     created["status"] = {
         "allocation": {
-            "devices": {
-                "results": [{"request": "gpu", "driver": DRIVER, "pool": node, "device": device}]
-            },
+            "devices": {"results": [result]},
             "nodeSelector": {
                 "nodeSelectorTerms": [
                     {"matchFields": [{"key": "metadata.name", "operator": "In", "values": [node]}]}
@@ -151,6 +168,112 @@ def is_rpc_error(err: BaseException) -> bool:
     return isinstance(err, grpc.RpcError)
 
 
+# --------------------------------------------------------------------------- hardware
+
+
+def _flag(args: Sequence[str], flag: str) -> str | None:
+    """The last value of `--flag=value` / `--flag value` in a command line."""
+    value = None
+    for i, arg in enumerate(args):
+        if arg.startswith(f"{flag}="):
+            value = arg.split("=", 1)[1]
+        elif arg == flag and i + 1 < len(args):
+            value = args[i + 1]
+    return value
+
+
+@functools.lru_cache(maxsize=8)
+def _pool(
+    node_name: str, fleet: str | None, gpu_partitions: int = 0, mig_strategy: str = "auto"
+) -> PoolDevices:
+    inventory = NvmlBackend(MockNvml(resolve_fleet(fleet), node_name)).discover()
+    options = PoolOptions(
+        driver_name=DRIVER, gpu_partitions=gpu_partitions, mig_strategy=MigStrategy(mig_strategy)
+    )
+    return build_pool(inventory, options)
+
+
+def published_pool(plugin: PluginProcess) -> PoolDevices:
+    """What `plugin` publishes: `build_pool` over the same mock inventory (node name,
+    fleet, partition mode and MIG strategy from its command line and environment, as
+    its flags resolve them). Each device carries its GPU's UUID, MIG profile and
+    placement."""
+    env = {**os.environ, **plugin.env}
+    fleet = _flag(plugin.args, "--mock-fleet") or env.get("MOCK_FLEET")
+    partitions = _flag(plugin.args, "--gpu-partitions") or env.get("GPU_PARTITIONS") or "0"
+    strategy = _flag(plugin.args, "--mig-strategy") or env.get("MIG_STRATEGY") or "auto"
+    return _pool(plugin.node_name, fleet, int(partitions), strategy)
+
+
+def hardware_overlap(a: PublishedDevice, b: PublishedDevice) -> bool:
+    """Do two published devices use the same hardware? The same GPU, and either one of
+    them is the whole GPU, or both are MIG partitions whose memory-slice ranges
+    [start, start+size) intersect, or (partitions without a placement, as with
+    --gpu-partitions) they are the same partition."""
+    if a.gpu_uuid != b.gpu_uuid:
+        return False
+    if not a.is_partition or not b.is_partition:
+        return True
+    if a.placement is None or b.placement is None:
+        return a.name == b.name
+    (a_start, a_size), (b_start, b_size) = a.placement, b.placement
+    return a_start < b_start + b_size and b_start < a_start + a_size
+
+
+def describe_device(pool: PoolDevices, name: str) -> str:
+    """`gpu-1-mig-3g40gb-0 (3g.40gb, memory slices [0, 4) of GPU GPU-…)`."""
+    try:
+        d = pool.device(name)
+    except KeyError:
+        return f"{name} (not published by this node)"
+    if not d.is_partition:
+        return f"{name} (the whole GPU {d.gpu_uuid})"
+    if d.placement is None:
+        return f"{name} (partition of GPU {d.gpu_uuid})"
+    start, size = d.placement
+    return f"{name} ({d.profile}, memory slices [{start}, {start + size}) of GPU {d.gpu_uuid})"
+
+
+class Holding(NamedTuple):
+    """One device as a claim holds it: what the journal records and what an
+    allocation result says."""
+
+    device: str
+    share_id: str | None = None
+    admin_access: bool = False
+
+
+def conflicting(pool: PoolDevices, a: Holding, b: Holding) -> bool:
+    """May two claims NOT hold these at the same time? Hardware overlap, except two
+    shares of one multi-allocatable device (both with a shareID) and admin access
+    (which is granted alongside the device's users by design)."""
+    if a.admin_access or b.admin_access:
+        return False
+    if a.device == b.device and a.share_id and b.share_id:
+        return False
+    return hardware_overlap(pool.device(a.device), pool.device(b.device))
+
+
+def overlap_problems(
+    pool: PoolDevices, held: dict[str, tuple[str, Sequence[Holding]]]
+) -> list[str]:
+    """Every pair of claims (uid -> (label, holdings)) whose holdings conflict."""
+    problems: list[str] = []
+    for (uid_a, (label_a, devs_a)), (uid_b, (label_b, devs_b)) in itertools.combinations(
+        sorted(held.items()), 2
+    ):
+        for a in devs_a:
+            for b in devs_b:
+                if conflicting(pool, a, b):
+                    problems.append(
+                        f"{label_a} ({uid_a}) holds {describe_device(pool, a.device)}"
+                        f"{f' share {a.share_id}' if a.share_id else ''} and "
+                        f"{label_b} ({uid_b}) holds {describe_device(pool, b.device)}"
+                        f"{f' share {b.share_id}' if b.share_id else ''}: the same hardware"
+                    )
+    return problems
+
+
 # --------------------------------------------------------------------------- invariants
 
 
@@ -160,6 +283,7 @@ class LocalState:
     started: set[str]
     specs: set[str]
     temp_files: list[Path]
+    entries: dict[str, ClaimEntry]  # every journal entry, completed or started
 
 
 def local_state(plugin: PluginProcess) -> LocalState:
@@ -178,25 +302,50 @@ def local_state(plugin: PluginProcess) -> LocalState:
         for p in d.iterdir()
         if ".tmp" in p.name
     ]
-    return LocalState(completed, started, specs, temps)
+    return LocalState(completed, started, specs, temps, dict(entries))
 
 
 def assert_consistent(plugin: PluginProcess, expected: set[str] | None = None) -> LocalState:
-    """CDI specs == completed journal entries, nothing half-done left, no device held
-    by two claims, every spec parses; and, if given, exactly `expected` prepared."""
+    """CDI specs == completed journal entries, nothing half-done left, every spec
+    parses and names exactly its entry's devices, every journaled device is one this
+    node publishes, no hardware held by two claims (journal entries compared by GPU
+    and MIG memory slices, see `conflicting`); and, if given, exactly `expected`
+    prepared."""
     state = local_state(plugin)
     assert not state.started, f"PrepareStarted entries left: {state.started}"
     assert not state.temp_files, f"temp files left: {state.temp_files}"
     assert state.specs == set(state.completed), (
         f"CDI specs {sorted(state.specs)} != completed entries {sorted(state.completed)}"
     )
-    held = Counter(d for devices in state.completed.values() for d in devices)
-    doubled = {d: n for d, n in held.items() if n > 1}
-    assert not doubled, f"devices handed to more than one claim: {doubled}"
+    pool = published_pool(plugin)
+    published = {d.name for d in pool.devices}
+    for uid, entry in state.entries.items():
+        for d in entry.devices:
+            assert d.pool_name == plugin.node_name and d.device_name in published, (
+                f"claim {uid} holds {d.pool_name}/{d.device_name}, not a device of this node"
+            )
+    problems = overlap_problems(
+        pool,
+        {
+            uid: (
+                f"claim {e.namespace}/{e.name}",
+                [Holding(d.device_name, d.share_id, d.admin_access) for d in e.devices],
+            )
+            for uid, e in state.entries.items()
+        },
+    )
+    assert not problems, "hardware handed to more than one claim:\n" + "\n".join(problems)
     cdi = CdiSpecs(plugin.cdi_root, DRIVER)
     for uid in state.specs:
         spec = cdi.read_claim_spec(uid)
         assert spec is not None and spec.get("devices"), f"CDI spec of {uid} unreadable/empty"
+        # The spec exposes exactly the devices the journal says the claim holds: each
+        # device's own CDI id (its first; the second is the node-wide common one).
+        in_spec = {cdi.qualified(str(d.get("name"))) for d in spec["devices"]}
+        in_journal = {d.cdi_device_ids[0] for d in state.entries[uid].devices}
+        assert in_spec == in_journal, (
+            f"CDI spec of {uid} exposes {sorted(in_spec)}, the journal {sorted(in_journal)}"
+        )
     if expected is not None:
         assert set(state.completed) == expected, (
             f"prepared claims {sorted(state.completed)} != expected {sorted(expected)}"
