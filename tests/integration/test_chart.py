@@ -425,3 +425,101 @@ def test_plugin_api_code_works_with_exactly_the_chart_rbac(cluster: Any, policy_
         ("claim-on-a", "PermanentPrepareFailure"),
         ("claim-on-b", "PermanentPrepareFailure"),
     } <= reasons
+
+
+# --- the chart-generated webhook certificate across helm upgrades ------------------------
+
+
+def test_webhook_certificate_is_renewed_by_helm_upgrade(cluster: Any) -> None:
+    """`helm upgrade` keeps the generated certificate until renewBeforeDays before the
+    expiry recorded on the Secret, then renews it with both CAs in the caBundle for one
+    release. A separate driver name and failurePolicy Ignore keep this release's
+    webhook (which has no running pod here) away from every other test's claims."""
+    import base64
+    import datetime as dt
+
+    suffix = uuid.uuid4().hex[:6]
+    ns, release = f"chart-tls-{suffix}", f"tls-{suffix}"
+    secret_name = f"{release}-gpu-dra-driver-webhook-tls"
+    values = [
+        "--set", f"driverName=tls-{suffix}.example.com",
+        "--set", "webhook.failurePolicy=Ignore",
+        "--set", "deviceClasses.gpu.enabled=false",
+        "--set", "deviceClasses.partition.enabled=false",
+    ]  # fmt: skip
+
+    def helm(*args: str) -> None:
+        proc = subprocess.run(
+            [find_helm(), "--kubeconfig", str(cluster.kubeconfig), *args],
+            capture_output=True,
+            text=True,
+            timeout=180,
+            check=False,
+        )
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+
+    def upgrade(*extra: str) -> tuple[Doc, list[str]]:
+        helm("upgrade", "--install", release, str(CHART), "-n", ns, *values, *extra)
+        secret = json.loads(
+            cluster.kubectl("get", "secret", secret_name, "-n", ns, "-o", "json").stdout
+        )
+        vwc = json.loads(
+            cluster.kubectl(
+                "get", "validatingwebhookconfiguration", f"{release}-gpu-dra-driver-webhook",
+                "-o", "json",
+            ).stdout
+        )  # fmt: skip
+        bundle = base64.b64decode(vwc["webhooks"][0]["clientConfig"]["caBundle"]).decode()
+        cas = [
+            "-----BEGIN CERTIFICATE-----" + c
+            for c in bundle.split("-----BEGIN CERTIFICATE-----")[1:]
+        ]
+        return secret, [c.strip() for c in cas]
+
+    def ca_of(secret: Doc) -> str:
+        return base64.b64decode(secret["data"]["ca.crt"]).decode().strip()
+
+    def not_after(secret: Doc) -> dt.datetime:
+        value = secret["metadata"]["annotations"]["gpu-dra-driver/not-after"]
+        return dt.datetime.strptime(value, "%Y-%m-%dT%H:%M:%S%z")
+
+    cluster.kubectl("create", "namespace", ns)
+    try:
+        first, bundle = upgrade()
+        year = dt.datetime.now(dt.UTC) + dt.timedelta(days=365)
+        assert abs(not_after(first) - year) < dt.timedelta(minutes=5)
+        assert bundle == [ca_of(first)]
+
+        again, bundle = upgrade()  # far from expiry: kept
+        assert again["data"] == first["data"] and bundle == [ca_of(first)]
+
+        # Inside the renewal window (365 days left < renewBeforeDays): renewed, with the
+        # new validity.
+        window = (
+            "--set",
+            "webhook.tls.certValidityDays=400",
+            "--set",
+            "webhook.tls.renewBeforeDays=366",
+        )
+        renewed, bundle = upgrade(*window)
+        assert renewed["data"]["tls.crt"] != first["data"]["tls.crt"]
+        assert ca_of(renewed) != ca_of(first)
+        assert bundle == [ca_of(first), ca_of(renewed)]  # the old CA for one release
+        later = dt.datetime.now(dt.UTC) + dt.timedelta(days=400)
+        assert abs(not_after(renewed) - later) < dt.timedelta(minutes=5)
+
+        settled, bundle = upgrade(*window)  # 400 days left: kept, old CA dropped
+        assert settled["data"] == renewed["data"] and bundle == [ca_of(renewed)]
+
+        # A Secret of an older chart (10-year certificate, no annotation): renewed.
+        cluster.kubectl("annotate", "secret", secret_name, "-n", ns, "gpu-dra-driver/not-after-")
+        replaced, bundle = upgrade(*window)
+        assert replaced["data"]["tls.crt"] != settled["data"]["tls.crt"]
+        assert bundle == [ca_of(settled), ca_of(replaced)]
+    finally:
+        subprocess.run(
+            [find_helm(), "--kubeconfig", str(cluster.kubeconfig), "uninstall", release,
+             "-n", ns],
+            capture_output=True, timeout=180, check=False,
+        )  # fmt: skip
+        cluster.kubectl("delete", "namespace", ns, "--wait=false", check=False)

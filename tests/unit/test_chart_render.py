@@ -7,6 +7,7 @@ or HELM=/path/to/helm. Without it these tests fail and say how to get it.
 from __future__ import annotations
 
 import base64
+import datetime as dt
 import json
 import os
 import re
@@ -180,6 +181,7 @@ def test_objects(default_docs: list[Doc], mock_docs: list[Doc]) -> None:
             ("Deployment", "gpu-dra-driver-webhook"),
             ("DeviceClass", "gpu.example.com"),
             ("DeviceClass", "mig.gpu.example.com"),
+            ("PodDisruptionBudget", "gpu-dra-driver-webhook"),
             ("Secret", "gpu-dra-driver-webhook-tls"),
             ("Service", "gpu-dra-driver-kubeletplugin-metrics"),
             ("Service", "gpu-dra-driver-webhook"),
@@ -772,18 +774,101 @@ def test_webhook_configuration(default_docs: list[Doc]) -> None:
     ]
 
 
+def _cert_end(pem: bytes) -> dt.datetime:
+    out = subprocess.run(
+        ["openssl", "x509", "-noout", "-enddate"], input=pem, capture_output=True, check=True
+    ).stdout.decode()
+    end = dt.datetime.strptime(out.strip().removeprefix("notAfter="), "%b %d %H:%M:%S %Y %Z")
+    return end.replace(tzinfo=dt.UTC)
+
+
+def test_webhook_certificate_is_short_lived_and_its_expiry_recorded(
+    default_docs: list[Doc],
+) -> None:
+    secret = one(default_docs, "Secret")
+    recorded = dt.datetime.strptime(
+        secret["metadata"]["annotations"]["gpu-dra-driver/not-after"], "%Y-%m-%dT%H:%M:%S%z"
+    )
+    year = dt.datetime.now(dt.UTC) + dt.timedelta(days=365)
+    assert abs(recorded - year) < dt.timedelta(minutes=5)
+    for key in ("ca.crt", "tls.crt"):
+        end = _cert_end(base64.b64decode(secret["data"][key]))
+        assert dt.timedelta(0) <= end - recorded < dt.timedelta(minutes=1), key
+    week = render(
+        "--set", "webhook.tls.certValidityDays=7", "--set", "webhook.tls.renewBeforeDays=2"
+    )
+    end = _cert_end(base64.b64decode(one(week, "Secret")["data"]["tls.crt"]))
+    assert abs(end - (dt.datetime.now(dt.UTC) + dt.timedelta(days=7))) < dt.timedelta(minutes=5)
+    proc = helm_template("--set", "webhook.tls.renewBeforeDays=365", check=False)
+    assert proc.returncode != 0 and "renewBeforeDays must be less than" in proc.stderr
+
+
+def test_webhook_is_highly_available_by_default(default_docs: list[Doc]) -> None:
+    dep = one(default_docs, "Deployment", "webhook")
+    assert dep["spec"]["replicas"] == 2
+    pod_labels = dep["spec"]["template"]["metadata"]["labels"]
+    (spread,) = dep["spec"]["template"]["spec"]["topologySpreadConstraints"]
+    assert spread["topologyKey"] == "kubernetes.io/hostname"
+    assert spread["whenUnsatisfiable"] == "ScheduleAnyway"  # never leaves one pending
+    assert spread["labelSelector"]["matchLabels"] == dep["spec"]["selector"]["matchLabels"]
+    pdb = one(default_docs, "PodDisruptionBudget", "webhook")
+    assert pdb["metadata"]["namespace"] == NAMESPACE
+    assert pdb["spec"]["maxUnavailable"] == 1 and "minAvailable" not in pdb["spec"]
+    selector = pdb["spec"]["selector"]["matchLabels"]
+    assert selector.items() <= pod_labels.items()
+    assert selector["app.kubernetes.io/component"] == "webhook"
+    assert (
+        one(default_docs, "ValidatingWebhookConfiguration")["webhooks"][0]["failurePolicy"]
+        == "Fail"
+    )
+    single = render(
+        "--set",
+        "webhook.replicas=1",
+        "--set",
+        "webhook.podDisruptionBudget.enabled=false",
+        "--set",
+        "webhook.spreadAcrossNodes=false",
+    )
+    assert not [d for d in single if d["kind"] == "PodDisruptionBudget"]
+    spec = one(single, "Deployment", "webhook")["spec"]
+    assert spec["replicas"] == 1 and "topologySpreadConstraints" not in spec["template"]["spec"]
+
+
 def test_webhook_cert_manager_variant() -> None:
     docs = render("--set", "webhook.certManager.enabled=true")
     kinds = {d["kind"] for d in docs}
-    assert {"Issuer", "Certificate"} <= kinds
     assert "Secret" not in kinds
     vwc = one(docs, "ValidatingWebhookConfiguration")
     assert vwc["metadata"]["annotations"]["cert-manager.io/inject-ca-from"] == (
         f"{NAMESPACE}/gpu-dra-driver-webhook-cert"
     )
     assert "caBundle" not in vwc["webhooks"][0]["clientConfig"]
-    cert = one(docs, "Certificate")
-    assert f"gpu-dra-driver-webhook.{NAMESPACE}.svc" in cert["spec"]["dnsNames"]
+    issuers = {d["metadata"]["name"]: d["spec"] for d in docs if d["kind"] == "Issuer"}
+    certs = {d["metadata"]["name"]: d["spec"] for d in docs if d["kind"] == "Certificate"}
+    assert set(certs) == {"gpu-dra-driver-webhook-cert", "gpu-dra-driver-webhook-ca"}
+    # self-signed root -> CA certificate -> CA issuer -> serving certificate
+    assert issuers["gpu-dra-driver-webhook-selfsigned"] == {"selfSigned": {}}
+    ca = certs["gpu-dra-driver-webhook-ca"]
+    assert ca["isCA"] is True
+    assert ca["issuerRef"] == {"kind": "Issuer", "name": "gpu-dra-driver-webhook-selfsigned"}
+    assert ca["duration"] == f"{1825 * 24}h" and ca["renewBefore"] == "720h"
+    assert issuers["gpu-dra-driver-webhook-issuer"] == {"ca": {"secretName": ca["secretName"]}}
+    cert = certs["gpu-dra-driver-webhook-cert"]
+    assert cert["issuerRef"] == {"kind": "Issuer", "name": "gpu-dra-driver-webhook-issuer"}
+    assert cert["secretName"] == "gpu-dra-driver-webhook-tls"  # what the pods mount
+    assert f"gpu-dra-driver-webhook.{NAMESPACE}.svc" in cert["dnsNames"]
+    assert cert["duration"] == f"{365 * 24}h" and cert["renewBefore"] == f"{90 * 24}h"
+    assert cert["privateKey"] == {"rotationPolicy": "Always"}
+
+    own = render(
+        "--set",
+        "webhook.certManager.enabled=true",
+        "--set-json",
+        'webhook.certManager.issuerRef={"kind":"ClusterIssuer","name":"corp-ca"}',
+    )
+    assert not [d for d in own if d["kind"] == "Issuer"]
+    (cert_doc,) = [d for d in own if d["kind"] == "Certificate"]
+    assert cert_doc["spec"]["issuerRef"] == {"kind": "ClusterIssuer", "name": "corp-ca"}
 
 
 def test_webhook_disabled() -> None:
