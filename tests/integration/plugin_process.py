@@ -73,10 +73,13 @@ class PluginProcess:
         self.plugins_dir = short / "plugins"
         self.cdi_root = short / "cdi"
         self.data_dir = self.plugins_dir / DRIVER
-        self.mock_driver_root = self.data_dir / "mock-driver-root"  # the plugin's default
+        self.env = env or {}
+        # The mock GPUs' MIG state and capability files (the plugin's default place).
+        self.mock_driver_root = Path(
+            self.env.get("MOCK_DRIVER_ROOT") or self.data_dir / "mock-driver-root"
+        )
         self.http_port = free_port()
         self.args = list(args)
-        self.env = env or {}
         self.log_path = root / "plugin.log"
         self.proc: subprocess.Popen[bytes] | None = None
 

@@ -104,7 +104,11 @@ def test_disk_full_while_writing_cdi_and_checkpoint(
         small_tmpfs(layout.plugins_dir, "192k") as plugins_dir,
         small_tmpfs(layout.cdi_root, "192k") as cdi_root,
     ):
-        inst = start_instance(cluster, node, root)
+        # The mock GPUs' MIG state lives beside, not in, the file systems run full:
+        # on a real node it is the GPU's, not the plugin's disk.
+        inst = start_instance(
+            cluster, node, root, env={"MOCK_DRIVER_ROOT": str(root / "mock-driver-root")}
+        )
         try:
             assert inst.plugin.data_dir.parent == plugins_dir and inst.plugin.cdi_root == cdi_root
             kubelet = inst.kubelet
