@@ -48,7 +48,7 @@ PLUGIN_FLAG_ENV = {
     "LOG_FORMAT",
     "V",
 }
-DRIVER_ROOT_ENV = {"NVIDIA_DRIVER_ROOT", "NVIDIA_DRIVER_ROOT_HOST"}
+DRIVER_ROOT_ENV = {"NVIDIA_DRIVER_ROOT"}
 
 Doc = dict[str, Any]
 
@@ -462,7 +462,7 @@ def test_driver_root_mount_is_only_where_nvml_is_loaded_from() -> None:
     (volume,) = [v for v in pod["volumes"] if v["name"] == "driver-root"]
     assert volume["hostPath"] == {"path": "/run/nvidia/driver/usr", "type": "Directory"}
     env = env_of(plugin_container(docs))
-    assert env["NVIDIA_DRIVER_ROOT_HOST"]["value"] == "/run/nvidia/driver/"
+    assert "NVIDIA_DRIVER_ROOT_HOST" not in env  # nothing reads it
     root = env["NVIDIA_DRIVER_ROOT"]["value"]
     (mount,) = [m for m in plugin_container(docs)["volumeMounts"] if m["name"] == "driver-root"]
     for directory in _LIBRARY_DIRS:
