@@ -356,6 +356,20 @@ def test_kill_during_prepare_then_retry(
         plugin.stop()
 
 
+def _prepare_and_stop(
+    cluster: Cluster, node: FakeNode, root: Path, ref: tuple[str, str, str]
+) -> PluginProcess:
+    """Prepare the claim with a plugin of its own, then stop that plugin."""
+    plugin = start_plugin(cluster, node, root)
+    try:
+        with KubeletStandin(plugin.registry_dir) as kubelet:
+            kubelet.wait_for_plugin(DRIVER)
+            assert kubelet.prepare(DRIVER, [ref])[ref[1]].error == ""
+    finally:
+        plugin.stop()
+    return plugin
+
+
 @pytest.mark.parametrize("failpoint", UNPREPARE_FAILPOINTS)
 def test_kill_during_unprepare_then_retry(
     cluster: Cluster,
@@ -365,13 +379,7 @@ def test_kill_during_unprepare_then_retry(
     failpoint: str,
 ) -> None:
     ref = crash_claim
-    plugin = start_plugin(cluster, node, plugin_root)
-    try:
-        with KubeletStandin(plugin.registry_dir) as kubelet:
-            kubelet.wait_for_plugin(DRIVER)
-            assert kubelet.prepare(DRIVER, [ref])[ref[1]].error == ""
-    finally:
-        plugin.stop()
+    plugin = _prepare_and_stop(cluster, node, plugin_root, ref)
 
     _crash(cluster, node, plugin_root, failpoint, lambda k: k.unprepare(DRIVER, [ref]))
 
@@ -394,13 +402,7 @@ def test_reboot_empties_cdi_root_specs_are_back_before_registration(
     cluster: Cluster, node: FakeNode, plugin_root: Path, crash_claim: tuple[str, str, str]
 ) -> None:
     ref = crash_claim
-    plugin = start_plugin(cluster, node, plugin_root)
-    try:
-        with KubeletStandin(plugin.registry_dir) as kubelet:
-            kubelet.wait_for_plugin(DRIVER)
-            assert kubelet.prepare(DRIVER, [ref])[ref[1]].error == ""
-    finally:
-        plugin.stop()
+    plugin = _prepare_and_stop(cluster, node, plugin_root, ref)
     specs = CdiSpecs(plugin.cdi_root, DRIVER)
     before = specs.claim_spec_path(ref[1]).read_bytes()
     for path in plugin.cdi_root.iterdir():  # the CDI root is a tmpfs: a reboot empties it
