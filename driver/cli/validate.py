@@ -1,27 +1,37 @@
-"""`gpu-dra validate FILE...`: check GpuConfigs in YAML files before applying them.
+"""`gpu-dra validate FILE|DIR|- ...`: check GpuConfigs in YAML files before applying them.
 
 Each file may hold several YAML documents: bare GpuConfig documents, ResourceClaims,
-ResourceClaimTemplates and DeviceClasses (any resource.k8s.io version). Other
-documents (Pods, Namespaces, ...) are skipped. The same decoding, defaults and
-static rules as the webhook and the plugin apply. Every problem is printed as
+ResourceClaimTemplates and DeviceClasses (any resource.k8s.io version), and lists of
+them (`kind: List` or any `*List` kind, as `kubectl get -o yaml` prints). Other
+documents (Pods, Namespaces, ...) are skipped. A directory means its *.yaml, *.yml
+and *.json files (not recursive); `-` reads standard input. The same decoding,
+defaults and static rules as the webhook and the plugin apply.
+
+Every problem is printed to stderr as
 
     FILE: <kind>/<name>: <field path>: <message>
 
-and the exit code is 1 if any file is unreadable or any config is invalid, else 0.
-`-` reads standard input.
+On success one summary line goes to stdout. Exit code 1 if any file or directory is
+missing, unreadable or empty, any config is invalid, no GpuConfig or claim document
+was found at all, or no document is for --driver-name (neither a GpuConfig nor an
+opaque config of that driver); else 0.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from pathlib import Path
 from typing import Any, TextIO
 
 from driver.config import LoadError, is_checked_document, load_yaml_documents
 from driver.config import validate_claim_document as check_document
+from driver.config.documents import CONFIG_LIST_PATHS, config_list_of
 
 DEFAULT_DRIVER_NAME = "gpu.example.com"
+DIRECTORY_SUFFIXES = (".yaml", ".yml", ".json")
+PROG = "gpu-dra validate"
 
 
 def add_parser(subcommands: Any) -> None:
@@ -31,7 +41,9 @@ def add_parser(subcommands: Any) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("files", nargs="+", metavar="FILE", help="YAML file, or - for stdin")
+    parser.add_argument(
+        "files", nargs="+", metavar="FILE", help="YAML/JSON file, directory, or - for stdin"
+    )
     parser.add_argument(
         "--driver-name",
         default=DEFAULT_DRIVER_NAME,
@@ -51,44 +63,158 @@ def _label(doc: object, number: int) -> str:
     return f"{kind if isinstance(kind, str) and kind else '<no kind>'}/{name}"
 
 
+def _is_list(doc: object) -> bool:
+    if not isinstance(doc, Mapping):
+        return False
+    kind = doc.get("kind")
+    return isinstance(kind, str) and kind.endswith("List") and "items" in doc
+
+
+def _documents(docs: list[Any]) -> Iterator[tuple[object, str]]:
+    """Each document with its label; the items of a List stand for the List."""
+    for number, doc in enumerate(docs, start=1):
+        if _is_list(doc):
+            items = doc.get("items")
+            if not isinstance(items, list):
+                yield doc, _label(doc, number)  # reported below as malformed
+                continue
+            for index, item in enumerate(items):
+                yield item, f"{_label(doc, number)}: items[{index}]: {_label(item, index + 1)}"
+        else:
+            yield doc, _label(doc, number)
+
+
+def _opaque_drivers(doc: object) -> set[str]:
+    if not isinstance(doc, Mapping) or doc.get("kind") not in CONFIG_LIST_PATHS:
+        return set()
+    configs = config_list_of(doc, str(doc.get("kind")))
+    drivers: set[str] = set()
+    for entry in configs if isinstance(configs, list) else []:
+        opaque = entry.get("opaque") if isinstance(entry, Mapping) else None
+        driver = opaque.get("driver") if isinstance(opaque, Mapping) else None
+        if isinstance(driver, str):
+            drivers.add(driver)
+    return drivers
+
+
+def _is_gpu_config(doc: object) -> bool:
+    return isinstance(doc, Mapping) and doc.get("kind") not in CONFIG_LIST_PATHS
+
+
+class Result:
+    def __init__(self) -> None:
+        self.problems: list[str] = []
+        self.checked = 0  # GpuConfig and claim documents
+        self.ours = 0  # of those: GpuConfigs, or with an opaque config for the driver
+        self.drivers: set[str] = set()  # opaque config drivers seen
+        self.files = 0
+
+
 def validate_text(text: str | bytes, filename: str, driver_name: str) -> tuple[list[str], int]:
     """Problems in one file as printable lines, and how many documents were checked."""
+    result = Result()
+    _validate_into(result, text, filename, driver_name)
+    return result.problems, result.checked
+
+
+def _validate_into(result: Result, text: str | bytes, filename: str, driver_name: str) -> None:
+    result.files += 1
     try:
         docs = load_yaml_documents(text)
     except LoadError as err:
-        return [f"{filename}: {err}"], 0
-    lines: list[str] = []
-    checked = 0
-    for number, doc in enumerate(docs, start=1):
+        result.problems.append(f"{filename}: {err}")
+        return
+    if not docs:
+        result.problems.append(f"{filename}: empty: no YAML documents")
+        return
+    for doc, label in _documents(docs):
+        if _is_list(doc):
+            result.problems.append(f"{filename}: {label}: items: must be a list")
+            continue
         if not is_checked_document(doc):
             continue
-        checked += 1
-        label = _label(doc, number)
+        result.checked += 1
+        drivers = _opaque_drivers(doc)
+        result.drivers |= drivers
+        if _is_gpu_config(doc) or driver_name in drivers:
+            result.ours += 1
         for error in check_document(doc, driver_name):
-            lines.append(f"{filename}: {label}: {error.path or '<root>'}: {error.message}")
-    return lines, checked
+            result.problems.append(
+                f"{filename}: {label}: {error.path or '<root>'}: {error.message}"
+            )
 
 
-def run(args: argparse.Namespace, stdin: TextIO | None = None, out: TextIO | None = None) -> int:
+def _inputs(names: list[str], result: Result) -> Iterator[str]:
+    """The files to read: each name, a directory's *.yaml/*.yml/*.json files."""
+    for name in names:
+        if name == "-":
+            yield name
+            continue
+        path = Path(name)
+        if path.is_dir():
+            try:
+                found = sorted(
+                    p for p in path.iterdir() if p.suffix in DIRECTORY_SUFFIXES and not p.is_dir()
+                )
+            except OSError as err:
+                result.problems.append(f"{name}: cannot list directory: {err.strerror or err}")
+                continue
+            if not found:
+                result.problems.append(
+                    f"{name}: directory has no {', '.join('*' + s for s in DIRECTORY_SUFFIXES)}"
+                    " files"
+                )
+            yield from (str(p) for p in found)
+        elif not path.exists() and not path.is_symlink():
+            result.problems.append(f"{name}: no such file or directory")
+        else:
+            yield name
+
+
+def run(
+    args: argparse.Namespace,
+    stdin: TextIO | None = None,
+    out: TextIO | None = None,
+    err: TextIO | None = None,
+) -> int:
     stdin = stdin if stdin is not None else sys.stdin
     out = out if out is not None else sys.stdout
-    failed = False
-    for filename in args.files:
+    err = err if err is not None else sys.stderr
+    result = Result()
+    for filename in _inputs(list(args.files), result):
         try:
             if filename == "-":
                 text: str | bytes = stdin.read()
             else:
                 with open(filename, "rb") as handle:
                     text = handle.read()
-        except OSError as err:
-            print(f"{filename}: cannot read: {err.strerror or err}", file=out)
-            failed = True
+        except OSError as error:
+            result.problems.append(f"{filename}: cannot read: {error.strerror or error}")
             continue
-        lines, checked = validate_text(text, filename, args.driver_name)
-        for line in lines:
-            print(line, file=out)
-        if lines:
-            failed = True
-        elif checked == 0:
-            print(f"{filename}: note: no GpuConfig or claim documents found", file=sys.stderr)
-    return 1 if failed else 0
+        _validate_into(result, text, filename, args.driver_name)
+    for line in result.problems:
+        print(line, file=err)
+    if result.problems:
+        print(f"{PROG}: {len(result.problems)} problem(s) found", file=err)
+        return 1
+    if result.checked == 0:
+        print(
+            f"{PROG}: no GpuConfig or claim documents found in {result.files} file(s) "
+            "(expected GpuConfig, ResourceClaim, ResourceClaimTemplate or DeviceClass)",
+            file=err,
+        )
+        return 1
+    if result.ours == 0:
+        others = ", ".join(sorted(result.drivers)) or "none"
+        print(
+            f"{PROG}: --driver-name {args.driver_name} matches no document: no GpuConfig "
+            f"and no opaque config for it (opaque configs found for: {others})",
+            file=err,
+        )
+        return 1
+    print(
+        f"OK: {result.checked} GpuConfig/claim document(s) in {result.files} file(s) valid "
+        f"for driver {args.driver_name}",
+        file=out,
+    )
+    return 0

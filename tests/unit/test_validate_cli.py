@@ -1,37 +1,72 @@
-"""`gpu-dra validate`: multi-document YAML files, one line per problem, exit codes."""
+"""`gpu-dra validate`: multi-document YAML files, Lists, directories, stdin, exit codes."""
 
 from __future__ import annotations
 
 import argparse
 import io
+import json
 from pathlib import Path
-
-import pytest
 
 from driver.cli import validate
 
 DATA = Path(__file__).parent / "data" / "config"
 
+CLAIM = {
+    "apiVersion": "resource.k8s.io/v1",
+    "kind": "ResourceClaim",
+    "metadata": {"name": "c1", "namespace": "default"},
+    "spec": {
+        "devices": {
+            "requests": [{"name": "gpu", "exactly": {"deviceClassName": "gpu.example.com"}}],
+            "config": [
+                {
+                    "opaque": {
+                        "driver": "gpu.example.com",
+                        "parameters": {
+                            "apiVersion": "gpu.resource.example.com/v1alpha1",
+                            "kind": "GpuConfig",
+                            "sharing": {"strategy": "TimeSlicing"},
+                        },
+                    }
+                }
+            ],
+        }
+    },
+}
 
-def run_cli(*argv: str, stdin: str = "") -> tuple[int, str]:
+
+def bad_claim(name: str) -> dict[str, object]:
+    claim = json.loads(json.dumps(CLAIM))
+    claim["metadata"]["name"] = name
+    claim["spec"]["devices"]["config"][0]["opaque"]["parameters"]["sharing"]["strategy"] = "Fast"
+    return dict(claim)
+
+
+def run_cli(*argv: str, stdin: str = "") -> tuple[int, str, str]:
     parser = argparse.ArgumentParser(prog="gpu-dra")
     validate.add_parser(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(["validate", *argv])
-    out = io.StringIO()
-    code = args.run(args, stdin=io.StringIO(stdin), out=out)
-    return code, out.getvalue()
+    out, err = io.StringIO(), io.StringIO()
+    code = args.run(args, stdin=io.StringIO(stdin), out=out, err=err)
+    return code, out.getvalue(), err.getvalue()
 
 
-def test_valid_file_exits_zero_and_prints_nothing() -> None:
-    code, out = run_cli(str(DATA / "valid.yaml"))
-    assert (code, out) == (0, "")
+def problems(err: str) -> list[str]:
+    return [line for line in err.splitlines() if not line.startswith("gpu-dra validate:")]
 
 
-def test_invalid_file_lists_every_problem() -> None:
+def test_valid_file_prints_a_summary() -> None:
+    code, out, err = run_cli(str(DATA / "valid.yaml"))
+    assert (code, err) == (0, "")
+    assert out.startswith("OK: ") and out.count("\n") == 1
+    assert "in 1 file(s)" in out and "gpu.example.com" in out
+
+
+def test_invalid_file_lists_every_problem_on_stderr() -> None:
     name = str(DATA / "invalid.yaml")
-    code, out = run_cli(str(DATA / "valid.yaml"), name)
-    assert code == 1
-    assert out.splitlines() == [
+    code, out, err = run_cli(str(DATA / "valid.yaml"), name)
+    assert (code, out) == (1, "")
+    assert problems(err) == [
         f"{name}: ResourceClaim/bad-claim: spec.devices.config[0].opaque.parameters"
         ".sharing.spacePartitioningConfig.partitionCount: must be >= 1, got 0",
         f"{name}: ResourceClaimTemplate/bad-template: spec.spec.devices.config[0].opaque"
@@ -40,43 +75,139 @@ def test_invalid_file_lists_every_problem() -> None:
         ".parameters.sharing.timeSlicingConfig.period: unknown field",
         f"{name}: GpuConfig/#3: sharing.spacePartitioningConfig.partitionCount: must be an integer",
     ]
+    assert err.splitlines()[-1] == "gpu-dra validate: 4 problem(s) found"
 
 
 def test_driver_name_selects_configs() -> None:
     # with another driver name, none of the invalid configs are ours; bare GpuConfigs still are
-    code, out = run_cli("--driver-name", "other.example.com", str(DATA / "invalid.yaml"))
+    code, _, err = run_cli("--driver-name", "other.example.com", str(DATA / "invalid.yaml"))
     assert code == 1
-    assert [line.split(": ")[1] for line in out.splitlines()] == ["GpuConfig/#3"]
+    assert [line.split(": ")[1] for line in problems(err)] == ["GpuConfig/#3"]
 
 
-def test_stdin_and_unreadable_and_unparsable(tmp_path: Path) -> None:
-    code, out = run_cli(
+def test_driver_name_matching_no_document_fails(tmp_path: Path) -> None:
+    claim = tmp_path / "claim.json"
+    claim.write_text(json.dumps(CLAIM))
+    code, out, err = run_cli(str(claim))
+    assert (code, err) == (0, "")
+    code, out, err = run_cli("--driver-name", "gpu.acme.io", str(claim))
+    assert (code, out) == (1, "")
+    assert err == (
+        "gpu-dra validate: --driver-name gpu.acme.io matches no document: no GpuConfig and "
+        "no opaque config for it (opaque configs found for: gpu.example.com)\n"
+    )
+
+
+def test_kind_list_and_typed_lists(tmp_path: Path) -> None:
+    listed = tmp_path / "list.yaml"
+    listed.write_text(
+        json.dumps({"apiVersion": "v1", "kind": "List", "items": [CLAIM, bad_claim("b1")]})
+    )
+    code, out, err = run_cli(str(listed))
+    assert (code, out) == (1, "")
+    assert problems(err) == [
+        f"{listed}: List/#1: items[1]: ResourceClaim/b1: spec.devices.config[0].opaque"
+        ".parameters.sharing.strategy: unknown GPU sharing strategy: 'Fast' (must be one of "
+        "TimeSlicing, SpacePartitioning)"
+    ]
+    typed = tmp_path / "typed.yaml"
+    typed.write_text(
+        json.dumps(
+            {
+                "apiVersion": "resource.k8s.io/v1",
+                "kind": "ResourceClaimList",
+                "metadata": {"resourceVersion": "1"},
+                "items": [CLAIM, CLAIM],
+            }
+        )
+    )
+    code, out, err = run_cli(str(typed))
+    assert (code, err) == (0, "")
+    assert out.startswith("OK: 2 GpuConfig/claim document(s) in 1 file(s)")
+
+
+def test_list_with_bad_items_is_reported(tmp_path: Path) -> None:
+    listed = tmp_path / "list.yaml"
+    listed.write_text("apiVersion: v1\nkind: List\nitems: {a: 1}\n")
+    code, _, err = run_cli(str(listed))
+    assert code == 1 and f"{listed}: List/#1: items: must be a list" in err
+
+
+def test_stdin(tmp_path: Path) -> None:
+    code, out, err = run_cli(
         "-", stdin="apiVersion: gpu.resource.example.com/v1alpha1\nkind: GpuConfig\n"
     )
-    assert (code, out) == (0, "")
-    code, out = run_cli("-", stdin="kind: GpuConfig\nsharing: {strategy: Fast}\n")
-    assert code == 1
-    assert out == "-: GpuConfig/#1: apiVersion: required field missing\n"
+    assert (code, err) == (0, "") and out.startswith("OK: 1 ")
+    code, out, err = run_cli("-", stdin="kind: GpuConfig\nsharing: {strategy: Fast}\n")
+    assert (code, out) == (1, "")
+    assert problems(err) == ["-: GpuConfig/#1: apiVersion: required field missing"]
+    code, out, err = run_cli("-", stdin=json.dumps({"kind": "List", "items": [CLAIM]}))
+    assert code == 0 and out.startswith("OK: 1 ")
+
+
+def test_missing_file_and_directory(tmp_path: Path) -> None:
     missing = tmp_path / "nope.yaml"
-    code, out = run_cli(str(missing))
-    assert code == 1 and out.startswith(f"{missing}: cannot read:")
+    code, out, err = run_cli(str(missing))
+    assert (code, out) == (1, "")
+    assert problems(err) == [f"{missing}: no such file or directory"]
+
+
+def test_unreadable_and_unparsable(tmp_path: Path) -> None:
     broken = tmp_path / "broken.yaml"
     broken.write_text("a: [1\n")
-    code, out = run_cli(str(broken))
-    assert code == 1 and out.startswith(f"{broken}: invalid YAML:")
+    code, _, err = run_cli(str(broken))
+    assert code == 1 and err.startswith(f"{broken}: invalid YAML:")
+    unreadable = tmp_path / "dir.yaml"
+    unreadable.mkdir()
+    (unreadable / "x.txt").write_text("")
+    code, _, err = run_cli(str(unreadable))
+    assert code == 1 and "directory has no *.yaml, *.yml, *.json files" in err
 
 
-def test_file_without_config_documents(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_empty_file(tmp_path: Path) -> None:
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("")
+    code, out, err = run_cli(str(empty))
+    assert (code, out) == (1, "")
+    assert problems(err) == [f"{empty}: empty: no YAML documents"]
+    comments = tmp_path / "comments.yaml"
+    comments.write_text("# nothing\n---\n")
+    code, _, err = run_cli(str(comments))
+    assert code == 1 and f"{comments}: empty: no YAML documents" in err
+
+
+def test_directory(tmp_path: Path) -> None:
+    (tmp_path / "a.yaml").write_text(json.dumps(CLAIM))
+    (tmp_path / "b.json").write_text(json.dumps(CLAIM))
+    (tmp_path / "c.yml").write_text("apiVersion: v1\nkind: Namespace\nmetadata: {name: n}\n")
+    (tmp_path / "notes.txt").write_text("not yaml: [")
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "d.yaml").write_text("a: [1\n")  # not recursive
+    code, out, err = run_cli(str(tmp_path))
+    assert (code, err) == (0, "")
+    assert out.startswith("OK: 2 GpuConfig/claim document(s) in 3 file(s)")
+    (tmp_path / "z.yaml").write_text(json.dumps(bad_claim("bad")))
+    code, out, err = run_cli(str(tmp_path))
+    assert (code, out) == (1, "")
+    assert problems(err)[0].startswith(f"{tmp_path / 'z.yaml'}: ResourceClaim/bad: ")
+    empty_dir = tmp_path / "empty"
+    empty_dir.mkdir()
+    code, _, err = run_cli(str(empty_dir))
+    assert code == 1
+    assert problems(err) == [f"{empty_dir}: directory has no *.yaml, *.yml, *.json files"]
+
+
+def test_file_without_config_documents_fails(tmp_path: Path) -> None:
     pod = tmp_path / "pod.yaml"
     pod.write_text("apiVersion: v1\nkind: Pod\nmetadata: {name: p}\n")
-    code, out = run_cli(str(pod))
-    assert (code, out) == (0, "")
-    assert "no GpuConfig or claim documents found" in capsys.readouterr().err
+    code, out, err = run_cli(str(pod))
+    assert (code, out) == (1, "")
+    assert err.startswith("gpu-dra validate: no GpuConfig or claim documents found in 1 file(s)")
 
 
 def test_non_mapping_document_is_reported(tmp_path: Path) -> None:
     odd = tmp_path / "odd.yaml"
     odd.write_text("- just\n- a list\n")
-    code, out = run_cli(str(odd))
+    code, _, err = run_cli(str(odd))
     assert code == 1
-    assert out == f"{odd}: document #1: <root>: must be an object\n"
+    assert problems(err) == [f"{odd}: document #1: <root>: must be an object"]
