@@ -2,8 +2,17 @@
 
 Without --mock, real NVML (pynvml) is used; --mock uses a mock fleet instead: a fleet
 YAML file, a built-in fleet name (`default`: 8 x H100-80GB with MIG, `example`: the Go
-reference's 8 devices), or nothing for the default fleet. Output: ResourceSlice
-documents (yaml, json) or a table of GPUs.
+reference's 8 devices), or nothing for the default fleet. Output: a table of GPUs
+(default; `--partitions` lists partitions too) or the ResourceSlice documents (yaml,
+json).
+
+The table's HEALTH column comes from the health store of the plugin on this node
+(`<state dir>/health.json`, read only): `--state-dir DIR`, else $GPU_DRA_STATE_DIR,
+else the plugin's standard data dir /var/lib/kubelet/plugins/<driver name> if it
+exists. Without one, HEALTH says `unknown`: inventory never claims a GPU is healthy
+without reading what the plugin recorded. Run it in the plugin's pod for real health:
+
+    kubectl exec -n <ns> <plugin-pod> -- gpu-dra inventory
 """
 
 from __future__ import annotations
@@ -14,19 +23,27 @@ import logging
 import os
 import socket
 import sys
+from pathlib import Path
 from typing import Any
 
 import yaml
 
+from driver.cli.state_dir import (
+    HealthView,
+    add_state_dir_argument,
+    default_state_dir,
+    read_health,
+)
 from driver.devices.model import (
     DEFAULT_DRIVER_NAME,
     MigStrategy,
+    PoolDevices,
     PoolError,
     PoolOptions,
     build_pool,
 )
 from driver.devices.slices import build_slice_documents, validate_slice_specs
-from driver.devices.table import format_table
+from driver.devices.table import HEADERS, device_rows
 from driver.nvml.backend import NvmlUnavailableError, select_backend
 from driver.nvml.fleet import FleetError
 from driver.plugin.flags import non_negative_int
@@ -76,8 +93,13 @@ def add_parser(subcommands: Any) -> None:
         "--partitions", action="store_true", help="table output: also list partitions"
     )
     parser.add_argument(
-        "-o", "--output", choices=("yaml", "json", "table"), default="yaml", help="output format"
+        "-o",
+        "--output",
+        choices=("table", "yaml", "json"),
+        default="table",
+        help="output format (default: %(default)s)",
     )
+    add_state_dir_argument(parser, default=None)
     parser.set_defaults(run=run)
 
 
@@ -118,15 +140,62 @@ def run(args: argparse.Namespace) -> int:
             print(f"gpu-dra inventory: invalid slice: {p}", file=sys.stderr)
         return 1
     if args.output == "table":
-        sys.stdout.write(format_table(pool, partitions=args.partitions))
+        health = _health_view(args)
+        if health is None:
+            return 1
+        try:
+            sys.stdout.write(
+                _table(pool, health, driver=args.driver_name, partitions=args.partitions)
+            )
+        finally:
+            health.close()
         n_devices = len(pool.devices)
         print(
             f"\n{len(inventory.gpus)} GPU(s), {n_devices} device(s) in {len(docs)} slice(s) "
             f"({inventory.backend}, driver {inventory.driver_version})"
         )
+        if health.unknown is not None:
+            print(f"health unknown: {health.unknown} (give --state-dir)")
+        else:
+            print(f"health from {health.path}")
     elif args.output == "json":
         print(json.dumps({"apiVersion": "v1", "kind": "List", "items": docs}, indent=2))
     else:
-        dumper = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
-        sys.stdout.write(yaml.dump_all(docs, Dumper=dumper, sort_keys=False, explicit_start=True))
+        sys.stdout.write(
+            yaml.dump_all(docs, Dumper=NoAliasDumper, sort_keys=False, explicit_start=True)
+        )
     return 0
+
+
+class NoAliasDumper(getattr(yaml, "CSafeDumper", yaml.SafeDumper)):  # type: ignore[misc]
+    """Writes a shared object in full each time: no `&id001` anchors and `*id001`
+    aliases, which kubectl and people reading the output do not expect."""
+
+    def ignore_aliases(self, data: Any) -> bool:
+        return True
+
+
+def _health_view(args: argparse.Namespace) -> HealthView | None:
+    """The plugin's recorded health; None (after a message) for a --state-dir given
+    explicitly that is not a directory."""
+    if args.state_dir is not None:
+        state_dir = Path(args.state_dir)
+        if not state_dir.is_dir():
+            print(f"gpu-dra inventory: --state-dir {state_dir}: no such directory", file=sys.stderr)
+            return None
+    else:
+        state_dir = default_state_dir(args.driver_name)
+    return read_health(state_dir, args.driver_name)
+
+
+def _table(pool: PoolDevices, health: HealthView, *, driver: str, partitions: bool) -> str:
+    taints = None
+    if health.store is not None:
+        taints = health.store.device_taints(pool.devices, driver=driver)
+    rows = device_rows(pool, taints, partitions=partitions)
+    if health.store is None:
+        rows = [(*row[:4], "unknown") for row in rows]
+    table = [HEADERS, *rows]
+    widths = [max(len(r[i]) for r in table) for i in range(len(HEADERS))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in table]
+    return "\n".join(lines) + "\n"

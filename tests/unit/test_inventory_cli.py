@@ -16,6 +16,12 @@ from driver.devices.slices import validate_slice_specs
 LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 
+@pytest.fixture(autouse=True)
+def no_plugin_here(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """No plugin data dir unless a test gives one: health is unknown."""
+    monkeypatch.setenv("GPU_DRA_STATE_DIR", str(tmp_path / "no-plugin-here"))
+
+
 def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
     code = main(["inventory", *argv])
     out, err = capsys.readouterr()
@@ -75,19 +81,81 @@ def test_json_and_options(capsys: pytest.CaptureFixture[str]) -> None:
     }
 
 
-def test_table(capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, _ = run(capsys, "--mock", "--node-name", "n1", "-o", "table")
+def test_table_is_the_default_and_health_is_unknown_without_a_plugin(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    code, out, _ = run(capsys, "--mock", "--node-name", "n1")
     assert code == 0
     lines = out.splitlines()
     assert lines[0].split() == ["DEVICE", "MODEL", "MEMORY", "PARTITIONS", "HEALTH"]
-    assert lines[1].split()[0] == "gpu-0" and "25" in lines[1] and "Healthy" in lines[1]
+    assert lines[1].split()[0] == "gpu-0" and "25" in lines[1]
+    assert lines[1].split()[-1] == "unknown"
+    assert "Healthy" not in out
     assert "8 GPU(s), 208 device(s) in 5 slice(s)" in out
+    assert "health unknown: no plugin data directory" in out and "--state-dir" in out
     code, out, _ = run(capsys, "--mock", "--node-name", "n1", "-o", "table", "--partitions")
     assert "gpu-0-mig-1g10gb-me-3" in out and "1g.10gb+me @3+1" in out
 
 
+def test_table_health_from_the_plugins_store(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from driver.devices.model import build_pool
+    from driver.health.store import HealthStore
+    from driver.nvml.backend import select_backend
+
+    state = tmp_path / "state"
+    state.mkdir()
+    # A data dir without health.json: the plugin has recorded no failure.
+    code, out, _ = run(capsys, "--mock", "--node-name", "n1", "--state-dir", str(state))
+    assert code == 0
+    assert [line.split()[-1] for line in out.splitlines()[1:9]] == ["Healthy"] * 8
+    assert f"health from {state / 'health.json'}" in out
+
+    pool = build_pool(select_backend(mock=True, node_name="n1").discover())
+    store = HealthStore(state / "health.json")
+    store.record_xid(pool.device("gpu-3").gpu_uuid, 79)
+    store.record_instance_xid(pool.device("gpu-5").gpu_uuid, (3, 1), 94)
+    code, out, _ = run(
+        capsys, "--mock", "--node-name", "n1", "--state-dir", str(state), "--partitions"
+    )
+    rows = {line.split()[0]: line for line in out.splitlines()[1:] if line.startswith("gpu-")}
+    assert rows["gpu-3"].endswith("Unhealthy (gpu.example.com/xid=79:NoSchedule)")
+    assert rows["gpu-3-mig-1g10gb-0"].endswith("Unhealthy (gpu.example.com/xid=79:NoSchedule)")
+    assert rows["gpu-5-mig-1g10gb-3"].endswith("Unhealthy (gpu.example.com/xid=94:NoSchedule)")
+    assert rows["gpu-5-mig-1g10gb-4"].endswith("Healthy")
+    assert rows["gpu-0"].endswith("Healthy")
+    before = (state / "health.json").read_bytes()
+
+    # $GPU_DRA_STATE_DIR is the default; an unreadable store is unknown, and left alone.
+    (state / "health.json").write_text("{not json")
+    monkeypatch.setenv("GPU_DRA_STATE_DIR", str(state))
+    code, out, _ = run(capsys, "--mock", "--node-name", "n1")
+    assert code == 0 and "Healthy" not in out
+    assert f"health unknown: {state / 'health.json'} is unreadable" in out
+    assert (state / "health.json").read_text() == "{not json"
+    assert sorted(p.name for p in state.iterdir()) == ["health.json"]
+    assert before
+
+
+def test_state_dir_given_but_missing(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    code, out, err = run(capsys, "--mock", "--state-dir", str(tmp_path / "nope"))
+    assert (code, out) == (1, "")
+    assert "--state-dir" in err and "no such directory" in err
+
+
+def test_yaml_has_no_anchors(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "--mock", "--node-name", "n1", "-o", "yaml")
+    assert code == 0
+    assert "&id" not in out and "*id" not in out
+    docs = list(yaml.load_all(out, Loader=LOADER))
+    assert docs[1]["spec"]["devices"][0]["attributes"]["model"]
+
+
 def test_static_strategy_without_instances(capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, err = run(capsys, "--mock", "--node-name", "n1", "--mig-strategy", "static")
+    code, out, err = run(
+        capsys, "--mock", "--node-name", "n1", "--mig-strategy", "static", "-o", "yaml"
+    )
     docs = list(yaml.load_all(out, Loader=LOADER))
     assert code == 0
     assert [d for doc in docs for d in doc["spec"].get("devices", [])] == []
