@@ -3,7 +3,9 @@ values, counters. Pure functions shared by the device builders."""
 
 from __future__ import annotations
 
+import math
 import re
+from decimal import Decimal, InvalidOperation
 from typing import Any
 
 _BINARY_SUFFIXES = (("Ei", 60), ("Pi", 50), ("Ti", 40), ("Gi", 30), ("Mi", 20), ("Ki", 10))
@@ -28,6 +30,48 @@ def binary_quantity(value: int) -> str:
         if value and value % (1 << shift) == 0:
             return f"{value >> shift}{suffix}"
     return str(value)
+
+
+_QUANTITY = re.compile(r"^([+-]?[0-9.]+)([eE][+-]?[0-9]+|[numkMGTPE]i?|Ki)?$")
+_SUFFIX_VALUE = {
+    "": Decimal(1),
+    "n": Decimal("1e-9"),
+    "u": Decimal("1e-6"),
+    "m": Decimal("1e-3"),
+    "k": Decimal(10**3),
+    "M": Decimal(10**6),
+    "G": Decimal(10**9),
+    "T": Decimal(10**12),
+    "P": Decimal(10**15),
+    "E": Decimal(10**18),
+    **{suffix: Decimal(1 << shift) for suffix, shift in _BINARY_SUFFIXES},
+}
+
+
+def parse_quantity(value: object) -> Decimal:
+    """A Kubernetes quantity ("16Gi", "20", "1.5G", "500m", "1e3") as a Decimal.
+    Raises ValueError for anything else."""
+    if isinstance(value, bool) or not isinstance(value, (str, int)):
+        raise ValueError(f"not a quantity: {value!r}")
+    text = str(value).strip()
+    match = _QUANTITY.match(text)
+    if match is None:
+        raise ValueError(f"not a quantity: {value!r}")
+    number, suffix = match.group(1), match.group(2) or ""
+    try:
+        base = Decimal(number)
+    except InvalidOperation as err:
+        raise ValueError(f"not a quantity: {value!r}") from err
+    if suffix[:1] in ("e", "E"):
+        return base * (Decimal(10) ** int(suffix[1:]))
+    if suffix not in _SUFFIX_VALUE:
+        raise ValueError(f"not a quantity: {value!r}")
+    return base * _SUFFIX_VALUE[suffix]
+
+
+def quantity_int(value: object) -> int:
+    """A quantity rounded up to a whole number (as the API server rounds to units)."""
+    return math.ceil(parse_quantity(value))
 
 
 def decimal_quantity(value: int) -> str:

@@ -9,6 +9,11 @@ the driver's domain). Per GPU, one of:
   `gpu-<i>-counters` {memory, compute}, N devices `gpu-<i>-partition-<j>` of equal size
   and `gpu-<i>-full`;
 - otherwise the whole GPU `gpu-<minor>`.
+
+With `allow_multiple_allocations` (docs/sharing.md) whole GPUs and reference
+partitions carry `allowMultipleAllocations: true` and request policies on their
+`memory` and `compute` capacities; MIG devices (and the whole GPU of a dynamic MIG
+GPU, delivered as a MIG device created per claim) stay exclusive.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from driver.devices.documents import (
     int_attr,
     normalize_version,
     quantity,
+    quantity_int,
     string_attr,
     version_attr,
 )
@@ -48,6 +54,9 @@ __all__ = [
 ]
 
 DEFAULT_COMPUTE = 100  # the reference's `compute` capacity of a whole GPU
+GIB = 1 << 30
+SHARE_MEMORY_STEP = GIB  # shares of memory: min 1Gi, step 1Gi (the reference)
+SHARE_COMPUTE_STEP = 1
 PCI_BUS_ID_ATTRIBUTE = "resource.kubernetes.io/pciBusID"
 
 
@@ -133,11 +142,43 @@ def _base_capacity(gpu: GpuInfo) -> dict[str, Any]:
     return capacity
 
 
+def _policy(value: int, step: int, fmt: Any) -> dict[str, Any] | None:
+    top = value - value % step  # the range's max and default must be on a step
+    if top < step:
+        return None
+    return {
+        "default": fmt(top),
+        "validRange": {"min": fmt(step), "step": fmt(step), "max": fmt(top)},
+    }
+
+
+def make_shareable(doc: dict[str, Any]) -> dict[str, int]:
+    """Mark a device document multi-allocatable (DRAConsumableCapacity): request
+    policies on `memory` (min 1Gi, step 1Gi) and `compute` (min 1, step 1), max and
+    default the device's own capacity, so a claim that asks for no capacity gets the
+    whole device. Returns what all shares together may consume (name -> amount)."""
+    doc["allowMultipleAllocations"] = True
+    limits: dict[str, int] = {}
+    capacity = doc.get("capacity") or {}
+    for name, step, fmt in (
+        ("memory", SHARE_MEMORY_STEP, binary_quantity),
+        ("compute", SHARE_COMPUTE_STEP, decimal_quantity),
+    ):
+        if name not in capacity:
+            continue
+        value = quantity_int(capacity[name]["value"])
+        policy = _policy(value, step, fmt)
+        if policy is not None:
+            capacity[name] = {**capacity[name], "requestPolicy": policy}
+        limits[name] = value
+    return limits
+
+
 # --------------------------------------------------------------------------- reference partitions
 
 
 def _reference_partitions(
-    gpu: GpuInfo, gpu_attrs: dict[str, Any], n: int
+    gpu: GpuInfo, gpu_attrs: dict[str, Any], n: int, options: PoolOptions
 ) -> tuple[list[PublishedDevice], dict[str, Any]]:
     set_name = f"gpu-{gpu.minor}-counters"
     whole: dict[str, str] = {}
@@ -157,18 +198,34 @@ def _reference_partitions(
         doc["consumesCounters"] = [
             {"counterSet": set_name, "counters": {k: quantity(v) for k, v in part.items()}}
         ]
-        if gpu.reference_example:
+        share = make_shareable(doc) if options.allow_multiple_allocations else None
+        if gpu.reference_example and share is None:
             doc["allowMultipleAllocations"] = False
-        devices.append(PublishedDevice(name, doc, gpu.uuid, gpu.minor, True, None, placement=None))
+        devices.append(
+            PublishedDevice(
+                name, doc, gpu.uuid, gpu.minor, True, None, placement=None, share_capacity=share
+            )
+        )
     name = f"gpu-{gpu.minor}-full"
     attrs = {**gpu_attrs, "partitionable": bool_attr(True), "full": bool_attr(True)}
     doc = device_doc(name, attrs, {k: quantity(v) for k, v in whole.items()})
     doc["consumesCounters"] = [
         {"counterSet": set_name, "counters": {k: quantity(v) for k, v in whole.items()}}
     ]
-    if gpu.reference_example:
+    share = make_shareable(doc) if options.allow_multiple_allocations else None
+    if gpu.reference_example and share is None:
         doc["allowMultipleAllocations"] = False
-    devices.append(PublishedDevice(name, doc, gpu.uuid, gpu.minor, False, gpu_max_partitions(gpu)))
+    devices.append(
+        PublishedDevice(
+            name,
+            doc,
+            gpu.uuid,
+            gpu.minor,
+            False,
+            gpu_max_partitions(gpu),
+            share_capacity=share,
+        )
+    )
     return devices, counter_set
 
 
@@ -238,7 +295,7 @@ def build_pool(
                     "is in MIG mode, where CUDA needs a MIG device; use MIG partitions "
                     "(--gpu-partitions=0) on MIG GPUs"
                 )
-            devs, cs = _reference_partitions(gpu, attrs, options.gpu_partitions)
+            devs, cs = _reference_partitions(gpu, attrs, options.gpu_partitions, options)
             devices += devs
             counter_sets.append(cs)
         elif gpu.mig_enabled and gpu.partition_profiles:
@@ -249,7 +306,8 @@ def build_pool(
             notes += why
         else:
             doc = device_doc(f"gpu-{gpu.minor}", attrs, _base_capacity(gpu))
-            if gpu.reference_example:
+            share = make_shareable(doc) if options.allow_multiple_allocations else None
+            if gpu.reference_example and share is None:
                 doc["allowMultipleAllocations"] = False
             devices.append(
                 PublishedDevice(
@@ -259,6 +317,7 @@ def build_pool(
                     gpu_minor=gpu.minor,
                     is_partition=False,
                     max_partitions=gpu_max_partitions(gpu),
+                    share_capacity=share,
                 )
             )
     return PoolDevices(

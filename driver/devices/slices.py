@@ -12,6 +12,7 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from driver.devices.documents import parse_quantity
 from driver.devices.model import PoolDevices
 
 API_VERSION = "resource.k8s.io/v1"
@@ -157,6 +158,34 @@ def build_slice_documents(
     return docs
 
 
+def _policy_errors(cap: Mapping[str, Any]) -> list[str]:
+    """What the API server refuses in a capacity's request policy (DRAConsumableCapacity)."""
+    policy = cap.get("requestPolicy")
+    if policy is None:
+        return []
+    try:
+        value = parse_quantity(cap.get("value"))
+        default = parse_quantity(policy.get("default"))
+        valid_range = policy.get("validRange")
+        if valid_range is not None and policy.get("validValues") is not None:
+            return ["validRange and validValues are mutually exclusive"]
+        if default > value:
+            return [f"default {policy.get('default')} exceeds the capacity {cap.get('value')}"]
+        if valid_range is None:
+            return []
+        low = parse_quantity(valid_range.get("min"))
+        high = parse_quantity(valid_range["max"]) if "max" in valid_range else value
+        step = parse_quantity(valid_range["step"]) if "step" in valid_range else None
+    except (ValueError, TypeError, AttributeError) as err:
+        return [f"malformed requestPolicy: {err}"]
+    errors = []
+    if not low <= default <= high or high > value:
+        errors.append("default or max outside [min, capacity]")
+    if step is not None and ((high - low) % step or (default - low) % step):
+        errors.append("max and default must be min plus a multiple of step")
+    return errors
+
+
 def validate_slice_specs(specs: Sequence[Mapping[str, Any]]) -> list[str]:
     """Every API-limit or pool-consistency violation in a pool's slice specs (empty: valid)."""
     errors: list[str] = []
@@ -214,6 +243,15 @@ def validate_slice_specs(specs: Sequence[Mapping[str, Any]]) -> list[str]:
                         errors.append(f"{where}: device {name} attribute {key} is too long")
                 if "version" in value and not re.match(r"^\d+\.\d+\.\d+$", str(value["version"])):
                     errors.append(f"{where}: device {name} attribute {key} is not semver")
+            for key, cap in capacity.items():
+                if "requestPolicy" in cap and d.get("allowMultipleAllocations") is not True:
+                    errors.append(
+                        f"{where}: device {name} capacity {key} has a requestPolicy without "
+                        "allowMultipleAllocations"
+                    )
+                errors += [
+                    f"{where}: device {name} capacity {key}: {e}" for e in _policy_errors(cap)
+                ]
             consumptions = d.get("consumesCounters") or []
             if len(consumptions) > MAX_CONSUMPTIONS_PER_DEVICE:
                 errors.append(f"{where}: device {name} has {len(consumptions)} consumptions")

@@ -45,6 +45,11 @@ class PoolOptions:
     # > 0: the reference's N equal partitions per GPU (replaces MIG partitions).
     gpu_partitions: int = 0
     mig_strategy: MigStrategy = MigStrategy.AUTO
+    # `--gpu-allow-multiple-allocations` (DRAConsumableCapacity, docs/sharing.md): whole
+    # GPUs and reference partitions are published with `allowMultipleAllocations: true`
+    # and request policies on `memory` and `compute`. Never MIG devices, and never the
+    # whole GPU of a dynamic MIG GPU (it is delivered as a MIG device created per claim).
+    allow_multiple_allocations: bool = False
 
     def __post_init__(self) -> None:
         if self.gpu_partitions < 0:
@@ -64,6 +69,13 @@ class PublishedDevice:
     profile: str | None = None  # MIG profile, e.g. "1g.10gb"
     placement: tuple[int, int] | None = None  # MIG (start, size) in memory slices
     mig: MigBacking | None = None  # set for every device of a GPU in MIG mode
+    # Multi-allocatable devices (`allowMultipleAllocations: true`): what all shares
+    # together may consume, capacity name -> amount (memory in bytes). None: exclusive.
+    share_capacity: dict[str, int] | None = None
+
+    @property
+    def multi_allocatable(self) -> bool:
+        return self.share_capacity is not None
 
     @property
     def uses_counters(self) -> bool:

@@ -45,6 +45,7 @@ class PluginOptions:
     mock_fleet: str | None
     gpu_partitions: int
     mig_strategy: str
+    allow_multiple_allocations: bool
     mock_driver_root: Path | None
     xid_taint_effect: str
     additional_xids_to_ignore: str
@@ -111,6 +112,14 @@ def build_parser() -> argparse.ArgumentParser:
         "dynamic (created at prepare) or static (existing MIG devices only)",
     )
     p.add_argument(
+        "--gpu-allow-multiple-allocations",
+        action="store_true",
+        default=_env_bool("GPU_ALLOW_MULTIPLE_ALLOCATIONS"),
+        help="publish whole GPUs and --gpu-partitions partitions with "
+        "allowMultipleAllocations and memory/compute request policies (consumable "
+        "capacity; shares are time-sliced, limits advisory: docs/sharing.md)",
+    )
+    p.add_argument(
         "--mock-driver-root",
         type=Path,
         default=_env("MOCK_DRIVER_ROOT"),
@@ -175,6 +184,7 @@ def parse_options(argv: Sequence[str] | None = None) -> PluginOptions:
         mock_fleet=args.mock_fleet,
         gpu_partitions=args.gpu_partitions,
         mig_strategy=args.mig_strategy,
+        allow_multiple_allocations=args.gpu_allow_multiple_allocations,
         mock_driver_root=args.mock_driver_root,
         xid_taint_effect=args.xid_taint_effect,
         additional_xids_to_ignore=args.additional_xids_to_ignore,

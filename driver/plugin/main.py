@@ -98,6 +98,7 @@ class Plugin:
                 driver_name=o.driver_name,
                 gpu_partitions=o.gpu_partitions,
                 mig_strategy=MigStrategy(o.mig_strategy),
+                allow_multiple_allocations=o.allow_multiple_allocations,
             ),
             owned_mig=state.owned_mig(),
         )

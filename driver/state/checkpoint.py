@@ -10,7 +10,8 @@ File format (docs/state.md)::
           "state": "PrepareStarted" | "PrepareCompleted",
           "namespace": "...", "name": "...",
           "devices": [{"pool": ..., "device": ..., "requestNames": [...],
-                       "cdiDeviceIds": [...], "shareID": null | "...", "adminAccess": false}],
+                       "cdiDeviceIds": [...], "shareID": null | "...", "adminAccess": false,
+                       "consumedCapacity": {"memory": "16Gi", ...}}],   # shares only
           "cdiSpec": {"devices": [<CDI device>...], "deviceNodes": [...]}   # PrepareCompleted
         }
       }
@@ -133,6 +134,10 @@ class PreparedDevice:
     share_id: str | None = None
     admin_access: bool = False
     mig: MigRecord | None = None
+    # A share of a multi-allocatable device: the allocation's `consumedCapacity`
+    # (capacity name -> quantity string), what the double-booking guard sums per
+    # device. Stored only when present, so other entries keep their bytes.
+    consumed_capacity: tuple[tuple[str, str], ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         doc: dict[str, Any] = {
@@ -145,6 +150,8 @@ class PreparedDevice:
         }
         if self.mig is not None:
             doc["mig"] = self.mig.to_json()
+        if self.consumed_capacity:
+            doc["consumedCapacity"] = dict(self.consumed_capacity)
         return doc
 
     @classmethod
@@ -169,7 +176,21 @@ class PreparedDevice:
             record = MigRecord.from_json(mig) if mig is not None else None
         except ValueError as err:
             raise ValueError(f"device {device}: {err}") from err
-        return cls(pool, device, tuple(requests), tuple(ids), share, admin, record)
+        consumed = doc.get("consumedCapacity", {})
+        if not isinstance(consumed, Mapping) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in consumed.items()
+        ):
+            raise ValueError(f"device {device}: consumedCapacity must map names to strings")
+        return cls(
+            pool,
+            device,
+            tuple(requests),
+            tuple(ids),
+            share,
+            admin,
+            record,
+            tuple(sorted(consumed.items())),
+        )
 
 
 def _str_list(value: object) -> TypeGuard[list[str]]:

@@ -124,6 +124,7 @@ def plan_claim(
         )
         share_id = result.get("shareID") or None
         admin = bool(result.get("adminAccess", False))
+        consumed = result.get("consumedCapacity") or {}
         prepared = PreparedDevice(
             pool_name=str(result.get("pool")),
             device_name=name,
@@ -134,6 +135,9 @@ def plan_claim(
             # Admin access observes a device another claim may be using: it never
             # creates (or later destroys) a MIG device; it sees the parent GPU.
             mig=None if admin else _mig_intent(device),
+            consumed_capacity=tuple(sorted((str(k), str(v)) for k, v in consumed.items()))
+            if share_id
+            else (),
         )
         env = claim_device_env(
             claim_uid=ref.uid,

@@ -42,7 +42,7 @@ from typing import Any
 from driver.errors import DriverError, ErrorClass, transient
 from driver.observability import metrics
 from driver.state import teardown
-from driver.state.booking import refuse_double_booking
+from driver.state.booking import refuse_double_booking, refuse_over_capacity
 from driver.state.cdi import CdiSpecs, ClaimSpec
 from driver.state.checkpoint import (
     Checkpoint,
@@ -310,6 +310,7 @@ class DeviceState:
                 # planned before this one in the same request.
                 refuse_double_booking(uid, devices, journal, self.devices)
                 refuse_double_booking(uid, devices, planned, self.devices)
+                refuse_over_capacity(uid, devices, self.devices, journal, planned)
             except Exception as exc:
                 results[uid] = self.fail(ref, claim, self._error(exc, uid))
                 continue

@@ -193,3 +193,66 @@ def test_64_gpu_fleet_needs_several_slices(
     counter_slices = [s for s in slices if s["spec"].get("sharedCounters")]
     assert len(counter_slices) == 8  # 64 counter sets, at most 8 per slice
     assert len(slices) > len(expected.devices) // 64
+
+
+def _capacity_claim(name: str, memory: str, compute: str) -> dict:
+    doc = claim(name, NS, "gpu.example.com")
+    doc["spec"]["devices"]["requests"][0]["exactly"]["capacity"] = {
+        "requests": {"memory": memory, "compute": compute}
+    }
+    return doc
+
+
+def test_multi_allocatable_gpus_are_accepted_and_shared_by_capacity(
+    cluster: Cluster, node: FakeNode, tmp_path: Path, plugin: PluginProcess, classes: None
+) -> None:
+    """--gpu-allow-multiple-allocations: the API server keeps allowMultipleAllocations
+    and the request policies (DRAConsumableCapacity on), and the scheduler puts two
+    16Gi shares on the one 40Gi GPU and refuses a third."""
+    data = {"gpus": [{"model": "A100-40GB", "count": 1, "migMode": "disabled"}]}
+    fleet = tmp_path / "fleet.yaml"
+    fleet.write_text(json.dumps(data))
+    plugin.stop()  # one instance per node
+    with running_plugin(
+        kubeconfig=cluster.kubeconfig,
+        node_name=node.name,
+        root=tmp_path / "shared",
+        args=[f"--mock-fleet={fleet}", "--gpu-allow-multiple-allocations"],
+    ):
+        slices = cluster.wait_for(
+            lambda: (
+                (p := complete_pool(cluster, node.name))
+                and set(published_devices(p)) == {"gpu-0"}
+                and p
+            ),
+            timeout=60,
+            what="the one-GPU shareable pool",
+        )
+        gpu = published_devices(slices)["gpu-0"]
+        assert gpu.get("allowMultipleAllocations") is True, gpu
+        assert gpu["capacity"]["memory"]["requestPolicy"]["validRange"]["step"] == "1Gi"
+        assert gpu["capacity"]["compute"]["requestPolicy"]["validRange"]["min"] == "1"
+        memory = gpu["capacity"]["memory"]["value"]
+        assert memory == "40Gi", memory
+
+        for name in ("share-a", "share-b"):
+            apply(cluster, _capacity_claim(name, "16Gi", "20"), pod_using(name, NS, name))
+        shares = [
+            cluster.wait_for(
+                lambda name=name: allocation(cluster, NS, name), timeout=60, what=name
+            )[0]
+            for name in ("share-a", "share-b")
+        ]
+        assert [s["device"] for s in shares] == ["gpu-0", "gpu-0"]
+        assert shares[0]["shareID"] and shares[1]["shareID"]
+        assert shares[0]["shareID"] != shares[1]["shareID"]
+        for share in shares:
+            assert share["consumedCapacity"] == {"memory": "16Gi", "compute": "20"}
+
+        apply(
+            cluster, _capacity_claim("share-c", "16Gi", "20"), pod_using("share-c", NS, "share-c")
+        )
+        cluster.wait_for(
+            lambda: unschedulable(cluster, NS, "share-c"), timeout=60, what="share-c unschedulable"
+        )
+        assert allocation(cluster, NS, "share-c") is None

@@ -393,3 +393,86 @@ def test_reference_partitions_on_a_real_mig_gpu_fail_at_start() -> None:
     inv = dataclasses.replace(inventory(TWO_H100), backend="nvml")
     with pytest.raises(dm.PoolError, match=r"--gpu-partitions=2: GPU 0 .* MIG mode"):
         dm.build_pool(inv, dm.PoolOptions(gpu_partitions=2))
+
+
+# --------------------------------------------------------------------------- consumable capacity
+
+
+def test_quantity_parsing() -> None:
+    assert documents.quantity_int("16Gi") == 16 << 30
+    assert documents.quantity_int("20") == 20
+    assert documents.quantity_int("1.5G") == 1_500_000_000
+    assert documents.quantity_int("500m") == 1  # rounded up to a whole unit
+    assert documents.quantity_int("1e3") == 1000
+    assert documents.quantity_int(7) == 7
+    for bad in ("", "Gi", "16GB", "1..2", None, True, "abc"):
+        with pytest.raises(ValueError):
+            documents.quantity_int(bad)
+
+
+def test_multiple_allocations_off_by_default() -> None:
+    inv = inventory({"gpus": [{"model": "A100-40GB", "count": 1, "migMode": "disabled"}]})
+    doc = dm.build_pool(inv).device("gpu-0").document
+    assert "allowMultipleAllocations" not in doc
+    assert "requestPolicy" not in doc["capacity"]["memory"]
+    assert dm.build_pool(inv).device("gpu-0").share_capacity is None
+
+
+def test_whole_gpus_are_multi_allocatable_with_request_policies() -> None:
+    inv = inventory({"gpus": [{"model": "A100-40GB", "count": 2, "migMode": "disabled"}]})
+    pool = dm.build_pool(inv, dm.PoolOptions(allow_multiple_allocations=True))
+    gpu = pool.device("gpu-1")
+    assert gpu.multi_allocatable
+    doc = gpu.document
+    assert doc["allowMultipleAllocations"] is True
+    memory, compute = doc["capacity"]["memory"], doc["capacity"]["compute"]
+    assert memory["requestPolicy"] == {
+        "default": memory["value"],
+        "validRange": {"min": "1Gi", "step": "1Gi", "max": memory["value"]},
+    }
+    assert compute["requestPolicy"] == {
+        "default": compute["value"],
+        "validRange": {"min": "1", "step": "1", "max": compute["value"]},
+    }
+    assert gpu.share_capacity == {
+        "memory": documents.quantity_int(memory["value"]),
+        "compute": documents.quantity_int(compute["value"]),
+    }
+    # The pool's other documents are not touched by another pool's options.
+    assert "allowMultipleAllocations" not in dm.build_pool(inv).device("gpu-1").document
+
+
+def test_reference_example_and_partitions_share_like_the_reference() -> None:
+    inv = NvmlBackend(MockNvml(example_fleet(2), "dra-example-driver-cluster-worker")).discover()
+    opts = dm.PoolOptions(allow_multiple_allocations=True)
+    whole = dm.build_pool(inv, opts).device("gpu-0").document
+    assert whole["allowMultipleAllocations"] is True
+    assert whole["capacity"]["memory"] == {
+        "value": "80Gi",
+        "requestPolicy": {
+            "default": "80Gi",
+            "validRange": {"min": "1Gi", "step": "1Gi", "max": "80Gi"},
+        },
+    }
+    pool = dm.build_pool(inv, dm.PoolOptions(gpu_partitions=3, allow_multiple_allocations=True))
+    part = pool.device("gpu-0-partition-1")
+    assert part.share_capacity == {"memory": 28633115306, "compute": 33}
+    policy = part.document["capacity"]["memory"]["requestPolicy"]
+    # 28633115306 bytes is not on a 1Gi step: the range ends at the last step below it.
+    assert policy == {"default": "26Gi", "validRange": {"min": "1Gi", "step": "1Gi", "max": "26Gi"}}
+    # The counters a partition consumes are the fixed size, never the policy.
+    assert part.document["consumesCounters"][0]["counters"]["memory"] == {"value": "28633115306"}
+    assert pool.device("gpu-0-full").document["allowMultipleAllocations"] is True
+
+
+def test_mig_devices_are_never_multi_allocatable() -> None:
+    """MIG devices are hardware partitions created per claim; the whole GPU of a
+    dynamic MIG GPU is a full-size MIG device created per claim as well."""
+    pool = dm.build_pool(inventory(), dm.PoolOptions(allow_multiple_allocations=True))
+    assert pool.devices
+    for device in pool.devices:
+        assert device.mig is not None
+        assert "allowMultipleAllocations" not in device.document, device.name
+        assert device.share_capacity is None
+        for cap in (device.document.get("capacity") or {}).values():
+            assert "requestPolicy" not in cap

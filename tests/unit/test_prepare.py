@@ -1046,3 +1046,130 @@ def test_taint_wait_of_a_failed_gpu_does_not_stall_other_claims(env: Env) -> Non
     assert elapsed < 1.0, f"unrelated prepare+unprepare took {elapsed:.2f}s"
     error = outcome["uid-f"].error
     assert error is not None and not error.permanent and "tainting it failed" in str(error)
+
+
+# -- consumable capacity: shares of one multi-allocatable device ---------------------------
+
+GIB = 1 << 30
+
+
+def shareable_devices() -> dict[str, PublishedDevice]:
+    """gpu-0 multi-allocatable (40Gi, compute 100); gpu-1 exclusive."""
+    gpu0 = PublishedDevice(
+        name="gpu-0",
+        document={"name": "gpu-0", "allowMultipleAllocations": True},
+        gpu_uuid="GPU-aaaa",
+        gpu_minor=0,
+        is_partition=False,
+        max_partitions=None,
+        share_capacity={"memory": 40 * GIB, "compute": 100},
+    )
+    return {"gpu-0": gpu0, "gpu-1": DEVICES["gpu-1"]}
+
+
+def share(uid: str, share_id: str, memory: str = "16Gi", compute: str = "20") -> dict[str, Any]:
+    return make_claim(
+        uid,
+        [
+            result(
+                "gpu-0", shareID=share_id, consumedCapacity={"memory": memory, "compute": compute}
+            )
+        ],
+    )
+
+
+@pytest.fixture
+def shared_env(env: Env) -> Env:
+    env.state = env.new_state(devices=shareable_devices())
+    return env
+
+
+def test_two_shares_of_one_gpu_get_their_own_cdi_device_env_and_entry(shared_env: Env) -> None:
+    env = shared_env
+    a, b = env.claims.add(share("uid-a", "s-a")), env.claims.add(share("uid-b", "s-b"))
+    out = env.state.prepare([a, b])
+    assert out["uid-a"].ok and out["uid-b"].ok, (out["uid-a"].error, out["uid-b"].error)
+    for uid, sid in (("uid-a", "s-a"), ("uid-b", "s-b")):
+        assert env.spec(uid)["devices"][0]["name"] == f"{uid}-gpu-0-{sid}"
+        assert out[uid].devices[0].cdi_device_ids[0] == f"{KIND}={uid}-gpu-0-{sid}"
+        assert "GPU_DEVICE_0_MEMORY=16Gi" in env.env_of(uid)
+        assert "GPU_DEVICE_0_COMPUTE=20" in env.env_of(uid)
+    journal = env.journal()
+    assert set(journal) == {"uid-a", "uid-b"}
+    assert dict(journal["uid-a"].devices[0].consumed_capacity) == {
+        "memory": "16Gi",
+        "compute": "20",
+    }
+    raw = json.loads((env.data_dir / "checkpoint.json").read_text())
+    assert raw["entries"]["uid-b"]["devices"][0]["consumedCapacity"] == {
+        "compute": "20",
+        "memory": "16Gi",
+    }
+    # Unprepare of one share leaves the other's spec and entry.
+    assert env.state.unprepare([a]) == {"uid-a": None}
+    assert set(env.journal()) == {"uid-b"}
+    assert list(env.state.cdi.list_claim_specs()) == ["uid-b"]
+    assert "GPU_DEVICE_0_MEMORY=16Gi" in env.env_of("uid-b")
+    # The freed capacity can be shared again.
+    c = env.claims.add(share("uid-c", "s-c", memory="24Gi"))
+    assert env.prepare_one(c).ok
+
+
+def test_a_share_beyond_the_capacity_is_refused(shared_env: Env) -> None:
+    env = shared_env
+    a, b = env.claims.add(share("uid-a", "s-a")), env.claims.add(share("uid-b", "s-b"))
+    assert env.prepare_one(a).ok and env.prepare_one(b).ok
+    over = env.claims.add(share("uid-c", "s-c"))  # 48Gi of 40Gi
+    err = env.prepare_one(over).error
+    assert err is not None and not err.permanent
+    assert "memory" in str(err) and "default/claim-uid-a" in str(err), err
+    compute = env.claims.add(share("uid-d", "s-d", memory="1Gi", compute="61"))
+    err = env.prepare_one(compute).error
+    assert err is not None and "compute" in str(err), err
+    fits = env.claims.add(share("uid-e", "s-e", memory="8Gi", compute="60"))
+    assert env.prepare_one(fits).ok
+    assert set(env.journal()) == {"uid-a", "uid-b", "uid-e"}
+
+
+def test_capacity_counts_the_journal_and_the_claims_of_the_same_request(
+    shared_env: Env,
+) -> None:
+    env = shared_env
+    a = env.claims.add(share("uid-a", "s-a"))
+    assert env.prepare_one(a).ok
+    b, c = env.claims.add(share("uid-b", "s-b")), env.claims.add(share("uid-c", "s-c"))
+    out = env.state.prepare([b, c])
+    assert out["uid-b"].ok
+    err = out["uid-c"].error
+    assert err is not None and "default/claim-uid-b" in str(err), err
+    # Two shares of one device in one claim count together.
+    d = env.claims.add(
+        make_claim(
+            "uid-d",
+            [
+                result("gpu-0", "r1", shareID="s-1", consumedCapacity={"memory": "4Gi"}),
+                result("gpu-0", "r2", shareID="s-2", consumedCapacity={"memory": "5Gi"}),
+            ],
+        )
+    )
+    err = env.prepare_one(d).error  # 32Gi held + 9Gi > 40Gi
+    assert err is not None and "memory" in str(err), err
+
+
+def test_a_share_without_recorded_consumption_counts_as_the_whole_device(
+    shared_env: Env,
+) -> None:
+    env = shared_env
+    whole = env.claims.add(make_claim("uid-w", [result("gpu-0", shareID="s-w")]))
+    assert env.prepare_one(whole).ok
+    small = env.claims.add(share("uid-s", "s-s", memory="1Gi", compute="1"))
+    assert env.prepare_one(small).error is not None
+
+
+def test_an_exclusive_allocation_of_a_shared_device_is_refused(shared_env: Env) -> None:
+    env = shared_env
+    a = env.claims.add(share("uid-a", "s-a"))
+    assert env.prepare_one(a).ok
+    exclusive = env.claims.add(make_claim("uid-x", [result("gpu-0")]))
+    err = env.prepare_one(exclusive).error
+    assert err is not None and "overlaps" in str(err), err

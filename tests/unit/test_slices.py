@@ -247,3 +247,53 @@ def test_validator_accepts_generated_specs() -> None:
 def test_validator_reports_violations(mutate: Any, message: str) -> None:
     errors = _break(mutate)
     assert any(message in e for e in errors), errors
+
+
+# --------------------------------------------------------------------------- consumable capacity
+
+SHAREABLE = {"gpus": [{"model": "A100-40GB", "count": 3, "migMode": "disabled"}]}
+
+
+def _shared_specs() -> list[dict[str, Any]]:
+    pool = pool_for(parse_fleet(SHAREABLE), options=PoolOptions(allow_multiple_allocations=True))
+    return sl.build_slice_specs(pool, driver=DRIVER, node_name="n1")
+
+
+def test_shareable_devices_pass_the_validator() -> None:
+    specs = _shared_specs()
+    assert sl.validate_slice_specs(specs) == []
+    devices = specs[0]["devices"]
+    assert all(d["allowMultipleAllocations"] is True for d in devices)
+    pool = pool_for(
+        example_fleet(2), options=PoolOptions(gpu_partitions=4, allow_multiple_allocations=True)
+    )
+    assert specs_for(pool)
+
+
+@pytest.mark.parametrize(
+    ("mutate", "message"),
+    [
+        (lambda d: d.pop("allowMultipleAllocations"), "without allowMultipleAllocations"),
+        (
+            lambda d: d["capacity"]["memory"]["requestPolicy"].update(default="1Ti"),
+            "exceeds the capacity",
+        ),
+        (
+            lambda d: d["capacity"]["compute"]["requestPolicy"]["validRange"].update(step="7"),
+            "multiple of step",
+        ),
+        (
+            lambda d: d["capacity"]["compute"]["requestPolicy"].update(validValues=["1"]),
+            "mutually exclusive",
+        ),
+        (
+            lambda d: d["capacity"]["compute"]["requestPolicy"]["validRange"].update(min="x"),
+            "malformed",
+        ),
+    ],
+)
+def test_validator_reports_bad_request_policies(mutate: Any, message: str) -> None:
+    specs = _shared_specs()
+    mutate(specs[0]["devices"][0])
+    errors = sl.validate_slice_specs(specs)
+    assert any(message in e for e in errors), errors
