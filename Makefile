@@ -4,18 +4,29 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: venv proto proto-check lint typecheck unit integration e2e test test-gpu test-reliability \
+.PHONY: venv lock proto proto-check lint typecheck unit integration e2e test test-gpu test-reliability \
         cluster-build cluster-up cluster-down cluster-status demo bench clean helm image \
         kind-up kind-install kind-demo kind-down
 
 venv: $(VENV)/.installed
 
+# Every download is checked against requirements.lock's sha256 hashes (--require-hashes):
+# first pip itself (its block of the lock), then everything else. The project's own
+# editable install cannot carry a hash; it is a separate step, --no-deps, built with the
+# setuptools just installed from the lock (--no-build-isolation: nothing unhashed is
+# fetched for it).
 $(VENV)/.installed: pyproject.toml requirements.lock
 	$(PYTHON_BOOTSTRAP) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip==25.3
-	$(PY) -m pip install --quiet -r requirements.lock
-	$(PY) -m pip install --quiet --no-deps -e .
+	awk '/^[^ #]/ { keep = /^pip==/ } keep' requirements.lock >$(VENV)/pip.lock
+	$(PY) -m pip install --quiet --require-hashes --no-deps -r $(VENV)/pip.lock
+	$(PY) -m pip install --quiet --require-hashes -r requirements.lock
+	$(PY) -m pip install --quiet --no-deps --no-build-isolation -e .
 	touch $@
+
+# Regenerates requirements.lock with the hashes of every file of every pinned version
+# (pip-tools in a throwaway venv; today's versions kept). hack/lock.sh --upgrade moves them.
+lock:
+	hack/lock.sh
 
 proto: venv
 	PYTHON=$(abspath $(PY)) hack/gen-proto.sh

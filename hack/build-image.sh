@@ -4,6 +4,15 @@
 # its runtime dependencies (pinned by requirements.lock) in a venv at
 # /opt/gpu-dra-driver, entry points on PATH, default user 65532.
 #
+# Supply chain: no registry base image is pulled (the base is debootstrap's); the
+# Release file debootstrap reads is verified against the Debian archive keyring
+# (--keyring, --force-check-gpg) and every .deb against the Release file's hashes;
+# DEBIAN_SNAPSHOT=20261120T000000Z builds from snapshot.debian.org at that instant
+# instead of the moving bookworm suite. Every Python file is downloaded with
+# `pip wheel --require-hashes -r requirements.lock` (sha256 of each file, make lock),
+# the package's own wheel is built offline from those verified files, and the image's
+# pip installs offline from them only.
+#
 #   sudo hack/build-image.sh [--tag gpu-dra-driver:dev] [--output FILE]
 #
 # Load the result with:
@@ -11,7 +20,8 @@
 #   docker load -i FILE                       (Docker >= 25)
 #   skopeo copy oci-archive:FILE docker-daemon:gpu-dra-driver:dev
 #
-# Needs: root (debootstrap and chroot), debootstrap (apt-get install debootstrap),
+# Needs: root (debootstrap and chroot), debootstrap and debian-archive-keyring
+# (apt-get install debootstrap debian-archive-keyring),
 # python3.11 on the host (wheels are built for the image's CPython 3.11), network to
 # the Debian mirror and PyPI. The Debian base (debootstrap --variant=minbase) is
 # cached outside the repository, so only the first build is slow.
@@ -22,7 +32,13 @@ REPO_DIR=$(cd "$HACK_DIR/.." && pwd)
 CACHE_ROOT=${GPU_DRA_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/gpu-dra-driver}
 IMAGE_CACHE=$CACHE_ROOT/image
 SUITE=bookworm
-MIRROR=${DEBIAN_MIRROR:-http://deb.debian.org/debian}
+# A snapshot (DEBIAN_SNAPSHOT=YYYYMMDDTHHMMSSZ) pins the base's packages to one instant.
+if [[ -n ${DEBIAN_SNAPSHOT:-} ]]; then
+  MIRROR=https://snapshot.debian.org/archive/debian/$DEBIAN_SNAPSHOT
+else
+  MIRROR=${DEBIAN_MIRROR:-http://deb.debian.org/debian}
+fi
+KEYRING=${DEBIAN_KEYRING:-/usr/share/keyrings/debian-archive-keyring.gpg}
 BASE_PACKAGES=python3,python3-venv,ca-certificates
 PYTHON=${PYTHON:-python3}
 TAG=gpu-dra-driver:dev
@@ -37,7 +53,7 @@ while (($#)); do
   case $1 in
     --tag) TAG=${2:?--tag needs a value}; shift 2 ;;
     --output) OUTPUT=${2:?--output needs a value}; shift 2 ;;
-    -h|--help) sed -n '2,19p' "${BASH_SOURCE[0]}"; exit 0 ;;
+    -h|--help) sed -n '2,30p' "${BASH_SOURCE[0]}"; exit 0 ;;
     *) die "unknown argument: $1 (see --help)" ;;
   esac
 done
@@ -46,20 +62,25 @@ OUTPUT=${OUTPUT:-$IMAGE_CACHE/$(tr '/:' '__' <<<"$TAG").oci.tar}
 
 ((EUID == 0)) || die "must run as root (debootstrap and chroot); try: sudo $0"
 command -v debootstrap >/dev/null || die "debootstrap missing: apt-get install -y debootstrap"
+[[ -s $KEYRING ]] || die "no keyring $KEYRING to verify the Debian archive: apt-get install -y debian-archive-keyring"
 "$PYTHON" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))' ||
   die "$PYTHON is not CPython 3.11 (the image's Debian python); set PYTHON=/path/to/python3.11"
 
 # --- 1. Debian base rootfs (cached) -------------------------------------------------
 base_key=$(printf '%s|%s|%s' "$SUITE" "$BASE_PACKAGES" "$MIRROR" | sha256sum | cut -c1-12)
 BASE_DIR=$IMAGE_CACHE/base-$SUITE-$base_key
-if [[ -f $BASE_DIR/.complete ]]; then
-  progress "Debian $SUITE base cached in $BASE_DIR"
+# A cached base is used only if its debootstrap verified the Release signature.
+base_verified() { grep -q '^I: Valid Release signature' "$BASE_DIR/debootstrap.log" 2>/dev/null; }
+if [[ -f $BASE_DIR/.complete ]] && base_verified; then
+  progress "Debian $SUITE base cached in $BASE_DIR ($(grep -m1 '^I: Valid Release signature' "$BASE_DIR/debootstrap.log"))"
 else
   rm -rf "$BASE_DIR"
   mkdir -p "$BASE_DIR"
-  progress "debootstrap --variant=minbase $SUITE (+ $BASE_PACKAGES) into $BASE_DIR (first time: a few minutes)"
-  debootstrap --variant=minbase --include="$BASE_PACKAGES" "$SUITE" "$BASE_DIR/rootfs" "$MIRROR" \
+  progress "debootstrap --variant=minbase $SUITE (+ $BASE_PACKAGES) from $MIRROR into $BASE_DIR, verified with $KEYRING (first time: a few minutes)"
+  debootstrap --variant=minbase --keyring="$KEYRING" --force-check-gpg --include="$BASE_PACKAGES" \
+    "$SUITE" "$BASE_DIR/rootfs" "$MIRROR" \
     >"$BASE_DIR/debootstrap.log" 2>&1 || { tail -n 30 "$BASE_DIR/debootstrap.log" >&2; die "debootstrap failed"; }
+  base_verified || die "debootstrap did not report a valid Release signature (log: $BASE_DIR/debootstrap.log)"
   progress "adding user gpu-dra (65532) and trimming apt caches"
   env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin chroot "$BASE_DIR/rootfs" /bin/sh -eu -c '
     groupadd --system --gid 65532 gpu-dra
@@ -75,9 +96,16 @@ WORK=$(mktemp -d "${TMPDIR:-/tmp}/gpu-dra-image.XXXXXX")
 cleanup() { rm -rf "$WORK"; }
 trap cleanup EXIT
 mkdir -p "$WORK/wheels"
-progress "building wheels with $("$PYTHON" --version) (requirements.lock as constraints)"
-(cd "$REPO_DIR" && "$PYTHON" -m pip wheel --quiet --wheel-dir "$WORK/wheels" \
-  --constraint requirements.lock .) || die "pip wheel failed"
+# Every locked file (runtime and dev: the lock is one file) is downloaded and checked
+# against its sha256 in requirements.lock; the image installs the runtime subset below.
+progress "downloading the locked wheels with $("$PYTHON" --version) (pip wheel --require-hashes -r requirements.lock)"
+(cd "$REPO_DIR" && "$PYTHON" -m pip wheel --quiet --disable-pip-version-check --require-hashes \
+  --wheel-dir "$WORK/wheels" -r requirements.lock) || die "pip wheel --require-hashes failed"
+# The package itself (no hash possible: it is this tree), built offline: its build
+# backend (setuptools) comes from the verified wheels, its dependencies are not fetched.
+progress "building the gpu-dra-driver wheel offline from the verified wheels"
+(cd "$REPO_DIR" && "$PYTHON" -m pip wheel --quiet --disable-pip-version-check --no-deps --no-index \
+  --find-links "$WORK/wheels" --wheel-dir "$WORK/wheels" .) || die "pip wheel . failed"
 progress "$(find "$WORK/wheels" -name '*.whl' | wc -l) wheels ready"
 
 # --- 3. Install into a copy of the base --------------------------------------------
