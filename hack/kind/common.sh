@@ -22,8 +22,13 @@ KIND_CLUSTER_NAME=${KIND_CLUSTER_NAME:-gpu-dra-driver}
 KIND_K8S_TAG=${KIND_K8S_TAG:-v$K8S_VERSION}
 KIND_IMAGE=${KIND_IMAGE:-kindest/node:$KIND_K8S_TAG}
 KIND_WORKERS=${KIND_WORKERS:-1}
-# Image repository and tag must match values-mock.yaml (image.repository / image.tag).
-DRIVER_IMAGE=${DRIVER_IMAGE:-gpu-dra-driver:dev}
+# Fully qualified: Podman stores an unqualified build as localhost/<name>, while the
+# kubelet (CRI) would normalize an unqualified name to docker.io/library/<name> and try
+# to pull it (ErrImagePull). localhost/ means the same image under Docker and Podman.
+# install.sh passes repository and tag to helm (image.repository / image.tag).
+DRIVER_IMAGE=${DRIVER_IMAGE:-localhost/gpu-dra-driver:dev}
+# The DRA driver name the chart registers (ResourceSlice spec.driver, DeviceClasses).
+DRIVER_NAME=${DRIVER_NAME:-gpu.example.com}
 DRIVER_NAMESPACE=${DRIVER_NAMESPACE:-gpu-dra-driver}
 HELM_RELEASE=${HELM_RELEASE:-gpu-dra-driver}
 KUBE_CONTEXT=kind-$KIND_CLUSTER_NAME

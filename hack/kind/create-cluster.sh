@@ -49,6 +49,9 @@ if kind get clusters 2>/dev/null | grep -qx "$KIND_CLUSTER_NAME"; then
 fi
 if ! "$CONTAINER_TOOL" image inspect "$KIND_IMAGE" >/dev/null 2>&1 &&
    ! "$CONTAINER_TOOL" pull "$KIND_IMAGE"; then
+  # kind build node-image runs Docker itself; under Podman it fails late and obscurely.
+  [[ $CONTAINER_TOOL == docker ]] ||
+    kind_die "no $KIND_IMAGE to pull, and building it (kind build node-image) needs Docker; set KIND_IMAGE to a node image $CONTAINER_TOOL can pull"
   kind_progress "no $KIND_IMAGE to pull: building it (kind build node-image --type release $KIND_K8S_TAG)"
   kind build node-image --type release "$KIND_K8S_TAG" --image "$KIND_IMAGE"
 fi

@@ -12,7 +12,6 @@ set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
 DEMO_NAMESPACE=${DEMO_NAMESPACE:-gpu-dra-demo}
-DRIVER_NAME=${DRIVER_NAME:-gpu.example.com}
 DEMO_IMAGE=${DEMO_IMAGE:-busybox:1.36}
 KUBECTL=(kubectl --context "$KUBE_CONTEXT")
 

@@ -19,9 +19,11 @@ kind_progress "installing release $HELM_RELEASE ($CHART_DIR, values-mock.yaml, i
   --set-string image.repository="$repo" --set-string image.tag="$tag" \
   --wait --timeout 5m "$@"
 
-kind_progress "waiting for the plugin's ResourceSlices"
+kind_progress "waiting for ResourceSlices of driver $DRIVER_NAME"
 for _ in $(seq 60); do
-  if kubectl --context "$KUBE_CONTEXT" get resourceslices -o name 2>/dev/null | grep -q .; then
+  # Only this driver's slices count (another DRA driver's slices would pass a bare check).
+  if kubectl --context "$KUBE_CONTEXT" get resourceslices \
+       -o jsonpath='{range .items[*]}{.spec.driver}{"\n"}{end}' 2>/dev/null | grep -qxF "$DRIVER_NAME"; then
     kubectl --context "$KUBE_CONTEXT" get resourceslices
     kind_progress "installed; next: hack/kind/demo.sh"
     exit 0
@@ -29,4 +31,4 @@ for _ in $(seq 60); do
   sleep 2
 done
 kubectl --context "$KUBE_CONTEXT" -n "$DRIVER_NAMESPACE" get pods -o wide >&2
-kind_die "no ResourceSlices after 120 s; see: kubectl -n $DRIVER_NAMESPACE logs -l app.kubernetes.io/component=kubeletplugin"
+kind_die "no ResourceSlices of $DRIVER_NAME after 120 s; see: kubectl -n $DRIVER_NAMESPACE logs -l app.kubernetes.io/component=kubeletplugin"
