@@ -963,3 +963,18 @@ def test_kind_config_uses_the_local_cluster_feature_gates() -> None:
     assert config["runtimeConfig"] == dict(item.split("=") for item in runtime_config.split(","))
     assert "enable_cdi = true" in config["containerdConfigPatches"][0]
     assert [n["role"] for n in config["nodes"]] == ["control-plane", "worker"]
+
+
+def test_allow_multiple_allocations_value(monkeypatch: pytest.MonkeyPatch) -> None:
+    """kubeletPlugin.allowMultipleAllocations -> GPU_ALLOW_MULTIPLE_ALLOCATIONS, off by default."""
+    from driver.plugin.flags import parse_options
+
+    assert "GPU_ALLOW_MULTIPLE_ALLOCATIONS" not in env_of(plugin_container(render()))
+    monkeypatch.delenv("GPU_ALLOW_MULTIPLE_ALLOCATIONS", raising=False)
+    assert parse_options(["--node-name=n"]).allow_multiple_allocations is False
+    docs = render("--set", "kubeletPlugin.allowMultipleAllocations=true")
+    value = env_of(plugin_container(docs))["GPU_ALLOW_MULTIPLE_ALLOCATIONS"]["value"]
+    monkeypatch.setenv("GPU_ALLOW_MULTIPLE_ALLOCATIONS", value)
+    assert parse_options(["--node-name=n"]).allow_multiple_allocations is True
+    bad = helm_template("--set", "kubeletPlugin.allowMultipleAllocations=maybe", check=False)
+    assert bad.returncode != 0 and "allowMultipleAllocations" in bad.stderr
