@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
 
-from driver.devices.model import MigStrategy, PoolOptions, build_pool
+from driver.devices.model import MigStrategy, PoolError, PoolOptions, build_pool
 from driver.devices.slices import build_slice_specs
 from driver.health.monitor import HealthMonitor, KubeDeviceHealth, NoDeviceHealth
 from driver.health.store import HealthStore
@@ -18,7 +18,8 @@ from driver.health.xid import XidPolicy
 from driver.kube.api import KubeApi
 from driver.kube.claims import ApiClaimReader, ClaimFailureReporter
 from driver.kube.publisher import SlicePublisher
-from driver.nvml.backend import select_backend
+from driver.nvml.backend import NvmlUnavailableError, select_backend
+from driver.nvml.fleet import FleetError
 from driver.observability import metrics
 from driver.observability.http import serve_http
 from driver.observability.logs import setup_logging
@@ -38,6 +39,9 @@ from driver.state.verdicts import parse_permanent_errors
 log = logging.getLogger("gpu-kubelet-plugin")
 
 SHUTDOWN_GRACE_SECONDS = 5.0
+# Errors that mean "the flags or the node's configuration are wrong" (option values,
+# fleet files, no NVML, a pool that cannot be built): reported in one line.
+CONFIG_ERRORS = (ValueError, FleetError, NvmlUnavailableError, PoolError)
 
 
 class Plugin:
@@ -206,6 +210,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         signal.signal(sig, on_signal)
     try:
         return plugin.run()
+    except CONFIG_ERRORS as err:
+        # A configuration problem: one clear line, no traceback.
+        print(f"gpu-kubelet-plugin: {err}", file=sys.stderr)
+        return 1
     except Exception:
         log.exception("gpu-kubelet-plugin failed")
         return 1

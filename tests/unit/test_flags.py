@@ -1,0 +1,59 @@
+"""gpu-kubelet-plugin: configuration errors end in one line, not a traceback."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from driver.plugin import main as plugin_main
+
+
+def test_bad_fleet_file_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    fleet = tmp_path / "fleet.yaml"
+    fleet.write_text("gpus:\n- model: A100-40GB\n  colour: green\n")
+    code = plugin_main.main(
+        [
+            "--node-name",
+            "n1",
+            "--nvml-backend",
+            "mock",
+            "--mock-fleet",
+            str(fleet),
+            "--kubelet-plugins-directory-path",
+            str(tmp_path / "plugins"),
+            "--cdi-root",
+            str(tmp_path / "cdi"),
+            "--http-port",
+            "-1",
+        ]
+    )
+    err = capsys.readouterr().err
+    assert code == 1
+    assert "Traceback" not in err
+    lines = [line for line in err.splitlines() if line.startswith("gpu-kubelet-plugin: ")]
+    assert len(lines) == 1 and "colour: unknown field" in lines[0]
+
+
+def test_bad_permanent_errors_is_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = plugin_main.main(
+        [
+            "--node-name",
+            "n1",
+            "--nvml-backend",
+            "mock",
+            "--permanent-errors",
+            "no-such-class",
+            "--kubelet-plugins-directory-path",
+            str(tmp_path / "plugins"),
+            "--cdi-root",
+            str(tmp_path / "cdi"),
+            "--http-port",
+            "-1",
+        ]
+    )
+    err = capsys.readouterr().err
+    assert code == 1 and "Traceback" not in err
+    assert err.count("gpu-kubelet-plugin: ") == 1
