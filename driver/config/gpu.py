@@ -327,9 +327,13 @@ def validate_for_device(
     is_partition: bool,
     max_partitions: int | None,
     path: str = "",
+    share: bool = False,
 ) -> None:
     """Device rules, checked at prepare for each allocated device.
 
+    - SpacePartitioning is not possible on a share of a multi-allocatable device
+      (`share`: the allocation has a shareID; docs/sharing.md): the share is a slice
+      of a time-sliced GPU, not a GPU to split. TimeSlicing is allowed on a share.
     - SpacePartitioning is not possible on a device that is itself a partition.
     - `partitionCount` must be <= `max_partitions` (the device's `maxPartitions`);
       `max_partitions=None` means the device publishes no limit (the reference's
@@ -340,6 +344,16 @@ def validate_for_device(
     whose message names the device and the numbers. `path` prefixes the field path.
     """
     count = config.partition_count
+    if share and config.strategy == Strategy.SPACE_PARTITIONING:
+        raise ConfigError(
+            [
+                (
+                    join_path(join_path(path, "sharing"), "strategy"),
+                    f"SpacePartitioning is not possible on a share of device {device_name} "
+                    "(allocated by consumable capacity); use TimeSlicing or no sharing config",
+                )
+            ]
+        )
     if config.strategy != Strategy.SPACE_PARTITIONING or count is None:
         return
     field = join_path(

@@ -121,6 +121,7 @@ def plan_claim(
             device_name=name,
             is_partition=device.is_partition,
             max_partitions=device.max_partitions,
+            share=bool(result.get("shareID")),
         )
         share_id = result.get("shareID") or None
         admin = bool(result.get("adminAccess", False))

@@ -696,3 +696,19 @@ def test_random_structures_for_resolve_never_crash() -> None:
             allocation = {"devices": {"results": _random_value(rng), "config": _random_value(rng)}}
         with contextlib.suppress(ConfigError):
             resolve_configs(allocation, DRIVER)
+
+
+def test_space_partitioning_is_refused_on_a_share_time_slicing_allowed() -> None:
+    """A share of a multi-allocatable GPU (docs/sharing.md) is a slice of a time-sliced
+    GPU: SpacePartitioning is invalid-config on it; TimeSlicing and defaults are fine."""
+    with pytest.raises(DriverError) as exc:
+        validate_for_device(
+            sp(2), device_name="gpu-0", is_partition=False, max_partitions=7, share=True
+        )
+    assert exc.value.error_class is ErrorClass.INVALID_CONFIG
+    assert "share" in str(exc.value) and "gpu-0" in str(exc.value)
+    ts = decode_gpu_config(gpu({"strategy": "TimeSlicing"}))
+    validate_for_device(ts, device_name="gpu-0", is_partition=False, max_partitions=7, share=True)
+    validate_for_device(
+        default_gpu_config(), device_name="gpu-0", is_partition=False, max_partitions=7, share=True
+    )
