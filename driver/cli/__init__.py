@@ -7,10 +7,12 @@ import sys
 from collections.abc import Sequence
 
 from driver.cli import inventory, mock, validate
+from driver.plugin.flags import add_version_flag
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gpu-dra", description=__doc__)
+    add_version_flag(parser)
     subcommands = parser.add_subparsers(dest="command", required=True)
     for module in (inventory, validate, mock):
         module.add_parser(subcommands)

@@ -8,7 +8,24 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+PACKAGE = "gpu-dra-driver"
 TAINT_EFFECTS = ("NoSchedule", "NoExecute", "None")
+
+
+def package_version() -> str:
+    """The installed gpu-dra-driver version (package metadata), or "unknown"."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(PACKAGE)
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def add_version_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
+
+
 MIG_STRATEGIES = ("auto", "dynamic", "static")
 
 
@@ -67,6 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="gpu-kubelet-plugin",
         description="DRA kubelet plugin for GPUs and their partitions.",
     )
+    add_version_flag(p)
     p.add_argument("--node-name", default=_env("NODE_NAME"), help="this node (env NODE_NAME)")
     p.add_argument(
         "--driver-name", default=_env("DRIVER_NAME", "gpu.example.com"), help="DRA driver name"

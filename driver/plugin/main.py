@@ -24,7 +24,7 @@ from driver.observability import metrics
 from driver.observability.http import serve_http
 from driver.observability.logs import setup_logging
 from driver.plugin.dra import add_dra_services
-from driver.plugin.flags import PluginOptions, parse_options
+from driver.plugin.flags import PluginOptions, package_version, parse_options
 from driver.plugin.health import add_health_services
 from driver.plugin.instances import InstanceLock
 from driver.plugin.registration import DRA_SERVICES, HEALTH_SERVICES, RegistrationServicer
@@ -200,6 +200,7 @@ class Plugin:
 def main(argv: Sequence[str] | None = None) -> int:
     options = parse_options(argv)
     setup_logging(options.log_format, options.verbosity)
+    log.info("gpu-kubelet-plugin %s starting on node %s", package_version(), options.node_name)
     plugin = Plugin(options)
 
     def on_signal(signum: int, frame: FrameType | None) -> None:

@@ -11,6 +11,7 @@ import threading
 from collections.abc import Sequence
 from types import FrameType
 
+from driver.plugin.flags import add_version_flag, package_version
 from driver.webhook.server import VALIDATE_PATH, WebhookServer
 
 log = logging.getLogger("gpu-dra-webhook")
@@ -18,6 +19,7 @@ log = logging.getLogger("gpu-dra-webhook")
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gpu-dra-webhook", description=__doc__)
+    add_version_flag(parser)
     parser.add_argument("--tls-cert-file", required=True, help="PEM certificate (chain) file")
     parser.add_argument("--tls-private-key-file", required=True, help="PEM private key file")
     parser.add_argument("--port", type=int, default=443, help="HTTPS port (default: %(default)s)")
@@ -65,7 +67,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     log.info(
-        "serving https on port %d, POST %s, driver %s",
+        "gpu-dra-webhook %s serving https on port %d, POST %s, driver %s",
+        package_version(),
         server.port,
         VALIDATE_PATH,
         args.driver_name,

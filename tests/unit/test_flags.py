@@ -57,3 +57,23 @@ def test_bad_permanent_errors_is_one_line(
     err = capsys.readouterr().err
     assert code == 1 and "Traceback" not in err
     assert err.count("gpu-kubelet-plugin: ") == 1
+
+
+@pytest.mark.parametrize(
+    ("entry", "prog"),
+    [
+        ("driver.plugin.flags:build_parser", "gpu-kubelet-plugin"),
+        ("driver.webhook.main:build_parser", "gpu-dra-webhook"),
+        ("driver.cli:build_parser", "gpu-dra"),
+    ],
+)
+def test_version_flag(entry: str, prog: str, capsys: pytest.CaptureFixture[str]) -> None:
+    import importlib
+    from importlib.metadata import version
+
+    module, name = entry.split(":")
+    parser = getattr(importlib.import_module(module), name)()
+    with pytest.raises(SystemExit) as exc:
+        parser.parse_args(["--version"])
+    assert exc.value.code == 0
+    assert capsys.readouterr().out == f"{prog} {version('gpu-dra-driver')}\n"
