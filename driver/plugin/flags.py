@@ -172,8 +172,29 @@ def build_parser() -> argparse.ArgumentParser:
         "--log-format", choices=("text", "json"), default=_env("LOG_FORMAT", "text") or "text"
     )
     p.add_argument("-v", "--v", dest="verbosity", type=int, default=_env("V", "0"))
-    p.add_argument("--kubeconfig", default=_env("KUBECONFIG"), help="default: in-cluster config")
+    p.add_argument(
+        "--kubeconfig",
+        default=_env("KUBECONFIG"),
+        help="kubeconfig file; none: the in-cluster config",
+    )
+    document_env_and_defaults(p)
     return p
+
+
+def env_name(action: argparse.Action) -> str:
+    """The environment variable of a flag: its long name, upper case (--mig-strategy:
+    MIG_STRATEGY, --v: V)."""
+    return action.option_strings[-1].lstrip("-").upper().replace("-", "_")
+
+
+def document_env_and_defaults(parser: argparse.ArgumentParser) -> None:
+    """Append "(env X, default: Y)" to every flag's help."""
+    for action in parser._actions:
+        if not action.option_strings or action.dest in ("help", "version"):
+            continue
+        default = "none" if action.default in (None, "") else "%(default)s"
+        suffix = f"(env {env_name(action)}, default: {default})"
+        action.help = f"{action.help} {suffix}" if action.help else suffix
 
 
 def parse_options(argv: Sequence[str] | None = None) -> PluginOptions:

@@ -77,3 +77,18 @@ def test_version_flag(entry: str, prog: str, capsys: pytest.CaptureFixture[str])
         parser.parse_args(["--version"])
     assert exc.value.code == 0
     assert capsys.readouterr().out == f"{prog} {version('gpu-dra-driver')}\n"
+
+
+def test_every_plugin_flag_help_shows_env_and_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    from driver.plugin.flags import build_parser
+
+    monkeypatch.delenv("MIG_STRATEGY", raising=False)
+    text = " ".join(build_parser().format_help().split())
+    assert "--mig-strategy {auto,dynamic,static}" in text
+    assert "(env MIG_STRATEGY, default: auto)" in text
+    assert "(env KUBELET_PLUGINS_DIRECTORY_PATH, default: /var/lib/kubelet/plugins)" in text
+    assert "(env V, default: 0)" in text
+    parser = build_parser()
+    for action in parser._actions:
+        if action.option_strings and action.dest not in ("help", "version"):
+            assert action.help and "(env " in action.help and "default: " in action.help
