@@ -39,13 +39,25 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["DEBUG", "INFO", "WARNING", "ERROR"],
         help="(default: %(default)s)",
     )
+    parser.add_argument(
+        "-v",
+        "--v",
+        dest="verbosity",
+        type=int,
+        default=0,
+        help="log verbosity; >= 1 logs at DEBUG whatever --log-level says (default: %(default)s)",
+    )
     return parser
+
+
+def log_level(args: argparse.Namespace) -> str:
+    return "DEBUG" if args.verbosity >= 1 else str(args.log_level)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(
-        level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        level=log_level(args), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     try:
         server = WebhookServer(

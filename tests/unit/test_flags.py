@@ -92,3 +92,12 @@ def test_every_plugin_flag_help_shows_env_and_default(monkeypatch: pytest.Monkey
     for action in parser._actions:
         if action.option_strings and action.dest not in ("help", "version"):
             assert action.help and "(env " in action.help and "default: " in action.help
+
+
+def test_webhook_verbosity() -> None:
+    from driver.webhook.main import build_parser, log_level
+
+    base = ["--tls-cert-file", "c", "--tls-private-key-file", "k"]
+    assert log_level(build_parser().parse_args(base)) == "INFO"
+    assert log_level(build_parser().parse_args([*base, "-v", "2"])) == "DEBUG"
+    assert log_level(build_parser().parse_args([*base, "--v", "0"])) == "INFO"
