@@ -29,10 +29,12 @@ REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "hack" / "local-cluster.sh"
 HACK_DIR = REPO / "hack"
 
-pytestmark = pytest.mark.skipif(
-    shutil.which("bash") is None or shutil.which("findmnt") is None,
-    reason="needs bash and findmnt",
-)
+
+@pytest.fixture(autouse=True)
+def _tools_present() -> None:
+    """The guard is bash and findmnt: a machine without them fails, naming them."""
+    missing = [tool for tool in ("bash", "findmnt") if shutil.which(tool) is None]
+    assert not missing, f"the node guard needs {', '.join(missing)}: install them"
 
 
 def free_port() -> int:
