@@ -28,8 +28,18 @@ if [[ -n $archive ]]; then
 fi
 
 need "$CONTAINER_TOOL"
-kind_progress "building $DRIVER_IMAGE with $CONTAINER_TOOL"
-"$CONTAINER_TOOL" build -f "$REPO_DIR/deployments/container/Dockerfile" -t "$DRIVER_IMAGE" "$REPO_DIR"
+# The base image by digest, not by its mutable tag: both build stages get the same image
+# and the log says which. PYTHON_IMAGE may name a digest already (image@sha256:...).
+python_image=${PYTHON_IMAGE:-python:3.11-slim-bookworm}
+if [[ $python_image != *@sha256:* ]]; then
+  kind_progress "resolving $python_image to a digest"
+  "$CONTAINER_TOOL" pull --quiet "$python_image" >/dev/null
+  python_image=$("$CONTAINER_TOOL" image inspect --format '{{index .RepoDigests 0}}' "$python_image") ||
+    kind_die "cannot read the digest of $python_image"
+fi
+kind_progress "building $DRIVER_IMAGE with $CONTAINER_TOOL from $python_image"
+"$CONTAINER_TOOL" build -f "$REPO_DIR/deployments/container/Dockerfile" \
+  --build-arg "PYTHON_IMAGE=$python_image" -t "$DRIVER_IMAGE" "$REPO_DIR"
 
 # `kind load docker-image` does not work with podman or with every containerd config,
 # so stream the image into each node's containerd directly.

@@ -50,18 +50,30 @@ def test_makefile_venv_installs_with_require_hashes() -> None:
     assert "lock:" in (REPO / "Makefile").read_text()
 
 
-def test_image_build_downloads_with_require_hashes() -> None:
-    script = (REPO / "hack" / "build-image.sh").read_text().replace("\\\n", " ")
+def _assert_online_pip_checks_hashes(path: Path) -> None:
+    """Every pip wheel/install that may reach an index is --require-hashes -r the lock."""
+    script = path.read_text().replace("\\\n", " ")
     pip_lines = [
         line
         for line in script.splitlines()
         if re.search(r"pip (wheel|install)", line)
         and not line.lstrip().startswith(("#", "progress"))
     ]
-    assert pip_lines
+    assert pip_lines, f"no pip wheel/install in {path.name}"
     for line in pip_lines:
-        online = "--no-index" not in line
-        if online:
+        if "--no-index" not in line:
             assert "--require-hashes" in line and "-r requirements.lock" in line, line
-    assert "--constraint" not in script
-    assert "--keyring=" in script and "--force-check-gpg" in script
+    assert "--constraint" not in script, f"{path.name} installs with --constraint"
+
+
+def test_image_build_downloads_with_require_hashes() -> None:
+    script = REPO / "hack" / "build-image.sh"
+    _assert_online_pip_checks_hashes(script)
+    assert "--keyring=" in script.read_text() and "--force-check-gpg" in script.read_text()
+
+
+def test_dockerfile_installs_with_require_hashes_from_a_digest() -> None:
+    _assert_online_pip_checks_hashes(REPO / "deployments" / "container" / "Dockerfile")
+    kind_build = (REPO / "hack" / "kind" / "build-and-load-image.sh").read_text()
+    assert "RepoDigests" in kind_build
+    assert '--build-arg "PYTHON_IMAGE=$python_image"' in kind_build
