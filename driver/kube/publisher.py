@@ -21,7 +21,7 @@ from typing import Any
 
 from kubernetes.utils.quantity import parse_quantity
 
-from driver.kube.api import JSON, ApiError, KubeApi
+from driver.kube.api import JSON, ApiError, KubeApi, segment
 
 log = logging.getLogger(__name__)
 
@@ -295,7 +295,7 @@ class SlicePublisher:
     def _update(self, current: JSON, spec: JSON) -> JSON:
         body = {**current, "spec": spec}
         name = current["metadata"]["name"]
-        updated = self._api.request("PUT", f"{SLICES_PATH}/{name}", body=body)
+        updated = self._api.request("PUT", f"{SLICES_PATH}/{segment(name)}", body=body)
         self.stats.updates += 1
         self._warn_dropped(spec, updated["spec"], name)
         return updated
@@ -308,7 +308,7 @@ class SlicePublisher:
             "preconditions": {"uid": meta["uid"], "resourceVersion": meta["resourceVersion"]},
         }
         try:
-            self._api.request("DELETE", f"{SLICES_PATH}/{meta['name']}", body=body)
+            self._api.request("DELETE", f"{SLICES_PATH}/{segment(meta['name'])}", body=body)
             self.stats.deletes += 1
         except ApiError as err:
             if not (err.not_found or err.conflict):
@@ -328,7 +328,7 @@ class SlicePublisher:
 
     def _owner_uid(self) -> str:
         if self._node_uid is None:
-            node = self._api.request("GET", f"/api/v1/nodes/{self._node}")
+            node = self._api.request("GET", f"/api/v1/nodes/{segment(self._node)}")
             self._node_uid = str(node["metadata"]["uid"])
         return self._node_uid
 
