@@ -143,12 +143,7 @@ def run(args: argparse.Namespace) -> int:
         health = _health_view(args)
         if health is None:
             return 1
-        try:
-            sys.stdout.write(
-                _table(pool, health, driver=args.driver_name, partitions=args.partitions)
-            )
-        finally:
-            health.close()
+        sys.stdout.write(_table(pool, health, driver=args.driver_name, partitions=args.partitions))
         n_devices = len(pool.devices)
         print(
             f"\n{len(inventory.gpus)} GPU(s), {n_devices} device(s) in {len(docs)} slice(s) "

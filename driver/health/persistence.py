@@ -1,0 +1,170 @@
+"""The health store's file (`<data dir>/health.json`): JSON, written atomically.
+
+    {"version": 1,
+     "gpus": {"GPU-...": {"key": "gpu.example.com/xid", "value": "79",
+                          "reason": "Xid 79", "since": "2026-...Z"}},
+     "instances": {"GPU-...": [{"start": 3, "size": 1, "gpuInstanceId": 9,
+                                "computeInstanceId": 0, "key": "gpu.example.com/xid",
+                                "value": "94", "reason": "Xid 94", "since": "..."}]}}
+
+`instances` is written only when there is one (a file without it reads as before;
+an older plugin reading a newer file ignores it). A record of an unknown kind (a
+newer plugin's) is skipped with a warning. A file that cannot be parsed, or a
+symlink at the path (never followed), is moved aside to `health.json.corrupt-<time>`
+and the store starts empty.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from driver.health.failures import KIND_RANK, GpuFailure, Placement
+from driver.state.cdi import UnsafeFileError, read_file_nofollow
+from driver.state.fileio import atomic_write
+
+log = logging.getLogger(__name__)
+
+SCHEMA_VERSION = 1
+
+
+@dataclass
+class HealthRecords:
+    """Whole-GPU failures by GPU UUID; GPU-instance failures by GPU UUID and placement."""
+
+    gpus: dict[str, GpuFailure] = field(default_factory=dict)
+    instances: dict[str, dict[Placement, GpuFailure]] = field(default_factory=dict)
+
+
+def load_records(path: Path) -> HealthRecords:
+    """The records in `path`; empty when there is no file. An unreadable file is set
+    aside (logged), and the records start empty."""
+    try:
+        raw = read_file_nofollow(path)
+    except FileNotFoundError:
+        return HealthRecords()
+    except UnsafeFileError as err:  # a symlink is never followed: set aside, not read
+        set_aside(path, err)
+        return HealthRecords()
+    try:
+        return parse_records(raw)
+    except (ValueError, KeyError, TypeError, AttributeError) as err:
+        set_aside(path, err)
+        return HealthRecords()
+
+
+def parse_records(raw: bytes) -> HealthRecords:
+    """Parse the file's bytes; raises ValueError, KeyError, TypeError on garbage."""
+    doc = json.loads(raw)
+    gpus = doc["gpus"]
+    if not isinstance(gpus, dict):
+        raise TypeError("gpus is not an object")
+    records = HealthRecords()
+    for uuid, rec in gpus.items():
+        failure = parse_failure(rec, str(uuid))
+        if failure is not None:
+            records.gpus[str(uuid)] = failure
+    raw_instances = doc.get("instances", {})
+    if not isinstance(raw_instances, dict):
+        raise TypeError("instances is not an object")
+    for uuid, listed in raw_instances.items():
+        if not isinstance(listed, list):
+            raise TypeError(f"instances of {uuid} is not a list")
+        for rec in listed:
+            failure = parse_failure(rec, str(uuid))
+            if failure is not None and failure.placement is not None:
+                records.instances.setdefault(str(uuid), {})[failure.placement] = failure
+    return records
+
+
+def parse_failure(rec: Any, uuid: str) -> GpuFailure | None:
+    """One record; None for an unknown kind (a newer plugin's). Raises on garbage."""
+    key = str(rec["key"])
+    kind = key.rsplit("/", 1)[-1]
+    if kind not in KIND_RANK:
+        log.warning("health store: ignoring unknown failure %r for %s", key, uuid)
+        return None
+    value = rec.get("value")
+    placement: Placement | None = None
+    if "start" in rec or "size" in rec:
+        start, size = rec["start"], rec["size"]
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in (start, size)):
+            raise TypeError(f"bad placement {start!r}+{size!r} for {uuid}")
+        if start < 0 or size <= 0:
+            raise ValueError(f"bad placement {start}+{size} for {uuid}")
+        placement = (start, size)
+    return GpuFailure(
+        key=key,
+        value=None if value is None else str(value),
+        reason=str(rec.get("reason", "")),
+        since=str(rec.get("since", "")),
+        placement=placement,
+        gpu_instance_id=_optional_id(rec.get("gpuInstanceId")),
+        compute_instance_id=_optional_id(rec.get("computeInstanceId")),
+    )
+
+
+def _optional_id(value: object) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"bad instance ID {value!r}")
+    return value
+
+
+def _failure_record(failure: GpuFailure) -> dict[str, Any]:
+    return {
+        "key": failure.key,
+        "value": failure.value,
+        "reason": failure.reason,
+        "since": failure.since,
+    }
+
+
+def encode_records(records: HealthRecords) -> bytes:
+    doc: dict[str, Any] = {
+        "version": SCHEMA_VERSION,
+        "gpus": {uuid: _failure_record(f) for uuid, f in sorted(records.gpus.items())},
+    }
+    instances = {
+        uuid: [
+            {
+                "start": placement[0],
+                "size": placement[1],
+                "gpuInstanceId": f.gpu_instance_id,
+                "computeInstanceId": f.compute_instance_id,
+                **_failure_record(f),
+            }
+            for placement, f in sorted(by_placement.items())
+        ]
+        for uuid, by_placement in sorted(records.instances.items())
+        if by_placement
+    }
+    if instances:
+        doc["instances"] = instances
+    return json.dumps(doc, indent=1, sort_keys=True).encode() + b"\n"
+
+
+def write_records(path: Path, records: HealthRecords) -> None:
+    """Atomically replace the file (0600, its directory 0700 if created). Raises OSError."""
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    atomic_write(path, encode_records(records), mode=0o600)
+
+
+def set_aside(path: Path, err: Exception) -> None:
+    """Move an unreadable file (or a symlink: the link itself) aside."""
+    quarantine = path.with_name(f"{path.name}.corrupt-{int(time.time())}")
+    with contextlib.suppress(OSError):
+        os.replace(path, quarantine)
+    log.error(
+        "health store %s is unreadable (%s); moved to %s, starting with no failed GPUs",
+        path,
+        err,
+        quarantine,
+    )
