@@ -8,14 +8,15 @@ from typing import Any
 import pytest
 
 from driver.nvml import backend as be
-from driver.nvml import mock as m
+from driver.nvml import mock_api as m
 from driver.nvml.fleet import default_fleet, example_fleet, parse_fleet
+from driver.nvml.mock import MockNvml
 
 
 class Faulty:
     """Delegates to a MockNvml but makes chosen functions raise an NVML error code."""
 
-    def __init__(self, inner: m.MockNvml, failures: dict[str, int]) -> None:
+    def __init__(self, inner: MockNvml, failures: dict[str, int]) -> None:
         self._inner = inner
         self._failures = failures
 
@@ -44,7 +45,7 @@ def test_format_cuda_driver_version() -> None:
 
 
 def test_discover_default_fleet() -> None:
-    nvml = m.MockNvml(default_fleet(), "node-a")
+    nvml = MockNvml(default_fleet(), "node-a")
     backend = be.NvmlBackend(nvml)
     inv = backend.discover()
     assert inv.backend == "mock"
@@ -78,7 +79,7 @@ def test_discover_default_fleet() -> None:
 
 
 def test_discover_example_fleet_marks_reference_gpus() -> None:
-    inv = be.NvmlBackend(m.MockNvml(example_fleet(), "n")).discover()
+    inv = be.NvmlBackend(MockNvml(example_fleet(), "n")).discover()
     assert inv.driver_version == "1.0.0"
     for gpu in inv.gpus:
         assert gpu.reference_example and gpu.model == "LATEST-GPU-MODEL"
@@ -88,7 +89,7 @@ def test_discover_example_fleet_marks_reference_gpus() -> None:
 
 
 def test_not_supported_leaves_fields_none() -> None:
-    inner = m.MockNvml(default_fleet(), "n")
+    inner = MockNvml(default_fleet(), "n")
     failures = {
         "nvmlDeviceGetMemoryInfo": m.NVML_ERROR_NOT_SUPPORTED,
         "nvmlDeviceGetBrand": m.NVML_ERROR_NOT_SUPPORTED,
@@ -105,7 +106,7 @@ def test_not_supported_leaves_fields_none() -> None:
 
 
 def test_mig_not_supported_means_not_capable() -> None:
-    inner = m.MockNvml(default_fleet(), "n")
+    inner = MockNvml(default_fleet(), "n")
     faulty = Faulty(inner, {"nvmlDeviceGetMigMode": m.NVML_ERROR_NOT_SUPPORTED})
     gpu = be.NvmlBackend(faulty).discover().gpus[0]
     assert not gpu.mig_capable and gpu.partition_profiles == ()
@@ -114,13 +115,13 @@ def test_mig_not_supported_means_not_capable() -> None:
 
 def test_mig_disabled_is_capable_but_not_enabled() -> None:
     fleet = parse_fleet({"gpus": [{"model": "A100-40GB", "migMode": "disabled"}]})
-    gpu = be.NvmlBackend(m.MockNvml(fleet, "n")).discover().gpus[0]
+    gpu = be.NvmlBackend(MockNvml(fleet, "n")).discover().gpus[0]
     assert gpu.mig_capable and not gpu.mig_enabled
     assert {p.name for p in gpu.partition_profiles} >= {"1g.5gb", "7g.40gb"}
 
 
 def test_other_errors_fail_discovery() -> None:
-    inner = m.MockNvml(default_fleet(), "n")
+    inner = MockNvml(default_fleet(), "n")
     faulty = Faulty(inner, {"nvmlDeviceGetMemoryInfo": m.NVML_ERROR_UNKNOWN})
     with pytest.raises(m.NVMLError):
         be.NvmlBackend(faulty).discover()
@@ -128,7 +129,7 @@ def test_other_errors_fail_discovery() -> None:
 
 
 def test_lost_gpu_is_skipped(caplog: pytest.LogCaptureFixture) -> None:
-    nvml = m.MockNvml(default_fleet(), "n")
+    nvml = MockNvml(default_fleet(), "n")
     nvml.inject_gpu_lost(nvml.gpus[2].uuid)
     with caplog.at_level(logging.WARNING):
         inv = be.NvmlBackend(nvml).discover()
@@ -137,21 +138,21 @@ def test_lost_gpu_is_skipped(caplog: pytest.LogCaptureFixture) -> None:
 
 
 def test_missing_library_is_a_clear_error() -> None:
-    inner = m.MockNvml(default_fleet(), "n")
+    inner = MockNvml(default_fleet(), "n")
     faulty = Faulty(inner, {"nvmlInit": m.NVML_ERROR_LIBRARY_NOT_FOUND})
     with pytest.raises(be.NvmlUnavailableError, match="--mock"):
         be.NvmlBackend(faulty).discover()
 
 
-def _monitor(fleet_gpus: int = 2) -> tuple[m.MockNvml, be.NvmlBackend]:
-    nvml = m.MockNvml(parse_fleet({"gpus": [{"model": "H100-80GB", "count": fleet_gpus}]}), "n")
+def _monitor(fleet_gpus: int = 2) -> tuple[MockNvml, be.NvmlBackend]:
+    nvml = MockNvml(parse_fleet({"gpus": [{"model": "H100-80GB", "count": fleet_gpus}]}), "n")
     backend = be.NvmlBackend(nvml)
     backend.open_event_set()
     return nvml, backend
 
 
 def test_wait_event_requires_an_event_set() -> None:
-    backend = be.NvmlBackend(m.MockNvml(default_fleet(), "n"))
+    backend = be.NvmlBackend(MockNvml(default_fleet(), "n"))
     with pytest.raises(RuntimeError):
         backend.wait_event(0)
 
@@ -216,7 +217,7 @@ def test_gpu_unavailable_event_maps_to_gpu_lost() -> None:
 def test_select_backend_mock_logs_loudly(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.WARNING, logger="driver.nvml.backend"):
         backend = be.select_backend(mock=True, node_name="n1")
-    assert isinstance(backend.module, m.MockNvml)
+    assert isinstance(backend.module, MockNvml)
     assert backend.backend_name == "mock"
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert warnings and "MOCK NVML" in warnings[0].getMessage()

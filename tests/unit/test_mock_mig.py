@@ -12,9 +12,10 @@ from typing import Any
 
 import pytest
 
-from driver.nvml import mock as m
+from driver.nvml import mock_api as m
 from driver.nvml import mock_mig_state as ms
 from driver.nvml.fleet import FleetError, parse_fleet
+from driver.nvml.mock import MockNvml
 
 MIG_UUID = re.compile(r"MIG-[0-9a-f]{8}-[0-9a-f]{4}-5[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}")
 STATIC = [{"profile": "1g.10gb", "start": 0}, {"profile": "3g.40gb", "start": 4}]
@@ -33,14 +34,14 @@ def _fleet(**h100: Any) -> Any:
     )
 
 
-def _nvml(driver_root: Path | None = None, **h100: Any) -> m.MockNvml:
-    nvml = m.MockNvml(_fleet(**h100), "node-a", driver_root=driver_root)
+def _nvml(driver_root: Path | None = None, **h100: Any) -> MockNvml:
+    nvml = MockNvml(_fleet(**h100), "node-a", driver_root=driver_root)
     nvml.nvmlInit()
     return nvml
 
 
 @pytest.fixture
-def nvml() -> m.MockNvml:
+def nvml() -> MockNvml:
     return _nvml()
 
 
@@ -56,20 +57,20 @@ def _placement(start: int, size: int) -> m.c_nvmlGpuInstancePlacement_t:
     return p
 
 
-def _gi_at(nvml: m.MockNvml, gpu: int, profile_id: int, start: int, size: int) -> Any:
+def _gi_at(nvml: MockNvml, gpu: int, profile_id: int, start: int, size: int) -> Any:
     dev = nvml.nvmlDeviceGetHandleByIndex(gpu)
     placement = ctypes.byref(_placement(start, size))
     return nvml.nvmlDeviceCreateGpuInstanceWithPlacement(dev, profile_id, placement)
 
 
-def _full_ci(nvml: m.MockNvml, gi: Any, slot: int) -> Any:
+def _full_ci(nvml: MockNvml, gi: Any, slot: int) -> Any:
     info = nvml.nvmlGpuInstanceGetComputeInstanceProfileInfo(
         gi, slot, m.NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED
     )
     return nvml.nvmlGpuInstanceCreateComputeInstance(gi, info.id)
 
 
-def _mig_handles(nvml: m.MockNvml, gpu: int) -> list[Any]:
+def _mig_handles(nvml: MockNvml, gpu: int) -> list[Any]:
     dev = nvml.nvmlDeviceGetHandleByIndex(gpu)
     found = []
     for i in range(nvml.nvmlDeviceGetMaxMigDeviceCount(dev)):
@@ -83,7 +84,7 @@ def _mig_handles(nvml: m.MockNvml, gpu: int) -> list[Any]:
 # --------------------------------------------------------------------------- GPU instances
 
 
-def test_create_at_placement_and_read_back(nvml: m.MockNvml) -> None:
+def test_create_at_placement_and_read_back(nvml: MockNvml) -> None:
     dev = nvml.nvmlDeviceGetHandleByIndex(0)
     gi = _gi_at(nvml, 0, 9, 4, 4)  # 3g.40gb in the upper half: swizzle ID 2
     info = nvml.nvmlGpuInstanceGetInfo(gi)
@@ -139,7 +140,7 @@ def test_gpu_instance_ids_are_swizzle_ids_and_default_placement_is_best_fit() ->
     assert nvml.nvmlGpuInstanceGetInfo(_gi_at(nvml, 0, 0, 0, 8)).id == 0
 
 
-def test_occupied_and_overlapping_placements_are_insufficient_resources(nvml: m.MockNvml) -> None:
+def test_occupied_and_overlapping_placements_are_insufficient_resources(nvml: MockNvml) -> None:
     _gi_at(nvml, 0, 19, 4, 1)
     occupied = _code(lambda: _gi_at(nvml, 0, 19, 4, 1))
     overlapping = _code(lambda: _gi_at(nvml, 0, 9, 4, 4))
@@ -153,7 +154,7 @@ def test_occupied_and_overlapping_placements_are_insufficient_resources(nvml: m.
     )
 
 
-def test_bad_placement_profile_and_mig_off(nvml: m.MockNvml) -> None:
+def test_bad_placement_profile_and_mig_off(nvml: MockNvml) -> None:
     dev = nvml.nvmlDeviceGetHandleByIndex(0)
     assert _code(lambda: _gi_at(nvml, 0, 9, 2, 4)) == m.NVML_ERROR_INVALID_ARGUMENT
     assert _code(lambda: _gi_at(nvml, 0, 19, 7, 1)) == m.NVML_ERROR_INVALID_ARGUMENT
@@ -180,7 +181,7 @@ def test_bad_placement_profile_and_mig_off(nvml: m.MockNvml) -> None:
     assert nvml.nvmlDeviceGetMaxMigDeviceCount(dev) == 7
 
 
-def test_unknown_ids_and_stale_handles(nvml: m.MockNvml) -> None:
+def test_unknown_ids_and_stale_handles(nvml: MockNvml) -> None:
     dev = nvml.nvmlDeviceGetHandleByIndex(0)
     assert _code(lambda: nvml.nvmlDeviceGetGpuInstanceById(dev, 3)) == m.NVML_ERROR_NOT_FOUND
     gi = _gi_at(nvml, 0, 14, 2, 2)
@@ -198,7 +199,7 @@ def test_unknown_ids_and_stale_handles(nvml: m.MockNvml) -> None:
 # --------------------------------------------------------------------------- compute instances
 
 
-def test_destroy_gpu_instance_with_compute_instance_is_in_use(nvml: m.MockNvml) -> None:
+def test_destroy_gpu_instance_with_compute_instance_is_in_use(nvml: MockNvml) -> None:
     gi = _gi_at(nvml, 0, 19, 3, 1)
     ci = _full_ci(nvml, gi, m.NVML_COMPUTE_INSTANCE_PROFILE_1_SLICE)
     assert _code(lambda: nvml.nvmlGpuInstanceDestroy(gi)) == m.NVML_ERROR_IN_USE
@@ -224,7 +225,7 @@ def test_destroy_gpu_instance_with_compute_instance_is_in_use(nvml: m.MockNvml) 
     ],
 )
 def test_the_compute_instance_covering_the_gpu_instance(
-    nvml: m.MockNvml, profile_id: int, gi_slot: str, ci_slot: str, name: str, sms: int
+    nvml: MockNvml, profile_id: int, gi_slot: str, ci_slot: str, name: str, sms: int
 ) -> None:
     slot = getattr(m, f"NVML_GPU_INSTANCE_PROFILE_{gi_slot}")
     ci_profile = getattr(m, f"NVML_COMPUTE_INSTANCE_PROFILE_{ci_slot}")
@@ -253,7 +254,7 @@ def test_the_compute_instance_covering_the_gpu_instance(
     )
 
 
-def test_compute_instance_profiles_of_a_7g_instance(nvml: m.MockNvml) -> None:
+def test_compute_instance_profiles_of_a_7g_instance(nvml: MockNvml) -> None:
     gi = _gi_at(nvml, 0, 0, 0, 8)
     shared = m.NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED
     info = nvml.nvmlGpuInstanceGetComputeInstanceProfileInfo
@@ -293,17 +294,17 @@ def test_compute_instance_profiles_of_a_7g_instance(nvml: m.MockNvml) -> None:
     assert len({nvml.nvmlDeviceGetUUID(h) for h in migs}) == 2
 
 
-def test_listing_into_ctypes_arrays_as_pynvml_callers_do(nvml: m.MockNvml) -> None:
+def test_listing_into_ctypes_arrays_as_pynvml_callers_do(nvml: MockNvml) -> None:
     dev = nvml.nvmlDeviceGetHandleByIndex(0)
     for start in (0, 2):
         gi = _gi_at(nvml, 0, 14, start, 2)
         _full_ci(nvml, gi, m.NVML_COMPUTE_INSTANCE_PROFILE_2_SLICE)
-    gis = (m.MockNvml.c_nvmlGpuInstance_t * 3)()
+    gis = (MockNvml.c_nvmlGpuInstance_t * 3)()
     count = ctypes.c_uint(3)
     assert nvml.nvmlDeviceGetGpuInstances(dev, 14, gis, ctypes.byref(count)) == m.NVML_SUCCESS
     assert count.value == 2
     assert [nvml.nvmlGpuInstanceGetInfo(gis[i]).id for i in range(2)] == [3, 4]
-    cis = (m.MockNvml.c_nvmlComputeInstance_t * 1)()
+    cis = (MockNvml.c_nvmlComputeInstance_t * 1)()
     ci_count = ctypes.c_uint(1)
     slot = m.NVML_COMPUTE_INSTANCE_PROFILE_2_SLICE
     nvml.nvmlGpuInstanceGetComputeInstances(gis[1], slot, cis, ctypes.pointer(ci_count))
@@ -314,13 +315,13 @@ def test_listing_into_ctypes_arrays_as_pynvml_callers_do(nvml: m.MockNvml) -> No
     as_list: list[Any] = [None]
     nvml.nvmlDeviceGetGpuInstances(dev, 19, as_list, ctypes.byref(count))
     assert count.value == 0 and as_list == [None]
-    small = (m.MockNvml.c_nvmlGpuInstance_t * 1)()
+    small = (MockNvml.c_nvmlGpuInstance_t * 1)()
     call = lambda: nvml.nvmlDeviceGetGpuInstances(dev, 14, small, ctypes.byref(count))  # noqa: E731
     assert _code(call) == m.NVML_ERROR_INSUFFICIENT_SIZE and count.value == 2
     assert _code(lambda: nvml.nvmlGpuInstanceGetInfo(cis[0])) == m.NVML_ERROR_INVALID_ARGUMENT
 
 
-def test_mig_device_indices_are_dense_and_ordered(nvml: m.MockNvml) -> None:
+def test_mig_device_indices_are_dense_and_ordered(nvml: MockNvml) -> None:
     dev = nvml.nvmlDeviceGetHandleByIndex(0)
     for profile_id, start, size, slot in ((19, 6, 1, 0), (14, 0, 2, 1), (19, 4, 1, 0)):
         _full_ci(nvml, _gi_at(nvml, 0, profile_id, start, size), slot)
@@ -337,7 +338,7 @@ def test_mig_device_indices_are_dense_and_ordered(nvml: m.MockNvml) -> None:
     assert _code(lambda: nvml.nvmlDeviceGetHandleByUUID("MIG-0-0-0-0-0")) == m.NVML_ERROR_NOT_FOUND
 
 
-def test_lost_gpu_answers_gpu_is_lost_for_its_instances(nvml: m.MockNvml) -> None:
+def test_lost_gpu_answers_gpu_is_lost_for_its_instances(nvml: MockNvml) -> None:
     gi = _gi_at(nvml, 0, 19, 0, 1)
     _full_ci(nvml, gi, 0)
     [mig] = _mig_handles(nvml, 0)
@@ -349,7 +350,7 @@ def test_lost_gpu_answers_gpu_is_lost_for_its_instances(nvml: m.MockNvml) -> Non
 
 
 def test_calls_are_counted_and_need_init() -> None:
-    nvml = m.MockNvml(_fleet(), "node-a")
+    nvml = MockNvml(_fleet(), "node-a")
     assert _code(lambda: nvml.nvmlDeviceGetMaxMigDeviceCount(None)) == m.NVML_ERROR_UNINITIALIZED
     nvml.nvmlInit()
     gi = _gi_at(nvml, 0, 19, 0, 1)

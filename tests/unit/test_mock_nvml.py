@@ -9,23 +9,24 @@ import time
 
 import pytest
 
-from driver.nvml import mock as m
+from driver.nvml import mock_api as m
 from driver.nvml.fleet import example_fleet, parse_fleet
+from driver.nvml.mock import MockNvml
 from driver.nvml.types import HealthEvent
 
 
 @pytest.fixture
-def nvml() -> m.MockNvml:
+def nvml() -> MockNvml:
     fleet = parse_fleet(
         {"gpus": [{"model": "H100-80GB", "count": 2}, {"model": "example", "count": 1}]}
     )
-    mock = m.MockNvml(fleet, "node-a")
+    mock = MockNvml(fleet, "node-a")
     mock.nvmlInit()
     return mock
 
 
 def test_calls_require_init_and_are_counted() -> None:
-    mock = m.MockNvml(example_fleet(), "n")
+    mock = MockNvml(example_fleet(), "n")
     assert mock.calls.total() == 0
     with pytest.raises(m.NVMLError) as err:
         mock.nvmlDeviceGetCount()
@@ -48,13 +49,13 @@ def test_error_classes_mirror_pynvml() -> None:
     assert m.NVMLError(12345).value == 12345 and type(m.NVMLError(12345)) is m.NVMLError
 
 
-def test_system_queries(nvml: m.MockNvml) -> None:
+def test_system_queries(nvml: MockNvml) -> None:
     assert nvml.nvmlSystemGetDriverVersion() == "580.95.05"
     assert nvml.nvmlSystemGetCudaDriverVersion() == 13000
     assert nvml.nvmlDeviceGetCount() == 3
 
 
-def test_device_queries(nvml: m.MockNvml) -> None:
+def test_device_queries(nvml: MockNvml) -> None:
     h = nvml.nvmlDeviceGetHandleByIndex(1)
     uuid = nvml.nvmlDeviceGetUUID(h)
     assert nvml.nvmlDeviceGetHandleByUUID(uuid) is h
@@ -74,7 +75,7 @@ def test_device_queries(nvml: m.MockNvml) -> None:
     assert nvml.nvmlDeviceGetMigMode(h) == [m.NVML_DEVICE_MIG_ENABLE, m.NVML_DEVICE_MIG_ENABLE]
 
 
-def test_bad_handles_and_unknown_uuids(nvml: m.MockNvml) -> None:
+def test_bad_handles_and_unknown_uuids(nvml: MockNvml) -> None:
     with pytest.raises(m.NVMLError) as err:
         nvml.nvmlDeviceGetHandleByIndex(3)
     assert err.value.value == m.NVML_ERROR_INVALID_ARGUMENT
@@ -86,7 +87,7 @@ def test_bad_handles_and_unknown_uuids(nvml: m.MockNvml) -> None:
     assert err.value.value == m.NVML_ERROR_INVALID_ARGUMENT
 
 
-def test_example_gpu_answers_not_supported(nvml: m.MockNvml) -> None:
+def test_example_gpu_answers_not_supported(nvml: MockNvml) -> None:
     h = nvml.nvmlDeviceGetHandleByIndex(2)
     assert nvml.nvmlDeviceGetName(h) == "LATEST-GPU-MODEL"
     assert nvml.nvmlDeviceGetMemoryInfo(h).total == 80 * 2**30
@@ -104,7 +105,7 @@ def test_example_gpu_answers_not_supported(nvml: m.MockNvml) -> None:
     assert err.value.value == m.NVML_ERROR_NOT_SUPPORTED
 
 
-def test_gpu_instance_profile_info(nvml: m.MockNvml) -> None:
+def test_gpu_instance_profile_info(nvml: MockNvml) -> None:
     h = nvml.nvmlDeviceGetHandleByIndex(0)
     info = nvml.nvmlDeviceGetGpuInstanceProfileInfo(h, m.NVML_GPU_INSTANCE_PROFILE_1_SLICE)
     assert (info.id, info.name, info.memorySizeMB, info.multiprocessorCount) == (
@@ -129,7 +130,7 @@ def test_gpu_instance_profile_info(nvml: m.MockNvml) -> None:
     assert err.value.value == m.NVML_ERROR_FUNCTION_NOT_FOUND
 
 
-def test_possible_placements_byref_and_pointer(nvml: m.MockNvml) -> None:
+def test_possible_placements_byref_and_pointer(nvml: MockNvml) -> None:
     h = nvml.nvmlDeviceGetHandleByIndex(0)
     count = ctypes.c_uint(0)
     assert nvml.nvmlDeviceGetGpuInstancePossiblePlacements(h, 15, None, ctypes.byref(count)) == 0
@@ -146,7 +147,7 @@ def test_possible_placements_byref_and_pointer(nvml: m.MockNvml) -> None:
     assert err.value.value == m.NVML_ERROR_INVALID_ARGUMENT
 
 
-def _event_set(nvml: m.MockNvml) -> m.MockEventSet:
+def _event_set(nvml: MockNvml) -> m.MockEventSet:
     es = nvml.nvmlEventSetCreate()
     for i in range(nvml.nvmlDeviceGetCount()):
         h = nvml.nvmlDeviceGetHandleByIndex(i)
@@ -154,7 +155,7 @@ def _event_set(nvml: m.MockNvml) -> m.MockEventSet:
     return es
 
 
-def test_wait_times_out(nvml: m.MockNvml) -> None:
+def test_wait_times_out(nvml: MockNvml) -> None:
     es = _event_set(nvml)
     t0 = time.monotonic()
     with pytest.raises(m.NVMLError) as err:
@@ -163,7 +164,7 @@ def test_wait_times_out(nvml: m.MockNvml) -> None:
     assert time.monotonic() - t0 >= 0.045
 
 
-def test_injected_xid_and_ecc_are_returned_in_order(nvml: m.MockNvml) -> None:
+def test_injected_xid_and_ecc_are_returned_in_order(nvml: MockNvml) -> None:
     es = _event_set(nvml)
     uuid = nvml.gpus[1].uuid
     nvml.inject_xid(uuid, 79)
@@ -177,7 +178,7 @@ def test_injected_xid_and_ecc_are_returned_in_order(nvml: m.MockNvml) -> None:
         nvml.nvmlEventSetWait_v2(es, 0)
 
 
-def test_events_reach_only_sets_registered_for_the_device(nvml: m.MockNvml) -> None:
+def test_events_reach_only_sets_registered_for_the_device(nvml: MockNvml) -> None:
     es = nvml.nvmlEventSetCreate()
     h0 = nvml.nvmlDeviceGetHandleByIndex(0)
     nvml.nvmlDeviceRegisterEvents(h0, m.nvmlEventTypeXidCriticalError, es)
@@ -189,7 +190,7 @@ def test_events_reach_only_sets_registered_for_the_device(nvml: m.MockNvml) -> N
     assert nvml.nvmlEventSetWait_v2(es2, 0).eventData == 48
 
 
-def test_gpu_lost_until_reset(nvml: m.MockNvml) -> None:
+def test_gpu_lost_until_reset(nvml: MockNvml) -> None:
     es = _event_set(nvml)
     uuid = nvml.gpus[0].uuid
     h = nvml.nvmlDeviceGetHandleByIndex(0)
@@ -213,7 +214,7 @@ def test_gpu_lost_until_reset(nvml: m.MockNvml) -> None:
     assert recovered.eventData == m.NVML_GPU_RECOVERY_ACTION_NONE
 
 
-def test_inject_wakes_a_blocked_wait(nvml: m.MockNvml) -> None:
+def test_inject_wakes_a_blocked_wait(nvml: MockNvml) -> None:
     es = _event_set(nvml)
     uuid = nvml.gpus[0].uuid
     timer = threading.Timer(0.05, nvml.inject_xid, args=(uuid, 31))
@@ -225,7 +226,7 @@ def test_inject_wakes_a_blocked_wait(nvml: m.MockNvml) -> None:
     assert time.monotonic() - t0 < 4
 
 
-def test_inject_validation(nvml: m.MockNvml) -> None:
+def test_inject_validation(nvml: MockNvml) -> None:
     with pytest.raises(KeyError):
         nvml.inject_xid("GPU-unknown", 79)
     with pytest.raises(ValueError):
@@ -234,7 +235,7 @@ def test_inject_validation(nvml: m.MockNvml) -> None:
         nvml.inject(HealthEvent(gpu_uuid=nvml.gpus[0].uuid, kind="melted"))
 
 
-def test_event_set_free(nvml: m.MockNvml) -> None:
+def test_event_set_free(nvml: MockNvml) -> None:
     es = _event_set(nvml)
     nvml.nvmlEventSetFree(es)
     for call in (lambda: nvml.nvmlEventSetWait_v2(es, 0), lambda: nvml.nvmlEventSetFree(es)):
@@ -249,7 +250,7 @@ def test_event_set_free(nvml: m.MockNvml) -> None:
     assert err.value.value == m.NVML_ERROR_NOT_SUPPORTED
 
 
-def test_module_style_constant_access(nvml: m.MockNvml) -> None:
+def test_module_style_constant_access(nvml: MockNvml) -> None:
     assert nvml.NVML_ERROR_GPU_IS_LOST == 15
     assert nvml.NVML_GPU_INSTANCE_PROFILE_COUNT == 0x12
     assert nvml.nvmlEventTypeXidCriticalError == 8
@@ -258,7 +259,7 @@ def test_module_style_constant_access(nvml: m.MockNvml) -> None:
         _ = nvml.nvmlDeviceGetNoSuchThing
 
 
-def test_mig_constants_and_types_module_style(nvml: m.MockNvml) -> None:
+def test_mig_constants_and_types_module_style(nvml: MockNvml) -> None:
     assert (
         nvml.NVML_COMPUTE_INSTANCE_PROFILE_7_SLICE == m.NVML_COMPUTE_INSTANCE_PROFILE_7_SLICE == 4
     )
@@ -270,7 +271,7 @@ def test_mig_constants_and_types_module_style(nvml: m.MockNvml) -> None:
     assert len(array) == 2 and not array[0]
 
 
-def test_every_device_query_answers_a_mig_handle_without_crashing(nvml: m.MockNvml) -> None:
+def test_every_device_query_answers_a_mig_handle_without_crashing(nvml: MockNvml) -> None:
     dev = nvml.nvmlDeviceGetHandleByIndex(0)
     gi = nvml.nvmlDeviceCreateGpuInstance(dev, 19)
     nvml.nvmlGpuInstanceCreateComputeInstance(gi, m.NVML_COMPUTE_INSTANCE_PROFILE_1_SLICE)
@@ -300,7 +301,7 @@ def test_every_device_query_answers_a_mig_handle_without_crashing(nvml: m.MockNv
     assert answers["nvmlDeviceGetGpuInstanceId"] == 13
 
 
-def test_attributed_xid_carries_the_instance_ids(nvml: m.MockNvml) -> None:
+def test_attributed_xid_carries_the_instance_ids(nvml: MockNvml) -> None:
     es = _event_set(nvml)
     uuid = nvml.gpus[0].uuid
     nvml.inject_xid(uuid, 94, gpu_instance_id=9, compute_instance_id=0)
@@ -316,7 +317,7 @@ def test_attributed_xid_carries_the_instance_ids(nvml: m.MockNvml) -> None:
     ]
 
 
-def test_attribution_validation(nvml: m.MockNvml) -> None:
+def test_attribution_validation(nvml: MockNvml) -> None:
     mig_gpu, plain_gpu = nvml.gpus[0].uuid, nvml.gpus[2].uuid  # H100 (MIG on), example
     with pytest.raises(ValueError, match="not in MIG mode"):
         nvml.inject_xid(plain_gpu, 79, gpu_instance_id=1)

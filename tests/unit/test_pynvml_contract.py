@@ -17,14 +17,16 @@ from typing import Any
 import pynvml
 import pytest
 
-from driver.nvml import mock as m
+from driver.nvml import mock_api as m
 from driver.nvml import mock_mig, mock_mig_state
 from driver.nvml.backend import NvmlBackend
 from driver.nvml.fleet import parse_fleet
+from driver.nvml.mock import MockNvml
+from driver.nvml.types import HealthEvent
 
 
 class Recorder:
-    def __init__(self, inner: m.MockNvml) -> None:
+    def __init__(self, inner: MockNvml) -> None:
         self._inner = inner
         self.attributes: set[str] = set()
         self.calls: list[tuple[str, tuple[Any, ...], dict[str, Any]]] = []
@@ -47,13 +49,13 @@ def recorded() -> Recorder:
     fleet = parse_fleet(
         {"gpus": [{"model": "H100-80GB", "count": 2}, {"model": "example", "count": 1}]}
     )
-    inner = m.MockNvml(fleet, "node-a")
+    inner = MockNvml(fleet, "node-a")
     rec = Recorder(inner)
     backend = NvmlBackend(rec, backend_name="mock")
     backend.discover()
     backend.open_event_set()
     inner.inject_xid(inner.gpus[0].uuid, 79)
-    inner.inject(m.HealthEvent(gpu_uuid=inner.gpus[1].uuid, kind="ecc-dbe"))
+    inner.inject(HealthEvent(gpu_uuid=inner.gpus[1].uuid, kind="ecc-dbe"))
     inner.inject_gpu_lost(inner.gpus[1].uuid)
     inner.reset(inner.gpus[1].uuid)
     for _ in range(5):
@@ -111,15 +113,15 @@ def test_every_backend_call_binds_to_the_real_signature(recorded: Recorder) -> N
 
 def test_constants_the_backend_reads_match_pynvml(recorded: Recorder) -> None:
     for name in recorded.attributes:
-        value = getattr(m.MockNvml(parse_fleet({"gpus": [{"model": "example"}]}), "n"), name)
+        value = getattr(MockNvml(parse_fleet({"gpus": [{"model": "example"}]}), "n"), name)
         if isinstance(value, int):
             assert value == getattr(pynvml, name), name
 
 
 def test_mock_functions_have_pynvml_signatures() -> None:
-    names = [n for n in dir(m.MockNvml) if n.startswith("nvml")]
+    names = [n for n in dir(MockNvml) if n.startswith("nvml")]
     assert len(names) >= 41
-    mock = m.MockNvml(parse_fleet({"gpus": [{"model": "example"}]}), "n")
+    mock = MockNvml(parse_fleet({"gpus": [{"model": "example"}]}), "n")
     for name in names:
         assert hasattr(pynvml, name), f"pynvml has no {name}"
         assert _params(getattr(mock, name)) == _params(getattr(pynvml, name)), name
@@ -194,7 +196,7 @@ def test_event_data_has_every_field_of_pynvml() -> None:
 def test_backend_reads_instance_ids_from_the_real_struct(
     gi: int, ci: int, expected: tuple[int | None, int | None]
 ) -> None:
-    backend = NvmlBackend(m.MockNvml(parse_fleet({"gpus": [{"model": "H100-80GB"}]}), "n"))
+    backend = NvmlBackend(MockNvml(parse_fleet({"gpus": [{"model": "H100-80GB"}]}), "n"))
     data = pynvml.c_nvmlEventData_t()  # device NULL: register it as a known handle
     backend._event_handles[("ptr", None)] = "GPU-x"
     data.eventType, data.eventData = pynvml.nvmlEventTypeXidCriticalError, 94
@@ -229,7 +231,7 @@ def test_mig_struct_field_names_match(mock_struct: Any, real_struct: Any) -> Non
 
 def test_mig_handle_types_are_pointer_types_as_in_pynvml() -> None:
     for name in ("c_nvmlGpuInstance_t", "c_nvmlComputeInstance_t"):
-        mock_type, real_type = getattr(m.MockNvml, name), getattr(pynvml, name)
+        mock_type, real_type = getattr(MockNvml, name), getattr(pynvml, name)
         assert issubclass(mock_type, ctypes._Pointer) and issubclass(real_type, ctypes._Pointer)
         assert mock_type._type_.__name__ == real_type._type_.__name__
 
@@ -263,7 +265,7 @@ def mig_recorded(tmp_path: Path) -> Recorder:
     fleet = parse_fleet(
         {"gpus": [{"model": "H100-80GB", "migInstances": [{"profile": "1g.10gb", "start": 6}]}]}
     )
-    inner = m.MockNvml(fleet, "node-a", driver_root=tmp_path)
+    inner = MockNvml(fleet, "node-a", driver_root=tmp_path)
     nvml = Recorder(inner)
     nvml.nvmlInit()
     dev = nvml.nvmlDeviceGetHandleByIndex(0)
@@ -304,7 +306,7 @@ def mig_recorded(tmp_path: Path) -> Recorder:
 def test_every_mig_function_is_a_pynvml_function_with_its_signature(
     mig_recorded: Recorder,
 ) -> None:
-    mock = m.MockNvml(parse_fleet({"gpus": [{"model": "example"}]}), "n")
+    mock = MockNvml(parse_fleet({"gpus": [{"model": "example"}]}), "n")
     for name in MIG_FUNCTIONS:
         assert _params(getattr(mock, name)) == _params(getattr(pynvml, name)), name
     assert {name for name, _, _ in mig_recorded.calls} >= MIG_FUNCTIONS

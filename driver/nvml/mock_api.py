@@ -1,0 +1,257 @@
+"""The pynvml surface the mock NVML exposes: NVML's constants, error classes and the
+return structures, under pynvml's names and with NVML's values (nvml.h, nvidia-ml-py
+13.x). `MockNvml` (driver/nvml/mock.py) serves them as module attributes, as pynvml
+does; tests import them from here.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+from driver.nvml import mock_mig
+
+# --------------------------------------------------------------------------- constants
+# Values as defined by NVML (nvml.h) and exposed by pynvml under these names.
+
+NVML_SUCCESS = 0
+NVML_ERROR_UNINITIALIZED = 1
+NVML_ERROR_INVALID_ARGUMENT = 2
+NVML_ERROR_NOT_SUPPORTED = 3
+NVML_ERROR_NO_PERMISSION = 4
+NVML_ERROR_ALREADY_INITIALIZED = 5
+NVML_ERROR_NOT_FOUND = 6
+NVML_ERROR_INSUFFICIENT_SIZE = 7
+NVML_ERROR_INSUFFICIENT_POWER = 8
+NVML_ERROR_DRIVER_NOT_LOADED = 9
+NVML_ERROR_TIMEOUT = 10
+NVML_ERROR_IRQ_ISSUE = 11
+NVML_ERROR_LIBRARY_NOT_FOUND = 12
+NVML_ERROR_FUNCTION_NOT_FOUND = 13
+NVML_ERROR_CORRUPTED_INFOROM = 14
+NVML_ERROR_GPU_IS_LOST = 15
+NVML_ERROR_RESET_REQUIRED = 16
+NVML_ERROR_OPERATING_SYSTEM = 17
+NVML_ERROR_LIB_RM_VERSION_MISMATCH = 18
+NVML_ERROR_IN_USE = 19
+NVML_ERROR_MEMORY = 20
+NVML_ERROR_NO_DATA = 21
+NVML_ERROR_INSUFFICIENT_RESOURCES = 23
+NVML_ERROR_UNKNOWN = 999
+
+NVML_INIT_FLAG_NO_GPUS = 1
+NVML_INIT_FLAG_NO_ATTACH = 2
+
+NVML_BRAND_UNKNOWN = 0
+NVML_BRAND_QUADRO = 1
+NVML_BRAND_TESLA = 2
+NVML_BRAND_NVS = 3
+NVML_BRAND_GRID = 4
+NVML_BRAND_GEFORCE = 5
+NVML_BRAND_TITAN = 6
+NVML_BRAND_NVIDIA_VAPPS = 7
+NVML_BRAND_NVIDIA_VPC = 8
+NVML_BRAND_NVIDIA_VCS = 9
+NVML_BRAND_NVIDIA_VWS = 10
+NVML_BRAND_NVIDIA_CLOUD_GAMING = 11
+NVML_BRAND_QUADRO_RTX = 12
+NVML_BRAND_NVIDIA_RTX = 13
+NVML_BRAND_NVIDIA = 14
+NVML_BRAND_GEFORCE_RTX = 15
+NVML_BRAND_TITAN_RTX = 16
+
+NVML_DEVICE_ARCH_KEPLER = 2
+NVML_DEVICE_ARCH_MAXWELL = 3
+NVML_DEVICE_ARCH_PASCAL = 4
+NVML_DEVICE_ARCH_VOLTA = 5
+NVML_DEVICE_ARCH_TURING = 6
+NVML_DEVICE_ARCH_AMPERE = 7
+NVML_DEVICE_ARCH_ADA = 8
+NVML_DEVICE_ARCH_HOPPER = 9
+NVML_DEVICE_ARCH_BLACKWELL = 10
+NVML_DEVICE_ARCH_RUBIN = 13
+NVML_DEVICE_ARCH_UNKNOWN = 0xFFFFFFFF
+
+NVML_DEVICE_MIG_DISABLE = 0
+NVML_DEVICE_MIG_ENABLE = 1
+
+NVML_GPU_INSTANCE_PROFILE_1_SLICE = 0x0
+NVML_GPU_INSTANCE_PROFILE_2_SLICE = 0x1
+NVML_GPU_INSTANCE_PROFILE_3_SLICE = 0x2
+NVML_GPU_INSTANCE_PROFILE_4_SLICE = 0x3
+NVML_GPU_INSTANCE_PROFILE_7_SLICE = 0x4
+NVML_GPU_INSTANCE_PROFILE_8_SLICE = 0x5
+NVML_GPU_INSTANCE_PROFILE_6_SLICE = 0x6
+NVML_GPU_INSTANCE_PROFILE_1_SLICE_REV1 = 0x7
+NVML_GPU_INSTANCE_PROFILE_2_SLICE_REV1 = 0x8
+NVML_GPU_INSTANCE_PROFILE_1_SLICE_REV2 = 0x9
+NVML_GPU_INSTANCE_PROFILE_COUNT = 0x12
+
+nvmlGpuInstanceProfileInfo_v2 = 0x02000098
+nvmlMemory_v2 = 0x02000028
+
+nvmlEventTypeSingleBitEccError = 0x0001
+nvmlEventTypeDoubleBitEccError = 0x0002
+nvmlEventTypePState = 0x0004
+nvmlEventTypeXidCriticalError = 0x0008
+nvmlEventTypeClock = 0x0010
+nvmlEventTypePowerSourceChange = 0x0080
+nvmlEventMigConfigChange = 0x0100
+nvmlEventTypeGpuUnavailableError = 0x4000
+nvmlEventTypeGpuRecoveryAction = 0x8000
+nvmlEventTypeNone = 0x0
+
+NVML_GPU_RECOVERY_ACTION_NONE = 0
+NVML_GPU_RECOVERY_ACTION_GPU_RESET = 1
+
+# NVML_COMPUTE_INSTANCE_* and nvmlComputeInstanceProfileInfo_v2 live with the MIG model.
+globals().update(
+    {k: v for k, v in vars(mock_mig).items() if k.startswith(("NVML_COMPUTE", "nvmlC"))}
+)
+
+NO_INSTANCE = 0xFFFFFFFF  # gpuInstanceId/computeInstanceId outside MIG
+
+_ERROR_NAMES = {
+    value: name
+    for name, value in globals().items()
+    if name.startswith("NVML_ERROR_") and isinstance(value, int)
+}
+_ERROR_TEXT = {
+    NVML_ERROR_UNINITIALIZED: "Uninitialized",
+    NVML_ERROR_INVALID_ARGUMENT: "Invalid Argument",
+    NVML_ERROR_NOT_SUPPORTED: "Not Supported",
+    NVML_ERROR_NOT_FOUND: "Not Found",
+    NVML_ERROR_INSUFFICIENT_SIZE: "Insufficient Size",
+    NVML_ERROR_TIMEOUT: "Timeout",
+    NVML_ERROR_FUNCTION_NOT_FOUND: "Function Not Found",
+    NVML_ERROR_GPU_IS_LOST: "GPU is lost",
+    NVML_ERROR_IN_USE: "In use by another client",
+    NVML_ERROR_INSUFFICIENT_RESOURCES: "Ran out of critical resources, other than memory",
+    NVML_ERROR_UNKNOWN: "Unknown Error",
+}
+
+# --------------------------------------------------------------------------- errors
+
+
+class NVMLError(Exception):
+    """Base class of NVML errors; `value` is the NVML return code.
+
+    As in pynvml, `NVMLError(code)` returns an instance of the code's subclass
+    (e.g. `NVMLError(3)` is an `NVMLError_NotSupported`).
+    """
+
+    _by_code: dict[int, type[NVMLError]] = {}  # noqa: RUF012 - filled below
+    value: int
+
+    def __new__(cls, value: int) -> NVMLError:
+        if cls is NVMLError:
+            cls = NVMLError._by_code.get(value, NVMLError)
+        obj = Exception.__new__(cls)
+        obj.value = value
+        return obj
+
+    def __init__(self, value: int) -> None:
+        super().__init__(value)
+        self.value = value
+
+    def __str__(self) -> str:
+        return _ERROR_TEXT.get(self.value, f"NVML Error with code {self.value}")
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, NVMLError) and self.value == other.value
+
+    def __hash__(self) -> int:
+        return hash(self.value)
+
+
+def _class_name(error_name: str) -> str:
+    # NVML_ERROR_GPU_IS_LOST -> NVMLError_GpuIsLost (pynvml's naming rule)
+    words = error_name.removeprefix("NVML_ERROR_").split("_")
+    return "NVMLError_" + "".join(w.capitalize() for w in words)
+
+
+def _make_error_classes() -> dict[str, type[NVMLError]]:
+    classes: dict[str, type[NVMLError]] = {}
+    for code, name in _ERROR_NAMES.items():
+        cls = type(_class_name(name), (NVMLError,), {"__module__": __name__})
+        NVMLError._by_code[code] = cls
+        classes[cls.__name__] = cls
+    return classes
+
+
+ERROR_CLASSES = _make_error_classes()
+globals().update(ERROR_CLASSES)
+
+
+# --------------------------------------------------------------------------- structs
+# Plain objects carrying the field names of pynvml's ctypes structures.
+
+
+class c_nvmlGpuInstancePlacement_t(ctypes.Structure):
+    _fields_ = [("start", ctypes.c_uint), ("size", ctypes.c_uint)]
+
+
+@dataclass
+class MemoryInfo:  # c_nvmlMemory_t / c_nvmlMemory_v2_t
+    total: int
+    free: int
+    used: int
+    reserved: int = 0
+    version: int = 0
+
+
+@dataclass
+class PciInfo:  # nvmlPciInfo_t (char arrays decoded to str, as pynvml returns them)
+    busIdLegacy: str
+    domain: int
+    bus: int
+    device: int
+    pciDeviceId: int
+    pciSubSystemId: int
+    busId: str
+
+
+@dataclass
+class GpuInstanceProfileInfo:  # c_nvmlGpuInstanceProfileInfo_v2_t
+    version: int
+    id: int
+    isP2pSupported: int
+    sliceCount: int
+    instanceCount: int
+    multiprocessorCount: int
+    copyEngineCount: int
+    decoderCount: int
+    encoderCount: int
+    jpegCount: int
+    ofaCount: int
+    memorySizeMB: int
+    name: str
+
+
+@dataclass
+class EventData:  # c_nvmlEventData_t
+    device: MockDeviceHandle
+    eventType: int
+    eventData: int
+    gpuInstanceId: int = NO_INSTANCE
+    computeInstanceId: int = NO_INSTANCE
+
+
+class MockDeviceHandle:
+    """Opaque device handle (pynvml: c_nvmlDevice_t)."""
+
+    __slots__ = ("index",)
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+    def __repr__(self) -> str:
+        return f"<MockDeviceHandle {self.index}>"
+
+
+class MockEventSet:
+    """Opaque event set (pynvml: c_nvmlEventSet_t)."""
+
+    def __init__(self) -> None:
+        self.registered: dict[int, int] = {}  # device index -> event type mask
+        self.freed = False
