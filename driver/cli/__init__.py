@@ -6,7 +6,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from driver.cli import inventory, mock, validate
+from driver.cli import health, inventory, journal, mock, validate
 from driver.plugin.flags import add_version_flag
 
 
@@ -14,7 +14,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gpu-dra", description=__doc__)
     add_version_flag(parser)
     subcommands = parser.add_subparsers(dest="command", required=True)
-    for module in (inventory, validate, mock):
+    for module in (inventory, validate, health, journal, mock):
         module.add_parser(subcommands)
     return parser
 

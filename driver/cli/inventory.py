@@ -28,6 +28,7 @@ from typing import Any
 
 import yaml
 
+from driver.cli.output import format_table
 from driver.cli.state_dir import (
     HealthView,
     add_state_dir_argument,
@@ -190,7 +191,4 @@ def _table(pool: PoolDevices, health: HealthView, *, driver: str, partitions: bo
     rows = device_rows(pool, taints, partitions=partitions)
     if health.store is None:
         rows = [(*row[:4], "unknown") for row in rows]
-    table = [HEADERS, *rows]
-    widths = [max(len(r[i]) for r in table) for i in range(len(HEADERS))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in table]
-    return "\n".join(lines) + "\n"
+    return format_table(HEADERS, rows)

@@ -1,13 +1,8 @@
-"""Control channel from `gpu-dra mock ...` to a running plugin's mock NVML.
+"""The mock NVML's actions on the control channel: `gpu-dra mock xid|lost|reset`.
 
-Transport: a root-only spool directory `<state-dir>/mock-control/` (0700, files 0600).
+Registered on the plugin's control channel (`driver.health.control`) only when the
+plugin runs the mock backend; a plugin on real NVML refuses them.
 
-- The plugin (mock backend only) creates it, writes `ACTIVE` (JSON: pid, node, start
-  time) and touches that file at least every second while it polls (`MockControl.poll`,
-  run by the health monitor on every event wait, i.e. every <=100 ms).
-- The CLI (`submit`) refuses to write a request unless `ACTIVE` is fresh, then writes
-  `req-<id>.json` atomically (a dot-prefixed temp file renamed into place) and waits
-  for the plugin's answer `res-<id>.json`, which it removes.
 - The plugin translates device names (`gpu-3`, a partition name, or a GPU UUID) to
   the GPU and calls `MockNvml.inject(...)`; the event then travels the same path as a
   real NVML event (event wait -> classification -> store -> taint).
@@ -22,44 +17,39 @@ Transport: a root-only spool directory `<state-dir>/mock-control/` (0700, files 
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
-import os
 import re
-import secrets
-import stat
-import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from driver.health.store import Devices, HealthDevice, device_list, device_placement
+from driver.health.control import (
+    ACTIVE_NAME,
+    ControlChannel,
+    ControlError,
+    check_active,
+    deliver,
+    require_action,
+    spool_dir,
+)
+from driver.health.failures import Devices, HealthDevice, device_list, device_placement
 from driver.nvml.types import HealthEvent, MigInstance
-from driver.state.fileio import atomic_write
 
 log = logging.getLogger(__name__)
 
 DEFAULT_DRIVER_NAME = "gpu.example.com"
 DEFAULT_STATE_DIR = Path("/var/lib/kubelet/plugins") / DEFAULT_DRIVER_NAME
-SPOOL_NAME = "mock-control"
-ACTIVE_NAME = "ACTIVE"
-HEARTBEAT_SECONDS = 1.0
-STALE_AFTER_SECONDS = 10.0
-MAX_REQUEST_BYTES = 4096
 ACTIONS = ("xid", "lost", "reset")
+MOCK_PLUGIN = "kubelet plugin with the mock NVML backend"
 
-_REQUEST_RE = re.compile(r"^req-([0-9a-f]{16,64})\.json$")
+__all__ = ["ACTIVE_NAME", "MockControl", "MockControlError", "MockRequest", "spool_dir", "submit"]
+
 _DEVICE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
-class MockControlError(Exception):
-    """A request that cannot be delivered or was refused; the message says why."""
-
-
-def spool_dir(state_dir: str | Path) -> Path:
-    return Path(state_dir) / SPOOL_NAME
+MockControlError = ControlError
 
 
 @dataclass(frozen=True)
@@ -105,6 +95,13 @@ class MockRequest:
     def from_json(cls, data: bytes) -> MockRequest:
         try:
             doc = json.loads(data)
+        except ValueError as err:
+            raise MockControlError(f"malformed request: {err}") from None
+        return cls.from_document(doc)
+
+    @classmethod
+    def from_document(cls, doc: object) -> MockRequest:
+        try:
             if not isinstance(doc, dict):
                 raise TypeError("not an object")
             request = cls(
@@ -160,22 +157,17 @@ def _live_instances(nvml: InjectableNvml) -> MigInstances:
 # -- plugin side ---------------------------------------------------------------------
 
 
-class MockControl:
-    """Consumes the spool in the plugin. Call `activate()` once, `poll()` often,
-    `close()` on shutdown."""
+class MockActions:
+    """`xid`, `lost`, `reset` on a mock NVML; `register_on` a control channel."""
 
     def __init__(
         self,
-        state_dir: str | Path,
         nvml: InjectableNvml,
         devices: Devices = (),
         *,
-        node_name: str = "",
         mig_instances: MigInstances | None = None,
     ) -> None:
-        self.dir = spool_dir(state_dir)
         self._nvml = nvml
-        self._node = node_name
         gpus: list[_MockGpu] = list(nvml.gpus)
         self._uuids = [g.uuid for g in gpus]
         self._names: dict[str, str] = {f"gpu-{g.minor}": g.uuid for g in gpus}
@@ -183,90 +175,18 @@ class MockControl:
         self._devices: dict[str, HealthDevice] = {d.name: d for d in device_list(devices)}
         self._names.update({name: d.gpu_uuid for name, d in self._devices.items()})
         self._mig_instances = mig_instances or _live_instances(nvml)
-        self._last_beat = 0.0
-        self._active = False
-        self.handled = 0
 
-    def activate(self) -> None:
-        """Create the spool (root-only) and announce this plugin in `ACTIVE`."""
-        self.dir.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        with contextlib.suppress(FileExistsError):
-            self.dir.mkdir(mode=0o700)
-        st = os.lstat(self.dir)
-        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
-            raise MockControlError(f"{self.dir} is not a directory owned by uid {os.geteuid()}")
-        os.chmod(self.dir, 0o700)
-        # Requests left by a previous plugin instance are stale: drop them.
-        for entry in os.listdir(self.dir):
-            if entry.startswith(("req-", "res-", ".")):
-                with contextlib.suppress(OSError):
-                    os.unlink(self.dir / entry)
-        marker = {"pid": os.getpid(), "node": self._node, "started": time.time()}
-        atomic_write(self.dir / ACTIVE_NAME, json.dumps(marker).encode(), mode=0o600)
-        self._last_beat = time.monotonic()
-        self._active = True
-        log.warning("mock control channel active at %s (gpu-dra mock xid|lost|reset)", self.dir)
+    def register_on(self, channel: ControlChannel) -> None:
+        for action in ACTIONS:
+            channel.register(action, self.handle)
+        log.warning("mock control: gpu-dra mock xid|lost|reset accepted at %s", channel.dir)
 
-    def close(self) -> None:
-        if self._active:
-            self._active = False
-            with contextlib.suppress(OSError):
-                os.unlink(self.dir / ACTIVE_NAME)
-
-    def poll(self) -> int:
-        """Handle every pending request; returns how many were handled."""
-        if not self._active:
-            return 0
-        now = time.monotonic()
-        if now - self._last_beat >= HEARTBEAT_SECONDS:
-            self._last_beat = now
-            try:
-                os.utime(self.dir / ACTIVE_NAME)
-            except FileNotFoundError:
-                log.warning("mock control: %s vanished; recreating it", self.dir / ACTIVE_NAME)
-                self.activate()
-        try:
-            names = sorted(os.listdir(self.dir))
-        except FileNotFoundError:
-            self.activate()
-            return 0
-        count = 0
-        for name in names:
-            match = _REQUEST_RE.match(name)
-            if match is None:
-                continue
-            result = self._handle_file(self.dir / name)
-            with contextlib.suppress(OSError):
-                os.unlink(self.dir / name)
-            try:
-                atomic_write(
-                    self.dir / f"res-{match.group(1)}.json", json.dumps(result).encode(), mode=0o600
-                )
-            except OSError as err:
-                log.error("mock control: cannot answer %s: %s", name, err)
-            count += 1
-        self.handled += count
-        return count
-
-    def _handle_file(self, path: Path) -> dict[str, Any]:
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-            try:
-                st = os.fstat(fd)
-                if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
-                    raise MockControlError("request file is not a regular file owned by root")
-                data = os.read(fd, MAX_REQUEST_BYTES + 1)
-            finally:
-                os.close(fd)
-            if len(data) > MAX_REQUEST_BYTES:
-                raise MockControlError("request too large")
-            request = MockRequest.from_json(data)
-            message, instance = self._apply(request)
-        except (MockControlError, OSError) as err:
-            log.warning("mock control: refused %s: %s", path.name, err)
-            return {"ok": False, "message": str(err)}
+    def handle(self, doc: dict[str, Any]) -> dict[str, Any]:
+        """One request from the channel: inject it, answer what was injected."""
+        request = MockRequest.from_document(doc)
+        message, instance = self._apply(request)
         log.warning("mock control: injected %s", message)
-        answer: dict[str, Any] = {"ok": True, "message": message}
+        answer: dict[str, Any] = {"message": message}
         if instance is not None:
             answer["instance"] = {
                 "gpuUUID": instance.gpu_uuid,
@@ -354,77 +274,39 @@ class MockControl:
         return f"{request.describe()} ({', '.join(uuids)})", None
 
 
+class MockControl(ControlChannel):
+    """A control channel that accepts only the mock actions (tests, tools)."""
+
+    def __init__(
+        self,
+        state_dir: str | Path,
+        nvml: InjectableNvml,
+        devices: Devices = (),
+        *,
+        node_name: str = "",
+        mig_instances: MigInstances | None = None,
+    ) -> None:
+        super().__init__(state_dir, node_name=node_name)
+        self.mock_actions = MockActions(nvml, devices, mig_instances=mig_instances)
+        self.mock_actions.register_on(self)
+
+
 # -- CLI side ------------------------------------------------------------------------
-
-
-def check_active(state_dir: str | Path, *, now: float | None = None) -> dict[str, Any]:
-    """The `ACTIVE` marker of a live plugin consuming the spool, or MockControlError."""
-    directory = spool_dir(state_dir)
-    marker = directory / ACTIVE_NAME
-    try:
-        st = os.stat(marker)
-        doc = json.loads(marker.read_bytes())
-    except FileNotFoundError:
-        raise MockControlError(
-            f"no kubelet plugin with the mock NVML backend is consuming {directory} "
-            f"(no {ACTIVE_NAME} marker). Run this inside the plugin's pod "
-            "(kubectl exec), or pass --state-dir with the plugin's data directory"
-        ) from None
-    except PermissionError:
-        raise MockControlError(f"permission denied on {directory}: run as root") from None
-    except (OSError, ValueError) as err:
-        raise MockControlError(f"cannot read {marker}: {err}") from None
-    age = (time.time() if now is None else now) - st.st_mtime
-    if age > STALE_AFTER_SECONDS:
-        raise MockControlError(
-            f"the plugin that owned {directory} (pid {doc.get('pid', '?')}) is not running: "
-            f"its {ACTIVE_NAME} marker is {age:.0f}s old"
-        )
-    return dict(doc) if isinstance(doc, dict) else {}
 
 
 def submit(state_dir: str | Path, request: MockRequest, *, timeout: float = 5.0) -> str:
     """Deliver `request` to the running plugin and return its answer; raises
-    MockControlError when no plugin consumes the spool or the plugin refused it."""
+    MockControlError when no mock plugin consumes the spool or the plugin refused it."""
     request.validate()
-    marker = check_active(state_dir)
-    directory = spool_dir(state_dir)
-    ident = f"{time.time_ns():016x}{secrets.token_hex(4)}"
-    req = directory / f"req-{ident}.json"
-    res = directory / f"res-{ident}.json"
-    try:
-        atomic_write(req, request.to_json(), mode=0o600)
-    except PermissionError:
-        raise MockControlError(f"permission denied on {directory}: run as root") from None
-    except OSError as err:
-        raise MockControlError(f"cannot write {req}: {err}") from None
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            data = res.read_bytes()
-            break
-        except FileNotFoundError:
-            pass
-        if time.monotonic() >= deadline:
-            with contextlib.suppress(OSError):
-                os.unlink(req)
-            raise MockControlError(
-                f"the plugin (pid {marker.get('pid', '?')}) did not answer within "
-                f"{timeout:.0f}s; request withdrawn"
-            )
-        time.sleep(0.02)
-    with contextlib.suppress(OSError):
-        os.unlink(res)
-    try:
-        answer = json.loads(data)
-    except ValueError as err:
-        raise MockControlError(f"unreadable answer from the plugin: {err}") from None
+    marker = check_active(state_dir, wanted=MOCK_PLUGIN)
+    require_action(marker, request.action, why=" (a mock NVML action)")
+    answer = deliver(state_dir, json.loads(request.to_json()), timeout=timeout, marker=marker)
     message = str(answer.get("message", ""))
     if not answer.get("ok"):
         raise MockControlError(f"the plugin refused the request: {message}")
     if request.instance and "instance" not in answer:
         raise MockControlError(
-            f"the plugin (pid {marker.get('pid', '?')}) predates --instance: it injected "
-            f"the Xid for the whole GPU ({message})"
+            f"the plugin (pid {marker.pid if marker.pid is not None else '?'}) predates "
+            f"--instance: it injected the Xid for the whole GPU ({message})"
         )
     return message

@@ -14,9 +14,11 @@ that partition exists, and records the failure under the instance's placement. I
 the instance is gone already (or the lookup fails), the whole GPU is failed: a
 fatal error must never be dropped for want of an address.
 
-With `data_dir` and a backend over `MockNvml`, the monitor also serves the mock
-control channel (`driver.health.mock_control`): it announces itself on `start()`,
-polls the spool before every event wait and withdraws on `stop()`.
+With `data_dir`, the monitor also serves the plugin's control channel
+(`driver.health.control`): it announces itself on `start()`, polls the spool before
+every event wait and withdraws on `stop()`. Every backend accepts `clear`
+(`driver.health.clear`, `gpu-dra health clear`); a backend over `MockNvml` also the
+mock actions (`driver.health.mock_control`, `gpu-dra mock ...`).
 
 `KubeDeviceHealth` implements the `DeviceHealth` protocol of `driver.state.prepare`.
 """
@@ -31,7 +33,9 @@ from pathlib import Path
 from typing import Protocol
 
 from driver.errors import transient
-from driver.health.mock_control import MockControl
+from driver.health.clear import ClearAction, Publisher
+from driver.health.control import ControlChannel
+from driver.health.mock_control import MockActions
 from driver.health.store import Devices, HealthDevice, HealthStore, Placement, device_list
 from driver.health.xid import Verdict, XidPolicy, attributed_instance
 from driver.nvml.mock import MockNvml
@@ -69,13 +73,6 @@ def backend_mig_instances(backend: object) -> MigInstances | None:
     return instances
 
 
-class Publisher(Protocol):
-    """What health needs of `SlicePublisher`."""
-
-    def trigger(self) -> int: ...
-    def wait_synced(self, ticket: int, timeout: float) -> bool: ...
-
-
 class HealthMonitor:
     """Background thread: NVML health events -> HealthStore -> slice republish."""
 
@@ -110,18 +107,20 @@ class HealthMonitor:
         self._devices = device_list(devices)
         self._wait_ms = wait_timeout_ms
         self._pollers = list(pollers)
-        # The mock backend's control channel (`gpu-dra mock ...`), polled on every wait.
-        self.mock_control: MockControl | None = None
-        module = getattr(backend, "module", None)
-        if data_dir is not None and isinstance(module, MockNvml):
-            self.mock_control = MockControl(
-                data_dir,
-                module,
-                self._devices,
-                node_name=node_name,
-                mig_instances=self._mig_instances,
+        # The control channel (`gpu-dra health clear`, `gpu-dra mock ...`), polled on
+        # every wait.
+        self.control: ControlChannel | None = None
+        if data_dir is not None:
+            self.control = ControlChannel(data_dir, node_name=node_name)
+            ClearAction(store, self._devices, publisher, on_change=self._update_gauge).register_on(
+                self.control
             )
-            self._pollers.append(self.mock_control.poll)
+            module = getattr(backend, "module", None)
+            if isinstance(module, MockNvml):
+                MockActions(module, self._devices, mig_instances=self._mig_instances).register_on(
+                    self.control
+                )
+            self._pollers.append(self.control.poll)
         self._backoff0 = error_backoff
         self._max_backoff = max_backoff
         self._backoff = error_backoff
@@ -138,8 +137,8 @@ class HealthMonitor:
         if self._thread is not None:
             raise RuntimeError("health monitor already started")
         log.info("health monitor: %s", self._policy.describe())
-        if self.mock_control is not None:
-            self.mock_control.activate()
+        if self.control is not None:
+            self.control.activate()
         self._thread = threading.Thread(target=self._run, name=self.THREAD_NAME, daemon=True)
         self._thread.start()
 
@@ -150,8 +149,8 @@ class HealthMonitor:
             if self._thread.is_alive():
                 log.warning("health monitor did not stop within %.1fs", timeout)
         self._close()
-        if self.mock_control is not None:
-            self.mock_control.close()
+        if self.control is not None:
+            self.control.close()
 
     @property
     def running(self) -> bool:

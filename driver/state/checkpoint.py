@@ -26,8 +26,8 @@ A file that does not parse, has an unknown schema version, a wrong checksum or
 malformed entries is *corrupt*, and so is a symlink (or anything but a regular file)
 at the journal's path, which is never followed (O_NOFOLLOW): `load()` raises
 `CheckpointCorruptError` (transient, names the file and the reason). It is never
-discarded automatically; an operator moves it aside with `quarantine_checkpoint()`
-(renamed `checkpoint.json.corrupt-<ts>`).
+discarded automatically; an operator moves it aside with `gpu-dra journal quarantine`
+(`quarantine_checkpoint()`: renamed `checkpoint.json.corrupt-<ts>`).
 """
 
 from __future__ import annotations
@@ -254,8 +254,8 @@ class CheckpointCorruptError(DriverError):
         super().__init__(
             ErrorClass.TRANSIENT,
             f"checkpoint {path} is corrupt ({reason}); refusing to prepare until an operator "
-            f"repairs it or moves it aside (driver.state.checkpoint.quarantine_checkpoint, "
-            f"which renames it to {path.name}{CORRUPT_SUFFIX}<timestamp>)",
+            f"repairs it or moves it aside (`gpu-dra journal quarantine` with the plugin "
+            f"stopped on this node renames it to {path.name}{CORRUPT_SUFFIX}<timestamp>)",
         )
 
 

@@ -1,0 +1,264 @@
+"""`gpu-dra health`: this node's GPU health and taints, with their reasons and sources.
+
+Two sources, each line says which:
+
+- `store`: the failures the kubelet plugin recorded in its health store
+  (`<state dir>/health.json`, read only): why a GPU or a MIG GPU instance is unhealthy
+  and since when. This is what the plugin publishes from.
+- `slice`: the taints this node's ResourceSlices carry in the API server (what the
+  scheduler sees), when an API server is reachable (`--kubeconfig`, $KUBECONFIG, the
+  in-cluster service account, ~/.kube/config). A difference between the two is
+  shown as a note: the plugin republishes within seconds, so a lasting difference
+  means it is not running or cannot write.
+
+Also shown: whether a plugin is running on this node (its control channel's
+`ACTIVE` marker) and whether it accepts `gpu-dra health clear`.
+
+    kubectl exec -n <ns> <plugin-pod> -- gpu-dra health
+    kubectl exec -n <ns> <plugin-pod> -- gpu-dra health -o json
+    kubectl exec -n <ns> <plugin-pod> -- gpu-dra health clear gpu-3
+
+Exit codes: 0 shown (failures or not), 1 neither source could be read, 2 usage error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+from pathlib import Path
+from typing import Any, TextIO
+
+import yaml
+
+from driver.cli import health_clear
+from driver.cli.output import format_table
+from driver.cli.published import PublishedView, SliceDevice, read_published
+from driver.cli.state_dir import HealthView, add_state_dir_argument, default_state_dir, read_health
+from driver.health.clear import record_json
+from driver.health.control import ControlError, check_active
+from driver.health.failures import DEFAULT_DRIVER_NAME, KIND_RANK, GpuFailure
+
+HEADERS = ("SOURCE", "DEVICE", "TAINT", "SINCE", "REASON")
+
+
+def add_common_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--driver-name", default=DEFAULT_DRIVER_NAME, help="DRA driver name (default: %(default)s)"
+    )
+    add_state_dir_argument(parser, default=None)
+
+
+def add_parser(subcommands: Any) -> None:
+    parser: argparse.ArgumentParser = subcommands.add_parser(
+        "health",
+        help="show this node's GPU health and taints (clear: after a repair)",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_common_arguments(parser)
+    parser.add_argument(
+        "--node-name",
+        default=os.environ.get("NODE_NAME") or socket.gethostname(),
+        help="the node whose ResourceSlices are read (default: $NODE_NAME or host name)",
+    )
+    parser.add_argument(
+        "--kubeconfig", default=None, help="kubeconfig for reading the node's ResourceSlices"
+    )
+    parser.add_argument(
+        "-o",
+        "--output",
+        choices=("table", "json", "yaml"),
+        default="table",
+        help="output format (default: %(default)s)",
+    )
+    parser.set_defaults(run=run)
+    actions = parser.add_subparsers(dest="health_action", metavar="ACTION")
+    health_clear.add_parser(actions, add_common_arguments)
+
+
+def state_dir_of(args: argparse.Namespace) -> Path:
+    return Path(args.state_dir) if args.state_dir else default_state_dir(args.driver_name)
+
+
+def run(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None = None) -> int:
+    out = out if out is not None else sys.stdout
+    err = err if err is not None else sys.stderr
+    state_dir = state_dir_of(args)
+    if args.state_dir is not None and not state_dir.is_dir():
+        print(f"gpu-dra health: --state-dir {state_dir}: no such directory", file=err)
+        return 1
+    view = read_health(state_dir, args.driver_name)
+    published = read_published(args.node_name, args.driver_name, args.kubeconfig)
+    report = build_report(args.node_name, args.driver_name, state_dir, view, published)
+    if args.output == "json":
+        print(json.dumps(report, indent=2), file=out)
+    elif args.output == "yaml":
+        out.write(yaml.safe_dump(report, sort_keys=False))
+    else:
+        out.write(render_table(report))
+    if view.store is None and published.problem is not None:
+        print(
+            f"gpu-dra health: nothing could be read: {view.unknown}; {published.problem}",
+            file=err,
+        )
+        return 1
+    return 0
+
+
+def plugin_status(state_dir: Path) -> dict[str, Any]:
+    try:
+        marker = check_active(state_dir)
+    except ControlError as error:
+        return {"running": False, "problem": str(error)}
+    return {
+        "running": True,
+        **marker.to_json(),
+        "acceptsClear": "clear" in marker.actions,
+        "problem": None,
+    }
+
+
+def build_report(
+    node: str, driver: str, state_dir: Path, view: HealthView, published: PublishedView
+) -> dict[str, Any]:
+    """The JSON document `-o json` prints (the table shows the same)."""
+    names = published.gpu_names()
+    failures: list[dict[str, Any]] = []
+    if view.store is not None:
+        for uuid, failure in sorted(view.store.failed_gpus().items()):
+            failures.append(_store_line(uuid, failure, names))
+        for uuid, by_placement in sorted(view.store.failed_instances().items()):
+            for _, failure in sorted(by_placement.items()):
+                failures.append(_store_line(uuid, failure, names))
+    taints: list[dict[str, Any]] = []
+    for device in published.devices:
+        reason = None
+        if view.store is not None:
+            shown = view.store.device_failure(device)
+            reason = shown.message() if shown is not None else None
+        for taint in device.taints:
+            taints.append(
+                {
+                    "device": device.name,
+                    "slice": device.slice_name,
+                    "key": taint.get("key"),
+                    "value": taint.get("value"),
+                    "effect": taint.get("effect"),
+                    "timeAdded": taint.get("timeAdded"),
+                    "reason": reason,
+                }
+            )
+    notes = _differences(driver, view, published) if published.problem is None else []
+    return {
+        "node": node,
+        "driver": driver,
+        "stateDir": str(state_dir),
+        "plugin": plugin_status(state_dir),
+        "store": {
+            "path": str(view.path),
+            "readable": view.store is not None,
+            "problem": view.unknown,
+            "failures": failures,
+        },
+        "slices": {
+            "read": published.problem is None,
+            "source": published.source,
+            "problem": published.problem,
+            "taints": taints,
+        },
+        "consistent": None if view.store is None or published.problem is not None else not notes,
+        "notes": notes,
+    }
+
+
+def _store_line(uuid: str, failure: GpuFailure, names: dict[str, str]) -> dict[str, Any]:
+    line = record_json(uuid, failure)
+    line["device"] = names.get(uuid)
+    line["scope"] = "gpu" if failure.whole_gpu else "instance"
+    return line
+
+
+def _differences(driver: str, view: HealthView, published: PublishedView) -> list[str]:
+    """Where the published taints are not what the store says they should be."""
+    if view.store is None:
+        return []
+    notes: list[str] = []
+    for device in published.devices:
+        failure = view.store.device_failure(device)
+        ours = {
+            (t.get("key"), t.get("value"))
+            for t in device.taints
+            if str(t.get("key", "")).removeprefix(f"{driver}/") in KIND_RANK
+        }
+        want = set() if failure is None else {(f"{driver}/{failure.kind}", failure.value)}
+        if ours == want:
+            continue
+        if failure is None:
+            notes.append(
+                f"{device.name}: a taint is published but no failure is recorded (the plugin "
+                "removes it when it publishes next; if it stays, no plugin is publishing)"
+            )
+        else:
+            notes.append(
+                f"{device.name}: {failure.message()} is recorded but "
+                f"{_taint_text(device) or 'no taint'} is published (the plugin publishes it "
+                "within seconds; if it stays, no plugin is publishing)"
+            )
+    return notes
+
+
+def _taint_text(device: SliceDevice) -> str:
+    return ", ".join(_taint(t) for t in device.taints)
+
+
+def _taint(taint: dict[str, Any]) -> str:
+    value = f"={taint['value']}" if taint.get("value") is not None else ""
+    effect = f":{taint['effect']}" if taint.get("effect") else ""
+    return f"{taint.get('key')}{value}{effect}"
+
+
+def render_table(report: dict[str, Any]) -> str:
+    rows: list[tuple[str, ...]] = []
+    for line in report["store"]["failures"]:
+        device = line["device"] or line["gpuUUID"]
+        if line["scope"] == "instance":
+            start, size = line["placement"]
+            gi = line["gpuInstanceId"]
+            device += f" (GPU instance {gi if gi is not None else '?'}, slices {start}+{size})"
+        rows.append(("store", device, _taint(line), line["since"], line["reason"]))
+    for taint in report["slices"]["taints"]:
+        rows.append(
+            (
+                f"slice {taint['slice']}",
+                taint["device"],
+                _taint(taint),
+                taint["timeAdded"] or "",
+                taint["reason"] or "(no failure recorded)",
+            )
+        )
+    lines: list[str] = []
+    if rows:
+        lines += [format_table(HEADERS, rows)]
+    store, slices, plugin = report["store"], report["slices"], report["plugin"]
+    if store["readable"]:
+        count = len(store["failures"])
+        lines.append(f"store: {count} recorded failure(s) in {store['path']}")
+    else:
+        lines.append(f"store: unknown: {store['problem']}")
+    if slices["read"]:
+        lines.append(
+            f"slices: {len(slices['taints'])} published taint(s) on node {report['node']} "
+            f"({slices['source']})"
+        )
+    else:
+        lines.append(f"slices: not read: {slices['problem']}")
+    if plugin["running"]:
+        accepts = "accepts" if plugin["acceptsClear"] else "does NOT accept"
+        lines.append(f"plugin: running (pid {plugin['pid']}), {accepts} `gpu-dra health clear`")
+    else:
+        lines.append(f"plugin: not found: {plugin['problem']}")
+    lines += [f"note: {note}" for note in report["notes"]]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,146 @@
+"""`gpu-dra health clear DEVICE`: forget a GPU's (or a MIG partition's) failure after
+a repair, so that its taint is removed from this node's ResourceSlices.
+
+The running kubelet plugin does it, never this command: the request goes through the
+plugin's control channel (`<state dir>/mock-control/`, root only), with any NVML
+backend. First the plugin answers what a clear would remove (nothing changes), this
+command shows it and asks for confirmation (`--yes` skips it; without a terminal
+`--yes` is required); then the plugin clears exactly that (refused if the failures
+changed meanwhile), republishes and says whether the API server accepted the slices.
+
+DEVICE: `gpu-<n>` or a GPU UUID (the GPU and all its GPU instances, as NVML's
+recovery event does), or a MIG partition (the failures of GPU instances on its memory
+slices; refused when the whole GPU failed). If the fault persists, the next NVML
+event taints the device again.
+
+Exit codes: 0 cleared (and the slices accepted) or nothing to clear; 1 refused, not
+confirmed, no plugin accepts `clear`, no answer within --timeout, or cleared but the
+slices not yet accepted; 2 usage error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TextIO
+
+from driver.cli.confirm import NotConfirmed, add_yes_argument, confirm
+from driver.cli.state_dir import default_state_dir
+from driver.health.control import ControlError, check_active, deliver, require_action
+
+PROG = "gpu-dra health clear"
+DEFAULT_TIMEOUT = 15.0
+
+
+def _positive(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def add_parser(
+    actions: Any, add_common_arguments: Callable[[argparse.ArgumentParser], None]
+) -> None:
+    parser: argparse.ArgumentParser = actions.add_parser(
+        "clear",
+        help="forget a repaired GPU's or partition's failure: its taint is removed",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("device", help="gpu-<n>, a GPU UUID, or a MIG partition name")
+    add_common_arguments(parser)
+    add_yes_argument(parser)
+    parser.add_argument(
+        "--timeout",
+        type=_positive,
+        default=DEFAULT_TIMEOUT,
+        help="seconds to wait for each answer of the plugin (default: %(default)s)",
+    )
+    parser.set_defaults(run=run)
+
+
+def run(
+    args: argparse.Namespace,
+    out: TextIO | None = None,
+    err: TextIO | None = None,
+    stdin: TextIO | None = None,
+) -> int:
+    out = out if out is not None else sys.stdout
+    err = err if err is not None else sys.stderr
+    stdin = stdin if stdin is not None else sys.stdin
+    state_dir = Path(args.state_dir) if args.state_dir else default_state_dir(args.driver_name)
+    try:
+        marker = check_active(state_dir)
+        require_action(marker, "clear")
+        preview = _ask(state_dir, {"action": "clear", "device": args.device, "dryRun": True}, args)
+    except ControlError as error:
+        print(f"{PROG}: {error}", file=err)
+        return 1
+    plan = preview["plan"]
+    if not plan["records"]:
+        print(preview["message"], file=out)
+        return 0
+    out.write(describe(plan, pid=marker.pid, node=marker.node))
+    try:
+        confirm("Clear it?", yes=args.yes, stdin=stdin, out=out)
+    except NotConfirmed as error:
+        print(f"{PROG}: {error}", file=err)
+        return 1
+    request = {"action": "clear", "device": args.device, "dryRun": False, "expect": plan["records"]}
+    try:
+        answer = _ask(state_dir, request, args)
+    except ControlError as error:
+        print(f"{PROG}: {error}", file=err)
+        return 1
+    print(answer["message"], file=out)
+    published = answer.get("published")
+    if published is False:
+        print(
+            f"{PROG}: the failure is cleared in the plugin, but the API server has not yet "
+            "accepted the ResourceSlices without the taint; the plugin keeps retrying "
+            "(check with `gpu-dra health`)",
+            file=err,
+        )
+        return 1
+    if published:
+        print("the API server accepted this node's ResourceSlices without the taint", file=out)
+    return 0
+
+
+def _ask(state_dir: Path, request: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    """The plugin's answer; ControlError when it refused or did not answer."""
+    answer = deliver(state_dir, request, timeout=args.timeout)
+    if not answer.get("ok"):
+        raise ControlError(f"the plugin refused: {answer.get('message', '')}")
+    if not isinstance(answer.get("plan"), dict):
+        raise ControlError(f"unexpected answer from the plugin: {answer!r}")
+    return answer
+
+
+def describe(plan: dict[str, Any], *, pid: int | None, node: str) -> str:
+    """What the clear will do, in words."""
+    where = f" on node {node}" if node else ""
+    lines = [
+        f"The kubelet plugin (pid {pid if pid is not None else '?'}){where} will forget "
+        f"{'this failure' if len(plan['records']) == 1 else 'these failures'} of "
+        f"{plan['target']} ({plan['gpuUUID']}):"
+    ]
+    lines += [f"  - {record['message']}" for record in plan["records"]]
+    untainted = ", ".join(plan["untaintedDevices"]) or "none"
+    lines.append(f"and republish this node's ResourceSlices without the taint on: {untainted}")
+    if plan["stillTaintedDevices"]:
+        lines.append(
+            "still tainted afterwards (other failures of the GPU): "
+            + ", ".join(plan["stillTaintedDevices"])
+        )
+    lines.append(
+        "The scheduler may then allocate these devices again. If the fault persists, the "
+        "next NVML event taints them again."
+    )
+    return "\n".join(lines) + "\n"

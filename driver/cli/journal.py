@@ -1,0 +1,310 @@
+"""`gpu-dra journal show|quarantine`: the kubelet plugin's prepare journal
+(`<state dir>/checkpoint.json`, docs/state.md).
+
+`show` (read only, safe while the plugin runs: the plugin replaces the file
+atomically) lists the prepared claims, their devices and MIG records, what the
+plugin does with each entry, whether each claim's CDI spec is in place, and whether
+the file is corrupt (then why, and the entries as stored, unverified, where the
+file still parses). Permanent prepare verdicts are not in the journal: the plugin
+keeps them in memory only.
+
+`quarantine` moves a corrupt journal aside to `checkpoint.json.corrupt-<UTC time>`
+(never deletes it) so the plugin can prepare again, starting from an empty journal.
+It refuses a valid journal, and refuses while a kubelet plugin runs on the node
+(it holds `<state dir>/instances.lock`): stop the plugin on this node first. It
+shows what the plugin will do on its next start and asks for confirmation (`--yes`
+skips it; without a terminal `--yes` is required).
+
+Exit codes: show: 0 readable or absent, 1 corrupt or unreadable. quarantine: 0 moved
+aside or no journal, 1 refused or not confirmed. 2: usage error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import errno
+import fcntl
+import json
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, TextIO
+
+import yaml
+
+from driver.cli.confirm import NotConfirmed, add_yes_argument, confirm
+from driver.cli.output import format_table
+from driver.cli.state_dir import add_state_dir_argument, default_state_dir
+from driver.errors import DriverError
+from driver.health.failures import DEFAULT_DRIVER_NAME
+from driver.state.cdi import CdiSpecs
+from driver.state.checkpoint import (
+    Checkpoint,
+    CheckpointCorruptError,
+    ClaimEntry,
+    ClaimState,
+    quarantine_checkpoint,
+)
+
+# The lock every running plugin instance holds shared for its lifetime
+# (`driver.plugin.instances.InstanceLock`).
+INSTANCE_LOCK_FILE = "instances.lock"
+HEADERS = ("CLAIM", "UID", "STATE", "DEVICES", "CDI SPEC", "VERDICT")
+
+AFTER_QUARANTINE = """\
+On its next start the kubelet plugin:
+  - finds no journal and starts from an empty one: prepare works again;
+  - keeps the CDI specs of claims prepared before (reported as orphans at start);
+    each is removed by its claim's unprepare, so running pods keep their devices;
+  - does not know the MIG devices it created for those claims as its own: with
+    --mig-strategy auto their GPU is published as static (exactly those MIG
+    devices), with dynamic it refuses to start until they are destroyed; none is
+    destroyed by the driver;
+  - cannot protect the devices of those claims against a second local prepare
+    until they are unprepared (the scheduler still sees them allocated).
+The corrupt file stays next to the journal for inspection.
+"""
+
+
+def add_parser(subcommands: Any) -> None:
+    parser: argparse.ArgumentParser = subcommands.add_parser(
+        "journal",
+        help="show the plugin's prepare journal; quarantine a corrupt one",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    actions = parser.add_subparsers(dest="journal_action", required=True, metavar="ACTION")
+    show = actions.add_parser("show", help="prepared claims, devices, MIG records, corruption")
+    _common(show)
+    show.add_argument(
+        "--cdi-root",
+        default=os.environ.get("CDI_ROOT") or "/var/run/cdi",
+        help="CDI spec directory, to check each claim's spec ($CDI_ROOT; default %(default)s)",
+    )
+    show.add_argument(
+        "-o", "--output", choices=("table", "json", "yaml"), default="table", help="output format"
+    )
+    show.set_defaults(run=run_show)
+    quarantine = actions.add_parser(
+        "quarantine", help="move a corrupt journal aside (timestamped, never deleted)"
+    )
+    _common(quarantine)
+    add_yes_argument(quarantine)
+    quarantine.set_defaults(run=run_quarantine)
+
+
+def _common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--driver-name", default=DEFAULT_DRIVER_NAME, help="DRA driver name (default: %(default)s)"
+    )
+    add_state_dir_argument(parser, default=None)
+
+
+def _state_dir(args: argparse.Namespace) -> Path:
+    return Path(args.state_dir) if args.state_dir else default_state_dir(args.driver_name)
+
+
+# -- show ------------------------------------------------------------------------------
+
+
+def read_journal(state_dir: Path, cdi_root: Path | None, driver: str) -> dict[str, Any]:
+    """The journal as `show -o json` prints it."""
+    checkpoint = Checkpoint(state_dir)
+    report: dict[str, Any] = {
+        "path": str(checkpoint.path),
+        "status": "ok",
+        "problem": None,
+        "verified": True,
+        "entries": [],
+        "corruptCopies": [str(p) for p in checkpoint.corrupt_copies()],
+    }
+    try:
+        entries = checkpoint.load()
+        if not os.path.lexists(checkpoint.path):
+            report["status"] = "absent"
+    except CheckpointCorruptError as err:
+        report.update(status="corrupt", problem=err.reason, verified=False)
+        entries = _unverified_entries(checkpoint.path)
+    except DriverError as err:
+        report.update(status="unreadable", problem=str(err), verified=False)
+        entries = {}
+    specs = CdiSpecs(cdi_root, driver) if cdi_root is not None and cdi_root.is_dir() else None
+    report["cdiRoot"] = str(cdi_root) if specs is not None else None
+    for uid, entry in sorted(entries.items(), key=lambda i: (i[1].namespace, i[1].name, i[0])):
+        report["entries"].append(_entry_json(uid, entry, specs))
+    return report
+
+
+def _unverified_entries(path: Path) -> dict[str, ClaimEntry]:
+    """The entries of a corrupt journal that still parse (checksum not verified)."""
+    try:
+        doc = json.loads(path.read_bytes()) if not path.is_symlink() else None
+    except (OSError, ValueError, RecursionError):
+        return {}
+    raw = doc.get("entries") if isinstance(doc, dict) else None
+    if not isinstance(raw, dict):
+        return {}
+    entries: dict[str, ClaimEntry] = {}
+    for uid, entry in raw.items():
+        with contextlib.suppress(ValueError, TypeError, KeyError, AttributeError):
+            entries[str(uid)] = ClaimEntry.from_json(entry)
+    return entries
+
+
+def _entry_json(uid: str, entry: ClaimEntry, specs: CdiSpecs | None) -> dict[str, Any]:
+    if entry.state is ClaimState.PREPARE_STARTED:
+        verdict = (
+            "half-done prepare: rolled back (specs and MIG devices it created removed) at "
+            "the plugin's next start or the claim's next prepare"
+        )
+    elif entry.cdi_spec is None:
+        verdict = "prepared (entry predates stored CDI specs: a lost spec is redone by prepare)"
+    else:
+        verdict = "prepared"
+    return {
+        "uid": uid,
+        "namespace": entry.namespace,
+        "name": entry.name,
+        "state": entry.state.value,
+        "verdict": verdict,
+        "cdiSpecStored": entry.cdi_spec is not None,
+        "cdiSpecPresent": None if specs is None else specs.claim_spec_exists(uid),
+        "devices": [d.to_json() for d in entry.devices],
+    }
+
+
+def run_show(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None = None) -> int:
+    out = out if out is not None else sys.stdout
+    err = err if err is not None else sys.stderr
+    state_dir = _state_dir(args)
+    if not state_dir.is_dir():
+        print(f"gpu-dra journal show: no plugin data directory {state_dir}", file=err)
+        return 1
+    report = read_journal(state_dir, Path(args.cdi_root), args.driver_name)
+    if args.output == "json":
+        print(json.dumps(report, indent=2), file=out)
+    elif args.output == "yaml":
+        out.write(yaml.safe_dump(report, sort_keys=False))
+    else:
+        out.write(render_table(report))
+    if report["status"] in ("corrupt", "unreadable"):
+        print(f"gpu-dra journal show: {report['path']} is {report['status']}", file=err)
+        return 1
+    return 0
+
+
+def _device_text(device: dict[str, Any]) -> str:
+    mig = device.get("mig")
+    if mig is None:
+        return str(device["device"])
+    start, size = mig["placement"]
+    kind = "created" if mig["owned"] else "static"
+    ids = f" GI {mig['giId']}/CI {mig['ciId']}" if mig["giId"] is not None else ""
+    return f"{device['device']} (MIG {kind}{ids} at {start}+{size})"
+
+
+def render_table(report: dict[str, Any]) -> str:
+    rows = []
+    for entry in report["entries"]:
+        present = entry["cdiSpecPresent"]
+        rows.append(
+            (
+                f"{entry['namespace']}/{entry['name']}",
+                entry["uid"],
+                entry["state"],
+                ", ".join(_device_text(d) for d in entry["devices"]) or "-",
+                "?" if present is None else ("present" if present else "MISSING"),
+                entry["verdict"],
+            )
+        )
+    lines = [format_table(HEADERS, rows)] if rows else []
+    status = report["status"]
+    if status == "ok":
+        lines.append(f"journal {report['path']}: valid, {len(rows)} claim(s)")
+    elif status == "absent":
+        lines.append(f"journal {report['path']}: absent (no claim prepared)")
+    else:
+        shown = f"; {len(rows)} entr(ies) shown as stored, UNVERIFIED" if rows else ""
+        lines.append(f"journal {report['path']}: {status.upper()}: {report['problem']}{shown}")
+        lines.append(
+            "prepare is refused until it is repaired or moved aside: gpu-dra journal quarantine"
+        )
+    if report["cdiRoot"] is None:
+        lines.append("CDI specs not checked (no CDI root; give --cdi-root)")
+    for copy in report["corruptCopies"]:
+        lines.append(f"moved aside earlier: {copy}")
+    return "\n".join(lines) + "\n"
+
+
+# -- quarantine ------------------------------------------------------------------------
+
+
+class PluginRunning(Exception):
+    pass
+
+
+@contextlib.contextmanager
+def no_plugin_running(state_dir: Path) -> Iterator[None]:
+    """Hold the plugin instances' lock exclusively (a plugin starting meanwhile waits);
+    PluginRunning when a running plugin holds it."""
+    path = state_dir / INSTANCE_LOCK_FILE
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as err:
+            if err.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise PluginRunning(
+                    f"a kubelet plugin is running on this node (it holds {path}): stop it "
+                    "on this node first (docs/day-2.md), then run this again"
+                ) from None
+            raise
+        yield
+    finally:
+        os.close(fd)
+
+
+def run_quarantine(
+    args: argparse.Namespace,
+    out: TextIO | None = None,
+    err: TextIO | None = None,
+    stdin: TextIO | None = None,
+) -> int:
+    out = out if out is not None else sys.stdout
+    err = err if err is not None else sys.stderr
+    stdin = stdin if stdin is not None else sys.stdin
+    prog = "gpu-dra journal quarantine"
+    state_dir = _state_dir(args)
+    if not state_dir.is_dir():
+        print(f"{prog}: no plugin data directory {state_dir}", file=err)
+        return 1
+    checkpoint = Checkpoint(state_dir)
+    try:
+        with no_plugin_running(state_dir):
+            if not os.path.lexists(checkpoint.path):
+                print(f"no journal at {checkpoint.path}: nothing to move aside", file=out)
+                return 0
+            try:
+                checkpoint.load()
+            except CheckpointCorruptError as corrupt:
+                reason = corrupt.reason
+            else:
+                print(f"{prog}: {checkpoint.path} is valid: not moving it", file=err)
+                return 1
+            out.write(
+                f"{checkpoint.path} is corrupt ({reason}).\n"
+                f"It will be renamed to {checkpoint.path.name}.corrupt-<UTC time> in "
+                f"{state_dir} (kept, never deleted).\n{AFTER_QUARANTINE}"
+            )
+            confirm("Move it aside?", yes=args.yes, stdin=stdin, out=out)
+            target = quarantine_checkpoint(state_dir)
+    except (PluginRunning, NotConfirmed, ValueError, DriverError) as error:
+        print(f"{prog}: {error}", file=err)
+        return 1
+    except OSError as error:
+        print(f"{prog}: {error}", file=err)
+        return 1
+    print(f"moved aside: {target}", file=out)
+    return 0

@@ -1,0 +1,255 @@
+"""`clear`, on the control channel: an operator repaired a GPU or a MIG partition.
+
+`gpu-dra health clear <device>` asks the running plugin, which applies it itself (the
+CLI never writes the health store behind the plugin's back). Accepted with every NVML
+backend: it only forgets failures, it injects nothing.
+
+Request: `{"action": "clear", "device": "<name or GPU UUID>", "dryRun": bool,
+"expect": [<record>...] | null}`.
+
+- The whole GPU (`gpu-<n>`, its UUID): its failure and those of all its GPU
+  instances are forgotten, as NVML's recovery event does.
+- A partition: the GPU-instance failures on its memory slices are forgotten.
+  Refused when its GPU itself failed (that failure covers every device of the GPU:
+  clear the GPU) or when it is not a MIG device (its failures are the GPU's).
+- `dryRun`: nothing changes; the answer lists the records that would go and the
+  devices that would lose their taint. `expect`: the records a preview showed; the
+  clear is refused when they changed meanwhile (a new Xid since the preview).
+
+After a clear the slices are republished and the answer says whether the API server
+accepted them (`published`) within `publish_timeout`. If the fault persists, the next
+NVML event records it (and taints the device) again.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from driver.health.control import ControlChannel, ControlError
+from driver.health.failures import (
+    Devices,
+    GpuFailure,
+    HealthDevice,
+    Placement,
+    device_list,
+    device_placement,
+    overlaps,
+)
+from driver.health.store import HealthStore
+from driver.observability import metrics
+
+log = logging.getLogger(__name__)
+
+ACTION = "clear"
+DEFAULT_PUBLISH_TIMEOUT = 5.0
+
+
+class Publisher(Protocol):
+    """What health needs of `SlicePublisher`."""
+
+    def trigger(self) -> int: ...
+    def wait_synced(self, ticket: int, timeout: float) -> bool: ...
+
+
+@dataclass(frozen=True)
+class ClearRequest:
+    device: str
+    dry_run: bool = False
+    expect: tuple[dict[str, Any], ...] | None = None
+
+    @classmethod
+    def from_document(cls, doc: dict[str, Any]) -> ClearRequest:
+        device, dry_run, expect = doc.get("device"), doc.get("dryRun", False), doc.get("expect")
+        if not isinstance(device, str) or not device:
+            raise ControlError("clear: device must be a non-empty string")
+        if not isinstance(dry_run, bool):
+            raise ControlError("clear: dryRun must be a boolean")
+        if expect is not None and not (
+            isinstance(expect, list) and all(isinstance(r, dict) for r in expect)
+        ):
+            raise ControlError("clear: expect must be a list of records or null")
+        return cls(device, dry_run, None if expect is None else tuple(expect))
+
+
+def record_json(gpu_uuid: str, failure: GpuFailure) -> dict[str, Any]:
+    """A failure as the answer (and `expect`) carries it."""
+    return {
+        "gpuUUID": gpu_uuid,
+        "placement": None if failure.placement is None else list(failure.placement),
+        "gpuInstanceId": failure.gpu_instance_id,
+        "computeInstanceId": failure.compute_instance_id,
+        "key": failure.key,
+        "value": failure.value,
+        "reason": failure.reason,
+        "since": failure.since,
+        "message": failure.message(),
+    }
+
+
+@dataclass(frozen=True)
+class ClearPlan:
+    """What a clear of one target removes and which devices it leaves untainted."""
+
+    target: str
+    gpu_uuid: str
+    placement: Placement | None  # None: the whole GPU
+    records: tuple[GpuFailure, ...]
+    untainted: tuple[str, ...]  # devices whose taint goes
+    still_tainted: tuple[str, ...]  # devices of the GPU that keep a taint
+
+    def records_json(self) -> list[dict[str, Any]]:
+        return [record_json(self.gpu_uuid, f) for f in self.records]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "target": self.target,
+            "gpuUUID": self.gpu_uuid,
+            "scope": "gpu" if self.placement is None else "instance",
+            "placement": None if self.placement is None else list(self.placement),
+            "records": self.records_json(),
+            "untaintedDevices": list(self.untainted),
+            "stillTaintedDevices": list(self.still_tainted),
+        }
+
+
+class ClearAction:
+    """Handles `clear` in the plugin (the health monitor's thread: the only writer of
+    the store, so nothing changes between the plan and the clear)."""
+
+    def __init__(
+        self,
+        store: HealthStore,
+        devices: Devices,
+        publisher: Publisher | None,
+        *,
+        on_change: Callable[[], None] = lambda: None,
+        publish_timeout: float = DEFAULT_PUBLISH_TIMEOUT,
+    ) -> None:
+        self._store = store
+        self._devices = device_list(devices)
+        self._by_name: dict[str, HealthDevice] = {d.name: d for d in self._devices}
+        self._publisher = publisher
+        self._on_change = on_change
+        self._publish_timeout = publish_timeout
+
+    def register_on(self, channel: ControlChannel) -> None:
+        channel.register(ACTION, self.handle)
+
+    def handle(self, doc: dict[str, Any]) -> dict[str, Any]:
+        request = ClearRequest.from_document(doc)
+        plan = self.plan(request.device)
+        if request.expect is not None and list(request.expect) != plan.records_json():
+            raise ControlError(
+                f"the recorded failures of {plan.target} changed since the preview "
+                f"(now: {_describe(plan.records)}); run the command again"
+            )
+        if request.dry_run or not plan.records:
+            return {"message": _preview(plan), "dryRun": request.dry_run, "plan": plan.to_json()}
+        if plan.placement is None:
+            self._store.clear(plan.gpu_uuid)
+        else:
+            self._store.clear_instances(plan.gpu_uuid, plan.placement)
+        metrics.XID_EVENTS.labels(xid="operator-clear", verdict="cleared").inc()
+        log.warning(
+            "operator cleared %s (%s): %s; untainted: %s",
+            plan.target,
+            plan.gpu_uuid,
+            _describe(plan.records),
+            ", ".join(plan.untainted) or "none",
+        )
+        self._on_change()
+        published = self._publish()
+        return {
+            "message": f"cleared {plan.target}: {_describe(plan.records)}",
+            "dryRun": False,
+            "plan": plan.to_json(),
+            "published": published,
+        }
+
+    def _publish(self) -> bool | None:
+        """Republish; whether the API server accepted slices built after the clear."""
+        if self._publisher is None:
+            return None
+        ticket = self._publisher.trigger()
+        return self._publisher.wait_synced(ticket, self._publish_timeout)
+
+    def plan(self, target: str) -> ClearPlan:
+        gpu_uuid, placement = self._resolve(target)
+        gpu_failure = self._store.gpu_failure(gpu_uuid)
+        instances = self._store.failed_instances().get(gpu_uuid, {})
+        if placement is None:
+            records = ([gpu_failure] if gpu_failure else []) + [
+                f for _, f in sorted(instances.items())
+            ]
+            remaining: list[GpuFailure] = []
+        else:
+            if gpu_failure is not None:
+                raise ControlError(
+                    f"{target} is unhealthy because its whole GPU failed "
+                    f"({gpu_failure.message()}): clear {self._gpu_name(gpu_uuid)} instead "
+                    "(the GPU and all its devices)"
+                )
+            records = [f for where, f in sorted(instances.items()) if overlaps(placement, where)]
+            remaining = [f for f in instances.values() if f not in records]
+        gpu_devices = [d for d in self._devices if d.gpu_uuid == gpu_uuid]
+        tainted_now = self._store.device_failures(gpu_devices)
+        untainted: list[str] = []
+        still: list[str] = []
+        for device in gpu_devices:
+            if device.name not in tainted_now:
+                continue
+            where = device_placement(device)
+            covered = any(
+                f.placement is not None and overlaps(where, f.placement) for f in remaining
+            )
+            (still if covered else untainted).append(device.name)
+        return ClearPlan(
+            target, gpu_uuid, placement, tuple(records), tuple(untainted), tuple(still)
+        )
+
+    def _resolve(self, target: str) -> tuple[str, Placement | None]:
+        """(GPU UUID, placement of the partition or None for the whole GPU)."""
+        device = self._by_name.get(target)
+        if device is None:
+            known_uuids = {d.gpu_uuid for d in self._devices} | set(self._store.failed_gpus())
+            known_uuids |= set(self._store.failed_instances())
+            if target in known_uuids:
+                return target, None
+            gpus = sorted(
+                (d.name for d in self._devices if not getattr(d, "is_partition", False)),
+                key=lambda n: (len(n), n),
+            )
+            raise ControlError(
+                f"unknown device {target!r} on this node (GPUs: {', '.join(gpus) or 'none'}, "
+                "their partitions, or a GPU UUID)"
+            )
+        if not getattr(device, "is_partition", False):
+            return device.gpu_uuid, None
+        placement = device_placement(device)
+        if placement is None:
+            failure = self._store.gpu_failure(device.gpu_uuid)
+            why = f" ({failure.message()})" if failure is not None else ""
+            raise ControlError(
+                f"{target} is not a MIG device: only its GPU can fail{why}; clear "
+                f"{self._gpu_name(device.gpu_uuid)} instead"
+            )
+        return device.gpu_uuid, placement
+
+    def _gpu_name(self, gpu_uuid: str) -> str:
+        for device in self._devices:
+            if device.gpu_uuid == gpu_uuid and not getattr(device, "is_partition", False):
+                return device.name
+        return gpu_uuid
+
+
+def _describe(records: tuple[GpuFailure, ...]) -> str:
+    return "; ".join(f.message() for f in records) or "no recorded failure"
+
+
+def _preview(plan: ClearPlan) -> str:
+    if not plan.records:
+        return f"{plan.target} has no recorded failure: nothing to clear"
+    return f"would clear {plan.target}: {_describe(plan.records)}"

@@ -1,0 +1,410 @@
+"""`gpu-dra health` and `gpu-dra health clear` against a running monitor's control
+channel (mock and real NVML backends)."""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from driver.cli import build_parser
+from driver.cli.health import build_report
+from driver.cli.published import PublishedView, devices_of
+from driver.cli.state_dir import read_health
+from driver.devices.model import PoolDevices, build_pool
+from driver.health.clear import ClearAction
+from driver.health.control import ACTIVE_NAME, ControlError, spool_dir
+from driver.health.mock_control import MockRequest, submit
+from driver.health.monitor import HealthMonitor
+from driver.health.store import HealthStore
+from driver.health.xid import XidPolicy
+from driver.nvml.backend import NvmlBackend
+from driver.nvml.fleet import default_fleet
+from driver.nvml.mock import MockNvml
+
+DRIVER = "gpu.example.com"
+
+
+class FakePublisher:
+    def __init__(self, synced: bool = True) -> None:
+        self.synced = synced
+        self.triggers = 0
+
+    def trigger(self) -> int:
+        self.triggers += 1
+        return self.triggers
+
+    def wait_synced(self, ticket: int, timeout: float) -> bool:
+        return self.synced
+
+
+class RealNvmlStandIn:
+    """Any NVML module that is not the mock: the monitor must not offer mock actions."""
+
+    def __init__(self, mock: MockNvml) -> None:
+        self._mock = mock
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._mock, name)
+
+
+class Plugin:
+    def __init__(self, state_dir: Path, *, real: bool = False, synced: bool = True) -> None:
+        self.mock = MockNvml(default_fleet(), "node-1")
+        backend = NvmlBackend(RealNvmlStandIn(self.mock) if real else self.mock)
+        self.pool: PoolDevices = build_pool(backend.discover())
+        self.store = HealthStore(state_dir / "health.json")
+        self.publisher = FakePublisher(synced)
+        self.monitor = HealthMonitor(
+            backend,
+            self.store,
+            XidPolicy(),
+            self.publisher,
+            self.pool.devices,
+            data_dir=state_dir,
+            node_name="node-1",
+        )
+
+    def uuid(self, minor: int) -> str:
+        return self.pool.device(f"gpu-{minor}").gpu_uuid
+
+
+@pytest.fixture
+def plugin(tmp_path: Path) -> Iterator[Plugin]:
+    p = Plugin(tmp_path)
+    yield p
+    p.monitor.stop()
+
+
+class Tty(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def gpu_dra(argv: list[str], stdin: io.StringIO | None = None) -> tuple[int, str, str]:
+    args = build_parser().parse_args(argv)
+    out, err = io.StringIO(), io.StringIO()
+    if getattr(args, "health_action", None) == "clear":
+        code = args.run(args, out=out, err=err, stdin=stdin or io.StringIO())
+    else:
+        code = args.run(args, out=out, err=err)
+    return code, out.getvalue(), err.getvalue()
+
+
+def clear(state_dir: Path, device: str, *extra: str, stdin: io.StringIO | None = None) -> Any:
+    return gpu_dra(["health", "clear", device, "--state-dir", str(state_dir), *extra], stdin)
+
+
+@pytest.fixture(autouse=True)
+def no_api_server(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.delenv("KUBECONFIG", raising=False)
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+
+
+# -- clear -----------------------------------------------------------------------------
+
+
+def test_clear_a_gpu_with_yes(plugin: Plugin, tmp_path: Path) -> None:
+    plugin.store.record_xid(plugin.uuid(3), 79)
+    plugin.store.record_instance_xid(plugin.uuid(3), (2, 1), 94, gpu_instance_id=5)
+    plugin.store.record_xid(plugin.uuid(4), 48)
+    plugin.monitor.start()
+    code, out, err = clear(tmp_path, "gpu-3", "--yes")
+    assert (code, err) == (0, "")
+    assert "will forget these failures of gpu-3" in out
+    assert "Xid 79" in out and "Xid 94 on GPU instance 5" in out
+    assert "cleared gpu-3" in out
+    assert "the API server accepted" in out
+    assert plugin.store.gpu_failure(plugin.uuid(3)) is None
+    assert plugin.uuid(3) not in plugin.store.failed_instances()
+    assert plugin.store.gpu_failure(plugin.uuid(4)) is not None  # another GPU: untouched
+    assert plugin.publisher.triggers >= 1
+    on_disk = json.loads((tmp_path / "health.json").read_text())
+    assert list(on_disk["gpus"]) == [plugin.uuid(4)]
+
+
+def test_clear_refuses_without_a_terminal_and_without_yes(plugin: Plugin, tmp_path: Path) -> None:
+    plugin.store.record_xid(plugin.uuid(1), 79)
+    plugin.monitor.start()
+    code, out, err = clear(tmp_path, "gpu-1")
+    assert code == 1
+    assert "will forget this failure of gpu-1" in out  # it showed what would happen
+    assert "stdin is not a terminal: refusing without --yes" in err
+    assert plugin.store.gpu_failure(plugin.uuid(1)) is not None
+
+
+@pytest.mark.parametrize(("answer", "cleared"), [("n\n", False), ("\n", False), ("y\n", True)])
+def test_clear_asks_at_a_terminal(
+    plugin: Plugin, tmp_path: Path, answer: str, cleared: bool
+) -> None:
+    plugin.store.record_xid(plugin.uuid(1), 79)
+    plugin.monitor.start()
+    code, out, err = clear(tmp_path, "gpu-1", stdin=Tty(answer))
+    assert "Clear it? [y/N]" in out
+    assert code == (0 if cleared else 1)
+    assert (plugin.store.gpu_failure(plugin.uuid(1)) is None) is cleared
+    if not cleared:
+        assert "not confirmed: nothing changed" in err
+
+
+def test_clear_of_a_healthy_device_changes_nothing(plugin: Plugin, tmp_path: Path) -> None:
+    plugin.monitor.start()
+    version = plugin.store.version
+    code, out, _ = clear(tmp_path, "gpu-2")
+    assert code == 0 and "gpu-2 has no recorded failure: nothing to clear" in out
+    assert plugin.store.version == version and plugin.publisher.triggers == 0
+
+
+def test_clear_a_partition_clears_its_gpu_instance_only(plugin: Plugin, tmp_path: Path) -> None:
+    uuid = plugin.uuid(0)
+    plugin.store.record_instance_xid(uuid, (3, 1), 94, gpu_instance_id=9)
+    plugin.store.record_instance_xid(uuid, (5, 1), 94, gpu_instance_id=10)
+    plugin.monitor.start()
+    code, out, err = clear(tmp_path, "gpu-0-mig-1g10gb-3", "--yes")
+    assert (code, err) == (0, "")
+    assert "gpu-0-mig-1g10gb-3" in out.split("without the taint on:")[1].splitlines()[0]
+    assert "still tainted afterwards" in out and "gpu-0-mig-1g10gb-5" in out
+    assert set(plugin.store.failed_instances()[uuid]) == {(5, 1)}
+    taints = plugin.store.device_taints(plugin.pool.devices)
+    assert "gpu-0-mig-1g10gb-3" not in taints and "gpu-0-mig-1g10gb-5" in taints
+
+
+def test_clear_a_partition_of_a_failed_gpu_is_refused(plugin: Plugin, tmp_path: Path) -> None:
+    plugin.store.record_xid(plugin.uuid(0), 79)
+    plugin.monitor.start()
+    code, _, err = clear(tmp_path, "gpu-0-mig-1g10gb-3", "--yes")
+    assert code == 1
+    assert "because its whole GPU failed" in err and "clear gpu-0 instead" in err
+    assert plugin.store.gpu_failure(plugin.uuid(0)) is not None
+
+
+def test_clear_of_an_unknown_device_is_refused(plugin: Plugin, tmp_path: Path) -> None:
+    plugin.monitor.start()
+    code, _, err = clear(tmp_path, "gpu-99", "--yes")
+    assert code == 1 and "unknown device 'gpu-99'" in err and "gpu-7" in err
+
+
+def test_clear_by_gpu_uuid(plugin: Plugin, tmp_path: Path) -> None:
+    plugin.store.record_lost(plugin.uuid(6))
+    plugin.monitor.start()
+    code, out, _ = clear(tmp_path, plugin.uuid(6), "--yes")
+    assert code == 0 and "GPU is lost" in out
+    assert plugin.store.failed_gpus() == {}
+
+
+def test_clear_works_on_the_real_backend_and_mock_actions_do_not(tmp_path: Path) -> None:
+    plugin = Plugin(tmp_path, real=True)
+    plugin.store.record_xid(plugin.uuid(2), 79)
+    plugin.monitor.start()
+    try:
+        marker = json.loads((spool_dir(tmp_path) / ACTIVE_NAME).read_text())
+        assert marker["actions"] == ["clear"]
+        with pytest.raises(ControlError, match=r"does not accept 'xid'.*it accepts: clear"):
+            submit(tmp_path, MockRequest("xid", device="gpu-2", xid=79), timeout=2)
+        code, out, _ = clear(tmp_path, "gpu-2", "--yes")
+        assert code == 0 and "cleared gpu-2" in out
+        assert plugin.store.failed_gpus() == {}
+    finally:
+        plugin.monitor.stop()
+
+
+def test_mock_backend_accepts_clear_and_the_mock_actions(plugin: Plugin, tmp_path: Path) -> None:
+    plugin.monitor.start()
+    marker = json.loads((spool_dir(tmp_path) / ACTIVE_NAME).read_text())
+    assert marker["actions"] == ["clear", "lost", "reset", "xid"]
+
+
+def test_clear_without_a_plugin_fails(tmp_path: Path) -> None:
+    code, _, err = clear(tmp_path, "gpu-0", "--yes")
+    assert code == 1 and "no kubelet plugin is consuming" in err
+
+
+def test_clear_against_a_plugin_that_predates_it(tmp_path: Path) -> None:
+    spool_dir(tmp_path).mkdir(mode=0o700)
+    (spool_dir(tmp_path) / ACTIVE_NAME).write_text(json.dumps({"pid": 42, "node": "n"}))
+    code, _, err = clear(tmp_path, "gpu-0", "--yes")
+    assert code == 1
+    assert "the running plugin (pid 42) does not accept 'clear'" in err and "predates" in err
+
+
+def test_clear_says_so_when_the_plugin_does_not_answer(tmp_path: Path) -> None:
+    spool_dir(tmp_path).mkdir(mode=0o700)
+    marker = {"pid": 42, "node": "n", "actions": ["clear"]}
+    (spool_dir(tmp_path) / ACTIVE_NAME).write_text(json.dumps(marker))
+    start = time.monotonic()
+    code, _, err = clear(tmp_path, "gpu-0", "--yes", "--timeout", "0.3")
+    assert code == 1 and "did not answer within" in err and "request withdrawn" in err
+    assert time.monotonic() - start < 3
+    assert [p.name for p in spool_dir(tmp_path).iterdir()] == [ACTIVE_NAME]
+
+
+def test_clear_not_published_is_reported(tmp_path: Path) -> None:
+    plugin = Plugin(tmp_path, synced=False)
+    plugin.store.record_xid(plugin.uuid(1), 79)
+    plugin.monitor.start()
+    try:
+        code, out, err = clear(tmp_path, "gpu-1", "--yes")
+    finally:
+        plugin.monitor.stop()
+    assert code == 1 and "cleared gpu-1" in out
+    assert "has not yet accepted the ResourceSlices without the taint" in err
+
+
+def test_clear_is_refused_when_the_failures_changed_since_the_preview(tmp_path: Path) -> None:
+    plugin = Plugin(tmp_path)
+    uuid = plugin.uuid(1)
+    plugin.store.record_xid(uuid, 79)
+    action = ClearAction(plugin.store, plugin.pool.devices, plugin.publisher)
+    preview = action.handle({"action": "clear", "device": "gpu-1", "dryRun": True})
+    assert plugin.store.gpu_failure(uuid) is not None
+    plugin.store.record_lost(uuid)  # a new failure after the preview
+    request = {"action": "clear", "device": "gpu-1", "expect": preview["plan"]["records"]}
+    with pytest.raises(ControlError, match="changed since the preview"):
+        action.handle(request)
+    assert plugin.store.gpu_failure(uuid) is not None
+
+
+@pytest.mark.parametrize(
+    ("request_doc", "message"),
+    [
+        ({"action": "clear"}, "device must be a non-empty string"),
+        ({"action": "clear", "device": "gpu-0", "dryRun": "yes"}, "dryRun must be a boolean"),
+        ({"action": "clear", "device": "gpu-0", "expect": "x"}, "expect must be a list"),
+    ],
+)
+def test_malformed_clear_requests_name_the_field(
+    tmp_path: Path, request_doc: dict[str, Any], message: str
+) -> None:
+    plugin = Plugin(tmp_path)
+    action = ClearAction(plugin.store, plugin.pool.devices, None)
+    with pytest.raises(ControlError, match=message):
+        action.handle(request_doc)
+
+
+# -- show ------------------------------------------------------------------------------
+
+
+def test_show_json_from_the_store(plugin: Plugin, tmp_path: Path) -> None:
+    plugin.store.record_xid(plugin.uuid(3), 79)
+    plugin.store.record_instance_xid(plugin.uuid(0), (3, 1), 94, gpu_instance_id=9)
+    plugin.monitor.start()
+    code, out, err = gpu_dra(["health", "-o", "json", "--state-dir", str(tmp_path)])
+    assert (code, err) == (0, "")
+    report = json.loads(out)
+    assert report["plugin"]["running"] is True and report["plugin"]["acceptsClear"] is True
+    assert report["plugin"]["pid"] == os.getpid()
+    assert report["store"]["readable"] is True
+    failures = {(f["gpuUUID"], f["scope"]): f for f in report["store"]["failures"]}
+    assert set(failures) == {(plugin.uuid(3), "gpu"), (plugin.uuid(0), "instance")}
+    gpu = failures[(plugin.uuid(3), "gpu")]
+    assert (gpu["key"], gpu["value"], gpu["placement"]) == (f"{DRIVER}/xid", "79", None)
+    instance = failures[(plugin.uuid(0), "instance")]
+    assert (instance["placement"], instance["gpuInstanceId"]) == ([3, 1], 9)
+    assert (
+        report["slices"]["read"] is False
+        and "no API server configured" in (report["slices"]["problem"])
+    )
+    assert report["consistent"] is None
+
+
+def test_show_table_says_where_each_line_comes_from(plugin: Plugin, tmp_path: Path) -> None:
+    plugin.store.record_xid(plugin.uuid(3), 79, "Xid 79 (fell off the bus)")
+    code, out, _ = gpu_dra(["health", "--state-dir", str(tmp_path)])
+    assert code == 0
+    header, row = out.splitlines()[:2]
+    assert header.split() == ["SOURCE", "DEVICE", "TAINT", "SINCE", "REASON"]
+    assert row.startswith("store") and plugin.uuid(3) in row and f"{DRIVER}/xid=79" in row
+    assert "store: 1 recorded failure(s)" in out
+    assert "slices: not read" in out and "plugin: not found" in out
+
+
+def test_show_compares_the_store_with_the_published_taints(tmp_path: Path) -> None:
+    plugin = Plugin(tmp_path)
+    uuid3, uuid5 = plugin.uuid(3), plugin.uuid(5)
+    plugin.store.record_xid(uuid3, 79)
+    plugin.store.record_xid(uuid5, 48)
+    taint = {"key": f"{DRIVER}/xid", "value": "79", "effect": "NoSchedule", "timeAdded": "t"}
+    slice_doc = {
+        "metadata": {"name": "node-1-gpu.example.com-0"},
+        "spec": {
+            "pool": {"generation": 2},
+            "devices": [
+                {"name": "gpu-3", "attributes": {"uuid": {"string": uuid3}}, "taints": [taint]},
+                {"name": "gpu-5", "attributes": {"uuid": {"string": uuid5}}},
+                {
+                    "name": "gpu-6",
+                    "attributes": {"uuid": {"string": plugin.uuid(6)}},
+                    "taints": [{**taint, "value": "13"}],
+                },
+            ],
+        },
+    }
+    old = {"metadata": {"name": "old"}, "spec": {"pool": {"generation": 1}, "devices": []}}
+    published = PublishedView("test", devices=devices_of([old, slice_doc]))
+    report = build_report("node-1", DRIVER, tmp_path, read_health(tmp_path), published)
+    assert [
+        (t["device"], t["value"], t["reason"] is not None) for t in report["slices"]["taints"]
+    ] == [
+        ("gpu-3", "79", True),
+        ("gpu-6", "13", False),
+    ]
+    assert {f["device"] for f in report["store"]["failures"]} == {"gpu-3", "gpu-5"}
+    assert report["consistent"] is False
+    notes = "\n".join(report["notes"])
+    assert "gpu-5: Xid 48" in notes and "no taint is published" in notes
+    assert "gpu-6: a taint is published but no failure is recorded" in notes
+    assert "gpu-3" not in notes
+
+
+def test_show_fails_when_nothing_can_be_read(tmp_path: Path) -> None:
+    code, _, err = gpu_dra(["health", "--state-dir", str(tmp_path / "absent")])
+    assert code == 1 and "no such directory" in err
+    env_dir = tmp_path / "plugin-data-gone"
+    os.environ["GPU_DRA_STATE_DIR"] = str(env_dir)
+    try:
+        code, out, err = gpu_dra(["health"])
+    finally:
+        del os.environ["GPU_DRA_STATE_DIR"]
+    assert code == 1 and "nothing could be read" in err
+    assert "store: unknown: no plugin data directory" in out
+
+
+def test_show_reports_an_unreadable_store_without_moving_it(tmp_path: Path) -> None:
+    (tmp_path / "health.json").write_text("{not json")
+    code, out, _ = gpu_dra(["health", "-o", "json", "--state-dir", str(tmp_path)])
+    report = json.loads(out)
+    assert code == 1 and report["store"]["readable"] is False
+    assert "not valid health state" in report["store"]["problem"]
+    assert (tmp_path / "health.json").read_text() == "{not json"
+
+
+def test_clear_and_show_parse(tmp_path: Path) -> None:
+    args = build_parser().parse_args(["health", "clear", "gpu-0", "-y", "--timeout", "2"])
+    assert isinstance(args, argparse.Namespace)
+    assert (args.device, args.yes, args.timeout) == ("gpu-0", True, 2.0)
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args(["health", "clear"])
+    assert exit_info.value.code == 2
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["health", "clear", "gpu-0", "--timeout", "0"])
+
+
+def test_concurrent_clears_are_each_answered(plugin: Plugin, tmp_path: Path) -> None:
+    plugin.store.record_xid(plugin.uuid(1), 79)
+    plugin.monitor.start()
+    threads = [threading.Thread(target=clear, args=(tmp_path, "gpu-2", "--yes")) for _ in range(3)]
+    for t in threads:
+        t.start()
+    code, _, _ = clear(tmp_path, "gpu-1", "--yes")
+    for t in threads:
+        t.join(5)
+    assert code == 0 and plugin.store.failed_gpus() == {}
