@@ -343,3 +343,70 @@ def test_xid_on_a_partitions_gpu_instance_taints_only_its_memory_slices(
     for name in ("slice-3", "slice-4"):
         cluster.kubectl("delete", "pod", "-n", NS, name, "--force", "--grace-period=0")
         cluster.kubectl("delete", "resourceclaim", "-n", NS, name, "--wait=false")
+
+
+def test_health_clear_removes_the_taint_from_the_published_slice(
+    cluster: Cluster, node: FakeNode, root: Path, pool: list[dict[str, Any]]
+) -> None:
+    """The day-2 commands against a running plugin and the real API server: an Xid
+    taints gpu-6, `gpu-dra health` shows it from both sources, `gpu-dra health clear`
+    removes it from the published ResourceSlice through the plugin."""
+    gpu = family(pool, "gpu-6")
+
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [GPU_DRA, *args, f"--state-dir={plugin.data_dir}"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            stdin=subprocess.DEVNULL,
+        )
+
+    def show() -> dict[str, Any]:
+        done = run(
+            "health", "-o", "json", f"--kubeconfig={cluster.kubeconfig}", f"--node-name={node.name}"
+        )
+        assert done.returncode == 0, done.stderr
+        report: dict[str, Any] = json.loads(done.stdout)
+        return report
+
+    with running_plugin(kubeconfig=cluster.kubeconfig, node_name=node.name, root=root) as plugin:
+        inject(plugin, "xid", "--device", "gpu-6", "--xid", "79")
+        cluster.wait_for(
+            lambda: gpu <= set(taints(cluster, node.name)), timeout=10, what="Xid 79 on gpu-6"
+        )
+        report = show()
+        assert report["plugin"]["running"] and report["plugin"]["acceptsClear"]
+        (failure,) = report["store"]["failures"]
+        assert (failure["device"], failure["key"], failure["value"]) == ("gpu-6", XID_KEY, "79")
+        published = report["slices"]["taints"]
+        assert report["slices"]["read"] and {t["device"] for t in published} == gpu
+        assert all(t["reason"].startswith("Xid 79") for t in published)
+        assert report["consistent"] is True
+
+        refused = run("health", "clear", "gpu-6")  # no terminal, no --yes
+        assert refused.returncode == 1 and "refusing without --yes" in refused.stderr
+        assert gpu <= set(taints(cluster, node.name))
+
+        cleared = run("health", "clear", "gpu-6", "--yes")
+        assert cleared.returncode == 0, cleared.stderr
+        assert "the API server accepted" in cleared.stdout
+        # Accepted means published: the taint is gone from the API already.
+        assert not gpu & set(taints(cluster, node.name))
+        assert (
+            plugin.metric(
+                "gpu_dra_xid_events_total", {"xid": "operator-clear", "verdict": "cleared"}
+            )
+            == 1
+        )
+        assert "operator cleared gpu-6" in plugin.logs()
+        after = show()
+        assert after["store"]["failures"] == [] and after["slices"]["taints"] == []
+        assert after["consistent"] is True
+
+        # The journal is readable while the plugin runs; quarantine refuses then.
+        journal = run("journal", "show", "-o", "json")
+        assert journal.returncode == 0, journal.stderr
+        assert json.loads(journal.stdout)["status"] in ("ok", "absent")
+        quarantine = run("journal", "quarantine", "--yes")
+        assert quarantine.returncode == 1 and "a kubelet plugin is running" in quarantine.stderr
