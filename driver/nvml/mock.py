@@ -60,10 +60,13 @@ from driver.nvml.mock_api import (
     NVMLError,
     PciInfo,
     c_nvmlGpuInstancePlacement_t,
+    get_out_uint,
+    nvml_call,
     nvmlGpuInstanceProfileInfo_v2,
+    set_out_uint,
 )
 from driver.nvml.mock_events import EventFunctions, PendingEvent
-from driver.nvml.mock_mig import MigFunctions, get_out_uint, nvml_call, set_out_uint
+from driver.nvml.mock_mig import MigFunctions
 from driver.nvml.mock_mig_state import (
     MockMigDeviceHandle,
     c_nvmlComputeInstance_t,

@@ -7,9 +7,10 @@ does; tests import them from here.
 from __future__ import annotations
 
 import ctypes
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
-
-from driver.nvml import mock_mig
+from typing import Any, TypeVar, cast
 
 # --------------------------------------------------------------------------- constants
 # Values as defined by NVML (nvml.h) and exposed by pynvml under these names.
@@ -104,10 +105,20 @@ nvmlEventTypeNone = 0x0
 NVML_GPU_RECOVERY_ACTION_NONE = 0
 NVML_GPU_RECOVERY_ACTION_GPU_RESET = 1
 
-# NVML_COMPUTE_INSTANCE_* and nvmlComputeInstanceProfileInfo_v2 live with the MIG model.
-globals().update(
-    {k: v for k, v in vars(mock_mig).items() if k.startswith(("NVML_COMPUTE", "nvmlC"))}
-)
+NVML_COMPUTE_INSTANCE_PROFILE_1_SLICE = 0x0
+NVML_COMPUTE_INSTANCE_PROFILE_2_SLICE = 0x1
+NVML_COMPUTE_INSTANCE_PROFILE_3_SLICE = 0x2
+NVML_COMPUTE_INSTANCE_PROFILE_4_SLICE = 0x3
+NVML_COMPUTE_INSTANCE_PROFILE_7_SLICE = 0x4
+NVML_COMPUTE_INSTANCE_PROFILE_8_SLICE = 0x5
+NVML_COMPUTE_INSTANCE_PROFILE_6_SLICE = 0x6
+NVML_COMPUTE_INSTANCE_PROFILE_1_SLICE_REV1 = 0x7
+NVML_COMPUTE_INSTANCE_PROFILE_7_SLICE_NVL = 0x8
+NVML_COMPUTE_INSTANCE_PROFILE_COUNT = 0x9
+NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED = 0x0
+NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_COUNT = 0x1
+NVML_COMPUTE_INSTANCE_ID_ANY = 0xFFFFFFFF
+nvmlComputeInstanceProfileInfo_v2 = 0x02000088
 
 NO_INSTANCE = 0xFFFFFFFF  # gpuInstanceId/computeInstanceId outside MIG
 
@@ -255,3 +266,54 @@ class MockEventSet:
     def __init__(self) -> None:
         self.registered: dict[int, int] = {}  # device index -> event type mask
         self.freed = False
+
+
+class MigError(Exception):
+    """An NVML return code raised by the MIG model (the mock raises it as `NVMLError`)."""
+
+    def __init__(self, code: int) -> None:
+        super().__init__(code)
+        self.code = code
+
+
+# --------------------------------------------------------------------------- calls
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def nvml_call(fn: _F) -> _F:
+    """Count the call; require nvmlInit (except for init itself); MigError -> NVMLError."""
+    name = fn.__name__
+
+    @functools.wraps(fn)
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with self._lock:
+            self.calls[name] += 1
+            if name not in ("nvmlInit", "nvmlInitWithFlags") and self._init_count == 0:
+                raise self.NVMLError(NVML_ERROR_UNINITIALIZED)
+        try:
+            return fn(self, *args, **kwargs)
+        except MigError as err:
+            raise self.NVMLError(err.code) from None
+
+    return cast(_F, wrapper)
+
+
+def ref_target(ref: Any) -> Any:
+    """What `byref(x)` / `pointer(x)` (or a plain object) refers to."""
+    target = getattr(ref, "_obj", None)  # ctypes.byref(...) argument
+    if target is None:
+        try:
+            target = ref.contents  # ctypes.pointer(...)
+        except (AttributeError, ValueError):
+            target = ref
+    return target
+
+
+def set_out_uint(ref: Any, value: int) -> None:
+    """Write through `byref(c_uint)` or `pointer(c_uint)`, as NVML writes its out-args."""
+    ref_target(ref).value = value
+
+
+def get_out_uint(ref: Any) -> int:
+    return int(ref_target(ref).value)

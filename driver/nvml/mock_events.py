@@ -27,13 +27,13 @@ from driver.nvml.mock_api import (
     EventData,
     MockEventSet,
     NVMLError,
+    nvml_call,
     nvmlEventTypeDoubleBitEccError,
     nvmlEventTypeGpuRecoveryAction,
     nvmlEventTypeGpuUnavailableError,
     nvmlEventTypeSingleBitEccError,
     nvmlEventTypeXidCriticalError,
 )
-from driver.nvml.mock_mig import nvml_call
 from driver.nvml.types import HealthEvent
 
 

@@ -36,14 +36,28 @@ NVML behaviour modelled, and where it comes from:
 from __future__ import annotations
 
 import ctypes
-import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from driver.nvml.fleet import MigProfileSpec, MigSpec, MockGpu
-from driver.nvml.mock_mig_state import (
+from driver.nvml.mock_api import (
+    NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED,
+    NVML_COMPUTE_INSTANCE_PROFILE_COUNT,
+    NVML_ERROR_FUNCTION_NOT_FOUND,
+    NVML_ERROR_IN_USE,
+    NVML_ERROR_INSUFFICIENT_SIZE,
     NVML_ERROR_INVALID_ARGUMENT,
+    NVML_ERROR_NOT_FOUND,
+    NVML_ERROR_NOT_SUPPORTED,
+    NVML_SUCCESS,
+    MigError,
+    nvml_call,
+    nvmlComputeInstanceProfileInfo_v2,
+    ref_target,
+    set_out_uint,
+)
+from driver.nvml.mock_mig_state import (
     CiProfile,
     CiRecord,
     ComputeInstanceInfo,
@@ -51,7 +65,6 @@ from driver.nvml.mock_mig_state import (
     GiRecord,
     GpuInstanceInfo,
     MigDevice,
-    MigError,
     MigStore,
     MockComputeInstance,
     MockGpuInstance,
@@ -64,71 +77,7 @@ from driver.nvml.mock_mig_state import (
     mig_uuid,
 )
 
-# Values as defined by NVML (nvml.h) and exposed by pynvml under these names.
-NVML_SUCCESS = 0
-NVML_ERROR_UNINITIALIZED = 1
-NVML_ERROR_NOT_SUPPORTED = 3
-NVML_ERROR_NOT_FOUND = 6
-NVML_ERROR_INSUFFICIENT_SIZE = 7
-NVML_ERROR_FUNCTION_NOT_FOUND = 13
-NVML_ERROR_IN_USE = 19
-
-NVML_COMPUTE_INSTANCE_PROFILE_1_SLICE = 0x0
-NVML_COMPUTE_INSTANCE_PROFILE_2_SLICE = 0x1
-NVML_COMPUTE_INSTANCE_PROFILE_3_SLICE = 0x2
-NVML_COMPUTE_INSTANCE_PROFILE_4_SLICE = 0x3
-NVML_COMPUTE_INSTANCE_PROFILE_7_SLICE = 0x4
-NVML_COMPUTE_INSTANCE_PROFILE_8_SLICE = 0x5
-NVML_COMPUTE_INSTANCE_PROFILE_6_SLICE = 0x6
-NVML_COMPUTE_INSTANCE_PROFILE_1_SLICE_REV1 = 0x7
-NVML_COMPUTE_INSTANCE_PROFILE_7_SLICE_NVL = 0x8
-NVML_COMPUTE_INSTANCE_PROFILE_COUNT = 0x9
-NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED = 0x0
-NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_COUNT = 0x1
-NVML_COMPUTE_INSTANCE_ID_ANY = 0xFFFFFFFF
-nvmlComputeInstanceProfileInfo_v2 = 0x02000088
 _CI_COUNT = NVML_COMPUTE_INSTANCE_PROFILE_COUNT
-
-
-_F = TypeVar("_F", bound=Callable[..., Any])
-
-
-def nvml_call(fn: _F) -> _F:
-    """Count the call; require nvmlInit (except for init itself); MigError -> NVMLError."""
-    name = fn.__name__
-
-    @functools.wraps(fn)
-    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
-        with self._lock:
-            self.calls[name] += 1
-            if name not in ("nvmlInit", "nvmlInitWithFlags") and self._init_count == 0:
-                raise self.NVMLError(NVML_ERROR_UNINITIALIZED)
-        try:
-            return fn(self, *args, **kwargs)
-        except MigError as err:
-            raise self.NVMLError(err.code) from None
-
-    return cast(_F, wrapper)
-
-
-def _ref_target(ref: Any) -> Any:
-    """What `byref(x)` / `pointer(x)` (or a plain object) refers to."""
-    target = getattr(ref, "_obj", None)  # ctypes.byref(...) argument
-    if target is None:
-        try:
-            target = ref.contents  # ctypes.pointer(...)
-        except (AttributeError, ValueError):
-            target = ref
-    return target
-
-
-def set_out_uint(ref: Any, value: int) -> None:
-    """Write through `byref(c_uint)` or `pointer(c_uint)`, as NVML writes its out-args."""
-    _ref_target(ref).value = value
-
-
-def get_out_uint(ref: Any) -> int:
-    return int(_ref_target(ref).value)
 
 
 _H = TypeVar("_H")
@@ -283,7 +232,7 @@ class MigFunctions:
         self, device: Any, profileId: int, placement: Any
     ) -> MockGpuInstance:
         gpu = self._mig_gpu(device)
-        target = _ref_target(placement)
+        target = ref_target(placement)
         try:
             at = (int(target.start), int(target.size))
         except (AttributeError, TypeError, ValueError):

@@ -41,10 +41,11 @@ from pathlib import Path
 from typing import Any, cast
 
 from driver.nvml.fleet import MigPlacement, MigProfileSpec, MigSpec, MockGpu, mig_conflict
-
-# NVML return codes (nvml.h) the model raises.
-NVML_ERROR_INVALID_ARGUMENT = 2
-NVML_ERROR_INSUFFICIENT_RESOURCES = 23
+from driver.nvml.mock_api import (
+    NVML_ERROR_INSUFFICIENT_RESOURCES,
+    NVML_ERROR_INVALID_ARGUMENT,
+    MigError,
+)
 
 STATE_FILE = Path("run/nvidia-mock/mig-state.json")
 CAPABILITIES_DIR = Path("proc/driver/nvidia/capabilities")
@@ -55,14 +56,6 @@ MAX_CIS = 8  # compute instances per GPU instance (capabilities ci0..ci7)
 _CAP_GPUS, _CAP_GIS, _CAP_FIRST = 32, 15, 3  # nv-caps.c tables: gpu0-31, gi0-14
 _MODE_RUGO, _MODE_RUSR = 0o444, 0o400
 _MIG_UUID_NAMESPACE = uuidlib.UUID("0b5a3c55-7d7e-4f5e-9a6c-2f4e8d1c3b7a")
-
-
-class MigError(Exception):
-    """An NVML return code raised by the MIG model (the mock raises it as `NVMLError`)."""
-
-    def __init__(self, code: int) -> None:
-        super().__init__(code)
-        self.code = code
 
 
 # ------------------------------------------------------------------ NVML structs and handles
