@@ -105,10 +105,12 @@ kind-down:
 test-reliability: venv cluster-build
 	$(VENV)/bin/pytest tests/reliability $(PYTEST_ARGS)
 
-# Benchmarks (docs/benchmarks.md). The Go reference runs when GPU_DRA_REFERENCE_PLUGIN
-# names its binary (built by hand, outside the repo); BENCH_ARGS e.g. --scenario prepare.
+# Benchmarks (docs/benchmarks.md), this driver and the Go reference taking turns. The
+# reference is built by hack/build-reference.sh (pinned in hack/versions.env, cached)
+# unless GPU_DRA_REFERENCE_PLUGIN names a binary; BENCH_ARGS e.g. --scenario prepare.
 bench: venv cluster-build
-	$(PY) -m bench.run --plot bench/results/prepare-latency.png $(BENCH_ARGS)
+	@ref="$${GPU_DRA_REFERENCE_PLUGIN:-$$(hack/build-reference.sh | tail -n 1)}" && \
+	$(PY) -m bench.run --reference "$$ref" --plot docs/prepare-latency.png $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

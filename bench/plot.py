@@ -14,7 +14,6 @@ def plot(results: dict[str, Any], out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    drivers = results.get("drivers", {})
     names = {
         "ours": "this driver",
         "reference": "Go reference (defaults: 5 QPS)",
@@ -25,8 +24,13 @@ def plot(results: dict[str, Any], out: Path) -> None:
         (axes[0], "prepare_1", "NodePrepareResources, 1 claim"),
         (axes[1], "prepare_64", "NodePrepareResources, 64-claim batch"),
     ):
-        for driver, doc in drivers.items():
-            samples = (((doc.get(key) or {}).get("prepare") or {}).get("samples_s")) or []
+        for driver in names:
+            samples = [
+                s
+                for run in results.get("runs", [])
+                if run["driver"] == driver
+                for s in ((run["results"].get(key) or {}).get("prepare") or {}).get("samples_s", [])
+            ]
             if not samples:
                 continue
             ms = sorted(s * 1000 for s in samples)
@@ -53,15 +57,8 @@ def plot(results: dict[str, Any], out: Path) -> None:
 
 
 if __name__ == "__main__":
-    src = (
-        Path(sys.argv[1])
-        if len(sys.argv) > 1
-        else Path(__file__).parent / "results" / "latest.json"
-    )
-    dst = (
-        Path(sys.argv[2])
-        if len(sys.argv) > 2
-        else Path(__file__).parent / "results" / "prepare-latency.png"
-    )
+    if len(sys.argv) != 3:
+        sys.exit("usage: python -m bench.plot bench/results/<date>.json docs/prepare-latency.png")
+    src, dst = Path(sys.argv[1]), Path(sys.argv[2])
     plot(json.loads(src.read_text()), dst)
     print(dst)

@@ -79,16 +79,24 @@ class PluginUnderTest:
     def logs(self) -> str:
         return self.log_path.read_text(errors="replace")[-4000:] if self.log_path.exists() else ""
 
-    def metric(self, name: str) -> float | None:
-        return None
-
 
 class OursPlugin(PluginUnderTest):
     label = "this driver"
 
-    def __init__(self, root: Path, kubeconfig: Path, node_name: str, http_port: int) -> None:
+    def __init__(
+        self, root: Path, kubeconfig: Path, node_name: str, http_port: int, pycache: Path
+    ) -> None:
         super().__init__(root, kubeconfig, node_name)
         self.http_port = http_port
+        self.pycache = pycache
+
+    def start(self, gpus: str, env: dict[str, str] | None = None) -> PluginUnderTest:
+        # Run from compiled bytecode, as an installed package does (pip compiles at
+        # install): with PYTHONDONTWRITEBYTECODE a source checkout would recompile
+        # every module of the driver at each start (an empty value unsets it). The
+        # cache lives outside the tree.
+        bytecode = {"PYTHONDONTWRITEBYTECODE": "", "PYTHONPYCACHEPREFIX": str(self.pycache)}
+        return super().start(gpus, {**bytecode, **(env or {})})
 
     def command(self, gpus: str) -> list[str]:
         """`gpus`: `default` (8 H100, MIG), or a fleet file path."""
@@ -102,20 +110,27 @@ class OursPlugin(PluginUnderTest):
             extra=[f"--mock-fleet={gpus}"],
         )
 
-    def metric(self, name: str) -> float | None:
-        try:
-            url = f"http://127.0.0.1:{self.http_port}/metrics"
-            with urllib.request.urlopen(url, timeout=5) as response:
-                text = response.read().decode()
-        except OSError:
-            return None
+    def metric(self, name: str, **labels: str) -> float:
+        """The sum of the samples of metric `name` (a counter's `_total` sample too)
+        whose labels include `labels`, from the plugin's /metrics."""
+        url = f"http://127.0.0.1:{self.http_port}/metrics"
+        with urllib.request.urlopen(url, timeout=5) as response:
+            text = response.read().decode()
+        wanted = [f'{key}="{value}"' for key, value in labels.items()]
         total = 0.0
+        found = False
         for line in text.splitlines():
             if line.startswith("#"):
                 continue
             sample, _, value = line.rpartition(" ")
-            if sample.split("{")[0] == name:
+            sample_name, _, sample_labels = sample.partition("{")
+            if sample_name.removesuffix("_total") != name.removesuffix("_total"):
+                continue
+            if all(w in sample_labels for w in wanted):
                 total += float(value)
+                found = True
+        if not found:
+            raise RuntimeError(f"{name}{labels or ''} not in the plugin's /metrics")
         return total
 
 

@@ -2,10 +2,11 @@
 
 Starts a private control plane (hack/local-cluster.sh on free ports), a fake Node, and
 plays the kubelet towards each plugin's sockets. This driver always runs; the Go
-reference kubelet plugin runs when its binary is given (`--reference` or
-`GPU_DRA_REFERENCE_PLUGIN`), one plugin after the other on the same node and cluster.
-Results: bench/results/<time>.json, latest.json, latest.md (and a PNG with --plot).
-See docs/benchmarks.md.
+reference kubelet plugin (hack/build-reference.sh builds it) runs when its binary is
+given (`--reference` or `GPU_DRA_REFERENCE_PLUGIN`), unthrottled and as shipped. The
+drivers take turns, one repetition of every scenario each (A B C A B C ...), on the
+same node and cluster. Results: bench/results/<date>.json; `python -m bench.report`
+turns them into the tables of docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -15,9 +16,9 @@ import datetime as dt
 import json
 import os
 import platform
-import re
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import time
 from pathlib import Path
@@ -26,7 +27,7 @@ from typing import Any
 import yaml
 
 from bench import scenarios as sc
-from bench.cluster import NODE_NAME, Api, LocalCluster, ensure_node
+from bench.cluster import NODE_NAME, Api, BenchError, LocalCluster, ensure_node
 from bench.plugins import OursPlugin, PluginUnderTest, ReferencePlugin
 from bench.report import markdown
 from tests.conftest import free_ports
@@ -36,14 +37,22 @@ SCENARIOS = (
     "batch",
     "permanent",
     "xid",
+    "mig",
     "resync",
     "restart",
     "publish64",
     "mig64",
     "floor",
 )
+# Turn order within a repetition: the fair comparison first.
+DRIVERS = ("ours", "reference_unthrottled", "reference")
 UNTHROTTLED = ("--kube-api-qps=1000", "--kube-api-burst=1000")
-RESULTS = Path(__file__).resolve().parent / "results"
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "bench" / "results"
+# A dynamic MIG partition of the default fleet (1g.10gb at placement 0 of GPU 1) and the
+# whole GPU 2, which on a MIG GPU is delivered as a full-size MIG device.
+MIG_PARTITION = "gpu-1-mig-1g10gb-0"
+MIG_WHOLE_GPU = "gpu-2"
 
 
 def machine(path: Path) -> dict[str, Any]:
@@ -88,16 +97,36 @@ class Runner:
         self.fleet_h100_64.write_text(
             yaml.safe_dump({"gpus": [{"model": "H100-80GB", "count": 64}]})
         )
-        self._single: sc.ClaimRef | None = None
+        self._claims: dict[str, sc.ClaimRef] = {}
         self._batch: list[sc.ClaimRef] = []
+        self.pycache = work / "pycache"
+        self.compile_bytecode()
+
+    def compile_bytecode(self) -> None:
+        """Compile the driver and its dependencies into the plugins' bytecode cache before
+        anything is timed, as pip does at install: no start-up pays for compilation."""
+        self.log("compiling bytecode for this driver's starts")
+        roots = [str(REPO / "driver"), *sysconfig.get_paths()["purelib"].split(os.pathsep)]
+        subprocess.run(
+            [sys.executable, "-m", "compileall", "-q", "-j", "0", *roots],
+            env={**os.environ, "PYTHONPYCACHEPREFIX": str(self.pycache)},
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
 
     def want(self, name: str) -> bool:
         return name in self.selected
 
-    def plugin(self, kind: str, phase: str) -> PluginUnderTest:
-        root = self.work / kind / phase
+    def claim(self, name: str, device: str, config: Any = None) -> sc.ClaimRef:
+        if name not in self._claims:
+            self._claims[name] = sc.allocated_claim(self.api, NODE_NAME, name, device, config)
+        return self._claims[name]
+
+    def plugin(self, kind: str, phase: str, repetition: int) -> PluginUnderTest:
+        root = self.work / f"{kind}-{repetition}" / phase
         if kind == "ours":
-            return OursPlugin(root, self.kubeconfig, NODE_NAME, free_ports(1)[0])
+            port = free_ports(1)[0]
+            return OursPlugin(root, self.kubeconfig, NODE_NAME, port, self.pycache)
         # "reference" runs with its defaults (client-side rate limit: 5 QPS, burst 10,
         # and it GETs every claim it prepares); "reference_unthrottled" without it.
         extra = UNTHROTTLED if kind == "reference_unthrottled" else ()
@@ -106,42 +135,32 @@ class Runner:
         )
 
     def gpus(self, kind: str, what: str) -> str:
-        table = {
-            ("ours", "8"): "default",
-            ("ours", "64"): str(self.fleet_example64),
-            ("ours", "mig64"): str(self.fleet_h100_64),
-            ("reference", "8"): "8",
-            ("reference", "64"): "64",
-            ("reference_unthrottled", "8"): "8",
-            ("reference_unthrottled", "64"): "64",
-        }
-        return table[(kind, what)]
+        if kind == "ours":
+            return {
+                "8": "default",
+                "64": str(self.fleet_example64),
+                "mig64": str(self.fleet_h100_64),
+            }[what]
+        return what  # the reference: --num-devices
 
     def log(self, msg: str) -> None:
         print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
-    def driver(self, kind: str) -> dict[str, Any]:
+    def driver(self, kind: str, repetition: int) -> dict[str, Any]:
+        """One repetition of every selected scenario for one driver."""
         out: dict[str, Any] = {}
         a = self.args
+        ours = kind == "ours"
         # Phase A: 8 GPUs (ours: the default fleet, 8 H100 with every MIG placement).
         sc.delete_node_slices(self.api, NODE_NAME)
-        plugin = self.plugin(kind, "8gpu")
-        self.log(f"{kind}: start with 8 GPUs")
+        plugin = self.plugin(kind, "8gpu", repetition)
+        self.log(f"{kind} #{repetition}: start with 8 GPUs")
         kubelet, out["start_8gpu"] = sc.start_and_publish(
             plugin, self.gpus(kind, "8"), self.api, self.watcher
         )
         try:
-            if self._single is None:
-                self._single = sc.allocated_claim(self.api, NODE_NAME, "single", "gpu-0")
-            for _ in range(5):  # warm-up
-                sc.prepare_single(kubelet, self._single, 1)
-            if self.want("prepare"):
-                self.log(f"{kind}: 1 claim x {a.iterations}")
-                out["prepare_1"] = sc.prepare_single(kubelet, self._single, a.iterations)
-            if kind == "ours" and self.want("permanent"):
-                bad = sc.allocated_claim(
-                    self.api,
-                    NODE_NAME,
+            if ours and self.want("permanent"):
+                bad = self.claim(
                     "bad-config",
                     "gpu-1",
                     {
@@ -158,15 +177,23 @@ class Runner:
                 out["permanent_repeat"] = sc.permanent_error_repeats(
                     kubelet, plugin, bad, a.iterations
                 )
-            if kind == "ours" and self.want("xid"):
+            if ours and self.want("mig"):
+                assert isinstance(plugin, OursPlugin)
+                for key, name, device in (
+                    ("mig_partition", "mig-partition", MIG_PARTITION),
+                    ("mig_whole_gpu", "mig-whole-gpu", MIG_WHOLE_GPU),
+                ):
+                    ref = self.claim(name, device)
+                    sc.prepare_single(kubelet, ref, 2)  # warm-up
+                    self.log(f"{kind}: {device} (dynamic MIG) x {a.mig_iterations}")
+                    out[key] = sc.mig_cycles(kubelet, plugin, ref, a.mig_iterations)
+            if ours and self.want("xid"):
                 self.log(f"{kind}: {a.xid_injections} Xid injections")
                 assert isinstance(plugin, OursPlugin)
                 out["xid_to_taint"] = sc.xid_to_taint(plugin, self.watcher, a.xid_injections)
             out["rss_kib_8gpu"] = plugin.rss_kib()
             if self.want("resync"):
                 out["resync_8gpu"] = sc.resync_writes(plugin, self.api, self.watcher)
-            if kind == "ours":
-                out["api_writes_metric"] = plugin.metric("gpu_dra_api_writes")
             if self.want("restart"):
                 self.log(f"{kind}: restart with the slices in place")
                 kubelet, out["restart_8gpu"] = sc.restart_writes(
@@ -176,24 +203,28 @@ class Runner:
             plugin.stop()
             kubelet.stop()
 
-        # Phase B: 64 whole GPUs (ours: 64 reference-compatible `example` GPUs).
-        if self.want("batch") or self.want("publish64"):
+        # Phase B: 64 whole GPUs (ours: 64 `example` GPUs, the reference's device
+        # model): the like-for-like prepare rows.
+        if self.want("prepare") or self.want("batch") or self.want("publish64"):
             sc.delete_node_slices(self.api, NODE_NAME)
-            plugin = self.plugin(kind, "64gpu")
+            plugin = self.plugin(kind, "64gpu", repetition)
             self.log(f"{kind}: start with 64 GPUs")
             kubelet, out["start_64gpu"] = sc.start_and_publish(
                 plugin, self.gpus(kind, "64"), self.api, self.watcher
             )
             try:
+                single = self.claim("single", "gpu-0")
+                sc.prepare_single(kubelet, single, 5)  # warm-up
+                if self.want("prepare"):
+                    self.log(f"{kind}: 1 claim x {a.iterations}")
+                    out["prepare_1"] = sc.prepare_single(kubelet, single, a.iterations)
                 if self.want("batch"):
                     if not self._batch:
-                        self._batch = [
-                            sc.allocated_claim(self.api, NODE_NAME, f"batch-{i}", f"gpu-{i}")
-                            for i in range(64)
-                        ]
+                        self._batch = [self.claim(f"batch-{i}", f"gpu-{i}") for i in range(64)]
                     sc.prepare_batch(kubelet, self._batch, 1)  # warm-up
-                    self.log(f"{kind}: 64-claim batch x {a.batch_rounds}")
-                    out["prepare_64"] = sc.prepare_batch(kubelet, self._batch, a.batch_rounds)
+                    rounds = a.batch_rounds if kind != "reference" else a.throttled_batch_rounds
+                    self.log(f"{kind}: 64-claim batch x {rounds}")
+                    out["prepare_64"] = sc.prepare_batch(kubelet, self._batch, rounds)
                 out["rss_kib_64gpu"] = plugin.rss_kib()
                 if self.want("resync"):
                     out["resync_64gpu"] = sc.resync_writes(plugin, self.api, self.watcher)
@@ -202,9 +233,9 @@ class Runner:
                 kubelet.stop()
 
         # Phase C (this driver only): 64 H100 with every MIG placement.
-        if kind == "ours" and self.want("mig64"):
+        if ours and self.want("mig64"):
             sc.delete_node_slices(self.api, NODE_NAME)
-            plugin = self.plugin(kind, "mig64")
+            plugin = self.plugin(kind, "mig64", repetition)
             self.log(f"{kind}: start with 64 MIG-capable GPUs")
             kubelet, out["start_mig64"] = sc.start_and_publish(
                 plugin, self.gpus(kind, "mig64"), self.api, self.watcher
@@ -220,7 +251,8 @@ class Runner:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__.splitlines()[0])
+    doc = __doc__ or ""
+    p = argparse.ArgumentParser(prog="python -m bench.run", description=doc.splitlines()[0])
     p.add_argument(
         "--scenario", action="append", choices=SCENARIOS, help="repeatable; default: all"
     )
@@ -230,30 +262,45 @@ def main(argv: list[str] | None = None) -> int:
         help="the Go reference kubelet plugin binary (env GPU_DRA_REFERENCE_PLUGIN)",
     )
     p.add_argument("--kubeconfig", help="use this running cluster instead of starting one")
+    p.add_argument("--repetitions", type=int, default=3, help="turns of every driver")
     p.add_argument(
         "--iterations",
         type=int,
-        default=200,
-        help="single-claim prepares (and permanent-error repeats)",
+        default=100,
+        help="single-claim prepares (and permanent-error repeats) per repetition",
     )
-    p.add_argument("--batch-rounds", type=int, default=10)
-    p.add_argument("--xid-injections", type=int, default=50)
+    p.add_argument("--mig-iterations", type=int, default=30, help="per MIG device and repetition")
+    p.add_argument("--batch-rounds", type=int, default=20, help="per repetition")
     p.add_argument(
-        "--no-unthrottled",
-        action="store_true",
-        help="skip the second reference run with --kube-api-qps/--kube-api-burst 1000",
+        "--throttled-batch-rounds",
+        type=int,
+        default=2,
+        help="per repetition for the reference as shipped (about 13 s a round)",
     )
-    p.add_argument("--out", type=Path, default=RESULTS)
+    p.add_argument("--xid-injections", type=int, default=70, help="per repetition")
+    p.add_argument(
+        "--no-shipped-reference",
+        action="store_true",
+        help="skip the reference with its default client rate limit",
+    )
+    p.add_argument("--out", type=Path, default=RESULTS, help="directory of <date>.json")
     p.add_argument("--plot", type=Path, help="write the prepare-latency PNG here")
     args = p.parse_args(argv)
 
-    reference_note = None
+    reference: dict[str, Any]
     if args.reference and not os.access(args.reference, os.X_OK):
-        reference_note = f"not available ({args.reference} is not an executable file)"
+        reference = {"note": f"not available ({args.reference} is not an executable file)"}
         args.reference = None
     elif not args.reference:
-        reference_note = "not available (give --reference PATH or GPU_DRA_REFERENCE_PLUGIN)"
-    print(f"reference: {reference_note or args.reference}", flush=True)
+        reference = {"note": "not available (give --reference PATH or GPU_DRA_REFERENCE_PLUGIN)"}
+    else:
+        reference = reference_build(args.reference)
+    print(f"reference: {reference}", flush=True)
+    drivers = [
+        d
+        for d in DRIVERS
+        if d == "ours" or (args.reference and not (d == "reference" and args.no_shipped_reference))
+    ]
 
     work = Path(tempfile.mkdtemp(prefix="gpu-dra-bench-work-"))
     cluster = None
@@ -266,17 +313,20 @@ def main(argv: list[str] | None = None) -> int:
     started = dt.datetime.now(dt.UTC)
     results: dict[str, Any] = {
         "started": started.strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "command": " ".join(
-            [Path(sys.executable).name, "-m", "bench.run", *(argv or sys.argv[1:])]
-        ),
+        "command": " ".join(["python", "-m", "bench.run", *(argv or sys.argv[1:])]),
         "machine": machine(work),
+        "load": {"start": sc.load_average()},
         "parameters": {
+            "repetitions": args.repetitions,
             "iterations": args.iterations,
+            "mig_iterations": args.mig_iterations,
             "batch_rounds": args.batch_rounds,
+            "throttled_batch_rounds": args.throttled_batch_rounds,
             "xid_injections": args.xid_injections,
             "scenarios": sorted(args.scenario or SCENARIOS),
         },
-        "drivers": {},
+        "reference": reference,
+        "runs": [],
     }
     try:
         api = Api(kubeconfig)
@@ -285,30 +335,33 @@ def main(argv: list[str] | None = None) -> int:
         runner = Runner(args, api, kubeconfig, work)
         if runner.want("floor"):
             results["floor"] = sc.fsync_floor(work / "floor")
-        results["drivers"]["ours"] = runner.driver("ours")
-        if args.reference:
-            results["drivers"]["reference"] = runner.driver("reference")
-            if not args.no_unthrottled:
-                results["drivers"]["reference_unthrottled"] = runner.driver("reference_unthrottled")
-            results["reference"] = {
-                "binary": args.reference,
-                "version": reference_version(args.reference),
-            }
-        else:
-            results["reference"] = {"note": reference_note}
+        for repetition in range(1, args.repetitions + 1):
+            for kind in drivers:
+                load_before = sc.load_average()
+                t0 = time.monotonic()
+                out = runner.driver(kind, repetition)
+                results["runs"].append(
+                    {
+                        "driver": kind,
+                        "repetition": repetition,
+                        "seconds": round(time.monotonic() - t0, 1),
+                        "load_start": load_before,
+                        "load_end": sc.load_average(),
+                        "results": out,
+                    }
+                )
         runner.watcher.stop()
     finally:
         if cluster is not None:
             cluster.stop()
+    results["load"]["end"] = sc.load_average()
+    results["finished"] = dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
     args.out.mkdir(parents=True, exist_ok=True)
-    stamp = started.strftime("%Y%m%dT%H%M%SZ")
-    text = json.dumps(results, indent=1, sort_keys=True)
-    (args.out / f"{stamp}.json").write_text(text)
-    (args.out / "latest.json").write_text(text)
-    table = markdown(results)
-    (args.out / "latest.md").write_text(table)
-    print(table)
+    path = args.out / f"{started:%Y-%m-%d}.json"
+    path.write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
+    print(markdown(results))
+    print(f"results: {path}")
     if args.plot:
         from bench.plot import plot
 
@@ -317,16 +370,23 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def reference_version(binary: str) -> str:
-    """The reference has no --version flag: the cache file name carries it."""
-    match = re.search(r"v\d+\.\d+\.\d+\S*", Path(binary).name)
-    if match:
-        return match.group(0)
-    try:
-        out = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=10)
-        return (out.stdout or out.stderr).strip().splitlines()[0]
-    except (OSError, subprocess.TimeoutExpired, IndexError):
-        return "unknown"
+def reference_build(binary: str) -> dict[str, Any]:
+    """What the reference binary was built from, as its Go build info says."""
+    out = subprocess.run(["go", "version", "-m", binary], capture_output=True, text=True)
+    if out.returncode != 0:
+        raise BenchError(f"go version -m {binary}: {out.stderr.strip()}")
+    info: dict[str, Any] = {"binary": binary, "built_by": "hack/build-reference.sh"}
+    for line in out.stdout.splitlines():
+        fields = line.split()
+        if line.startswith(f"{binary}:"):
+            info["go"] = fields[-1]
+        elif fields[:1] == ["path"]:
+            info["package"] = fields[1]
+        elif fields[:1] == ["mod"]:
+            info["module"], info["version"] = fields[1], fields[2]
+    if "version" not in info:
+        raise BenchError(f"go version -m {binary} names no module version")
+    return info
 
 
 if __name__ == "__main__":

@@ -21,30 +21,39 @@ from driver.kube.api import ApiError
 from tests.integration.kubelet_standin import ClaimRef, KubeletStandin
 
 SLICES = "/apis/resource.k8s.io/v1/resourceslices"
+NVML_CALLS = "gpu_dra_nvml_calls"
+STATE_WRITES = "gpu_dra_state_file_writes"
 NS = "gpu-dra-bench"
 DEVICE_CLASS = "bench-gpu.example.com"
 
 
+def percentile(ordered: list[float], p: float) -> float:
+    """Linear interpolation between the closest ranks of sorted `ordered`."""
+    k = (len(ordered) - 1) * p / 100
+    lo = int(k)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
+
+
 def summary(samples: list[float]) -> dict[str, Any]:
-    """p50/p99/mean/max in milliseconds, plus the raw samples (seconds)."""
+    """n, p50/p99/mean/max in milliseconds, plus the raw samples (seconds)."""
     if not samples:
         return {"n": 0}
     ordered = sorted(samples)
-
-    def pct(p: float) -> float:
-        k = (len(ordered) - 1) * p / 100
-        lo = int(k)
-        hi = min(lo + 1, len(ordered) - 1)
-        return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
-
     return {
         "n": len(samples),
-        "p50_ms": round(pct(50) * 1000, 3),
-        "p99_ms": round(pct(99) * 1000, 3),
+        "p50_ms": round(percentile(ordered, 50) * 1000, 3),
+        "p99_ms": round(percentile(ordered, 99) * 1000, 3),
         "mean_ms": round(statistics.fmean(samples) * 1000, 3),
         "max_ms": round(ordered[-1] * 1000, 3),
         "samples_s": [round(s, 6) for s in samples],
     }
+
+
+def load_average() -> dict[str, float]:
+    """The machine's load (/proc/loadavg): 1, 5 and 15 minute averages."""
+    one, five, fifteen = Path("/proc/loadavg").read_text().split()[:3]
+    return {"1m": float(one), "5m": float(five), "15m": float(fifteen)}
 
 
 # --------------------------------------------------------------------------- slices
@@ -291,8 +300,8 @@ def permanent_error_repeats(
     first_s = time.perf_counter() - t
     if not first.error.startswith("permanent ("):
         raise BenchError(f"expected a permanent error, got {first.error!r}")
-    nvml = plugin.metric("gpu_dra_nvml_calls")
-    writes = plugin.metric("gpu_dra_state_file_writes_total")
+    nvml = prepare_path_nvml_calls(plugin)
+    writes = plugin.metric(STATE_WRITES)
     samples: list[float] = []
     for _ in range(n):
         t = time.perf_counter()
@@ -304,11 +313,27 @@ def permanent_error_repeats(
     return {
         "first_ms": round(first_s * 1000, 3),
         "repeat": summary(samples),
-        "nvml_calls_during_repeats": (plugin.metric("gpu_dra_nvml_calls") or 0) - (nvml or 0),
-        "state_writes_during_repeats": (plugin.metric("gpu_dra_state_file_writes_total") or 0)
-        - (writes or 0),
+        "nvml_calls_during_repeats": prepare_path_nvml_calls(plugin) - nvml,
+        "state_writes_during_repeats": plugin.metric(STATE_WRITES) - writes,
         "error": first.error[:160],
     }
+
+
+def prepare_path_nvml_calls(plugin: OursPlugin) -> float:
+    """NVML calls made outside the health monitor's thread (its event waits run every
+    100 ms whatever prepare does): the gRPC prepare/unprepare path."""
+    return plugin.metric(NVML_CALLS, caller="other")
+
+
+def mig_cycles(
+    kubelet: KubeletStandin, plugin: OursPlugin, ref: ClaimRef, n: int
+) -> dict[str, Any]:
+    """Prepare/unprepare of a dynamic MIG device (instance created at prepare,
+    destroyed at unprepare), with the prepare path's NVML calls per cycle."""
+    before = prepare_path_nvml_calls(plugin)
+    out = prepare_single(kubelet, ref, n)
+    out["nvml_calls_per_cycle"] = (prepare_path_nvml_calls(plugin) - before) / n
+    return out
 
 
 def xid_to_taint(
