@@ -84,6 +84,12 @@ def add_parser(subcommands: Any) -> None:
         help="publish N equal partitions per GPU like the Go reference, instead of MIG",
     )
     parser.add_argument(
+        "--gpu-allow-multiple-allocations",
+        action="store_true",
+        help="publish whole GPUs (and --gpu-partitions partitions) as shareable by "
+        "consumable capacity, as the plugin flag of the same name does",
+    )
+    parser.add_argument(
         "--mig-strategy",
         choices=[m.value for m in MigStrategy],
         default=MigStrategy.AUTO.value,
@@ -124,6 +130,7 @@ def run(args: argparse.Namespace) -> int:
         driver_name=args.driver_name,
         gpu_partitions=args.gpu_partitions,
         mig_strategy=MigStrategy(args.mig_strategy),
+        allow_multiple_allocations=args.gpu_allow_multiple_allocations,
     )
     try:
         pool = build_pool(inventory, options)
@@ -190,5 +197,5 @@ def _table(pool: PoolDevices, health: HealthView, *, driver: str, partitions: bo
         taints = health.store.device_taints(pool.devices, driver=driver)
     rows = device_rows(pool, taints, partitions=partitions)
     if health.store is None:
-        rows = [(*row[:4], "unknown") for row in rows]
+        rows = [(*row[:-1], "unknown") for row in rows]
     return format_table(HEADERS, rows)

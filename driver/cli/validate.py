@@ -7,6 +7,11 @@ documents (Pods, Namespaces, ...) are skipped. A directory means its *.yaml, *.y
 and *.json files (not recursive); `-` reads standard input. The same decoding,
 defaults and static rules as the webhook and the plugin apply.
 
+With `--slices FILE` (ResourceSlices, e.g. `kubectl get resourceslices -o yaml` or
+`gpu-dra inventory -o yaml`), a claim request whose `capacity.requests` no single
+published device of --driver-name can give is reported too: the scheduler would leave
+it pending.
+
 Every problem is printed to stderr as
 
     FILE: <kind>/<name>: <field path>: <message>
@@ -25,6 +30,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, TextIO
 
+from driver.cli.capacity import CapacityDevice, capacity_problems, devices_of_slices
 from driver.config import LoadError, is_checked_document, load_yaml_documents
 from driver.config import validate_claim_document as check_document
 from driver.config.documents import CONFIG_LIST_PATHS, config_list_of
@@ -48,6 +54,12 @@ def add_parser(subcommands: Any) -> None:
         "--driver-name",
         default=DEFAULT_DRIVER_NAME,
         help="DRA driver name whose opaque configs are checked (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--slices",
+        action="append",
+        metavar="FILE",
+        help="ResourceSlices (YAML/JSON, Lists too) to check capacity requests against; repeatable",
     )
     parser.set_defaults(run=run)
 
@@ -108,6 +120,23 @@ class Result:
         self.ours = 0  # of those: GpuConfigs, or with an opaque config for the driver
         self.drivers: set[str] = set()  # opaque config drivers seen
         self.files = 0
+        self.devices: list[CapacityDevice] | None = None  # from --slices
+
+
+def _load_devices(names: list[str], driver_name: str, result: Result) -> list[CapacityDevice]:
+    devices: list[CapacityDevice] = []
+    for name in names:
+        try:
+            with open(name, "rb") as handle:
+                docs = load_yaml_documents(handle.read())
+        except OSError as err:
+            result.problems.append(f"--slices {name}: cannot read: {err.strerror or err}")
+            continue
+        except LoadError as err:
+            result.problems.append(f"--slices {name}: {err}")
+            continue
+        devices += devices_of_slices((doc for doc, _ in _documents(docs)), driver_name)
+    return devices
 
 
 def validate_text(text: str | bytes, filename: str, driver_name: str) -> tuple[list[str], int]:
@@ -142,6 +171,9 @@ def _validate_into(result: Result, text: str | bytes, filename: str, driver_name
             result.problems.append(
                 f"{filename}: {label}: {error.path or '<root>'}: {error.message}"
             )
+        if result.devices is not None:
+            for problem in capacity_problems(doc, result.devices):
+                result.problems.append(f"{filename}: {label}: {problem.path}: {problem.message}")
 
 
 def _inputs(names: list[str], result: Result) -> Iterator[str]:
@@ -181,6 +213,8 @@ def run(
     out = out if out is not None else sys.stdout
     err = err if err is not None else sys.stderr
     result = Result()
+    if args.slices:
+        result.devices = _load_devices(list(args.slices), args.driver_name, result)
     for filename in _inputs(list(args.files), result):
         try:
             if filename == "-":

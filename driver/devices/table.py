@@ -7,7 +7,7 @@ from typing import Any
 
 from driver.devices.model import PoolDevices, PublishedDevice
 
-HEADERS = ("DEVICE", "MODEL", "MEMORY", "PARTITIONS", "HEALTH")
+HEADERS = ("DEVICE", "MODEL", "MEMORY", "PARTITIONS", "SHARING", "HEALTH")
 
 
 def _attr(device: PublishedDevice, key: str) -> str:
@@ -27,12 +27,24 @@ def _health(taints: Sequence[Mapping[str, Any]]) -> str:
     return "Unhealthy (" + ", ".join(parts) + ")"
 
 
+def _sharing(device: PublishedDevice) -> str:
+    """`exclusive`, or the capacities a share consumes with their request step."""
+    if device.document.get("allowMultipleAllocations") is not True:
+        return "exclusive"
+    parts = []
+    for name, entry in sorted(device.document.get("capacity", {}).items()):
+        step = ((entry.get("requestPolicy") or {}).get("validRange") or {}).get("step")
+        if entry.get("requestPolicy"):
+            parts.append(f"{name}" + (f" step {step}" if step else ""))
+    return "shares: " + ", ".join(parts) if parts else "shares"
+
+
 def device_rows(
     pool: PoolDevices,
     taints: Mapping[str, Sequence[Mapping[str, Any]]] | None = None,
     *,
     partitions: bool = False,
-) -> list[tuple[str, str, str, str, str]]:
+) -> list[tuple[str, str, str, str, str, str]]:
     """One row per GPU (and per partition when `partitions`)."""
     taints = taints or {}
     rows = []
@@ -48,17 +60,6 @@ def device_rows(
             count = sum(1 for d in pool.devices_of_gpu(device.gpu_uuid) if d.is_partition)
             detail = str(count)
         model = _attr(device, "model") or _attr(device, "productName")
-        rows.append((device.name, model, memory, detail, _health(taints.get(device.name, ()))))
+        health = _health(taints.get(device.name, ()))
+        rows.append((device.name, model, memory, detail, _sharing(device), health))
     return rows
-
-
-def format_table(
-    pool: PoolDevices,
-    taints: Mapping[str, Sequence[Mapping[str, Any]]] | None = None,
-    *,
-    partitions: bool = False,
-) -> str:
-    rows = [HEADERS, *device_rows(pool, taints, partitions=partitions)]
-    widths = [max(len(r[i]) for r in rows) for i in range(len(HEADERS))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
-    return "\n".join(lines) + "\n"

@@ -87,8 +87,8 @@ def test_table_is_the_default_and_health_is_unknown_without_a_plugin(
     code, out, _ = run(capsys, "--mock", "--node-name", "n1")
     assert code == 0
     lines = out.splitlines()
-    assert lines[0].split() == ["DEVICE", "MODEL", "MEMORY", "PARTITIONS", "HEALTH"]
-    assert lines[1].split()[0] == "gpu-0" and "25" in lines[1]
+    assert lines[0].split() == ["DEVICE", "MODEL", "MEMORY", "PARTITIONS", "SHARING", "HEALTH"]
+    assert lines[1].split()[0] == "gpu-0" and "25" in lines[1] and "exclusive" in lines[1]
     assert lines[1].split()[-1] == "unknown"
     assert "Healthy" not in out
     assert "8 GPU(s), 208 device(s) in 5 slice(s)" in out
@@ -216,3 +216,20 @@ def test_mig_on_with_precreated_instances_shows_exactly_those(
     assert gpu0 == ["gpu-0-mig-1g10gb-0", "gpu-0-mig-3g40gb-4"]  # static: exactly those
     gpu1 = [n for n in names if n == "gpu-1" or n.startswith("gpu-1-")]
     assert "gpu-1" in gpu1 and len(gpu1) > 20  # MIG on, no instances: dynamic
+
+
+def test_table_shows_devices_shared_by_capacity(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ("--mock", "example", "--node-name", "n1", "--gpu-partitions", "2", "--partitions")
+    code, out, _ = run(capsys, *argv, "--gpu-allow-multiple-allocations")
+    assert code == 0
+    rows = {line.split()[0]: line for line in out.splitlines()[1:] if line.startswith("gpu-")}
+    assert "shares: compute step 1, memory step 1Gi" in rows["gpu-0-partition-1"]
+    assert "shares: compute step 1, memory step 1Gi" in rows["gpu-0-full"]
+    code, out, _ = run(capsys, *argv)
+    assert "shares" not in out and "exclusive" in out
+
+    argv = ("--mock", "example", "--gpu-allow-multiple-allocations", "-o", "json")
+    code, out, _ = run(capsys, *argv)
+    devices = [d for s in json.loads(out)["items"] for d in s["spec"].get("devices", [])]
+    assert devices and all(d["allowMultipleAllocations"] is True for d in devices)
+    assert devices[0]["capacity"]["memory"]["requestPolicy"]["validRange"]["step"] == "1Gi"

@@ -211,3 +211,63 @@ def test_non_mapping_document_is_reported(tmp_path: Path) -> None:
     code, _, err = run_cli(str(odd))
     assert code == 1
     assert problems(err) == [f"{odd}: document #1: <root>: must be an object"]
+
+
+def _capacity_claim(name: str, **requests: str) -> dict[str, object]:
+    claim = json.loads(json.dumps(CLAIM))
+    claim["metadata"]["name"] = name
+    claim["spec"]["devices"]["requests"][0]["exactly"]["capacity"] = {"requests": requests}
+    return dict(claim)
+
+
+def _shared_slices(tmp_path: Path) -> Path:
+    """ResourceSlices of 8 `example` GPUs (80Gi, compute 100) shareable by capacity, as
+    `gpu-dra inventory -o json` prints them."""
+    from driver.devices.model import PoolOptions, build_pool
+    from driver.devices.slices import build_slice_documents
+    from driver.nvml.backend import select_backend
+
+    inventory = select_backend(mock=True, fleet_path="example", node_name="node-a").discover()
+    options = PoolOptions(allow_multiple_allocations=True)
+    docs = build_slice_documents(
+        build_pool(inventory, options), driver="gpu.example.com", node_name="node-a"
+    )
+    path = tmp_path / "slices.json"
+    path.write_text(json.dumps({"apiVersion": "v1", "kind": "List", "items": docs}))
+    return path
+
+
+def test_capacity_requests_checked_against_published_slices(tmp_path: Path) -> None:
+    slices = _shared_slices(tmp_path)
+    fits = tmp_path / "fits.json"
+    fits.write_text(json.dumps(_capacity_claim("fits", memory="16Gi", compute="20")))
+    assert run_cli(str(fits), "--slices", str(slices))[0] == 0
+
+    too_big = tmp_path / "too-big.json"
+    too_big.write_text(json.dumps(_capacity_claim("too-big", memory="100Gi", compute="20")))
+    code, _, err = run_cli(str(too_big), "--slices", str(slices))
+    assert code == 1
+    [line] = problems(err)
+    assert "ResourceClaim/too-big: spec.devices.requests[0].exactly.capacity.requests:" in line
+    assert "compute=20, memory=100Gi" in line and "largest memory: 80Gi" in line
+
+    unknown = tmp_path / "unknown.json"
+    unknown.write_text(json.dumps(_capacity_claim("unknown", bandwidth="1")))
+    code, _, err = run_cli(str(unknown), "--slices", str(slices))
+    assert code == 1 and "no device has a bandwidth capacity" in err
+
+
+def test_capacity_not_checked_without_slices_or_against_other_drivers(tmp_path: Path) -> None:
+    too_big = tmp_path / "too-big.json"
+    too_big.write_text(json.dumps(_capacity_claim("too-big", memory="100Gi")))
+    assert run_cli(str(too_big))[0] == 0
+    slices = _shared_slices(tmp_path)
+    code, _, err = run_cli(str(too_big), "--slices", str(slices), "--driver-name", "other.io")
+    assert code == 1 and "publish no device of this driver" in err
+
+
+def test_unreadable_slices_file_is_reported(tmp_path: Path) -> None:
+    claim = tmp_path / "claim.json"
+    claim.write_text(json.dumps(CLAIM))
+    code, _, err = run_cli(str(claim), "--slices", str(tmp_path / "missing.yaml"))
+    assert code == 1 and f"--slices {tmp_path / 'missing.yaml'}: cannot read" in err
