@@ -31,7 +31,7 @@ import json
 import sys
 from pathlib import Path
 
-from driver.devices.model import build_pool
+from driver.devices.model import PoolOptions, build_pool
 from driver.errors import transient
 from driver.nvml.backend import NvmlBackend
 from driver.nvml.fleet import parse_fleet
@@ -39,10 +39,24 @@ from driver.nvml.mock import MockNvml
 from driver.state.claims import ClaimRef
 from driver.state.prepare import DeviceState
 
-FLEET = parse_fleet({"gpus": [{"model": "H100-80GB", "count": 3}]})
-# Every GPU in dynamic MIG mode: gpu-N is backed by a full-size MIG device, the
+FLEET = parse_fleet(
+    {
+        "gpus": [
+            {"model": "H100-80GB", "count": 3},
+            {"model": "H100-80GB", "count": 1, "migMode": "disabled"},
+        ]
+    }
+)
+# gpu-0..2 in dynamic MIG mode: gpu-N is backed by a full-size MIG device, the
 # partitions by theirs; all are created at prepare and destroyed at unprepare.
-DEVICES = {d.name: d for d in build_pool(NvmlBackend(MockNvml(FLEET, "node-a")).discover()).devices}
+# gpu-3 (MIG off) is shared by consumable capacity.
+DEVICES = {
+    d.name: d
+    for d in build_pool(
+        NvmlBackend(MockNvml(FLEET, "node-a")).discover(),
+        PoolOptions(allow_multiple_allocations=True),
+    ).devices
+}
 
 
 def nvml(root):
@@ -181,6 +195,22 @@ CLAIMS = {
         "0c0c0c0c-0000-4000-8000-00000000000c", "claim-c", [("gpu", "gpu-2")], []
     ),
 }
+
+
+def _share(uid: str, name: str, share_id: str) -> Any:
+    """A share of gpu-3: 16Gi of its memory and 20 of its compute."""
+    claim = _claim(uid, name, [("gpu", "gpu-3")], [])
+    claim["status"]["allocation"]["devices"]["results"][0].update(
+        shareID=share_id, consumedCapacity={"memory": "16Gi", "compute": "20"}
+    )
+    return claim
+
+
+SHARE_1, SHARE_2 = "default/share-1", "default/share-2"
+CLAIMS[SHARE_1] = _share("05050505-0000-4000-8000-000000000001", "share-1", "s-1")
+CLAIMS[SHARE_2] = _share("05050505-0000-4000-8000-000000000002", "share-2", "s-2")
+UID_S1 = CLAIMS[SHARE_1]["metadata"]["uid"]
+UID_S2 = CLAIMS[SHARE_2]["metadata"]["uid"]
 UID_A = CLAIMS["default/claim-a"]["metadata"]["uid"]
 UID_B = CLAIMS["default/claim-b"]["metadata"]["uid"]
 UID_C = CLAIMS["default/claim-c"]["metadata"]["uid"]
@@ -282,6 +312,7 @@ def _live_mig(root: Path) -> set[tuple[str, int, tuple[int, int], str | None]]:
     return {
         (m.gpu_uuid, m.gi_id, m.placement, m.uuid)
         for gpu in backend.module.gpus
+        if gpu.mig_enabled
         for m in backend.mig().instances(gpu.uuid)
     }
 
@@ -491,3 +522,57 @@ def test_two_plugin_instances_racing_for_one_device(tmp_path: Path) -> None:
     assert journal[winners[0]].state is ClaimState.PREPARE_COMPLETED
     assert [name for name in _claim_specs(root)] == [f"k8s.gpu.example.com-gpu_{winners[0]}.json"]
     assert _temp_files(root) == []
+
+
+def _share_state(root: Path, uid: str) -> tuple[dict[str, bytes], Any]:
+    """A claim's CDI spec file(s), byte for byte, and its journal entry."""
+    specs = {name: data for name, data in _claim_specs(root).items() if uid in name}
+    return specs, Checkpoint(root / "plugin").load().get(uid)
+
+
+# A share of a GPU with MIG off creates no MIG device: the MIG failpoints are not on its path.
+SHARE_FAILPOINTS = [name for name in FAILPOINTS if "-mig-" not in name]
+
+
+@pytest.mark.parametrize("failpoint", SHARE_FAILPOINTS)
+def test_kill_with_two_shares_of_one_gpu(failpoint: str, tmp_path: Path) -> None:
+    """Share 1 of gpu-3 is prepared; the kill hits the prepare or unprepare of share 2
+    of the same GPU. Share 1's spec and journal entry stay byte-exact through the
+    crash, the recovery, share 2's retry and its unprepare."""
+    scenario = SCENARIOS[failpoint]
+    root = _root(tmp_path, "node")
+    share_1, share_2 = _ref(SHARE_1), _ref(SHARE_2)
+    assert _state(root).prepare([share_1])[UID_S1].ok
+    first = _share_state(root, UID_S1)
+    assert len(first[0]) == 1 and first[1] is not None
+    assert f"{UID_S1}-gpu-3-s-1" in next(iter(first[0].values())).decode()
+    if scenario == "unprepare":
+        assert _state(root).prepare([share_2])[UID_S2].ok
+        _crash(root, "unprepare", failpoint, (SHARE_2,))
+    else:
+        if scenario == "prepare-retry":
+            _crash(root, "prepare", "prepare-after-cdi", (SHARE_2,))
+        _crash(root, "prepare", failpoint, (SHARE_2,))
+    assert _share_state(root, UID_S1) == first
+
+    recovered = _copy(root, tmp_path / "recover")
+    report = _state(recovered).recover()
+    assert report.checkpoint_problem is None and report.orphan_specs == ()
+    assert _temp_files(recovered) == []
+    assert _share_state(recovered, UID_S1) == first
+    second_specs, second_entry = _share_state(recovered, UID_S2)
+    if RECOVERED.get(failpoint, "empty") == "empty":
+        assert (second_specs, second_entry) == ({}, None)
+    else:
+        assert second_entry is not None and len(second_specs) == 1
+        assert f"{UID_S2}-gpu-3-s-2" in next(iter(second_specs.values())).decode()
+
+    if scenario != "unprepare":  # the kubelet retries the prepare, later unprepares
+        assert _state(root).prepare([share_2])[UID_S2].ok
+        assert set(Checkpoint(root / "plugin").load()) == {UID_S1, UID_S2}
+    assert _state(root).unprepare([share_2]) == {UID_S2: None}
+    assert _share_state(root, UID_S1) == first
+    assert set(Checkpoint(root / "plugin").load()) == {UID_S1}
+    assert _temp_files(root) == []
+    assert _state(root).unprepare([share_1]) == {UID_S1: None}
+    _assert_empty(root)
