@@ -307,7 +307,7 @@ def header(results: dict[str, Any]) -> str:
         )
     else:
         ref_text = ref.get("note", "not available")
-    order = " ".join(f"{NAMES[r['driver']]} #{r['repetition']}" for r in results["runs"])
+    order = ", ".join(f"{NAMES[r['driver']]} #{r['repetition']}" for r in results["runs"])
     return "\n".join(
         [
             f"Run {results['started']} to {results.get('finished', '?')}: "
