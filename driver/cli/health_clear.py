@@ -26,22 +26,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
 
+from driver.cli.arguments import positive_seconds
 from driver.cli.confirm import NotConfirmed, add_yes_argument, confirm
 from driver.cli.state_dir import default_state_dir
 from driver.health.control import ControlError, check_active, deliver, require_action
 
 PROG = "gpu-dra health clear"
 DEFAULT_TIMEOUT = 15.0
-
-
-def _positive(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return value
 
 
 def add_parser(
@@ -58,7 +49,7 @@ def add_parser(
     add_yes_argument(parser)
     parser.add_argument(
         "--timeout",
-        type=_positive,
+        type=positive_seconds,
         default=DEFAULT_TIMEOUT,
         help="seconds to wait for each answer of the plugin (default: %(default)s)",
     )

@@ -25,6 +25,7 @@ import os
 import sys
 from typing import Any, TextIO
 
+from driver.cli.arguments import positive_seconds
 from driver.health.mock_control import (
     DEFAULT_STATE_DIR,
     MockControlError,
@@ -45,16 +46,6 @@ def _xid(text: str) -> int:
     return value
 
 
-def _positive(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return value
-
-
 def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--state-dir",
@@ -63,7 +54,7 @@ def _common(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--timeout",
-        type=_positive,
+        type=positive_seconds,
         default=5.0,
         help="seconds to wait for the plugin's answer (default: %(default)s)",
     )
