@@ -45,8 +45,9 @@ from driver.devices.model import (
 )
 from driver.devices.slices import build_slice_documents, validate_slice_specs
 from driver.devices.table import HEADERS, device_rows
-from driver.nvml.backend import NvmlUnavailableError, select_backend
+from driver.nvml.backend import select_backend
 from driver.nvml.fleet import FleetError
+from driver.nvml.library import NvmlUnavailableError
 from driver.plugin.flags import non_negative_int
 
 log = logging.getLogger(__name__)

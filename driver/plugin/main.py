@@ -18,8 +18,9 @@ from driver.health.xid import XidPolicy
 from driver.kube.api import KubeApi
 from driver.kube.claims import ApiClaimReader, ClaimFailureReporter
 from driver.kube.publisher import SlicePublisher
-from driver.nvml.backend import NvmlUnavailableError, select_backend
+from driver.nvml.backend import select_backend
 from driver.nvml.fleet import FleetError
+from driver.nvml.library import NvmlUnavailableError
 from driver.observability import metrics
 from driver.observability.http import serve_http
 from driver.observability.logs import setup_logging

@@ -12,7 +12,8 @@ from typing import Any
 
 import pytest
 
-from driver.nvml.backend import NvmlBackend, NvmlUnavailableError, select_backend
+from driver.nvml.backend import NvmlBackend, select_backend
+from driver.nvml.library import NvmlUnavailableError
 from driver.nvml.types import Inventory
 
 

@@ -9,8 +9,13 @@ import pytest
 
 from driver.nvml import backend as be
 from driver.nvml import mock_api as m
+from driver.nvml.calls import CountingModule
+from driver.nvml.discovery import format_cuda_driver_version, normalize_pci_bus_id
+from driver.nvml.events import HealthEventSet
 from driver.nvml.fleet import default_fleet, example_fleet, parse_fleet
+from driver.nvml.library import NvmlUnavailableError
 from driver.nvml.mock import MockNvml
+from driver.nvml.types import HealthEvent
 
 
 class Faulty:
@@ -33,15 +38,15 @@ class Faulty:
 
 
 def test_normalize_pci_bus_id() -> None:
-    assert be.normalize_pci_bus_id("00000000:3B:00.0") == "0000:3b:00.0"
-    assert be.normalize_pci_bus_id(b"00000001:AF:00.0\x00") == "0001:af:00.0"
-    assert be.normalize_pci_bus_id("0000:3B:00.0") == "0000:3b:00.0"
+    assert normalize_pci_bus_id("00000000:3B:00.0") == "0000:3b:00.0"
+    assert normalize_pci_bus_id(b"00000001:AF:00.0\x00") == "0001:af:00.0"
+    assert normalize_pci_bus_id("0000:3B:00.0") == "0000:3b:00.0"
 
 
 def test_format_cuda_driver_version() -> None:
-    assert be.format_cuda_driver_version(13000) == "13.0"
-    assert be.format_cuda_driver_version(12040) == "12.4"
-    assert be.format_cuda_driver_version(11080) == "11.8"
+    assert format_cuda_driver_version(13000) == "13.0"
+    assert format_cuda_driver_version(12040) == "12.4"
+    assert format_cuda_driver_version(11080) == "11.8"
 
 
 def test_discover_default_fleet() -> None:
@@ -140,7 +145,7 @@ def test_lost_gpu_is_skipped(caplog: pytest.LogCaptureFixture) -> None:
 def test_missing_library_is_a_clear_error() -> None:
     inner = MockNvml(default_fleet(), "n")
     faulty = Faulty(inner, {"nvmlInit": m.NVML_ERROR_LIBRARY_NOT_FOUND})
-    with pytest.raises(be.NvmlUnavailableError, match="--mock"):
+    with pytest.raises(NvmlUnavailableError, match="--mock"):
         be.NvmlBackend(faulty).discover()
 
 
@@ -165,7 +170,7 @@ def test_events_xid_ecc_timeout() -> None:
     nvml.inject_xid(uuid, 79)
     event = backend.wait_event(10)
     assert event is not None and (event.gpu_uuid, event.kind, event.xid) == (uuid, "xid", 79)
-    nvml.inject(be.HealthEvent(gpu_uuid=uuid, kind="ecc-dbe"))
+    nvml.inject(HealthEvent(gpu_uuid=uuid, kind="ecc-dbe"))
     event = backend.wait_event(10)
     assert event is not None and event.kind == "ecc-dbe" and event.xid is None
     backend.close_event_set()
@@ -197,21 +202,23 @@ def test_two_gpus_lost_at_once_are_both_reported() -> None:
 
 
 def test_gpu_unavailable_event_maps_to_gpu_lost() -> None:
-    nvml, backend = _monitor()
+    nvml = MockNvml(parse_fleet({"gpus": [{"model": "H100-80GB", "count": 2}]}), "n")
+    events = HealthEventSet(CountingModule(nvml))
+    events.open()
     data = m.EventData(
         device=nvml.nvmlDeviceGetHandleByIndex(0),
         eventType=m.nvmlEventTypeGpuUnavailableError,
         eventData=0,
     )
-    event = backend._translate(data)
+    event = events._translate(data)
     assert event is not None and event.kind == "gpu-lost"
-    assert backend._translate(data) is None  # already known lost
+    assert events._translate(data) is None  # already known lost
     action = m.EventData(
         device=nvml.nvmlDeviceGetHandleByIndex(0),
         eventType=m.nvmlEventTypeGpuRecoveryAction,
         eventData=m.NVML_GPU_RECOVERY_ACTION_GPU_RESET,
     )
-    assert backend._translate(action) is None
+    assert events._translate(action) is None
 
 
 def test_select_backend_mock_logs_loudly(caplog: pytest.LogCaptureFixture) -> None:

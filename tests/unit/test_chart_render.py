@@ -457,7 +457,7 @@ def test_plugin_host_paths(default_docs: list[Doc], mock_docs: list[Doc]) -> Non
 def test_driver_root_mount_is_only_where_nvml_is_loaded_from() -> None:
     """Only <driverRoot>/usr is mounted, and it holds every directory the nvml backend
     searches for libnvidia-ml under NVIDIA_DRIVER_ROOT."""
-    from driver.nvml.backend import _LIBRARY_DIRS
+    from driver.nvml.library import LIBRARY_DIRS
 
     docs = render("--set", "nvml.driverRoot=/run/nvidia/driver/")
     pod = one(docs, "DaemonSet")["spec"]["template"]["spec"]
@@ -467,7 +467,7 @@ def test_driver_root_mount_is_only_where_nvml_is_loaded_from() -> None:
     assert "NVIDIA_DRIVER_ROOT_HOST" not in env  # nothing reads it
     root = env["NVIDIA_DRIVER_ROOT"]["value"]
     (mount,) = [m for m in plugin_container(docs)["volumeMounts"] if m["name"] == "driver-root"]
-    for directory in _LIBRARY_DIRS:
+    for directory in LIBRARY_DIRS:
         assert f"{root}/{directory}".startswith(mount["mountPath"] + "/"), directory
 
 

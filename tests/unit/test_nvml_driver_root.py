@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from driver.nvml.backend import NVML_LIBRARY, NvmlUnavailableError, _load_library_from_driver_root
+from driver.nvml.library import NVML_LIBRARY, NvmlUnavailableError, load_library_from_driver_root
 
 
 def test_library_under_the_driver_root_is_loaded(tmp_path: Path) -> None:
@@ -24,7 +24,7 @@ def test_library_under_the_driver_root_is_loaded(tmp_path: Path) -> None:
     )
     shutil.copy(source / some_shared_library, libdir / NVML_LIBRARY)
     fake_pynvml = SimpleNamespace(nvmlLib=None)
-    _load_library_from_driver_root(fake_pynvml, str(tmp_path))
+    load_library_from_driver_root(fake_pynvml, str(tmp_path))
     assert isinstance(fake_pynvml.nvmlLib, ctypes.CDLL)
     assert fake_pynvml.nvmlLib._name == str(libdir / NVML_LIBRARY)
 
@@ -33,11 +33,11 @@ def test_missing_library_names_the_driver_root(tmp_path: Path) -> None:
     with pytest.raises(
         NvmlUnavailableError, match=f"NVIDIA_DRIVER_ROOT={tmp_path}: no {NVML_LIBRARY}"
     ):
-        _load_library_from_driver_root(SimpleNamespace(nvmlLib=None), str(tmp_path))
+        load_library_from_driver_root(SimpleNamespace(nvmlLib=None), str(tmp_path))
 
 
 @pytest.mark.parametrize("root", ["", "/"])
 def test_host_root_leaves_the_loader_alone(root: str) -> None:
     fake_pynvml = SimpleNamespace(nvmlLib=None)
-    _load_library_from_driver_root(fake_pynvml, root)
+    load_library_from_driver_root(fake_pynvml, root)
     assert fake_pynvml.nvmlLib is None

@@ -20,6 +20,8 @@ import pytest
 from driver.nvml import mock_api as m
 from driver.nvml import mock_mig, mock_mig_state
 from driver.nvml.backend import NvmlBackend
+from driver.nvml.calls import CountingModule
+from driver.nvml.events import HealthEventSet
 from driver.nvml.fleet import parse_fleet
 from driver.nvml.mock import MockNvml
 from driver.nvml.types import HealthEvent
@@ -196,16 +198,17 @@ def test_event_data_has_every_field_of_pynvml() -> None:
 def test_backend_reads_instance_ids_from_the_real_struct(
     gi: int, ci: int, expected: tuple[int | None, int | None]
 ) -> None:
-    backend = NvmlBackend(MockNvml(parse_fleet({"gpus": [{"model": "H100-80GB"}]}), "n"))
+    nvml = MockNvml(parse_fleet({"gpus": [{"model": "H100-80GB"}]}), "n")
+    events = HealthEventSet(CountingModule(nvml))
     data = pynvml.c_nvmlEventData_t()  # device NULL: register it as a known handle
-    backend._event_handles[("ptr", None)] = "GPU-x"
+    events._event_handles[("ptr", None)] = "GPU-x"
     data.eventType, data.eventData = pynvml.nvmlEventTypeXidCriticalError, 94
     data.gpuInstanceId, data.computeInstanceId = gi, ci
-    event = backend._translate(data)
+    event = events._translate(data)
     assert event is not None and (event.gpu_uuid, event.kind, event.xid) == ("GPU-x", "xid", 94)
     assert (event.gpu_instance_id, event.compute_instance_id) == expected
     data.eventType, data.eventData = pynvml.nvmlEventTypeDoubleBitEccError, 0
-    ecc = backend._translate(data)
+    ecc = events._translate(data)
     assert ecc is not None and (ecc.gpu_instance_id, ecc.compute_instance_id) == (None, None)
 
 

@@ -1,0 +1,53 @@
+"""Making NVML available: loading libnvidia-ml from the driver root and initialising it."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from pathlib import Path
+from typing import Any
+
+from driver.nvml.calls import is_nvml_error
+
+log = logging.getLogger(__name__)
+
+NVML_LIBRARY = "libnvidia-ml.so.1"
+LIBRARY_DIRS = ("usr/lib/x86_64-linux-gnu", "usr/lib64", "usr/lib/aarch64-linux-gnu", "usr/lib")
+
+
+class NvmlUnavailableError(RuntimeError):
+    """The NVML library cannot be loaded or initialised on this host."""
+
+
+def load_library_from_driver_root(pynvml: Any, driver_root: str) -> None:
+    """Loads libnvidia-ml from the mounted driver root (the chart mounts it at
+    /driver-root) instead of the container's loader path; pointing LD_LIBRARY_PATH at
+    the host's library directory would pull in the host's libc too."""
+    if not driver_root or driver_root == "/":
+        return
+    for directory in LIBRARY_DIRS:
+        candidate = Path(driver_root) / directory / NVML_LIBRARY
+        if candidate.exists():
+            log.info("loading NVML from %s", candidate)
+            pynvml.nvmlLib = ctypes.CDLL(str(candidate))
+            return
+    raise NvmlUnavailableError(
+        f"NVIDIA_DRIVER_ROOT={driver_root}: no {NVML_LIBRARY} under "
+        + ", ".join(f"{driver_root}/{d}" for d in LIBRARY_DIRS)
+    )
+
+
+def init_nvml(nvml: Any) -> None:
+    """`nvmlInit`; a host without the library or the kernel driver is NvmlUnavailableError."""
+    try:
+        nvml.nvmlInit()
+    except nvml.NVMLError as err:
+        if is_nvml_error(nvml, err, "NVML_ERROR_LIBRARY_NOT_FOUND") or is_nvml_error(
+            nvml, err, "NVML_ERROR_DRIVER_NOT_LOADED"
+        ):
+            raise NvmlUnavailableError(
+                f"NVML is not available on this host ({err}); "
+                "for mock GPUs use gpu-kubelet-plugin --nvml-backend=mock "
+                "or gpu-dra inventory --mock"
+            ) from err
+        raise
