@@ -184,12 +184,16 @@ def _read_request(path: Path) -> dict[str, Any]:
         os.close(fd)
     if len(data) > MAX_REQUEST_BYTES:
         raise ControlError("request too large")
+    return _json_object(data, "malformed request")
+
+
+def _json_object(data: bytes, what: str) -> dict[str, Any]:
     try:
         doc = json.loads(data)
     except ValueError as err:
-        raise ControlError(f"malformed request: {err}") from None
+        raise ControlError(f"{what}: {err}") from None
     if not isinstance(doc, dict):
-        raise ControlError("malformed request: not an object")
+        raise ControlError(f"{what}: not an object")
     return doc
 
 
@@ -315,10 +319,4 @@ def deliver(
         time.sleep(0.02)
     with contextlib.suppress(OSError):
         os.unlink(res)
-    try:
-        answer = json.loads(data)
-    except ValueError as err:
-        raise ControlError(f"unreadable answer from the plugin: {err}") from None
-    if not isinstance(answer, dict):
-        raise ControlError("unreadable answer from the plugin: not an object")
-    return answer
+    return _json_object(data, "unreadable answer from the plugin")
