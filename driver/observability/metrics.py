@@ -2,9 +2,58 @@
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable, Iterable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.metrics_core import CounterMetricFamily, Metric
 
 REGISTRY = CollectorRegistry()
+
+
+class CountedElsewhere:
+    """A counter whose values are running counts kept by another object (the API
+    client's write count, the NVML wrapper's per-thread call counts), read at scrape.
+
+    prometheus_client's Counter can only be incremented, and these counts already
+    exist where the work happens; exposing them as gauges would hide that they only
+    grow (rate() and increase() need the counter type).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        documentation: str,
+        labelnames: tuple[str, ...] = (),
+        registry: CollectorRegistry = REGISTRY,
+    ) -> None:
+        self.name = name
+        self.documentation = documentation
+        self.labelnames = labelnames
+        self._sources: dict[tuple[str, ...], Callable[[], float]] = {}
+        self._lock = threading.Lock()
+        registry.register(self)
+
+    def count_from(self, source: Callable[[], float], **labels: str) -> None:
+        """Expose `source()` as the sample with these labels (replaces an earlier source)."""
+        if set(labels) != set(self.labelnames):
+            raise ValueError(
+                f"{self.name}: labels {sorted(labels)} given, {sorted(self.labelnames)} expected"
+            )
+        with self._lock:
+            self._sources[tuple(labels[name] for name in self.labelnames)] = source
+
+    def describe(self) -> Iterable[Metric]:
+        return [CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)]
+
+    def collect(self) -> Iterable[Metric]:
+        family = CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)
+        with self._lock:
+            sources = list(self._sources.items())
+        for label_values, source in sources:
+            family.add_metric(list(label_values), source())
+        return [family]
+
 
 PREPARE_REQUESTS = Counter(
     "gpu_dra_prepare_claims",
@@ -46,10 +95,9 @@ PUBLISHED_DEVICES = Gauge(
     "Devices in this node's ResourceSlices.",
     registry=REGISTRY,
 )
-SLICE_WRITES = Gauge(
+API_WRITES = CountedElsewhere(
     "gpu_dra_api_writes",
-    "Write requests sent to the API server since start.",
-    registry=REGISTRY,
+    "Write requests (POST, PUT, PATCH, DELETE) sent to the API server since start.",
 )
 STATE_FILE_WRITES = Counter(
     "gpu_dra_state_file_writes",
@@ -73,9 +121,8 @@ SOCKET_RECREATIONS = Counter(
     ["socket"],
     registry=REGISTRY,
 )
-NVML_CALLS = Gauge(
+NVML_CALLS = CountedElsewhere(
     "gpu_dra_nvml_calls",
     "NVML functions called since start, by caller (health-monitor, other).",
-    ["caller"],
-    registry=REGISTRY,
+    ("caller",),
 )

@@ -66,14 +66,15 @@ class Plugin:
             mock=mock, fleet_path=o.mock_fleet, node_name=o.node_name, mock_driver_root=mock_root
         )
         monitor_thread = HealthMonitor.THREAD_NAME
-        metrics.NVML_CALLS.labels(caller="health-monitor").set_function(
-            lambda: backend.nvml_calls.get(monitor_thread, 0)
+        metrics.NVML_CALLS.count_from(
+            lambda: backend.nvml_calls.get(monitor_thread, 0), caller="health-monitor"
         )
-        metrics.NVML_CALLS.labels(caller="other").set_function(
-            lambda: sum(n for t, n in backend.nvml_calls.items() if t != monitor_thread)
+        metrics.NVML_CALLS.count_from(
+            lambda: sum(n for t, n in backend.nvml_calls.items() if t != monitor_thread),
+            caller="other",
         )
         api = KubeApi.from_kubeconfig(o.kubeconfig)
-        metrics.SLICE_WRITES.set_function(lambda: api.writes)
+        metrics.API_WRITES.count_from(lambda: api.writes)
         store = HealthStore(o.data_dir / "health.json")
         state = DeviceState(
             driver_name=o.driver_name,

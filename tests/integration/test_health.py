@@ -203,7 +203,8 @@ def test_application_xid_13_changes_nothing(
 ) -> None:
     with running_plugin(kubeconfig=cluster.kubeconfig, node_name=node.name, root=root) as plugin:
         cluster.wait_for(lambda: complete_pool(cluster, node.name), timeout=30, what="pool")
-        writes = plugin.metric("gpu_dra_api_writes")
+        assert "\ngpu_dra_api_writes_total " in plugin.metrics()
+        writes = plugin.metric("gpu_dra_api_writes_total")
         inject(plugin, "xid", "--device", "gpu-5", "--xid", "13")
         cluster.wait_for(
             lambda: (
@@ -214,7 +215,7 @@ def test_application_xid_13_changes_nothing(
         )
         time.sleep(1)
         assert taints(cluster, node.name) == {}
-        assert plugin.metric("gpu_dra_api_writes") == writes
+        assert plugin.metric("gpu_dra_api_writes_total") == writes
 
 
 def test_no_execute_taint_evicts_the_pod_using_the_gpu(

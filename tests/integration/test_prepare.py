@@ -144,14 +144,15 @@ def test_impossible_partition_count_is_permanent_cheap_and_visible(
     assert events[0]["message"].startswith("permanent (invalid-config)")
     assert "taints" not in published_devices(complete_pool(cluster, node.name) or [])["gpu-1"]
 
-    nvml_before = plugin.metric("gpu_dra_nvml_calls", {"caller": "other"})
+    nvml_before = plugin.metric("gpu_dra_nvml_calls_total", {"caller": "other"})
+    assert nvml_before > 0, "discovery made no NVML call, or the metric is missing"
     writes_before = plugin.metric("gpu_dra_state_file_writes_total")
     replays_before = plugin.metric("gpu_dra_permanent_verdict_replays_total")
     for _ in range(100):
         again = kubelet.prepare(DRIVER, [ref])[ref[1]]
         assert (again.error, again.error_type) == (first.error, first.error_type)
     assert plugin.metric("gpu_dra_permanent_verdict_replays_total") - replays_before == 100
-    assert plugin.metric("gpu_dra_nvml_calls", {"caller": "other"}) == nvml_before
+    assert plugin.metric("gpu_dra_nvml_calls_total", {"caller": "other"}) == nvml_before
     assert plugin.metric("gpu_dra_state_file_writes_total") == writes_before
     assert kubelet.unprepare(DRIVER, [ref])[ref[1]].error == ""
 

@@ -1,0 +1,70 @@
+"""The plugin's metrics: names and types as exposed, and counts kept elsewhere."""
+
+from __future__ import annotations
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+
+from driver.observability import metrics
+
+
+def _exposed_types() -> dict[str, str]:
+    text = generate_latest(metrics.REGISTRY).decode()
+    return {
+        line.split()[2]: line.split()[3] for line in text.splitlines() if line.startswith("# TYPE ")
+    }
+
+
+@pytest.mark.parametrize("name", ["gpu_dra_api_writes_total", "gpu_dra_nvml_calls_total"])
+def test_running_counts_are_exposed_as_counters(name: str) -> None:
+    assert _exposed_types()[name] == "counter"
+
+
+def test_no_metric_that_only_grows_is_a_gauge() -> None:
+    gauges = {name for name, kind in _exposed_types().items() if kind == "gauge"}
+    gauges -= {name for name in gauges if name.endswith("_created")}
+    assert gauges == {
+        "gpu_dra_tainted_devices",
+        "gpu_dra_published_devices",
+        "gpu_dra_checkpoint_corrupt",
+        "gpu_dra_kubelet_registered",
+    }
+
+
+def test_counted_elsewhere_reads_its_sources_at_scrape() -> None:
+    registry = CollectorRegistry()
+    calls = metrics.CountedElsewhere("test_calls", "Calls.", ("caller",), registry=registry)
+    counts = {"a": 1, "b": 5}
+    calls.count_from(lambda: counts["a"], caller="a")
+    calls.count_from(lambda: counts["b"], caller="b")
+    assert registry.get_sample_value("test_calls_total", {"caller": "a"}) == 1
+    counts["a"] = 7
+    assert registry.get_sample_value("test_calls_total", {"caller": "a"}) == 7
+    assert registry.get_sample_value("test_calls_total", {"caller": "b"}) == 5
+    assert "# TYPE test_calls_total counter" in generate_latest(registry).decode()
+
+
+def test_counted_elsewhere_replaces_the_source_of_a_label_set() -> None:
+    registry = CollectorRegistry()
+    writes = metrics.CountedElsewhere("test_writes", "Writes.", registry=registry)
+    assert registry.get_sample_value("test_writes_total") is None
+    writes.count_from(lambda: 3)
+    writes.count_from(lambda: 4)
+    assert registry.get_sample_value("test_writes_total") == 4
+
+
+def test_counted_elsewhere_names_missing_or_unknown_labels() -> None:
+    calls = metrics.CountedElsewhere(
+        "test_labelled", "Calls.", ("caller",), registry=CollectorRegistry()
+    )
+    with pytest.raises(ValueError, match=r"test_labelled: labels \[\] given, \['caller'\]"):
+        calls.count_from(lambda: 1)
+    with pytest.raises(ValueError, match=r"labels \['thread'\] given"):
+        calls.count_from(lambda: 1, thread="x")
+
+
+def test_a_second_metric_of_the_same_name_is_refused() -> None:
+    registry = CollectorRegistry()
+    metrics.CountedElsewhere("test_twice", "Once.", registry=registry)
+    with pytest.raises(ValueError, match="test_twice"):
+        metrics.CountedElsewhere("test_twice", "Twice.", registry=registry)
