@@ -313,16 +313,7 @@ def _response(
     return head if head_only else head + body
 
 
-def serve_http(
-    port: int,
-    healthy: Healthy,
-    host: str = "",
-    *,
-    timeout: float = DEFAULT_TIMEOUT,
-    max_connections: int = DEFAULT_MAX_CONNECTIONS,
-    workers: int = DEFAULT_WORKERS,
-) -> HttpServer:
-    """Starts serving in background threads; `shutdown()` stops it."""
-    return HttpServer(
-        port, healthy, host, timeout=timeout, max_connections=max_connections, workers=workers
-    ).start()
+def serve_http(port: int, healthy: Healthy, host: str = "") -> HttpServer:
+    """Starts serving with the default bounds in background threads; `shutdown()` stops
+    it (`HttpServer(...).start()` for other bounds)."""
+    return HttpServer(port, healthy, host).start()

@@ -29,7 +29,11 @@ def start() -> Iterator[Callable[..., HttpServer]]:
     servers: list[HttpServer] = []
 
     def _start(healthy: Callable[[], tuple[bool, str]] = _ok, **kwargs: Any) -> HttpServer:
-        server = serve_http(0, healthy, "127.0.0.1", **kwargs)
+        # serve_http is what the plugin runs: the default bounds
+        if kwargs:
+            server = HttpServer(0, healthy, "127.0.0.1", **kwargs).start()
+        else:
+            server = serve_http(0, healthy, "127.0.0.1")
         servers.append(server)
         return server
 
