@@ -330,10 +330,13 @@ class CdiSpecs:
             return False
 
     def list_claim_specs(self) -> dict[str, Path]:
-        """`{claim UID (as in the file name): path}` of every claim spec in the root."""
+        """`{claim UID (as in the file name): path}` of every claim spec in the root.
+        Only regular files count: a symlink (or anything else) named like a claim spec
+        is not one of ours, so nothing reads or removes through it."""
         out: dict[str, Path] = {}
         try:
-            names = sorted(os.listdir(self.root))
+            with os.scandir(self.root) as entries:
+                names = sorted(e.name for e in entries if e.is_file(follow_symlinks=False))
         except FileNotFoundError:
             return out
         common = self.common_spec_path.name

@@ -281,6 +281,22 @@ def test_symlink_at_a_claim_spec_path_is_never_followed(
     assert elsewhere.read_text().startswith('{"cdiVersion": "0.3.0"')
 
 
+@pytest.mark.parametrize("dangling", [False, True])
+def test_symlink_named_like_a_claim_spec_is_not_listed(
+    specs: CdiSpecs, tmp_path: Path, dangling: bool
+) -> None:
+    """Only regular files are this driver's claim specs: a link planted in the CDI root
+    is not listed, so recovery never reports it as an orphan and unprepare never
+    reads or removes through it; what it points to is left alone."""
+    elsewhere = tmp_path / "elsewhere.json"
+    elsewhere.write_text("{}")
+    specs.write_claim_spec("mine", ClaimSpec((CdiDevice("mine-gpu-0", ()),)))
+    specs.claim_spec_path("planted").symlink_to(tmp_path / "gone" if dangling else elsewhere)
+    (specs.root / "k8s.gpu.example.com-gpu_dir.json").mkdir()
+    assert specs.list_claim_specs() == {"mine": specs.claim_spec_path("mine")}
+    assert elsewhere.read_text() == "{}"
+
+
 def test_non_regular_file_at_a_claim_spec_path_is_refused(specs: CdiSpecs) -> None:
     specs.root.mkdir()
     os.mkfifo(specs.claim_spec_path(UID))
