@@ -4,13 +4,14 @@ registration socket deleted under the real kubelet."""
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.e2e.conftest import DEMO, DRIVER, E2E, demo_namespace, wait_for
+from tests.e2e.conftest import DEMO, DRIVER, E2E, NAMESPACE, demo_namespace, wait_for
 
 PERMANENT = DEMO / "scenarios" / "permanent-error.yaml"
 XID = DEMO / "scenarios" / "xid-eviction.yaml"
@@ -195,3 +196,56 @@ def test_kubelet_restart_registers_again_and_prepares_nothing_twice(e2e: E2E) ->
         e.wait_pods_ready(namespace, "app=gpu-demo", 2, timeout=180)
     finally:
         e.delete_file(TEMPLATE)
+
+
+def _idle_gpu(e: E2E) -> str:
+    """A whole GPU no claim on the node holds (neither it nor a partition of it)."""
+    claims = e.get("resourceclaims", "-A")["items"]
+    used = {
+        result["device"].split("-mig-")[0].split("-partition-")[0]
+        for c in claims
+        for result in ((c.get("status") or {}).get("allocation") or {})
+        .get("devices", {})
+        .get("results", [])
+    }
+    gpus = sorted(
+        (n for n in e.devices() if n.count("-") == 1 and n.startswith("gpu-")),
+        key=lambda n: int(n.split("-")[1]),
+    )
+    idle = [g for g in gpus if g not in used]
+    assert idle, f"every GPU is in use: {sorted(used)}"
+    return idle[-1]
+
+
+def test_health_clear_removes_the_taint_through_the_real_plugin(e2e: E2E) -> None:
+    """Day-2 on the real node: an Xid taints an idle GPU, `gpu-dra health` in the
+    plugin's pod shows it from the store and the ResourceSlice, `gpu-dra health clear`
+    removes it from the published slice; the journal is readable meanwhile."""
+    e = e2e
+    gpu = _idle_gpu(e)
+    e.plugin_exec("gpu-dra", "mock", "xid", "--device", gpu, "--xid", "79")
+    try:
+        wait_for(lambda: e.devices()[gpu].get("taints"), 60, f"a taint on {gpu}")
+        shown = json.loads(e.plugin_exec("gpu-dra", "health", "-o", "json").stdout)
+        assert shown["slices"]["read"], shown["slices"]
+        assert gpu in {t["device"] for t in shown["slices"]["taints"]}
+        assert [f["device"] for f in shown["store"]["failures"]] == [gpu]
+        assert shown["plugin"]["acceptsClear"] is True
+
+        pod = e.plugin_pod()["metadata"]["name"]
+        args = ("exec", "-n", NAMESPACE, pod, "-c", "plugin", "--", "gpu-dra", "health", "clear")
+        refused = e.kubectl(*args, gpu, check=False)  # kubectl exec without -i: no terminal
+        assert refused.returncode == 1 and "refusing without --yes" in refused.stderr
+        assert e.devices()[gpu].get("taints")
+
+        cleared = e.kubectl(*args, gpu, "--yes", check=False)
+        assert cleared.returncode == 0, cleared.stderr
+        assert "the API server accepted" in cleared.stdout
+        assert not e.devices()[gpu].get("taints")  # accepted means published
+        after = json.loads(e.plugin_exec("gpu-dra", "health", "-o", "json").stdout)
+        assert after["store"]["failures"] == [] and after["consistent"] is True
+
+        journal = e.plugin_exec("gpu-dra", "journal", "show", "-o", "json")
+        assert json.loads(journal.stdout)["status"] in ("ok", "absent")
+    finally:
+        e.plugin_exec("gpu-dra", "mock", "reset", "--device", gpu)
