@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
@@ -68,3 +71,11 @@ def test_a_second_metric_of_the_same_name_is_refused() -> None:
     metrics.CountedElsewhere("test_twice", "Once.", registry=registry)
     with pytest.raises(ValueError, match="test_twice"):
         metrics.CountedElsewhere("test_twice", "Twice.", registry=registry)
+
+
+def test_operations_doc_lists_every_exposed_metric_and_no_other() -> None:
+    doc = (Path(__file__).parents[2] / "docs" / "operations.md").read_text()
+    table = doc.split("## Metrics of the kubelet plugin", 1)[1].split("\n## ", 1)[0]
+    documented = set(re.findall(r"^\| `(gpu_dra_\w+)` \|", table, flags=re.MULTILINE))
+    exposed = {name for name in _exposed_types() if not name.endswith("_created")}
+    assert documented == exposed
