@@ -14,7 +14,7 @@ from pathlib import Path
 
 from driver.health.persistence import HealthRecords, parse_records
 from driver.health.store import DEFAULT_DRIVER_NAME, HealthStore
-from driver.state.cdi import UnsafeFileError, read_file_nofollow
+from driver.state.fileio import UnsafeFileError, read_file_nofollow
 
 STATE_DIR_ENV = "GPU_DRA_STATE_DIR"
 PLUGINS_DIR = Path("/var/lib/kubelet/plugins")

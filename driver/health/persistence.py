@@ -26,8 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from driver.health.failures import KIND_RANK, GpuFailure, Placement
-from driver.state.cdi import UnsafeFileError, read_file_nofollow
-from driver.state.fileio import atomic_write
+from driver.state.fileio import UnsafeFileError, atomic_write, read_file_nofollow
 
 log = logging.getLogger(__name__)
 

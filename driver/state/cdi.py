@@ -20,7 +20,6 @@ follow a symlink at the file's path (`read_file_nofollow`).
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import re
@@ -30,7 +29,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
-from driver.state.fileio import atomic_write, fsync_dir, remove_durably, sweep_temp_files
+from driver.state.fileio import (
+    atomic_write,
+    fsync_dir,
+    read_file_nofollow,
+    remove_durably,
+    sweep_temp_files,
+)
 
 PROFILE: Final = "gpu"
 CDI_VERSION: Final = "0.3.0"
@@ -159,34 +164,6 @@ class ClaimSpec:
         if not isinstance(nodes, list) or not all(isinstance(n, str) for n in nodes):
             raise ValueError("cdiSpec.deviceNodes must be a list of strings")
         return cls(tuple(CdiDevice.from_json(d) for d in devices), tuple(nodes))
-
-
-class UnsafeFileError(OSError):
-    """A state file's path holds a symlink (errno ELOOP) or something other than a
-    regular file (EINVAL): refused, never followed or opened for reading."""
-
-
-def read_file_nofollow(path: Path) -> bytes:
-    """The content of the regular file at `path`, opened with O_NOFOLLOW: a symlink
-    at `path` itself is refused (`UnsafeFileError`, ELOOP), whatever it points to.
-    O_NONBLOCK keeps a FIFO planted there from blocking the open; anything but a
-    regular file is refused (`UnsafeFileError`, EINVAL). Raises FileNotFoundError if
-    nothing is there. (Directories above `path` are resolved as usual: an operator
-    may mount or link the CDI root or the data directory anywhere.)"""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError as err:
-        if err.errno == errno.ELOOP:
-            raise UnsafeFileError(
-                errno.ELOOP, "is a symbolic link; refusing to follow it", str(path)
-            ) from err
-        raise
-    with os.fdopen(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-            raise UnsafeFileError(
-                errno.EINVAL, "is not a regular file; refusing to read it", str(path)
-            )
-        return f.read()
 
 
 def _cdi_version(device_names: Iterable[str]) -> str:

@@ -48,8 +48,14 @@ from pathlib import Path
 from typing import Any, Final, TypeGuard
 
 from driver.errors import DriverError, ErrorClass, transient
-from driver.state.cdi import ClaimSpec, UnsafeFileError, read_file_nofollow
-from driver.state.fileio import atomic_write, fsync_dir, sweep_temp_files
+from driver.state.cdi import ClaimSpec
+from driver.state.fileio import (
+    UnsafeFileError,
+    atomic_write,
+    fsync_dir,
+    read_file_nofollow,
+    sweep_temp_files,
+)
 
 SCHEMA_VERSION: Final = 1
 CHECKPOINT_FILE: Final = "checkpoint.json"

@@ -1,10 +1,14 @@
-"""Crash-safe file primitives shared by the CDI writer and the checkpoint journal."""
+"""Crash-safe file primitives shared by the CDI writer, the checkpoint journal and the
+health store: atomic writes, durable unlinks, temp-file sweeps, reads that never
+follow a symlink."""
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import secrets
+import stat
 from pathlib import Path
 from typing import Final
 
@@ -102,3 +106,31 @@ def sweep_temp_files(directory: Path, stem_prefix: str) -> list[Path]:
                 os.unlink(path)
                 removed.append(path)
     return removed
+
+
+class UnsafeFileError(OSError):
+    """A state file's path holds a symlink (errno ELOOP) or something other than a
+    regular file (EINVAL): refused, never followed or opened for reading."""
+
+
+def read_file_nofollow(path: Path) -> bytes:
+    """The content of the regular file at `path`, opened with O_NOFOLLOW: a symlink
+    at `path` itself is refused (`UnsafeFileError`, ELOOP), whatever it points to.
+    O_NONBLOCK keeps a FIFO planted there from blocking the open; anything but a
+    regular file is refused (`UnsafeFileError`, EINVAL). Raises FileNotFoundError if
+    nothing is there. (Directories above `path` are resolved as usual: an operator
+    may mount or link the CDI root or the data directory anywhere.)"""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            raise UnsafeFileError(
+                errno.ELOOP, "is a symbolic link; refusing to follow it", str(path)
+            ) from err
+        raise
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            raise UnsafeFileError(
+                errno.EINVAL, "is not a regular file; refusing to read it", str(path)
+            )
+        return f.read()

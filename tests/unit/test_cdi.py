@@ -15,12 +15,12 @@ from driver.state.cdi import (
     CdiSpecs,
     ClaimSpec,
     SharingEnv,
-    UnsafeFileError,
     cdi_device_name,
     claim_device_env,
     device_key,
     gpu_env_id,
 )
+from driver.state.fileio import UnsafeFileError
 
 UID = "11111111-2222-3333-4444-555555555555"
 
