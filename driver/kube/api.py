@@ -2,8 +2,8 @@
 
 The typed models of the official client drop fields they do not know on read and are
 strict about types, so a read-modify-write through them can erase what a newer server
-added. Everything here sends dict bodies and returns parsed JSON; the client library
-still does what it is good at: kubeconfig / in-cluster loading, TLS and authentication.
+added. Everything here sends dict bodies and returns parsed JSON over a urllib3 pool
+(driver/kube/connection.py: kubeconfig / in-cluster settings, TLS, authentication).
 
 Every body is parsed with `driver.config.loads_json`, the decoder the webhook uses:
 it keeps duplicate keys detectable, so a ResourceClaim whose opaque parameters repeat
@@ -13,15 +13,17 @@ admission. Names that go into a URL are quoted with `segment()`.
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import urllib.parse
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from kubernetes import client, config
+import urllib3
 
 from driver.config.loader import loads_json
+from driver.kube.connection import Connection, connect
 
 log = logging.getLogger(__name__)
 
@@ -70,19 +72,15 @@ def _status_message(body: str) -> str:
 class KubeApi:
     """A thin JSON client. Thread-safe: urllib3's pool is shared between threads."""
 
-    def __init__(self, api_client: client.ApiClient) -> None:
-        self._client = api_client
+    def __init__(self, connection: Connection) -> None:
+        self._connection = connection
         self._lock = threading.Lock()
         self.writes = 0  # POST/PUT/PATCH/DELETE sent; benchmarks read it
 
     @classmethod
     def from_kubeconfig(cls, kubeconfig: str | None = None) -> KubeApi:
-        configuration = client.Configuration()
-        if kubeconfig:
-            config.load_kube_config(config_file=kubeconfig, client_configuration=configuration)
-        else:
-            config.load_incluster_config(client_configuration=configuration)
-        return cls(client.ApiClient(configuration))
+        """From a kubeconfig file, or the in-cluster settings if None."""
+        return cls(connect(kubeconfig))
 
     def request(
         self,
@@ -95,7 +93,7 @@ class KubeApi:
         timeout: float = 30.0,
     ) -> JSON:
         response = self._send(method, path, query, body, content_type, timeout, stream=False)
-        data = response.read()
+        data = response.data
         if not 200 <= response.status <= 299:
             raise ApiError(response.status, response.reason or "", data.decode(errors="replace"))
         parsed: JSON = loads_json(data) if data else {}
@@ -106,12 +104,11 @@ class KubeApi:
     ) -> Iterator[tuple[str, JSON]]:
         """Yields (type, object) watch events until the server closes the stream."""
         params = {**query, "watch": "true", "timeoutSeconds": timeout_seconds}
-        response = self._send("GET", path, params, None, None, timeout_seconds + 10, stream=True)
-        raw = response.response
+        raw = self._send("GET", path, params, None, None, timeout_seconds + 10, stream=True)
         try:
-            if not 200 <= response.status <= 299:
+            if not 200 <= raw.status <= 299:
                 body = raw.read().decode(errors="replace")
-                raise ApiError(response.status, response.reason or "", body)
+                raise ApiError(raw.status, raw.reason or "", body)
             buffer = b""
             for chunk in raw.stream(64 * 1024, decode_content=True):
                 buffer += chunk
@@ -133,25 +130,17 @@ class KubeApi:
         timeout: float,
         *,
         stream: bool,
-    ) -> Any:
+    ) -> urllib3.BaseHTTPResponse:
         headers = {"Accept": "application/json"}
+        data = None
         if body is not None:
             headers["Content-Type"] = content_type or "application/json"
-        method_, url, header_params, serialized, _ = self._client.param_serialize(
-            method=method,
-            resource_path=path,
-            query_params=list((query or {}).items()),
-            header_params=headers,
-            body=body,
-            auth_settings=["BearerToken"],
-        )
+            data = json.dumps(body).encode()  # JSON is valid YAML: apply patches too
+        if query:
+            path = f"{path}?{urllib.parse.urlencode(list(query.items()))}"
         if method != "GET":
             with self._lock:
                 self.writes += 1
-        if stream:
-            return self._client.rest_client.request(
-                method_, url, headers=header_params, body=None, _request_timeout=timeout
-            )
-        return self._client.call_api(
-            method_, url, header_params=header_params, body=serialized, _request_timeout=timeout
+        return self._connection.request(
+            method, path, headers=headers, body=data, timeout=timeout, stream=stream
         )

@@ -19,8 +19,7 @@ from dataclasses import dataclass, field
 from decimal import Decimal
 from typing import Any
 
-from kubernetes.utils.quantity import parse_quantity
-
+from driver.devices.documents import parse_quantity
 from driver.kube.api import JSON, ApiError, KubeApi, segment
 
 log = logging.getLogger(__name__)

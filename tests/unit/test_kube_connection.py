@@ -1,0 +1,232 @@
+"""API server settings (driver/kube/connection.py) and the plugin's import footprint."""
+
+from __future__ import annotations
+
+import base64
+import http.server
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, ClassVar
+
+import pytest
+import yaml
+
+from driver.kube.api import ApiError, KubeApi
+from driver.kube.connection import (
+    KubeconfigError,
+    Pem,
+    in_cluster_settings,
+    read_kubeconfig,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def kubeconfig(
+    tmp_path: Path, cluster: dict[str, Any], user: dict[str, Any], context: str = "c"
+) -> Path:
+    path = tmp_path / "kubeconfig"
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "current-context": context,
+                "contexts": [{"name": "c", "context": {"cluster": "k", "user": "u"}}],
+                "clusters": [{"name": "k", "cluster": cluster}],
+                "users": [{"name": "u", "user": user}],
+            }
+        )
+    )
+    return path
+
+
+def test_kubeconfig_with_inline_certificates_and_a_token(tmp_path: Path) -> None:
+    path = kubeconfig(
+        tmp_path,
+        {
+            "server": "https://10.0.0.1:6443",
+            "certificate-authority-data": base64.b64encode(b"CA PEM").decode(),
+            "tls-server-name": "kubernetes",
+        },
+        {
+            "client-certificate-data": base64.b64encode(b"CERT PEM").decode(),
+            "client-key-data": base64.b64encode(b"KEY PEM").decode(),
+            "token": "secret",
+        },
+    )
+    settings = read_kubeconfig(path)
+    assert settings is not None
+    assert settings.server == "https://10.0.0.1:6443"
+    assert settings.ca == Pem(data=b"CA PEM")
+    assert settings.client_cert == Pem(data=b"CERT PEM")
+    assert settings.client_key == Pem(data=b"KEY PEM")
+    assert (settings.token, settings.tls_server_name, settings.insecure) == (
+        "secret",
+        "kubernetes",
+        False,
+    )
+
+
+def test_kubeconfig_file_references_are_relative_to_the_kubeconfig(tmp_path: Path) -> None:
+    path = kubeconfig(
+        tmp_path,
+        {"server": "https://api:6443", "certificate-authority": "pki/ca.crt"},
+        {"client-certificate": "/abs/admin.crt", "client-key": "pki/admin.key", "tokenFile": "t"},
+    )
+    settings = read_kubeconfig(path)
+    assert settings is not None
+    assert settings.ca == Pem(path=tmp_path / "pki/ca.crt")
+    assert settings.client_cert == Pem(path=Path("/abs/admin.crt"))
+    assert settings.client_key == Pem(path=tmp_path / "pki/admin.key")
+    assert settings.token_file == tmp_path / "t"
+
+
+@pytest.mark.parametrize(
+    ("cluster_extra", "user"),
+    [
+        ({}, {"exec": {"apiVersion": "client.authentication.k8s.io/v1", "command": "x"}}),
+        ({}, {"auth-provider": {"name": "oidc"}}),
+        ({}, {"username": "admin", "password": "pw"}),
+        ({"proxy-url": "http://proxy:3128"}, {"token": "t"}),
+    ],
+)
+def test_other_auth_and_proxies_are_left_to_the_official_loader(
+    tmp_path: Path, cluster_extra: dict[str, Any], user: dict[str, Any]
+) -> None:
+    path = kubeconfig(tmp_path, {"server": "https://api:6443", **cluster_extra}, user)
+    assert read_kubeconfig(path) is None
+
+
+@pytest.mark.parametrize(
+    ("cluster", "context", "field"),
+    [
+        ({"server": "https://api:6443"}, "other", "contexts has no entry named 'other'"),
+        ({"server": "api:6443"}, "c", "clusters[k].cluster.server must be an http(s) URL"),
+        (
+            {"server": "https://api:6443", "certificate-authority-data": "%%%"},
+            "c",
+            "clusters[k].cluster.certificate-authority-data",
+        ),
+    ],
+)
+def test_bad_kubeconfig_names_the_field(
+    tmp_path: Path, cluster: dict[str, Any], context: str, field: str
+) -> None:
+    path = kubeconfig(tmp_path, cluster, {"token": "t"}, context=context)
+    with pytest.raises(KubeconfigError, match=re.escape(field)):
+        read_kubeconfig(path)
+
+
+def test_missing_kubeconfig_is_a_config_error(tmp_path: Path) -> None:
+    with pytest.raises(KubeconfigError, match="No such file"):
+        read_kubeconfig(tmp_path / "absent")
+
+
+def test_in_cluster_settings(tmp_path: Path) -> None:
+    (tmp_path / "token").write_text("tok\n")
+    (tmp_path / "ca.crt").write_text("CA")
+    env = {"KUBERNETES_SERVICE_HOST": "fd00::1", "KUBERNETES_SERVICE_PORT": "443"}
+    settings = in_cluster_settings(env, tmp_path)
+    assert settings.server == "https://[fd00::1]:443"
+    assert settings.token_file == tmp_path / "token"
+    assert settings.ca == Pem(path=tmp_path / "ca.crt")
+    with pytest.raises(KubeconfigError, match="KUBERNETES_SERVICE_HOST"):
+        in_cluster_settings({}, tmp_path)
+    (tmp_path / "token").unlink()
+    with pytest.raises(KubeconfigError, match="token does not exist"):
+        in_cluster_settings(env, tmp_path)
+
+
+# -- against a local HTTP server -------------------------------------------------------
+
+
+class Recorder(http.server.BaseHTTPRequestHandler):
+    seen: ClassVar[list[tuple[str, str, str | None, bytes]]] = []
+
+    def _answer(self) -> None:
+        length = int(self.headers.get("Content-Length") or 0)
+        body = self.rfile.read(length) if length else b""
+        self.seen.append((self.command, self.path, self.headers.get("Authorization"), body))
+        if self.path.startswith("/missing"):
+            payload, status = b'{"message": "not here"}', 404
+        elif "watch=true" in self.path:
+            events = [{"type": "ADDED", "object": {"n": i}} for i in range(3)]
+            payload, status = b"".join(json.dumps(e).encode() + b"\n" for e in events), 200
+        else:
+            payload, status = b'{"ok": true}', 200
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(payload)))
+        self.end_headers()
+        self.wfile.write(payload)
+
+    do_GET = do_POST = do_PATCH = _answer
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture
+def server() -> Iterator[str]:
+    Recorder.seen = []
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Recorder)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    httpd.shutdown()
+    httpd.server_close()
+
+
+def test_requests_carry_the_token_query_and_json_body(tmp_path: Path, server: str) -> None:
+    api = KubeApi.from_kubeconfig(str(kubeconfig(tmp_path, {"server": server}, {"token": "t0"})))
+    assert api.request("GET", "/apis/x", query={"fieldSelector": "a=b,c=d"}) == {"ok": True}
+    api.request("PATCH", "/apis/x/y", body={"k": "v"}, content_type="application/merge-patch+json")
+    with pytest.raises(ApiError, match=r"404 .*not here"):
+        api.request("GET", "/missing")
+    assert [kind for kind, _ in api.watch("/apis/x", query={})] == ["ADDED"] * 3
+    assert Recorder.seen[0] == ("GET", "/apis/x?fieldSelector=a%3Db%2Cc%3Dd", "Bearer t0", b"")
+    assert Recorder.seen[1] == ("PATCH", "/apis/x/y", "Bearer t0", b'{"k": "v"}')
+    assert Recorder.seen[3][1] == "/apis/x?watch=true&timeoutSeconds=300"
+    assert api.writes == 1
+
+
+def test_exec_credentials_go_through_the_official_loader(tmp_path: Path, server: str) -> None:
+    plugin = tmp_path / "credential"
+    credential = {
+        "apiVersion": "client.authentication.k8s.io/v1",
+        "kind": "ExecCredential",
+        "status": {"token": "from-exec"},
+    }
+    plugin.write_text(f"#!/bin/sh\necho '{json.dumps(credential)}'\n")
+    plugin.chmod(0o755)
+    user = {"exec": {"apiVersion": "client.authentication.k8s.io/v1", "command": str(plugin)}}
+    api = KubeApi.from_kubeconfig(str(kubeconfig(tmp_path, {"server": server}, user)))
+    api.request("GET", "/apis/x")
+    assert Recorder.seen == [("GET", "/apis/x", "Bearer from-exec", b"")]
+
+
+def test_the_plugin_does_not_import_the_official_client() -> None:
+    """The official client's package (and requests, oauthlib, websocket) cost most of
+    the plugin's start-up and a third of its memory; the plugin reads its kubeconfig
+    itself (the official loader is imported only for exec plugins and the like)."""
+    heavy = ("kubernetes", "requests", "oauthlib", "websocket", "dateutil")
+    code = (
+        "import sys, driver.plugin.main; "
+        f"print(sorted({{m.split('.')[0] for m in sys.modules}} & {set(heavy)!r}))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    assert out.stdout.strip() == "[]"
