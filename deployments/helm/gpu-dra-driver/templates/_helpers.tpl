@@ -133,3 +133,34 @@ as the only term. Empty output: no affinity.
 {{- toYaml $affinity }}
 {{- end }}
 {{- end }}
+
+{{- /*
+Values renamed to the names of NVIDIA's GPU charts and the reference driver's chart;
+the old names (no defaults in values.yaml, so set only by a user) are still read for
+one release. The old name wins over the new name's default; both set to different
+values is an error. Arguments: (list . newName oldParent oldName newDefault).
+*/}}
+{{- define "gpu-dra-driver.renamedValue" -}}
+{{- $root := index . 0 }}
+{{- $new := index . 1 }}
+{{- $oldParent := index . 2 }}
+{{- $oldName := index . 3 }}
+{{- $default := index . 4 }}
+{{- $value := index $root.Values $new }}
+{{- $old := index (index $root.Values $oldParent | default dict) $oldName }}
+{{- if not (kindIs "invalid" $old) }}
+{{- if and (ne (toString $value) (toString $default)) (ne (toString $value) (toString $old)) }}
+{{- fail (printf "%s.%s (deprecated) and %s are both set, to different values: set only %s" $oldParent $oldName $new $new) }}
+{{- end }}
+{{- $value = $old }}
+{{- end }}
+{{- toString $value }}
+{{- end }}
+
+{{- define "gpu-dra-driver.nvidiaDriverRoot" -}}
+{{- include "gpu-dra-driver.renamedValue" (list . "nvidiaDriverRoot" "nvml" "driverRoot" "/") }}
+{{- end }}
+
+{{- define "gpu-dra-driver.logVerbosity" -}}
+{{- include "gpu-dra-driver.renamedValue" (list . "logVerbosity" "logging" "verbosity" 2) }}
+{{- end }}
