@@ -1,11 +1,14 @@
 """Chart values as users of NVIDIA's charts and the reference chart write them: the
-renamed values (old names still read for one release)."""
+renamed values (old names still read for one release) and the Xid lists in every form
+the docs give."""
 
 from __future__ import annotations
 
 import subprocess
+from pathlib import Path
 
 import pytest
+import yaml
 from test_chart_render import (
     CHART,
     MOCK_VALUES,
@@ -19,6 +22,8 @@ from test_chart_render import (
     plugin_container,
     render,
 )
+
+from driver.health.xid import XidList, parse_xid_list
 
 
 def driver_root_host_path(docs: list[Doc]) -> str:
@@ -122,3 +127,73 @@ def test_old_names_print_a_deprecation_note() -> None:
     assert "DEPRECATED: the value logging.verbosity" in notes
     assert "set logVerbosity instead" in notes
     assert "DEPRECATED" not in install_notes("--set", "nvidiaDriverRoot=/a")
+
+
+XID_VALUES = {
+    "kubeletPlugin.health.fatalXids": ("FATAL_XIDS", "--fatal-xids"),
+    "kubeletPlugin.health.additionalXidsToIgnore": (
+        "ADDITIONAL_XIDS_TO_IGNORE",
+        "--additional-xids-to-ignore",
+    ),
+}
+
+
+@pytest.mark.parametrize("key", sorted(XID_VALUES))
+@pytest.mark.parametrize(
+    ("set_args", "file_value", "expected"),
+    [
+        (["--set", "{key}=79"], None, XidList(frozenset({79}))),
+        (["--set", "{key}=all"], None, XidList(all=True)),
+        (["--set", "{key}=79\\,48"], None, XidList(frozenset({48, 79}))),
+        (["--set-string", "{key}=79"], None, XidList(frozenset({79}))),
+        (["--set", "{key}={{79,48}}"], None, XidList(frozenset({48, 79}))),
+        ([], [79, 48], XidList(frozenset({48, 79}))),
+        ([], 4294967295, XidList(frozenset({4294967295}))),
+        ([], "all", XidList(all=True)),
+        ([], [], XidList()),
+        ([], "", XidList()),
+    ],
+    ids=[
+        "set-number",
+        "set-all",
+        "set-comma-string",
+        "set-string-number",
+        "set-list",
+        "file-list",
+        "file-largest-number",
+        "file-all",
+        "file-empty-list",
+        "file-empty-string",
+    ],
+)
+def test_xid_list_forms_reach_the_plugin_as_its_flag_expects(
+    key: str,
+    set_args: list[str],
+    file_value: object,
+    expected: XidList,
+    tmp_path: Path,
+) -> None:
+    env_name, flag = XID_VALUES[key]
+    args = [a.format(key=key) for a in set_args]
+    if file_value is not None:
+        *parents, leaf = key.split(".")
+        tree: dict[str, object] = {leaf: file_value}
+        for parent in reversed(parents):
+            tree = {parent: tree}
+        values = tmp_path / "values.yaml"
+        values.write_text(yaml.safe_dump(tree))
+        args = ["--values", str(values)]
+    value = env_of(plugin_container(render(*args)))[env_name]["value"]
+    assert isinstance(value, str)
+    assert parse_xid_list(value, flag) == expected
+
+
+@pytest.mark.parametrize("key", sorted(XID_VALUES))
+@pytest.mark.parametrize(
+    "bad",
+    ["{key}=0", "{key}=79;48", "{key}=-5", "{key}={{79,abc}}", "{key}=4294967296", "{key}=true"],
+)
+def test_bad_xid_values_are_rejected_naming_the_value(key: str, bad: str) -> None:
+    proc = helm_template("--set", bad.format(key=key), check=False)
+    assert proc.returncode != 0
+    assert "/kubeletPlugin/health/" + key.rsplit(".", 1)[1] in proc.stderr, proc.stderr

@@ -164,3 +164,20 @@ values is an error. Arguments: (list . newName oldParent oldName newDefault).
 {{- define "gpu-dra-driver.logVerbosity" -}}
 {{- include "gpu-dra-driver.renamedValue" (list . "logVerbosity" "logging" "verbosity" 2) }}
 {{- end }}
+
+{{- /*
+An Xid list value as the plugin's --fatal-xids / --additional-xids-to-ignore take it
+(comma-separated, or "all"): the value may be that string, one number (`--set x=79`
+gives an integer, a values file a float) or a list of numbers.
+*/}}
+{{- define "gpu-dra-driver.xidList" -}}
+{{- if kindIs "slice" . }}
+{{- $xids := list }}
+{{- range . }}{{ $xids = append $xids (int64 .) }}{{ end }}
+{{- join "," $xids }}
+{{- else if kindIs "string" . }}
+{{- . }}
+{{- else if not (kindIs "invalid" .) }}
+{{- int64 . }}
+{{- end }}
+{{- end }}
