@@ -99,6 +99,16 @@ class KubeApi:
         parsed: JSON = loads_json(data) if data else {}
         return parsed
 
+    def get_text(self, path: str, *, timeout: float = 30.0) -> str:
+        """A GET of an endpoint that does not answer JSON (e.g. `/metrics`)."""
+        response = self._connection.request(
+            "GET", path, headers={"Accept": "text/plain"}, body=None, timeout=timeout, stream=False
+        )
+        text = response.data.decode(errors="replace")
+        if not 200 <= response.status <= 299:
+            raise ApiError(response.status, response.reason or "", text)
+        return text
+
     def watch(
         self, path: str, *, query: Mapping[str, str | int], timeout_seconds: int = 300
     ) -> Iterator[tuple[str, JSON]]:

@@ -191,6 +191,7 @@ def test_requests_carry_the_token_query_and_json_body(tmp_path: Path, server: st
     with pytest.raises(ApiError, match=r"404 .*not here"):
         api.request("GET", "/missing")
     assert [kind for kind, _ in api.watch("/apis/x", query={})] == ["ADDED"] * 3
+    assert api.get_text("/metrics") == '{"ok": true}'
     assert Recorder.seen[0] == ("GET", "/apis/x?fieldSelector=a%3Db%2Cc%3Dd", "Bearer t0", b"")
     assert Recorder.seen[1] == ("PATCH", "/apis/x/y", "Bearer t0", b'{"k": "v"}')
     assert Recorder.seen[3][1] == "/apis/x?watch=true&timeoutSeconds=300"
