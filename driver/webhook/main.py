@@ -5,49 +5,77 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 import threading
 from collections.abc import Sequence
 from types import FrameType
 
-from driver.plugin.flags import add_version_flag, package_version
+from driver.plugin.flags import add_version_flag, document_env_and_defaults, package_version
 from driver.webhook.server import VALIDATE_PATH, WebhookServer
 
 log = logging.getLogger("gpu-dra-webhook")
 
 
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
+
 def build_parser() -> argparse.ArgumentParser:
+    """Every flag can also come from its environment variable (--tls-cert-file:
+    TLS_CERT_FILE, --v: V); the command line wins."""
     parser = argparse.ArgumentParser(prog="gpu-dra-webhook", description=__doc__)
     add_version_flag(parser)
-    parser.add_argument("--tls-cert-file", required=True, help="PEM certificate (chain) file")
-    parser.add_argument("--tls-private-key-file", required=True, help="PEM private key file")
-    parser.add_argument("--port", type=int, default=443, help="HTTPS port (default: %(default)s)")
+    parser.add_argument(
+        "--tls-cert-file",
+        default=os.environ.get("TLS_CERT_FILE"),
+        required="TLS_CERT_FILE" not in os.environ,
+        help="PEM certificate (chain) file",
+    )
+    parser.add_argument(
+        "--tls-private-key-file",
+        default=os.environ.get("TLS_PRIVATE_KEY_FILE"),
+        required="TLS_PRIVATE_KEY_FILE" not in os.environ,
+        help="PEM private key file",
+    )
+    parser.add_argument(
+        "--port", type=int, default=os.environ.get("PORT", "443"), help="HTTPS port"
+    )
     parser.add_argument(
         "--bind-address",
-        default="",
-        help="address to listen on (default: all IPv4 addresses; use :: for IPv6)",
+        default=os.environ.get("BIND_ADDRESS", ""),
+        help="address to listen on, :: for IPv6; none means all IPv4 addresses",
     )
     parser.add_argument(
         "--driver-name",
-        default="gpu.example.com",
-        help="DRA driver name whose opaque configs are validated (default: %(default)s)",
+        default=os.environ.get("DRIVER_NAME", "gpu.example.com"),
+        help="DRA driver name whose opaque configs are validated",
     )
     parser.add_argument(
         "--log-level",
-        default="INFO",
-        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
-        help="(default: %(default)s)",
+        default=os.environ.get("LOG_LEVEL", "INFO"),
+        choices=LOG_LEVELS,
+        help="log level",
     )
     parser.add_argument(
         "-v",
         "--v",
         dest="verbosity",
         type=int,
-        default=0,
-        help="log verbosity; >= 1 logs at DEBUG whatever --log-level says (default: %(default)s)",
+        default=os.environ.get("V", "0"),
+        help="log verbosity; >= 1 logs at DEBUG whatever --log-level says",
     )
+    document_env_and_defaults(parser)
     return parser
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    # argparse checks the choices of command-line values only, not of env defaults.
+    if args.log_level not in LOG_LEVELS:
+        parser.error(f"--log-level (or LOG_LEVEL): {args.log_level!r} is not one of {LOG_LEVELS}")
+    return args
 
 
 def log_level(args: argparse.Namespace) -> str:
@@ -55,7 +83,7 @@ def log_level(args: argparse.Namespace) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     logging.basicConfig(
         level=log_level(args), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
