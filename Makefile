@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
 .PHONY: venv lock proto proto-check lint typecheck unit integration e2e test test-gpu test-reliability \
-        cluster-build cluster-up cluster-down cluster-status demo bench clean helm image \
+        cluster-build cluster-up cluster-down cluster-status demo bench bench-scale clean helm image \
         kind-up kind-install kind-demo kind-down
 
 venv: $(VENV)/.installed
@@ -111,6 +111,12 @@ test-reliability: venv cluster-build
 bench: venv cluster-build
 	@ref="$${GPU_DRA_REFERENCE_PLUGIN:-$$(hack/build-reference.sh | tail -n 1)}" && \
 	$(PY) -m bench.run --reference "$$ref" --plot docs/prepare-latency.png $(BENCH_ARGS)
+
+# The real kube-scheduler against 10, 100 and 500 fake nodes of this driver's slices
+# (every MIG placement, whole GPUs, --gpu-partitions 4); bench/results/scale-<date>.json.
+# SCALE_ARGS e.g. --nodes 10 --repetitions 1.
+bench-scale: venv cluster-build
+	$(PY) -m bench.scale $(SCALE_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

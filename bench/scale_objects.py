@@ -1,0 +1,173 @@
+"""The objects of the scheduler-scale benchmark (pure): layouts, nodes, slices, claims, pods.
+
+Each fake node's ResourceSlices come from the driver's own path: the mock NVML's
+inventory of 8 H100-80GB for that node name -> `build_pool` -> `build_slice_documents`,
+exactly what the plugin's slice publisher sends. Three layouts of the same GPUs:
+
+- `mig`: MIG mode on, driver-managed: every (profile, placement) of every GPU is a
+  device (26 per GPU with the whole GPU), consuming the GPU's counter set; a pod asks
+  for one 1g.10gb MIG device;
+- `whole`: MIG mode off: one device per GPU; a pod asks for a whole GPU;
+- `partitions4`: MIG mode off, `--gpu-partitions 4` (the reference's layout): four
+  partitions and a full device per GPU, sharing a counter set; a pod asks for a partition.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from driver.devices.model import PoolOptions, build_pool
+from driver.devices.slices import build_slice_documents
+from driver.nvml.backend import NvmlBackend
+from driver.nvml.fleet import Fleet, parse_fleet
+from driver.nvml.mock import MockNvml
+
+DRIVER = "gpu.example.com"
+GPUS_PER_NODE = 8
+GPU_MODEL = "H100-80GB"
+WHOLE_CLASS = DRIVER
+PARTITION_CLASS = f"mig.{DRIVER}"
+NAMESPACE = "scale"
+# Allocatable of every fake node: far more than the pods need, so only devices limit.
+NODE_ALLOCATABLE = {"cpu": "64", "memory": "512Gi", "pods": "110"}
+PAUSE_IMAGE = "registry.k8s.io/pause:3.10"
+_ATTRS = f"device.attributes['{DRIVER}']"
+
+
+@dataclass(frozen=True)
+class Layout:
+    name: str
+    mig_mode: str  # the fleet's migMode: "enabled" or "disabled"
+    gpu_partitions: int
+    device_class: str
+    selector: str | None  # CEL the claim's request adds to its class, if any
+    description: str
+
+    def fleet(self) -> Fleet:
+        group = {"model": GPU_MODEL, "count": GPUS_PER_NODE, "migMode": self.mig_mode}
+        return parse_fleet({"gpus": [group]}, source=f"scale layout {self.name}")
+
+
+LAYOUTS: dict[str, Layout] = {
+    layout.name: layout
+    for layout in (
+        Layout(
+            "mig",
+            "enabled",
+            0,
+            PARTITION_CLASS,
+            f"{_ATTRS}.profile == '1g.10gb'",
+            "every MIG placement (dynamic MIG); a pod asks for a 1g.10gb MIG device",
+        ),
+        Layout("whole", "disabled", 0, WHOLE_CLASS, None, "whole GPUs; a pod asks for one"),
+        Layout(
+            "partitions4",
+            "disabled",
+            4,
+            PARTITION_CLASS,
+            None,
+            "--gpu-partitions 4 (the reference's layout); a pod asks for a partition",
+        ),
+    )
+}
+
+
+def node_name(index: int) -> str:
+    return f"scale-node-{index:04d}"
+
+
+def node_slices(layout: Layout, name: str, uid: str, fleet: Fleet | None = None) -> list[Any]:
+    """The ResourceSlice documents the plugin would publish on this node."""
+    inventory = NvmlBackend(MockNvml(fleet or layout.fleet(), name)).discover()
+    pool = build_pool(
+        inventory, PoolOptions(driver_name=DRIVER, gpu_partitions=layout.gpu_partitions)
+    )
+    return build_slice_documents(pool, driver=DRIVER, node_name=name, node_uid=uid)
+
+
+def slice_device_count(docs: list[Any]) -> int:
+    return sum(len(d["spec"].get("devices", [])) for d in docs)
+
+
+def node_document(name: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Node",
+        "metadata": {"name": name, "labels": {"kubernetes.io/hostname": name}},
+    }
+
+
+def node_status(now: str) -> dict[str, Any]:
+    """A Ready status for a Node without a kubelet (merge patch of /status)."""
+    return {
+        "status": {
+            "capacity": NODE_ALLOCATABLE,
+            "allocatable": NODE_ALLOCATABLE,
+            "conditions": [
+                {
+                    "type": "Ready",
+                    "status": "True",
+                    "reason": "ScaleBenchmark",
+                    "message": "fake node of the scheduler-scale benchmark",
+                    "lastHeartbeatTime": now,
+                    "lastTransitionTime": now,
+                }
+            ],
+        }
+    }
+
+
+def device_classes() -> list[dict[str, Any]]:
+    """The chart's two DeviceClasses (whole GPUs; partitions of either kind)."""
+    base = f"device.driver == '{DRIVER}'"
+    expressions = {
+        WHOLE_CLASS: f"{base} && !('profile' in {_ATTRS}) && !('partition' in {_ATTRS})",
+        PARTITION_CLASS: f"{base} && ('profile' in {_ATTRS} || 'partition' in {_ATTRS})",
+    }
+    return [
+        {
+            "apiVersion": "resource.k8s.io/v1",
+            "kind": "DeviceClass",
+            "metadata": {"name": name},
+            "spec": {"selectors": [{"cel": {"expression": expression}}]},
+        }
+        for name, expression in expressions.items()
+    ]
+
+
+def claim_document(layout: Layout, name: str) -> dict[str, Any]:
+    exactly: dict[str, Any] = {"deviceClassName": layout.device_class}
+    if layout.selector:
+        exactly["selectors"] = [{"cel": {"expression": layout.selector}}]
+    return {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceClaim",
+        "metadata": {"name": name},
+        "spec": {"devices": {"requests": [{"name": "gpu", "exactly": exactly}]}},
+    }
+
+
+def pod_document(name: str, claim: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name},
+        "spec": {
+            "terminationGracePeriodSeconds": 0,
+            "containers": [
+                {"name": "main", "image": PAUSE_IMAGE, "resources": {"claims": [{"name": "gpu"}]}}
+            ],
+            "resourceClaims": [{"name": "gpu", "resourceClaimName": claim}],
+        },
+    }
+
+
+def pod_count(nodes: int, cap: int) -> int:
+    """Half the whole-GPU layout's capacity (4 pods per node of 8 GPUs), at most `cap`:
+    every pod fits in every layout, so all three schedule the same pods."""
+    if nodes < 1:
+        raise ValueError(f"nodes must be >= 1, got {nodes}")
+    if cap < 1:
+        raise ValueError(f"pod cap must be >= 1, got {cap}")
+    return min(GPUS_PER_NODE // 2 * nodes, cap)

@@ -1,0 +1,227 @@
+"""The pure parts of the scheduler-scale benchmark: slices per layout, pod counts,
+percentile and throughput math, the report table and the doc section it rewrites."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import pytest
+
+from bench import scale_objects as obj
+from bench import scale_report as report
+from bench.scale import _int_list, _layout_list
+from bench.scale_cluster import parse_totals
+from driver.devices.slices import (
+    MAX_DEVICES_PER_SLICE_WITH_COUNTERS_OR_TAINTS,
+    validate_slice_specs,
+)
+
+
+def _slices(layout: str, node: str = "scale-node-0000") -> list[dict[str, Any]]:
+    return obj.node_slices(obj.LAYOUTS[layout], node, "uid-1")
+
+
+@pytest.mark.parametrize(
+    ("layout", "devices", "slices"),
+    [
+        # 8 GPUs x (whole + 25 MIG placements); 1 counter-set slice + 208 / 64 -> 4.
+        ("mig", 8 * 26, 5),
+        ("whole", 8, 1),
+        # 8 GPUs x (4 partitions + full); 1 counter-set slice + 1 device slice.
+        ("partitions4", 8 * 5, 2),
+    ],
+)
+def test_each_layout_publishes_the_driver_slices_of_8_h100(
+    layout: str, devices: int, slices: int
+) -> None:
+    docs = _slices(layout)
+    assert len(docs) == slices
+    assert obj.slice_device_count(docs) == devices
+    assert validate_slice_specs([d["spec"] for d in docs]) == []
+    for doc in docs:
+        spec = doc["spec"]
+        assert spec["nodeName"] == "scale-node-0000"
+        assert spec["pool"] == {
+            "name": "scale-node-0000",
+            "generation": 1,
+            "resourceSliceCount": slices,
+        }
+        assert doc["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
+        assert len(spec.get("devices", [])) <= MAX_DEVICES_PER_SLICE_WITH_COUNTERS_OR_TAINTS
+
+
+def test_mig_layout_has_every_1g10gb_placement_per_gpu() -> None:
+    names = [d["name"] for doc in _slices("mig") for d in doc["spec"].get("devices", [])]
+    assert [n for n in names if n.startswith("gpu-3-mig-1g10gb-") and "-me-" not in n] == [
+        f"gpu-3-mig-1g10gb-{i}" for i in range(7)
+    ]
+
+
+def test_partition_layout_is_the_reference_layout() -> None:
+    names = [d["name"] for doc in _slices("partitions4") for d in doc["spec"].get("devices", [])]
+    assert names[:5] == [f"gpu-0-partition-{j}" for j in range(4)] + ["gpu-0-full"]
+
+
+def test_slices_of_n_nodes_are_per_node_pools_with_distinct_uuids() -> None:
+    layout = obj.LAYOUTS["whole"]
+    fleet = layout.fleet()
+    docs = [d for i in range(3) for d in obj.node_slices(layout, obj.node_name(i), f"u{i}", fleet)]
+    assert [d["spec"]["pool"]["name"] for d in docs] == [obj.node_name(i) for i in range(3)]
+    uuids = {dev["attributes"]["uuid"]["string"] for d in docs for dev in d["spec"]["devices"]}
+    assert len(uuids) == 3 * obj.GPUS_PER_NODE
+
+
+def test_claims_ask_each_layout_for_one_device_of_its_class() -> None:
+    mig = obj.claim_document(obj.LAYOUTS["mig"], "c")["spec"]["devices"]["requests"]
+    assert mig[0]["exactly"]["deviceClassName"] == obj.PARTITION_CLASS
+    assert "1g.10gb" in mig[0]["exactly"]["selectors"][0]["cel"]["expression"]
+    whole = obj.claim_document(obj.LAYOUTS["whole"], "c")["spec"]["devices"]["requests"]
+    assert whole == [{"name": "gpu", "exactly": {"deviceClassName": obj.WHOLE_CLASS}}]
+    pod = obj.pod_document("p", "c")["spec"]
+    assert pod["resourceClaims"] == [{"name": "gpu", "resourceClaimName": "c"}]
+
+
+def test_pod_count_is_half_the_whole_gpus_capped() -> None:
+    assert obj.pod_count(10, 400) == 40
+    assert obj.pod_count(100, 400) == 400
+    assert obj.pod_count(500, 400) == 400
+    with pytest.raises(ValueError, match="nodes must be >= 1"):
+        obj.pod_count(0, 400)
+    with pytest.raises(ValueError, match="pod cap"):
+        obj.pod_count(10, 0)
+
+
+def test_percentile_interpolates_between_closest_ranks() -> None:
+    samples = [5.0, 1.0, 3.0, 2.0, 4.0]
+    assert report.percentile(samples, 50) == 3.0
+    assert report.percentile(samples, 0) == 1.0
+    assert report.percentile(samples, 100) == 5.0
+    assert report.percentile(samples, 99) == pytest.approx(4.96)
+    assert report.percentile([7.0], 99) == 7.0
+    with pytest.raises(report.ReportError, match="no samples"):
+        report.percentile([], 50)
+    with pytest.raises(report.ReportError, match=r"within 0\.\.100"):
+        report.percentile(samples, 101)
+
+
+def test_throughput_spans_first_creation_to_last_scheduling() -> None:
+    assert report.throughput([0.0, 0.1, 0.2, 0.3], [0.5, 1.0, 1.5, 2.0]) == 2.0
+    with pytest.raises(report.ReportError, match="one creation and one scheduling"):
+        report.throughput([0.0], [1.0, 2.0])
+    with pytest.raises(report.ReportError, match="non-positive span"):
+        report.throughput([1.0], [1.0])
+
+
+def _point(layout: str, nodes: int, latencies: list[list[float]]) -> dict[str, Any]:
+    return {
+        "layout": layout,
+        "nodes": nodes,
+        "slices": nodes,
+        "devices": 8 * nodes,
+        "slice_bytes": 3 << 20,
+        "publish_s": 1.5,
+        "repetitions": [
+            {
+                "latency_ms": lat,
+                "pods_per_s": 10.0 * (i + 1),
+                "unscheduled": 0,
+                "scheduler": {"filter_count": 2, "filter_seconds": 0.01 * (i + 1)},
+            }
+            for i, lat in enumerate(latencies)
+        ],
+    }
+
+
+def _results(points: list[dict[str, Any]]) -> dict[str, Any]:
+    load = {"1m": 1.0, "5m": 2.0, "15m": 3.0}
+    return {
+        "started": "2026-01-01T00:00:00Z",
+        "points": points,
+        "load": {"start": load, "end": load},
+    }
+
+
+def test_summary_pools_repetitions() -> None:
+    s = report.summarise(_point("mig", 10, [[100.0, 300.0], [200.0]]))
+    assert s.pods == 3
+    assert s.repetitions == 2
+    assert s.p50_ms == 200.0
+    assert s.max_ms == 300.0
+    assert s.pods_per_s == (10.0, 20.0)
+    assert s.slice_mib == 3.0
+    assert s.filter_ms == pytest.approx(7.5)  # (0.01 + 0.02) s over 4 cycles
+    assert s.dra_node_ms is None
+
+
+def test_summary_names_a_missing_field() -> None:
+    point = _point("mig", 10, [[1.0]])
+    del point["repetitions"][0]["pods_per_s"]
+    with pytest.raises(report.ReportError, match="'pods_per_s' is missing"):
+        report.summarise(point)
+
+
+def test_table_orders_by_nodes_then_layout_and_compares_with_whole() -> None:
+    results = _results(
+        [
+            _point("whole", 100, [[100.0]]),
+            _point("mig", 100, [[250.0]]),
+            _point("mig", 10, [[50.0]]),
+        ]
+    )
+    rows = report.table(results).splitlines()[2:]
+    assert [r.split("|")[1:3] for r in rows] == [
+        [" mig ", " 10 "],
+        [" mig ", " 100 "],
+        [" whole ", " 100 "],
+    ]
+    assert "| 2.50x |" in rows[1]
+    assert "| 1.00x |" in rows[2]
+    assert "| - |" in rows[0]  # no whole-GPU point at 10 nodes
+
+
+def test_replace_section_rewrites_only_between_markers() -> None:
+    doc = f"# T\n\nbefore\n{report.BEGIN}\nold\n{report.END}\nafter\n"
+    new = report.replace_section(doc, _results([_point("whole", 10, [[1.0, 2.0]])]))
+    assert new.startswith("# T\n\nbefore\n<!-- scale:begin -->\nRun 2026-01-01T00:00:00Z")
+    assert new.endswith("<!-- scale:end -->\nafter\n")
+    assert "old" not in new
+    assert "| whole | 10 |" in new
+    with pytest.raises(report.ReportError, match="markers"):
+        report.replace_section("no markers", _results([]))
+
+
+def test_scheduler_histograms_are_summed_over_their_series() -> None:
+    text = "\n".join(
+        [
+            "# HELP x",
+            'scheduler_framework_extension_point_duration_seconds_sum{extension_point="Filter",'
+            'profile="default-scheduler",status="Success"} 0.5',
+            'scheduler_framework_extension_point_duration_seconds_count{extension_point="Filter",'
+            'profile="default-scheduler",status="Success"} 4',
+            'scheduler_framework_extension_point_duration_seconds_count{extension_point="Filter",'
+            'profile="default-scheduler",status="Unschedulable"} 1',
+            'scheduler_framework_extension_point_duration_seconds_bucket{extension_point="Filter",'
+            'profile="default-scheduler",status="Success",le="0.1"} 3',
+            'scheduler_framework_extension_point_duration_seconds_sum{extension_point="Bind",'
+            'profile="default-scheduler",status="Success"} 9',
+            'scheduler_plugin_execution_duration_seconds_sum{extension_point="Filter",'
+            'plugin="DynamicResources",status="Success"} 0.25',
+        ]
+    )
+    totals = parse_totals(text)
+    assert totals["filter_count"] == 5
+    assert totals["filter_seconds"] == 0.5
+    assert totals["dra_filter_node_seconds"] == 0.25
+    assert totals["attempt_count"] == 0
+
+
+def test_cli_lists_are_checked() -> None:
+    assert _int_list("10,100") == [10, 100]
+    with pytest.raises(argparse.ArgumentTypeError, match="--nodes"):
+        _int_list("10,x")
+    with pytest.raises(argparse.ArgumentTypeError, match=">= 1"):
+        _int_list("0")
+    assert _layout_list("mig,whole") == ["mig", "whole"]
+    with pytest.raises(argparse.ArgumentTypeError, match="unknown gpus"):
+        _layout_list("mig,gpus")
