@@ -337,11 +337,19 @@ class Checkpoint:
             raise transient(f"cannot read checkpoint {self.path}: {err}") from err
         return decode(data, self.path)
 
-    def store(self, entries: Mapping[str, ClaimEntry], *, before_rename: str | None = None) -> None:
-        """Atomically replace the journal. Raises a transient DriverError on I/O errors."""
+    def store(
+        self,
+        entries: Mapping[str, ClaimEntry],
+        *,
+        before_rename: str | None = None,
+        sync_dir: bool = True,
+    ) -> None:
+        """Atomically replace the journal. Raises a transient DriverError on I/O errors.
+        `sync_dir=False`: the new content is complete on disk but the rename becomes
+        durable only with the next store that syncs (see `atomic_write`)."""
         try:
             self.data_dir.mkdir(parents=True, exist_ok=True, mode=DATA_DIR_MODE)
-            atomic_write(self.path, encode(entries), before_rename=before_rename)
+            atomic_write(self.path, encode(entries), before_rename=before_rename, sync_dir=sync_dir)
         except OSError as err:
             raise transient(f"cannot write checkpoint {self.path}: {err}") from err
 

@@ -21,12 +21,12 @@ MIG lifecycle come in as small protocols (driver/state/claims.py, instances.py).
    removed (one directory fsync), their MIG devices destroyed;
 5. ONE journal store with every planned claim's `PrepareStarted` entry (MIG devices
    named by placement: the intent) -> the MIG devices created -> every CDI spec
-   (atomic, one fsync of the CDI root for the batch) -> ONE journal store with the
-   `PrepareCompleted` entries (MIG ids, UUIDs and the spec content).
+   (temp file, fsync, rename) -> ONE journal store with the `PrepareCompleted` entries
+   (MIG ids, UUIDs and the spec content), whose directory fsync is the only one.
 
 A claim that fails in steps 4-5 is rolled back alone (spec removed, MIG devices
-destroyed, entry dropped in the next store); only a failed journal store or CDI root
-fsync fails the whole batch, which is then rolled back. Unprepare and start-up
+destroyed, entry dropped in the next store); only a failed journal store fails the
+whole batch, which is then rolled back. Unprepare and start-up
 recovery live in driver/state/teardown.py.
 """
 
@@ -100,7 +100,6 @@ class _Work:
     claim: dict[str, Any]
     planned: tuple[PlannedDevice, ...]
     spec: ClaimSpec | None = None
-    written: bool = False  # its CDI spec was renamed into place
     error: DriverError | None = None
 
     def entry(self, state: ClaimState) -> ClaimEntry:
@@ -328,12 +327,20 @@ class DeviceState:
 
         failpoint("prepare-before-started")
         try:
-            self.checkpoint.store(journal, before_rename="prepare-started-before-rename")
+            # No directory fsync: a crash of the process keeps the rename (page cache),
+            # and a power loss, which could lose it, also takes every MIG device with
+            # it; the specs written next are made safe by the PrepareCompleted store.
+            self.checkpoint.store(
+                journal, before_rename="prepare-started-before-rename", sync_dir=False
+            )
         except DriverError as err:
             self._abort(work, journal, results, err)
             return
         failpoint("prepare-after-started")
 
+        # Each spec's content is fsynced before its rename, so a spec on disk is whole;
+        # the renames are not synced: the PrepareCompleted entries carry every spec,
+        # and recover() rewrites one a power loss took before the kubelet can use it.
         for w in work:
             try:
                 w.planned = tuple(self.instances.create(w.planned))
@@ -341,16 +348,8 @@ class DeviceState:
                 self.cdi.write_claim_spec(
                     w.ref.uid, w.spec, before_rename="prepare-cdi-before-rename", sync_dir=False
                 )
-                w.written = True
             except Exception as exc:
                 w.error = self._error(exc, w.ref.uid)
-        if any(w.written for w in work):
-            try:
-                self.cdi.sync_root()  # one directory fsync for every spec of the batch
-            except OSError as err:
-                for w in work:
-                    if w.written:
-                        w.error = transient(f"cannot sync CDI root {self.cdi.root}: {err}")
         failpoint("prepare-after-cdi")
 
         failed = [w for w in work if w.error is not None]
