@@ -731,6 +731,27 @@ def test_device_classes(default_docs: list[Doc]) -> None:
     assert names == {"gpu.acme.io", "mig.gpu.acme.io"}
 
 
+def test_device_class_extended_resource_names(default_docs: list[Doc]) -> None:
+    """deviceClasses.<class>.extendedResourceName -> the DeviceClass's extendedResourceName
+    (KEP-5004); unset by default, where only the implicit deviceclass.resource.kubernetes.io
+    name exists."""
+    for doc in default_docs:
+        if doc["kind"] == "DeviceClass":
+            assert "extendedResourceName" not in doc["spec"], doc
+    docs = render(
+        "--set",
+        "deviceClasses.gpu.extendedResourceName=example.com/gpu",
+        "--set",
+        "deviceClasses.partition.extendedResourceName=example.com/gpu-partition",
+    )
+    names = {
+        d["metadata"]["name"]: d["spec"].get("extendedResourceName")
+        for d in docs
+        if d["kind"] == "DeviceClass"
+    }
+    assert names == {DRIVER: "example.com/gpu", f"mig.{DRIVER}": "example.com/gpu-partition"}
+
+
 # --- webhook --------------------------------------------------------------------------
 
 
