@@ -1,20 +1,23 @@
 """Scheduler scale: the real kube-scheduler allocating one claim per pod against N nodes
 of this driver's ResourceSlices. `python -m bench.scale [--nodes 10,100,500]`.
 
-Per (layout, N) point: a fresh private control plane (hack/local-cluster.sh on free
-ports: etcd, kube-apiserver, kube-controller-manager, kube-scheduler, the DRA gates of
-the local cluster), N fake Ready Nodes (no kubelets: pods are bound, never run), their
-slices built by the driver's own slice builder (bench/scale_objects.py) and created
-through the API, then per repetition: pre-created claims, then one pod per claim
-created in a burst; time to scheduled per pod; pods and claims deleted before the next.
-Results: bench/results/scale-<date>.json; `python -m bench.scale --report FILE` prints
-the table, `--doc docs/benchmarks.md` rewrites its scale section.
+Per (layout, N): a fresh private control plane (hack/local-cluster.sh on free ports:
+etcd, kube-apiserver, kube-controller-manager, kube-scheduler, the local cluster's DRA
+gates), a second kube-scheduler with its client rate limit lifted
+(bench/scale_scheduler.py), N fake Ready Nodes (no kubelets: pods are bound, never
+run), their slices built by the driver's own slice builder (bench/scale_objects.py)
+and created through the API. Then the two schedulers take turns, one repetition each:
+pre-created claims, one pod per claim created in a burst, time to scheduled per pod,
+pods and claims deleted before the next burst. Results:
+bench/results/scale-<date>.json; `python -m bench.scale --report FILE` prints the
+table, with `--doc docs/benchmarks.md` it rewrites that document's scale section.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime as dt
+import functools
 import json
 import subprocess
 import sys
@@ -26,11 +29,20 @@ from bench import scale_cluster as sc
 from bench import scale_objects as obj
 from bench import scale_report
 from bench.cluster import Api, BenchError, LocalCluster
+from bench.scale_scheduler import (
+    DEFAULT_SCHEDULER,
+    UNTHROTTLED_SCHEDULER,
+    VARIANTS,
+    SchedulerMetrics,
+    SchedulerVariant,
+    UnthrottledScheduler,
+    cluster_scheduler_metrics,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
 DEFAULT_NODES = (10, 100, 500)
-DEFAULT_POD_CAP = 400
+DEFAULT_POD_CAP = 200
 WARMUP_NAMESPACE = "scale-warmup"
 SETTLE_S = 3.0  # after the warm-up pod: the scheduler's slice informer catches up
 
@@ -50,28 +62,44 @@ def kubernetes_version() -> str:
     return out.stdout.strip().removeprefix("Kubernetes ")
 
 
+def _node_of(api: Api, pod_path: str) -> str | None:
+    node = api.get(pod_path)["spec"].get("nodeName")
+    return str(node) if node else None
+
+
 def _warm_up(api: Api, layout: obj.Layout) -> None:
-    """One pod scheduled end to end before anything is timed."""
+    """One pod per scheduler scheduled end to end before anything is timed."""
     sc.ensure_namespace(api, WARMUP_NAMESPACE)
     base = f"/api/v1/namespaces/{WARMUP_NAMESPACE}"
     claims = f"/apis/resource.k8s.io/v1/namespaces/{WARMUP_NAMESPACE}/resourceclaims"
-    api.post(claims, obj.claim_document(layout, "warmup"))
-    api.post(f"{base}/pods", obj.pod_document("warmup", "warmup"))
-    sc.wait_for(
-        lambda: api.get(f"{base}/pods/warmup")["spec"].get("nodeName"), 120, "warm-up pod bound"
-    )
+    for variant in VARIANTS:
+        name = f"warmup-{variant.label}"
+        api.post(claims, obj.claim_document(layout, name))
+        api.post(f"{base}/pods", obj.pod_document(name, name, variant.name))
+        sc.wait_for(
+            functools.partial(_node_of, api, f"{base}/pods/{name}"),
+            120,
+            f"warm-up pod {name} bound",
+        )
     time.sleep(SETTLE_S)
 
 
 def _repetition(
-    api: Api, metrics: sc.SchedulerMetrics, layout: obj.Layout, pods: int, rep: int
+    api: Api,
+    metrics: SchedulerMetrics,
+    variant: SchedulerVariant,
+    layout: obj.Layout,
+    pods: int,
+    rep: int,
 ) -> dict[str, Any]:
-    names = [(f"pod-{rep}-{i:04d}", f"claim-{rep}-{i:04d}") for i in range(pods)]
+    names = [
+        (f"{variant.label}-{rep}-{i:04d}", f"{variant.label}-{rep}-{i:04d}") for i in range(pods)
+    ]
     sc.create_claims(api, layout, [claim for _, claim in names])
     watch = sc.PodWatch(api, expected=pods)
     watch.start()
     before = metrics.totals()
-    created = sc.create_pods(api, names)
+    created = sc.create_pods(api, names, variant.name)
     watch.wait(timeout=60 + pods)
     after = metrics.totals()
     bound = [name for name in created if name in watch.scheduled_at]
@@ -95,19 +123,41 @@ def _repetition(
         "created_s": [round(created[n] - first, 4) for n in bound],
         "scheduled_s": [round(watch.scheduled_at[n] - first, 4) for n in bound],
         "scheduler": {k: after[k] - before[k] for k in after},
+        "load": load_average(),
     }
     sc.delete_pods_and_claims(api)
+    print(
+        f"  {layout.name} {variant.label} rep {rep + 1}: {rate:.1f} pods/s, "
+        f"{result['unscheduled']} unscheduled",
+        file=sys.stderr,
+    )
     return result
 
 
-def run_point(layout: obj.Layout, nodes: int, pods: int, repetitions: int) -> dict[str, Any]:
-    cluster = LocalCluster.start()
+def _start_cluster(attempts: int = 3) -> LocalCluster:
+    """A fresh control plane; a start that fails (on a busy machine a free port can be
+    taken before the component binds it) is retried."""
+    for attempt in range(1, attempts):
+        try:
+            return LocalCluster.start()
+        except BenchError as err:
+            print(f"  control plane start {attempt} failed, retrying: {err}"[:300], file=sys.stderr)
+    return LocalCluster.start()
+
+
+def run_point(layout: obj.Layout, nodes: int, pods: int, repetitions: int) -> list[dict[str, Any]]:
+    """One point per scheduler; they take turns, one repetition each (A B A B ...)."""
+    cluster = _start_cluster()
+    unthrottled: UnthrottledScheduler | None = None
     try:
-        assert cluster.run_dir is not None
+        if cluster.run_dir is None:
+            raise BenchError("the benchmark cluster has no run directory")
         api = Api(cluster.kubeconfig)
-        metrics = sc.SchedulerMetrics(
-            cluster.kubeconfig, int(cluster.env["GPU_DRA_SCHEDULER_PORT"]), cluster.run_dir
-        )
+        unthrottled = UnthrottledScheduler(cluster, cluster.run_dir)
+        metrics = {
+            DEFAULT_SCHEDULER: cluster_scheduler_metrics(cluster, cluster.run_dir),
+            UNTHROTTLED_SCHEDULER: unthrottled.metrics,
+        }
         for device_class in obj.device_classes():
             api.post("/apis/resource.k8s.io/v1/deviceclasses", device_class)
         sc.ensure_namespace(api, obj.NAMESPACE)
@@ -115,24 +165,27 @@ def run_point(layout: obj.Layout, nodes: int, pods: int, repetitions: int) -> di
         uids = sc.create_nodes(api, names)
         published = sc.publish_slices(api, layout, names, uids)
         _warm_up(api, layout)
-        reps = []
+        reps: dict[str, list[dict[str, Any]]] = {v.label: [] for v in VARIANTS}
         for rep in range(repetitions):
-            reps.append(_repetition(api, metrics, layout, pods, rep))
-            print(
-                f"  {layout.name} N={nodes} rep {rep + 1}: {reps[-1]['pods_per_s']:.1f} pods/s, "
-                f"{reps[-1]['unscheduled']} unscheduled",
-                file=sys.stderr,
-            )
-        return {
-            "layout": layout.name,
-            "nodes": nodes,
-            "slices": published.slices,
-            "devices": published.devices,
-            "slice_bytes": published.slice_bytes,
-            "publish_s": round(published.publish_s, 3),
-            "repetitions": reps,
-        }
+            for v in VARIANTS:
+                reps[v.label].append(_repetition(api, metrics[v.name], v, layout, pods, rep))
+        return [
+            {
+                "layout": layout.name,
+                "nodes": nodes,
+                "scheduler": v.label,
+                "scheduler_qps": v.qps,
+                "slices": published.slices,
+                "devices": published.devices,
+                "slice_bytes": published.slice_bytes,
+                "publish_s": round(published.publish_s, 3),
+                "repetitions": reps[v.label],
+            }
+            for v in VARIANTS
+        ]
     finally:
+        if unthrottled is not None:
+            unthrottled.stop()
         cluster.stop()
 
 
@@ -158,7 +211,7 @@ def run(args: argparse.Namespace) -> int:
         pods = obj.pod_count(nodes, args.pod_cap)
         for layout in layouts:
             print(f"{layout.name}: {nodes} nodes, {pods} pods", file=sys.stderr)
-            results["points"].append(run_point(layout, nodes, pods, args.repetitions))
+            results["points"] += run_point(layout, nodes, pods, args.repetitions)
     results["load"]["end"] = load_average()
     results["duration_s"] = round(time.monotonic() - clock, 1)
     out = args.out or RESULTS / f"scale-{started:%Y-%m-%d}.json"
@@ -203,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
         "--repetitions", type=int, default=3, help="timed bursts per point (default 3)"
     )
     parser.add_argument(
-        "--pod-cap", type=int, default=DEFAULT_POD_CAP, help="most pods per burst (default 400)"
+        "--pod-cap", type=int, default=DEFAULT_POD_CAP, help="most pods per burst (default 200)"
     )
     parser.add_argument(
         "--out",

@@ -15,14 +15,11 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, TypeVar
-
-import yaml
 
 from bench import scale_objects as obj
 from bench.cluster import Api, BenchError, wait_for
-from driver.kube.api import ApiError, KubeApi
+from driver.kube.api import ApiError
 
 WORKERS = 8
 T = TypeVar("T")
@@ -143,12 +140,12 @@ def create_claims(api: Api, layout: obj.Layout, names: Sequence[str]) -> None:
     bulk(lambda n: api.post(CLAIMS, obj.claim_document(layout, n)), names)
 
 
-def create_pods(api: Api, pods: Sequence[tuple[str, str]]) -> dict[str, float]:
+def create_pods(api: Api, pods: Sequence[tuple[str, str]], scheduler: str) -> dict[str, float]:
     """POSTs the (pod, claim) pairs; returns each pod's creation time (before its POST)."""
 
     def create(pair: tuple[str, str]) -> tuple[str, float]:
         sent = time.monotonic()
-        api.post(PODS, obj.pod_document(*pair))
+        api.post(PODS, obj.pod_document(*pair, scheduler))
         return pair[0], sent
 
     return dict(bulk(create, pods))
@@ -191,54 +188,3 @@ def ensure_namespace(api: Api, name: str) -> None:
     except ApiError as err:
         if not err.conflict:
             raise
-
-
-class SchedulerMetrics:
-    """The kube-scheduler's /metrics: its secure port, the admin's credentials."""
-
-    def __init__(self, kubeconfig: Path, port: int, run_dir: Path) -> None:
-        doc = yaml.safe_load(kubeconfig.read_text())
-        for entry in doc["clusters"]:
-            cluster = entry["cluster"]
-            cluster["server"] = f"https://127.0.0.1:{port}"
-            cluster.pop("certificate-authority-data", None)
-            # The scheduler serves a certificate it signed itself, in its --cert-dir.
-            cluster["certificate-authority"] = str(
-                run_dir / "kube-scheduler" / "kube-scheduler.crt"
-            )
-        path = run_dir / "scheduler-metrics.kubeconfig"
-        path.write_text(yaml.safe_dump(doc))
-        self._api = KubeApi.from_kubeconfig(str(path))
-
-    def totals(self) -> dict[str, float]:
-        return parse_totals(self._api.get_text("/metrics"))
-
-
-# (name in the results, histogram, label that picks its series): summed over the rest.
-HISTOGRAMS = (
-    # A pod's whole Filter phase: every node's filter plugins in one scheduling cycle.
-    ("filter", "scheduler_framework_extension_point_duration_seconds", 'extension_point="Filter"'),
-    # The DRA allocator on one node (the scheduler samples plugin timings).
-    (
-        "dra_filter_node",
-        "scheduler_plugin_execution_duration_seconds",
-        'extension_point="Filter",plugin="DynamicResources"',
-    ),
-    # Scheduling cycle and binding of a pod that got a node.
-    ("attempt", "scheduler_scheduling_attempt_duration_seconds", 'result="scheduled"'),
-)
-
-
-def parse_totals(text: str) -> dict[str, float]:
-    """`<name>_count` and `<name>_seconds` of each histogram of HISTOGRAMS."""
-    totals = {f"{name}_{part}": 0.0 for name, _, _ in HISTOGRAMS for part in ("count", "seconds")}
-    for line in text.splitlines():
-        for name, metric, label in HISTOGRAMS:
-            if not line.startswith(metric) or label not in line:
-                continue
-            series, value = line.split("{", 1)[0], float(line.rsplit(" ", 1)[1])
-            if series == f"{metric}_count":
-                totals[f"{name}_count"] += value
-            elif series == f"{metric}_sum":
-                totals[f"{name}_seconds"] += value
-    return totals

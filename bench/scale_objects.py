@@ -148,12 +148,13 @@ def claim_document(layout: Layout, name: str) -> dict[str, Any]:
     }
 
 
-def pod_document(name: str, claim: str) -> dict[str, Any]:
+def pod_document(name: str, claim: str, scheduler: str) -> dict[str, Any]:
     return {
         "apiVersion": "v1",
         "kind": "Pod",
         "metadata": {"name": name},
         "spec": {
+            "schedulerName": scheduler,
             "terminationGracePeriodSeconds": 0,
             "containers": [
                 {"name": "main", "image": PAUSE_IMAGE, "resources": {"claims": [{"name": "gpu"}]}}

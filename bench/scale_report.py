@@ -15,6 +15,7 @@ from typing import Any
 BEGIN = "<!-- scale:begin -->"
 END = "<!-- scale:end -->"
 LAYOUT_ORDER = ("mig", "whole", "partitions4")
+SCHEDULER_ORDER = ("default", "unthrottled")
 
 
 class ReportError(ValueError):
@@ -49,6 +50,7 @@ def throughput(created_at: Sequence[float], scheduled_at: Sequence[float]) -> fl
 class PointSummary:
     layout: str
     nodes: int
+    scheduler: str  # "default" (as shipped) or "unthrottled" (client limit lifted)
     slices: int
     devices: int
     slice_mib: float
@@ -82,6 +84,7 @@ def summarise(point: Mapping[str, Any]) -> PointSummary:
     return PointSummary(
         layout=_field(point, "layout"),
         nodes=_field(point, "nodes"),
+        scheduler=_field(point, "scheduler"),
         slices=_field(point, "slices"),
         devices=_field(point, "devices"),
         slice_mib=_field(point, "slice_bytes") / (1 << 20),
@@ -109,9 +112,12 @@ def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}"
 
 
-def _order(s: PointSummary) -> tuple[int, int]:
-    rank = LAYOUT_ORDER.index(s.layout) if s.layout in LAYOUT_ORDER else len(LAYOUT_ORDER)
-    return s.nodes, rank
+def _rank(value: str, order: Sequence[str]) -> int:
+    return order.index(value) if value in order else len(order)
+
+
+def _order(s: PointSummary) -> tuple[int, int, int]:
+    return _rank(s.scheduler, SCHEDULER_ORDER), s.nodes, _rank(s.layout, LAYOUT_ORDER)
 
 
 def _rate(values: Sequence[float]) -> str:
@@ -128,18 +134,19 @@ def _ratio(value: float, base: float | None) -> str:
 def table(results: Mapping[str, Any]) -> str:
     """The markdown table of every point, with each layout's p50 relative to `whole`."""
     summaries = sorted((summarise(p) for p in _field(results, "points")), key=_order)
-    whole_p50 = {s.nodes: s.p50_ms for s in summaries if s.layout == "whole"}
+    whole_p50 = {(s.scheduler, s.nodes): s.p50_ms for s in summaries if s.layout == "whole"}
     lines = [
-        "| layout | nodes | slices | devices | slice MiB | publish s | pods (n) "
+        "| scheduler | layout | nodes | slices | devices | slice MiB | publish s | pods (n) "
         "| pods/s median (min-max) | p50 ms | p99 ms | max ms | p50 vs whole "
         "| Filter ms/pod | DRA filter ms/node | unscheduled |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for s in summaries:
+        vs_whole = _ratio(s.p50_ms, whole_p50.get((s.scheduler, s.nodes)))
         lines.append(
-            f"| {s.layout} | {s.nodes} | {s.slices} | {s.devices} | {s.slice_mib:.1f} "
-            f"| {s.publish_s:.1f} | {s.pods} | {_rate(s.pods_per_s)} | {s.p50_ms:.0f} "
-            f"| {s.p99_ms:.0f} | {s.max_ms:.0f} | {_ratio(s.p50_ms, whole_p50.get(s.nodes))} "
+            f"| {s.scheduler} | {s.layout} | {s.nodes} | {s.slices} | {s.devices} "
+            f"| {s.slice_mib:.1f} | {s.publish_s:.1f} | {s.pods} | {_rate(s.pods_per_s)} "
+            f"| {s.p50_ms:.0f} | {s.p99_ms:.0f} | {s.max_ms:.0f} | {vs_whole} "
             f"| {_ms(s.filter_ms)} | {_ms(s.dra_node_ms)} | {s.unscheduled} |"
         )
     return "\n".join(lines) + "\n"

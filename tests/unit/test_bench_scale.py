@@ -11,7 +11,7 @@ import pytest
 from bench import scale_objects as obj
 from bench import scale_report as report
 from bench.scale import _int_list, _layout_list
-from bench.scale_cluster import parse_totals
+from bench.scale_scheduler import UNTHROTTLED_SCHEDULER, parse_totals
 from driver.devices.slices import (
     MAX_DEVICES_PER_SLICE_WITH_COUNTERS_OR_TAINTS,
     validate_slice_specs,
@@ -78,8 +78,9 @@ def test_claims_ask_each_layout_for_one_device_of_its_class() -> None:
     assert "1g.10gb" in mig[0]["exactly"]["selectors"][0]["cel"]["expression"]
     whole = obj.claim_document(obj.LAYOUTS["whole"], "c")["spec"]["devices"]["requests"]
     assert whole == [{"name": "gpu", "exactly": {"deviceClassName": obj.WHOLE_CLASS}}]
-    pod = obj.pod_document("p", "c")["spec"]
+    pod = obj.pod_document("p", "c", UNTHROTTLED_SCHEDULER)["spec"]
     assert pod["resourceClaims"] == [{"name": "gpu", "resourceClaimName": "c"}]
+    assert pod["schedulerName"] == UNTHROTTLED_SCHEDULER
 
 
 def test_pod_count_is_half_the_whole_gpus_capped() -> None:
@@ -113,10 +114,13 @@ def test_throughput_spans_first_creation_to_last_scheduling() -> None:
         report.throughput([1.0], [1.0])
 
 
-def _point(layout: str, nodes: int, latencies: list[list[float]]) -> dict[str, Any]:
+def _point(
+    layout: str, nodes: int, latencies: list[list[float]], scheduler: str = "default"
+) -> dict[str, Any]:
     return {
         "layout": layout,
         "nodes": nodes,
+        "scheduler": scheduler,
         "slices": nodes,
         "devices": 8 * nodes,
         "slice_bytes": 3 << 20,
@@ -161,21 +165,26 @@ def test_summary_names_a_missing_field() -> None:
         report.summarise(point)
 
 
-def test_table_orders_by_nodes_then_layout_and_compares_with_whole() -> None:
+def test_table_orders_by_scheduler_nodes_layout_and_compares_with_whole() -> None:
     results = _results(
         [
+            _point("whole", 100, [[100.0]], "unthrottled"),
             _point("whole", 100, [[100.0]]),
             _point("mig", 100, [[250.0]]),
             _point("mig", 10, [[50.0]]),
+            _point("mig", 100, [[150.0]], "unthrottled"),
         ]
     )
     rows = report.table(results).splitlines()[2:]
-    assert [r.split("|")[1:3] for r in rows] == [
-        [" mig ", " 10 "],
-        [" mig ", " 100 "],
-        [" whole ", " 100 "],
+    assert [r.split("|")[1:4] for r in rows] == [
+        [" default ", " mig ", " 10 "],
+        [" default ", " mig ", " 100 "],
+        [" default ", " whole ", " 100 "],
+        [" unthrottled ", " mig ", " 100 "],
+        [" unthrottled ", " whole ", " 100 "],
     ]
-    assert "| 2.50x |" in rows[1]
+    assert "| 2.50x |" in rows[1]  # against the default scheduler's whole GPUs
+    assert "| 1.50x |" in rows[3]  # against the unthrottled scheduler's
     assert "| 1.00x |" in rows[2]
     assert "| - |" in rows[0]  # no whole-GPU point at 10 nodes
 
@@ -186,7 +195,7 @@ def test_replace_section_rewrites_only_between_markers() -> None:
     assert new.startswith("# T\n\nbefore\n<!-- scale:begin -->\nRun 2026-01-01T00:00:00Z")
     assert new.endswith("<!-- scale:end -->\nafter\n")
     assert "old" not in new
-    assert "| whole | 10 |" in new
+    assert "| default | whole | 10 |" in new
     with pytest.raises(report.ReportError, match="markers"):
         report.replace_section("no markers", _results([]))
 
