@@ -3,12 +3,19 @@ talks to (as protocols), and the checks a claim read from the API must pass."""
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from driver.devices.types import MigBacking
 from driver.errors import DriverError, transient
 from driver.state.checkpoint import PreparedDevice
+
+log = logging.getLogger(__name__)
+
+PARALLEL_READS = 8  # claim GETs in flight for one prepare request
 
 
 @dataclass(frozen=True)
@@ -87,6 +94,32 @@ def unique(claims: list[ClaimRef] | tuple[ClaimRef, ...]) -> list[ClaimRef]:
             seen.add(ref.uid)
             out.append(ref)
     return out
+
+
+def read_claims(
+    reader: ClaimReader, refs: Sequence[ClaimRef]
+) -> list[dict[str, Any] | DriverError]:
+    """Each claim (raw JSON) or why it could not be read (transient), in order. A batch
+    is read with up to PARALLEL_READS requests in flight: one at a time, the 64 reads
+    of a 64-claim request were most of its time."""
+    if len(refs) <= 1:
+        return [_read_claim(reader, ref) for ref in refs]
+    workers = min(PARALLEL_READS, len(refs))
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="claim-read") as pool:
+        return list(pool.map(lambda ref: _read_claim(reader, ref), refs))
+
+
+def _read_claim(reader: ClaimReader, ref: ClaimRef) -> dict[str, Any] | DriverError:
+    try:
+        claim = reader.get(ref.namespace, ref.name)
+    except DriverError as err:
+        return err
+    except Exception as err:  # a bug in a reader must not fail the other claims
+        log.exception("reading claim %s/%s failed", ref.namespace, ref.name)
+        return transient(f"internal error: {err}")
+    if not isinstance(claim, dict):
+        return transient(f"claim {ref.namespace}/{ref.name}: API returned no object")
+    return claim
 
 
 def check_claim(

@@ -8,7 +8,8 @@ MIG lifecycle come in as small protocols (driver/state/claims.py, instances.py).
 
 1. per claim, a remembered permanent verdict for the UID is answered again at once (no
    API read, no NVML, no disk access, not even the lock file);
-2. per claim, outside the node lock: read it; its UID must match, it must be
+2. per claim, outside the node lock: read it (a batch with several reads in
+   flight); its UID must match, it must be
    allocated, to this node, with results for this driver (failures: transient); its
    devices must be healthy (a failed device is tainted - the wait for the API server
    happens here, so an API outage never stalls other claims - then permanent
@@ -59,6 +60,7 @@ from driver.state.claims import (
     PreparableDevice,
     PrepareResult,
     check_claim,
+    read_claims,
     unique,
 )
 from driver.state.failpoints import failpoint
@@ -167,6 +169,7 @@ class DeviceState:
         """Prepare every claim; one result per UID, never raises for a claim's failure."""
         results: dict[str, PrepareResult] = {}
         todo: list[tuple[ClaimRef, dict[str, Any], list[dict[str, Any]]]] = []
+        to_read: list[ClaimRef] = []
         for ref in unique(list(claims)):
             remembered = self.verdicts.get(ref.uid)
             if remembered is not None:
@@ -175,13 +178,14 @@ class DeviceState:
                     error_class=remembered.error_class.value
                 ).inc()
                 results[ref.uid] = PrepareResult(error=remembered)
+            else:
+                to_read.append(ref)
+        self.stats.claim_reads += len(to_read)
+        for ref, claim in zip(to_read, read_claims(self._claims, to_read), strict=True):
+            if isinstance(claim, DriverError):
+                results[ref.uid] = self.fail(ref, None, claim)
                 continue
-            claim: dict[str, Any] | None = None
             try:
-                self.stats.claim_reads += 1
-                claim = self._claims.get(ref.namespace, ref.name)
-                if not isinstance(claim, dict):
-                    raise transient(f"claim {ref.namespace}/{ref.name}: API returned no object")
                 mine = check_claim(
                     ref, claim, driver_name=self.driver_name, node_name=self.node_name
                 )
@@ -190,7 +194,7 @@ class DeviceState:
             except DriverError as err:
                 results[ref.uid] = self.fail(ref, claim, err)
             except Exception as err:  # a malformed claim must never crash the call
-                log.exception("reading claim %s/%s failed", ref.namespace, ref.name)
+                log.exception("checking claim %s/%s failed", ref.namespace, ref.name)
                 results[ref.uid] = self.fail(ref, claim, transient(f"internal error: {err}"))
         if not todo:
             return results
