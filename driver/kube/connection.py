@@ -116,7 +116,6 @@ class Connection:
             headers=sent,
             timeout=urllib3.Timeout(total=timeout),
             preload_content=not stream,
-            retries=False,
         )
 
 
