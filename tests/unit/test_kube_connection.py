@@ -7,6 +7,7 @@ import http.server
 import json
 import os
 import re
+import ssl
 import subprocess
 import sys
 import threading
@@ -15,15 +16,18 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import pytest
+import urllib3
 import yaml
 
 from driver.kube.api import ApiError, KubeApi
 from driver.kube.connection import (
     KubeconfigError,
     Pem,
+    connect,
     in_cluster_settings,
     read_kubeconfig,
 )
+from tests.unit.test_webhook import make_cert
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -231,3 +235,38 @@ def test_the_plugin_does_not_import_the_official_client() -> None:
         env={**os.environ, "PYTHONPATH": str(REPO)},
     )
     assert out.stdout.strip() == "[]"
+
+
+def test_https_trusts_the_kubeconfig_ca_only(tmp_path: Path) -> None:
+    cert, key = make_cert(tmp_path)
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(cert, key)
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Recorder)
+    httpd.socket = context.wrap_socket(httpd.socket, server_side=True)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    Recorder.seen = []
+    server = f"https://127.0.0.1:{httpd.server_address[1]}"
+    pem = Path(cert).read_bytes()
+    user = {
+        "client-certificate-data": base64.b64encode(pem).decode(),
+        "client-key-data": base64.b64encode(Path(key).read_bytes()).decode(),
+        "token": "t1",
+    }
+    try:
+        with_ca = kubeconfig(
+            tmp_path,
+            {"server": server, "certificate-authority-data": base64.b64encode(pem).decode()},
+            user,
+        )
+        connection = connect(str(with_ca))
+        trusted = connection.pool.connection_pool_kw["ssl_context"].cert_store_stats()
+        assert trusted["x509_ca"] == 1  # the cluster's CA, no public ones
+        assert KubeApi(connection).request("GET", "/apis/x") == {"ok": True}
+        assert Recorder.seen == [("GET", "/apis/x", "Bearer t1", b"")]
+
+        without_ca = kubeconfig(tmp_path, {"server": server}, user)
+        with pytest.raises(urllib3.exceptions.MaxRetryError, match="CERTIFICATE_VERIFY_FAILED"):
+            KubeApi.from_kubeconfig(str(without_ca)).request("GET", "/apis/x")
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
