@@ -3,10 +3,14 @@
 #   1. build what is missing (control plane, kubelet, containerd, runc, helm, images)
 #   2. start the local cluster with its real node (hack/local-cluster.sh up --with-node)
 #   3. helm install the driver (mock GPUs) as a DaemonSet on that node
-#   4. apply demo/[0-9]*.yaml, print per pod and container the GPUs it sees (the
+#   4. demo/partitions/: the driver upgraded to reference partitions for the
+#      partition-sharing example, then back to the demo values
+#   5. apply demo/[0-9]*.yaml, print per pod and container the GPUs it sees (the
 #      GPU_DEVICE_* variables CDI put into the container environment)
-#   5. the permanent-error scenario (KEP-5322) and the Xid/NoExecute scenario
-# The cluster stays up afterwards; `hack/local-cluster.sh down` stops it.
+#   6. the permanent-error scenario (KEP-5322) and the Xid/NoExecute scenario
+# The cluster stays up afterwards; `hack/local-cluster.sh down` stops it. The demo's
+# cluster-scoped objects (the DeviceTaintRule of 10-device-taints.yaml) are deleted when
+# the demo ends, so that no GPU stays tainted for later users.
 #
 # Environment: GPU_DRA_DEMO_KEEP=1 leaves the example namespaces in place (default:
 # they stay too; GPU_DRA_DEMO_CLEAN=1 deletes them at the end). Every setting of
@@ -26,11 +30,11 @@ step() { printf '\n\033[1m[demo %4ss] == %s\033[0m\n' "$(( $(date +%s) - START )
 say() { printf '[demo %4ss] %s\n' "$(( $(date +%s) - START ))" "$*"; }
 die() { printf 'demo: %s\n' "$*" >&2; exit 1; }
 
-step "1/6 build what is missing (cold: about an hour on 2 cores; warm: seconds)"
+step "1/7 build what is missing (cold: about an hour on 2 cores; warm: seconds)"
 "$CLUSTER" build
 HELM=$("$REPO/hack/install-helm.sh" | tail -n 1)
 
-step "2/6 start the local cluster with its node"
+step "2/7 start the local cluster with its node"
 "$CLUSTER" up --with-node
 eval "$("$CLUSTER" env)"
 k() { kubectl "$@"; }
@@ -39,48 +43,94 @@ say "node $NODE: $(k get node "$NODE" -o jsonpath='{.status.nodeInfo.kubeletVers
 
 # The image `up` built from this tree and imported as gpu-dra-driver:src-<source hash>.
 IMAGE_TAG=$("$CLUSTER" driver-image-tag)
-step "3/6 helm install the driver gpu-dra-driver:$IMAGE_TAG (mock GPUs, values-mock.yaml + demo/values-demo.yaml)"
-"$HELM" upgrade --install "$RELEASE" "$CHART" --namespace "$DRIVER_NS" --create-namespace \
-  -f "$CHART/values-mock.yaml" -f "$DEMO_DIR/values-demo.yaml" --set-string image.tag="$IMAGE_TAG" \
-  --wait --timeout 5m
-k -n "$DRIVER_NS" rollout status daemonset --timeout=180s
-PLUGIN_POD=$(k -n "$DRIVER_NS" get pods -l app.kubernetes.io/component=kubeletplugin --field-selector status.phase=Running \
-  -o jsonpath='{range .items[*]}{.metadata.name} {.spec.containers[0].image}{"\n"}{end}' | awk -v tag=":$IMAGE_TAG" 'index($2, tag) {print $1; exit}')
-[[ -n $PLUGIN_POD ]] || die "no running plugin pod with image tag $IMAGE_TAG"
-say "plugin pod $PLUGIN_POD registered with the kubelet; waiting for its ResourceSlices"
-devices() { k get resourceslices --field-selector spec.driver=gpu.example.com -o jsonpath='{range .items[*]}{range .spec.devices[*]}{.name}{"\n"}{end}{end}' | grep -c . || true; }
-for _ in $(seq 120); do (( $(devices) > 0 )) && break; sleep 1; done
-sleep 3
-say "$(k get resourceslices --field-selector spec.driver=gpu.example.com --no-headers | wc -l) ResourceSlices, $(devices) devices (20 mock GPUs and their MIG partitions)"
+device_names() { k get resourceslices --field-selector spec.driver=gpu.example.com -o jsonpath='{range .items[*]}{range .spec.devices[*]}{.name}{"\n"}{end}{end}'; }
+# "<devices> <reference partitions>" published: 472 0 with the demo values (22 GPUs and
+# their MIG partitions), 110 88 with demo/partitions/values.yaml (4 + full per GPU).
+layout() { device_names | awk '/./ {n++} /-partition-/ {p++} END {print n + 0, p + 0}'; }
+# install_driver <expected layout> [extra values file]: helm upgrade --install, wait for
+# the plugin pod of this image and for exactly that layout (an upgrade's old slices stay
+# until the new plugin registers and replaces them).
+install_driver() {
+  local want=$1 got=
+  "$HELM" upgrade --install "$RELEASE" "$CHART" --namespace "$DRIVER_NS" --create-namespace \
+    -f "$CHART/values-mock.yaml" -f "$DEMO_DIR/values-demo.yaml" ${2:+-f "$2"} \
+    --set-string image.tag="$IMAGE_TAG" --wait --timeout 5m
+  k -n "$DRIVER_NS" rollout status daemonset --timeout=180s
+  PLUGIN_POD=$(k -n "$DRIVER_NS" get pods -l app.kubernetes.io/component=kubeletplugin --field-selector status.phase=Running \
+    -o jsonpath='{range .items[*]}{.metadata.name} {.spec.containers[0].image}{"\n"}{end}' | awk -v tag=":$IMAGE_TAG" 'index($2, tag) {print $1; exit}')
+  [[ -n $PLUGIN_POD ]] || die "no running plugin pod with image tag $IMAGE_TAG"
+  say "plugin pod $PLUGIN_POD registered with the kubelet; waiting for its ResourceSlices"
+  for _ in $(seq 180); do got=$(layout); [[ $got == "$want" ]] && break; sleep 1; done
+  [[ $got == "$want" ]] || die "published devices and reference partitions: $got, expected $want"
+  say "$(k get resourceslices --field-selector spec.driver=gpu.example.com --no-headers | wc -l) ResourceSlices, ${got% *} devices"
+}
+# show_gpus <file>: per pod and container (init containers first) the GPUs it saw.
+show_gpus() {
+  local f=$1 ns pod c gpus extra
+  ns=$(awk '/^kind: Namespace/{f=1} f && /name:/{print $2; exit}' "$f")
+  printf '\n# %s (namespace %s)\n' "${f#"$DEMO_DIR"/}" "$ns"
+  for pod in $(k -n "$ns" get pods -l app=gpu-demo -o jsonpath='{.items[*].metadata.name}'); do
+    for c in $(k -n "$ns" get pod "$pod" -o jsonpath='{.spec.initContainers[*].name} {.spec.containers[*].name}'); do
+      gpus=$(k -n "$ns" logs "$pod" -c "$c" | sed -n 's/^GPU_DEVICE_[A-Z0-9_]*=\(gpu-.*\)$/\1/p' | sort -V | tr '\n' ' ')
+      extra=$(k -n "$ns" logs "$pod" -c "$c" | grep -E '_(SHARING_STRATEGY|TIMESLICE_INTERVAL|PARTITION_COUNT|MEMORY|COMPUTE)=|^DRA_ADMIN_ACCESS=true' | sed 's/^GPU_DEVICE_//' | sort -u | tr '\n' ' ')
+      printf '  %-8s %-8s GPUs: %s\n' "$pod" "$c" "${gpus:-none}"
+      [[ -n $extra ]] && printf '  %-17s %s\n' "" "$extra"
+    done
+  done
+}
+wait_ready() { # <namespace|-A> <what>
+  local scope=(-n "$1") n=
+  [[ $1 == -A ]] && scope=(-A)
+  not_ready() { k get pods "${scope[@]}" -l app=gpu-demo -o jsonpath='{range .items[*]}{.metadata.namespace}/{.metadata.name} {.status.conditions[?(@.type=="Ready")].status}{"\n"}{end}' | awk '$2 != "True"' | wc -l; }
+  for _ in $(seq 300); do n=$(not_ready); (( n == 0 )) && break; sleep 1; done
+  (( n == 0 )) ||
+    { k get pods "${scope[@]}" -l app=gpu-demo -o wide; k get events "${scope[@]}" --field-selector type=Warning | tail -20; die "$2 not Ready"; }
+  k get pods "${scope[@]}" -l app=gpu-demo -o wide
+}
 
-step "4/6 apply the examples"
+step "3/7 helm install the driver gpu-dra-driver:$IMAGE_TAG (mock GPUs, values-mock.yaml + demo/values-demo.yaml)"
+install_driver "472 0"
+
+# Reference partitions replace the MIG devices node-wide, so this example runs alone,
+# before the others (nothing may hold a MIG device or a whole GPU while the layout
+# changes) and the driver goes back to the demo values afterwards.
+PARTITION_EXAMPLE=$DEMO_DIR/partitions/shared-partition-capacity.yaml
+step "4/7 sharing a partition by capacity (helm upgrade -f demo/partitions/values.yaml: kubeletPlugin.gpuPartitions=4)"
+if [[ -n $(k get resourceclaims -A -o name) ]]; then
+  say "skipped: ResourceClaims of an earlier run hold devices of the MIG layout (GPU_DRA_DEMO_CLEAN=1 removes the examples at the end of a run)"
+else
+  install_driver "110 88" "$DEMO_DIR/partitions/values.yaml"
+  k apply -f "$PARTITION_EXAMPLE" >/dev/null
+  wait_ready gpu-demo-partition-capacity "partition example pods"
+  show_gpus "$PARTITION_EXAMPLE"
+  say "two pods share one partition (MEMORY=8Gi, COMPUTE=10 each); the third, which would exceed it, got another"
+  k delete -f "$PARTITION_EXAMPLE" --wait=true --timeout=240s >/dev/null
+  say "back to the demo values (MIG partitions)"
+  install_driver "472 0"
+fi
+
+step "5/7 apply the examples"
+# Cluster-scoped objects of the examples outlive their namespaces: delete them however
+# the demo ends (at the end, or on a failure through the trap; the examples' pods keep
+# running, NoSchedule evicts nothing).
+delete_cluster_scoped() {
+  k delete devicetaintrules -l app=gpu-demo --ignore-not-found >/dev/null 2>&1 &&
+    say "deleted the demo's DeviceTaintRules (kubectl delete devicetaintrules -l app=gpu-demo)"
+}
+trap delete_cluster_scoped EXIT
 for f in "$DEMO_DIR"/[0-9]*.yaml; do
   say "kubectl apply -f demo/$(basename "$f")"
   k apply -f "$f" >/dev/null
 done
 say "waiting for every example pod to be Ready"
-not_ready() { k get pods -A -l app=gpu-demo -o jsonpath='{range .items[*]}{.metadata.namespace}/{.metadata.name} {.status.conditions[?(@.type=="Ready")].status}{"\n"}{end}' | awk '$2 != "True"' | wc -l; }
-for _ in $(seq 300); do (( $(not_ready) == 0 )) && break; sleep 1; done
-(( $(not_ready) == 0 )) ||
-  { k get pods -A -l app=gpu-demo -o wide; k get events -A --field-selector type=Warning | tail -20; die "example pods not Ready"; }
-k get pods -A -l app=gpu-demo -o wide
+wait_ready -A "example pods"
 
-step "5/6 the GPUs each container sees (kubectl logs: env | grep GPU_DEVICE)"
-for f in "$DEMO_DIR"/[0-9]*.yaml; do
-  ns=$(awk '/^kind: Namespace/{f=1} f && /name:/{print $2; exit}' "$f")
-  printf '\n# %s (namespace %s)\n' "$(basename "$f")" "$ns"
-  for pod in $(k -n "$ns" get pods -l app=gpu-demo -o jsonpath='{.items[*].metadata.name}'); do
-    for c in $(k -n "$ns" get pod "$pod" -o jsonpath='{.spec.containers[*].name}'); do
-      gpus=$(k -n "$ns" logs "$pod" -c "$c" | sed -n 's/^GPU_DEVICE_[A-Z0-9_]*=\(gpu-.*\)$/\1/p' | sort -V | tr '\n' ' ')
-      extra=$(k -n "$ns" logs "$pod" -c "$c" | grep -E '_(SHARING_STRATEGY|TIMESLICE_INTERVAL|PARTITION_COUNT)=|^DRA_ADMIN_ACCESS=true' | sed 's/^GPU_DEVICE_//' | sort -u | tr '\n' ' ')
-      printf '  %-8s %-8s GPUs: %s\n' "$pod" "$c" "${gpus:-none}"
-      [[ -n $extra ]] && printf '  %-17s %s\n' "" "$extra"
-    done
-  done
-done
+step "6/7 the GPUs each container sees (kubectl logs: env | grep GPU_DEVICE)"
+for f in "$DEMO_DIR"/[0-9]*.yaml; do show_gpus "$f"; done
 say "prioritized alternatives: $(k -n gpu-demo-prioritized get resourceclaims -o jsonpath='{range .items[*]}{.metadata.name}={.status.allocation.devices.results[0].request} {end}')"
+say "extended resources: $(k -n gpu-demo-extended-resources get pods -o jsonpath='{range .items[*]}{.metadata.name}: claim {.status.extendedResourceClaimStatus.resourceClaimName} for {.status.extendedResourceClaimStatus.requestMappings[0].resourceName}; {end}')"
 
-step "6/6 failure scenarios"
+step "7/7 failure scenarios"
 say "permanent error: a claim asks for 64 partitions (demo/scenarios/permanent-error.yaml)"
 k apply -f "$DEMO_DIR/scenarios/permanent-error.yaml" >/dev/null
 msg=
@@ -162,6 +212,8 @@ if [[ ${GPU_DRA_DEMO_CLEAN:-0} == 1 ]]; then
   k delete namespace gpu-demo-xid >/dev/null
   for f in "$DEMO_DIR"/[0-9]*.yaml; do k delete -f "$f" --wait=false --ignore-not-found >/dev/null; done
 fi
+trap - EXIT
+delete_cluster_scoped
 step "done in $(( $(date +%s) - START ))s"
 cat <<EOF
 The cluster keeps running:

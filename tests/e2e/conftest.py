@@ -21,7 +21,7 @@ import shutil
 import subprocess
 import tempfile
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -48,7 +48,8 @@ E2E_TIMEOUT = 2400  # per test, including the session fixture's setup
 T = TypeVar("T")
 GPU_LINE = re.compile(r"^GPU_DEVICE_([A-Z0-9_]+)=(gpu-\S+)$")
 PROP_LINE = re.compile(
-    r"^GPU_DEVICE_([A-Z0-9_]+?)_(SHARING_STRATEGY|TIMESLICE_INTERVAL|PARTITION_COUNT)=(.*)$"
+    r"^GPU_DEVICE_([A-Z0-9_]+?)_"
+    r"(SHARING_STRATEGY|TIMESLICE_INTERVAL|PARTITION_COUNT|MEMORY|COMPUTE)=(.*)$"
 )
 
 
@@ -65,7 +66,7 @@ class ContainerGpus:
     """What one container saw: GPU device names and their per-device properties."""
 
     gpus: list[str]
-    props: dict[str, dict[str, str]]  # gpu -> {SHARING_STRATEGY: ..., ...}
+    props: dict[str, dict[str, str]]  # gpu -> {SHARING_STRATEGY: ..., MEMORY: ..., ...}
     admin_access: bool
     log: str
 
@@ -78,6 +79,9 @@ class E2E:
     run_dir: Path | None = None
     env: dict[str, str] = field(default_factory=dict)
     installed: bool = False
+    # The driver image tag of the first install, kept for every later (re)install: the
+    # tree may change during the session, and `up` imported only the image built then.
+    image_tag: str | None = None
 
     # --- kubectl ----------------------------------------------------------------
     def kubectl(
@@ -280,7 +284,20 @@ def driver_image_tag() -> str:
     return proc.stdout.strip()
 
 
-def install_chart(e: E2E) -> None:
+def mig_layout(devices: dict[str, dict[str, Any]]) -> bool:
+    """The demo fleet as values-demo.yaml publishes it: whole GPUs and MIG partitions."""
+    return len(devices) >= 400 and not any("-partition-" in name for name in devices)
+
+
+def install_chart(
+    e: E2E,
+    overlay: Path | None = None,
+    published: Callable[[dict[str, dict[str, Any]]], bool] = mig_layout,
+) -> None:
+    """helm upgrade --install with the mock and demo values (and `overlay` on top), then
+    wait until the published devices satisfy `published`."""
+    if e.image_tag is None:
+        e.image_tag = driver_image_tag()
     proc = e.helm_cmd(
         "upgrade",
         "--install",
@@ -293,9 +310,10 @@ def install_chart(e: E2E) -> None:
         str(CHART / "values-mock.yaml"),
         "-f",
         str(DEMO / "values-demo.yaml"),
+        *(["-f", str(overlay)] if overlay else []),
         # Never a stale gpu-dra-driver:dev: the image built from this tree.
         "--set-string",
-        f"image.tag={driver_image_tag()}",
+        f"image.tag={e.image_tag}",
         "--wait",
         "--timeout",
         "5m",
@@ -316,8 +334,13 @@ def install_chart(e: E2E) -> None:
             f"{logs.stdout}{logs.stderr}"
         )
     e.installed = True
-    # The kubelet wipes a node's slices when a plugin (re)registers; wait for the full pool.
-    wait_for(lambda: len(e.devices()) >= 400, 180, "the plugin's ResourceSlices (420 devices)")
+    # The kubelet wipes a node's slices when a plugin (re)registers; wait for the full pool
+    # of the values just installed (an upgrade's old slices are there until replaced).
+    wait_for(
+        lambda: published(e.devices()),
+        180,
+        f"the plugin's ResourceSlices ({published.__doc__ or published.__name__})",
+    )
 
 
 @pytest.fixture(scope="session")

@@ -11,15 +11,16 @@ import pytest
 from tests.e2e.conftest import DEMO, DRIVER, E2E, ContainerGpus, demo_namespace, wait_for
 
 EXAMPLES = sorted(DEMO.glob("[0-9]*.yaml"))
-H100 = {f"gpu-{i}" for i in range(12)}
+H100 = {f"gpu-{i}" for i in (*range(12), 20, 21)}
 A100_80 = {f"gpu-{i}" for i in range(12, 16)}
 AMPERE = {f"gpu-{i}" for i in range(12, 20)}
-ALL_GPUS = {f"gpu-{i}" for i in range(20)}
+A100_40 = {f"gpu-{i}" for i in range(16, 20)}  # MIG off: the shareable GPUs (consumable capacity)
+ALL_GPUS = {f"gpu-{i}" for i in range(22)}
 
 
 def test_examples_exist() -> None:
     names = [p.name for p in EXAMPLES]
-    assert len(names) == 10, names
+    assert len(names) == 13, names
 
 
 @pytest.fixture(scope="module")
@@ -41,6 +42,16 @@ def examples(e2e: E2E) -> Iterator[E2E]:
             240,
             f"namespace {ns} deleted",
         )
+    # Cluster-scoped objects outlive the namespaces: 10-device-taints.yaml's DeviceTaintRule
+    # must be gone with its example, or gpu-19 stays unschedulable for every later test.
+    rules = examples_taint_rules(e2e)
+    assert not rules, f"DeviceTaintRules of the demo left behind: {rules}"
+
+
+def examples_taint_rules(e: E2E) -> list[str]:
+    """The demo's DeviceTaintRules (cluster-scoped, labelled app=gpu-demo)."""
+    rules = e.get("devicetaintrules", "-l", "app=gpu-demo")["items"]
+    return [str(r["metadata"]["name"]) for r in rules]
 
 
 def seen(e: E2E, example: str, pod: str, container: str = "ctr0") -> ContainerGpus:
@@ -164,6 +175,60 @@ def test_device_taint_toleration(examples: E2E) -> None:
     other = seen(examples, "10-device-taints.yaml", "pod1")
     assert tolerating.gpus == ["gpu-19"], tolerating.log
     assert other.gpus == ["gpu-18"], other.log
+
+
+def test_two_pods_share_one_gpu_by_capacity(examples: E2E) -> None:
+    """Three pods each claim 16Gi and 20 compute of a shareable A100 40GB: two share one
+    GPU, the third (48Gi > 40Gi) is put on another A100 40GB by the scheduler."""
+    f = "11-shared-gpu-capacity.yaml"
+    pods = {name: seen(examples, f, name) for name in ("pod0", "pod1", "pod2")}
+    by_gpu: dict[str, list[str]] = {}
+    for name, c in pods.items():
+        assert len(c.gpus) == 1 and c.gpus[0] in A100_40, c.log
+        gpu = c.gpus[0]
+        assert c.props[gpu]["MEMORY"] == "16Gi", c.log
+        assert c.props[gpu]["COMPUTE"] == "20", c.log
+        by_gpu.setdefault(gpu, []).append(name)
+    assert sorted(len(names) for names in by_gpu.values()) == [1, 2], by_gpu
+    shared = next(gpu for gpu, names in by_gpu.items() if len(names) == 2)
+    device = examples.devices()[shared]
+    assert device["allowMultipleAllocations"] is True
+    assert device["capacity"]["memory"]["value"] == "40Gi"  # 2 x 16Gi fit, 3 x 16Gi do not
+    results = [r for rs in claim_results(examples, demo_namespace(DEMO / f)).values() for r in rs]
+    assert len(results) == 3, results
+    assert len({r["shareID"] for r in results}) == 3, results
+    for r in results:
+        assert r["consumedCapacity"] == {"memory": "16Gi", "compute": "20"}, r
+
+
+def test_extended_resources_get_a_gpu_of_this_driver(examples: E2E) -> None:
+    """pod0 asks for the DeviceClass's implicit extended resource, pod1 for the explicit
+    name the chart set on it; the scheduler creates a claim for each."""
+    f = "12-extended-resources.yaml"
+    ns = demo_namespace(DEMO / f)
+    names = {"pod0": f"deviceclass.resource.kubernetes.io/{DRIVER}", "pod1": "example.com/gpu"}
+    gpus = []
+    for pod, resource in names.items():
+        c = seen(examples, f, pod)
+        assert len(c.gpus) == 1 and c.gpus[0] in ALL_GPUS, c.log
+        status = examples.get("pod", "-n", ns, pod)["status"]["extendedResourceClaimStatus"]
+        mappings = [(m["containerName"], m["resourceName"]) for m in status["requestMappings"]]
+        assert mappings == [("ctr0", resource)], status
+        claim = examples.get("resourceclaim", "-n", ns, status["resourceClaimName"])
+        results = claim["status"]["allocation"]["devices"]["results"]
+        assert [(r["driver"], r["device"]) for r in results] == [(DRIVER, c.gpus[0])], results
+        gpus += c.gpus
+    assert len(set(gpus)) == 2, gpus
+
+
+def test_init_container_and_container_share_one_claim(examples: E2E) -> None:
+    f = "13-init-container-shared-claim.yaml"
+    init = seen(examples, f, "pod0", "init0")
+    ctr = seen(examples, f, "pod0", "ctr0")
+    assert len(init.gpus) == 1 and init.gpus == ctr.gpus, (init.log, ctr.log)
+    gpu = init.gpus[0]
+    for c in (init, ctr):
+        assert c.props[gpu]["MEMORY"] == "4Gi" and c.props[gpu]["COMPUTE"] == "10", c.log
 
 
 def test_unprepare_removes_cdi_specs(examples: E2E) -> None:

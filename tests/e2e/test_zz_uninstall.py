@@ -27,9 +27,9 @@ def test_plugin_registered_through_plugin_watcher(e2e: E2E) -> None:
     slices = e2e.slices()
     assert slices and all(s["spec"]["nodeName"] == node for s in slices)
     assert all(s["metadata"]["ownerReferences"][0]["kind"] == "Node" for s in slices)
-    # Published devices: 20 GPUs of values-demo.yaml and their MIG partitions.
+    # Published devices: 22 GPUs of values-demo.yaml and their MIG partitions.
     names = set(e2e.devices())
-    assert {f"gpu-{i}" for i in range(20)} <= names
+    assert {f"gpu-{i}" for i in range(22)} <= names
 
 
 def test_uninstall_removes_slices_and_cdi_files(e2e: E2E) -> None:
