@@ -56,8 +56,10 @@ install_driver() {
     -f "$CHART/values-mock.yaml" -f "$DEMO_DIR/values-demo.yaml" ${2:+-f "$2"} \
     --set-string image.tag="$IMAGE_TAG" --wait --timeout 5m
   k -n "$DRIVER_NS" rollout status daemonset --timeout=180s
+  # The newest one: after an upgrade the old pod may still be terminating (and Running).
   PLUGIN_POD=$(k -n "$DRIVER_NS" get pods -l app.kubernetes.io/component=kubeletplugin --field-selector status.phase=Running \
-    -o jsonpath='{range .items[*]}{.metadata.name} {.spec.containers[0].image}{"\n"}{end}' | awk -v tag=":$IMAGE_TAG" 'index($2, tag) {print $1; exit}')
+    --sort-by=.metadata.creationTimestamp -o jsonpath='{range .items[*]}{.metadata.name} {.spec.containers[0].image}{"\n"}{end}' |
+    awk -v tag=":$IMAGE_TAG" 'index($2, tag) {pod = $1} END {print pod}')
   [[ -n $PLUGIN_POD ]] || die "no running plugin pod with image tag $IMAGE_TAG"
   say "plugin pod $PLUGIN_POD registered with the kubelet; waiting for its ResourceSlices"
   for _ in $(seq 180); do got=$(layout); [[ $got == "$want" ]] && break; sleep 1; done
