@@ -1,0 +1,141 @@
+"""demo/ offline: what `make demo` and the e2e tier rely on in the examples' YAML, and
+that the sharing examples' story (two shares fit on one device, a third does not) holds
+for the fleet of demo/values-demo.yaml. The e2e tier runs them on a real node."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from decimal import Decimal
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from driver.devices.documents import parse_quantity
+from driver.devices.model import PoolOptions, build_pool
+from driver.nvml.backend import select_backend
+
+REPO = Path(__file__).resolve().parents[2]
+DEMO = REPO / "demo"
+NUMBERED = sorted(DEMO.glob("[0-9]*.yaml"))
+PARTITION_EXAMPLE = DEMO / "partitions" / "shared-partition-capacity.yaml"
+EXAMPLES = [*NUMBERED, PARTITION_EXAMPLE]
+CLUSTER_SCOPED = {"Namespace", "DeviceClass", "DeviceTaintRule"}
+DEMO_LABEL = ("app", "gpu-demo")  # demo.sh and the e2e tests select pods and rules by it
+
+Doc = dict[str, Any]
+
+
+def documents(path: Path) -> list[Doc]:
+    return [d for d in yaml.safe_load_all(path.read_text()) if d]
+
+
+def name(path: Path) -> str:
+    return str(path.relative_to(DEMO))
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=name)
+def test_example_lives_in_its_own_namespace(path: Path) -> None:
+    docs = documents(path)
+    namespaces = [d["metadata"]["name"] for d in docs if d["kind"] == "Namespace"]
+    assert len(namespaces) == 1, namespaces
+    for doc in docs:
+        if doc["kind"] not in CLUSTER_SCOPED:
+            assert doc["metadata"].get("namespace") == namespaces[0], doc["metadata"]
+
+
+def test_examples_have_distinct_namespaces() -> None:
+    namespaces = [
+        d["metadata"]["name"] for p in EXAMPLES for d in documents(p) if d["kind"] == "Namespace"
+    ]
+    assert len(set(namespaces)) == len(namespaces), namespaces
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=name)
+def test_pods_and_cluster_scoped_objects_carry_the_demo_label(path: Path) -> None:
+    """Deleting an example's namespace leaves its cluster-scoped objects (a DeviceTaintRule
+    keeps a GPU tainted for everyone): demo.sh deletes them by the demo label."""
+    key, value = DEMO_LABEL
+    for doc in documents(path):
+        if doc["kind"] == "Pod" or doc["kind"] in CLUSTER_SCOPED - {"Namespace"}:
+            labels = doc["metadata"].get("labels") or {}
+            assert labels.get(key) == value, f"{doc['kind']}/{doc['metadata']['name']}"
+
+
+def test_every_example_is_described_in_the_demo_readme() -> None:
+    readme = (DEMO / "README.md").read_text()
+    missing = [name(p) for p in EXAMPLES if f"]({name(p)})" not in readme]
+    assert not missing, missing
+
+
+# --- consumable capacity against the demo fleet ----------------------------------------
+
+
+def demo_devices(gpu_partitions: int, tmp_path: Path) -> list[Doc]:
+    """The device documents the plugin publishes with values-demo.yaml (+ partitions)."""
+    values = yaml.safe_load((DEMO / "values-demo.yaml").read_text())
+    assert values["kubeletPlugin"]["allowMultipleAllocations"] is True
+    fleet = tmp_path / "fleet.yaml"
+    fleet.write_text(values["nvml"]["mockFleet"])
+    inventory = select_backend(mock=True, fleet_path=fleet, node_name="demo").discover()
+    options = PoolOptions(allow_multiple_allocations=True, gpu_partitions=gpu_partitions)
+    return [d.document for d in build_pool(inventory, options).devices]
+
+
+def share_requests(path: Path) -> Iterator[tuple[str, dict[str, Decimal]]]:
+    """(device class, capacity.requests) of each template request asking for a share."""
+    for doc in documents(path):
+        if doc["kind"] != "ResourceClaimTemplate":
+            continue
+        for request in doc["spec"]["spec"]["devices"]["requests"]:
+            exactly = request["exactly"]
+            wanted = (exactly.get("capacity") or {}).get("requests")
+            if wanted:
+                yield exactly["deviceClassName"], {k: parse_quantity(v) for k, v in wanted.items()}
+
+
+def first_shareable(devices: list[Doc], partitions: bool) -> Doc:
+    """The first shareable device of the class in publishing order: the scheduler's
+    first choice for the first share."""
+    for device in devices:
+        is_partition = "partition" in device["attributes"]
+        if device.get("allowMultipleAllocations") and is_partition == partitions:
+            return device
+    raise AssertionError(f"no shareable {'partition' if partitions else 'GPU'} in the fleet")
+
+
+def shareable(device: Doc) -> dict[str, Decimal]:
+    return {
+        key: parse_quantity(entry["requestPolicy"]["validRange"]["max"])
+        for key, entry in device["capacity"].items()
+    }
+
+
+def fits(shares: list[dict[str, Decimal]], limit: dict[str, Decimal]) -> bool:
+    return all(sum(s[key] for s in shares) <= limit[key] for key in limit)
+
+
+@pytest.mark.parametrize(
+    ("path", "partitions"),
+    [(DEMO / "11-shared-gpu-capacity.yaml", False), (PARTITION_EXAMPLE, True)],
+    ids=["gpu", "partition"],
+)
+def test_two_shares_fit_on_one_device_and_a_third_does_not(
+    path: Path, partitions: bool, tmp_path: Path
+) -> None:
+    ((device_class, wanted),) = share_requests(path)
+    assert device_class == ("mig.gpu.example.com" if partitions else "gpu.example.com")
+    values = yaml.safe_load((DEMO / "partitions" / "values.yaml").read_text())
+    devices = demo_devices(values["kubeletPlugin"]["gpuPartitions"] if partitions else 0, tmp_path)
+    limit = shareable(first_shareable(devices, partitions))
+    assert fits([wanted, wanted], limit), (wanted, limit)
+    assert not fits([wanted, wanted, wanted], limit), (wanted, limit)
+
+
+def test_init_container_share_fits_beside_the_two_shared_pods(tmp_path: Path) -> None:
+    """13's share may land on the GPU 11's two pods share; it must not push one off."""
+    ((_, pod_share),) = share_requests(DEMO / "11-shared-gpu-capacity.yaml")
+    ((_, init_share),) = share_requests(DEMO / "13-init-container-shared-claim.yaml")
+    limit = shareable(first_shareable(demo_devices(0, tmp_path), partitions=False))
+    assert fits([pod_share, pod_share, init_share], limit), (pod_share, init_share, limit)
