@@ -116,9 +116,15 @@ class E2E:
         pods = self.get("pods", "-n", NAMESPACE, "-l", "app.kubernetes.io/component=kubeletplugin")[
             "items"
         ]
-        running = [p for p in pods if p["status"].get("phase") == "Running"]
+        # After a (re)install the old pod may still be terminating (and Running).
+        running = [
+            p
+            for p in pods
+            if p["status"].get("phase") == "Running"
+            and p["metadata"].get("deletionTimestamp") is None
+        ]
         assert running, f"no running plugin pod in {NAMESPACE}"
-        return running[0]
+        return max(running, key=lambda p: str(p["metadata"]["creationTimestamp"]))
 
     def metrics(self) -> str:
         ip = self.plugin_pod()["status"]["podIP"]
