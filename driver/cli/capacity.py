@@ -76,6 +76,16 @@ def _device_requests(doc: Mapping[str, Any]) -> Iterator[tuple[str, Any]]:
                 yield f"{path}.firstAvailable[{j}]", sub
 
 
+def requests_capacity(doc: Any) -> bool:
+    """Whether any device request of a claim document has `capacity.requests`."""
+    if not isinstance(doc, Mapping):
+        return False
+    return any(
+        isinstance(request.get("capacity"), Mapping) and request["capacity"].get("requests")
+        for _, request in _device_requests(doc)
+    )
+
+
 def capacity_problems(doc: Any, devices: list[CapacityDevice]) -> list[CapacityProblem]:
     """Each request of a claim document whose capacity requests no single device of
     `devices` can satisfy, with the largest capacity offered."""

@@ -18,8 +18,9 @@ Every problem is printed to stderr as
 
 On success one summary line goes to stdout. Exit code 1 if any file or directory is
 missing, unreadable or empty, any config is invalid, no GpuConfig or claim document
-was found at all, or no document is for --driver-name (neither a GpuConfig nor an
-opaque config of that driver); else 0.
+was found at all, or no document is for --driver-name (neither a GpuConfig, nor an
+opaque config of that driver, nor - with --slices publishing devices of that driver - a
+claim with capacity requests checked against them); else 0.
 """
 
 from __future__ import annotations
@@ -30,7 +31,12 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, TextIO
 
-from driver.cli.capacity import CapacityDevice, capacity_problems, devices_of_slices
+from driver.cli.capacity import (
+    CapacityDevice,
+    capacity_problems,
+    devices_of_slices,
+    requests_capacity,
+)
 from driver.config import LoadError, is_checked_document, load_yaml_documents
 from driver.config import validate_claim_document as check_document
 from driver.config.documents import CONFIG_LIST_PATHS, config_list_of
@@ -117,7 +123,9 @@ class Result:
     def __init__(self) -> None:
         self.problems: list[str] = []
         self.checked = 0  # GpuConfig and claim documents
-        self.ours = 0  # of those: GpuConfigs, or with an opaque config for the driver
+        # Of those: GpuConfigs, with an opaque config for the driver, or (--slices) with
+        # capacity requests checked against the driver's devices.
+        self.ours = 0
         self.drivers: set[str] = set()  # opaque config drivers seen
         self.files = 0
         self.devices: list[CapacityDevice] | None = None  # from --slices
@@ -165,7 +173,8 @@ def _validate_into(result: Result, text: str | bytes, filename: str, driver_name
         result.checked += 1
         drivers = _opaque_drivers(doc)
         result.drivers |= drivers
-        if _is_gpu_config(doc) or driver_name in drivers:
+        capacity_checked = bool(result.devices) and requests_capacity(doc)
+        if _is_gpu_config(doc) or driver_name in drivers or capacity_checked:
             result.ours += 1
         for error in check_document(doc, driver_name):
             result.problems.append(

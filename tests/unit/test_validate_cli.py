@@ -271,3 +271,20 @@ def test_unreadable_slices_file_is_reported(tmp_path: Path) -> None:
     claim.write_text(json.dumps(CLAIM))
     code, _, err = run_cli(str(claim), "--slices", str(tmp_path / "missing.yaml"))
     assert code == 1 and f"--slices {tmp_path / 'missing.yaml'}: cannot read" in err
+
+
+def test_claim_with_only_capacity_requests_counts_for_the_driver_of_the_slices(
+    tmp_path: Path,
+) -> None:
+    """A share claim without an opaque config (demo/11-shared-gpu-capacity.yaml) is checked
+    for the driver when --slices publishes devices of it; without --slices nothing in it
+    is for the driver."""
+    claim = json.loads(json.dumps(_capacity_claim("share", memory="16Gi", compute="20")))
+    del claim["spec"]["devices"]["config"]
+    share = tmp_path / "share.json"
+    share.write_text(json.dumps(claim))
+    code, out, err = run_cli(str(share), "--slices", str(_shared_slices(tmp_path)))
+    assert (code, err) == (0, ""), err
+    assert out.startswith("OK: 1 GpuConfig/claim document(s) in 1 file(s)")
+    code, _, err = run_cli(str(share))
+    assert code == 1 and "--driver-name gpu.example.com matches no document" in err
