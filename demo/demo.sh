@@ -46,7 +46,7 @@ IMAGE_TAG=$("$CLUSTER" driver-image-tag)
 device_names() { k get resourceslices --field-selector spec.driver=gpu.example.com -o jsonpath='{range .items[*]}{range .spec.devices[*]}{.name}{"\n"}{end}{end}'; }
 # "<devices> <reference partitions>" published: 472 0 with the demo values (22 GPUs and
 # their MIG partitions), 110 88 with demo/partitions/values.yaml (4 + full per GPU).
-layout() { device_names | awk '/./ {n++} /-partition-/ {p++} END {print n + 0, p + 0}'; }
+layout() { { device_names || true; } | awk '/./ {n++} /-partition-/ {p++} END {print n + 0, p + 0}'; }
 # install_driver <expected layout> [extra values file]: helm upgrade --install, wait for
 # the plugin pod of this image and for exactly that layout (an upgrade's old slices stay
 # until the new plugin registers and replaces them).
