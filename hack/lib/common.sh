@@ -51,6 +51,8 @@ CONTROL_PLANE_COMPONENTS=(etcd kube-apiserver kube-controller-manager kube-sched
 #                                         in resource.k8s.io/v1
 #   DynamicResourceAllocation, DRAResourceClaimDeviceStatus, DRAAdminAccess,
 #   DRAPrioritizedList                    GA, locked on
+#   DRAExtendedResource                   GA, locked on (extended resources backed by a
+#                                         DeviceClass: demo/12-extended-resources.yaml)
 # tests/integration/test_control_plane.py checks every one of them through the
 # apiserver's kubernetes_feature_enabled metric. The same string goes to every
 # component (apiserver, controller-manager, scheduler, and the kubelet of node.sh).

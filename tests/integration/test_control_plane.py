@@ -35,6 +35,7 @@ REQUIRED_GATES = (
     "DRAResourceClaimDeviceStatus",
     "DRAAdminAccess",
     "DRAPrioritizedList",
+    "DRAExtendedResource",
     "ResourceHealthStatus",
 )
 
