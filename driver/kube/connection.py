@@ -8,7 +8,8 @@ plugin's start-up time and a third of its memory. The plugin needs none of them 
 the usual cases, which are read here: the in-cluster service account (token re-read
 as kubelet rotates it), and kubeconfig users with a client certificate and/or a
 bearer token. Anything else in a kubeconfig (exec plugins, auth providers, basic
-auth, impersonation, proxies) is handed to the official loader, imported only then.
+auth, impersonation, proxies) and lists of kubeconfig files to merge are handed to the
+official loader, imported only then.
 """
 
 from __future__ import annotations
@@ -120,7 +121,10 @@ class Connection:
 
 
 def connect(kubeconfig: str | None) -> Connection:
-    """A connection from `kubeconfig` (a path), or the in-cluster settings if None."""
+    """A connection from `kubeconfig` (a path, or several joined by `:` as in
+    $KUBECONFIG, which the official loader merges), or the in-cluster settings if None."""
+    if kubeconfig and os.pathsep in kubeconfig:
+        return _connect_with_official_loader(kubeconfig)
     if kubeconfig:
         settings = read_kubeconfig(Path(kubeconfig))
         if settings is None:

@@ -217,6 +217,14 @@ def test_exec_credentials_go_through_the_official_loader(tmp_path: Path, server:
     assert Recorder.seen == [("GET", "/apis/x", "Bearer from-exec", b"")]
 
 
+def test_a_kubeconfig_list_is_merged_by_the_official_loader(tmp_path: Path, server: str) -> None:
+    first = kubeconfig(tmp_path, {"server": server}, {"token": "merged"})
+    second = tmp_path / "second"
+    second.write_text(yaml.safe_dump({"apiVersion": "v1", "kind": "Config", "users": []}))
+    KubeApi.from_kubeconfig(f"{first}{os.pathsep}{second}").request("GET", "/apis/x")
+    assert Recorder.seen == [("GET", "/apis/x", "Bearer merged", b"")]
+
+
 def test_the_plugin_does_not_import_the_official_client() -> None:
     """The official client's package (and requests, oauthlib, websocket) cost most of
     the plugin's start-up and a third of its memory; the plugin reads its kubeconfig
