@@ -256,7 +256,8 @@ def _as_file(pem: Pem) -> Iterator[str]:
 
 
 def _authorization(settings: ConnectionSettings) -> Callable[[], str | None]:
-    if settings.token_file is not None:
+    """`token` wins over `tokenFile`, as in kubectl and the official client."""
+    if settings.token_file is not None and not settings.token:
         return _TokenFile(settings.token_file).header
     header = f"Bearer {settings.token}" if settings.token else None
     return lambda: header

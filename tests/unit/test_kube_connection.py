@@ -202,6 +202,24 @@ def test_requests_carry_the_token_query_and_json_body(tmp_path: Path, server: st
     assert api.writes == 1
 
 
+@pytest.mark.parametrize(
+    ("user", "sent"),
+    [
+        ({"tokenFile": "token-file"}, "Bearer from-file"),
+        ({"tokenFile": "token-file", "token": "inline"}, "Bearer inline"),  # as kubectl
+        ({}, None),
+    ],
+)
+def test_bearer_token_sources(
+    tmp_path: Path, server: str, user: dict[str, Any], sent: str | None
+) -> None:
+    (tmp_path / "token-file").write_text("from-file\n")
+    KubeApi.from_kubeconfig(str(kubeconfig(tmp_path, {"server": server}, user))).request(
+        "GET", "/apis/x"
+    )
+    assert Recorder.seen == [("GET", "/apis/x", sent, b"")]
+
+
 def test_exec_credentials_go_through_the_official_loader(tmp_path: Path, server: str) -> None:
     plugin = tmp_path / "credential"
     credential = {
