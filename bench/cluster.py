@@ -124,11 +124,7 @@ class Api:
 
     def slice_writes(self) -> int:
         """ResourceSlice writes the API server has served (all clients), from its /metrics."""
-        client = self.kube._client  # /metrics is text, not JSON
-        method, url, headers, _, _ = client.param_serialize(
-            method="GET", resource_path="/metrics", auth_settings=["BearerToken"]
-        )
-        text = client.call_api(method, url, header_params=headers).read().decode()
+        text = self.kube.get_text("/metrics")
         total = 0
         for line in text.splitlines():
             if not line.startswith("apiserver_request_total{"):
