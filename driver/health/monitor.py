@@ -2,7 +2,8 @@
 
 `HealthMonitor` waits on NVML events through the backend with a short timeout
 (100 ms by default, so an event becomes a published taint quickly and shutdown is
-prompt), classifies each event (`XidPolicy`), records fatal ones in the
+prompt; 20 ms over the mock, whose injected events arrive through the control spool
+read between waits), classifies each event (`XidPolicy`), records fatal ones in the
 `HealthStore`, clears a GPU on `recovered`, and asks the slice publisher to
 republish. It never dies: any exception is logged and followed by a short backoff;
 an event set that failed is reopened.
@@ -45,6 +46,9 @@ from driver.observability import metrics
 log = logging.getLogger(__name__)
 
 DEFAULT_WAIT_TIMEOUT_MS = 100
+# Over the mock, an injected event reaches the plugin through the control spool, which
+# is read between waits: the shorter wait stands in for NVML waking the wait at once.
+MOCK_WAIT_TIMEOUT_MS = 20
 ECC_DBE_XID = 48  # NVIDIA's Xid for a double-bit ECC error
 
 
@@ -120,6 +124,7 @@ class HealthMonitor:
                 MockActions(module, self._devices, mig_instances=self._mig_instances).register_on(
                     self.control
                 )
+                self._wait_ms = min(self._wait_ms, MOCK_WAIT_TIMEOUT_MS)
             self._pollers.append(self.control.poll)
         self._backoff0 = error_backoff
         self._max_backoff = max_backoff
@@ -174,6 +179,11 @@ class HealthMonitor:
             self._opened = False
             with contextlib.suppress(Exception):
                 self._backend.close_event_set()
+
+    @property
+    def wait_timeout_ms(self) -> int:
+        """How long one NVML event wait may take; the control spool is read between."""
+        return self._wait_ms
 
     # -- one iteration -----------------------------------------------------------------
 

@@ -426,3 +426,20 @@ def test_plugin_predating_instance_is_reported(tmp_path: Path) -> None:
     (spool / f"res-{ident}").write_text(json.dumps({"ok": True, "message": "Xid 94 on gpu-0"}))
     thread.join(2)
     assert errors and "predates --instance" in errors[0] and "whole GPU" in errors[0]
+
+
+def test_the_spool_of_a_mock_is_read_as_often_as_an_event_would_wake_a_wait(
+    tmp_path: Path,
+) -> None:
+    """An injected event waits for the spool to be read between NVML waits: over the
+    mock the wait is short, so the mock's events are not delayed by the transport."""
+    from driver.health.monitor import DEFAULT_WAIT_TIMEOUT_MS, MOCK_WAIT_TIMEOUT_MS
+
+    assert Plugin(tmp_path).monitor.wait_timeout_ms == MOCK_WAIT_TIMEOUT_MS
+    without_channel = HealthMonitor(
+        NvmlBackend(MockNvml(default_fleet(), "node-1")),
+        HealthStore(tmp_path / "other.json"),
+        XidPolicy(),
+        None,
+    )
+    assert without_channel.wait_timeout_ms == DEFAULT_WAIT_TIMEOUT_MS
