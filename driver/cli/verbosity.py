@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import logging
 
+from driver.plugin.flags import non_negative_int
+
 LOG_FORMAT = "%(levelname)s %(name)s: %(message)s"
 # The Kubernetes client logs request headers (bearer tokens) at DEBUG.
 QUIET_LOGGERS = ("urllib3", "kubernetes")
@@ -12,20 +14,10 @@ DEBUG_VERBOSITY = 4
 HELP = "log verbosity: 0 warnings only, 1-3 also info, >= 4 debug (default: 0)"
 
 
-def non_negative_verbosity(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
-
-
 def add_verbosity_flag(parser: argparse.ArgumentParser) -> None:
     """`-v N` before the subcommand, and after it on every (nested) subcommand."""
     parser.add_argument(
-        "-v", "--v", dest="verbosity", type=non_negative_verbosity, default=0, help=HELP
+        "-v", "--v", dest="verbosity", type=non_negative_int("-v"), default=0, help=HELP
     )
     for sub in _subparsers(parser):
         # SUPPRESS: a subcommand without -v keeps what was given before it.
@@ -33,7 +25,7 @@ def add_verbosity_flag(parser: argparse.ArgumentParser) -> None:
             "-v",
             "--v",
             dest="verbosity",
-            type=non_negative_verbosity,
+            type=non_negative_int("-v"),
             default=argparse.SUPPRESS,
             help=HELP,
         )
