@@ -27,8 +27,8 @@ MIG lifecycle come in as small protocols (driver/state/claims.py, instances.py).
 
 A claim that fails in steps 4-5 is rolled back alone (spec removed, MIG devices
 destroyed, entry dropped in the next store); only a failed journal store fails the
-whole batch, which is then rolled back. Unprepare and start-up
-recovery live in driver/state/teardown.py.
+whole batch, which is then rolled back. Steps 3-5 live in driver/state/batch.py,
+unprepare and start-up recovery in driver/state/teardown.py.
 """
 
 from __future__ import annotations
@@ -43,13 +43,12 @@ from typing import Any
 from driver.errors import DriverError, ErrorClass, transient
 from driver.observability import metrics
 from driver.state import teardown
-from driver.state.booking import refuse_double_booking, refuse_over_capacity
-from driver.state.cdi import CdiSpecs, ClaimSpec
+from driver.state.batch import as_transient, prepare_locked
+from driver.state.cdi import CdiSpecs
 from driver.state.checkpoint import (
     Checkpoint,
     CheckpointCorruptError,
     ClaimEntry,
-    ClaimState,
     SerializeLock,
 )
 from driver.state.claims import (
@@ -63,9 +62,8 @@ from driver.state.claims import (
     read_claims,
     unique,
 )
-from driver.state.failpoints import failpoint
 from driver.state.instances import ClaimInstances, MigOps
-from driver.state.planning import CdiContext, PlannedDevice, check_health, plan_claim, render_spec
+from driver.state.planning import CdiContext, check_health
 from driver.state.teardown import RecoveryReport
 from driver.state.verdicts import (
     DEFAULT_PERMANENT_ERRORS,
@@ -75,8 +73,6 @@ from driver.state.verdicts import (
 )
 
 log = logging.getLogger(__name__)
-
-PREPARE_STARTED = ClaimState.PREPARE_STARTED
 
 
 @dataclass
@@ -92,22 +88,6 @@ class StateStats:
     transient_failures: int = 0
     unprepared: int = 0  # claims whose local state was removed
     checkpoint_corrupt: int = 0  # calls refused because the journal is corrupt
-
-
-@dataclass
-class _Work:
-    """A claim of the current batch that is being written."""
-
-    ref: ClaimRef
-    claim: dict[str, Any]
-    planned: tuple[PlannedDevice, ...]
-    spec: ClaimSpec | None = None
-    error: DriverError | None = None
-
-    def entry(self, state: ClaimState) -> ClaimEntry:
-        devices = tuple(p.prepared for p in self.planned)
-        spec = self.spec if state is ClaimState.PREPARE_COMPLETED else None
-        return ClaimEntry(state, self.ref.namespace, self.ref.name, devices, spec)
 
 
 class DeviceState:
@@ -202,7 +182,7 @@ class DeviceState:
         try:
             with self.lock.hold():
                 journal = self.load_journal()
-                self._prepare_batch(todo, journal, results)
+                prepare_locked(self, todo, journal, results)
         except Exception as exc:  # lock timeout, unreadable/corrupt journal, a bug
             if isinstance(exc, CheckpointCorruptError):
                 self.stats.checkpoint_corrupt += 1
@@ -280,200 +260,3 @@ class DeviceState:
             except Exception:  # visibility is best effort; the verdict stands
                 log.exception("reporting the permanent failure of claim %s failed", ref.uid)
         return PrepareResult(error=err)
-
-    # -- prepare under the lock ------------------------------------------------------------
-
-    def _prepare_batch(
-        self,
-        todo: Sequence[tuple[ClaimRef, dict[str, Any], list[dict[str, Any]]]],
-        journal: dict[str, ClaimEntry],
-        results: dict[str, PrepareResult],
-    ) -> None:
-        work: list[_Work] = []
-        found: dict[str, ClaimEntry] = {}  # pre-existing entries of claims being redone
-        planned: dict[str, ClaimEntry] = {}  # the new PrepareStarted entries
-        for ref, claim, driver_results in todo:
-            uid = ref.uid
-            entry = journal.get(uid)
-            if entry is not None and entry.state is ClaimState.PREPARE_COMPLETED:
-                try:
-                    if self._spec_in_place(uid, entry):
-                        self.stats.idempotent_hits += 1
-                        results[uid] = PrepareResult(devices=entry.devices)
-                        continue
-                except OSError as err:
-                    error = transient(f"cannot rewrite the CDI spec of {uid}: {err}")
-                    results[uid] = self.fail(ref, claim, error)
-                    continue
-            try:
-                w = _Work(ref, claim, self._plan(ref, claim, driver_results))
-                devices = tuple(p.prepared for p in w.planned)
-                # Against every journal entry (a found entry of a claim being redone
-                # holds its old devices until it is rolled back) and every claim
-                # planned before this one in the same request.
-                refuse_double_booking(uid, devices, journal, self.devices)
-                refuse_double_booking(uid, devices, planned, self.devices)
-                refuse_over_capacity(uid, devices, self.devices, journal, planned)
-            except Exception as exc:
-                results[uid] = self.fail(ref, claim, self._error(exc, uid))
-                continue
-            if entry is not None:
-                found[uid] = entry
-            planned[uid] = w.entry(PREPARE_STARTED)
-            work.append(w)
-        if not work:
-            return
-        journal.update(planned)
-        if found:
-            work = self._roll_back_found(work, found, journal, results)
-            if not work:
-                return
-
-        failpoint("prepare-before-started")
-        try:
-            # No directory fsync: a crash of the process keeps the rename (page cache),
-            # and a power loss, which could lose it, also takes every MIG device with
-            # it; the specs written next are made safe by the PrepareCompleted store.
-            self.checkpoint.store(
-                journal, before_rename="prepare-started-before-rename", sync_dir=False
-            )
-        except DriverError as err:
-            self._abort(work, journal, results, err)
-            return
-        failpoint("prepare-after-started")
-
-        # Each spec's content is fsynced before its rename, so a spec on disk is whole;
-        # the renames are not synced: the PrepareCompleted entries carry every spec,
-        # and recover() rewrites one a power loss took before the kubelet can use it.
-        for w in work:
-            try:
-                w.planned = tuple(self.instances.create(w.planned))
-                w.spec = render_spec(w.planned, self.context)
-                self.cdi.write_claim_spec(
-                    w.ref.uid, w.spec, before_rename="prepare-cdi-before-rename", sync_dir=False
-                )
-            except Exception as exc:
-                w.error = self._error(exc, w.ref.uid)
-        failpoint("prepare-after-cdi")
-
-        failed = [w for w in work if w.error is not None]
-        if failed:  # specs and MIG devices go now, entries in the PrepareCompleted store
-            self._undo(failed, journal)
-            self._fail_work(failed, results)
-            work = [w for w in work if w.error is None]
-        for w in work:
-            journal[w.ref.uid] = w.entry(ClaimState.PREPARE_COMPLETED)
-        try:
-            self.checkpoint.store(journal, before_rename="prepare-completed-before-rename")
-        except DriverError as err:
-            self._abort(work, journal, results, err)
-            return
-        failpoint("prepare-after-completed")
-        for w in work:
-            self.stats.prepared += 1
-            results[w.ref.uid] = PrepareResult(devices=tuple(p.prepared for p in w.planned))
-
-    def _plan(
-        self, ref: ClaimRef, claim: dict[str, Any], driver_results: list[dict[str, Any]]
-    ) -> tuple[PlannedDevice, ...]:
-        return plan_claim(
-            ref,
-            claim,
-            driver_results,
-            driver_name=self.driver_name,
-            devices=self.devices,
-            cdi_ids=self.cdi.device_ids,
-        )
-
-    def _roll_back_found(
-        self,
-        work: list[_Work],
-        found: dict[str, ClaimEntry],
-        journal: dict[str, ClaimEntry],
-        results: dict[str, PrepareResult],
-    ) -> list[_Work]:
-        """Half-done entries of claims being redone: their specs and MIG devices go
-        before anything new is written. One that cannot be rolled back stays as it
-        was found (the retry or recover() redoes it)."""
-        self.stats.rollbacks += len(found)
-        log.info("rolling back %d found entries before redoing them", len(found))
-        _, errors = self.cdi.remove_claim_specs(sorted(found))
-        failpoint("prepare-rollback-after-cdi-removed")
-        for w in work:
-            uid = w.ref.uid
-            if uid not in found:
-                continue
-            try:
-                if uid in errors:
-                    raise transient(f"rolling back claim {uid}: {errors[uid]}")
-                self.instances.destroy(found[uid].devices)
-            except DriverError as err:
-                journal[uid] = found[uid]
-                w.error = err
-        self._fail_work(work, results)
-        return [w for w in work if w.error is None]
-
-    def _spec_in_place(self, uid: str, entry: ClaimEntry) -> bool:
-        """Is the completed claim's CDI spec on disk, rewritten from the journal if it
-        was lost? False only for an entry without a stored spec (then it is redone)."""
-        if self.cdi.claim_spec_exists(uid):
-            return True
-        if entry.cdi_spec is None:
-            return False
-        self.cdi.write_claim_spec(uid, entry.cdi_spec)
-        log.warning("rewrote the lost CDI spec of prepared claim %s from the journal", uid)
-        return True
-
-    def _error(self, exc: BaseException, uid: str) -> DriverError:
-        if isinstance(exc, DriverError):
-            return exc
-        log.error("prepare of claim %s failed", uid, exc_info=exc)
-        return as_transient(exc)
-
-    def _fail_work(self, work: Sequence[_Work], results: dict[str, PrepareResult]) -> None:
-        for w in work:
-            if w.error is not None and w.ref.uid not in results:
-                results[w.ref.uid] = self.fail(w.ref, w.claim, w.error)
-
-    def _undo(self, work: Sequence[_Work], journal: dict[str, ClaimEntry]) -> set[str]:
-        """Remove the claims' specs and MIG devices; drop the entries of those fully
-        undone. The others stay `PrepareStarted`: the retry or recover() finishes."""
-        _, errors = self.cdi.remove_claim_specs([w.ref.uid for w in work])
-        undone: set[str] = set()
-        for w in work:
-            uid = w.ref.uid
-            try:
-                if uid in errors:
-                    raise transient(str(errors[uid]))
-                self.instances.destroy(tuple(p.prepared for p in w.planned))
-            except DriverError as err:
-                journal[uid] = w.entry(PREPARE_STARTED)
-                log.error("rolling back claim %s failed: %s", uid, err)
-                continue
-            journal.pop(uid, None)
-            undone.add(uid)
-        return undone
-
-    def _abort(
-        self,
-        work: Sequence[_Work],
-        journal: dict[str, ClaimEntry],
-        results: dict[str, PrepareResult],
-        err: DriverError,
-    ) -> None:
-        """A journal store failed: fail every claim of the batch and roll them all back
-        as far as the disk and NVML let us; whatever is left is a `PrepareStarted`
-        entry that the retry or `recover()` rolls back."""
-        for w in work:
-            w.error = err
-        undone = self._undo(work, journal)
-        self._fail_work(work, results)
-        if undone:
-            try:
-                self.checkpoint.store(journal)
-            except DriverError as again:
-                log.error("rolling back %d claims failed: %s", len(undone), again)
-
-
-def as_transient(exc: BaseException) -> DriverError:
-    return transient(f"{type(exc).__name__}: {exc}")

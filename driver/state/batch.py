@@ -1,0 +1,250 @@
+"""Steps 3-5 of a prepare, under the node lock (the module doc of
+driver/state/prepare.py lists them): plan and book each claim, roll back found
+half-done entries, then ONE `PrepareStarted` store, the MIG devices, the CDI specs and
+ONE `PrepareCompleted` store. A claim that fails here is rolled back alone; a failed
+journal store fails and rolls back the whole batch."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from driver.errors import DriverError, transient
+from driver.state.booking import refuse_double_booking, refuse_over_capacity
+from driver.state.cdi import ClaimSpec
+from driver.state.checkpoint import ClaimEntry, ClaimState
+from driver.state.claims import ClaimRef, PrepareResult
+from driver.state.failpoints import failpoint
+from driver.state.planning import PlannedDevice, plan_claim, render_spec
+
+if TYPE_CHECKING:
+    from driver.state.prepare import DeviceState
+
+log = logging.getLogger(__name__)
+
+PREPARE_STARTED = ClaimState.PREPARE_STARTED
+
+
+@dataclass
+class _Work:
+    """A claim of the current batch that is being written."""
+
+    ref: ClaimRef
+    claim: dict[str, Any]
+    planned: tuple[PlannedDevice, ...]
+    spec: ClaimSpec | None = None
+    error: DriverError | None = None
+
+    def entry(self, state: ClaimState) -> ClaimEntry:
+        devices = tuple(p.prepared for p in self.planned)
+        spec = self.spec if state is ClaimState.PREPARE_COMPLETED else None
+        return ClaimEntry(state, self.ref.namespace, self.ref.name, devices, spec)
+
+
+def prepare_locked(
+    state: DeviceState,
+    todo: Sequence[tuple[ClaimRef, dict[str, Any], list[dict[str, Any]]]],
+    journal: dict[str, ClaimEntry],
+    results: dict[str, PrepareResult],
+) -> None:
+    """Plan, book and write the claims of `todo` (read and checked, outside the lock)
+    with `journal` loaded under the lock; every claim's answer goes into `results`."""
+    work: list[_Work] = []
+    found: dict[str, ClaimEntry] = {}  # pre-existing entries of claims being redone
+    planned: dict[str, ClaimEntry] = {}  # the new PrepareStarted entries
+    for ref, claim, driver_results in todo:
+        uid = ref.uid
+        entry = journal.get(uid)
+        if entry is not None and entry.state is ClaimState.PREPARE_COMPLETED:
+            try:
+                if _spec_in_place(state, uid, entry):
+                    state.stats.idempotent_hits += 1
+                    results[uid] = PrepareResult(devices=entry.devices)
+                    continue
+            except OSError as err:
+                error = transient(f"cannot rewrite the CDI spec of {uid}: {err}")
+                results[uid] = state.fail(ref, claim, error)
+                continue
+        try:
+            w = _Work(ref, claim, _plan(state, ref, claim, driver_results))
+            devices = tuple(p.prepared for p in w.planned)
+            # Against every journal entry (a found entry of a claim being redone
+            # holds its old devices until it is rolled back) and every claim
+            # planned before this one in the same request.
+            refuse_double_booking(uid, devices, journal, state.devices)
+            refuse_double_booking(uid, devices, planned, state.devices)
+            refuse_over_capacity(uid, devices, state.devices, journal, planned)
+        except Exception as exc:
+            results[uid] = state.fail(ref, claim, _error(exc, uid))
+            continue
+        if entry is not None:
+            found[uid] = entry
+        planned[uid] = w.entry(PREPARE_STARTED)
+        work.append(w)
+    if not work:
+        return
+    journal.update(planned)
+    if found:
+        work = _roll_back_found(state, work, found, journal, results)
+        if not work:
+            return
+
+    failpoint("prepare-before-started")
+    try:
+        # No directory fsync: a crash of the process keeps the rename (page cache),
+        # and a power loss, which could lose it, also takes every MIG device with
+        # it; the specs written next are made safe by the PrepareCompleted store.
+        state.checkpoint.store(
+            journal, before_rename="prepare-started-before-rename", sync_dir=False
+        )
+    except DriverError as err:
+        _abort(state, work, journal, results, err)
+        return
+    failpoint("prepare-after-started")
+
+    # Each spec's content is fsynced before its rename, so a spec on disk is whole;
+    # the renames are not synced: the PrepareCompleted entries carry every spec,
+    # and recover() rewrites one a power loss took before the kubelet can use it.
+    for w in work:
+        try:
+            w.planned = tuple(state.instances.create(w.planned))
+            w.spec = render_spec(w.planned, state.context)
+            state.cdi.write_claim_spec(
+                w.ref.uid, w.spec, before_rename="prepare-cdi-before-rename", sync_dir=False
+            )
+        except Exception as exc:
+            w.error = _error(exc, w.ref.uid)
+    failpoint("prepare-after-cdi")
+
+    failed = [w for w in work if w.error is not None]
+    if failed:  # specs and MIG devices go now, entries in the PrepareCompleted store
+        _undo(state, failed, journal)
+        _fail_work(state, failed, results)
+        work = [w for w in work if w.error is None]
+    for w in work:
+        journal[w.ref.uid] = w.entry(ClaimState.PREPARE_COMPLETED)
+    try:
+        state.checkpoint.store(journal, before_rename="prepare-completed-before-rename")
+    except DriverError as err:
+        _abort(state, work, journal, results, err)
+        return
+    failpoint("prepare-after-completed")
+    for w in work:
+        state.stats.prepared += 1
+        results[w.ref.uid] = PrepareResult(devices=tuple(p.prepared for p in w.planned))
+
+
+def _plan(
+    state: DeviceState, ref: ClaimRef, claim: dict[str, Any], driver_results: list[dict[str, Any]]
+) -> tuple[PlannedDevice, ...]:
+    return plan_claim(
+        ref,
+        claim,
+        driver_results,
+        driver_name=state.driver_name,
+        devices=state.devices,
+        cdi_ids=state.cdi.device_ids,
+    )
+
+
+def _roll_back_found(
+    state: DeviceState,
+    work: list[_Work],
+    found: dict[str, ClaimEntry],
+    journal: dict[str, ClaimEntry],
+    results: dict[str, PrepareResult],
+) -> list[_Work]:
+    """Half-done entries of claims being redone: their specs and MIG devices go
+    before anything new is written. One that cannot be rolled back stays as it
+    was found (the retry or recover() redoes it)."""
+    state.stats.rollbacks += len(found)
+    log.info("rolling back %d found entries before redoing them", len(found))
+    _, errors = state.cdi.remove_claim_specs(sorted(found))
+    failpoint("prepare-rollback-after-cdi-removed")
+    for w in work:
+        uid = w.ref.uid
+        if uid not in found:
+            continue
+        try:
+            if uid in errors:
+                raise transient(f"rolling back claim {uid}: {errors[uid]}")
+            state.instances.destroy(found[uid].devices)
+        except DriverError as err:
+            journal[uid] = found[uid]
+            w.error = err
+    _fail_work(state, work, results)
+    return [w for w in work if w.error is None]
+
+
+def _spec_in_place(state: DeviceState, uid: str, entry: ClaimEntry) -> bool:
+    """Is the completed claim's CDI spec on disk, rewritten from the journal if it
+    was lost? False only for an entry without a stored spec (then it is redone)."""
+    if state.cdi.claim_spec_exists(uid):
+        return True
+    if entry.cdi_spec is None:
+        return False
+    state.cdi.write_claim_spec(uid, entry.cdi_spec)
+    log.warning("rewrote the lost CDI spec of prepared claim %s from the journal", uid)
+    return True
+
+
+def _error(exc: BaseException, uid: str) -> DriverError:
+    if isinstance(exc, DriverError):
+        return exc
+    log.error("prepare of claim %s failed", uid, exc_info=exc)
+    return as_transient(exc)
+
+
+def _fail_work(
+    state: DeviceState, work: Sequence[_Work], results: dict[str, PrepareResult]
+) -> None:
+    for w in work:
+        if w.error is not None and w.ref.uid not in results:
+            results[w.ref.uid] = state.fail(w.ref, w.claim, w.error)
+
+
+def _undo(state: DeviceState, work: Sequence[_Work], journal: dict[str, ClaimEntry]) -> set[str]:
+    """Remove the claims' specs and MIG devices; drop the entries of those fully
+    undone. The others stay `PrepareStarted`: the retry or recover() finishes."""
+    _, errors = state.cdi.remove_claim_specs([w.ref.uid for w in work])
+    undone: set[str] = set()
+    for w in work:
+        uid = w.ref.uid
+        try:
+            if uid in errors:
+                raise transient(str(errors[uid]))
+            state.instances.destroy(tuple(p.prepared for p in w.planned))
+        except DriverError as err:
+            journal[uid] = w.entry(PREPARE_STARTED)
+            log.error("rolling back claim %s failed: %s", uid, err)
+            continue
+        journal.pop(uid, None)
+        undone.add(uid)
+    return undone
+
+
+def _abort(
+    state: DeviceState,
+    work: Sequence[_Work],
+    journal: dict[str, ClaimEntry],
+    results: dict[str, PrepareResult],
+    err: DriverError,
+) -> None:
+    """A journal store failed: fail every claim of the batch and roll them all back
+    as far as the disk and NVML let us; whatever is left is a `PrepareStarted`
+    entry that the retry or `recover()` rolls back."""
+    for w in work:
+        w.error = err
+    undone = _undo(state, work, journal)
+    _fail_work(state, work, results)
+    if undone:
+        try:
+            state.checkpoint.store(journal)
+        except DriverError as again:
+            log.error("rolling back %d claims failed: %s", len(undone), again)
+
+
+def as_transient(exc: BaseException) -> DriverError:
+    return transient(f"{type(exc).__name__}: {exc}")
