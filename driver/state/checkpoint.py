@@ -1,4 +1,5 @@
-"""The prepare journal (`<data dir>/checkpoint.json`) and the node-wide serialize lock.
+"""The prepare journal (`<data dir>/checkpoint.json`); the node-wide lock that
+serialises its writers is in driver/state/locking.py.
 
 File format (docs/state.md)::
 
@@ -32,16 +33,12 @@ discarded automatically; an operator moves it aside with `gpu-dra journal quaran
 
 from __future__ import annotations
 
-import contextlib
 import enum
 import errno
-import fcntl
 import hashlib
 import json
 import os
-import threading
-import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -50,19 +47,19 @@ from typing import Any, Final, TypeGuard
 from driver.errors import DriverError, ErrorClass, transient
 from driver.state.cdi import ClaimSpec
 from driver.state.fileio import (
+    DATA_DIR_MODE,
     UnsafeFileError,
     atomic_write,
     fsync_dir,
     read_file_nofollow,
     sweep_temp_files,
 )
+from driver.state.locking import SerializeLock
 
 SCHEMA_VERSION: Final = 1
 CHECKPOINT_FILE: Final = "checkpoint.json"
-LOCK_FILE: Final = "serialize.lock"
 CORRUPT_SUFFIX: Final = ".corrupt-"
 CHECKSUM_PREFIX: Final = "sha256:"
-DATA_DIR_MODE: Final = 0o750
 
 
 class ClaimState(enum.StrEnum):
@@ -394,70 +391,3 @@ def quarantine_checkpoint(
         os.rename(cp.path, target)
         fsync_dir(cp.data_dir)
         return target
-
-
-# -- serialize lock ---------------------------------------------------------------------
-
-_PROCESS_LOCKS: dict[str, threading.Lock] = {}
-_PROCESS_LOCKS_GUARD = threading.Lock()
-
-
-def _process_lock(path: Path) -> threading.Lock:
-    key = os.path.realpath(path)
-    with _PROCESS_LOCKS_GUARD:
-        return _PROCESS_LOCKS.setdefault(key, threading.Lock())
-
-
-class SerializeLock:
-    """Node-wide serialisation of prepare/unprepare: an in-process lock (threads) and
-    `flock(LOCK_EX)` on `<data dir>/serialize.lock` (other plugin instances during a
-    rolling update). Polled non-blocking so a timeout is possible; released by closing
-    the descriptor, so a crashed holder never leaves it held.
-    """
-
-    def __init__(
-        self, data_dir: Path | str, *, timeout: float = 10.0, poll_interval: float = 0.05
-    ) -> None:
-        self.data_dir = Path(data_dir)
-        self.path = self.data_dir / LOCK_FILE
-        self.timeout = timeout
-        self.poll_interval = poll_interval
-        self._thread_lock = _process_lock(self.path)
-
-    @contextlib.contextmanager
-    def hold(self) -> Iterator[None]:
-        """Hold both locks for the duration of the block; transient DriverError on timeout."""
-        deadline = time.monotonic() + self.timeout
-        if not self._thread_lock.acquire(timeout=max(self.timeout, 0.0)):
-            raise transient(f"timed out after {self.timeout}s waiting for the in-process lock")
-        try:
-            fd = self._lock_file(deadline)
-            try:
-                yield
-            finally:
-                os.close(fd)  # releases the flock
-        finally:
-            self._thread_lock.release()
-
-    def _lock_file(self, deadline: float) -> int:
-        try:
-            self.data_dir.mkdir(parents=True, exist_ok=True, mode=DATA_DIR_MODE)
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        except OSError as err:
-            raise transient(f"cannot open lock file {self.path}: {err}") from err
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                return fd
-            except OSError as err:
-                if err.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES) or (
-                    time.monotonic() >= deadline
-                ):
-                    os.close(fd)
-                    if err.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                        raise transient(
-                            f"timed out after {self.timeout}s waiting for {self.path} "
-                            "(another plugin instance is preparing or unpreparing)"
-                        ) from err
-                    raise transient(f"cannot lock {self.path}: {err}") from err
-            time.sleep(self.poll_interval)

@@ -16,6 +16,8 @@ from driver.observability import metrics
 from driver.state.failpoints import failpoint
 
 TEMP_MARKER: Final = ".tmp-"
+# The plugin's data directory (journal, lock file, health store): owner and group only.
+DATA_DIR_MODE: Final = 0o750
 
 
 def temp_name(target: Path) -> Path:

@@ -49,7 +49,6 @@ from driver.state.checkpoint import (
     Checkpoint,
     CheckpointCorruptError,
     ClaimEntry,
-    SerializeLock,
 )
 from driver.state.claims import (
     ClaimReader,
@@ -63,6 +62,7 @@ from driver.state.claims import (
     unique,
 )
 from driver.state.instances import ClaimInstances, MigOps
+from driver.state.locking import SerializeLock
 from driver.state.planning import CdiContext, check_health
 from driver.state.teardown import RecoveryReport
 from driver.state.verdicts import (

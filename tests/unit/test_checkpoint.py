@@ -22,10 +22,10 @@ from driver.state.checkpoint import (
     ClaimEntry,
     ClaimState,
     PreparedDevice,
-    SerializeLock,
     checksum,
     quarantine_checkpoint,
 )
+from driver.state.locking import SerializeLock
 
 DEVICE = PreparedDevice(
     pool_name="node-a",
