@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from decimal import Decimal
 from typing import Any
 
-from driver.devices.documents import parse_quantity
+from driver.devices.documents import binary_quantity, parse_quantity
 
 
 @dataclass(frozen=True)
@@ -133,7 +133,7 @@ def _why_nothing_fits(wanted: Mapping[str, Decimal], devices: list[CapacityDevic
 
 
 def _show(value: Decimal) -> str:
-    gib = Decimal(2**30)
-    if value >= gib and value % gib == 0:
-        return f"{value / gib:.0f}Gi"
+    """A whole quantity as the API server writes it (80Gi); a fraction as a number."""
+    if value == value.to_integral_value() and value >= 0:
+        return binary_quantity(int(value))
     return f"{value.normalize():f}"
