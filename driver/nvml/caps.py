@@ -13,11 +13,13 @@ device lists them.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
 CAPABILITIES_DIR: Final = "proc/driver/nvidia/capabilities"
 CAPS_DEVICE_DIR: Final = "/dev/nvidia-caps"
+DEFAULT_MODE: Final = 0o444  # the driver's default for MIG capabilities
 
 
 class CapabilityError(RuntimeError):
@@ -29,25 +31,38 @@ def _access_file(driver_root: Path, gpu_minor: int, gi_id: int, ci_id: int | Non
     return (base / f"ci{ci_id}" if ci_id is not None else base) / "access"
 
 
-def read_device_minor(path: Path) -> int:
-    """The `DeviceFileMinor` of one capability `access` file."""
+@dataclass(frozen=True)
+class CapabilityNode:
+    """A capability's device file: `/dev/nvidia-caps/nvidia-cap<minor>`, its mode."""
+
+    minor: int
+    mode: int
+
+
+def read_capability(path: Path) -> CapabilityNode:
+    """The `DeviceFileMinor` and `DeviceFileMode` (decimal) of one `access` file."""
     try:
         text = path.read_text()
     except OSError as err:
         raise CapabilityError(f"cannot read MIG capability {path}: {err}") from err
+    fields: dict[str, int] = {}
     for line in text.splitlines():
-        key, sep, value = line.partition(":")
-        if sep and key.strip() == "DeviceFileMinor":
+        key, sep, value = (part.strip() for part in line.partition(":"))
+        if sep and key in ("DeviceFileMinor", "DeviceFileMode"):
             try:
-                return int(value.strip())
+                fields[key] = int(value)
             except ValueError:
-                break
-    raise CapabilityError(f"MIG capability {path} has no valid DeviceFileMinor line")
+                raise CapabilityError(f"MIG capability {path}: {key} is not a number") from None
+    if "DeviceFileMinor" not in fields:
+        raise CapabilityError(f"MIG capability {path} has no valid DeviceFileMinor line")
+    return CapabilityNode(fields["DeviceFileMinor"], fields.get("DeviceFileMode", DEFAULT_MODE))
 
 
-def mig_device_nodes(driver_root: Path, gpu_minor: int, gi_id: int, ci_id: int) -> tuple[str, str]:
-    """The GPU-instance and compute-instance capability device nodes (container
-    paths), e.g. `("/dev/nvidia-caps/nvidia-cap21", "/dev/nvidia-caps/nvidia-cap22")`."""
-    gi_minor = read_device_minor(_access_file(driver_root, gpu_minor, gi_id, None))
-    ci_minor = read_device_minor(_access_file(driver_root, gpu_minor, gi_id, ci_id))
-    return (f"{CAPS_DEVICE_DIR}/nvidia-cap{gi_minor}", f"{CAPS_DEVICE_DIR}/nvidia-cap{ci_minor}")
+def mig_capabilities(
+    driver_root: Path, gpu_minor: int, gi_id: int, ci_id: int
+) -> tuple[CapabilityNode, CapabilityNode]:
+    """The GPU-instance and compute-instance capabilities of one MIG device."""
+    return (
+        read_capability(_access_file(driver_root, gpu_minor, gi_id, None)),
+        read_capability(_access_file(driver_root, gpu_minor, gi_id, ci_id)),
+    )

@@ -64,6 +64,9 @@ class PluginOptions:
     mig_strategy: str
     allow_multiple_allocations: bool
     mock_driver_root: Path | None
+    nvidia_driver_root: Path
+    nvidia_driver_root_host: Path
+    nvidia_cdi_hook_path: str
     xid_taint_effect: str
     additional_xids_to_ignore: str
     fatal_xids: str
@@ -143,6 +146,24 @@ def build_parser() -> argparse.ArgumentParser:
         default=_env("MOCK_DRIVER_ROOT"),
         help="mock backend: where its MIG state and capability files live "
         "(default: <plugin data dir>/mock-driver-root)",
+    )
+    p.add_argument(
+        "--nvidia-driver-root",
+        type=Path,
+        default=_env("NVIDIA_DRIVER_ROOT", "/"),
+        help="real NVML: where this process sees the NVIDIA driver's files",
+    )
+    p.add_argument(
+        "--nvidia-driver-root-host",
+        type=Path,
+        default=_env("NVIDIA_DRIVER_ROOT_HOST"),
+        help="the driver root on the host, which CDI specs name (default: --nvidia-driver-root)",
+    )
+    p.add_argument(
+        "--nvidia-cdi-hook-path",
+        default=_env("NVIDIA_CDI_HOOK_PATH", "") or "",
+        help="nvidia-cdi-hook on the host, named in CDI specs; none: the image's copy, "
+        "installed into the plugin's data directory at start",
     )
     p.add_argument(
         "--xid-taint-effect", choices=TAINT_EFFECTS, default=_env("XID_TAINT_EFFECT", "NoSchedule")
@@ -225,6 +246,9 @@ def parse_options(argv: Sequence[str] | None = None) -> PluginOptions:
         mig_strategy=args.mig_strategy,
         allow_multiple_allocations=args.gpu_allow_multiple_allocations,
         mock_driver_root=args.mock_driver_root,
+        nvidia_driver_root=args.nvidia_driver_root,
+        nvidia_driver_root_host=args.nvidia_driver_root_host or args.nvidia_driver_root,
+        nvidia_cdi_hook_path=args.nvidia_cdi_hook_path,
         xid_taint_effect=args.xid_taint_effect,
         additional_xids_to_ignore=args.additional_xids_to_ignore,
         fatal_xids=args.fatal_xids,

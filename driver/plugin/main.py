@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import shutil
 import signal
 import sys
 import threading
@@ -33,6 +34,8 @@ from driver.plugin.serving import BuiltServer, SocketServer, SocketWatcher, new_
 from driver.plugin.sockets import socket_paths
 from driver.plugin.status import export_checkpoint_state, health_report
 from driver.proto.pluginregistration.v1 import api_pb2_grpc as registration_grpc
+from driver.state.cdi_hook import resolve_cdi_hook_path
+from driver.state.driver_edits import DriverRoot
 from driver.state.fileio import remove_durably
 from driver.state.prepare import DeviceState
 from driver.state.verdicts import parse_permanent_errors
@@ -43,6 +46,7 @@ SHUTDOWN_GRACE_SECONDS = 5.0
 # Errors that mean "the flags or the node's configuration are wrong" (option values,
 # fleet files, no NVML, a pool that cannot be built): reported in one line.
 CONFIG_ERRORS = (ValueError, FleetError, NvmlUnavailableError, PoolError)
+HOOK_BINARY = "nvidia-cdi-hook"  # shipped in the image; the runtime runs it on the host
 
 
 class Plugin:
@@ -73,6 +77,7 @@ class Plugin:
             lambda: sum(n for t, n in backend.nvml_calls.items() if t != monitor_thread),
             caller="other",
         )
+        driver_root = None if mock else real_driver_root(o)
         api = KubeApi.from_kubeconfig(o.kubeconfig)
         metrics.API_WRITES.count_from(lambda: api.writes)
         store = HealthStore(o.data_dir / "health.json")
@@ -90,6 +95,7 @@ class Plugin:
             real_devices=not mock,
             mig=backend.mig(),
             caps_root=mock_root if mock else Path("/"),
+            driver_root=driver_root,
             permanent_errors=permanent_errors,
         )
         export_checkpoint_state(state)
@@ -197,6 +203,16 @@ class Plugin:
 
         instance.release(on_last=remove_common_spec)
         return 0
+
+
+def real_driver_root(o: PluginOptions) -> DriverRoot:
+    """The driver root as CDI specs name it, with the host path of nvidia-cdi-hook (the
+    image's copy installed next to the plugin's data unless one is configured)."""
+    source = shutil.which(HOOK_BINARY)
+    if not o.nvidia_cdi_hook_path and source is None:
+        raise ValueError(f"{HOOK_BINARY} is not on PATH; set --nvidia-cdi-hook-path")
+    hook = resolve_cdi_hook_path(o.nvidia_cdi_hook_path, Path(source or HOOK_BINARY), o.data_dir)
+    return DriverRoot(o.nvidia_driver_root, o.nvidia_driver_root_host, hook)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

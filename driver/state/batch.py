@@ -85,6 +85,12 @@ def prepare_locked(
         work.append(w)
     if not work:
         return
+    try:  # the driver's files, before any container is pointed at them
+        state.common.refresh()
+    except DriverError as err:
+        for w in work:
+            results[w.ref.uid] = state.fail(w.ref, w.claim, err)
+        return
     journal.update(planned)
     if found:
         work = _roll_back_found(state, work, found, journal, results)

@@ -11,8 +11,11 @@ Names and contents follow the reference driver (example-driver.md §4.4):
 - compact JSON, `cdiVersion` 0.3.0, or 0.5.0 when a device name starts with a digit
   (claim UIDs usually do); file mode 0600.
 
-Real GPUs additionally get device nodes and `NVIDIA_VISIBLE_DEVICES`
-(driver/state/planning.py renders them).
+Every claim device sets `NVIDIA_VISIBLE_DEVICES=void`, so that an NVIDIA runtime in
+its legacy mode adds nothing; on real GPUs it carries its own device nodes, complete
+(driver/state/device_nodes.py), and the common device the control nodes and the
+driver's libraries, binaries and hooks (driver/state/driver_edits.py): containerd's CDI
+support is all a node needs.
 Writes are atomic (temp file in the same directory, fsync, rename, fsync directory);
 a batch of claim specs can defer the directory fsync to one `sync_root()`. Reads never
 follow a symlink at the file's path (`read_file_nofollow`).
@@ -29,6 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
+from driver.state.device_nodes import DeviceNode
+from driver.state.driver_edits import DriverEdits
 from driver.state.fileio import (
     atomic_write,
     fsync_dir,
@@ -39,13 +44,10 @@ from driver.state.fileio import (
 
 PROFILE: Final = "gpu"
 CDI_VERSION: Final = "0.3.0"
+CDI_VERSION_MOUNT_TYPE: Final = "0.4.0"  # first version with a mount's type
 CDI_VERSION_DIGIT_NAMES: Final = "0.5.0"  # first version allowing names that start with a digit
+VISIBLE_DEVICES_VOID: Final = "NVIDIA_VISIBLE_DEVICES=void"
 COMMON_DEVICE: Final = "common"
-CONTROL_DEVICE_NODES: Final[tuple[str, ...]] = (
-    "/dev/nvidiactl",
-    "/dev/nvidia-uvm",
-    "/dev/nvidia-uvm-tools",
-)
 SPEC_MODE: Final = 0o600
 
 _NON_ALNUM = re.compile(r"[^A-Za-z0-9]+")
@@ -112,12 +114,12 @@ class CdiDevice:
 
     name: str
     env: tuple[str, ...]
-    device_nodes: tuple[str, ...] = ()
+    device_nodes: tuple[DeviceNode, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         edits: dict[str, Any] = {"env": list(self.env)}
         if self.device_nodes:
-            edits["deviceNodes"] = [{"path": p} for p in self.device_nodes]
+            edits["deviceNodes"] = [n.to_json() for n in self.device_nodes]
         return {"name": self.name, "containerEdits": edits}
 
     @classmethod
@@ -132,18 +134,23 @@ class CdiDevice:
         env, nodes = edits.get("env", []), edits.get("deviceNodes", [])
         if not isinstance(env, list) or not all(isinstance(e, str) for e in env):
             raise ValueError(f"CDI device {name}: env must be a list of strings")
-        if not isinstance(nodes, list) or not all(
-            isinstance(n, Mapping) and isinstance(n.get("path"), str) for n in nodes
-        ):
+        if not isinstance(nodes, list) or not all(isinstance(n, Mapping) for n in nodes):
             raise ValueError(f"CDI device {name}: deviceNodes must be objects with a path")
-        return cls(name, tuple(env), tuple(n["path"] for n in nodes))
+        try:
+            parsed = tuple(DeviceNode.from_json(n) for n in nodes)
+        except ValueError as err:
+            raise ValueError(f"CDI device {name}: {err}") from None
+        return cls(name, tuple(env), parsed)
 
 
 @dataclass(frozen=True)
 class ClaimSpec:
     """Everything a claim's CDI spec file holds besides its fixed header. The journal
     keeps it with the claim so the file can be recreated without the API server (the
-    CDI root is a tmpfs that a reboot empties while the journal survives)."""
+    CDI root is a tmpfs that a reboot empties while the journal survives).
+
+    `device_nodes` (spec-wide, paths only) is what entries of earlier releases hold:
+    the control nodes, which the common spec carries now."""
 
     devices: tuple[CdiDevice, ...]
     device_nodes: tuple[str, ...] = ()
@@ -166,9 +173,11 @@ class ClaimSpec:
         return cls(tuple(CdiDevice.from_json(d) for d in devices), tuple(nodes))
 
 
-def _cdi_version(device_names: Iterable[str]) -> str:
+def _cdi_version(device_names: Iterable[str], mounts: Iterable[Mapping[str, Any]] = ()) -> str:
     if any(name[:1].isdigit() for name in device_names):
         return CDI_VERSION_DIGIT_NAMES
+    if any(m.get("type") for m in mounts):
+        return CDI_VERSION_MOUNT_TYPE
     return CDI_VERSION
 
 
@@ -227,18 +236,34 @@ class CdiSpecs:
         }
         return json.dumps(doc, separators=(",", ":")).encode()
 
-    def write_common_spec(self, node_name: str) -> Path:
-        """(Re)write the common spec: node name and driver name for every container."""
+    def write_common_spec(
+        self,
+        node_name: str,
+        driver: DriverEdits | None = None,
+        control_nodes: Sequence[DeviceNode] = (),
+    ) -> Path:
+        """(Re)write the common spec: node name and driver name for every container;
+        on real GPUs also the control nodes and the driver's mounts, hooks and env."""
         self._ensure_root()
-        device = CdiDevice(
-            name=COMMON_DEVICE,
-            env=(
+        extra = dict(driver.edits) if driver is not None else {}
+        edits: dict[str, Any] = {
+            "env": [
                 f"KUBERNETES_NODE_NAME={node_name}",
                 f"DRA_RESOURCE_DRIVER_NAME={self.driver_name}",
-            ),
-        )
+                *extra.pop("env", []),
+            ]
+        }
+        if control_nodes:
+            edits["deviceNodes"] = [n.to_json() for n in control_nodes]
+        edits.update(extra)
+        doc = {
+            "cdiVersion": _cdi_version([COMMON_DEVICE], edits.get("mounts", [])),
+            "kind": self.kind,
+            "devices": [{"name": COMMON_DEVICE, "containerEdits": edits}],
+            "containerEdits": {},
+        }
         path = self.common_spec_path
-        atomic_write(path, self._render([device]), mode=SPEC_MODE)
+        atomic_write(path, json.dumps(doc, separators=(",", ":")).encode(), mode=SPEC_MODE)
         return path
 
     def write_claim_spec(

@@ -3,8 +3,9 @@
 `plan_claim` resolves the claim's configs, checks device health and the device rules,
 and yields one `PlannedDevice` per allocated device: the journal's `PreparedDevice`
 (with the MIG intent where a MIG device must be created) and the device's env. Once
-the MIG devices exist, `render_spec` builds the CDI spec: the env, and on real GPUs
-`NVIDIA_VISIBLE_DEVICES` and the device nodes the container needs.
+the MIG devices exist, `render_spec` builds the CDI spec: per device its env,
+`NVIDIA_VISIBLE_DEVICES=void` and on real GPUs its own device nodes, so a container
+that references one request of the claim gets that request's devices only.
 """
 
 from __future__ import annotations
@@ -16,17 +17,19 @@ from typing import Any
 
 from driver.config import GpuConfig, resolve_configs, validate_for_device
 from driver.errors import device_failed, transient
-from driver.nvml.caps import mig_device_nodes
+from driver.nvml.caps import CapabilityError, mig_capabilities
 from driver.state.cdi import (
-    CONTROL_DEVICE_NODES,
+    VISIBLE_DEVICES_VOID,
     CdiDevice,
     ClaimSpec,
     SharingEnv,
     cdi_device_name,
     claim_device_env,
+    gpu_env_id,
 )
 from driver.state.checkpoint import MigRecord, PreparedDevice
 from driver.state.claims import ClaimRef, DeviceHealth, PreparableDevice
+from driver.state.device_nodes import CharMajors, DeviceNode, DeviceNodeError
 
 
 @dataclass(frozen=True)
@@ -42,8 +45,15 @@ class PlannedDevice:
 class CdiContext:
     """How specs are rendered on this node."""
 
-    real_devices: bool  # device nodes and NVIDIA_VISIBLE_DEVICES for real GPUs
+    real_devices: bool  # device nodes for real GPUs
     caps_root: Path  # where /proc/driver/nvidia/capabilities is read (real: "/")
+    proc_devices: Path = Path("/proc/devices")  # the kernel's device majors
+
+    def majors(self) -> CharMajors:
+        try:
+            return CharMajors.read(self.proc_devices)
+        except OSError as err:
+            raise transient(f"cannot read device majors from {self.proc_devices}: {err}") from err
 
 
 def _sharing_env(config: GpuConfig) -> SharingEnv:
@@ -163,49 +173,56 @@ def with_mig(planned: PlannedDevice, record: MigRecord) -> PlannedDevice:
     return replace(planned, prepared=replace(planned.prepared, mig=record))
 
 
-def _visible_id(planned: PlannedDevice) -> str:
+def _uuid_env(planned: PlannedDevice) -> tuple[str, ...]:
+    """A MIG device's UUID, which exists only once prepare created it."""
     mig = planned.prepared.mig
-    if mig is not None:
-        if mig.uuid is None:
-            raise transient(f"device {planned.prepared.device_name}: its MIG device has no UUID")
-        return mig.uuid
-    return planned.gpu_uuid
+    if mig is None:
+        return ()
+    if mig.uuid is None:
+        raise transient(f"device {planned.prepared.device_name}: its MIG device has no UUID")
+    return (f"GPU_DEVICE_{gpu_env_id(planned.prepared.device_name)}_UUID={mig.uuid}",)
 
 
-def _device_nodes(planned: PlannedDevice, context: CdiContext) -> tuple[str, ...]:
+def _mig_nodes(
+    majors: CharMajors, context: CdiContext, gpu_minor: int, gi_id: int, ci_id: int
+) -> tuple[DeviceNode, ...]:
+    try:
+        caps = mig_capabilities(context.caps_root, gpu_minor, gi_id, ci_id)
+        return tuple(majors.capability_node(cap) for cap in caps)
+    except (CapabilityError, DeviceNodeError) as err:
+        raise transient(str(err)) from err
+
+
+def _device_nodes(
+    planned: PlannedDevice, context: CdiContext, majors: CharMajors
+) -> tuple[DeviceNode, ...]:
     if planned.gpu_minor is None:
         return ()
-    parent = f"/dev/nvidia{planned.gpu_minor}"
+    try:
+        parent = majors.gpu_node(planned.gpu_minor)
+    except DeviceNodeError as err:
+        raise transient(str(err)) from err
     mig = planned.prepared.mig
     if mig is None:
         return (parent,)
     if mig.gi_id is None or mig.ci_id is None:
         raise transient(f"device {planned.prepared.device_name}: MIG device ids unknown")
-    return (parent, *mig_device_nodes(context.caps_root, planned.gpu_minor, mig.gi_id, mig.ci_id))
+    return (parent, *_mig_nodes(majors, context, planned.gpu_minor, mig.gi_id, mig.ci_id))
 
 
 def render_spec(planned: Sequence[PlannedDevice], context: CdiContext) -> ClaimSpec:
-    """The claim's CDI spec. Every device of the claim carries the same
-    `NVIDIA_VISIBLE_DEVICES` (all of the claim's GPUs / MIG devices), so a container
-    that gets several of them sees all; on the mock it is set only for MIG devices,
-    whose UUIDs the driver created (whole mock GPUs keep the reference's env)."""
-    visible: list[str] = []
-    for p in planned:
-        vid = _visible_id(p)
-        if vid not in visible:
-            visible.append(vid)
-    with_visible = context.real_devices or any(p.prepared.mig is not None for p in planned)
-    extra = (f"NVIDIA_VISIBLE_DEVICES={','.join(visible)}",) if with_visible else ()
+    """The claim's CDI spec: one device per prepared device with only its own env and
+    nodes (the control nodes and the driver's files are in the common spec)."""
+    majors = context.majors() if context.real_devices else None
     devices = tuple(
         CdiDevice(
             name=p.cdi_name,
-            env=(*p.env, *extra),
-            device_nodes=_device_nodes(p, context) if context.real_devices else (),
+            env=(*p.env, *_uuid_env(p), VISIBLE_DEVICES_VOID),
+            device_nodes=_device_nodes(p, context, majors) if majors is not None else (),
         )
         for p in planned
     )
-    nodes = CONTROL_DEVICE_NODES if context.real_devices else ()
-    return ClaimSpec(devices, nodes)
+    return ClaimSpec(devices)
 
 
 def respec_restored(
@@ -218,18 +235,20 @@ def respec_restored(
     the old UUIDs in every env replaced, and the capability nodes of the recreated
     devices re-read. Everything else stays byte for byte."""
     uuids: dict[str, str] = {}
-    nodes: dict[str, tuple[str, ...]] = {}
+    nodes: dict[str, tuple[DeviceNode, ...]] = {}
+    majors = context.majors() if context.real_devices else None
     for before, after in zip(old, new, strict=True):
         if before.mig is None or after.mig is None or before.mig == after.mig:
             continue
         if before.mig.uuid and after.mig.uuid:
             uuids[before.mig.uuid] = after.mig.uuid
         name = after.cdi_device_ids[0].split("=", 1)[-1]
-        if context.real_devices and after.mig.gi_id is not None and after.mig.ci_id is not None:
-            minor = _parent_minor(spec, name)
-            if minor is not None:
-                caps = mig_device_nodes(context.caps_root, minor, after.mig.gi_id, after.mig.ci_id)
-                nodes[name] = (f"/dev/nvidia{minor}", *caps)
+        if majors is not None and after.mig.gi_id is not None and after.mig.ci_id is not None:
+            parent = _parent_node(spec, name)
+            minor = _gpu_minor(parent)
+            if parent is not None and minor is not None:
+                caps = _mig_nodes(majors, context, minor, after.mig.gi_id, after.mig.ci_id)
+                nodes[name] = (parent, *caps)
 
     def env(values: tuple[str, ...]) -> tuple[str, ...]:
         out = []
@@ -245,9 +264,13 @@ def respec_restored(
     return ClaimSpec(devices, spec.device_nodes)
 
 
-def _parent_minor(spec: ClaimSpec, name: str) -> int | None:
+def _parent_node(spec: ClaimSpec, name: str) -> DeviceNode | None:
     for device in spec.devices:
         if device.name == name and device.device_nodes:
-            tail = device.device_nodes[0].removeprefix("/dev/nvidia")
-            return int(tail) if tail.isdigit() else None
+            return device.device_nodes[0]
     return None
+
+
+def _gpu_minor(node: DeviceNode | None) -> int | None:
+    tail = node.path.removeprefix("/dev/nvidia") if node is not None else ""
+    return int(tail) if tail.isdigit() else None

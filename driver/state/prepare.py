@@ -61,6 +61,8 @@ from driver.state.claims import (
     read_claims,
     unique,
 )
+from driver.state.common_spec import CommonSpec
+from driver.state.driver_edits import DriverRoot
 from driver.state.instances import ClaimInstances, MigOps
 from driver.state.locking import SerializeLock
 from driver.state.planning import CdiContext, check_health
@@ -108,6 +110,8 @@ class DeviceState:
         real_devices: bool = False,
         mig: MigOps | None = None,
         caps_root: Path = Path("/"),
+        driver_root: DriverRoot | None = None,
+        proc_devices: Path = Path("/proc/devices"),
         permanent_errors: Iterable[ErrorClass] = DEFAULT_PERMANENT_ERRORS,
         lock_timeout: float = 10.0,
         verdict_ttl: float = DEFAULT_VERDICT_TTL,
@@ -120,7 +124,12 @@ class DeviceState:
         self.cdi = CdiSpecs(cdi_root, driver_name)
         self.checkpoint = Checkpoint(data_dir)
         self.real_devices = real_devices
-        self.context = CdiContext(real_devices=real_devices, caps_root=caps_root)
+        self.context = CdiContext(
+            real_devices=real_devices, caps_root=caps_root, proc_devices=proc_devices
+        )
+        self.common = CommonSpec(
+            self.cdi, node_name, driver_root if real_devices else None, proc_devices=proc_devices
+        )
         self.instances = ClaimInstances(mig)
         self.permanent_errors = frozenset(permanent_errors)
         self.stats = StateStats()

@@ -117,7 +117,7 @@ def recover(state: DeviceState) -> RecoveryReport:
     spec; report orphans. Never raises for a corrupt journal (reported in the result
     and `checkpoint_problem`). Runs before the sockets are served."""
     with state.lock.hold():
-        state.cdi.write_common_spec(state.node_name)
+        state.common.write()
         try:
             journal = state.load_journal()
         except CheckpointCorruptError as err:

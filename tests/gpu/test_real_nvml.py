@@ -147,10 +147,11 @@ def test_prepare_of_a_gpu_yields_a_spec_whose_device_nodes_exist(
     spec = state.cdi.read_claim_spec("whole")
     assert spec is not None
     _nodes_exist(spec)
-    env = spec["devices"][0]["containerEdits"]["env"]
-    visible = next(e for e in env if e.startswith("NVIDIA_VISIBLE_DEVICES="))
-    expected = gpu.uuid if not gpu.mig_enabled else "MIG-"
-    assert expected in visible, visible
+    edits = spec["devices"][0]["containerEdits"]
+    assert edits["env"][-1] == "NVIDIA_VISIBLE_DEVICES=void"
+    node = edits["deviceNodes"][0]
+    host = os.stat(node["path"])
+    assert (node["major"], node["minor"]) == (os.major(host.st_rdev), os.minor(host.st_rdev))
     started = time.monotonic()
     assert state.unprepare([ref]) == {"whole": None}
     print(f"unprepare: {1000 * (time.monotonic() - started):.1f} ms")

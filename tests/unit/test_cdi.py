@@ -20,6 +20,8 @@ from driver.state.cdi import (
     device_key,
     gpu_env_id,
 )
+from driver.state.device_nodes import DeviceNode
+from driver.state.driver_edits import DriverEdits
 from driver.state.fileio import UnsafeFileError
 
 UID = "11111111-2222-3333-4444-555555555555"
@@ -114,13 +116,79 @@ def test_cdi_version_is_0_3_0_without_leading_digits(specs: CdiSpecs) -> None:
     assert specs.read_claim_spec("claim-a")["cdiVersion"] == "0.3.0"  # type: ignore[index]
 
 
-def test_device_nodes_per_device_and_spec(specs: CdiSpecs) -> None:
-    device = CdiDevice("x-gpu-0", ("A=1",), ("/dev/nvidia0",))
-    specs.write_claim_spec("x", ClaimSpec((device,), ("/dev/nvidiactl",)))
+def test_device_nodes_are_complete_char_devices(specs: CdiSpecs) -> None:
+    node = DeviceNode("/dev/nvidia0", 195, 0, 0o666)
+    specs.write_claim_spec("x", ClaimSpec((CdiDevice("x-gpu-0", ("A=1",), (node,)),)))
+    doc = specs.read_claim_spec("x")
+    assert doc is not None
+    assert doc["devices"][0]["containerEdits"]["deviceNodes"] == [
+        {"path": "/dev/nvidia0", "type": "c", "major": 195, "minor": 0, "fileMode": 0o666}
+    ]
+    assert doc["containerEdits"] == {}
+
+
+def test_a_journal_entry_of_an_earlier_release_renders_as_it_was(specs: CdiSpecs) -> None:
+    """Path-only nodes, per device and spec-wide (control nodes), as journals of
+    earlier releases hold them: the spec is rewritten byte for byte as before."""
+    stored = {
+        "devices": [
+            {
+                "name": "x-gpu-0",
+                "containerEdits": {"env": ["A=1"], "deviceNodes": [{"path": "/dev/nvidia0"}]},
+            }
+        ],
+        "deviceNodes": ["/dev/nvidiactl"],
+    }
+    spec = ClaimSpec.from_json(stored)
+    assert spec.to_json() == stored
+    specs.write_claim_spec("x", spec)
     doc = specs.read_claim_spec("x")
     assert doc is not None
     assert doc["devices"][0]["containerEdits"]["deviceNodes"] == [{"path": "/dev/nvidia0"}]
     assert doc["containerEdits"] == {"deviceNodes": [{"path": "/dev/nvidiactl"}]}
+
+
+@pytest.mark.parametrize(
+    ("node", "why"),
+    [
+        ({"path": "/dev/nvidia0", "major": "195"}, "must be integers"),
+        ({"path": "/dev/nvidia0", "major": 195, "minor": 0, "type": "b"}, "type must be c"),
+        ({"major": 195}, "string path"),
+    ],
+)
+def test_bad_device_node_names_the_device(node: dict[str, object], why: str) -> None:
+    doc = {"devices": [{"name": "x-gpu-0", "containerEdits": {"deviceNodes": [node]}}]}
+    with pytest.raises(ValueError, match=f"x-gpu-0.*{why}"):
+        ClaimSpec.from_json(doc)
+
+
+def test_common_spec_with_the_driver_and_control_nodes(specs: CdiSpecs) -> None:
+    mounts = [
+        {
+            "hostPath": "/run/nvidia/driver/usr/lib64/libcuda.so.580.95.05",
+            "containerPath": "/usr/lib64/libcuda.so.580.95.05",
+            "options": ["ro", "nosuid", "nodev", "rbind", "rprivate"],
+        }
+    ]
+    hooks = [{"hookName": "createContainer", "path": "/opt/hook", "args": ["nvidia-cdi-hook"]}]
+    driver = DriverEdits(
+        "580.95.05",
+        {"env": ["NVIDIA_CTK_LIBCUDA_DIR=/usr/lib64"], "mounts": mounts, "hooks": hooks},
+    )
+    ctl = DeviceNode("/dev/nvidiactl", 195, 255, 0o666)
+    doc = json.loads(specs.write_common_spec("node-a", driver, [ctl]).read_bytes())
+    (common,) = doc["devices"]
+    assert common["containerEdits"] == {
+        "env": [
+            "KUBERNETES_NODE_NAME=node-a",
+            "DRA_RESOURCE_DRIVER_NAME=gpu.example.com",
+            "NVIDIA_CTK_LIBCUDA_DIR=/usr/lib64",
+        ],
+        "deviceNodes": [ctl.to_json()],
+        "mounts": mounts,
+        "hooks": hooks,
+    }
+    assert doc["cdiVersion"] == "0.3.0"
 
 
 def test_common_spec(specs: CdiSpecs) -> None:
@@ -236,8 +304,10 @@ def test_batch_of_specs_defers_the_directory_fsync(
 
 def test_claim_spec_round_trips_through_json() -> None:
     spec = ClaimSpec(
-        (CdiDevice("u-gpu-0", ("A=1", "B=2"), ("/dev/nvidia0",)), CdiDevice("u-gpu-1", ())),
-        ("/dev/nvidiactl",),
+        (
+            CdiDevice("u-gpu-0", ("A=1", "B=2"), (DeviceNode("/dev/nvidia0", 195, 0, 0o666),)),
+            CdiDevice("u-gpu-1", ()),
+        ),
     )
     assert ClaimSpec.from_json(spec.to_json()) == spec
 

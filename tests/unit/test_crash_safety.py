@@ -39,6 +39,7 @@ from driver.nvml.mock import MockNvml
 from driver.state.claims import ClaimRef
 from driver.state.prepare import DeviceState
 
+PROC_DEVICES = Path(__import__("driver").__file__).parents[1] / "tests/unit/data/proc-devices"
 FLEET = parse_fleet(
     {
         "gpus": [
@@ -103,6 +104,7 @@ def build_state(root):
         real_devices=True,
         mig=nvml(root).mig(),
         caps_root=root / "driver-root",
+        proc_devices=PROC_DEVICES,
     )
 
 

@@ -94,6 +94,7 @@ def make_node(root: Path, fleet: dict[str, Any], strategy: MigStrategy = MigStra
         real_devices=True,
         mig=backend.mig(),
         caps_root=driver_root,
+        proc_devices=PROC_DEVICES,
     )
     state.recover()
     pool = build_pool(
@@ -101,6 +102,16 @@ def make_node(root: Path, fleet: dict[str, Any], strategy: MigStrategy = MigStra
     )
     state.devices = {d.name: d for d in pool.devices}
     return Node(root, backend, pool, state, claims)
+
+
+PROC_DEVICES = Path(__file__).parent / "data" / "proc-devices"
+
+
+def uuids_in(env: list[str]) -> list[str]:
+    """The MIG UUIDs a device's env names; every device's env ends in `void`, so an
+    NVIDIA runtime in legacy mode adds no device of its own."""
+    assert env[-1] == "NVIDIA_VISIBLE_DEVICES=void", env
+    return [e.split("=", 1)[1] for e in env if e.startswith("GPU_DEVICE_") and "_UUID=" in e]
 
 
 H100 = {"gpus": [{"model": "H100-80GB", "count": 1}]}
@@ -122,12 +133,16 @@ def test_dynamic_partition_is_created_at_prepare_and_destroyed_at_unprepare(node
     assert record is not None and record.owned
     assert (record.gi_id, record.ci_id, record.uuid) == (live.gi_id, live.ci_id, live.uuid)
     edits = node.spec("u1")["devices"][0]["containerEdits"]
-    assert edits["env"][-1] == f"NVIDIA_VISIBLE_DEVICES={live.uuid}"
-    # The MIG device only: its parent's node and its two capability nodes.
-    assert [n["path"] for n in edits["deviceNodes"]] == [
-        "/dev/nvidia0",
-        f"/dev/nvidia-caps/nvidia-cap{mig_minor(0, live.gi_id)}",
-        f"/dev/nvidia-caps/nvidia-cap{mig_minor(0, live.gi_id, live.ci_id)}",
+    assert uuids_in(edits["env"]) == [live.uuid]
+    # The MIG device only: its parent's node and its two capability nodes, complete
+    # (the majors of /proc/devices, the mode of the capability's access file).
+    gi_minor, ci_minor = mig_minor(0, live.gi_id), mig_minor(0, live.gi_id, live.ci_id)
+    assert edits["deviceNodes"] == [
+        {"path": "/dev/nvidia0", "type": "c", "major": 195, "minor": 0, "fileMode": 0o666},
+        {"path": f"/dev/nvidia-caps/nvidia-cap{gi_minor}", "type": "c", "major": 237}
+        | {"minor": gi_minor, "fileMode": 0o444},
+        {"path": f"/dev/nvidia-caps/nvidia-cap{ci_minor}", "type": "c", "major": 237}
+        | {"minor": ci_minor, "fileMode": 0o444},
     ]
     entry = Checkpoint(node.root / "plugin").load()["u1"]
     assert entry.state is ClaimState.PREPARE_COMPLETED and entry.devices == res.devices
@@ -143,16 +158,17 @@ def test_whole_gpu_in_mig_mode_is_delivered_as_the_full_size_mig_device(node: No
     (live,) = node.live()
     assert live.placement == (0, 8)
     env = node.spec("w")["devices"][0]["containerEdits"]["env"]
-    assert env[-1] == f"NVIDIA_VISIBLE_DEVICES={live.uuid}"
+    assert uuids_in(env) == [live.uuid]
 
 
 def test_two_partitions_of_one_claim_see_both_mig_devices(node: Node) -> None:
     ref = node.claims.add("two", "gpu-0-mig-1g10gb-0", "gpu-0-mig-1g10gb-1")
     assert node.state.prepare([ref])["two"].ok
-    uuids = sorted(str(m.uuid) for m in node.live())
-    for device in node.spec("two")["devices"]:
-        visible = device["containerEdits"]["env"][-1].split("=", 1)[1].split(",")
-        assert sorted(visible) == uuids
+    uuids = {str(m.uuid) for m in node.live()}
+    # Each device names its own MIG device only: a container that references one of
+    # the two requests cannot reach the other's.
+    seen = [uuids_in(d["containerEdits"]["env"]) for d in node.spec("two")["devices"]]
+    assert all(len(u) == 1 for u in seen) and {u[0] for u in seen} == uuids
 
 
 def test_occupied_placement_is_a_transient_error_naming_the_device(node: Node) -> None:
@@ -218,7 +234,7 @@ def test_static_mig_devices_are_published_prepared_and_never_destroyed(tmp_path:
     assert res.ok, res.error
     assert res.devices[0].mig is not None and not res.devices[0].mig.owned
     env = node.spec("s")["devices"][0]["containerEdits"]["env"]
-    assert env[-1] == f"NVIDIA_VISIBLE_DEVICES={static.uuid}"
+    assert uuids_in(env) == [static.uuid]
     assert node.state.unprepare([ref]) == {"s": None}
     assert node.live() == before  # untouched
 
@@ -240,7 +256,7 @@ def test_reboot_recreates_the_mig_devices_of_prepared_claims(tmp_path: Path) -> 
     record = entry.devices[0].mig
     assert record is not None and record.uuid == live.uuid
     env = restarted.spec("r")["devices"][0]["containerEdits"]["env"]
-    assert env[-1] == f"NVIDIA_VISIBLE_DEVICES={live.uuid}"
+    assert uuids_in(env) == [live.uuid]
     assert restarted.pool.mig_modes[restarted.mock.gpus[0].uuid] == "dynamic"
     assert restarted.state.unprepare([ref]) == {"r": None} and restarted.live() == []
 
@@ -253,7 +269,8 @@ def test_admin_access_never_creates_a_mig_device(node: Node) -> None:
     res = node.state.prepare([admin])["admin"]
     assert res.ok, res.error
     assert res.devices[0].mig is None
-    env = node.spec("admin")["devices"][0]["containerEdits"]["env"]
-    assert env[-1] == f"NVIDIA_VISIBLE_DEVICES={node.mock.gpus[0].uuid}"
+    edits = node.spec("admin")["devices"][0]["containerEdits"]
+    assert uuids_in(edits["env"]) == [] and edits["env"][-1] == "NVIDIA_VISIBLE_DEVICES=void"
+    assert [n["path"] for n in edits["deviceNodes"]] == ["/dev/nvidia0"]  # the parent GPU
     assert node.state.unprepare([admin]) == {"admin": None}
     assert [m.placement for m in node.live()] == [(0, 2)]  # the user's device stays

@@ -211,6 +211,7 @@ class Env:
             "reporter": self.reporter,
             "lock_timeout": 2.0,
             "clock": lambda: self.now[0],
+            "proc_devices": Path(__file__).parent / "data" / "proc-devices",
         }
         args.update(kwargs)
         return DeviceState(**args)
@@ -258,6 +259,7 @@ def test_gpu_claim_default_config(env: Env) -> None:
         "GPU_DEVICE_0=gpu-0",
         "GPU_DEVICE_0_SHARING_STRATEGY=TimeSlicing",
         "GPU_DEVICE_0_TIMESLICE_INTERVAL=Default",
+        "NVIDIA_VISIBLE_DEVICES=void",
     ]
     assert "deviceNodes" not in spec["devices"][0]["containerEdits"]  # mock: env only
     journal = env.journal()
@@ -273,20 +275,41 @@ def test_gpu_claim_default_config(env: Env) -> None:
     assert env.state.stats.prepared == 1 and env.state.stats.claim_reads == 1
 
 
-def test_real_gpu_gets_device_nodes_and_visible_devices(env: Env) -> None:
+def test_real_gpu_devices_carry_only_their_own_complete_nodes(env: Env) -> None:
+    """Two requests of one claim: each CDI device (what a container referencing that
+    request gets) has its own GPU's node, complete, and names no other GPU; the
+    control nodes and the driver are in the common spec, not repeated per claim."""
     env.state = env.new_state(real_devices=True)
-    ref = env.claims.add(make_claim("uid-1", [result("gpu-0"), result("gpu-1")]))
+    ref = env.claims.add(
+        make_claim("uid-1", [result("gpu-0", request="a"), result("gpu-1", request="b")])
+    )
     assert env.prepare_one(ref).ok
     spec = env.spec("uid-1")
-    assert spec["containerEdits"]["deviceNodes"] == [
-        {"path": "/dev/nvidiactl"},
-        {"path": "/dev/nvidia-uvm"},
-        {"path": "/dev/nvidia-uvm-tools"},
-    ]
+    assert spec["containerEdits"] == {}
     for index, minor in ((0, 0), (1, 1)):
         edits = spec["devices"][index]["containerEdits"]
-        assert edits["deviceNodes"] == [{"path": f"/dev/nvidia{minor}"}]
-        assert edits["env"][-1] == "NVIDIA_VISIBLE_DEVICES=GPU-aaaa,GPU-bbbb"
+        assert edits["deviceNodes"] == [
+            {
+                "path": f"/dev/nvidia{minor}",
+                "type": "c",
+                "major": 195,
+                "minor": minor,
+                "fileMode": 0o666,
+            }
+        ]
+        assert edits["env"][-1] == "NVIDIA_VISIBLE_DEVICES=void"
+        assert not any("GPU-aaaa" in e or "GPU-bbbb" in e for e in edits["env"])
+
+
+def test_real_gpu_prepare_without_the_nvidia_module_is_transient(env: Env, tmp_path: Path) -> None:
+    no_nvidia = tmp_path / "proc-devices"
+    no_nvidia.write_text("Character devices:\n  1 mem\n\nBlock devices:\n  7 loop\n")
+    env.state = env.new_state(real_devices=True, proc_devices=no_nvidia)
+    ref = env.claims.add(make_claim("uid-1", [result("gpu-0")]))
+    res = env.prepare_one(ref)
+    assert res.error is not None and res.error.error_class.value == "transient", res.error
+    assert "no 'nvidia' character device in /proc/devices" in str(res.error)
+    assert env.journal() == {} and not env.state.cdi.claim_spec_exists("uid-1")
 
 
 def test_config_env_vars_and_subrequests(env: Env) -> None:
