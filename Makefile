@@ -6,7 +6,7 @@ PYTEST_ARGS ?=
 
 .PHONY: venv lock proto proto-check lint typecheck unit integration e2e test test-gpu test-reliability \
         cluster-build cluster-up cluster-down cluster-status demo bench bench-scale clean helm image \
-        kind-up kind-install kind-demo kind-down
+        kind-up kind-install kind-demo kind-down nvidia-tools
 
 venv: $(VENV)/.installed
 
@@ -45,7 +45,12 @@ typecheck: venv
 helm:
 	hack/install-helm.sh
 
-unit: venv helm
+# NVIDIA's nvidia-ctk and nvidia-cdi-hook (NVIDIA_CTK_VERSION in hack/versions.env) and
+# cmd/gpu-dra-cdi-common, built into the cache; hack/build-nvidia-tools.sh.
+nvidia-tools:
+	hack/build-nvidia-tools.sh
+
+unit: venv helm nvidia-tools
 	$(VENV)/bin/pytest tests/unit $(PYTEST_ARGS)
 
 # Control plane and the real node (kubelet, containerd, runc, Debian packages).
@@ -63,12 +68,12 @@ cluster-status:
 
 # The integration tier starts (and stops) its own control plane from the cached
 # binaries; cluster-build builds them first on a machine where they are missing.
-integration: venv cluster-build helm
+integration: venv cluster-build helm nvidia-tools
 	$(VENV)/bin/pytest tests/integration $(PYTEST_ARGS)
 
 # The e2e tier starts its own cluster with the real node (or uses GPU_DRA_KUBECONFIG)
 # and installs the chart; the driver image is built by `up` when the sources changed.
-e2e: venv cluster-build
+e2e: venv cluster-build nvidia-tools
 	$(VENV)/bin/pytest tests/e2e $(PYTEST_ARGS)
 
 # One command on a fresh machine: build what is missing, start the cluster with its
@@ -77,7 +82,7 @@ demo:
 	demo/demo.sh
 
 # Everything CI runs: static checks, generated code up to date, every test tier.
-test: venv proto-check lint typecheck cluster-build helm
+test: venv proto-check lint typecheck cluster-build helm nvidia-tools
 	$(VENV)/bin/pytest tests --ignore=tests/gpu $(PYTEST_ARGS)
 
 # The real-GPU tier: discovery, events, prepare and the MIG lifecycle against the

@@ -2,7 +2,10 @@
 # Builds the gpu-dra-driver image WITHOUT Docker, as an OCI archive equivalent to
 # deployments/container/Dockerfile: Debian bookworm + its Python 3.11, the package and
 # its runtime dependencies (pinned by requirements.lock) in a venv at
-# /opt/gpu-dra-driver, entry points on PATH, default user 65532.
+# /opt/gpu-dra-driver, entry points on PATH, default user 65532; NVIDIA's nvidia-ctk and
+# nvidia-cdi-hook (NVIDIA_CTK_VERSION in hack/versions.env) and gpu-dra-cdi-common in
+# /usr/local/bin, from hack/build-nvidia-tools.sh (or GPU_DRA_NVIDIA_TOOLS_DIR, a
+# directory holding the three, e.g. when root has no Go toolchain).
 #
 # Supply chain: no registry base image is pulled (the base is debootstrap's); the
 # Release file debootstrap reads is verified against the Debian archive keyring
@@ -23,8 +26,9 @@
 # Needs: root (debootstrap and chroot), debootstrap and debian-archive-keyring
 # (apt-get install debootstrap debian-archive-keyring),
 # python3.11 on the host (wheels are built for the image's CPython 3.11), network to
-# the Debian mirror and PyPI. The Debian base (debootstrap --variant=minbase) is
-# cached outside the repository, so only the first build is slow.
+# the Debian mirror and PyPI; go >= 1.26 and gcc for hack/build-nvidia-tools.sh unless
+# GPU_DRA_NVIDIA_TOOLS_DIR is set. The Debian base (debootstrap --variant=minbase) and
+# the tools are cached outside the repository, so only the first build is slow.
 set -euo pipefail
 
 HACK_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -53,7 +57,7 @@ while (($#)); do
   case $1 in
     --tag) TAG=${2:?--tag needs a value}; shift 2 ;;
     --output) OUTPUT=${2:?--output needs a value}; shift 2 ;;
-    -h|--help) sed -n '2,30p' "${BASH_SOURCE[0]}"; exit 0 ;;
+    -h|--help) sed -n '2,31p' "${BASH_SOURCE[0]}"; exit 0 ;;
     *) die "unknown argument: $1 (see --help)" ;;
   esac
 done
@@ -108,6 +112,24 @@ progress "building the gpu-dra-driver wheel offline from the verified wheels"
   --find-links "$WORK/wheels" --wheel-dir "$WORK/wheels" .) || die "pip wheel . failed"
 progress "$(find "$WORK/wheels" -name '*.whl' | wc -l) wheels ready"
 
+# --- 2b. NVIDIA's CDI tools (cached) -----------------------------------------------
+# nvidia-ctk and gpu-dra-cdi-common are linked dynamically against glibc (cgo): the
+# image is Debian bookworm (glibc 2.36) and they are built on Debian 12 too (glibc 2.36;
+# they use symbols up to GLIBC_2.34), so the image's glibc has every versioned symbol
+# they need; running them in the image below checks it. nvidia-cdi-hook is static: CDI
+# hooks run it on the host, outside the image.
+NVIDIA_TOOLS=(nvidia-ctk nvidia-cdi-hook gpu-dra-cdi-common)
+if [[ -n ${GPU_DRA_NVIDIA_TOOLS_DIR:-} ]]; then
+  tools_dir=$GPU_DRA_NVIDIA_TOOLS_DIR
+else
+  progress "building (or finding cached) ${NVIDIA_TOOLS[*]} with hack/build-nvidia-tools.sh"
+  tools_dir=$("$HACK_DIR/build-nvidia-tools.sh" | tail -n 1) || die "hack/build-nvidia-tools.sh failed"
+fi
+for tool in "${NVIDIA_TOOLS[@]}"; do
+  [[ -x $tools_dir/$tool ]] || die "$tools_dir/$tool missing (hack/build-nvidia-tools.sh builds it)"
+done
+progress "NVIDIA tools from $tools_dir"
+
 # --- 3. Install into a copy of the base --------------------------------------------
 ROOTFS=$WORK/rootfs
 progress "copying base rootfs"
@@ -124,8 +146,19 @@ env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin HOME=/root chroot "$ROOTFS" /bin/sh -e
   rm -rf /tmp/wheels
 "
 progress "installed: $(du -sh "$ROOTFS$VENV" | cut -f1) in $VENV"
+mkdir -p "$ROOTFS/usr/local/bin"
+for tool in "${NVIDIA_TOOLS[@]}"; do
+  install -m 0755 "$tools_dir/$tool" "$ROOTFS/usr/local/bin/$tool"
+done
+# Run inside the image: a dynamically linked tool fails here if its glibc is too old.
+env -i PATH=/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin chroot "$ROOTFS" /bin/sh -eu -c '
+  nvidia-ctk --version >/dev/null
+  nvidia-cdi-hook --version >/dev/null
+  gpu-dra-cdi-common --help 2>&1 | grep -q -- --driver-root
+' || die "the NVIDIA tools do not run inside the image (glibc too old?)"
+progress "installed ${NVIDIA_TOOLS[*]} in /usr/local/bin"
 
-# --- 4. OCI archive: base layer (cached) + venv layer --------------------------------
+# --- 4. OCI archive: base layer (cached) + app layer -------------------------------
 mkdir -p "$(dirname "$OUTPUT")"
 progress "writing OCI archive $OUTPUT"
 "$PYTHON" - "$BASE_DIR" "$ROOTFS" "$VENV" "$TAG" "$OUTPUT" <<'PY'
@@ -202,9 +235,9 @@ with tempfile.TemporaryDirectory() as layout:
     else:
         shutil.copy(cached, os.path.join(blobs, json.load(open(meta))["digest"].split(":")[1]))
     layers.append(json.load(open(meta)))
-    # Application layer: the venv only.
+    # Application layer: the venv and the NVIDIA tools in /usr/local/bin.
     raw = os.path.join(layout, "app.tar")
-    tar_tree(rootfs, [venv.lstrip("/").split("/")[0]], raw)
+    tar_tree(rootfs, [venv.lstrip("/").split("/")[0], "usr/local/bin"], raw)
     diff_id, digest, size = compress(raw, blobs)
     os.remove(raw)
     layers.append({"diff_id": diff_id, "digest": digest, "size": size})
@@ -222,7 +255,8 @@ with tempfile.TemporaryDirectory() as layout:
         },
         "rootfs": {"type": "layers", "diff_ids": [l["diff_id"] for l in layers]},
         "history": [{"created": created, "created_by": "debootstrap --variant=minbase bookworm"},
-                    {"created": created, "created_by": "hack/build-image.sh: venv " + venv}],
+                    {"created": created,
+                     "created_by": "hack/build-image.sh: venv " + venv + ", NVIDIA tools in /usr/local/bin"}],
     }
     cfg_digest, cfg_size = blob(blobs, json.dumps(config, sort_keys=True).encode())
     manifest = {

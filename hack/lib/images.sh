@@ -147,7 +147,8 @@ build_busybox_image() {
 # Hash of everything that goes into the driver image, so a changed tree rebuilds it.
 driver_source_hash() {
   local repo=$HACK_DIR/..
-  (cd "$repo" && find driver pyproject.toml requirements.lock hack/build-image.sh -type f \
+  (cd "$repo" && find driver pyproject.toml requirements.lock hack/build-image.sh \
+    hack/build-nvidia-tools.sh hack/versions.env cmd/gpu-dra-cdi-common -type f \
     ! -path '*/__pycache__/*' ! -name '*.pyc' -print0 | sort -z | xargs -0 sha256sum | sha256sum | cut -c1-16)
 }
 
