@@ -48,7 +48,7 @@ PLUGIN_FLAG_ENV = {
     "LOG_FORMAT",
     "V",
 }
-DRIVER_ROOT_ENV = {"NVIDIA_DRIVER_ROOT"}
+DRIVER_ROOT_ENV = {"NVIDIA_DRIVER_ROOT", "NVIDIA_DRIVER_ROOT_HOST", "NVIDIA_CDI_HOOK_PATH"}
 
 Doc = dict[str, Any]
 
@@ -443,7 +443,8 @@ def test_plugin_host_paths(default_docs: list[Doc], mock_docs: list[Doc]) -> Non
             "cdi": "/var/run/cdi",
         }
         if nvml:
-            expected["driver-root"] = "/usr"  # not the host's whole root
+            # nvidiaDriverRoot "/": the whole root, and "/" as its own parent.
+            expected |= {"driver-root": "/", "driver-root-parent": "/"}
         assert host_paths == expected
         mounts = {m["name"]: m for m in plugin_container(docs)["volumeMounts"]}
         # Sockets and CDI specs: identical paths inside the container and on the host.
@@ -451,24 +452,167 @@ def test_plugin_host_paths(default_docs: list[Doc], mock_docs: list[Doc]) -> Non
             assert mounts[name]["mountPath"] == host_paths[name]
         if nvml:
             assert mounts["driver-root"]["readOnly"] is True
-            assert mounts["driver-root"]["mountPath"] == "/driver-root/usr"
+            assert mounts["driver-root"]["mountPath"] == "/driver-root"
+            assert "driver-root-parent" not in mounts  # the init container's only
 
 
-def test_driver_root_mount_is_only_where_nvml_is_loaded_from() -> None:
-    """Only <driverRoot>/usr is mounted, and it holds every directory the nvml backend
-    searches for libnvidia-ml under NVIDIA_DRIVER_ROOT."""
+def test_driver_root_mount_holds_every_library_dir() -> None:
+    """The whole driver root is mounted at NVIDIA_DRIVER_ROOT, so every directory the
+    nvml backend searches for libnvidia-ml lies under the mount."""
     from driver.nvml.library import LIBRARY_DIRS
 
     docs = render("--set", "nvml.driverRoot=/run/nvidia/driver/")
     pod = one(docs, "DaemonSet")["spec"]["template"]["spec"]
     (volume,) = [v for v in pod["volumes"] if v["name"] == "driver-root"]
-    assert volume["hostPath"] == {"path": "/run/nvidia/driver/usr", "type": "Directory"}
+    assert volume["hostPath"] == {"path": "/run/nvidia/driver", "type": "DirectoryOrCreate"}
     env = env_of(plugin_container(docs))
-    assert "NVIDIA_DRIVER_ROOT_HOST" not in env  # nothing reads it
+    assert env["NVIDIA_DRIVER_ROOT_HOST"]["value"] == "/run/nvidia/driver"  # cleaned
     root = env["NVIDIA_DRIVER_ROOT"]["value"]
     (mount,) = [m for m in plugin_container(docs)["volumeMounts"] if m["name"] == "driver-root"]
+    assert mount["mountPath"] == root
     for directory in LIBRARY_DIRS:
         assert f"{root}/{directory}".startswith(mount["mountPath"] + "/"), directory
+
+
+def init_containers(docs: list[Doc]) -> list[Doc]:
+    containers: list[Doc] = one(docs, "DaemonSet")["spec"]["template"]["spec"].get(
+        "initContainers", []
+    )
+    return containers
+
+
+@pytest.mark.parametrize(
+    ("root", "parent", "in_parent"),
+    [
+        ("/home/kubernetes/bin/nvidia", "/home/kubernetes/bin", "/driver-root-parent/nvidia"),
+        ("/run/nvidia/driver", "/run/nvidia", "/driver-root-parent/driver"),
+        ("/run/nvidia/driver/", "/run/nvidia", "/driver-root-parent/driver"),
+        ("/", "/", "/driver-root-parent"),
+        ("/driver", "/", "/driver-root-parent/driver"),
+    ],
+    ids=["gke", "gpu-operator", "trailing-slash", "host-root", "top-level"],
+)
+def test_driver_root_volumes_and_wait_for_driver(root: str, parent: str, in_parent: str) -> None:
+    """The driver root and its parent (HostToContainer, DirectoryOrCreate: the GPU
+    operator mounts its driver there after the plugin pod started), the init container
+    that waits for the driver through the parent, and the plugin's env."""
+    docs = render("--set", f"nvidiaDriverRoot={root}")
+    pod = one(docs, "DaemonSet")["spec"]["template"]["spec"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    host_root = root.rstrip("/") or "/"
+    assert volumes["driver-root"]["hostPath"] == {"path": host_root, "type": "DirectoryOrCreate"}
+    assert volumes["driver-root-parent"]["hostPath"] == {
+        "path": parent,
+        "type": "DirectoryOrCreate",
+    }
+    plugin = plugin_container(docs)
+    (mount,) = [m for m in plugin["volumeMounts"] if m["name"] == "driver-root"]
+    assert mount == {
+        "name": "driver-root",
+        "mountPath": "/driver-root",
+        "readOnly": True,
+        "mountPropagation": "HostToContainer",
+    }
+    env = env_of(plugin)
+    assert env["NVIDIA_DRIVER_ROOT"]["value"] == "/driver-root"
+    assert env["NVIDIA_DRIVER_ROOT_HOST"]["value"] == host_root
+    assert "NVIDIA_CDI_HOOK_PATH" not in env  # default: the plugin installs its own copy
+
+    (init,) = init_containers(docs)
+    assert init["name"] == "wait-for-driver"
+    assert init["image"] == plugin["image"]
+    assert init["command"][:2] == ["/bin/sh", "-c"]
+    assert init["volumeMounts"] == [
+        {
+            "name": "driver-root-parent",
+            "mountPath": "/driver-root-parent",
+            "readOnly": True,
+            "mountPropagation": "HostToContainer",
+        }
+    ]
+    init_env = {e["name"]: e["value"] for e in init["env"]}
+    assert init_env == {"NVIDIA_DRIVER_ROOT_HOST": host_root, "DRIVER_ROOT": in_parent}
+    sc = init["securityContext"]
+    assert sc["allowPrivilegeEscalation"] is False and sc["readOnlyRootFilesystem"] is True
+    assert sc["capabilities"] == {"drop": ["ALL"]} and "privileged" not in sc
+
+
+def _run_wait_for_driver(script: str, driver_root: Path, host_root: str) -> tuple[int, str]:
+    """Runs the init container's script over `driver_root` until its first line, then
+    SIGTERMs it (it exits 0 on TERM, without waiting out its sleep)."""
+    env = {
+        "PATH": os.environ["PATH"],
+        "DRIVER_ROOT": str(driver_root),
+        "NVIDIA_DRIVER_ROOT_HOST": host_root,
+    }
+    with subprocess.Popen(
+        ["/bin/sh", "-c", script], env=env, stdout=subprocess.PIPE, text=True
+    ) as proc:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        proc.terminate()
+        return proc.wait(timeout=5), line
+
+
+def test_wait_for_driver_script(tmp_path: Path) -> None:
+    """The rendered script logs what it waits for and where, and leaves once
+    libnvidia-ml.so.1 (usually a symlink) is in one of the library directories."""
+    (init,) = init_containers(render("--set", "nvidiaDriverRoot=/home/kubernetes/bin/nvidia"))
+    script = init["command"][2]
+    root = tmp_path / "nvidia"
+    root.mkdir()
+    rc, line = _run_wait_for_driver(script, root, "/home/kubernetes/bin/nvidia")
+    assert rc == 0
+    assert "waiting for the NVIDIA driver: no libnvidia-ml.so.1" in line
+    assert "nvidiaDriverRoot=/home/kubernetes/bin/nvidia" in line
+    (root / "lib64").mkdir()
+    (root / "lib64" / "libnvidia-ml.so.580.95.05").write_bytes(b"")
+    (root / "lib64" / "libnvidia-ml.so.1").symlink_to("libnvidia-ml.so.580.95.05")
+    proc = subprocess.run(
+        ["/bin/sh", "-c", script],
+        env={
+            "PATH": os.environ["PATH"],
+            "DRIVER_ROOT": str(root),
+            "NVIDIA_DRIVER_ROOT_HOST": "/home/kubernetes/bin/nvidia",
+        },
+        capture_output=True,
+        text=True,
+        timeout=10,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == (
+        "found the NVIDIA driver: /home/kubernetes/bin/nvidia/lib64/libnvidia-ml.so.1 on the host\n"
+    )
+
+
+def test_nvidia_cdi_hook_path_value() -> None:
+    docs = render(
+        "--set", "nvidiaDriverRoot=/run/nvidia/driver",
+        "--set", "nvidiaCDIHookPath=/usr/local/nvidia/toolkit/nvidia-cdi-hook",
+    )  # fmt: skip
+    env = env_of(plugin_container(docs))
+    assert env["NVIDIA_CDI_HOOK_PATH"]["value"] == "/usr/local/nvidia/toolkit/nvidia-cdi-hook"
+    for bad in ("usr/bin/nvidia-cdi-hook", "/usr/bin/"):
+        proc = helm_template("--set", f"nvidiaCDIHookPath={bad}", check=False)
+        assert proc.returncode != 0
+        assert "/nvidiaCDIHookPath" in proc.stderr, proc.stderr
+
+
+def test_mock_backend_has_no_driver_mounts(mock_docs: list[Doc]) -> None:
+    docs = render(
+        "--values", str(MOCK_VALUES),
+        "--set", "nvidiaDriverRoot=/run/nvidia/driver",
+        "--set", "nvidiaCDIHookPath=/usr/bin/nvidia-cdi-hook",
+    )  # fmt: skip
+    for d in (mock_docs, docs):
+        pod = one(d, "DaemonSet")["spec"]["template"]["spec"]
+        assert init_containers(d) == []
+        names = {v["name"] for v in pod["volumes"]}
+        assert not names & {"driver-root", "driver-root-parent"}
+        mounts = {m["name"] for m in plugin_container(d)["volumeMounts"]}
+        assert not mounts & {"driver-root", "driver-root-parent"}
+        assert not set(env_of(plugin_container(d))) & DRIVER_ROOT_ENV
 
 
 CLI_STATE_DIR_ENV = "GPU_DRA_STATE_DIR"

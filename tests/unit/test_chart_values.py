@@ -52,7 +52,7 @@ def install_notes(*args: str) -> str:
 
 def test_defaults() -> None:
     docs = render()
-    assert driver_root_host_path(docs) == "/usr"
+    assert driver_root_host_path(docs) == "/"
     assert verbosity(docs) == "2"
     assert verbosity(render("--values", str(MOCK_VALUES))) == "4"
 
@@ -72,7 +72,7 @@ def test_defaults() -> None:
     ids=["new", "old", "both-alike"],
 )
 def test_nvidia_driver_root(args: list[str]) -> None:
-    assert driver_root_host_path(render(*args)) == "/run/nvidia/driver/usr"
+    assert driver_root_host_path(render(*args)) == "/run/nvidia/driver"
 
 
 @pytest.mark.parametrize(

@@ -161,6 +161,30 @@ values is an error. Arguments: (list . newName oldParent oldName newDefault).
 {{- include "gpu-dra-driver.renamedValue" (list . "nvidiaDriverRoot" "nvml" "driverRoot" "/") }}
 {{- end }}
 
+{{- /*
+The driver root's host path, cleaned ("/run/nvidia/driver/" -> "/run/nvidia/driver"): the driver-root
+volume and NVIDIA_DRIVER_ROOT_HOST, the prefix of the host paths in CDI specs.
+*/}}
+{{- define "gpu-dra-driver.driverRootHost" -}}
+{{- clean (include "gpu-dra-driver.nvidiaDriverRoot" .) }}
+{{- end }}
+
+{{- /*
+The driver root's parent directory on the host ("/" for "/" and for "/<name>"), and
+where the driver root appears under its mount at /driver-root-parent. A driver mounted
+onto the driver root after the pod started (the GPU operator's driver container at
+/run/nvidia/driver) shows up only under the parent's mount, not under a mount of the
+driver root made before.
+*/}}
+{{- define "gpu-dra-driver.driverRootParentHost" -}}
+{{- dir (include "gpu-dra-driver.driverRootHost" .) }}
+{{- end }}
+
+{{- define "gpu-dra-driver.driverRootInParent" -}}
+{{- $root := include "gpu-dra-driver.driverRootHost" . }}
+{{- if eq $root "/" }}/driver-root-parent{{ else }}{{ printf "/driver-root-parent/%s" (base $root) }}{{ end }}
+{{- end }}
+
 {{- define "gpu-dra-driver.logVerbosity" -}}
 {{- include "gpu-dra-driver.renamedValue" (list . "logVerbosity" "logging" "verbosity" 2) }}
 {{- end }}
