@@ -12,7 +12,18 @@ from driver.nvml.calls import is_nvml_error
 log = logging.getLogger(__name__)
 
 NVML_LIBRARY = "libnvidia-ml.so.1"
-LIBRARY_DIRS = ("usr/lib/x86_64-linux-gnu", "usr/lib64", "usr/lib/aarch64-linux-gnu", "usr/lib")
+# Distribution layouts first; then a driver root without usr/ (GKE keeps the driver
+# in /home/kubernetes/bin/nvidia/lib64).
+LIBRARY_DIRS = (
+    "usr/lib/x86_64-linux-gnu",
+    "usr/lib64",
+    "usr/lib/aarch64-linux-gnu",
+    "usr/lib",
+    "lib64",
+    "lib/x86_64-linux-gnu",
+    "lib/aarch64-linux-gnu",
+    "lib",
+)
 
 
 class NvmlUnavailableError(RuntimeError):

@@ -12,10 +12,18 @@ import pytest
 from driver.nvml.library import NVML_LIBRARY, NvmlUnavailableError, load_library_from_driver_root
 
 
-def test_library_under_the_driver_root_is_loaded(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "layout",
+    [
+        "usr/lib64",
+        "usr/lib/x86_64-linux-gnu",
+        "lib64",  # GKE's driver installer: /home/kubernetes/bin/nvidia/lib64
+    ],
+)
+def test_library_under_the_driver_root_is_loaded(tmp_path: Path, layout: str) -> None:
     some_shared_library = ctypes.util.find_library("m")
     assert some_shared_library, "libm is part of every glibc install"
-    libdir = tmp_path / "usr/lib64"
+    libdir = tmp_path / layout
     libdir.mkdir(parents=True)
     source = next(
         Path(p)
