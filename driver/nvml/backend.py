@@ -27,8 +27,13 @@ log = logging.getLogger(__name__)
 class NvmlBackend:
     """Discovery and health events through a pynvml-compatible module."""
 
-    def __init__(self, module: Any, *, backend_name: str | None = None) -> None:
+    def __init__(
+        self, module: Any, *, backend_name: str | None = None, kernel_root: Path = Path("/")
+    ) -> None:
         self._nvml = CountingModule(module)
+        # Where the kernel's /proc of these GPUs is (device majors, MIG capabilities):
+        # the host's, or the mock driver root the mock writes its own into.
+        self.kernel_root = kernel_root
         if backend_name is None:
             from driver.nvml.mock import MockNvml
 
@@ -98,7 +103,10 @@ def select_backend(
             node_name,
             fleet_path or "the built-in default fleet",
         )
-        return NvmlBackend(MockNvml(fleet, node_name, driver_root=mock_driver_root))
+        return NvmlBackend(
+            MockNvml(fleet, node_name, driver_root=mock_driver_root),
+            kernel_root=mock_driver_root or Path("/"),
+        )
     try:
         import pynvml
     except ImportError as err:  # pragma: no cover - pynvml is a hard dependency

@@ -65,6 +65,7 @@ from driver.nvml.mock_api import (
     nvmlGpuInstanceProfileInfo_v2,
     set_out_uint,
 )
+from driver.nvml.mock_devices import ensure_proc_devices
 from driver.nvml.mock_events import EventFunctions, PendingEvent
 from driver.nvml.mock_mig import MigFunctions
 from driver.nvml.mock_mig_state import (
@@ -105,7 +106,8 @@ class MockNvml(EventFunctions, MigFunctions):
     """A pynvml-compatible module object for one mock node.
 
     `driver_root`: keep MIG instances in a state file under it (shared by every
-    process on that root) and write the driver's MIG capability files there.
+    process on that root) and write the driver's MIG capability files and the
+    kernel's `proc/devices` there.
     """
 
     NVMLError = NVMLError
@@ -126,6 +128,8 @@ class MockNvml(EventFunctions, MigFunctions):
         self._pending: list[PendingEvent] = []
         self.calls: collections.Counter[str] = collections.Counter()
         self._init_mig(None if driver_root is None else Path(driver_root))
+        if driver_root is not None:
+            ensure_proc_devices(Path(driver_root))
 
     def __getattr__(self, name: str) -> Any:
         # Constants and error classes, like `pynvml.NVML_ERROR_NOT_SUPPORTED`.

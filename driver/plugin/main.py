@@ -77,7 +77,15 @@ class Plugin:
             lambda: sum(n for t, n in backend.nvml_calls.items() if t != monitor_thread),
             caller="other",
         )
-        driver_root = None if mock else real_driver_root(o)
+        # The mock with a (fake) driver installation writes complete CDI specs too.
+        complete_cdi = not mock or o.nvidia_driver_root != Path("/")
+        driver_root = real_driver_root(o) if complete_cdi else None
+        if mock and driver_root is not None:
+            log.warning(
+                "MOCK GPUs with the driver installation at %s: CDI specs carry device "
+                "nodes, its files and hooks as on a real node",
+                driver_root.host_path,
+            )
         api = KubeApi.from_kubeconfig(o.kubeconfig)
         metrics.API_WRITES.count_from(lambda: api.writes)
         store = HealthStore(o.data_dir / "health.json")
@@ -92,9 +100,10 @@ class Plugin:
             reporter=ClaimFailureReporter(
                 api, driver=o.driver_name, node_name=o.node_name, device_status=o.device_status
             ),
-            real_devices=not mock,
+            real_devices=complete_cdi,
             mig=backend.mig(),
-            caps_root=mock_root if mock else Path("/"),
+            caps_root=backend.kernel_root,
+            proc_devices=backend.kernel_root / "proc" / "devices",
             driver_root=driver_root,
             permanent_errors=permanent_errors,
         )

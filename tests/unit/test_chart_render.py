@@ -600,19 +600,31 @@ def test_nvidia_cdi_hook_path_value() -> None:
 
 
 def test_mock_backend_has_no_driver_mounts(mock_docs: list[Doc]) -> None:
+    pod = one(mock_docs, "DaemonSet")["spec"]["template"]["spec"]
+    assert init_containers(mock_docs) == []
+    assert not {v["name"] for v in pod["volumes"]} & {"driver-root", "driver-root-parent"}
+    mounts = {m["name"] for m in plugin_container(mock_docs)["volumeMounts"]}
+    assert not mounts & {"driver-root", "driver-root-parent"}
+    assert not set(env_of(plugin_container(mock_docs))) & DRIVER_ROOT_ENV
+
+
+def test_mock_backend_with_a_fake_driver_installation() -> None:
+    """A named driver root on the mock: its CDI specs become complete (the e2e tier's
+    fake driver installation); nothing waits for it, no parent is mounted."""
     docs = render(
         "--values", str(MOCK_VALUES),
-        "--set", "nvidiaDriverRoot=/run/nvidia/driver",
+        "--set", "nvidiaDriverRoot=/var/lib/gpu-dra-fake-driver",
         "--set", "nvidiaCDIHookPath=/usr/bin/nvidia-cdi-hook",
     )  # fmt: skip
-    for d in (mock_docs, docs):
-        pod = one(d, "DaemonSet")["spec"]["template"]["spec"]
-        assert init_containers(d) == []
-        names = {v["name"] for v in pod["volumes"]}
-        assert not names & {"driver-root", "driver-root-parent"}
-        mounts = {m["name"] for m in plugin_container(d)["volumeMounts"]}
-        assert not mounts & {"driver-root", "driver-root-parent"}
-        assert not set(env_of(plugin_container(d))) & DRIVER_ROOT_ENV
+    pod = one(docs, "DaemonSet")["spec"]["template"]["spec"]
+    assert init_containers(docs) == []
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["driver-root"]["hostPath"]["path"] == "/var/lib/gpu-dra-fake-driver"
+    assert "driver-root-parent" not in volumes
+    env = env_of(plugin_container(docs))
+    assert env["NVIDIA_DRIVER_ROOT"]["value"] == "/driver-root"
+    assert env["NVIDIA_DRIVER_ROOT_HOST"]["value"] == "/var/lib/gpu-dra-fake-driver"
+    assert env["NVIDIA_CDI_HOOK_PATH"]["value"] == "/usr/bin/nvidia-cdi-hook"
 
 
 CLI_STATE_DIR_ENV = "GPU_DRA_STATE_DIR"
