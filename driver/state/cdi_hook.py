@@ -108,14 +108,14 @@ def install_cdi_hook(source: Path, target_dir: Path) -> Path:
     return target
 
 
-def resolve_cdi_hook_path(configured: str, source: Path, target_dir: Path) -> str:
+def cdi_hook_path(configured: str, target_dir: Path) -> str:
     """The host path of the hook that CDI specs name: `configured`
     (--nvidia-cdi-hook-path, a hook installed on the host; nothing is copied) or, if
-    empty, the copy of `source` installed into `target_dir`."""
+    empty, where `install_cdi_hook` puts the image's copy in `target_dir`."""
     if configured:
         if not os.path.isabs(configured):
             raise CdiHookError(
                 f"--nvidia-cdi-hook-path={configured!r} must be an absolute path on the host"
             )
         return configured
-    return str(install_cdi_hook(source, target_dir))
+    return str(target_dir / HOOK_NAME)

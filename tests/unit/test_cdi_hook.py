@@ -12,8 +12,8 @@ import pytest
 from driver.state.cdi_hook import (
     HOOK_NAME,
     CdiHookError,
+    cdi_hook_path,
     install_cdi_hook,
-    resolve_cdi_hook_path,
 )
 
 HOOK = b"\x7fELF static nvidia-cdi-hook v1\n" * 64
@@ -149,7 +149,7 @@ def test_missing_source_fails_naming_it(tmp_path: Path, target_dir: Path) -> Non
 
 def test_configured_path_is_returned_and_nothing_copied(source: Path, target_dir: Path) -> None:
     configured = "/usr/bin/nvidia-cdi-hook"
-    assert resolve_cdi_hook_path(configured, source, target_dir) == configured
+    assert cdi_hook_path(configured, target_dir) == configured
     assert list(target_dir.iterdir()) == []
 
 
@@ -158,14 +158,14 @@ def test_relative_configured_path_is_refused(
     configured: str, source: Path, target_dir: Path
 ) -> None:
     with pytest.raises(CdiHookError, match="--nvidia-cdi-hook-path") as info:
-        resolve_cdi_hook_path(configured, source, target_dir)
+        cdi_hook_path(configured, target_dir)
     assert configured in str(info.value)
     assert list(target_dir.iterdir()) == []
 
 
-def test_empty_configured_path_installs_the_copy(source: Path, target_dir: Path) -> None:
-    path = resolve_cdi_hook_path("", source, target_dir)
-    assert path == str(target_dir / HOOK_NAME)
+def test_empty_configured_path_names_where_the_copy_goes(source: Path, target_dir: Path) -> None:
+    path = cdi_hook_path("", target_dir)
+    assert path == str(install_cdi_hook(source, target_dir)) == str(target_dir / HOOK_NAME)
     assert Path(path).read_bytes() == HOOK
 
 
