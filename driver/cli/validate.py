@@ -16,11 +16,14 @@ Every problem is printed to stderr as
 
     FILE: <kind>/<name>: <field path>: <message>
 
-On success one summary line goes to stdout. Exit code 1 if any file or directory is
-missing, unreadable or empty, any config is invalid, no GpuConfig or claim document
-was found at all, or no document is for --driver-name (neither a GpuConfig, nor an
-opaque config of that driver, nor - with --slices publishing devices of that driver - a
-claim with capacity requests checked against them); else 0.
+A document that asks for SpacePartitioning gets one note on stdout (it does not fail
+validation): on real GPUs the partition count is only passed to the container as env,
+no MPS daemon splits the GPU. On success one summary line goes to stdout. Exit code 1
+if any file or directory is missing, unreadable or empty, any config is invalid, no
+GpuConfig or claim document was found at all, or no document is for --driver-name
+(neither a GpuConfig, nor an opaque config of that driver, nor - with --slices
+publishing devices of that driver - a claim with capacity requests checked against
+them); else 0.
 """
 
 from __future__ import annotations
@@ -37,13 +40,24 @@ from driver.cli.capacity import (
     devices_of_slices,
     requests_capacity,
 )
-from driver.config import LoadError, is_checked_document, load_yaml_documents
+from driver.config import (
+    LoadError,
+    Strategy,
+    gpu_config_errors,
+    is_checked_document,
+    load_yaml_documents,
+)
 from driver.config import validate_claim_document as check_document
 from driver.config.documents import CONFIG_LIST_PATHS, config_list_of
+from driver.config.loader import join_path
 
 DEFAULT_DRIVER_NAME = "gpu.example.com"
 DIRECTORY_SUFFIXES = (".yaml", ".yml", ".json")
 PROG = "gpu-dra validate"
+SPACE_PARTITIONING_NOTE = (
+    "note: SpacePartitioning is advisory on real GPUs: the container gets the partition "
+    "count as env (GPU_DEVICE_<id>_PARTITION_COUNT), no MPS daemon splits the GPU"
+)
 
 
 def add_parser(subcommands: Any) -> None:
@@ -119,9 +133,32 @@ def _is_gpu_config(doc: object) -> bool:
     return isinstance(doc, Mapping) and doc.get("kind") not in CONFIG_LIST_PATHS
 
 
+def _space_partitioning(doc: object, driver_name: str) -> str | None:
+    """The field path of the document's first (valid) GpuConfig for `driver_name`
+    that asks for SpacePartitioning, or None."""
+    if _is_gpu_config(doc):
+        config, _ = gpu_config_errors(doc, "")
+        spaced = config is not None and config.strategy == Strategy.SPACE_PARTITIONING
+        return "sharing.strategy" if spaced else None
+    if not isinstance(doc, Mapping):
+        return None
+    kind = str(doc.get("kind"))
+    configs = config_list_of(doc, kind)
+    for index, entry in enumerate(configs if isinstance(configs, list) else []):
+        opaque = entry.get("opaque") if isinstance(entry, Mapping) else None
+        if not isinstance(opaque, Mapping) or opaque.get("driver") != driver_name:
+            continue
+        config, _ = gpu_config_errors(opaque.get("parameters"), "")
+        if config is not None and config.strategy == Strategy.SPACE_PARTITIONING:
+            path = join_path(".".join(CONFIG_LIST_PATHS[kind]), index)
+            return f"{path}.opaque.parameters.sharing.strategy"
+    return None
+
+
 class Result:
     def __init__(self) -> None:
         self.problems: list[str] = []
+        self.notes: list[str] = []  # stdout; never fail validation
         self.checked = 0  # GpuConfig and claim documents
         # Of those: GpuConfigs, with an opaque config for the driver, or (--slices) with
         # capacity requests checked against the driver's devices.
@@ -180,6 +217,9 @@ def _validate_into(result: Result, text: str | bytes, filename: str, driver_name
             result.problems.append(
                 f"{filename}: {label}: {error.path or '<root>'}: {error.message}"
             )
+        note_path = _space_partitioning(doc, driver_name)
+        if note_path is not None:
+            result.notes.append(f"{filename}: {label}: {note_path}: {SPACE_PARTITIONING_NOTE}")
         if result.devices is not None:
             for problem in capacity_problems(doc, result.devices):
                 result.problems.append(f"{filename}: {label}: {problem.path}: {problem.message}")
@@ -235,6 +275,8 @@ def run(
             result.problems.append(f"{filename}: cannot read: {error.strerror or error}")
             continue
         _validate_into(result, text, filename, args.driver_name)
+    for line in result.notes:
+        print(line, file=out)
     for line in result.problems:
         print(line, file=err)
     if result.problems:

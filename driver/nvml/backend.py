@@ -19,6 +19,8 @@ from driver.nvml.discovery import discover_inventory
 from driver.nvml.events import HealthEventSet
 from driver.nvml.library import NvmlUnavailableError, load_library_from_driver_root
 from driver.nvml.mig import MigManager
+from driver.nvml.mock_timeslice import MockTimeSlice
+from driver.nvml.timeslice import NvidiaSmiTimeSlice
 from driver.nvml.types import HealthEvent, Inventory
 
 log = logging.getLogger(__name__)
@@ -40,6 +42,7 @@ class NvmlBackend:
             backend_name = "mock" if isinstance(module, MockNvml) else "nvml"
         self.backend_name = backend_name
         self._events = HealthEventSet(self._nvml)
+        self._timeslice: NvidiaSmiTimeSlice | MockTimeSlice | None = None
 
     @property
     def module(self) -> Any:
@@ -48,6 +51,21 @@ class NvmlBackend:
     def mig(self) -> MigManager:
         """The MIG lifecycle on this backend's GPUs (calls are counted like all others)."""
         return MigManager(self._nvml)
+
+    def timeslice(self, driver_root: Path | str) -> NvidiaSmiTimeSlice | MockTimeSlice:
+        """GPU time-slice intervals on this backend's GPUs: `nvidia-smi` from
+        `driver_root` (the plugin's `--nvidia-driver-root`), or, for the mock, its
+        settings kept under the mock's own driver root (`driver_root` is unused)."""
+        if self._timeslice is None:
+            from driver.nvml.mock import MockNvml
+
+            module = self.module
+            if isinstance(module, MockNvml):
+                uuids = [gpu.uuid for gpu in module.gpus]
+                self._timeslice = MockTimeSlice(module.mig_store.root, uuids)
+            else:
+                self._timeslice = NvidiaSmiTimeSlice(driver_root)
+        return self._timeslice
 
     @property
     def nvml_calls(self) -> dict[str, int]:

@@ -34,9 +34,9 @@ from driver.plugin.serving import BuiltServer, SocketServer, SocketWatcher, new_
 from driver.plugin.sockets import socket_paths
 from driver.plugin.status import export_checkpoint_state, health_report
 from driver.proto.pluginregistration.v1 import api_pb2_grpc as registration_grpc
-from driver.state.cdi_hook import resolve_cdi_hook_path
+from driver.state.cdi_hook import HOOK_NAME, cdi_hook_path, install_cdi_hook
 from driver.state.driver_edits import DriverRoot
-from driver.state.fileio import remove_durably
+from driver.state.fileio import remove_durably, sweep_temp_files
 from driver.state.prepare import DeviceState
 from driver.state.verdicts import parse_permanent_errors
 
@@ -46,7 +46,6 @@ SHUTDOWN_GRACE_SECONDS = 5.0
 # Errors that mean "the flags or the node's configuration are wrong" (option values,
 # fleet files, no NVML, a pool that cannot be built): reported in one line.
 CONFIG_ERRORS = (ValueError, FleetError, NvmlUnavailableError, PoolError)
-HOOK_BINARY = "nvidia-cdi-hook"  # shipped in the image; the runtime runs it on the host
 
 
 class Plugin:
@@ -106,8 +105,11 @@ class Plugin:
             proc_devices=backend.kernel_root / "proc" / "devices",
             driver_root=driver_root,
             permanent_errors=permanent_errors,
+            timeslice=backend.timeslice(o.nvidia_driver_root),
         )
         export_checkpoint_state(state)
+        if driver_root is not None:
+            install_image_hook(o, state)
         # Before discovery: recovery destroys half-created MIG devices and recreates
         # the ones a reboot destroyed, so discovery sees the node as it will be served.
         log.info("recovered local state: %s", state.recover())
@@ -215,13 +217,22 @@ class Plugin:
 
 
 def real_driver_root(o: PluginOptions) -> DriverRoot:
-    """The driver root as CDI specs name it, with the host path of nvidia-cdi-hook (the
-    image's copy installed next to the plugin's data unless one is configured)."""
-    source = shutil.which(HOOK_BINARY)
-    if not o.nvidia_cdi_hook_path and source is None:
-        raise ValueError(f"{HOOK_BINARY} is not on PATH; set --nvidia-cdi-hook-path")
-    hook = resolve_cdi_hook_path(o.nvidia_cdi_hook_path, Path(source or HOOK_BINARY), o.data_dir)
+    """The driver root as CDI specs name it, with the host path of nvidia-cdi-hook."""
+    hook = cdi_hook_path(o.nvidia_cdi_hook_path, o.data_dir)
+    if not o.nvidia_cdi_hook_path and shutil.which(HOOK_NAME) is None:
+        raise ValueError(f"{HOOK_NAME} is not on PATH; set --nvidia-cdi-hook-path")
     return DriverRoot(o.nvidia_driver_root, o.nvidia_driver_root_host, hook)
+
+
+def install_image_hook(o: PluginOptions, state: DeviceState) -> None:
+    """Copy the image's nvidia-cdi-hook to the host under the node lock, which a rolling
+    update's other instance also takes: a crash's temp files can be swept then."""
+    if o.nvidia_cdi_hook_path:
+        return
+    source = Path(shutil.which(HOOK_NAME) or HOOK_NAME)
+    with state.lock.hold():
+        sweep_temp_files(o.data_dir, HOOK_NAME)
+        install_cdi_hook(source, o.data_dir)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

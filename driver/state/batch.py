@@ -1,8 +1,8 @@
 """Steps 3-5 of a prepare, under the node lock (the module doc of
 driver/state/prepare.py lists them): plan and book each claim, roll back found
-half-done entries, then ONE `PrepareStarted` store, the MIG devices, the CDI specs and
-ONE `PrepareCompleted` store. A claim that fails here is rolled back alone; a failed
-journal store fails and rolls back the whole batch."""
+half-done entries, then ONE `PrepareStarted` store, the MIG devices, the CDI specs, the
+GPUs' time-slice intervals and ONE `PrepareCompleted` store. A claim that fails here
+is rolled back alone; a failed journal store fails and rolls back the whole batch."""
 
 from __future__ import annotations
 
@@ -120,6 +120,7 @@ def prepare_locked(
             state.cdi.write_claim_spec(
                 w.ref.uid, w.spec, before_rename="prepare-cdi-before-rename", sync_dir=False
             )
+            w.planned = state.timeslices.apply(w.ref.uid, w.planned, journal)
         except Exception as exc:
             w.error = _error(exc, w.ref.uid)
     failpoint("prepare-after-cdi")
@@ -152,6 +153,7 @@ def _plan(
         driver_name=state.driver_name,
         devices=state.devices,
         cdi_ids=state.cdi.device_ids,
+        time_slices=state.timeslices.enabled,
     )
 
 
@@ -177,6 +179,7 @@ def _roll_back_found(
             if uid in errors:
                 raise transient(f"rolling back claim {uid}: {errors[uid]}")
             state.instances.destroy(found[uid].devices)
+            state.timeslices.restore(uid, found[uid].devices, journal, intent=True)
         except DriverError as err:
             journal[uid] = found[uid]
             w.error = err
@@ -222,6 +225,7 @@ def _undo(state: DeviceState, work: Sequence[_Work], journal: dict[str, ClaimEnt
             if uid in errors:
                 raise transient(str(errors[uid]))
             state.instances.destroy(tuple(p.prepared for p in w.planned))
+            state.timeslices.restore(uid, tuple(p.prepared for p in w.planned), journal)
         except DriverError as err:
             journal[uid] = w.entry(PREPARE_STARTED)
             log.error("rolling back claim %s failed: %s", uid, err)

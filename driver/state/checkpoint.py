@@ -12,7 +12,8 @@ File format (docs/state.md)::
           "namespace": "...", "name": "...",
           "devices": [{"pool": ..., "device": ..., "requestNames": [...],
                        "cdiDeviceIds": [...], "shareID": null | "...", "adminAccess": false,
-                       "consumedCapacity": {"memory": "16Gi", ...}}],   # shares only
+                       "consumedCapacity": {"memory": "16Gi", ...},     # shares only
+                       "timeSlice": {"gpu": ..., "interval": "Long", "seq": 3}}],  # set
           "cdiSpec": {"devices": [<CDI device>...], "deviceNodes": [...]}   # PrepareCompleted
         }
       }
@@ -21,7 +22,8 @@ File format (docs/state.md)::
 `canonical(entries)` is the UTF-8 JSON of the *stored* `entries` value with sorted keys
 and no whitespace. The checksum is verified against the parsed stored value, never
 against a re-encoding through this module's types, so a newer driver that adds a
-field does not invalidate older files (the upgrade hazard NVIDIA's driver hit).
+field does not invalidate older files (the upgrade hazard NVIDIA's driver hit). An
+older reader drops keys it does not know when it next stores the journal.
 
 A file that does not parse, has an unknown schema version, a wrong checksum or
 malformed entries is *corrupt*, and so is a symlink (or anything but a regular file)
@@ -55,6 +57,7 @@ from driver.state.fileio import (
     sweep_temp_files,
 )
 from driver.state.locking import SerializeLock
+from driver.state.timeslice_record import TimeSliceRecord
 
 SCHEMA_VERSION: Final = 1
 CHECKPOINT_FILE: Final = "checkpoint.json"
@@ -141,6 +144,9 @@ class PreparedDevice:
     # (capacity name -> quantity string), what the double-booking guard sums per
     # device. Stored only when present, so other entries keep their bytes.
     consumed_capacity: tuple[tuple[str, str], ...] = ()
+    # The time-slice interval the driver sets on the device's GPU (driver/state/
+    # timeslice.py). Stored only when present; an older driver ignores the key.
+    time_slice: TimeSliceRecord | None = None
 
     def to_json(self) -> dict[str, Any]:
         doc: dict[str, Any] = {
@@ -155,6 +161,8 @@ class PreparedDevice:
             doc["mig"] = self.mig.to_json()
         if self.consumed_capacity:
             doc["consumedCapacity"] = dict(self.consumed_capacity)
+        if self.time_slice is not None:
+            doc["timeSlice"] = self.time_slice.to_json()
         return doc
 
     @classmethod
@@ -184,6 +192,11 @@ class PreparedDevice:
             isinstance(k, str) and isinstance(v, str) for k, v in consumed.items()
         ):
             raise ValueError(f"device {device}: consumedCapacity must map names to strings")
+        time_slice = doc.get("timeSlice")
+        try:
+            ts = TimeSliceRecord.from_json(time_slice) if time_slice is not None else None
+        except ValueError as err:
+            raise ValueError(f"device {device}: {err}") from err
         return cls(
             pool,
             device,
@@ -193,6 +206,7 @@ class PreparedDevice:
             admin,
             record,
             tuple(sorted(consumed.items())),
+            ts,
         )
 
 

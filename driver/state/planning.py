@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from driver.config import GpuConfig, resolve_configs, validate_for_device
+from driver.config import GpuConfig, Interval, resolve_configs, validate_for_device
 from driver.errors import device_failed, transient
 from driver.nvml.caps import CapabilityError, mig_capabilities
 from driver.state.cdi import (
@@ -30,6 +30,7 @@ from driver.state.cdi import (
 from driver.state.checkpoint import MigRecord, PreparedDevice
 from driver.state.claims import ClaimRef, DeviceHealth, PreparableDevice
 from driver.state.device_nodes import CharMajors, DeviceNode, DeviceNodeError
+from driver.state.timeslice_record import TimeSliceRecord
 
 
 @dataclass(frozen=True)
@@ -104,6 +105,16 @@ def _mig_intent(device: PreparableDevice) -> MigRecord | None:
     )
 
 
+def _time_slice(config: GpuConfig, device: PreparableDevice, admin: bool) -> TimeSliceRecord | None:
+    """The interval to set on the device's GPU (driver/state/timeslice.py): TimeSlicing
+    with a non-Default interval, on a device that runs on a whole GPU (never a MIG
+    device: the setting is the physical GPU's), without admin access."""
+    interval = config.interval
+    if interval is None or interval is Interval.DEFAULT or admin or device.mig is not None:
+        return None
+    return TimeSliceRecord(device.gpu_uuid, interval.value)
+
+
 def plan_claim(
     ref: ClaimRef,
     claim: dict[str, Any],
@@ -112,9 +123,11 @@ def plan_claim(
     driver_name: str,
     devices: Mapping[str, PreparableDevice],
     cdi_ids: Callable[[str, str, str | None], list[str]],
+    time_slices: bool = False,
 ) -> tuple[PlannedDevice, ...]:
     """Raises ConfigError (permanent invalid-config) or a transient error. Device
-    health is checked before (`check_health`), outside the node lock."""
+    health is checked before (`check_health`), outside the node lock. `time_slices`:
+    the backend sets time-slice intervals, so they are recorded."""
     configs = resolve_configs(claim["status"]["allocation"], driver_name)
     planned: list[PlannedDevice] = []
     for result in driver_results:
@@ -149,6 +162,7 @@ def plan_claim(
             consumed_capacity=tuple(sorted((str(k), str(v)) for k, v in consumed.items()))
             if share_id
             else (),
+            time_slice=_time_slice(config, device, admin) if time_slices else None,
         )
         env = claim_device_env(
             claim_uid=ref.uid,

@@ -67,6 +67,7 @@ from driver.state.instances import ClaimInstances, MigOps
 from driver.state.locking import SerializeLock
 from driver.state.planning import CdiContext, check_health
 from driver.state.teardown import RecoveryReport
+from driver.state.timeslice import ClaimTimeSlices, TimeSliceOps
 from driver.state.verdicts import (
     DEFAULT_PERMANENT_ERRORS,
     DEFAULT_VERDICT_LIMIT,
@@ -117,6 +118,7 @@ class DeviceState:
         verdict_ttl: float = DEFAULT_VERDICT_TTL,
         verdict_limit: int = DEFAULT_VERDICT_LIMIT,
         clock: Callable[[], float] = time.monotonic,
+        timeslice: TimeSliceOps | None = None,
     ) -> None:
         self.driver_name = driver_name
         self.node_name = node_name
@@ -131,6 +133,7 @@ class DeviceState:
             self.cdi, node_name, driver_root if real_devices else None, proc_devices=proc_devices
         )
         self.instances = ClaimInstances(mig)
+        self.timeslices = ClaimTimeSlices(timeslice)
         self.permanent_errors = frozenset(permanent_errors)
         self.stats = StateStats()
         self.verdicts = VerdictMemory(ttl=verdict_ttl, limit=verdict_limit, clock=clock)
@@ -243,11 +246,12 @@ class DeviceState:
         self._checkpoint_problem = None
         if self.pending_removals:
             owed = {uid for uid in self.pending_removals if uid in journal}
-            for uid in owed:
+            kept = self.timeslices.release(journal, sorted(owed))  # GPUs first, then entries
+            for uid in owed - kept.keys():
                 del journal[uid]
-            if owed:
+            if owed - kept.keys():
                 self.checkpoint.store(journal)
-            self.pending_removals.clear()
+            self.pending_removals = set(kept)
         return journal
 
     def fail(self, ref: ClaimRef, claim: dict[str, Any] | None, err: DriverError) -> PrepareResult:

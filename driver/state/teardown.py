@@ -1,5 +1,5 @@
-"""Unprepare, and start-up recovery of the journal, CDI specs and MIG devices
-(docs/state.md, "Recovery rules"; docs/mig.md, "Crash safety")."""
+"""Unprepare, and start-up recovery of the journal, CDI specs, MIG devices and GPU
+time-slice intervals (docs/state.md, "Recovery rules"; docs/mig.md, "Crash safety")."""
 
 from __future__ import annotations
 
@@ -32,6 +32,7 @@ class RecoveryReport:
     missing_specs: tuple[str, ...] = ()  # completed claims whose spec is gone for good
     checkpoint_problem: str | None = None
     restored_mig: tuple[str, ...] = ()  # completed claims whose MIG devices were recreated
+    time_slices: tuple[str, ...] = ()  # GPUs whose time-slice interval was set again
 
 
 def unprepare(state: DeviceState, claims: Sequence[ClaimRef]) -> dict[str, DriverError | None]:
@@ -91,6 +92,10 @@ def _unprepare_batch(
             results[uid] = err
             continue
         done.append(uid)
+    if journal is not None:  # GPUs back to what the remaining claims want, before the store
+        failed = state.timeslices.release(journal, done)
+        results.update(failed)
+        done = [uid for uid in done if uid not in failed]
     if journal is None:
         state.pending_removals.update(done)  # removed once the journal is readable
     else:
@@ -125,6 +130,7 @@ def recover(state: DeviceState) -> RecoveryReport:
         swept = tuple(state.last_swept)
         rolled_back = _roll_back_started(state, journal)
         restored = _restore_mig(state, journal)
+        time_slices = state.timeslices.reapply(journal)
         if rolled_back or restored:
             state.checkpoint.store(journal)
             state.stats.rollbacks += len(rolled_back)
@@ -141,7 +147,7 @@ def recover(state: DeviceState) -> RecoveryReport:
             uid,
         )
     return RecoveryReport(
-        swept, tuple(rolled_back), orphans, recreated, missing, None, tuple(restored)
+        swept, tuple(rolled_back), orphans, recreated, missing, None, tuple(restored), time_slices
     )
 
 
@@ -159,6 +165,7 @@ def _roll_back_started(state: DeviceState, journal: dict[str, ClaimEntry]) -> li
             if uid in errors:
                 raise transient(str(errors[uid]))
             state.instances.destroy(journal[uid].devices)
+            state.timeslices.restore(uid, journal[uid].devices, journal, intent=True)
         except DriverError as err:  # the entry keeps holding its devices
             log.error("rolling back claim %s failed: %s", uid, err)
             continue

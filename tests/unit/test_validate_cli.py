@@ -58,14 +58,47 @@ def problems(err: str) -> list[str]:
 def test_valid_file_prints_a_summary() -> None:
     code, out, err = run_cli(str(DATA / "valid.yaml"))
     assert (code, err) == (0, "")
-    assert out.startswith("OK: ") and out.count("\n") == 1
+    # valid.yaml's bare GpuConfig asks for SpacePartitioning: one note, then the summary.
+    assert out.count("\n") == 2
+    assert out.splitlines()[0] == SPACE_NOTE.format(
+        f"{DATA / 'valid.yaml'}: GpuConfig/#2: sharing.strategy"
+    )
+    assert out.splitlines()[1].startswith("OK: ")
     assert "in 1 file(s)" in out and "gpu.example.com" in out
+
+
+SPACE_NOTE = (
+    "{}: note: SpacePartitioning is advisory on real GPUs: the container gets the partition "
+    "count as env (GPU_DEVICE_<id>_PARTITION_COUNT), no MPS daemon splits the GPU"
+)
+
+
+def test_space_partitioning_gets_one_note_per_claim_and_still_passes() -> None:
+    """On real GPUs SpacePartitioning is env only (no MPS): said once per document, on
+    stdout, without failing validation; TimeSlicing and other drivers' configs get none."""
+    claim = json.loads(json.dumps(CLAIM))
+    configs = claim["spec"]["devices"]["config"]
+    spaced = json.loads(json.dumps(configs[0]))
+    spaced["opaque"]["parameters"]["sharing"] = {"strategy": "SpacePartitioning"}
+    other = json.loads(json.dumps(spaced))
+    other["opaque"]["driver"] = "other.example.com"
+    configs[:] = [configs[0], other, spaced, spaced]
+    code, out, err = run_cli("-", stdin=json.dumps(claim))
+    assert (code, err) == (0, "")
+    assert out.splitlines() == [
+        SPACE_NOTE.format(
+            "-: ResourceClaim/c1: spec.devices.config[2].opaque.parameters.sharing.strategy"
+        ),
+        "OK: 1 GpuConfig/claim document(s) in 1 file(s) valid for driver gpu.example.com",
+    ]
+    code, out, _ = run_cli("-", stdin=json.dumps(CLAIM))  # TimeSlicing: no note
+    assert code == 0 and out.startswith("OK: ")
 
 
 def test_invalid_file_lists_every_problem_on_stderr() -> None:
     name = str(DATA / "invalid.yaml")
     code, out, err = run_cli(str(DATA / "valid.yaml"), name)
-    assert (code, out) == (1, "")
+    assert code == 1 and [line for line in out.splitlines() if "note:" not in line] == []
     assert problems(err) == [
         f"{name}: ResourceClaim/bad-claim: spec.devices.config[0].opaque.parameters"
         ".sharing.spacePartitioningConfig.partitionCount: must be >= 1, got 0",
