@@ -28,18 +28,25 @@ if [[ -n $archive ]]; then
 fi
 
 need "$CONTAINER_TOOL"
-# The base image by digest, not by its mutable tag: both build stages get the same image
-# and the log says which. PYTHON_IMAGE may name a digest already (image@sha256:...).
-python_image=${PYTHON_IMAGE:-python:3.11-slim-bookworm}
-if [[ $python_image != *@sha256:* ]]; then
-  kind_progress "resolving $python_image to a digest"
-  "$CONTAINER_TOOL" pull --quiet "$python_image" >/dev/null
-  python_image=$("$CONTAINER_TOOL" image inspect --format '{{index .RepoDigests 0}}' "$python_image") ||
-    kind_die "cannot read the digest of $python_image"
-fi
-kind_progress "building $DRIVER_IMAGE with $CONTAINER_TOOL from $python_image"
+# Base images by digest, not by their mutable tags: both Python stages get the same
+# image and the log says which. PYTHON_IMAGE / GOLANG_IMAGE may name a digest already
+# (image@sha256:...).
+by_digest() { # <image>
+  local image=$1
+  if [[ $image != *@sha256:* ]]; then
+    kind_progress "resolving $image to a digest" >&2
+    "$CONTAINER_TOOL" pull --quiet "$image" >/dev/null
+    image=$("$CONTAINER_TOOL" image inspect --format '{{index .RepoDigests 0}}' "$image") ||
+      kind_die "cannot read the digest of $image"
+  fi
+  printf '%s' "$image"
+}
+python_image=$(by_digest "${PYTHON_IMAGE:-python:3.11-slim-bookworm}")
+golang_image=$(by_digest "${GOLANG_IMAGE:-golang:1.26-bookworm}")
+kind_progress "building $DRIVER_IMAGE with $CONTAINER_TOOL from $python_image and $golang_image"
 "$CONTAINER_TOOL" build -f "$REPO_DIR/deployments/container/Dockerfile" \
-  --build-arg "PYTHON_IMAGE=$python_image" -t "$DRIVER_IMAGE" "$REPO_DIR"
+  --build-arg "PYTHON_IMAGE=$python_image" --build-arg "GOLANG_IMAGE=$golang_image" \
+  -t "$DRIVER_IMAGE" "$REPO_DIR"
 
 # `kind load docker-image` does not work with podman or with every containerd config,
 # so stream the image into each node's containerd directly.
