@@ -18,6 +18,7 @@ from driver.nvml.mock_mig_state import mig_minor
 from driver.state.checkpoint import Checkpoint, ClaimState
 from driver.state.claims import ClaimRef
 from driver.state.prepare import DeviceState
+from tests.state_fakes import Healthy, NoReports
 
 DRIVER = "gpu.example.com"
 NODE = "node-a"
@@ -40,19 +41,6 @@ class Claims:
 
     def get(self, namespace: str, name: str) -> dict[str, Any]:
         return self.docs[name.removeprefix("claim-")]
-
-
-class Healthy:
-    def failure(self, device_name: str) -> str | None:
-        return None
-
-    def ensure_tainted(self, device_name: str) -> None:
-        raise AssertionError("nothing is failed")
-
-
-class NoReports:
-    def permanent_failure(self, claim: dict[str, Any], error: Any) -> None:
-        raise AssertionError(f"unexpected permanent error {error}")
 
 
 @dataclass

@@ -21,6 +21,7 @@ from driver.state.claims import ClaimRef
 from driver.state.prepare import DeviceState
 from driver.state.teardown import RecoveryReport
 from driver.state.timeslice import TimeSliceOps
+from tests.state_fakes import Healthy, NoReports
 
 DRIVER = "gpu.example.com"
 NODE = "node-a"
@@ -87,19 +88,6 @@ class Claims:
 
     def get(self, namespace: str, name: str) -> dict[str, Any]:
         return self.docs[name.removeprefix("claim-")]
-
-
-class Healthy:
-    def failure(self, device_name: str) -> str | None:
-        return None
-
-    def ensure_tainted(self, device_name: str) -> None:
-        raise AssertionError("nothing is failed")
-
-
-class NoReports:
-    def permanent_failure(self, claim: dict[str, Any], error: Any) -> None:
-        raise AssertionError(f"unexpected permanent error {error}")
 
 
 class Scripted:
