@@ -18,7 +18,8 @@
 #   hack/local-cluster.sh env      print shell exports (KUBECONFIG, PATH) for the cluster
 #   hack/local-cluster.sh bin-dir  print the directory of the cached binaries
 #   hack/local-cluster.sh driver-image-tag  print the tag (src-<hash of the driver
-#                                  sources>) `up --with-node` imports the driver image as
+#                                  sources>) `up --with-node` imported the driver image as
+#                                  (recorded in the run dir; this tree's if none was)
 #
 # Environment (defaults in brackets):
 #   GPU_DRA_CLUSTER_DIR      run dir: pki, kubeconfigs, logs, pids, etcd data
@@ -137,8 +138,8 @@ cmd_main() {
     env) cmd_env ;;
     bin-dir) printf '%s\n' "$BIN_DIR" ;;
     driver-image-tag)
-      declare -F driver_image_tag >/dev/null || die "hack/lib/images.sh is missing"
-      driver_image_tag
+      declare -F imported_driver_image_tag >/dev/null || die "hack/lib/images.sh is missing"
+      imported_driver_image_tag
       printf '\n'
       ;;
     *) die "usage: $0 build|up [--with-node]|down|restart-kubelet|status|env|bin-dir|driver-image-tag|node-preflight" ;;

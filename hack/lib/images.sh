@@ -157,11 +157,20 @@ driver_source_hash() {
 # plugin on the image built from this tree, never on a stale one.
 driver_image_tag() { printf 'src-%s' "$(driver_source_hash)"; }
 
+# The tag `up` imported the driver image under, recorded in the run dir: the sources may
+# change while a cluster runs (or while `up` builds), and a later `helm upgrade` must name
+# the image that is on the node, not one of a newer tree. Falls back to this tree's tag.
+IMPORTED_TAG_FILE=driver-image-tag
+imported_driver_image_tag() {
+  if [[ -f $RUN_DIR/$IMPORTED_TAG_FILE ]]; then cat "$RUN_DIR/$IMPORTED_TAG_FILE"; else driver_image_tag; fi
+}
+
 build_driver_image() {
   local hash out
   hash=$(driver_source_hash)
   out=$IMAGES_DIR/driver-$hash.oci.tar
   DRIVER_IMAGE_ARCHIVE=$out
+  DRIVER_IMAGE_SRC_TAG=src-$hash
   [[ -f $out ]] && { progress "driver image for source $hash cached"; return 0; }
   progress "building the driver image $DRIVER_IMAGE_TAG for source $hash with hack/build-image.sh (first time: debootstrap, a few minutes)"
   mkdir -p "$IMAGES_DIR"
@@ -195,8 +204,9 @@ ensure_images() {
     local driver_name
     driver_name=$(normalize_image_name "$DRIVER_IMAGE_TAG")
     import_image "$DRIVER_IMAGE_ARCHIVE" "$driver_name"
-    ctr_node images tag --force "$driver_name" "${driver_name%:*}:$(driver_image_tag)" >/dev/null ||
-      die "ctr images tag $driver_name ${driver_name%:*}:$(driver_image_tag) failed"
+    ctr_node images tag --force "$driver_name" "${driver_name%:*}:$DRIVER_IMAGE_SRC_TAG" >/dev/null ||
+      die "ctr images tag $driver_name ${driver_name%:*}:$DRIVER_IMAGE_SRC_TAG failed"
+    printf '%s\n' "$DRIVER_IMAGE_SRC_TAG" >"$RUN_DIR/$IMPORTED_TAG_FILE"
   fi
   progress "images imported in $(( $(date +%s) - t0 ))s: $(ctr_node images ls -q | grep -v '^sha256:' | tr '\n' ' ')"
 }

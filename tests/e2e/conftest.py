@@ -282,9 +282,10 @@ def _helm() -> str:
     return proc.stdout.strip().splitlines()[-1]
 
 
-def driver_image_tag() -> str:
-    """The tag `up --with-node` imported this tree's driver image under (src-<hash>)."""
-    proc = _run(["bash", str(SCRIPT), "driver-image-tag"])
+def driver_image_tag(e: E2E) -> str:
+    """The tag `up --with-node` imported the driver image under (src-<hash of the tree
+    then>; recorded in the run dir, so a tree edited since does not change it)."""
+    proc = e.script("driver-image-tag")
     if proc.returncode != 0 or not proc.stdout.strip().startswith("src-"):
         pytest.fail(f"hack/local-cluster.sh driver-image-tag failed: {proc.stderr.strip()}")
     return proc.stdout.strip()
@@ -303,7 +304,7 @@ def install_chart(
     """helm upgrade --install with the mock and demo values (and `overlay` on top), then
     wait until the published devices satisfy `published`."""
     if e.image_tag is None:
-        e.image_tag = driver_image_tag()
+        e.image_tag = driver_image_tag(e)
     proc = e.helm_cmd(
         "upgrade",
         "--install",
