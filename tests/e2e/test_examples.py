@@ -152,14 +152,15 @@ def test_mig_partitions_on_one_gpu(examples: E2E) -> None:
     assert len(parents) == 1, c.gpus
     profiles = sorted(g.split("-mig-")[1].rsplit("-", 1)[0] for g in c.gpus)
     assert profiles == ["1g10gb", "3g40gb"], c.gpus
-    # Each partition is a MIG device the driver created at prepare: two MIG UUIDs.
-    visible = [
-        line.split("=", 1)[1].split(",")
+    # Each partition is a MIG device the driver created at prepare: two MIG UUIDs, one
+    # per device; the legacy runtime's variable names none (void).
+    uuids = [
+        line.split("=", 1)[1]
         for line in c.log.splitlines()
-        if line.startswith("NVIDIA_VISIBLE_DEVICES=")
+        if line.startswith("GPU_DEVICE_") and "_UUID=" in line
     ]
-    assert len(visible) == 1, c.log
-    assert len(set(visible[0])) == 2 and all(u.startswith("MIG-") for u in visible[0]), c.log
+    assert len(set(uuids)) == 2 and all(u.startswith("MIG-") for u in uuids), c.log
+    assert "NVIDIA_VISIBLE_DEVICES=void" in c.log.splitlines(), c.log
     # Non-overlapping placements: 3g.40gb covers 4 memory slices at 0 or 4.
     devices = examples.devices()
     spans = []
