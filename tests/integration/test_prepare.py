@@ -236,7 +236,8 @@ def test_valid_config_yields_cdi_env_and_calls_are_idempotent(
         "GPU_DEVICE_2=gpu-2",
         "GPU_DEVICE_2_SHARING_STRATEGY=TimeSlicing",
         "GPU_DEVICE_2_TIMESLICE_INTERVAL=Long",
-        f"NVIDIA_VISIBLE_DEVICES={mig.uuid}",
+        f"GPU_DEVICE_2_UUID={mig.uuid}",
+        "NVIDIA_VISIBLE_DEVICES=void",
     ]
     known = {f"{s['kind']}={d['name']}" for s in plugin.cdi_specs().values() for d in s["devices"]}
     for cdi_id in device.cdi_device_ids:
