@@ -98,10 +98,11 @@ class _NoReports:
 
 
 def _state(
-    backend: NvmlBackend, inventory: Inventory, tmp_path: Path
+    backend: NvmlBackend, inventory: Inventory, tmp_path: Path, **options: Any
 ) -> tuple[DeviceState, _Claims]:
     claims = _Claims("gpu-node")
     state = DeviceState(
+        **options,
         driver_name=DRIVER,
         node_name="gpu-node",
         devices={},

@@ -363,3 +363,50 @@ def test_the_plugins_common_spec_carries_what_nvidia_ctk_generates(
     mounts = {m[0] for m in mount_set(written())}
     assert f"{driver.lib_dir}/libcuda.so.{new_version}" in mounts
     assert not any(DRIVER_VERSION in m for m in mounts), sorted(mounts)
+
+
+def test_runc_started_with_the_specs_gets_the_driver_and_its_nodes(
+    tools: Tools, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The harness the real-GPU tier starts `nvidia-smi -L` with (tests/cdi_bundle.py):
+    runc with exactly a claim's CDI devices, over a busybox root, gets the device nodes,
+    the driver's nvidia-smi and libraries, and NVIDIA's hooks run (links, ld cache)."""
+    from driver.state.cdi import CdiDevice, CdiSpecs, ClaimSpec
+    from driver.state.common_spec import CommonSpec
+    from driver.state.device_nodes import DeviceNode
+    from driver.state.driver_edits import DriverRoot as PluginDriverRoot
+    from tests import cdi_bundle
+
+    monkeypatch.setenv("PATH", PATH)
+    monkeypatch.setenv("NVML_STANDIN_DRIVER_VERSION", DRIVER_VERSION)
+    driver = make_driver_root(tmp_path / "root", tools.nvml_standin, "/usr/lib64", "/usr/bin")
+    proc_devices = tmp_path / "proc-devices"
+    proc_devices.write_text(f"Character devices:\n{NVIDIA_MAJOR} nvidia\n\nBlock devices:\n")
+    specs = CdiSpecs(tmp_path / "cdi", "gpu.example.com")
+    hook = str(tools.cdi_common.parent / "nvidia-cdi-hook")
+    root = PluginDriverRoot(driver.root, driver.root, hook)
+    CommonSpec(specs, "n", root, proc_devices=proc_devices, generator=tools.cdi_common).write()
+    gpu1 = DeviceNode("/dev/nvidia1", NVIDIA_MAJOR, 1, 0o666)
+    specs.write_claim_spec("c", ClaimSpec((CdiDevice("c-gpu-1", ("A=1",), (gpu1,)),)))
+    docs = [json.loads(p.read_text()) for p in sorted(specs.root.iterdir())]
+
+    rootfs = tmp_path / "rootfs"
+    for d in ("bin", "etc", "dev", "proc", "sys", "tmp"):
+        (rootfs / d).mkdir(parents=True)
+    (rootfs / "bin/busybox").write_bytes(Path("/bin/busybox").read_bytes())
+    (rootfs / "bin/busybox").chmod(0o755)
+    (rootfs / "bin/sh").symlink_to("busybox")
+    show = "ls -ln /dev | grep nvidia; nvidia-smi; busybox grep -c libcuda.so.1 /etc/ld.so.cache"
+    proc = cdi_bundle.run(
+        tmp_path / "bundle",
+        rootfs,
+        docs,
+        ["k8s.gpu.example.com/gpu=c-gpu-1", "k8s.gpu.example.com/gpu=common"],
+        ["sh", "-c", show],
+    )
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    nodes = {line.split()[-1] for line in lines if line.startswith("c")}
+    assert nodes == {"nvidia1", "nvidiactl"}, proc.stdout  # no UVM module in this /proc
+    assert f"nvidia-smi of the fake driver {DRIVER_VERSION}" in lines, proc.stdout
+    assert int(lines[-1]) >= 1, proc.stdout
