@@ -3,14 +3,24 @@ multi-allocatable device is never shared beyond its capacity.
 
 The scheduler's counters and capacities already keep allocations apart; this guard
 protects against what it cannot see (a claim force-deleted while its pod still runs,
-a stale allocation, two prepares racing for a freed device). Devices overlap when
-they share hardware: the same device, a whole GPU and any partition of it, or two
-MIG partitions of one GPU whose memory-slice ranges intersect. Admin-access devices
-never count. Shares (allocations with a shareID) of a multi-allocatable device
-(`--gpu-allow-multiple-allocations`, docs/sharing.md) do not overlap each other, but
-the `consumedCapacity` of every share of the device, held and new, must fit in the
-device's capacity (a share without a recorded consumption counts as the whole
-device). A share and an exclusive allocation of one device always overlap.
+a stale allocation, two prepares racing for a freed device, a pool republished with
+other partitions while claims hold devices of the old one). Each side is judged by
+its journal record (`PreparedDevice.hardware`, set at planning: GPU UUID, MIG slices
+or `--gpu-partitions` span, multi-allocatable), not by what the node publishes today.
+Devices overlap when they share hardware (`HardwareRecord.overlaps`): a whole GPU and
+anything of it, MIG devices whose slice ranges intersect, partitions whose fractions
+of the GPU do. Admin-access devices and other pools never count. Shares
+(allocations with a shareID) of the same multi-allocatable device
+(`--gpu-allow-multiple-allocations`, docs/sharing.md; the same name and the same
+record on both sides) do not overlap each other, but the `consumedCapacity` of every
+share of the device, held and new, must fit in the device's capacity (a share
+without a recorded consumption counts as the whole device). Any other pair of
+shares, or a share and an exclusive allocation, follows the hardware rule.
+
+A device of an entry written by an earlier release has no record: it is judged by
+the device of that name in today's pool (its MIG record, where it has one, gives GPU
+and slices); when neither tells, the new claim is refused (transient, naming both
+claims) until the old one is unprepared.
 """
 
 from __future__ import annotations
@@ -20,7 +30,7 @@ from decimal import Decimal
 
 from driver.devices.documents import parse_quantity
 from driver.errors import transient
-from driver.state.checkpoint import ClaimEntry, PreparedDevice
+from driver.state.checkpoint import ClaimEntry, HardwareRecord, PreparedDevice
 from driver.state.claims import PreparableDevice
 
 
@@ -29,34 +39,79 @@ def _share_capacity(published: PreparableDevice | None) -> Mapping[str, int] | N
     return capacity if isinstance(capacity, Mapping) else None
 
 
-def _placement(
-    device: PreparedDevice, published: PreparableDevice | None
+def _partition_span(
+    device: PreparableDevice, devices: Mapping[str, PreparableDevice]
 ) -> tuple[int, int] | None:
+    """(index, count) of a `--gpu-partitions` partition: its `partition` attribute
+    among the partitions its GPU publishes. None if the pool does not tell."""
+    attributes = device.document.get("attributes") or {}
+    index = (attributes.get("partition") or {}).get("int")
+    count = sum(
+        1
+        for d in devices.values()
+        if d.gpu_uuid == device.gpu_uuid and d.is_partition and d.mig is None and not d.placement
+    )
+    if isinstance(index, int) and not isinstance(index, bool) and 0 <= index < count:
+        return (index, count)
+    return None
+
+
+def hardware_of(
+    device: PreparableDevice, devices: Mapping[str, PreparableDevice]
+) -> HardwareRecord:
+    """The record of a published device (`devices`: the pool it is published in). A
+    partition whose span the pool does not tell is recorded as its whole GPU, so it
+    overlaps everything of that GPU rather than nothing."""
+    slices = device.mig.placement if device.mig is not None else device.placement
+    partition = _partition_span(device, devices) if device.is_partition and not slices else None
+    return HardwareRecord(
+        device.gpu_uuid,
+        slices=slices or None,
+        partition=partition,
+        multi_allocatable=_share_capacity(device) is not None,
+    )
+
+
+def _record(
+    device: PreparedDevice, devices: Mapping[str, PreparableDevice]
+) -> HardwareRecord | None:
+    """What the journal records of `device`; for an entry of an earlier release its
+    MIG record, else the device of that name in today's pool; None if neither."""
+    if device.hardware is not None:
+        return device.hardware
     if device.mig is not None:
-        return device.mig.placement
-    return published.placement if published is not None else None
+        return HardwareRecord(device.mig.gpu_uuid, slices=device.mig.placement)
+    published = devices.get(device.device_name)
+    return hardware_of(published, devices) if published is not None else None
+
+
+def conflict(
+    held: PreparedDevice, new: PreparedDevice, devices: Mapping[str, PreparableDevice]
+) -> tuple[str, str] | None:
+    """Why `new` may not be prepared while another claim holds `held`, or None: how
+    the two relate (said before the holder) and why (said after it)."""
+    if held.admin_access or new.admin_access or held.pool_name != new.pool_name:
+        return None
+    a, b = _record(held, devices), _record(new, devices)
+    if a is None or b is None:
+        unknown = held if a is None else new
+        return (
+            f"device {new.device_name} cannot be checked against device {held.device_name}",
+            f": the journal does not record which hardware {unknown.device_name} is "
+            "(an entry of an earlier release) and this node no longer publishes it",
+        )
+    same = held.device_name == new.device_name and a == b
+    if same and held.share_id and new.share_id and a.multi_allocatable:
+        return None  # shares: their sum is checked against the capacity
+    if same or a.overlaps(b):
+        return f"device {new.device_name} overlaps device {held.device_name}", ""
+    return None
 
 
 def overlap(
     held: PreparedDevice, new: PreparedDevice, devices: Mapping[str, PreparableDevice]
 ) -> bool:
-    if held.admin_access or new.admin_access or held.pool_name != new.pool_name:
-        return False
-    if held.share_id and new.share_id:
-        # Shares (only the scheduler hands out shareIDs, only for multi-allocatable
-        # devices): their sum is checked against the capacity by refuse_over_capacity.
-        return False
-    if held.device_name == new.device_name:
-        return True
-    a, b = devices.get(held.device_name), devices.get(new.device_name)
-    if a is None or b is None or a.gpu_uuid != b.gpu_uuid:
-        return False
-    if a.is_partition != b.is_partition:  # a whole GPU and one of its partitions
-        return True
-    pa, pb = _placement(held, a), _placement(new, b)
-    if pa is None or pb is None:  # two equal shares of one GPU's counters (reference)
-        return False
-    return pa[0] < pb[0] + pb[1] and pb[0] < pa[0] + pa[1]
+    return conflict(held, new, devices) is not None
 
 
 def consumed(device: PreparedDevice, capacity: Mapping[str, int]) -> dict[str, Decimal]:
@@ -122,10 +177,11 @@ def refuse_double_booking(
             continue
         for held in entry.devices:
             for new in planned:
-                if overlap(held, new, devices):
+                why = conflict(held, new, devices)
+                if why is not None:
                     raise transient(
-                        f"device {new.device_name} overlaps device {held.device_name} "
-                        f"already prepared for claim {entry.namespace}/{entry.name} "
-                        f"({other_uid}, {entry.state}); refusing to hand it to a second claim"
+                        f"{why[0]} already prepared for claim {entry.namespace}/{entry.name} "
+                        f"({other_uid}, {entry.state}){why[1]}; refusing to hand it to a "
+                        f"second claim ({uid})"
                     )
     refuse_over_capacity(uid, planned, devices, entries)

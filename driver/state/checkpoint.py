@@ -13,7 +13,9 @@ File format (docs/state.md)::
           "devices": [{"pool": ..., "device": ..., "requestNames": [...],
                        "cdiDeviceIds": [...], "shareID": null | "...", "adminAccess": false,
                        "consumedCapacity": {"memory": "16Gi", ...},     # shares only
-                       "timeSlice": {"gpu": ..., "interval": "Long", "seq": 3}}],  # set
+                       "timeSlice": {"gpu": ..., "interval": "Long", "seq": 3},  # set
+                       "hardware": {"gpu": ..., "multiAllocatable": false,
+                                    "slices" | "partition": [a, b]}}],  # this release
           "cdiSpec": {"devices": [<CDI device>...], "deviceNodes": [...]}   # PrepareCompleted
         }
       }
@@ -22,8 +24,11 @@ File format (docs/state.md)::
 `canonical(entries)` is the UTF-8 JSON of the *stored* `entries` value with sorted keys
 and no whitespace. The checksum is verified against the parsed stored value, never
 against a re-encoding through this module's types, so a newer driver that adds a
-field does not invalidate older files (the upgrade hazard NVIDIA's driver hit). An
-older reader drops keys it does not know when it next stores the journal.
+field does not invalidate older files (the upgrade hazard NVIDIA's driver hit).
+Keys of an entry or a device that this reader does not know (written by a newer
+release) are kept and written back when it stores the journal; releases before this
+one dropped them. Unknown keys inside a nested record (`mig`, `timeSlice`,
+`hardware`, `cdiSpec`) and beside `entries` are not kept.
 
 A file that does not parse, has an unknown schema version, a wrong checksum or
 malformed entries is *corrupt*, and so is a symlink (or anything but a regular file)
@@ -56,8 +61,11 @@ from driver.state.fileio import (
     read_file_nofollow,
     sweep_temp_files,
 )
+from driver.state.hardware_record import HardwareRecord, MigRecord
 from driver.state.locking import SerializeLock
 from driver.state.timeslice_record import TimeSliceRecord
+
+__all__ = ["HardwareRecord", "MigRecord"]  # re-exported: the device records' module
 
 SCHEMA_VERSION: Final = 1
 CHECKPOINT_FILE: Final = "checkpoint.json"
@@ -70,63 +78,25 @@ class ClaimState(enum.StrEnum):
     PREPARE_COMPLETED = "PrepareCompleted"
 
 
-@dataclass(frozen=True)
-class MigRecord:
-    """The MIG device behind a prepared device. `owned`: the driver created it for
-    the claim and destroys it at unprepare (dynamic); otherwise it existed before
-    (static) and is never touched. In a `PrepareStarted` entry an owned record is the
-    intent (placement only, no ids yet); `PrepareCompleted` adds the ids and UUID."""
-
-    gpu_uuid: str
-    profile_id: int
-    slice_count: int
-    placement: tuple[int, int]  # (start, size) in memory slices
-    owned: bool
-    gi_id: int | None = None
-    ci_id: int | None = None
-    uuid: str | None = None
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "gpu": self.gpu_uuid,
-            "profileId": self.profile_id,
-            "sliceCount": self.slice_count,
-            "placement": list(self.placement),
-            "owned": self.owned,
-            "giId": self.gi_id,
-            "ciId": self.ci_id,
-            "uuid": self.uuid,
-        }
-
-    @classmethod
-    def from_json(cls, doc: object) -> MigRecord:
-        if not isinstance(doc, Mapping):
-            raise ValueError("mig must be an object")
-        gpu, owned, uuid = doc.get("gpu"), doc.get("owned"), doc.get("uuid")
-        placement = doc.get("placement")
-        profile_id, slice_count = doc.get("profileId"), doc.get("sliceCount")
-        gi_id, ci_id = doc.get("giId"), doc.get("ciId")
-        if not isinstance(gpu, str) or not isinstance(owned, bool):
-            raise ValueError("mig needs a string gpu and a boolean owned")
-        if not (
-            isinstance(placement, list)
-            and len(placement) == 2
-            and all(_is_int(v) for v in placement)
-        ):
-            raise ValueError("mig.placement must be [start, size]")
-        if not _is_int(profile_id) or not _is_int(slice_count):
-            raise ValueError("mig.profileId and mig.sliceCount must be integers")
-        if not (gi_id is None or _is_int(gi_id)) or not (ci_id is None or _is_int(ci_id)):
-            raise ValueError("mig.giId and mig.ciId must be integers or null")
-        if uuid is not None and not isinstance(uuid, str):
-            raise ValueError("mig.uuid must be a string or null")
-        return cls(
-            gpu, profile_id, slice_count, (placement[0], placement[1]), owned, gi_id, ci_id, uuid
-        )
+Extra = tuple[tuple[str, str], ...]  # unknown keys: (key, canonical JSON of the value)
 
 
-def _is_int(value: object) -> TypeGuard[int]:
-    return isinstance(value, int) and not isinstance(value, bool)
+def _extra(doc: Mapping[str, Any], known: frozenset[str]) -> Extra:
+    """The keys of `doc` this release does not know, to be written back unchanged."""
+    return tuple(sorted((str(k), canonical(v).decode()) for k, v in doc.items() if k not in known))
+
+
+def _with_extra(doc: dict[str, Any], extra: Extra) -> dict[str, Any]:
+    for key, value in extra:
+        doc[key] = json.loads(value)
+    return doc
+
+
+_DEVICE_KEYS: Final = frozenset(
+    {"pool", "device", "requestNames", "cdiDeviceIds", "shareID", "adminAccess", "mig"}
+    | {"consumedCapacity", "timeSlice", "hardware"}
+)
+_ENTRY_KEYS: Final = frozenset({"state", "namespace", "name", "devices", "cdiSpec"})
 
 
 @dataclass(frozen=True)
@@ -147,6 +117,11 @@ class PreparedDevice:
     # The time-slice interval the driver sets on the device's GPU (driver/state/
     # timeslice.py). Stored only when present; an older driver ignores the key.
     time_slice: TimeSliceRecord | None = None
+    # The hardware the device occupies, recorded at planning (driver/state/
+    # hardware_record.py); None in entries of earlier releases.
+    hardware: HardwareRecord | None = None
+    # Keys a newer release wrote that this one does not know, kept on rewrite.
+    extra: Extra = ()
 
     def to_json(self) -> dict[str, Any]:
         doc: dict[str, Any] = {
@@ -163,7 +138,9 @@ class PreparedDevice:
             doc["consumedCapacity"] = dict(self.consumed_capacity)
         if self.time_slice is not None:
             doc["timeSlice"] = self.time_slice.to_json()
-        return doc
+        if self.hardware is not None:
+            doc["hardware"] = self.hardware.to_json()
+        return _with_extra(doc, self.extra)
 
     @classmethod
     def from_json(cls, doc: object) -> PreparedDevice:
@@ -192,9 +169,10 @@ class PreparedDevice:
             isinstance(k, str) and isinstance(v, str) for k, v in consumed.items()
         ):
             raise ValueError(f"device {device}: consumedCapacity must map names to strings")
-        time_slice = doc.get("timeSlice")
+        time_slice, hardware = doc.get("timeSlice"), doc.get("hardware")
         try:
             ts = TimeSliceRecord.from_json(time_slice) if time_slice is not None else None
+            hw = HardwareRecord.from_json(hardware) if hardware is not None else None
         except ValueError as err:
             raise ValueError(f"device {device}: {err}") from err
         return cls(
@@ -207,6 +185,8 @@ class PreparedDevice:
             record,
             tuple(sorted(consumed.items())),
             ts,
+            hw,
+            _extra(doc, _DEVICE_KEYS),
         )
 
 
@@ -226,6 +206,7 @@ class ClaimEntry:
     # emptied by a reboot) is recreated at start without the API server. Absent in
     # entries written before it existed.
     cdi_spec: ClaimSpec | None = None
+    extra: Extra = ()  # keys a newer release wrote, kept on rewrite
 
     def to_json(self) -> dict[str, Any]:
         doc: dict[str, Any] = {
@@ -236,7 +217,7 @@ class ClaimEntry:
         }
         if self.cdi_spec is not None:
             doc["cdiSpec"] = self.cdi_spec.to_json()
-        return doc
+        return _with_extra(doc, self.extra)
 
     @classmethod
     def from_json(cls, doc: object) -> ClaimEntry:
@@ -258,6 +239,7 @@ class ClaimEntry:
             name,
             parsed,
             ClaimSpec.from_json(spec) if spec is not None else None,
+            _extra(doc, _ENTRY_KEYS),
         )
 
 

@@ -4,7 +4,7 @@ talks to (as protocols), and the checks a claim read from the API must pass."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -83,6 +83,10 @@ class PreparableDevice(Protocol):
     def placement(self) -> tuple[int, int] | None: ...
     @property
     def mig(self) -> MigBacking | None: ...
+    @property
+    def document(self) -> Mapping[str, Any]: ...  # the resource.k8s.io/v1 Device
+    @property
+    def share_capacity(self) -> Mapping[str, int] | None: ...  # None: not multi-allocatable
 
 
 def unique(claims: list[ClaimRef] | tuple[ClaimRef, ...]) -> list[ClaimRef]:

@@ -18,6 +18,7 @@ from typing import Any
 from driver.config import GpuConfig, Interval, resolve_configs, validate_for_device
 from driver.errors import device_failed, transient
 from driver.nvml.caps import CapabilityError, mig_capabilities
+from driver.state.booking import hardware_of
 from driver.state.cdi import (
     VISIBLE_DEVICES_VOID,
     CdiDevice,
@@ -163,6 +164,9 @@ def plan_claim(
             if share_id
             else (),
             time_slice=_time_slice(config, device, admin) if time_slices else None,
+            # What the double-booking guard judges this device by while it is held,
+            # whatever the node publishes later (driver/state/booking.py).
+            hardware=hardware_of(device, devices),
         )
         env = claim_device_env(
             claim_uid=ref.uid,

@@ -9,8 +9,10 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -21,6 +23,7 @@ from driver.state.checkpoint import (
     CheckpointCorruptError,
     ClaimEntry,
     ClaimState,
+    HardwareRecord,
     PreparedDevice,
     checksum,
     quarantine_checkpoint,
@@ -159,15 +162,86 @@ def test_fifo_at_the_checkpoint_path_is_refused_without_blocking(cp: Checkpoint)
     assert info.value.reason == "is not a regular file; refusing to read it (EINVAL)"
 
 
-def test_checksum_is_over_stored_value_so_added_fields_stay_valid(cp: Checkpoint) -> None:
-    """A newer driver adding a field does not break older readers' checksum."""
+def _add_future_fields(cp: Checkpoint) -> dict[str, Any]:
+    """What a newer release writes: keys this one does not know, on an entry and a
+    device (with the checksum over them)."""
     cp.store(ENTRIES)
     doc = json.loads(cp.path.read_bytes())
-    doc["entries"]["uid-a"]["futureField"] = {"x": 1}
+    doc["entries"]["uid-a"]["futureField"] = {"x": 1, "y": ["é", None]}
     doc["entries"]["uid-a"]["devices"][0]["futureDeviceField"] = "y"
     doc["checksum"] = checksum(doc["entries"])
     cp.path.write_text(json.dumps(doc))
-    assert cp.load() == ENTRIES
+    return dict(doc["entries"])
+
+
+def test_checksum_is_over_stored_value_so_added_fields_stay_valid(cp: Checkpoint) -> None:
+    """A newer driver adding a field does not break older readers' checksum."""
+    _add_future_fields(cp)
+    loaded = cp.load()
+    assert set(loaded) == set(ENTRIES)
+    assert [d.device_name for d in loaded["uid-a"].devices] == ["gpu-0"]
+    assert loaded["uid-b"] == ENTRIES["uid-b"]
+
+
+def test_unknown_keys_of_entries_and_devices_are_kept_on_rewrite(cp: Checkpoint) -> None:
+    """A downgrade that rewrites the journal (any prepare or unprepare) must not lose
+    what the newer release recorded: the keys come back, byte for byte, and survive
+    changes to the rest of the entry."""
+    stored = _add_future_fields(cp)
+    journal = cp.load()
+    journal["uid-a"] = replace(journal["uid-a"], state=ClaimState.PREPARE_STARTED)
+    del journal["uid-b"]
+    cp.store(journal)
+    doc = json.loads(cp.path.read_bytes())
+    assert doc["checksum"] == checksum(doc["entries"])
+    entry = doc["entries"]["uid-a"]
+    assert entry["futureField"] == stored["uid-a"]["futureField"]
+    assert entry["devices"][0]["futureDeviceField"] == "y"
+    assert entry["state"] == "PrepareStarted"
+    assert cp.load() == journal  # and again on the next rewrite
+    cp.store(cp.load())
+    assert json.loads(cp.path.read_bytes()) == doc
+
+
+def test_hardware_record_round_trip(cp: Checkpoint) -> None:
+    records = (
+        HardwareRecord("GPU-aaaa"),
+        HardwareRecord("GPU-aaaa", slices=(3, 1)),
+        HardwareRecord("GPU-aaaa", partition=(1, 4), multi_allocatable=True),
+    )
+    devices = tuple(replace(DEVICE, device_name=f"d{i}", hardware=r) for i, r in enumerate(records))
+    entries = {"uid-a": ClaimEntry(ClaimState.PREPARE_COMPLETED, "default", "a", devices)}
+    cp.store(entries)
+    assert cp.load() == entries
+    raw = json.loads(cp.path.read_bytes())["entries"]["uid-a"]["devices"]
+    assert [d["hardware"] for d in raw] == [
+        {"gpu": "GPU-aaaa", "multiAllocatable": False},
+        {"gpu": "GPU-aaaa", "multiAllocatable": False, "slices": [3, 1]},
+        {"gpu": "GPU-aaaa", "multiAllocatable": True, "partition": [1, 4]},
+    ]
+
+
+@pytest.mark.parametrize(
+    "hardware",
+    [
+        "GPU-aaaa",
+        {"multiAllocatable": False},
+        {"gpu": "GPU-aaaa", "multiAllocatable": "yes"},
+        {"gpu": "GPU-aaaa", "slices": [3]},
+        {"gpu": "GPU-aaaa", "slices": [0, 0]},
+        {"gpu": "GPU-aaaa", "partition": [2, 2]},
+        {"gpu": "GPU-aaaa", "slices": [0, 1], "partition": [0, 2]},
+    ],
+)
+def test_malformed_hardware_record_is_corrupt(cp: Checkpoint, hardware: object) -> None:
+    device = {**DEVICE.to_json(), "hardware": hardware}
+    entries = {
+        "uid-a": {"state": "PrepareCompleted", "namespace": "d", "name": "n", "devices": [device]}
+    }
+    cp.data_dir.mkdir()
+    doc = {"schemaVersion": 1, "checksum": checksum(entries), "entries": entries}
+    cp.path.write_text(json.dumps(doc))
+    _assert_corrupt(cp, "entry uid-a: device gpu-0: hardware")
 
 
 def test_quarantine_moves_a_corrupt_file_aside(cp: Checkpoint) -> None:

@@ -25,6 +25,7 @@ from driver.state.checkpoint import (
     Checkpoint,
     ClaimEntry,
     ClaimState,
+    HardwareRecord,
     PreparedDevice,
     quarantine_checkpoint,
 )
@@ -49,6 +50,7 @@ def _device(
     max_partitions: int | None = None,
     profile: str | None = None,
     placement: tuple[int, int] | None = None,
+    share_capacity: dict[str, int] | None = None,
 ) -> PublishedDevice:
     return PublishedDevice(
         name=name,
@@ -59,13 +61,15 @@ def _device(
         max_partitions=max_partitions,
         profile=profile,
         placement=placement,
+        share_capacity=share_capacity,
     )
 
 
 DEVICES = {
     d.name: d
     for d in [
-        _device("gpu-0", "GPU-aaaa", 0, max_partitions=7),
+        # Multi-allocatable: the claims of `shared_claims` hold 1Gi shares of it.
+        _device("gpu-0", "GPU-aaaa", 0, max_partitions=7, share_capacity={"memory": 64 << 30}),
         _device("gpu-1", "GPU-bbbb", 1, max_partitions=7),
         _device("gpu-0-mig-1g10gb-3", "GPU-aaaa", 0, profile="1g.10gb", placement=(3, 1)),
     ]
@@ -248,6 +252,7 @@ def test_gpu_claim_default_config(env: Env) -> None:
             cdi_device_ids=(f"{KIND}=uid-1-gpu-0", f"{KIND}=common"),
             share_id=None,
             admin_access=False,
+            hardware=HardwareRecord("GPU-aaaa", multi_allocatable=True),
         ),
     )
     spec = env.spec("uid-1")
@@ -340,7 +345,9 @@ def test_shares_admin_access_and_consumed_capacity(env: Env) -> None:
     a = env.claims.add(
         make_claim("uid-a", [result("gpu-0", shareID="s-1", consumedCapacity={"memory": "8Gi"})])
     )
-    b = env.claims.add(make_claim("uid-b", [result("gpu-0", shareID="s-2")]))
+    b = env.claims.add(
+        make_claim("uid-b", [result("gpu-0", shareID="s-2", consumedCapacity={"memory": "8Gi"})])
+    )
     admin = env.claims.add(make_claim("uid-x", [result("gpu-0", adminAccess=True)]))
     ra, rb, rx = (env.prepare_one(r) for r in (a, b, admin))
     assert ra.ok and rb.ok and rx.ok, (ra.error, rb.error, rx.error)
@@ -423,7 +430,12 @@ def temp_files(env: Env) -> list[Path]:
 def shared_claims(env: Env, n: int) -> list[ClaimRef]:
     """`n` claims that each hold a share of gpu-0, so none conflicts with another."""
     return [
-        env.claims.add(make_claim(f"uid-{i:02d}", [result("gpu-0", shareID=f"s-{i}")]))
+        env.claims.add(
+            make_claim(
+                f"uid-{i:02d}",
+                [result("gpu-0", shareID=f"s-{i}", consumedCapacity={"memory": "1Gi"})],
+            )
+        )
         for i in range(n)
     ]
 
