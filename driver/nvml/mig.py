@@ -16,6 +16,13 @@ does (docs/mig.md):
   compute instances, so a GPU instance without a compute instance (a crash between
   the two creates) is found too - enumerating MIG device handles would miss it.
 
+A GPU is looked up by UUID; while any GPU of the node is lost that lookup answers
+`GPU_IS_LOST` for every GPU (nvml.h), so the GPU is then searched by index, where
+only the lost GPU itself fails: one GPU off the bus leaves the others usable. Every
+NVML error of a method that opens its own session (`nvmlInit` included) is raised
+as a `MigError` naming the NVML code; `gpu_gone` marks a GPU that is lost or no
+longer on the node (docs/mig.md, "A lost GPU").
+
 No MIG mode is ever changed here.
 """
 
@@ -39,12 +46,14 @@ _REV1 = "NVML_COMPUTE_INSTANCE_PROFILE_1_SLICE_REV1"  # NVIDIA's driver skips it
 class MigError(RuntimeError):
     """A MIG operation NVML refused. `code` is the NVML return code name (e.g.
     `NVML_ERROR_INSUFFICIENT_RESOURCES`); `retryable` says whether the same call can
-    succeed later without a change by an administrator."""
+    succeed later without a change by an administrator; `gpu_gone`: the parent GPU
+    is lost (fell off the bus) or no longer on this node, and so are its MIG devices."""
 
-    def __init__(self, message: str, *, code: str, retryable: bool) -> None:
+    def __init__(self, message: str, *, code: str, retryable: bool, gpu_gone: bool = False) -> None:
         super().__init__(message)
         self.code = code
         self.retryable = retryable
+        self.gpu_gone = gpu_gone
 
 
 @dataclass(frozen=True)
@@ -79,6 +88,12 @@ _KNOWN_ERRORS = (
     "NVML_ERROR_IN_USE",
     "NVML_ERROR_GPU_IS_LOST",
     "NVML_ERROR_UNINITIALIZED",
+    "NVML_ERROR_DRIVER_NOT_LOADED",
+    "NVML_ERROR_LIBRARY_NOT_FOUND",
+    "NVML_ERROR_LIB_RM_VERSION_MISMATCH",
+    "NVML_ERROR_IRQ_ISSUE",
+    "NVML_ERROR_INSUFFICIENT_POWER",
+    "NVML_ERROR_TIMEOUT",
     "NVML_ERROR_UNKNOWN",
 )
 
@@ -100,9 +115,17 @@ class MigManager:
                 return name
         return f"NVML error {value}"
 
-    def _fail(self, err: BaseException, what: str) -> MigError:
+    def _fail(self, err: BaseException, what: str, *, lookup: bool = False) -> MigError:
+        """`err` as a MigError. `lookup`: from finding the GPU itself, where NOT_FOUND
+        means the GPU is not on this node (elsewhere it names an instance)."""
         code = self._code(err)
-        return MigError(f"{what}: {err} ({code})", code=code, retryable=code not in _NOT_RETRYABLE)
+        gone = code == "NVML_ERROR_GPU_IS_LOST" or (lookup and code == "NVML_ERROR_NOT_FOUND")
+        return MigError(
+            f"{what}: {err} ({code})",
+            code=code,
+            retryable=code not in _NOT_RETRYABLE,
+            gpu_gone=gone,
+        )
 
     def _is(self, err: BaseException, name: str) -> bool:
         return getattr(err, "value", None) == getattr(self._nvml, name, object())
@@ -111,28 +134,74 @@ class MigManager:
     def _session(self) -> Iterator[Any]:
         nvml = self._nvml
         with self._lock:
-            nvml.nvmlInit()
+            try:
+                nvml.nvmlInit()
+            except nvml.NVMLError as err:
+                raise self._fail(err, "initialising NVML") from err
             try:
                 yield nvml
             finally:
-                nvml.nvmlShutdown()
+                try:
+                    nvml.nvmlShutdown()
+                except nvml.NVMLError as err:  # the work is done (or failed) already
+                    log.warning("nvmlShutdown failed: %s", err)
+
+    def _lookup(self, nvml: Any, gpu_uuid: str) -> Any:
+        """The GPU's handle, or a MigError (`gpu_gone` if it is lost or not here)."""
+        try:
+            return self._handle(nvml, gpu_uuid)
+        except nvml.NVMLError as err:
+            raise self._fail(err, f"looking up GPU {gpu_uuid}", lookup=True) from err
 
     def _handle(self, nvml: Any, gpu_uuid: str) -> Any:
-        return nvml.nvmlDeviceGetHandleByUUID(gpu_uuid)
+        try:
+            return nvml.nvmlDeviceGetHandleByUUID(gpu_uuid)
+        except nvml.NVMLError as err:
+            # nvml.h: by UUID, GPU_IS_LOST "if any GPU has fallen off the bus"; by
+            # index only "if the target GPU has": a healthy GPU is found that way.
+            if not self._is(err, "NVML_ERROR_GPU_IS_LOST"):
+                raise
+            handle = self._handle_by_index(nvml, gpu_uuid)
+            if handle is None:
+                raise  # the GPU is the lost one (or not on this node): GPU_IS_LOST
+            return handle
+
+    def _handle_by_index(self, nvml: Any, gpu_uuid: str) -> Any | None:
+        """The GPU's handle by index; None when no GPU that answers has the UUID and
+        every one that does not answer is lost: then the GPU is lost (or not here).
+        Any other error of a GPU that does not answer is raised: it may be this one."""
+        other: BaseException | None = None
+        for index in range(int(nvml.nvmlDeviceGetCount())):
+            try:
+                handle = nvml.nvmlDeviceGetHandleByIndex(index)
+                if _text(nvml.nvmlDeviceGetUUID(handle)) == gpu_uuid:
+                    return handle
+            except nvml.NVMLError as err:
+                log.debug("GPU at NVML index %d does not answer: %s", index, err)
+                if other is None and not self._is(err, "NVML_ERROR_GPU_IS_LOST"):
+                    other = err
+        if other is not None:
+            raise other
+        return None
 
     # ------------------------------------------------------------ list
 
     def instances(self, gpu_uuid: str, *, initialised: bool = False) -> list[MigInstance]:
-        """Every GPU instance on the GPU with its compute instance and MIG UUID.
-        `initialised`: the caller holds an NVML session already (discovery)."""
+        """Every GPU instance on the GPU with its compute instance and MIG UUID; raises
+        MigError. `initialised`: the caller holds an NVML session already and handles
+        NVML's errors itself (discovery skips a GPU that is lost)."""
         if initialised:
             with self._lock:
-                return self._list(self._nvml, gpu_uuid)
+                nvml = self._nvml
+                return self._list(nvml, self._handle(nvml, gpu_uuid), gpu_uuid)
         with self._session() as nvml:
-            return self._list(nvml, gpu_uuid)
+            handle = self._lookup(nvml, gpu_uuid)
+            try:
+                return self._list(nvml, handle, gpu_uuid)
+            except nvml.NVMLError as err:
+                raise self._fail(err, f"listing the MIG devices of {gpu_uuid}") from err
 
-    def _list(self, nvml: Any, gpu_uuid: str) -> list[MigInstance]:
-        handle = self._handle(nvml, gpu_uuid)
+    def _list(self, nvml: Any, handle: Any, gpu_uuid: str) -> list[MigInstance]:
         found: list[MigInstance] = []
         for slot in range(int(nvml.NVML_GPU_INSTANCE_PROFILE_COUNT)):
             try:
@@ -230,7 +299,7 @@ class MigManager:
     def create(self, target: MigTarget) -> MigInstance:
         """Create the MIG device; raise MigError naming what NVML refused."""
         with self._session() as nvml:
-            handle = self._handle(nvml, target.gpu_uuid)
+            handle = self._lookup(nvml, target.gpu_uuid)
             placement = nvml.c_nvmlGpuInstancePlacement_t()
             placement.start, placement.size = target.placement
             try:
@@ -296,7 +365,7 @@ class MigManager:
         """Destroy the GPU instance and its compute instances. False when it did not
         exist (or MIG mode is off): nothing to do. Raises MigError otherwise."""
         with self._session() as nvml:
-            handle = self._handle(nvml, gpu_uuid)
+            handle = self._lookup(nvml, gpu_uuid)
             try:
                 gi = nvml.nvmlDeviceGetGpuInstanceById(handle, gi_id)
             except nvml.NVMLError as err:

@@ -9,7 +9,11 @@ copies pynvml; names and values mirror its public API (nvidia-ml-py 13.x).
 Extras for tests and demos (not part of pynvml):
 - `calls`: a `collections.Counter` of every NVML function called through the mock
   (`mock.calls.total() == 0` asserts "no NVML call").
-- `inject(event)`: thread-safe health injection (`driver/nvml/mock_events.py`).
+- `inject(event)`: thread-safe health injection (`driver/nvml/mock_events.py`). A lost
+  GPU answers GPU_IS_LOST to every query and, as nvml.h documents, makes every
+  `nvmlDeviceGetHandleByUUID` answer it too (any GPU, MIG devices included) until
+  it is reset; `nvmlDeviceGetHandleByIndex` still hands out its handle (real NVML
+  fails that lookup itself with GPU_IS_LOST; the next query on the handle does here).
 - `mock_gpu(uuid)`: the fleet entry behind a GPU.
 - MIG instances (`driver/nvml/mock_mig.py`): GPU and compute instances and MIG device
   handles, kept in memory or, given `driver_root`, in a state file under it shared by
@@ -225,15 +229,18 @@ class MockNvml(EventFunctions, MigFunctions):
     def nvmlDeviceGetHandleByUUID(
         self, uuid: str | bytes
     ) -> MockDeviceHandle | MockMigDeviceHandle:
+        # nvml.h: GPU_IS_LOST "if any GPU has fallen off the bus or is otherwise
+        # inaccessible" (NVML searches the GPUs), so no lookup by UUID succeeds while
+        # one GPU is lost; by index only the lost GPU itself fails.
+        with self._lock:
+            if self._lost:
+                raise NVMLError(NVML_ERROR_GPU_IS_LOST)
         key = uuid.decode() if isinstance(uuid, bytes) else uuid
         if key.startswith("MIG-") and (mig := self._mig_handle_by_uuid(key)) is not None:
             return mig
         gpu = self._by_uuid.get(key)
         if gpu is None:
             raise NVMLError(NVML_ERROR_NOT_FOUND)
-        with self._lock:
-            if gpu.index in self._lost:
-                raise NVMLError(NVML_ERROR_GPU_IS_LOST)
         return self._handles[gpu.index]
 
     @nvml_call

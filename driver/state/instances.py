@@ -9,6 +9,15 @@ instance without its compute instance. Destroying by id first checks that the
 instance with that id still sits at the recorded placement: ids are reused, and an
 id must never destroy another claim's device. Static (not owned) MIG devices are
 never created or destroyed here.
+
+Every failure is a transient `DriverError` naming the device and NVML's code. A
+GPU that is lost (or no longer on the node) fails the prepare of its devices,
+transiently: the health monitor sees the same loss and taints the GPU, and the
+kubelet's retry then gets the permanent device-failed verdict from the health
+check, which waits for the taint first. For teardown (unprepare, rollback) the MIG
+device of such a GPU counts as destroyed: the GPU can only come back through a GPU
+reset or a reboot, and both destroy every GPU and compute instance on it
+(docs/mig.md, "A lost GPU").
 """
 
 from __future__ import annotations
@@ -45,7 +54,13 @@ def _record(record: MigRecord, instance: MigInstance) -> MigRecord:
 
 
 def _refusal(device: str, err: MigError) -> DriverError:
-    if err.code == "NVML_ERROR_INSUFFICIENT_RESOURCES":
+    if err.gpu_gone:
+        hint = (
+            "the GPU is lost (fallen off the bus) or no longer on this node; its "
+            "devices are tainted once the health monitor sees it, and it needs a GPU "
+            "reset or a reboot"
+        )
+    elif err.code == "NVML_ERROR_INSUFFICIENT_RESOURCES":
         hint = (
             "the placement is occupied (a MIG device created outside this driver, or one "
             "not yet destroyed); a retry succeeds once it is gone"
@@ -118,11 +133,8 @@ class ClaimInstances:
             failpoint("unprepare-after-mig-destroy")
 
     def _live_at(self, record: MigRecord, device: str) -> MigInstance | None:
-        ops = self._need_ops(device)
-        try:
-            live = ops.instances(record.gpu_uuid)
-        except MigError as err:
-            raise _refusal(device, err) from err
+        """The instance at the record's placement; raises MigError."""
+        live = self._need_ops(device).instances(record.gpu_uuid)
         for instance in live:
             same_place = (instance.placement, instance.profile_id) == (
                 record.placement,
@@ -134,13 +146,24 @@ class ClaimInstances:
 
     def _destroy(self, record: MigRecord, device: str = "") -> None:
         name = device or f"MIG {record.placement} on {record.gpu_uuid}"
-        instance = self._live_at(record, name)
-        if instance is None:
-            return  # already gone (a repeated unprepare, a reboot)
         try:
+            instance = self._live_at(record, name)
+            if instance is None:
+                return  # already gone (a repeated unprepare, a reboot)
             self._need_ops(name).destroy(record.gpu_uuid, instance.gi_id)
         except MigError as err:
-            raise _refusal(name, err) from err
+            if not err.gpu_gone:
+                raise _refusal(name, err) from err
+            # Nothing can use or free it until a GPU reset or a reboot, and both
+            # destroy it: the obligation ends with the GPU (docs/mig.md).
+            log.warning(
+                "device %s: its MIG device (%s) counts as destroyed: %s", name, record.uuid, err
+            )
+        except DriverError:
+            raise
+        except Exception as err:  # a bug or an unexpected answer: this claim only
+            log.exception("destroying the MIG device of %s failed", name)
+            raise transient(f"device {name}: {type(err).__name__}: {err}") from err
 
     # -- start -------------------------------------------------------------------------
 
@@ -156,18 +179,18 @@ class ClaimInstances:
             if record is None or not record.owned:
                 out.append(device)
                 continue
-            live = self._live_at(record, device.device_name)
-            if live is None:
-                try:
+            try:
+                live = self._live_at(record, device.device_name)
+                if live is None:
                     live = self._need_ops(device.device_name).create(_target(record))
-                except MigError as err:
-                    raise _refusal(device.device_name, err) from err
-                log.warning(
-                    "recreated the MIG device of %s for a prepared claim (was %s, now %s)",
-                    device.device_name,
-                    record.uuid,
-                    live.uuid,
-                )
-                changed = True
+                    changed = True
+                    log.warning(
+                        "recreated the MIG device of %s for a prepared claim (was %s, now %s)",
+                        device.device_name,
+                        record.uuid,
+                        live.uuid,
+                    )
+            except MigError as err:
+                raise _refusal(device.device_name, err) from err
             out.append(replace(device, mig=_record(record, live)))
         return tuple(out) if changed else None

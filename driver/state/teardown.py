@@ -1,5 +1,10 @@
 """Unprepare, and start-up recovery of the journal, CDI specs, MIG devices and GPU
-time-slice intervals (docs/state.md, "Recovery rules"; docs/mig.md, "Crash safety")."""
+time-slice intervals (docs/state.md, "Recovery rules"; docs/mig.md, "Crash safety").
+
+Failures are per claim: a claim whose MIG device or spec cannot be handled gets its
+own transient error (unprepare) or is reported and left as it is (`recover()`); the
+other claims of the request go on. A MIG device on a lost GPU counts as destroyed
+(driver/state/instances.py; docs/mig.md, "A lost GPU")."""
 
 from __future__ import annotations
 
@@ -33,6 +38,10 @@ class RecoveryReport:
     checkpoint_problem: str | None = None
     restored_mig: tuple[str, ...] = ()  # completed claims whose MIG devices were recreated
     time_slices: tuple[str, ...] = ()  # GPUs whose time-slice interval was set again
+    # "<claim uid>: <why>" for each entry left as it was (each logged at ERROR): a
+    # rollback or a MIG device that failed (a lost GPU, NVML refusing), a spec that
+    # could not be written. The plugin starts anyway; the entry keeps its devices.
+    problems: tuple[str, ...] = ()
 
 
 def unprepare(state: DeviceState, claims: Sequence[ClaimRef]) -> dict[str, DriverError | None]:
@@ -88,8 +97,8 @@ def _unprepare_batch(
         try:
             if entry is not None:
                 state.instances.destroy(entry.devices)
-        except DriverError as err:
-            results[uid] = err
+        except Exception as err:  # this claim keeps its entry; the others go on
+            results[uid] = _claim_error(uid, err)
             continue
         done.append(uid)
     if journal is not None:  # GPUs back to what the remaining claims want, before the store
@@ -128,8 +137,9 @@ def recover(state: DeviceState) -> RecoveryReport:
         except CheckpointCorruptError as err:
             return RecoveryReport(checkpoint_problem=str(err))
         swept = tuple(state.last_swept)
-        rolled_back = _roll_back_started(state, journal)
-        restored = _restore_mig(state, journal)
+        problems: list[str] = []
+        rolled_back = _roll_back_started(state, journal, problems)
+        restored = _restore_mig(state, journal, problems)
         time_slices = state.timeslices.reapply(journal)
         if rolled_back or restored:
             state.checkpoint.store(journal)
@@ -137,7 +147,7 @@ def recover(state: DeviceState) -> RecoveryReport:
         specs = state.cdi.list_claim_specs()
         orphans = tuple(uid for uid in specs if uid not in journal)
         lost = [uid for uid in sorted(journal) if uid not in specs]
-        recreated, missing = _recreate_specs(state, lost, journal)
+        recreated, missing = _recreate_specs(state, lost, journal, problems)
     for uid in orphans:
         log.warning("CDI spec for claim %s has no journal entry; kept until unprepare", uid)
     for uid in missing:
@@ -147,11 +157,34 @@ def recover(state: DeviceState) -> RecoveryReport:
             uid,
         )
     return RecoveryReport(
-        swept, tuple(rolled_back), orphans, recreated, missing, None, tuple(restored), time_slices
+        swept,
+        tuple(rolled_back),
+        orphans,
+        recreated,
+        missing,
+        None,
+        tuple(restored),
+        time_slices,
+        problems=tuple(problems),
     )
 
 
-def _roll_back_started(state: DeviceState, journal: dict[str, ClaimEntry]) -> list[str]:
+def _claim_error(uid: str, err: Exception) -> DriverError:
+    if isinstance(err, DriverError):
+        return err
+    log.error("claim %s failed", uid, exc_info=err)  # a bug: the claim gets a transient error
+    return transient(f"claim {uid}: {type(err).__name__}: {err}")
+
+
+def _problem(problems: list[str], uid: str, what: str, err: Exception) -> None:
+    error = _claim_error(uid, err)
+    log.error("claim %s: %s: %s", uid, what, error)
+    problems.append(f"{uid}: {what}: {error}")
+
+
+def _roll_back_started(
+    state: DeviceState, journal: dict[str, ClaimEntry], problems: list[str]
+) -> list[str]:
     """Under the lock no prepare is in flight, so a `PrepareStarted` entry is from a
     crash; the kubelet never got a success answer and will retry."""
     started = [u for u, e in sorted(journal.items()) if e.state is ClaimState.PREPARE_STARTED]
@@ -166,38 +199,43 @@ def _roll_back_started(state: DeviceState, journal: dict[str, ClaimEntry]) -> li
                 raise transient(str(errors[uid]))
             state.instances.destroy(journal[uid].devices)
             state.timeslices.restore(uid, journal[uid].devices, journal, intent=True)
-        except DriverError as err:  # the entry keeps holding its devices
-            log.error("rolling back claim %s failed: %s", uid, err)
+        except Exception as err:  # the entry keeps holding its devices
+            _problem(problems, uid, "rolling back its prepare failed", err)
             continue
         del journal[uid]
         rolled_back.append(uid)
     return rolled_back
 
 
-def _restore_mig(state: DeviceState, journal: dict[str, ClaimEntry]) -> list[str]:
+def _restore_mig(
+    state: DeviceState, journal: dict[str, ClaimEntry], problems: list[str]
+) -> list[str]:
+    """Completed claims whose MIG devices a reboot destroyed get them again. One that
+    cannot (its GPU is lost, NVML refuses) stays as it is: still prepared, its
+    devices held, until the kubelet unprepares it."""
     restored: list[str] = []
     for uid, entry in sorted(journal.items()):
         if entry.state is not ClaimState.PREPARE_COMPLETED:
             continue
         try:
             devices = state.instances.restore(entry.devices)
-        except DriverError as err:
-            log.error("claim %s: its MIG devices cannot be restored: %s", uid, err)
+            if devices is None:
+                continue
+            spec = entry.cdi_spec
+            if spec is not None:
+                spec = respec_restored(spec, entry.devices, devices, state.context)
+                if state.cdi.claim_spec_exists(uid):
+                    state.cdi.write_claim_spec(uid, spec)
+        except Exception as err:
+            _problem(problems, uid, "its MIG devices cannot be restored", err)
             continue
-        if devices is None:
-            continue
-        spec = entry.cdi_spec
-        if spec is not None:
-            spec = respec_restored(spec, entry.devices, devices, state.context)
-            if state.cdi.claim_spec_exists(uid):
-                state.cdi.write_claim_spec(uid, spec)
         journal[uid] = replace(entry, devices=devices, cdi_spec=spec)
         restored.append(uid)
     return restored
 
 
 def _recreate_specs(
-    state: DeviceState, uids: Sequence[str], journal: dict[str, ClaimEntry]
+    state: DeviceState, uids: Sequence[str], journal: dict[str, ClaimEntry], problems: list[str]
 ) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """Rewrite the lost CDI specs of completed claims from the journal (one fsync
     of the CDI root). Returns (recreated, not recreatable)."""
@@ -208,7 +246,11 @@ def _recreate_specs(
         if spec is None:
             missing.append(uid)
             continue
-        state.cdi.write_claim_spec(uid, spec, sync_dir=False)
+        try:
+            state.cdi.write_claim_spec(uid, spec, sync_dir=False)
+        except Exception as err:  # the kubelet's next prepare of the claim rewrites it
+            _problem(problems, uid, "its CDI spec cannot be rewritten", err)
+            continue
         recreated.append(uid)
     if recreated:
         state.cdi.sync_root()
