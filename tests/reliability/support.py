@@ -95,8 +95,9 @@ def allocated_claim(
         },
     )
     result = {"request": "gpu", "driver": DRIVER, "pool": node, "device": device}
-    if share_id is not None:
+    if share_id is not None:  # what the scheduler writes for a share: its ID and consumption
         result["shareID"] = share_id
+        result["consumedCapacity"] = {"memory": "8Gi", "compute": "10"}
     created["status"] = {
         "allocation": {
             "devices": {"results": [result]},
@@ -184,11 +185,18 @@ def _flag(args: Sequence[str], flag: str) -> str | None:
 
 @functools.lru_cache(maxsize=8)
 def _pool(
-    node_name: str, fleet: str | None, gpu_partitions: int = 0, mig_strategy: str = "auto"
+    node_name: str,
+    fleet: str | None,
+    gpu_partitions: int = 0,
+    mig_strategy: str = "auto",
+    allow_multiple_allocations: bool = False,
 ) -> PoolDevices:
     inventory = NvmlBackend(MockNvml(resolve_fleet(fleet), node_name)).discover()
     options = PoolOptions(
-        driver_name=DRIVER, gpu_partitions=gpu_partitions, mig_strategy=MigStrategy(mig_strategy)
+        driver_name=DRIVER,
+        gpu_partitions=gpu_partitions,
+        mig_strategy=MigStrategy(mig_strategy),
+        allow_multiple_allocations=allow_multiple_allocations,
     )
     return build_pool(inventory, options)
 
@@ -196,13 +204,16 @@ def _pool(
 def published_pool(plugin: PluginProcess) -> PoolDevices:
     """What `plugin` publishes: `build_pool` over the same mock inventory (node name,
     fleet, partition mode and MIG strategy from its command line and environment, as
-    its flags resolve them). Each device carries its GPU's UUID, MIG profile and
-    placement."""
+    its flags resolve them, sharing included). Each device carries its GPU's UUID, MIG
+    profile and placement."""
     env = {**os.environ, **plugin.env}
     fleet = _flag(plugin.args, "--mock-fleet") or env.get("MOCK_FLEET")
     partitions = _flag(plugin.args, "--gpu-partitions") or env.get("GPU_PARTITIONS") or "0"
     strategy = _flag(plugin.args, "--mig-strategy") or env.get("MIG_STRATEGY") or "auto"
-    return _pool(plugin.node_name, fleet, int(partitions), strategy)
+    shared = "--gpu-allow-multiple-allocations" in plugin.args or env.get(
+        "GPU_ALLOW_MULTIPLE_ALLOCATIONS", ""
+    ).lower() in ("1", "true", "yes")
+    return _pool(plugin.node_name, fleet, int(partitions), strategy, shared)
 
 
 def hardware_overlap(a: PublishedDevice, b: PublishedDevice) -> bool:
@@ -245,11 +256,12 @@ class Holding(NamedTuple):
 
 def conflicting(pool: PoolDevices, a: Holding, b: Holding) -> bool:
     """May two claims NOT hold these at the same time? Hardware overlap, except two
-    shares of one multi-allocatable device (both with a shareID) and admin access
-    (which is granted alongside the device's users by design)."""
+    shares (both with a shareID) of one device published with allowMultipleAllocations
+    (the API's rule) and admin access (granted alongside the device's users by design)."""
     if a.admin_access or b.admin_access:
         return False
-    if a.device == b.device and a.share_id and b.share_id:
+    shared = a.device == b.device and a.share_id and b.share_id
+    if shared and pool.device(a.device).multi_allocatable:
         return False
     return hardware_overlap(pool.device(a.device), pool.device(b.device))
 

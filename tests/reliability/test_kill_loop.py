@@ -9,8 +9,9 @@ until it succeeds); then the local state must be exactly what the kubelet believ
 The claims' devices overlap in every way the node must tell apart: a whole GPU and
 one of its MIG partitions, two MIG placements of one GPU whose memory slices
 intersect (3g at slice 0 and 1g at slice 2), and two shares of one device, a GPU not
-in MIG mode (which may be held together; a MIG-mode GPU is delivered as a MIG device
-of the full-size profile, which exists once). The mock fleet: MIG GPUs plus one GPU
+in MIG mode published with allowMultipleAllocations (`--gpu-allow-multiple-allocations`;
+they may be held together; a MIG-mode GPU is delivered as a MIG device of the
+full-size profile, which exists once and is never shared). The mock fleet: MIG GPUs plus one GPU
 with MIG disabled. A prepare may therefore be refused ("refusing to hand it to a
 second claim"), but only for a claim whose hardware a prepared claim holds; and no
 two claims may ever hold the same hardware, by the answers and by the journal
@@ -297,7 +298,8 @@ def test_sigkill_at_random_moments(
     ensure_namespace(api, NS)
     fleet = root / "fleet.json"
     fleet.write_text(json.dumps(FLEET))
-    args = [f"--mock-fleet={fleet}"]
+    # Sharing on, as the shares' allocations require (consumable capacity).
+    args = [f"--mock-fleet={fleet}", "--gpu-allow-multiple-allocations"]
 
     # The pairs on one GPU, deterministically; then the whole GPU, the 3g placement
     # and one share stay prepared across a SIGKILL into the loop.
