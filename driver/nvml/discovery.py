@@ -71,8 +71,8 @@ def discover_inventory(nvml: CountingModule, backend_name: str) -> Inventory:
         cuda = optional_query(nvml, nvml.nvmlSystemGetCudaDriverVersion, "CUDA version")
         gpus: list[GpuInfo] = []
         for index in range(nvml.nvmlDeviceGetCount()):
-            handle = nvml.nvmlDeviceGetHandleByIndex(index)
             try:
+                handle = nvml.nvmlDeviceGetHandleByIndex(index)
                 gpus.append(_gpu_info(nvml, index, handle))
             except nvml.NVMLError as err:
                 if not is_nvml_error(nvml, err, "NVML_ERROR_GPU_IS_LOST"):

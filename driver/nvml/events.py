@@ -61,8 +61,8 @@ class HealthEventSet:
             self._event_handles.clear()
             self._handles_by_uuid.clear()
             for index in range(nvml.nvmlDeviceGetCount()):
-                handle = nvml.nvmlDeviceGetHandleByIndex(index)
                 try:
+                    handle = nvml.nvmlDeviceGetHandleByIndex(index)
                     uuid = nvml_text(nvml.nvmlDeviceGetUUID(handle))
                 except nvml.NVMLError as err:
                     if not self._is(err, "NVML_ERROR_GPU_IS_LOST"):

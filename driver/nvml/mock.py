@@ -12,8 +12,8 @@ Extras for tests and demos (not part of pynvml):
 - `inject(event)`: thread-safe health injection (`driver/nvml/mock_events.py`). A lost
   GPU answers GPU_IS_LOST to every query and, as nvml.h documents, makes every
   `nvmlDeviceGetHandleByUUID` answer it too (any GPU, MIG devices included) until
-  it is reset; `nvmlDeviceGetHandleByIndex` still hands out its handle (real NVML
-  fails that lookup itself with GPU_IS_LOST; the next query on the handle does here).
+  it is reset; `nvmlDeviceGetHandleByIndex` fails for the lost GPU only, and a
+  handle taken before the loss answers GPU_IS_LOST to every query.
 - `mock_gpu(uuid)`: the fleet entry behind a GPU.
 - MIG instances (`driver/nvml/mock_mig.py`): GPU and compute instances and MIG device
   handles, kept in memory or, given `driver_root`, in a state file under it shared by
@@ -223,6 +223,9 @@ class MockNvml(EventFunctions, MigFunctions):
     def nvmlDeviceGetHandleByIndex(self, index: int) -> MockDeviceHandle:
         if not isinstance(index, int) or not 0 <= index < len(self.gpus):
             raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)
+        with self._lock:  # nvml.h: GPU_IS_LOST "if the target GPU has fallen off the bus"
+            if index in self._lost:
+                raise NVMLError(NVML_ERROR_GPU_IS_LOST)
         return self._handles[index]
 
     @nvml_call

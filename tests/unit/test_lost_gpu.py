@@ -54,9 +54,7 @@ def test_lookup_by_uuid_answers_gpu_is_lost_for_every_gpu_while_one_is_lost() ->
     # By index only the lost GPU fails; the healthy one answers as before.
     assert nvml.nvmlDeviceGetHandleByIndex(0) is h0
     assert nvml.nvmlDeviceGetUUID(h0) == gpu0
-    assert _code(lambda: nvml.nvmlDeviceGetUUID(nvml.nvmlDeviceGetHandleByIndex(1))) == (
-        m.NVML_ERROR_GPU_IS_LOST
-    )
+    assert _code(lambda: nvml.nvmlDeviceGetHandleByIndex(1)) == m.NVML_ERROR_GPU_IS_LOST
 
     nvml.reset(gpu1)
     assert nvml.nvmlDeviceGetHandleByUUID(gpu0) is h0
@@ -129,6 +127,19 @@ def test_discovery_publishes_the_healthy_gpus_while_one_is_lost() -> None:
     mock.inject_gpu_lost(mock.gpus[1].uuid)
     (gpu,) = backend.discover().gpus
     assert gpu.uuid == mock.gpus[0].uuid and gpu.mig_instances == (made,)
+
+
+def test_health_events_are_registered_for_the_healthy_gpus_while_one_is_lost() -> None:
+    """The monitor's (re)open walks GPUs by index, where the lost GPU's own lookup
+    fails: it is left out, not the reason the monitor cannot start."""
+    mock = MockNvml(parse_fleet(TWO), NODE)
+    backend = NvmlBackend(mock)
+    mock.inject_gpu_lost(mock.gpus[1].uuid)
+    backend.open_event_set()
+    try:
+        assert backend.monitored_uuids == (mock.gpus[0].uuid,)
+    finally:
+        backend.close_event_set()
 
 
 # -- DeviceState on a node whose GPU 1 falls off the bus ---------------------------------
