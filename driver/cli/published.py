@@ -120,7 +120,8 @@ def _slice_device(device: dict[str, Any], slice_name: str) -> SliceDevice:
         name=str(device["name"]),
         gpu_uuid=str(parent or _attr(device, "uuid") or ""),
         placement=placement,
-        is_partition=parent is not None,
+        # A partition has a `profile`; the whole GPU of a MIG GPU has a `parentUUID` too.
+        is_partition=_attr(device, "profile") is not None,
         slice_name=slice_name,
         taints=tuple(device.get("taints") or ()),
     )

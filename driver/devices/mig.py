@@ -9,8 +9,9 @@ partitions, or a GPU together with one of its partitions.
 - dynamic: every (profile, placement) NVML reports, and the whole GPU `gpu-<minor>`
   consuming all counters. CUDA cannot use a GPU in MIG mode without a MIG device, so
   the whole GPU is delivered as a MIG device of the full-size profile (the one whose
-  placement spans every memory slice); a GPU without such a profile publishes no
-  whole-GPU device.
+  placement spans every memory slice), and published as one: that profile's
+  capacities, `parentUUID` and `migProfile`, no `uuid`; a GPU without such a profile
+  publishes no whole-GPU device.
 - static: exactly the MIG devices that exist, under the same names, with attribute
   `uuid` = the MIG device's UUID; no whole GPU (it is split already).
 """
@@ -23,7 +24,6 @@ from driver.devices.documents import (
     MIG_DIMENSIONS,
     counter_quantity,
     counters,
-    decimal_quantity,
     device_doc,
     int_attr,
     profile_label,
@@ -79,15 +79,24 @@ def full_size_profile(gpu: GpuInfo) -> PartitionProfile | None:
 def whole_gpu(
     gpu: GpuInfo, gpu_attrs: dict[str, Any], capacity: dict[str, Any], max_partitions: int | None
 ) -> PublishedDevice | None:
-    """The whole GPU of a dynamic MIG GPU, backed by a full-size MIG device."""
+    """The whole GPU of a dynamic MIG GPU, backed by a full-size MIG device.
+
+    It publishes what the container gets: the full-size profile's memory,
+    multiprocessors and engines (a 7g.80gb device has less memory than the GPU), no
+    `uuid` (the container never sees the GPU's UUID, only a MIG device's created at
+    prepare), `parentUUID` as its partitions do, and `migProfile`. Not `profile`: that
+    attribute marks a partition (the chart's DeviceClasses select on it)."""
     full = full_size_profile(gpu)
     if full is None:
         return None
     values = _counter_values(gpu)
     capacity = dict(capacity)
-    for cap, counter, _ in MIG_DIMENSIONS[1:]:
-        capacity[cap] = quantity(decimal_quantity(values[counter]))
-    doc = device_doc(f"gpu-{gpu.minor}", gpu_attrs, capacity)
+    for cap, counter, attr in MIG_DIMENSIONS:
+        capacity[cap] = quantity(counter_quantity(counter, getattr(full, attr)))
+    attrs = {k: v for k, v in gpu_attrs.items() if k != "uuid"}
+    attrs["parentUUID"] = string_attr(gpu.uuid)
+    attrs["migProfile"] = string_attr(full.name)
+    doc = device_doc(f"gpu-{gpu.minor}", attrs, capacity)
     doc["consumesCounters"] = [
         {"counterSet": counter_set_name(gpu), "counters": counters(values, skip_zero=True)}
     ]

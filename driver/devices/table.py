@@ -59,6 +59,8 @@ def device_rows(
         else:
             count = sum(1 for d in pool.devices_of_gpu(device.gpu_uuid) if d.is_partition)
             detail = str(count)
+            if _attr(device, "migProfile"):  # delivered as its full-size MIG device
+                detail += f" (whole: {_attr(device, 'migProfile')})"
         model = _attr(device, "model") or _attr(device, "productName")
         health = _health(taints.get(device.name, ()))
         rows.append((device.name, model, memory, detail, _sharing(device), health))

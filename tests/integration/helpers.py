@@ -43,6 +43,21 @@ def published_devices(slices: list[dict[str, Any]]) -> dict[str, dict[str, Any]]
     return {d["name"]: d for s in slices for d in s["spec"].get("devices") or []}
 
 
+def gpu_uuid_of(slices: list[dict[str, Any]], device: str) -> str:
+    """The UUID of the GPU a published device is on: its `parentUUID` (a partition, or
+    the whole GPU of a MIG GPU, delivered as a MIG device) or its `uuid` (MIG off)."""
+    attrs = published_devices(slices)[device]["attributes"]
+    return str((attrs.get("parentUUID") or attrs["uuid"])["string"])
+
+
+def whole_gpu_selector(slices: list[dict[str, Any]], device: str) -> str:
+    """CEL for exactly this whole GPU within a class without partitions: by `uuid`, or
+    by `parentUUID` where the GPU is in MIG mode (its whole device has no `uuid`)."""
+    attrs = published_devices(slices)[device]["attributes"]
+    key = "uuid" if "uuid" in attrs else "parentUUID"
+    return f'device.attributes["{DRIVER}"].{key} == "{attrs[key]["string"]}"'
+
+
 def device_class(name: str, expression: str) -> dict[str, Any]:
     return {
         "apiVersion": "resource.k8s.io/v1",

@@ -24,10 +24,12 @@ from tests.integration.helpers import (
     delete_namespace,
     device_class,
     get_json,
+    gpu_uuid_of,
     namespace,
     pod_using,
     published_devices,
     unschedulable,
+    whole_gpu_selector,
 )
 from tests.integration.kubelet_standin import KubeletStandin
 from tests.integration.plugin_process import DRIVER, PluginProcess, running_plugin
@@ -55,7 +57,7 @@ def taints(cluster: Cluster, node: str) -> dict[str, list[dict[str, Any]]]:
 
 def family(pool: list[dict[str, Any]], gpu: str) -> set[str]:
     """The GPU and every partition of it."""
-    uuid = published_devices(pool)[gpu]["attributes"]["uuid"]["string"]
+    uuid = gpu_uuid_of(pool, gpu)
     return {
         name
         for name, d in published_devices(pool).items()
@@ -97,9 +99,11 @@ def pool(cluster: Cluster, node: FakeNode, root: Path) -> Iterator[list[dict[str
     yield published
 
 
-def selector_for(pool: list[dict[str, Any]], gpu: str, attribute: str = "uuid") -> str:
-    uuid = published_devices(pool)[gpu]["attributes"]["uuid"]["string"]
-    return f'device.attributes["{DRIVER}"].{attribute} == "{uuid}"'
+def selector_for(pool: list[dict[str, Any]], gpu: str, attribute: str | None = None) -> str:
+    """CEL for the whole GPU, or for the devices whose `attribute` is the GPU's UUID."""
+    if attribute is None:
+        return whole_gpu_selector(pool, gpu)
+    return f'device.attributes["{DRIVER}"].{attribute} == "{gpu_uuid_of(pool, gpu)}"'
 
 
 def test_xid_79_taints_gpu_and_partitions_blocks_scheduling_and_fails_prepare(
@@ -276,7 +280,7 @@ def on_slice(pool: list[dict[str, Any]], gpu: str, memory_slice: int) -> set[str
 def test_xid_on_a_partitions_gpu_instance_taints_only_its_memory_slices(
     cluster: Cluster, node: FakeNode, root: Path, pool: list[dict[str, Any]]
 ) -> None:
-    uuid = published_devices(pool)["gpu-7"]["attributes"]["uuid"]["string"]
+    uuid = gpu_uuid_of(pool, "gpu-7")
 
     def partition(start: int) -> str:
         attrs = f'device.attributes["{DRIVER}"]'

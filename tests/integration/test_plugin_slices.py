@@ -20,10 +20,12 @@ from tests.integration.helpers import (
     complete_pool,
     delete_namespace,
     device_class,
+    gpu_uuid_of,
     namespace,
     pod_using,
     published_devices,
     unschedulable,
+    whole_gpu_selector,
 )
 from tests.integration.plugin_process import DRIVER, PluginProcess, running_plugin
 
@@ -100,16 +102,15 @@ def classes(cluster: Cluster, pool: list[dict]) -> None:
 
 
 def _uuid(pool: list[dict], device: str) -> str:
-    return str(published_devices(pool)[device]["attributes"]["uuid"]["string"])
+    return gpu_uuid_of(pool, device)
 
 
 def test_cel_selector_claim_is_allocated_to_the_matching_gpu(
     cluster: Cluster, pool: list[dict], classes: None
 ) -> None:
-    uuid = _uuid(pool, "gpu-5")
     apply(
         cluster,
-        claim("by-uuid", NS, "gpu.example.com", f'device.attributes["{DRIVER}"].uuid == "{uuid}"'),
+        claim("by-uuid", NS, "gpu.example.com", whole_gpu_selector(pool, "gpu-5")),
         pod_using("by-uuid", NS, "by-uuid"),
     )
     results = cluster.wait_for(
@@ -145,7 +146,7 @@ def test_partitions_never_overlap_and_never_share_a_gpu_with_the_whole_gpu(
         cluster,
         claim("p-3g-b", NS, "mig.gpu.example.com", profile("3g.40gb")),
         pod_using("p-3g-b", NS, "p-3g-b"),
-        claim("whole", NS, "gpu.example.com", f'device.attributes["{DRIVER}"].uuid == "{parent}"'),
+        claim("whole", NS, "gpu.example.com", whole_gpu_selector(pool, "gpu-2")),
         pod_using("whole", NS, "whole"),
     )
     for pod in ("p-3g-b", "whole"):

@@ -32,9 +32,11 @@ from tests.integration.helpers import (
     delete_namespace,
     device_class,
     get_json,
+    gpu_uuid_of,
     namespace,
     pod_using,
     published_devices,
+    whole_gpu_selector,
 )
 from tests.integration.kubelet_standin import KubeletStandin, KubeletStandinError
 from tests.integration.plugin_process import DRIVER, PluginProcess
@@ -88,7 +90,7 @@ def pool(cluster: Cluster, node: FakeNode, plugin: PluginProcess) -> list[dict[s
 
 def live_mig(plugin: PluginProcess, pool: list[dict[str, Any]], gpu: str) -> list[MigInstance]:
     """The MIG devices on a GPU of the plugin's mock node, as NVML reports them."""
-    uuid = published_devices(pool)[gpu]["attributes"]["uuid"]["string"]
+    uuid = gpu_uuid_of(pool, gpu)
     mock = MockNvml(default_fleet(), plugin.node_name, driver_root=plugin.mock_driver_root)
     return NvmlBackend(mock).mig().instances(uuid)
 
@@ -96,8 +98,7 @@ def live_mig(plugin: PluginProcess, pool: list[dict[str, Any]], gpu: str) -> lis
 def allocated_claim(
     cluster: Cluster, name: str, device: str, pool: list[dict[str, Any]], config: Any = None
 ) -> tuple[str, str, str]:
-    uuid = published_devices(pool)[device]["attributes"]["uuid"]["string"]
-    selector = f'device.attributes["{DRIVER}"].uuid == "{uuid}"'
+    selector = whole_gpu_selector(pool, device)
     apply(
         cluster,
         claim(name, NS, "whole-gpu.example.com", selector, config),

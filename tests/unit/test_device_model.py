@@ -105,7 +105,8 @@ def test_gpu_attributes_and_capacity() -> None:
     gpu = pool.device("gpu-2")
     attrs = gpu.document["attributes"]
     assert attrs["index"] == {"int": 2}
-    assert attrs["uuid"] == {"string": inv.gpus[2].uuid}
+    # MIG on: delivered as its 7g.80gb MIG device, so no `uuid` (test_whole_mig_gpu.py).
+    assert "uuid" not in attrs and attrs["parentUUID"] == {"string": inv.gpus[2].uuid}
     assert attrs["model"] == {"string": "NVIDIA H100 80GB HBM3"}
     assert attrs["productName"] == {"string": "NVIDIA H100 80GB HBM3"}
     assert attrs["driverVersion"] == {"version": "580.95.5"}
@@ -117,7 +118,7 @@ def test_gpu_attributes_and_capacity() -> None:
     assert attrs["maxPartitions"] == {"int": 7}
     assert attrs["resource.kubernetes.io/pciBusID"] == {"string": "0000:3a:00.0"}
     cap = gpu.document["capacity"]
-    assert cap["memory"] == {"value": "81559Mi"} and cap["compute"] == {"value": "100"}
+    assert cap["memory"] == {"value": "81152Mi"} and cap["compute"] == {"value": "100"}
     assert cap["multiprocessors"] == {"value": "132"} and cap["copyEngines"] == {"value": "8"}
     assert (gpu.gpu_uuid, gpu.gpu_minor, gpu.is_partition) == (inv.gpus[2].uuid, 2, False)
     assert gpu.max_partitions == 7 and gpu.profile is None and gpu.placement is None
