@@ -6,18 +6,22 @@ is rolled back alone; a failed journal store fails and rolls back the whole batc
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from driver.errors import DriverError, transient
+from driver.nvml.types import MigInstance
 from driver.state.booking import refuse_double_booking, refuse_over_capacity
 from driver.state.cdi import ClaimSpec
-from driver.state.checkpoint import ClaimEntry, ClaimState
+from driver.state.checkpoint import ClaimEntry, ClaimState, PreparedDevice
 from driver.state.claims import ClaimRef, PrepareResult
 from driver.state.failpoints import failpoint
+from driver.state.instances import other_entries
 from driver.state.planning import PlannedDevice, plan_claim, render_spec
+from driver.state.teardown import unprepare_begun
 
 if TYPE_CHECKING:
     from driver.state.prepare import DeviceState
@@ -54,6 +58,7 @@ def prepare_locked(
     work: list[_Work] = []
     found: dict[str, ClaimEntry] = {}  # pre-existing entries of claims being redone
     planned: dict[str, ClaimEntry] = {}  # the new PrepareStarted entries
+    unmarked: dict[str, tuple[ClaimRef, dict[str, Any], ClaimEntry]] = {}
     for ref, claim, driver_results in todo:
         uid = ref.uid
         entry = journal.get(uid)
@@ -62,6 +67,8 @@ def prepare_locked(
                 if _spec_in_place(state, uid, entry):
                     state.stats.idempotent_hits += 1
                     results[uid] = PrepareResult(devices=entry.devices)
+                    if entry.unpreparing is not None:  # prepared again: no longer torn down
+                        unmarked[uid] = (ref, claim, entry)
                     continue
             except OSError as err:
                 error = transient(f"cannot rewrite the CDI spec of {uid}: {err}")
@@ -83,6 +90,8 @@ def prepare_locked(
             found[uid] = entry
         planned[uid] = w.entry(PREPARE_STARTED)
         work.append(w)
+    if unmarked:
+        _unmark(state, unmarked, journal, results)
     if not work:
         return
     try:  # the driver's files, before any container is pointed at them
@@ -96,6 +105,9 @@ def prepare_locked(
         work = _roll_back_found(state, work, found, journal, results)
         if not work:
             return
+    work = _note_occupants(state, work, journal, results)
+    if not work:
+        return
 
     failpoint("prepare-before-started")
     try:
@@ -127,7 +139,7 @@ def prepare_locked(
 
     failed = [w for w in work if w.error is not None]
     if failed:  # specs and MIG devices go now, entries in the PrepareCompleted store
-        _undo(state, failed, journal)
+        _undo(state, failed, journal, work)
         _fail_work(state, failed, results)
         work = [w for w in work if w.error is None]
     for w in work:
@@ -178,7 +190,7 @@ def _roll_back_found(
         try:
             if uid in errors:
                 raise transient(f"rolling back claim {uid}: {errors[uid]}")
-            state.instances.destroy(found[uid].devices)
+            state.instances.destroy(found[uid].devices, other_entries(uid, journal))
             state.timeslices.restore(uid, found[uid].devices, journal, intent=True)
         except DriverError as err:
             journal[uid] = found[uid]
@@ -187,16 +199,60 @@ def _roll_back_found(
     return [w for w in work if w.error is None]
 
 
+def _note_occupants(
+    state: DeviceState,
+    work: list[_Work],
+    journal: dict[str, ClaimEntry],
+    results: dict[str, PrepareResult],
+) -> list[_Work]:
+    """Each MIG intent records the instances already at its placement (normally none)
+    before it is journaled: a rollback destroys only an instance that was not there
+    (driver/state/instances.py). After `_roll_back_found`, whose destroys free ids a
+    create may reuse. A claim whose GPU cannot be read fails; its found entry, rolled
+    back, goes with it."""
+    seen: dict[str, list[MigInstance]] = {}
+    for w in work:
+        try:
+            w.planned = state.instances.note_occupants(w.planned, seen)
+        except Exception as exc:
+            w.error = _error(exc, w.ref.uid)
+            journal.pop(w.ref.uid, None)
+            continue
+        journal[w.ref.uid] = w.entry(PREPARE_STARTED)
+    _fail_work(state, work, results)
+    return [w for w in work if w.error is None]
+
+
 def _spec_in_place(state: DeviceState, uid: str, entry: ClaimEntry) -> bool:
     """Is the completed claim's CDI spec on disk, rewritten from the journal if it
-    was lost? False only for an entry without a stored spec (then it is redone)."""
+    was lost? False for an entry without a stored spec, and for one whose unprepare
+    had begun (its MIG devices may be gone): then it is redone."""
     if state.cdi.claim_spec_exists(uid):
         return True
-    if entry.cdi_spec is None:
+    if entry.cdi_spec is None or unprepare_begun(entry, spec_exists=False):
         return False
     state.cdi.write_claim_spec(uid, entry.cdi_spec)
     log.warning("rewrote the lost CDI spec of prepared claim %s from the journal", uid)
     return True
+
+
+def _unmark(
+    state: DeviceState,
+    unmarked: dict[str, tuple[ClaimRef, dict[str, Any], ClaimEntry]],
+    journal: dict[str, ClaimEntry],
+    results: dict[str, PrepareResult],
+) -> None:
+    """Completed claims answered as stored whose entry still carries an `unpreparing`
+    mark (an unprepare that removed nothing, or a mark of an earlier boot): the mark
+    goes, in one store, so a later restart never tears a claim in use down."""
+    for uid, (_, _, entry) in unmarked.items():
+        journal[uid] = replace(entry, unpreparing=None)
+    try:
+        state.checkpoint.store(journal)
+    except DriverError as err:
+        for uid, (ref, claim, entry) in unmarked.items():
+            journal[uid] = entry
+            results[uid] = state.fail(ref, claim, err)
 
 
 def _error(exc: BaseException, uid: str) -> DriverError:
@@ -214,9 +270,15 @@ def _fail_work(
             results[w.ref.uid] = state.fail(w.ref, w.claim, w.error)
 
 
-def _undo(state: DeviceState, work: Sequence[_Work], journal: dict[str, ClaimEntry]) -> set[str]:
-    """Remove the claims' specs and MIG devices; drop the entries of those fully
-    undone. The others stay `PrepareStarted`: the retry or recover() finishes."""
+def _undo(
+    state: DeviceState,
+    work: Sequence[_Work],
+    journal: dict[str, ClaimEntry],
+    batch: Sequence[_Work] = (),
+) -> set[str]:
+    """Remove the claims' specs and MIG devices (never one that another entry or
+    another claim of the `batch` records); drop the entries of those fully undone.
+    The others stay `PrepareStarted`: the retry or recover() finishes."""
     _, errors = state.cdi.remove_claim_specs([w.ref.uid for w in work])
     undone: set[str] = set()
     for w in work:
@@ -224,8 +286,11 @@ def _undo(state: DeviceState, work: Sequence[_Work], journal: dict[str, ClaimEnt
         try:
             if uid in errors:
                 raise transient(str(errors[uid]))
-            state.instances.destroy(tuple(p.prepared for p in w.planned))
-            state.timeslices.restore(uid, tuple(p.prepared for p in w.planned), journal)
+            batch_others = (_devices(o) for o in batch if o is not w)
+            state.instances.destroy(
+                _devices(w), itertools.chain(other_entries(uid, journal), batch_others)
+            )
+            state.timeslices.restore(uid, _devices(w), journal)
         except DriverError as err:
             journal[uid] = w.entry(PREPARE_STARTED)
             log.error("rolling back claim %s failed: %s", uid, err)
@@ -233,6 +298,10 @@ def _undo(state: DeviceState, work: Sequence[_Work], journal: dict[str, ClaimEnt
         journal.pop(uid, None)
         undone.add(uid)
     return undone
+
+
+def _devices(w: _Work) -> tuple[PreparedDevice, ...]:
+    return tuple(p.prepared for p in w.planned)
 
 
 def _abort(
@@ -247,7 +316,7 @@ def _abort(
     entry that the retry or `recover()` rolls back."""
     for w in work:
         w.error = err
-    undone = _undo(state, work, journal)
+    undone = _undo(state, work, journal, work)
     _fail_work(state, work, results)
     if undone:
         try:

@@ -16,7 +16,8 @@ File format (docs/state.md)::
                        "timeSlice": {"gpu": ..., "interval": "Long", "seq": 3},  # set
                        "hardware": {"gpu": ..., "multiAllocatable": false,
                                     "slices" | "partition": [a, b]}}],  # this release
-          "cdiSpec": {"devices": [<CDI device>...], "deviceNodes": [...]}   # PrepareCompleted
+          "cdiSpec": {"devices": [<CDI device>...], "deviceNodes": [...]},  # PrepareCompleted
+          "unpreparing": "<boot id>"   # an unprepare of a claim with MIG devices began
         }
       }
     }
@@ -96,7 +97,7 @@ _DEVICE_KEYS: Final = frozenset(
     {"pool", "device", "requestNames", "cdiDeviceIds", "shareID", "adminAccess", "mig"}
     | {"consumedCapacity", "timeSlice", "hardware"}
 )
-_ENTRY_KEYS: Final = frozenset({"state", "namespace", "name", "devices", "cdiSpec"})
+_ENTRY_KEYS: Final = frozenset({"state", "namespace", "name", "devices", "cdiSpec", "unpreparing"})
 
 
 @dataclass(frozen=True)
@@ -206,6 +207,10 @@ class ClaimEntry:
     # emptied by a reboot) is recreated at start without the API server. Absent in
     # entries written before it existed.
     cdi_spec: ClaimSpec | None = None
+    # The boot id when an unprepare of a claim holding MIG devices the driver created
+    # began (key `unpreparing`, only when set): a restart finishes the teardown rather
+    # than recreate them (driver/state/teardown.py, `unprepare_begun`; docs/state.md).
+    unpreparing: str | None = None
     extra: Extra = ()  # keys a newer release wrote, kept on rewrite
 
     def to_json(self) -> dict[str, Any]:
@@ -217,6 +222,8 @@ class ClaimEntry:
         }
         if self.cdi_spec is not None:
             doc["cdiSpec"] = self.cdi_spec.to_json()
+        if self.unpreparing is not None:
+            doc["unpreparing"] = self.unpreparing
         return _with_extra(doc, self.extra)
 
     @classmethod
@@ -232,14 +239,17 @@ class ClaimEntry:
         if not isinstance(devices, list):
             raise ValueError("devices must be a list")
         parsed = tuple(PreparedDevice.from_json(d) for d in devices)
-        spec = doc.get("cdiSpec")
+        spec, unpreparing = doc.get("cdiSpec"), doc.get("unpreparing")
+        if unpreparing is not None and not isinstance(unpreparing, str):
+            raise ValueError("unpreparing must be a boot id (a string)")
         return cls(
             ClaimState(str(state)),
             namespace,
             name,
             parsed,
             ClaimSpec.from_json(spec) if spec is not None else None,
-            _extra(doc, _ENTRY_KEYS),
+            unpreparing=unpreparing,
+            extra=_extra(doc, _ENTRY_KEYS),
         )
 
 

@@ -93,7 +93,14 @@ class MigRecord:
     """The MIG device behind a prepared device. `owned`: the driver created it for
     the claim and destroys it at unprepare (dynamic); otherwise it existed before
     (static) and is never touched. In a `PrepareStarted` entry an owned record is the
-    intent (placement only, no ids yet); `PrepareCompleted` adds the ids and UUID."""
+    intent (placement only, no ids yet); `PrepareCompleted` adds the ids and UUID.
+
+    `before` (JSON `before`, on an intent only): the GPU-instance ids of the instances
+    of this profile at this placement when the intent was journaled, normally none. A
+    rollback of the intent destroys only an instance there whose id is not among them
+    (and that no other entry records): the attempt's own. None (an intent written by an
+    earlier release, or a record with ids): unknown, so an intent destroys nothing
+    (docs/mig.md, "Crash safety")."""
 
     gpu_uuid: str
     profile_id: int
@@ -103,9 +110,10 @@ class MigRecord:
     gi_id: int | None = None
     ci_id: int | None = None
     uuid: str | None = None
+    before: tuple[int, ...] | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        doc: dict[str, Any] = {
             "gpu": self.gpu_uuid,
             "profileId": self.profile_id,
             "sliceCount": self.slice_count,
@@ -115,6 +123,9 @@ class MigRecord:
             "ciId": self.ci_id,
             "uuid": self.uuid,
         }
+        if self.before is not None:  # absent otherwise: other records keep their bytes
+            doc["before"] = sorted(self.before)
+        return doc
 
     @classmethod
     def from_json(cls, doc: object) -> MigRecord:
@@ -138,6 +149,19 @@ class MigRecord:
             raise ValueError("mig.giId and mig.ciId must be integers or null")
         if uuid is not None and not isinstance(uuid, str):
             raise ValueError("mig.uuid must be a string or null")
+        before = doc.get("before")
+        if before is not None and not (
+            isinstance(before, list) and all(_is_int(v) for v in before)
+        ):
+            raise ValueError("mig.before must be a list of integers")
         return cls(
-            gpu, profile_id, slice_count, (placement[0], placement[1]), owned, gi_id, ci_id, uuid
+            gpu,
+            profile_id,
+            slice_count,
+            (placement[0], placement[1]),
+            owned,
+            gi_id,
+            ci_id,
+            uuid,
+            None if before is None else tuple(before),
         )

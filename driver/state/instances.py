@@ -2,13 +2,18 @@
 reconciled with the journal at start (docs/mig.md, "Crash safety").
 
 The journal names each owned MIG device by its parent GPU, profile and placement
-before it is created (`PrepareStarted`), and adds the GPU/compute-instance ids and
-UUID once it exists (`PrepareCompleted`). A placement holds at most one GPU instance,
-so the placement alone finds a half-created device after a crash, even a GPU
-instance without its compute instance. Destroying by id first checks that the
-instance with that id still sits at the recorded placement: ids are reused, and an
-id must never destroy another claim's device. Static (not owned) MIG devices are
-never created or destroyed here.
+before it is created (`PrepareStarted`), with the ids of the instances already there
+(`MigRecord.before`, normally none: the create needs the placement free), and adds
+the GPU/compute-instance ids and UUID once it exists (`PrepareCompleted`). A
+placement holds at most one GPU instance, so the placement finds a half-created
+device after a crash, even a GPU instance without its compute instance: the instance
+of the intent's profile there whose id is not in `before` and that no other journal
+entry records. Anything else at the placement (an administrator's device, another
+claim's) is never destroyed, and an intent that does not record `before` (an earlier
+release's) destroys nothing. Destroying by id first checks that the instance with
+that id still sits at the recorded placement: ids are reused, and an id must never
+destroy another claim's device. Static (not owned) MIG devices are never created or
+destroyed here.
 
 Every failure is a transient `DriverError` naming the device and NVML's code. A
 GPU that is lost (or no longer on the node) fails the prepare of its devices,
@@ -23,14 +28,14 @@ reset or a reboot, and both destroy every GPU and compute instance on it
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
 from typing import Protocol
 
 from driver.errors import DriverError, transient
 from driver.nvml.mig import MigError, MigTarget
 from driver.nvml.types import MigInstance
-from driver.state.checkpoint import MigRecord, PreparedDevice
+from driver.state.checkpoint import ClaimEntry, MigRecord, PreparedDevice
 from driver.state.failpoints import failpoint
 from driver.state.planning import PlannedDevice, with_mig
 
@@ -50,7 +55,48 @@ def _target(record: MigRecord) -> MigTarget:
 
 
 def _record(record: MigRecord, instance: MigInstance) -> MigRecord:
-    return replace(record, gi_id=instance.gi_id, ci_id=instance.ci_id, uuid=instance.uuid)
+    return replace(
+        record, gi_id=instance.gi_id, ci_id=instance.ci_id, uuid=instance.uuid, before=None
+    )
+
+
+Held = frozenset[tuple[str, int]]  # (GPU UUID, GPU-instance id)
+
+
+def held(devices: Iterable[Sequence[PreparedDevice]]) -> Held:
+    """The GPU instances the devices' records name (owned or static): a rollback or
+    an unprepare of another claim never destroys one of them."""
+    return frozenset(
+        (d.mig.gpu_uuid, d.mig.gi_id)
+        for group in devices
+        for d in group
+        if d.mig is not None and d.mig.gi_id is not None
+    )
+
+
+def other_entries(
+    uid: str, journal: Mapping[str, ClaimEntry]
+) -> Iterable[Sequence[PreparedDevice]]:
+    """The devices of every journal entry but `uid`'s (lazily: read only when the claim
+    has an owned MIG device to destroy)."""
+    return (entry.devices for key, entry in journal.items() if key != uid)
+
+
+def owns_mig(devices: Sequence[PreparedDevice]) -> bool:
+    """Does any of the devices have a MIG device the driver created for it?"""
+    return any(d.mig is not None and d.mig.owned for d in devices)
+
+
+def _same_place(instance: MigInstance, record: MigRecord) -> bool:
+    return (instance.placement, instance.profile_id) == (record.placement, record.profile_id)
+
+
+def _why_not_ours(record: MigRecord, instance: MigInstance) -> str:
+    if record.before is None:
+        return "the intent predates records of what was there before it"
+    if instance.gi_id in record.before:
+        return "it was there before the intent"
+    return "another claim records it"
 
 
 def _refusal(device: str, err: MigError) -> DriverError:
@@ -85,6 +131,29 @@ class ClaimInstances:
         return self._ops
 
     # -- prepare -----------------------------------------------------------------------
+
+    def note_occupants(
+        self, planned: Sequence[PlannedDevice], seen: dict[str, list[MigInstance]]
+    ) -> tuple[PlannedDevice, ...]:
+        """The claim's owned MIG intents with `before` set: the ids of the instances of
+        their profile at their placement now (`seen` caches each GPU's instances for
+        the batch). Before the `PrepareStarted` store, after the rollback of found
+        entries. Raises a transient error naming the device."""
+        out: list[PlannedDevice] = []
+        for p in planned:
+            record = p.prepared.mig
+            if record is None or not record.owned or record.gi_id is not None:
+                out.append(p)
+                continue
+            if record.gpu_uuid not in seen:
+                try:
+                    live = self._need_ops(p.prepared.device_name).instances(record.gpu_uuid)
+                except MigError as err:
+                    raise _refusal(p.prepared.device_name, err) from err
+                seen[record.gpu_uuid] = live
+            there = tuple(m.gi_id for m in seen[record.gpu_uuid] if _same_place(m, record))
+            out.append(with_mig(p, replace(record, before=there)))
+        return tuple(out)
 
     def create(self, planned: Sequence[PlannedDevice]) -> list[PlannedDevice]:
         """Create the claim's owned MIG devices. On a failure the ones created for the
@@ -121,35 +190,73 @@ class ClaimInstances:
 
     # -- unprepare ---------------------------------------------------------------------
 
-    def destroy(self, devices: Sequence[PreparedDevice]) -> None:
-        """Destroy the owned MIG devices of a prepared (or half-prepared) claim.
-        Raises a transient error; what is gone stays gone, a repeat finishes."""
+    def destroy(
+        self,
+        devices: Sequence[PreparedDevice],
+        others: Iterable[Sequence[PreparedDevice]] = (),
+    ) -> None:
+        """Destroy the owned MIG devices of a prepared (or half-prepared) claim, never
+        an instance that `others` (the other journal entries, other claims of the
+        batch) record. Raises a transient error; what is gone stays gone, a repeat
+        finishes."""
+        keep: Held | None = None
         for device in devices:
             record = device.mig
             if record is None or not record.owned:
                 continue
+            if keep is None:
+                keep = held(others)
             failpoint("unprepare-before-mig-destroy")
-            self._destroy(record, device.device_name)
+            self._destroy(record, device.device_name, keep)
             failpoint("unprepare-after-mig-destroy")
 
-    def _live_at(self, record: MigRecord, device: str) -> MigInstance | None:
-        """The instance at the record's placement; raises MigError."""
+    def _live_at(
+        self, record: MigRecord, device: str, keep: Held = frozenset()
+    ) -> MigInstance | None:
+        """The instance of the record at its placement: the one with its id, or for an
+        intent (no id yet) the one its attempt created (see the module doc). Raises
+        MigError."""
         live = self._need_ops(device).instances(record.gpu_uuid)
-        for instance in live:
-            same_place = (instance.placement, instance.profile_id) == (
-                record.placement,
-                record.profile_id,
+        if record.gi_id is not None:
+            return next(
+                (m for m in live if _same_place(m, record) and m.gi_id == record.gi_id), None
             )
-            if same_place and (record.gi_id is None or instance.gi_id == record.gi_id):
-                return instance
-        return None
+        there = [m for m in live if _same_place(m, record)]
+        ours = [
+            m
+            for m in there
+            if record.before is not None
+            and m.gi_id not in record.before
+            and (record.gpu_uuid, m.gi_id) not in keep
+        ]
+        for m in there:
+            if m not in ours:
+                log.warning(
+                    "device %s: GPU instance %d at placement %s on %s is not this attempt's "
+                    "(%s); left alone",
+                    device,
+                    m.gi_id,
+                    record.placement,
+                    record.gpu_uuid,
+                    _why_not_ours(record, m),
+                )
+        return ours[0] if ours else None
 
-    def _destroy(self, record: MigRecord, device: str = "") -> None:
+    def _destroy(self, record: MigRecord, device: str = "", keep: Held = frozenset()) -> None:
         name = device or f"MIG {record.placement} on {record.gpu_uuid}"
         try:
-            instance = self._live_at(record, name)
+            instance = self._live_at(record, name, keep)
             if instance is None:
-                return  # already gone (a repeated unprepare, a reboot)
+                return  # already gone (a repeated unprepare, a reboot), or not ours
+            if (record.gpu_uuid, instance.gi_id) in keep:
+                log.error(
+                    "device %s: GPU instance %d on %s is recorded by another claim as well; "
+                    "left alone",
+                    name,
+                    instance.gi_id,
+                    record.gpu_uuid,
+                )
+                return
             self._need_ops(name).destroy(record.gpu_uuid, instance.gi_id)
         except MigError as err:
             if not err.gpu_gone:

@@ -18,6 +18,7 @@ from driver.errors import DriverError, transient
 from driver.state.checkpoint import CheckpointCorruptError, ClaimEntry, ClaimState
 from driver.state.claims import ClaimRef, unique
 from driver.state.failpoints import failpoint
+from driver.state.instances import other_entries, owns_mig
 from driver.state.planning import respec_restored
 
 if TYPE_CHECKING:
@@ -42,6 +43,8 @@ class RecoveryReport:
     # rollback or a MIG device that failed (a lost GPU, NVML refusing), a spec that
     # could not be written. The plugin starts anyway; the entry keeps its devices.
     problems: tuple[str, ...] = ()
+    # completed claims whose interrupted unprepare had begun (`unprepare_begun`): torn down
+    finished_unprepares: tuple[str, ...] = ()
 
 
 def unprepare(state: DeviceState, claims: Sequence[ClaimRef]) -> dict[str, DriverError | None]:
@@ -85,6 +88,10 @@ def _unprepare_batch(
             targets.append(uid)
     if not targets:
         return results
+    if journal is not None:
+        targets = _mark_unpreparing(state, journal, targets, results)
+        if not targets:
+            return results
 
     failpoint("unprepare-before-cdi-removed")
     gone, errors = state.cdi.remove_claim_specs(targets)
@@ -95,8 +102,8 @@ def _unprepare_batch(
     for uid in (u for u in targets if u in gone):
         entry = journal.get(uid) if journal is not None else None
         try:
-            if entry is not None:
-                state.instances.destroy(entry.devices)
+            if entry is not None and journal is not None:
+                state.instances.destroy(entry.devices, other_entries(uid, journal))
         except Exception as err:  # this claim keeps its entry; the others go on
             results[uid] = _claim_error(uid, err)
             continue
@@ -124,11 +131,73 @@ def _unprepare_batch(
     return results
 
 
+BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
+
+
+def boot_id() -> str:
+    """This boot of the node's kernel (the same in every container); "" if unknown."""
+    try:
+        return BOOT_ID.read_text().strip()
+    except OSError:
+        return ""
+
+
+def unprepare_begun(entry: ClaimEntry, spec_exists: bool, boot: str | None = None) -> bool:
+    """Had an unprepare of the completed claim begun removing things? Its entry is
+    marked in this boot and its spec is gone (an unprepare removes the spec before any
+    MIG device). Not after a reboot (which also destroys MIG devices and empties the
+    CDI root), nor while the spec exists: the claim is then as prepared (an earlier
+    release, which keeps the mark without knowing it, may have prepared it again).
+    `boot`: this boot's id, if already read."""
+    if entry.state is not ClaimState.PREPARE_COMPLETED or entry.unpreparing is None:
+        return False
+    return not spec_exists and entry.unpreparing == (boot_id() if boot is None else boot) != ""
+
+
+def _mark_unpreparing(
+    state: DeviceState,
+    journal: dict[str, ClaimEntry],
+    targets: list[str],
+    results: dict[str, DriverError | None],
+) -> list[str]:
+    """Before anything is removed, the completed claims holding MIG devices the driver
+    created are marked `unpreparing` with this boot's id (one journal store, no
+    directory fsync: a power loss that undoes it also took the MIG devices, and a
+    restart without the mark restores them as before). A restart then finishes their
+    teardown instead of creating their MIG devices again. A failed store fails those
+    claims, nothing removed; the others go on. Returns the claims to unprepare."""
+    boot = boot_id()
+    if not boot:
+        return targets  # no mark can be judged: a restart restores as before
+    marks = [
+        uid
+        for uid in targets
+        if (entry := journal.get(uid)) is not None
+        and entry.state is ClaimState.PREPARE_COMPLETED
+        and entry.unpreparing != boot
+        and owns_mig(entry.devices)
+    ]
+    if not marks:
+        return targets
+    found = {uid: journal[uid] for uid in marks}
+    for uid in marks:
+        journal[uid] = replace(found[uid], unpreparing=boot)
+    try:
+        state.checkpoint.store(journal, sync_dir=False)
+    except DriverError as err:
+        journal.update(found)
+        for uid in marks:
+            results[uid] = err
+        return [uid for uid in targets if uid not in found]
+    return targets
+
+
 def recover(state: DeviceState) -> RecoveryReport:
     """Startup: (re)write the common CDI spec; remove crash leftovers (temp files,
-    `PrepareStarted` entries with their specs and half-created MIG devices); recreate
-    the MIG devices of completed claims that a reboot destroyed, and every lost CDI
-    spec; report orphans. Never raises for a corrupt journal (reported in the result
+    `PrepareStarted` entries with their specs and half-created MIG devices); finish the
+    teardown of completed claims whose unprepare had begun in this boot; recreate the
+    MIG devices of completed claims that a reboot destroyed, and every lost CDI spec;
+    report orphans. Never raises for a corrupt journal (reported in the result
     and `checkpoint_problem`). Runs before the sockets are served."""
     with state.lock.hold():
         state.common.write()
@@ -139,14 +208,23 @@ def recover(state: DeviceState) -> RecoveryReport:
         swept = tuple(state.last_swept)
         problems: list[str] = []
         rolled_back = _roll_back_started(state, journal, problems)
-        restored = _restore_mig(state, journal, problems)
+        specs = state.cdi.list_claim_specs()
+        boot = boot_id()
+        begun = [u for u, e in sorted(journal.items()) if unprepare_begun(e, u in specs, boot)]
+        finished = _finish_unprepares(state, journal, begun, problems)
+        # Other marks are inert (an unprepare that removed nothing: the kubelet repeats
+        # it; a mark of an earlier boot): dropped, so only an unprepare in progress has one.
+        inert = [u for u, e in journal.items() if e.unpreparing is not None and u not in begun]
+        for uid in inert:
+            journal[uid] = replace(journal[uid], unpreparing=None)
+        restored = _restore_mig(state, journal, begun, problems)
         time_slices = state.timeslices.reapply(journal)
-        if rolled_back or restored:
+        if rolled_back or restored or finished or inert:
             state.checkpoint.store(journal)
             state.stats.rollbacks += len(rolled_back)
-        specs = state.cdi.list_claim_specs()
+            state.stats.unprepared += len(finished)
         orphans = tuple(uid for uid in specs if uid not in journal)
-        lost = [uid for uid in sorted(journal) if uid not in specs]
+        lost = [uid for uid in sorted(journal) if uid not in specs and uid not in begun]
         recreated, missing = _recreate_specs(state, lost, journal, problems)
     for uid in orphans:
         log.warning("CDI spec for claim %s has no journal entry; kept until unprepare", uid)
@@ -166,6 +244,7 @@ def recover(state: DeviceState) -> RecoveryReport:
         tuple(restored),
         time_slices,
         problems=tuple(problems),
+        finished_unprepares=tuple(finished),
     )
 
 
@@ -197,7 +276,7 @@ def _roll_back_started(
         try:
             if uid in errors:
                 raise transient(str(errors[uid]))
-            state.instances.destroy(journal[uid].devices)
+            state.instances.destroy(journal[uid].devices, other_entries(uid, journal))
             state.timeslices.restore(uid, journal[uid].devices, journal, intent=True)
         except Exception as err:  # the entry keeps holding its devices
             _problem(problems, uid, "rolling back its prepare failed", err)
@@ -207,16 +286,43 @@ def _roll_back_started(
     return rolled_back
 
 
+def _finish_unprepares(
+    state: DeviceState, journal: dict[str, ClaimEntry], begun: Sequence[str], problems: list[str]
+) -> list[str]:
+    """Completed claims whose unprepare had begun (`unprepare_begun`): the kubelet asked
+    to unprepare them (their pods are gone) and the answer never came. Their teardown
+    is finished as unprepare does it (MIG devices, GPU time-slice intervals, entry; the
+    spec is gone); the kubelet's repeat then finds nothing to do. One that fails stays
+    as it is, for that repeat."""
+    done: list[str] = []
+    for uid in begun:
+        try:
+            state.instances.destroy(journal[uid].devices, other_entries(uid, journal))
+        except Exception as err:  # the entry keeps holding its devices
+            _problem(problems, uid, "finishing its unprepare failed", err)
+            continue
+        done.append(uid)
+    failed = state.timeslices.release(journal, done)
+    for uid, error in failed.items():
+        _problem(problems, uid, "finishing its unprepare failed", error)
+    finished = [uid for uid in done if uid not in failed]
+    for uid in finished:
+        del journal[uid]
+    if finished:
+        log.warning("finished the interrupted unprepare of %d claim(s)", len(finished))
+    return finished
+
+
 def _restore_mig(
-    state: DeviceState, journal: dict[str, ClaimEntry], problems: list[str]
+    state: DeviceState, journal: dict[str, ClaimEntry], begun: Sequence[str], problems: list[str]
 ) -> list[str]:
     """Completed claims whose MIG devices a reboot destroyed get them again. One that
     cannot (its GPU is lost, NVML refuses) stays as it is: still prepared, its
     devices held, until the kubelet unprepares it."""
     restored: list[str] = []
     for uid, entry in sorted(journal.items()):
-        if entry.state is not ClaimState.PREPARE_COMPLETED:
-            continue
+        if entry.state is not ClaimState.PREPARE_COMPLETED or uid in begun:
+            continue  # (begun: one that could not be finished; the kubelet's repeat does)
         try:
             devices = state.instances.restore(entry.devices)
             if devices is None:

@@ -224,16 +224,22 @@ SCENARIOS: dict[str, str] = {
     "prepare-rollback-after-cdi-removed": "prepare-retry",
     **{name: "unprepare" for name in UNPREPARE_FAILPOINTS},
 }
-# State after a crash and `recover()`; failpoints not listed: nothing left.
-RECOVERED = {
+# State after a crash and `recover()` of claims without MIG devices (the shares of
+# gpu-3); failpoints not listed: nothing left.
+RECOVERED_SHARES = {
     "prepare-after-completed": "prepared",
     "unprepare-before-cdi-removed": "prepared",
     "unprepare-after-cdi-removed": "entry-without-spec",
     "unprepare-entry-before-rename": "entry-without-spec",
-    # The spec is gone, the entry completed: start recreates the spec, and the MIG
-    # device destroyed before the crash is created again at its placement.
-    "unprepare-before-mig-destroy": "entry-without-spec",
-    "unprepare-after-mig-destroy": "entry-without-spec",
+}
+# The same for claim-a (and claim-c), which hold MIG devices the driver created: their
+# unprepare marks the entries `unpreparing` before it removes anything, and a restart
+# in the same boot that finds a marked entry's spec gone finishes the teardown instead
+# of creating the MIG devices again.
+RECOVERED = {
+    "prepare-after-completed": "prepared",
+    "unprepare-before-cdi-removed": "prepared",  # nothing removed yet: the kubelet repeats
+    **{name: "torn-down" for name in UNPREPARE_FAILPOINTS[1:-1]},
 }
 BEFORE_RENAME = {name for name in FAILPOINTS if name.endswith("-before-rename")}
 
@@ -390,15 +396,15 @@ def test_kill_at_failpoint_then_restart(
     if expected == "prepared":
         _assert_prepared_exactly_once(recovered, golden)
         assert report.missing_specs == ()
-    elif expected == "entry-without-spec":
-        # Unprepare removed the spec but not yet the entry. Start cannot tell this from
-        # a reboot that emptied the CDI root, so the spec is recreated from the journal
-        # (harmless: the kubelet repeats the unprepare, which removes both).
-        _assert_prepared_exactly_once(recovered, golden)
-        assert report.recreated_specs == (UID_A,) and report.missing_specs == ()
+    elif expected == "torn-down":
+        # The kubelet asked to unprepare (the entry says so): the restart finishes it,
+        # and creates no MIG device for a claim being torn down.
+        _assert_empty(recovered)
+        assert report.finished_unprepares == (UID_A,) and report.recreated_specs == ()
+        assert report.restored_mig == () and report.problems == ()
     else:
         _assert_empty(recovered)
-        assert report.rolled_back in ((), (UID_A,))
+        assert report.rolled_back in ((), (UID_A,)) and report.finished_unprepares == ()
 
     if scenario == "unprepare":
         # The kubelet repeats the unprepare after the restart.
@@ -472,10 +478,9 @@ def test_kill_during_a_batch_then_restart(
     if expected == "prepared":
         assert journal == golden_batch["journal"]
         assert _claim_specs(recovered) == golden_batch["specs"]
-    elif expected == "entry-without-spec":
-        assert journal == golden_batch["journal"]
-        assert _claim_specs(recovered) == golden_batch["specs"]
-        assert sorted(report.recreated_specs) == uids and report.missing_specs == ()
+    elif expected == "torn-down":
+        assert journal == {} and _claim_specs(recovered) == {}
+        assert sorted(report.finished_unprepares) == uids and report.restored_mig == ()
     else:
         assert journal == {} and _claim_specs(recovered) == {}
         assert sorted(report.rolled_back) in ([], uids)
@@ -563,7 +568,7 @@ def test_kill_with_two_shares_of_one_gpu(failpoint: str, tmp_path: Path) -> None
     assert _temp_files(recovered) == []
     assert _share_state(recovered, UID_S1) == first
     second_specs, second_entry = _share_state(recovered, UID_S2)
-    if RECOVERED.get(failpoint, "empty") == "empty":
+    if RECOVERED_SHARES.get(failpoint, "empty") == "empty":
         assert (second_specs, second_entry) == ({}, None)
     else:
         assert second_entry is not None and len(second_specs) == 1
