@@ -51,7 +51,8 @@ PREPARE_FAILPOINTS: Final[tuple[str, ...]] = (
 )
 
 UNPREPARE_FAILPOINTS: Final[tuple[str, ...]] = (
-    # entries/specs found for the batch, nothing removed yet
+    # entries/specs found for the batch, nothing removed yet (entries with MIG devices
+    # the driver created are already marked `unpreparing`)
     "unprepare-before-cdi-removed",
     # the batch's CDI specs removed (one directory fsync), checkpoint entries present
     "unprepare-after-cdi-removed",
