@@ -13,11 +13,13 @@ partitions, or a GPU together with one of its partitions.
   capacities, `parentUUID` and `migProfile`, no `uuid`; a GPU without such a profile
   publishes no whole-GPU device.
 - static: exactly the MIG devices that exist, under the same names, with attribute
-  `uuid` = the MIG device's UUID; no whole GPU (it is split already).
+  `uuid` = the MIG device's UUID; no whole GPU (it is split already). Never one this
+  driver created for a prepared claim (its unprepare destroys it).
 """
 
 from __future__ import annotations
 
+from collections.abc import Set
 from typing import Any
 
 from driver.devices.documents import (
@@ -170,17 +172,24 @@ def dynamic_partitions(gpu: GpuInfo, gpu_attrs: dict[str, Any]) -> list[Publishe
 
 
 def static_partitions(
-    gpu: GpuInfo, gpu_attrs: dict[str, Any]
+    gpu: GpuInfo, gpu_attrs: dict[str, Any], owned: Set[tuple[str, int]] = frozenset()
 ) -> tuple[list[PublishedDevice], list[str]]:
-    """The GPU's existing MIG devices, and why any existing instance is not published
-    (no compute instance, or a profile NVML did not report)."""
+    """The GPU's existing MIG devices but those in `owned` ((GPU UUID, GPU-instance
+    id) of the ones this driver created for a prepared claim: its unprepare destroys
+    them, so a claim given one would get a dead UUID), and why any existing instance
+    is not published (owned, no compute instance, or a profile NVML did not report)."""
     parent = _parent_attributes(gpu_attrs)
     profiles = {p.profile_id: p for p in gpu.partition_profiles}
     devices: list[tuple[PartitionProfile, tuple[int, int], MigInstance]] = []
     skipped: list[str] = []
     for instance in gpu.mig_instances:
         profile = profiles.get(instance.profile_id)
-        if profile is None:
+        if (gpu.uuid, instance.gi_id) in owned:
+            skipped.append(
+                f"GPU instance {instance.gi_id}: created by this driver for a prepared "
+                "claim (destroyed at its unprepare)"
+            )
+        elif profile is None:
             skipped.append(f"GPU instance {instance.gi_id}: unknown profile {instance.profile_id}")
         elif instance.uuid is None:
             skipped.append(f"GPU instance {instance.gi_id} ({profile.name}): no compute instance")

@@ -253,7 +253,7 @@ def _mig_gpu(
             "-dci and -dgi) or use --mig-strategy=auto, which publishes exactly them"
         )
     if strategy is MigStrategy.STATIC or (strategy is MigStrategy.AUTO and foreign):
-        devices, skipped = mig.static_partitions(gpu, attrs)
+        devices, skipped = mig.static_partitions(gpu, attrs, owned)
         notes = [f"GPU {gpu.minor} ({gpu.uuid}): {why}; not published" for why in skipped]
         if not devices:
             notes.append(

@@ -114,7 +114,9 @@ class Plugin:
         # the ones a reboot destroyed, so discovery sees the node as it will be served.
         log.info("recovered local state: %s", state.recover())
 
-        inventory = backend.discover()
+        # The listing and the journal snapshot of one moment, under the node lock (an
+        # old instance may still be serving during a rolling update).
+        inventory, owned_mig = state.discover_with_owned(backend.discover)
         pool = build_pool(
             inventory,
             PoolOptions(
@@ -123,7 +125,7 @@ class Plugin:
                 mig_strategy=MigStrategy(o.mig_strategy),
                 allow_multiple_allocations=o.allow_multiple_allocations,
             ),
-            owned_mig=state.owned_mig(),
+            owned_mig=owned_mig,
         )
         for note in pool.notes:
             log.warning("%s", note)

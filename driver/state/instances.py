@@ -74,6 +74,28 @@ def held(devices: Iterable[Sequence[PreparedDevice]]) -> Held:
     )
 
 
+def owned_instances(journal: Mapping[str, ClaimEntry], live: Iterable[MigInstance]) -> Held:
+    """The live GPU instances the journal owns: each owned record's by its ids, and
+    for an intent (`PrepareStarted`, no ids yet) the one its attempt may have created,
+    found as a rollback finds it (the intent's profile at its placement, an id not in
+    `before` and not another entry's). A rollback or unprepare destroys exactly these,
+    so none of them may be published as a static device."""
+    records = [d.mig for e in journal.values() for d in e.devices if d.mig is not None]
+    owned = {(r.gpu_uuid, r.gi_id) for r in records if r.owned and r.gi_id is not None}
+    others = held([[d for e in journal.values() for d in e.devices]]) - owned
+    for r in records:
+        if r.owned and r.gi_id is None and r.before is not None:
+            owned.update(
+                (m.gpu_uuid, m.gi_id)
+                for m in live
+                if m.gpu_uuid == r.gpu_uuid
+                and _same_place(m, r)
+                and m.gi_id not in r.before
+                and (m.gpu_uuid, m.gi_id) not in others
+            )
+    return frozenset(owned)
+
+
 def other_entries(
     uid: str, journal: Mapping[str, ClaimEntry]
 ) -> Iterable[Sequence[PreparedDevice]]:

@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from driver.errors import DriverError, ErrorClass, transient
+from driver.nvml.types import Inventory
 from driver.observability import metrics
 from driver.state import teardown
 from driver.state.batch import as_transient, prepare_locked
@@ -63,7 +64,7 @@ from driver.state.claims import (
 )
 from driver.state.common_spec import CommonSpec
 from driver.state.driver_edits import DriverRoot
-from driver.state.instances import ClaimInstances, MigOps
+from driver.state.instances import ClaimInstances, Held, MigOps, owned_instances
 from driver.state.locking import SerializeLock
 from driver.state.planning import CdiContext, check_health
 from driver.state.teardown import RecoveryReport
@@ -214,21 +215,30 @@ class DeviceState:
         """Start-up reconciliation of the journal, the CDI specs and the MIG devices."""
         return teardown.recover(self)
 
-    def owned_mig(self) -> frozenset[tuple[str, int]]:
-        """(GPU UUID, GPU-instance id) of every MIG device a completed claim owns. With
-        a corrupt journal nothing is known to be owned: every MIG device counts as
-        foreign, so none is ever destroyed or overlapped until the journal is repaired."""
+    def owned_mig(self, inventory: Inventory | None = None) -> Held:
+        """(GPU UUID, GPU-instance id) of every MIG device the journal owns: a
+        completed claim's, and with `inventory` the one a `PrepareStarted` intent's
+        attempt may have created (`instances.owned_instances`). With a corrupt journal
+        nothing is known to be owned: every MIG device counts as foreign, so none is
+        ever destroyed or overlapped until the journal is repaired."""
         with self.lock.hold():
-            try:
-                journal = self.checkpoint.load()
-            except CheckpointCorruptError:
-                return frozenset()
-        return frozenset(
-            (d.mig.gpu_uuid, d.mig.gi_id)
-            for entry in journal.values()
-            for d in entry.devices
-            if d.mig is not None and d.mig.owned and d.mig.gi_id is not None
-        )
+            return self._owned_locked(inventory)
+
+    def discover_with_owned(self, discover: Callable[[], Inventory]) -> tuple[Inventory, Held]:
+        """`discover()` and `owned_mig()` of one moment, both under the node lock: a
+        plugin instance still serving (a rolling update) cannot create or destroy a
+        MIG device between the listing and the journal snapshot."""
+        with self.lock.hold():
+            inventory = discover()
+            return inventory, self._owned_locked(inventory)
+
+    def _owned_locked(self, inventory: Inventory | None) -> Held:
+        try:
+            journal = self.checkpoint.load()
+        except CheckpointCorruptError:
+            return frozenset()
+        live = [m for g in inventory.gpus for m in g.mig_instances] if inventory is not None else []
+        return owned_instances(journal, live)
 
     # -- shared with teardown -------------------------------------------------------------
 

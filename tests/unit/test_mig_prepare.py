@@ -85,9 +85,8 @@ def make_node(root: Path, fleet: dict[str, Any], strategy: MigStrategy = MigStra
         proc_devices=PROC_DEVICES,
     )
     state.recover()
-    pool = build_pool(
-        backend.discover(), PoolOptions(mig_strategy=strategy), owned_mig=state.owned_mig()
-    )
+    inventory, owned = state.discover_with_owned(backend.discover)  # as the plugin does
+    pool = build_pool(inventory, PoolOptions(mig_strategy=strategy), owned_mig=owned)
     state.devices = {d.name: d for d in pool.devices}
     return Node(root, backend, pool, state, claims)
 
