@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -17,6 +19,8 @@ from pathlib import Path
 from typing import Any
 
 DRIVER = "gpu.example.com"
+# The short kubelet-like directories of this session's plugin instances.
+_SHORT_DIRS: set[Path] = set()
 
 
 def free_port() -> int:
@@ -69,6 +73,10 @@ class PluginProcess:
         # Unix socket paths must stay under 108 bytes, and pytest's tmp paths can be
         # long: the kubelet-like directories live under a short path derived from root.
         short = Path("/tmp") / f"gdra-{hashlib.sha1(str(root).encode()).hexdigest()[:10]}"
+        # Restarts reuse it (same root), so it goes when the test session ends.
+        if short not in _SHORT_DIRS:
+            _SHORT_DIRS.add(short)
+            atexit.register(shutil.rmtree, short, ignore_errors=True)
         self.registry_dir = short / "plugins_registry"
         self.plugins_dir = short / "plugins"
         self.cdi_root = short / "cdi"

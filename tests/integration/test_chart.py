@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import tempfile
 import uuid
@@ -217,6 +218,7 @@ def policy_setup(cluster: Any) -> Iterator[tuple[PluginIdentity, str, str, str]]
             input=_dump(policy_docs + nodes), check=False,
         )  # fmt: skip
         cluster.kubectl("delete", "namespace", ns, "--wait=false", check=False)
+        shutil.rmtree(tmp, ignore_errors=True)  # the plugin's token kubeconfig
 
 
 def test_token_carries_the_node(cluster: Any, policy_setup: Any) -> None:
