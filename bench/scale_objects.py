@@ -20,8 +20,8 @@ from typing import Any
 from driver.devices.model import PoolOptions, build_pool
 from driver.devices.slices import build_slice_documents
 from driver.nvml.backend import NvmlBackend
-from driver.nvml.fleet import Fleet, parse_fleet
-from driver.nvml.mock import MockNvml
+from driver.nvml.mock.fleet import Fleet, parse_fleet
+from driver.nvml.mock.nvml import MockNvml
 
 DRIVER = "gpu.example.com"
 GPUS_PER_NODE = 8

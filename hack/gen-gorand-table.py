@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Generate driver/nvml/_gorand_table.py from Go's standard library.
+"""Generate driver/nvml/mock/_gorand_table.py from Go's standard library.
 
 The reference driver derives device UUIDs from Go's math/rand v1, whose seeding
 XORs a fixed 607-entry table (`rngCooked`). That table is data in
@@ -19,7 +19,7 @@ from pathlib import Path
 
 RNG_LEN = 607
 REPO = Path(__file__).resolve().parent.parent
-DEFAULT_OUTPUT = REPO / "driver" / "nvml" / "_gorand_table.py"
+DEFAULT_OUTPUT = REPO / "driver" / "nvml" / "mock" / "_gorand_table.py"
 
 
 def goroot() -> Path:

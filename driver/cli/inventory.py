@@ -46,7 +46,6 @@ from driver.devices.model import (
 from driver.devices.slices import build_slice_documents, validate_slice_specs
 from driver.devices.table import HEADERS, device_rows
 from driver.nvml.backend import select_backend
-from driver.nvml.fleet import FleetError
 from driver.nvml.library import NvmlUnavailableError
 from driver.plugin.flags import non_negative_int
 
@@ -121,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
             node_name=args.node_name,
         )
         inventory = backend.discover()
-    except (FleetError, NvmlUnavailableError, ValueError) as err:
+    except (NvmlUnavailableError, ValueError) as err:  # a bad fleet file is a ValueError
         print(f"gpu-dra inventory: {err}", file=sys.stderr)
         return 1
     except Exception as err:

@@ -18,8 +18,9 @@ fatal error must never be dropped for want of an address.
 With `data_dir`, the monitor also serves the plugin's control channel
 (`driver.health.control`): it announces itself on `start()`, polls the spool before
 every event wait and withdraws on `stop()`. Every backend accepts `clear`
-(`driver.health.clear`, `gpu-dra health clear`); a backend over `MockNvml` also the
-mock actions (`driver.health.mock_control`, `gpu-dra mock ...`).
+(`driver.health.clear`, `gpu-dra health clear`); a backend over the mock NVML
+(`NvmlBackend.mock_module`) also the mock actions
+(`driver.health.mock_control`, `gpu-dra mock ...`).
 
 `KubeDeviceHealth` implements the `DeviceHealth` protocol of `driver.state.prepare`.
 """
@@ -39,7 +40,6 @@ from driver.health.control import ControlChannel
 from driver.health.mock_control import MockActions
 from driver.health.store import Devices, HealthDevice, HealthStore, Placement, device_list
 from driver.health.xid import Verdict, XidPolicy, attributed_instance
-from driver.nvml.mock import MockNvml
 from driver.nvml.types import HealthEvent, MigInstance
 from driver.observability import metrics
 
@@ -119,11 +119,12 @@ class HealthMonitor:
             ClearAction(store, self._devices, publisher, on_change=self._update_gauge).register_on(
                 self.control
             )
-            module = getattr(backend, "module", None)
-            if isinstance(module, MockNvml):
-                MockActions(module, self._devices, mig_instances=self._mig_instances).register_on(
-                    self.control
+            mock_module = getattr(backend, "mock_module", None)
+            if mock_module is not None:
+                mock_actions = MockActions(
+                    mock_module, self._devices, mig_instances=self._mig_instances
                 )
+                mock_actions.register_on(self.control)
                 self._wait_ms = min(self._wait_ms, MOCK_WAIT_TIMEOUT_MS)
             self._pollers.append(self.control.poll)
         self._backoff0 = error_backoff

@@ -12,16 +12,19 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from driver.nvml.calls import CountingModule
 from driver.nvml.discovery import discover_inventory
 from driver.nvml.events import HealthEventSet
 from driver.nvml.library import NvmlUnavailableError, load_library_from_driver_root
 from driver.nvml.mig import MigManager
-from driver.nvml.mock_timeslice import MockTimeSlice
+from driver.nvml.mock.timeslice import MockTimeSlice
 from driver.nvml.timeslice import NvidiaSmiTimeSlice
 from driver.nvml.types import HealthEvent, Inventory
+
+if TYPE_CHECKING:
+    from driver.nvml.mock.nvml import MockNvml
 
 log = logging.getLogger(__name__)
 
@@ -32,14 +35,15 @@ class NvmlBackend:
     def __init__(
         self, module: Any, *, backend_name: str | None = None, kernel_root: Path = Path("/")
     ) -> None:
+        from driver.nvml.mock.nvml import MockNvml
+
         self._nvml = CountingModule(module)
         # Where the kernel's /proc of these GPUs is (device majors, MIG capabilities):
         # the host's, or the mock driver root the mock writes its own into.
         self.kernel_root = kernel_root
+        self._mock = module if isinstance(module, MockNvml) else None
         if backend_name is None:
-            from driver.nvml.mock import MockNvml
-
-            backend_name = "mock" if isinstance(module, MockNvml) else "nvml"
+            backend_name = "nvml" if self._mock is None else "mock"
         self.backend_name = backend_name
         self._events = HealthEventSet(self._nvml)
         self._timeslice: NvidiaSmiTimeSlice | MockTimeSlice | None = None
@@ -47,6 +51,11 @@ class NvmlBackend:
     @property
     def module(self) -> Any:
         return self._nvml.wrapped
+
+    @property
+    def mock_module(self) -> MockNvml | None:
+        """The mock NVML this backend runs over (its fault injection: `gpu-dra mock`)."""
+        return self._mock
 
     def mig(self) -> MigManager:
         """The MIG lifecycle on this backend's GPUs (calls are counted like all others)."""
@@ -57,12 +66,9 @@ class NvmlBackend:
         `driver_root` (the plugin's `--nvidia-driver-root`), or, for the mock, its
         settings kept under the mock's own driver root (`driver_root` is unused)."""
         if self._timeslice is None:
-            from driver.nvml.mock import MockNvml
-
-            module = self.module
-            if isinstance(module, MockNvml):
-                uuids = [gpu.uuid for gpu in module.gpus]
-                self._timeslice = MockTimeSlice(module.mig_store.root, uuids)
+            if self._mock is not None:
+                uuids = [gpu.uuid for gpu in self._mock.gpus]
+                self._timeslice = MockTimeSlice(self._mock.mig_store.root, uuids)
             else:
                 self._timeslice = NvidiaSmiTimeSlice(driver_root)
         return self._timeslice
@@ -75,7 +81,11 @@ class NvmlBackend:
 
     def discover(self) -> Inventory:
         """Walk every GPU NVML reports; GPUs that are lost are skipped with a warning."""
-        return discover_inventory(self._nvml, self.backend_name)
+        inventory = discover_inventory(self._nvml, self.backend_name)
+        if self._mock is not None:
+            # The mock's `example` profile publishes the reference's model, not NVML's.
+            inventory = self._mock.as_published(inventory)
+        return inventory
 
     def open_event_set(self) -> None:
         """Initialise NVML and register every GPU for health-relevant events."""
@@ -107,8 +117,8 @@ def select_backend(
     accident on a real GPU node.
     """
     if mock:
-        from driver.nvml.fleet import resolve_fleet
-        from driver.nvml.mock import MockNvml
+        from driver.nvml.mock.fleet import resolve_fleet
+        from driver.nvml.mock.nvml import MockNvml
 
         if not node_name:
             raise ValueError("the mock backend needs a node name (UUIDs derive from it)")

@@ -106,7 +106,6 @@ def _gpu_info(nvml: CountingModule, index: int, handle: Any) -> GpuInfo:
         if mig_enabled and profiles
         else ()
     )
-    overrides = _mock_overrides(nvml, uuid)
     return GpuInfo(
         index=index,
         minor=minor,
@@ -123,21 +122,7 @@ def _gpu_info(nvml: CountingModule, index: int, handle: Any) -> GpuInfo:
         multiprocessors=max((p.multiprocessors for p in profiles), default=None),
         partition_profiles=profiles,
         mig_instances=instances,
-        model=overrides.get("model"),
-        reference_example=bool(overrides.get("reference_example", False)),
     )
-
-
-def _mock_overrides(nvml: CountingModule, uuid: str) -> dict[str, Any]:
-    """Published-model overrides the mock's `example` profile carries (not NVML)."""
-    from driver.nvml.mock import MockNvml
-
-    if not isinstance(nvml.wrapped, MockNvml):
-        return {}
-    gpu = nvml.wrapped.mock_gpu(uuid)
-    if gpu.profile.referenceExample:
-        return {"model": gpu.profile.productName, "reference_example": True}
-    return {}
 
 
 def _partition_profiles(

@@ -20,7 +20,6 @@ from driver.kube.api import KubeApi
 from driver.kube.claims import ApiClaimReader, ClaimFailureReporter
 from driver.kube.publisher import SlicePublisher
 from driver.nvml.backend import select_backend
-from driver.nvml.fleet import FleetError
 from driver.nvml.library import NvmlUnavailableError
 from driver.observability import metrics
 from driver.observability.http import serve_http
@@ -45,7 +44,7 @@ log = logging.getLogger("gpu-kubelet-plugin")
 SHUTDOWN_GRACE_SECONDS = 5.0
 # Errors that mean "the flags or the node's configuration are wrong" (option values,
 # fleet files, no NVML, a pool that cannot be built): reported in one line.
-CONFIG_ERRORS = (ValueError, FleetError, NvmlUnavailableError, PoolError)
+CONFIG_ERRORS = (ValueError, NvmlUnavailableError, PoolError)  # a bad fleet file is a ValueError
 
 
 class Plugin:

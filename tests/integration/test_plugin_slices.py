@@ -10,8 +10,8 @@ import pytest
 
 from driver.devices.model import build_pool
 from driver.nvml.backend import NvmlBackend
-from driver.nvml.fleet import default_fleet, parse_fleet
-from driver.nvml.mock import MockNvml
+from driver.nvml.mock.fleet import default_fleet, parse_fleet
+from driver.nvml.mock.nvml import MockNvml
 from tests.conftest import Cluster, FakeNode
 from tests.integration.helpers import (
     allocation,

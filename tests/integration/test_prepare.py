@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 
 from driver.nvml.backend import NvmlBackend
-from driver.nvml.fleet import default_fleet
-from driver.nvml.mock import MockNvml
+from driver.nvml.mock.fleet import default_fleet
+from driver.nvml.mock.nvml import MockNvml
 from driver.nvml.types import MigInstance
 from driver.proto.dra.v1 import api_pb2
 from driver.state.cdi import CdiSpecs

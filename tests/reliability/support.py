@@ -24,8 +24,8 @@ from driver.devices.model import (
 )
 from driver.kube.api import ApiError, KubeApi
 from driver.nvml.backend import NvmlBackend
-from driver.nvml.fleet import resolve_fleet
-from driver.nvml.mock import MockNvml
+from driver.nvml.mock.fleet import resolve_fleet
+from driver.nvml.mock.nvml import MockNvml
 from driver.proto.dra.v1 import api_pb2 as dra
 from driver.proto.dra.v1 import api_pb2_grpc as dra_grpc
 from driver.state.cdi import CdiSpecs

@@ -3,18 +3,19 @@
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from driver.nvml import backend as be
-from driver.nvml import mock_api as m
 from driver.nvml.calls import CountingModule
 from driver.nvml.discovery import format_cuda_driver_version, normalize_pci_bus_id
 from driver.nvml.events import HealthEventSet
-from driver.nvml.fleet import default_fleet, example_fleet, parse_fleet
 from driver.nvml.library import NvmlUnavailableError
-from driver.nvml.mock import MockNvml
+from driver.nvml.mock import api as m
+from driver.nvml.mock.fleet import default_fleet, example_fleet, parse_fleet
+from driver.nvml.mock.nvml import MockNvml
 from driver.nvml.types import HealthEvent
 
 
@@ -253,3 +254,16 @@ def test_select_backend_with_fleet_file(tmp_path: Any) -> None:
         "gpu-69d96e09-3a81-6655-a411-e2a85dbf4b80",
         "gpu-2bd3a17a-271e-7d9a-a8a2-2c01d857dc38",
     ]
+
+
+def test_only_the_backend_selection_reaches_the_mock() -> None:
+    """The real NVML path never imports the mock: outside `driver/nvml/mock/`, only
+    the backend selection (`driver/nvml/backend.py`) names it."""
+    driver_dir = Path(be.__file__).resolve().parents[1]
+    importers = sorted(
+        str(path.relative_to(driver_dir.parent))
+        for path in driver_dir.rglob("*.py")
+        if "mock" not in path.relative_to(driver_dir).parts[:2]
+        and "driver.nvml.mock" in path.read_text()
+    )
+    assert importers == ["driver/nvml/backend.py"]

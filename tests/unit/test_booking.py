@@ -11,8 +11,8 @@ import pytest
 
 from driver.devices.model import PoolOptions, PublishedDevice, build_pool
 from driver.nvml.backend import NvmlBackend
-from driver.nvml.fleet import parse_fleet
-from driver.nvml.mock import MockNvml
+from driver.nvml.mock.fleet import parse_fleet
+from driver.nvml.mock.nvml import MockNvml
 from driver.state.booking import overlap, refuse_double_booking
 from driver.state.checkpoint import (
     Checkpoint,

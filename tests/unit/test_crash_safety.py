@@ -34,8 +34,8 @@ from pathlib import Path
 from driver.devices.model import PoolOptions, build_pool
 from driver.errors import transient
 from driver.nvml.backend import NvmlBackend
-from driver.nvml.fleet import parse_fleet
-from driver.nvml.mock import MockNvml
+from driver.nvml.mock.fleet import parse_fleet
+from driver.nvml.mock.nvml import MockNvml
 from driver.state.claims import ClaimRef
 from driver.state.prepare import DeviceState
 

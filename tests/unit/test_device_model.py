@@ -13,8 +13,8 @@ import pytest
 from driver.devices import documents
 from driver.devices import model as dm
 from driver.nvml.backend import NvmlBackend
-from driver.nvml.fleet import default_fleet, example_fleet, parse_fleet
-from driver.nvml.mock import MockNvml
+from driver.nvml.mock.fleet import default_fleet, example_fleet, parse_fleet
+from driver.nvml.mock.nvml import MockNvml
 from driver.nvml.types import GpuInfo, Inventory, MigInstance
 
 UNITS = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}

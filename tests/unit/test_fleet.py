@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from driver.nvml import fleet as fl
-from driver.nvml import gorand
+from driver.nvml.mock import fleet as fl
+from driver.nvml.mock import gorand
 
 MIG_MODELS = ("A100-40GB", "A100-80GB", "H100-80GB", "H200-141GB")
 DIMENSIONS = (

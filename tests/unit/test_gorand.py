@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from driver.nvml import gorand
-from driver.nvml._gorand_table import RNG_COOKED
+from driver.nvml.mock import gorand
+from driver.nvml.mock._gorand_table import RNG_COOKED
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -27,8 +27,8 @@ from driver.health.monitor import HealthMonitor
 from driver.health.store import HealthStore
 from driver.health.xid import XidPolicy
 from driver.nvml.backend import NvmlBackend
-from driver.nvml.fleet import default_fleet
-from driver.nvml.mock import MockNvml
+from driver.nvml.mock.fleet import default_fleet
+from driver.nvml.mock.nvml import MockNvml
 
 DRIVER = "gpu.example.com"
 

@@ -16,9 +16,9 @@ from driver.health.monitor import HealthMonitor, KubeDeviceHealth
 from driver.health.store import HealthStore
 from driver.health.xid import XidPolicy
 from driver.nvml.backend import NvmlBackend
-from driver.nvml.fleet import Fleet, default_fleet, parse_fleet
 from driver.nvml.mig import MigTarget
-from driver.nvml.mock import MockNvml
+from driver.nvml.mock.fleet import Fleet, default_fleet, parse_fleet
+from driver.nvml.mock.nvml import MockNvml
 from driver.nvml.types import HealthEvent, MigInstance
 from driver.observability.metrics import REGISTRY
 

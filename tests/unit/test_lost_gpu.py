@@ -16,11 +16,11 @@ from typing import Any
 import pytest
 
 from driver.errors import DriverError
-from driver.nvml import mock_api as m
 from driver.nvml.backend import NvmlBackend
-from driver.nvml.fleet import parse_fleet
 from driver.nvml.mig import MigError, MigManager, MigTarget
-from driver.nvml.mock import MockNvml
+from driver.nvml.mock import api as m
+from driver.nvml.mock.fleet import parse_fleet
+from driver.nvml.mock.nvml import MockNvml
 from driver.state.checkpoint import Checkpoint, ClaimState
 from driver.state.claims import ClaimRef
 from driver.state.prepare import DeviceState

@@ -11,10 +11,10 @@ import pytest
 
 from driver.devices.model import MigStrategy, PoolDevices, PoolOptions, build_pool
 from driver.nvml.backend import NvmlBackend
-from driver.nvml.fleet import parse_fleet
 from driver.nvml.mig import MigTarget
-from driver.nvml.mock import MockNvml
-from driver.nvml.mock_mig_state import mig_minor
+from driver.nvml.mock.fleet import parse_fleet
+from driver.nvml.mock.mig_state import mig_minor
+from driver.nvml.mock.nvml import MockNvml
 from driver.state.checkpoint import Checkpoint, ClaimState
 from driver.state.claims import ClaimRef
 from driver.state.prepare import DeviceState

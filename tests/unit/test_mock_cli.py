@@ -28,9 +28,9 @@ from driver.health.monitor import HealthMonitor
 from driver.health.store import HealthStore
 from driver.health.xid import XidPolicy
 from driver.nvml.backend import NvmlBackend
-from driver.nvml.fleet import default_fleet
 from driver.nvml.mig import MigTarget
-from driver.nvml.mock import MockNvml
+from driver.nvml.mock.fleet import default_fleet
+from driver.nvml.mock.nvml import MockNvml
 from driver.nvml.types import MigInstance
 
 DRIVER = "gpu.example.com"

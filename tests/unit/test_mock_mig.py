@@ -12,10 +12,10 @@ from typing import Any
 
 import pytest
 
-from driver.nvml import mock_api as m
-from driver.nvml import mock_mig_state as ms
-from driver.nvml.fleet import FleetError, parse_fleet
-from driver.nvml.mock import MockNvml
+from driver.nvml.mock import api as m
+from driver.nvml.mock import mig_state as ms
+from driver.nvml.mock.fleet import FleetError, parse_fleet
+from driver.nvml.mock.nvml import MockNvml
 
 MIG_UUID = re.compile(r"MIG-[0-9a-f]{8}-[0-9a-f]{4}-5[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}")
 STATIC = [{"profile": "1g.10gb", "start": 0}, {"profile": "3g.40gb", "start": 4}]

@@ -9,9 +9,9 @@ import time
 
 import pytest
 
-from driver.nvml import mock_api as m
-from driver.nvml.fleet import example_fleet, parse_fleet
-from driver.nvml.mock import MockNvml
+from driver.nvml.mock import api as m
+from driver.nvml.mock.fleet import example_fleet, parse_fleet
+from driver.nvml.mock.nvml import MockNvml
 from driver.nvml.types import HealthEvent
 
 

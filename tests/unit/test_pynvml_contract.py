@@ -17,13 +17,14 @@ from typing import Any
 import pynvml
 import pytest
 
-from driver.nvml import mock_api as m
-from driver.nvml import mock_mig, mock_mig_state
 from driver.nvml.backend import NvmlBackend
 from driver.nvml.calls import CountingModule
 from driver.nvml.events import HealthEventSet
-from driver.nvml.fleet import parse_fleet
-from driver.nvml.mock import MockNvml
+from driver.nvml.mock import api as m
+from driver.nvml.mock import mig as mock_mig
+from driver.nvml.mock import mig_state as mock_mig_state
+from driver.nvml.mock.fleet import parse_fleet
+from driver.nvml.mock.nvml import MockNvml
 from driver.nvml.types import HealthEvent
 
 

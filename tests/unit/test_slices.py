@@ -10,8 +10,8 @@ import pytest
 from driver.devices import slices as sl
 from driver.devices.model import PoolDevices, PoolOptions, build_pool
 from driver.nvml.backend import NvmlBackend
-from driver.nvml.fleet import default_fleet, example_fleet, parse_fleet
-from driver.nvml.mock import MockNvml
+from driver.nvml.mock.fleet import default_fleet, example_fleet, parse_fleet
+from driver.nvml.mock.nvml import MockNvml
 
 DRIVER = "gpu.example.com"
 WORKER = "dra-example-driver-cluster-worker"

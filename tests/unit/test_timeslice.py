@@ -13,9 +13,9 @@ import pytest
 from driver.devices.model import PoolOptions, build_pool
 from driver.errors import DriverError, transient
 from driver.nvml.backend import NvmlBackend
-from driver.nvml.fleet import parse_fleet
-from driver.nvml.mock import MockNvml
-from driver.nvml.mock_timeslice import MockTimeSlice
+from driver.nvml.mock.fleet import parse_fleet
+from driver.nvml.mock.nvml import MockNvml
+from driver.nvml.mock.timeslice import MockTimeSlice
 from driver.state.checkpoint import Checkpoint, ClaimState
 from driver.state.claims import ClaimRef
 from driver.state.prepare import DeviceState

@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from driver.nvml.mock_timeslice import MockTimeSlice
+from driver.nvml.mock.timeslice import MockTimeSlice
 from driver.state.checkpoint import Checkpoint
 from driver.state.failpoints import ENV_VAR, FAILPOINTS, PREPARE_FAILPOINTS
 from driver.state.timeslice import wanted
@@ -34,8 +34,8 @@ from pathlib import Path
 
 from driver.devices.model import PoolOptions, build_pool
 from driver.nvml.backend import NvmlBackend
-from driver.nvml.fleet import parse_fleet
-from driver.nvml.mock import MockNvml
+from driver.nvml.mock.fleet import parse_fleet
+from driver.nvml.mock.nvml import MockNvml
 from driver.state.claims import ClaimRef
 from driver.state.prepare import DeviceState
 

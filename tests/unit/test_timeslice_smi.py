@@ -12,9 +12,9 @@ import pytest
 
 from driver.errors import DriverError
 from driver.nvml.backend import NvmlBackend
-from driver.nvml.fleet import parse_fleet
-from driver.nvml.mock import MockNvml
-from driver.nvml.mock_timeslice import STATE_FILE, MockTimeSlice
+from driver.nvml.mock.fleet import parse_fleet
+from driver.nvml.mock.nvml import MockNvml
+from driver.nvml.mock.timeslice import STATE_FILE, MockTimeSlice
 from driver.nvml.timeslice import NvidiaSmiTimeSlice
 from driver.state.checkpoint import (
     Checkpoint,

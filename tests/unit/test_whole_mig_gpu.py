@@ -14,8 +14,8 @@ from driver.devices.documents import MIG_DIMENSIONS, binary_quantity, decimal_qu
 from driver.devices.mig import full_size_profile
 from driver.devices.slices import build_slice_specs
 from driver.nvml.backend import NvmlBackend
-from driver.nvml.fleet import default_fleet, parse_fleet
-from driver.nvml.mock import MockNvml
+from driver.nvml.mock.fleet import default_fleet, parse_fleet
+from driver.nvml.mock.nvml import MockNvml
 from driver.nvml.types import GpuInfo, Inventory, PartitionProfile
 
 MODELS = ["A100-40GB", "A100-80GB", "H100-80GB", "H200-141GB"]

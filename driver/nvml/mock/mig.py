@@ -40,8 +40,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
-from driver.nvml.fleet import MigProfileSpec, MigSpec, MockGpu
-from driver.nvml.mock_api import (
+from driver.nvml.mock.api import (
     NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED,
     NVML_COMPUTE_INSTANCE_PROFILE_COUNT,
     NVML_ERROR_FUNCTION_NOT_FOUND,
@@ -57,7 +56,8 @@ from driver.nvml.mock_api import (
     ref_target,
     set_out_uint,
 )
-from driver.nvml.mock_mig_state import (
+from driver.nvml.mock.fleet import MigProfileSpec, MigSpec, MockGpu
+from driver.nvml.mock.mig_state import (
     CiProfile,
     CiRecord,
     ComputeInstanceInfo,

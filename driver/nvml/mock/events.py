@@ -16,8 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from driver.nvml.fleet import MockGpu
-from driver.nvml.mock_api import (
+from driver.nvml.mock.api import (
     NO_INSTANCE,
     NVML_ERROR_GPU_IS_LOST,
     NVML_ERROR_INVALID_ARGUMENT,
@@ -34,6 +33,7 @@ from driver.nvml.mock_api import (
     nvmlEventTypeSingleBitEccError,
     nvmlEventTypeXidCriticalError,
 )
+from driver.nvml.mock.fleet import MockGpu
 from driver.nvml.types import HealthEvent
 
 

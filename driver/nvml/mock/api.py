@@ -1,6 +1,6 @@
 """The pynvml surface the mock NVML exposes: NVML's constants, error classes and the
 return structures, under pynvml's names and with NVML's values (nvml.h, nvidia-ml-py
-13.x). `MockNvml` (driver/nvml/mock.py) serves them as module attributes, as pynvml
+13.x). `MockNvml` (driver/nvml/mock/nvml.py) serves them as module attributes, as pynvml
 does; tests import them from here.
 """
 

@@ -12,7 +12,7 @@ seeded through the Park-Miller LCG (x * 48271 mod 2**31-1) XOR a fixed table,
 
 from __future__ import annotations
 
-from driver.nvml._gorand_table import RNG_COOKED
+from driver.nvml.mock._gorand_table import RNG_COOKED
 
 RNG_LEN = 607
 RNG_TAP = 273

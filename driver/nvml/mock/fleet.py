@@ -20,7 +20,7 @@ enabled and no two instances may overlap or exceed the profile's instance count.
 
 Decoding is strict: unknown fields, wrong types and unknown models are errors that
 name the field path. Model profiles (what NVML reports for one GPU of a kind, with its
-MIG GPU-instance profile table) are data in `driver/nvml/profiles/models.yaml`.
+MIG GPU-instance profile table) are data in `driver/nvml/mock/profiles/models.yaml`.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ from pydantic import (
     model_validator,
 )
 
-from driver.nvml import gorand
+from driver.nvml.mock import gorand
 
 DEFAULT_DRIVER_VERSION = "580.95.05"
 DEFAULT_CUDA_DRIVER_VERSION = "13.0"
@@ -256,7 +256,7 @@ def _format_validation_error(err: ValidationError) -> str:
 @functools.cache
 def model_profiles() -> dict[str, ModelProfile]:
     """The built-in model profiles, keyed by model name."""
-    text = resources.files("driver.nvml").joinpath("profiles/models.yaml").read_text()
+    text = resources.files("driver.nvml.mock").joinpath("profiles/models.yaml").read_text()
     try:
         table = _ModelTable.model_validate(yaml.load(text, Loader=SAFE_LOADER))
     except ValidationError as err:

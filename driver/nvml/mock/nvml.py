@@ -2,20 +2,21 @@
 
 An instance stands in for the `pynvml` module: the same function names, arguments,
 return shapes, constants and `NVMLError` subclasses (with NVML's numeric codes, in
-`driver/nvml/mock_api.py`), so
+`driver/nvml/mock/api.py`), so
 `NvmlBackend` runs unchanged on real pynvml and on the mock. Nothing here imports or
 copies pynvml; names and values mirror its public API (nvidia-ml-py 13.x).
 
 Extras for tests and demos (not part of pynvml):
 - `calls`: a `collections.Counter` of every NVML function called through the mock
   (`mock.calls.total() == 0` asserts "no NVML call").
-- `inject(event)`: thread-safe health injection (`driver/nvml/mock_events.py`). A lost
+- `inject(event)`: thread-safe health injection (`driver/nvml/mock/events.py`). A lost
   GPU answers GPU_IS_LOST to every query and, as nvml.h documents, makes every
   `nvmlDeviceGetHandleByUUID` answer it too (any GPU, MIG devices included) until
   it is reset; `nvmlDeviceGetHandleByIndex` fails for the lost GPU only, and a
   handle taken before the loss answers GPU_IS_LOST to every query.
-- `mock_gpu(uuid)`: the fleet entry behind a GPU.
-- MIG instances (`driver/nvml/mock_mig.py`): GPU and compute instances and MIG device
+- `mock_gpu(uuid)`: the fleet entry behind a GPU; `as_published(inventory)` what
+  the reference `example` profile publishes instead of NVML's model.
+- MIG instances (`driver/nvml/mock/mig.py`): GPU and compute instances and MIG device
   handles, kept in memory or, given `driver_root`, in a state file under it shared by
   every process on that root; `mock_reboot()` drops the dynamic ones.
 """
@@ -24,12 +25,13 @@ from __future__ import annotations
 
 import collections
 import threading
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from driver.nvml import mock_api, mock_mig
-from driver.nvml.fleet import Fleet, MigProfileSpec, MockGpu, expand_fleet
-from driver.nvml.mock_api import (
+from driver.nvml.mock import api as mock_api
+from driver.nvml.mock import mig as mock_mig
+from driver.nvml.mock.api import (
     ERROR_CLASSES,
     NVML_BRAND_GEFORCE,
     NVML_BRAND_NVIDIA,
@@ -69,14 +71,16 @@ from driver.nvml.mock_api import (
     nvmlGpuInstanceProfileInfo_v2,
     set_out_uint,
 )
-from driver.nvml.mock_devices import ensure_proc_devices
-from driver.nvml.mock_events import EventFunctions, PendingEvent
-from driver.nvml.mock_mig import MigFunctions
-from driver.nvml.mock_mig_state import (
+from driver.nvml.mock.devices import ensure_proc_devices
+from driver.nvml.mock.events import EventFunctions, PendingEvent
+from driver.nvml.mock.fleet import Fleet, MigProfileSpec, MockGpu, expand_fleet
+from driver.nvml.mock.mig import MigFunctions
+from driver.nvml.mock.mig_state import (
     MockMigDeviceHandle,
     c_nvmlComputeInstance_t,
     c_nvmlGpuInstance_t,
 )
+from driver.nvml.types import Inventory
 
 _ARCH_BY_NAME = {
     "kepler": NVML_DEVICE_ARCH_KEPLER,
@@ -151,6 +155,18 @@ class MockNvml(EventFunctions, MigFunctions):
             return self._by_uuid[uuid]
         except KeyError:
             raise KeyError(f"no mock GPU with UUID {uuid}") from None
+
+    def as_published(self, inventory: Inventory) -> Inventory:
+        """The inventory with what a profile publishes instead of NVML's answer: the
+        `example` profile publishes the reference driver's model and attribute set
+        (not NVML; the backend applies it after discovery)."""
+        gpus = []
+        for gpu in inventory.gpus:
+            profile = self.mock_gpu(gpu.uuid).profile
+            if profile.referenceExample:
+                gpu = replace(gpu, model=profile.productName, reference_example=True)
+            gpus.append(gpu)
+        return replace(inventory, gpus=tuple(gpus))
 
     # ------------------------------------------------------------ helpers
 
