@@ -10,7 +10,7 @@ import itertools
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from driver.errors import DriverError, transient
 from driver.nvml.types import MigInstance
@@ -18,13 +18,11 @@ from driver.state.booking import refuse_double_booking, refuse_over_capacity
 from driver.state.cdi import ClaimSpec
 from driver.state.checkpoint import ClaimEntry, ClaimState, PreparedDevice
 from driver.state.claims import ClaimRef, PrepareResult
+from driver.state.context import StepContext
 from driver.state.failpoints import failpoint
 from driver.state.instances import other_entries
 from driver.state.planning import PlannedDevice, plan_claim, render_spec
 from driver.state.teardown import unprepare_begun
-
-if TYPE_CHECKING:
-    from driver.state.prepare import DeviceState
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +46,7 @@ class _Work:
 
 
 def prepare_locked(
-    state: DeviceState,
+    state: StepContext,
     todo: Sequence[tuple[ClaimRef, dict[str, Any], list[dict[str, Any]]]],
     journal: dict[str, ClaimEntry],
     results: dict[str, PrepareResult],
@@ -156,7 +154,7 @@ def prepare_locked(
 
 
 def _plan(
-    state: DeviceState, ref: ClaimRef, claim: dict[str, Any], driver_results: list[dict[str, Any]]
+    state: StepContext, ref: ClaimRef, claim: dict[str, Any], driver_results: list[dict[str, Any]]
 ) -> tuple[PlannedDevice, ...]:
     return plan_claim(
         ref,
@@ -170,7 +168,7 @@ def _plan(
 
 
 def _roll_back_found(
-    state: DeviceState,
+    state: StepContext,
     work: list[_Work],
     found: dict[str, ClaimEntry],
     journal: dict[str, ClaimEntry],
@@ -200,7 +198,7 @@ def _roll_back_found(
 
 
 def _note_occupants(
-    state: DeviceState,
+    state: StepContext,
     work: list[_Work],
     journal: dict[str, ClaimEntry],
     results: dict[str, PrepareResult],
@@ -223,7 +221,7 @@ def _note_occupants(
     return [w for w in work if w.error is None]
 
 
-def _spec_in_place(state: DeviceState, uid: str, entry: ClaimEntry) -> bool:
+def _spec_in_place(state: StepContext, uid: str, entry: ClaimEntry) -> bool:
     """Is the completed claim's CDI spec on disk, rewritten from the journal if it
     was lost? False for an entry without a stored spec, and for one whose unprepare
     had begun (its MIG devices may be gone): then it is redone."""
@@ -237,7 +235,7 @@ def _spec_in_place(state: DeviceState, uid: str, entry: ClaimEntry) -> bool:
 
 
 def _unmark(
-    state: DeviceState,
+    state: StepContext,
     unmarked: dict[str, tuple[ClaimRef, dict[str, Any], ClaimEntry]],
     journal: dict[str, ClaimEntry],
     results: dict[str, PrepareResult],
@@ -263,7 +261,7 @@ def _error(exc: BaseException, uid: str) -> DriverError:
 
 
 def _fail_work(
-    state: DeviceState, work: Sequence[_Work], results: dict[str, PrepareResult]
+    state: StepContext, work: Sequence[_Work], results: dict[str, PrepareResult]
 ) -> None:
     for w in work:
         if w.error is not None and w.ref.uid not in results:
@@ -271,7 +269,7 @@ def _fail_work(
 
 
 def _undo(
-    state: DeviceState,
+    state: StepContext,
     work: Sequence[_Work],
     journal: dict[str, ClaimEntry],
     batch: Sequence[_Work] = (),
@@ -305,7 +303,7 @@ def _devices(w: _Work) -> tuple[PreparedDevice, ...]:
 
 
 def _abort(
-    state: DeviceState,
+    state: StepContext,
     work: Sequence[_Work],
     journal: dict[str, ClaimEntry],
     results: dict[str, PrepareResult],

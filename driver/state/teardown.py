@@ -12,17 +12,14 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from driver.errors import DriverError, transient
 from driver.state.checkpoint import CheckpointCorruptError, ClaimEntry, ClaimState
 from driver.state.claims import ClaimRef, unique
+from driver.state.context import StepContext
 from driver.state.failpoints import failpoint
 from driver.state.instances import other_entries, owns_mig
 from driver.state.planning import respec_restored
-
-if TYPE_CHECKING:
-    from driver.state.prepare import DeviceState
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +44,7 @@ class RecoveryReport:
     finished_unprepares: tuple[str, ...] = ()
 
 
-def unprepare(state: DeviceState, claims: Sequence[ClaimRef]) -> dict[str, DriverError | None]:
+def unprepare(state: StepContext, claims: Sequence[ClaimRef]) -> dict[str, DriverError | None]:
     state.verdicts.forget(ref.uid for ref in claims)
     results: dict[str, DriverError | None] = {}
     try:
@@ -70,7 +67,7 @@ def unprepare(state: DeviceState, claims: Sequence[ClaimRef]) -> dict[str, Drive
 
 
 def _unprepare_batch(
-    state: DeviceState, claims: Sequence[ClaimRef], journal: dict[str, ClaimEntry] | None
+    state: StepContext, claims: Sequence[ClaimRef], journal: dict[str, ClaimEntry] | None
 ) -> dict[str, DriverError | None]:
     """Remove every claim's CDI spec (one fsync of the CDI root), destroy its MIG
     devices, then drop the entries in ONE journal store. A claim whose spec or MIG
@@ -155,7 +152,7 @@ def unprepare_begun(entry: ClaimEntry, spec_exists: bool, boot: str | None = Non
 
 
 def _mark_unpreparing(
-    state: DeviceState,
+    state: StepContext,
     journal: dict[str, ClaimEntry],
     targets: list[str],
     results: dict[str, DriverError | None],
@@ -192,7 +189,7 @@ def _mark_unpreparing(
     return targets
 
 
-def recover(state: DeviceState) -> RecoveryReport:
+def recover(state: StepContext) -> RecoveryReport:
     """Startup: (re)write the common CDI spec; remove crash leftovers (temp files,
     `PrepareStarted` entries with their specs and half-created MIG devices); finish the
     teardown of completed claims whose unprepare had begun in this boot; recreate the
@@ -262,7 +259,7 @@ def _problem(problems: list[str], uid: str, what: str, err: Exception) -> None:
 
 
 def _roll_back_started(
-    state: DeviceState, journal: dict[str, ClaimEntry], problems: list[str]
+    state: StepContext, journal: dict[str, ClaimEntry], problems: list[str]
 ) -> list[str]:
     """Under the lock no prepare is in flight, so a `PrepareStarted` entry is from a
     crash; the kubelet never got a success answer and will retry."""
@@ -287,7 +284,7 @@ def _roll_back_started(
 
 
 def _finish_unprepares(
-    state: DeviceState, journal: dict[str, ClaimEntry], begun: Sequence[str], problems: list[str]
+    state: StepContext, journal: dict[str, ClaimEntry], begun: Sequence[str], problems: list[str]
 ) -> list[str]:
     """Completed claims whose unprepare had begun (`unprepare_begun`): the kubelet asked
     to unprepare them (their pods are gone) and the answer never came. Their teardown
@@ -314,7 +311,7 @@ def _finish_unprepares(
 
 
 def _restore_mig(
-    state: DeviceState, journal: dict[str, ClaimEntry], begun: Sequence[str], problems: list[str]
+    state: StepContext, journal: dict[str, ClaimEntry], begun: Sequence[str], problems: list[str]
 ) -> list[str]:
     """Completed claims whose MIG devices a reboot destroyed get them again. One that
     cannot (its GPU is lost, NVML refuses) stays as it is: still prepared, its
@@ -341,7 +338,7 @@ def _restore_mig(
 
 
 def _recreate_specs(
-    state: DeviceState, uids: Sequence[str], journal: dict[str, ClaimEntry], problems: list[str]
+    state: StepContext, uids: Sequence[str], journal: dict[str, ClaimEntry], problems: list[str]
 ) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """Rewrite the lost CDI specs of completed claims from the journal (one fsync
     of the CDI root). Returns (recreated, not recreatable)."""

@@ -1,0 +1,163 @@
+"""What the prepare, unprepare and recovery steps share: `StepContext`.
+
+`driver/state/batch.py` (prepare under the node lock) and `driver/state/teardown.py`
+(unprepare, start-up recovery) take a `StepContext`; `DeviceState`
+(`driver/state/prepare.py`) is the facade on top that the plugin calls. The context
+holds the node's stores (journal, CDI specs, MIG and time-slice operations), the node
+lock, the remembered verdicts and counters, and the two steps every path takes:
+loading the journal (with the removals owed from a time it was unreadable) and failing
+a claim (its verdict remembered and reported when permanent).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from driver.errors import DriverError, ErrorClass
+from driver.state.cdi import CdiSpecs
+from driver.state.checkpoint import Checkpoint, CheckpointCorruptError, ClaimEntry
+from driver.state.claims import (
+    ClaimReader,
+    ClaimRef,
+    DeviceHealth,
+    FailureReporter,
+    PreparableDevice,
+    PrepareResult,
+)
+from driver.state.common_spec import CommonSpec
+from driver.state.driver_edits import DriverRoot
+from driver.state.instances import ClaimInstances, MigOps
+from driver.state.locking import SerializeLock
+from driver.state.planning import CdiContext
+from driver.state.timeslice import ClaimTimeSlices, TimeSliceOps
+from driver.state.verdicts import (
+    DEFAULT_PERMANENT_ERRORS,
+    DEFAULT_VERDICT_LIMIT,
+    DEFAULT_VERDICT_TTL,
+    VerdictMemory,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class StateStats:
+    """Counters for metrics and tests (monotonic, never reset)."""
+
+    verdict_hits: int = 0  # prepares answered from a remembered permanent verdict
+    claim_reads: int = 0  # ClaimReader.get calls
+    prepared: int = 0  # claims newly prepared (CDI spec + PrepareCompleted written)
+    idempotent_hits: int = 0  # prepares answered from a PrepareCompleted entry
+    rollbacks: int = 0  # half-done prepares rolled back
+    permanent_failures: int = 0  # permanent verdicts reached (not the repeats)
+    transient_failures: int = 0
+    unprepared: int = 0  # claims whose local state was removed
+    checkpoint_corrupt: int = 0  # calls refused because the journal is corrupt
+
+
+class StepContext:
+    """The node's prepare state as the steps see it. Thread-safe where the steps take
+    `lock`; safe across plugin instances that share `data_dir` (serialised by
+    `<data_dir>/serialize.lock`)."""
+
+    def __init__(
+        self,
+        *,
+        driver_name: str,
+        node_name: str,
+        devices: Mapping[str, PreparableDevice],
+        cdi_root: Path | str,
+        data_dir: Path | str,
+        claims: ClaimReader,
+        health: DeviceHealth,
+        reporter: FailureReporter,
+        real_devices: bool = False,
+        mig: MigOps | None = None,
+        caps_root: Path = Path("/"),
+        driver_root: DriverRoot | None = None,
+        proc_devices: Path = Path("/proc/devices"),
+        permanent_errors: Iterable[ErrorClass] = DEFAULT_PERMANENT_ERRORS,
+        lock_timeout: float = 10.0,
+        verdict_ttl: float = DEFAULT_VERDICT_TTL,
+        verdict_limit: int = DEFAULT_VERDICT_LIMIT,
+        clock: Callable[[], float] = time.monotonic,
+        timeslice: TimeSliceOps | None = None,
+    ) -> None:
+        self.driver_name = driver_name
+        self.node_name = node_name
+        self.devices = devices  # replaced by the plugin once discovery ran
+        self.cdi = CdiSpecs(cdi_root, driver_name)
+        self.checkpoint = Checkpoint(data_dir)
+        self.real_devices = real_devices
+        self.context = CdiContext(
+            real_devices=real_devices, caps_root=caps_root, proc_devices=proc_devices
+        )
+        self.common = CommonSpec(
+            self.cdi, node_name, driver_root if real_devices else None, proc_devices=proc_devices
+        )
+        self.instances = ClaimInstances(mig)
+        self.timeslices = ClaimTimeSlices(timeslice)
+        self.permanent_errors = frozenset(permanent_errors)
+        self.stats = StateStats()
+        self.verdicts = VerdictMemory(ttl=verdict_ttl, limit=verdict_limit, clock=clock)
+        self.lock = SerializeLock(data_dir, timeout=lock_timeout)
+        self._claims = claims
+        self.health = health  # replaced by the plugin once discovery ran
+        self._reporter = reporter
+        # Journal removals owed by unprepares that ran while the journal was unreadable.
+        self.pending_removals: set[str] = set()
+        self.last_swept: list[Path] = []
+        self._checkpoint_problem: str | None = None
+
+    @property
+    def checkpoint_problem(self) -> str | None:
+        """Why the journal is currently unusable (corrupt), or None. The plugin exposes
+        this (log, metric, health); prepare is refused while it is set."""
+        return self._checkpoint_problem
+
+    def load_journal(self) -> dict[str, ClaimEntry]:
+        self.last_swept = self.cdi.sweep_temp_files() + self.checkpoint.sweep_temp_files()
+        for path in self.last_swept:
+            log.warning("removed temp file left by a crash: %s", path)
+        try:
+            journal = self.checkpoint.load()
+        except CheckpointCorruptError as err:
+            if self._checkpoint_problem is None:
+                log.error("%s", err)
+            self._checkpoint_problem = str(err)
+            raise
+        self._checkpoint_problem = None
+        if self.pending_removals:
+            owed = {uid for uid in self.pending_removals if uid in journal}
+            kept = self.timeslices.release(journal, sorted(owed))  # GPUs first, then entries
+            for uid in owed - kept.keys():
+                del journal[uid]
+            if owed - kept.keys():
+                self.checkpoint.store(journal)
+            self.pending_removals = set(kept)
+        return journal
+
+    def fail(self, ref: ClaimRef, claim: dict[str, Any] | None, err: DriverError) -> PrepareResult:
+        if err.permanent and err.error_class not in self.permanent_errors:
+            err = DriverError(
+                ErrorClass.TRANSIENT,
+                f"{err.error_class.value}: {err.message} "
+                "(treated as transient: class not in --permanent-errors)",
+            )
+        if not err.permanent:
+            self.stats.transient_failures += 1
+            return PrepareResult(error=err)
+        self.stats.permanent_failures += 1
+        self.verdicts.remember(ref.uid, err)
+        log.warning("claim %s/%s (%s): %s", ref.namespace, ref.name, ref.uid, err)
+        if claim is not None:
+            try:
+                self._reporter.permanent_failure(claim, err)
+            except Exception:  # visibility is best effort; the verdict stands
+                log.exception("reporting the permanent failure of claim %s failed", ref.uid)
+        return PrepareResult(error=err)
