@@ -5,7 +5,7 @@
 (`driver/state/prepare.py`) is the facade on top that the plugin calls. The context
 holds the node's stores (journal, CDI specs, MIG and time-slice operations), the node
 lock, the remembered verdicts and counters, and the two steps every path takes:
-loading the journal (with the removals owed from a time it was unreadable) and failing
+loading the journal and failing
 a claim (its verdict remembered and reported when permanent).
 """
 
@@ -109,7 +109,8 @@ class StepContext:
         self._claims = claims
         self.health = health  # replaced by the plugin once discovery ran
         self._reporter = reporter
-        # Journal removals owed by unprepares that ran while the journal was unreadable.
+        # Claims whose unprepare ran while the journal was unreadable: their specs are
+        # gone, their MIG devices and entries are owed (`teardown.settled_journal`).
         self.pending_removals: set[str] = set()
         self.last_swept: list[Path] = []
         self._checkpoint_problem: str | None = None
@@ -132,14 +133,6 @@ class StepContext:
             self._checkpoint_problem = str(err)
             raise
         self._checkpoint_problem = None
-        if self.pending_removals:
-            owed = {uid for uid in self.pending_removals if uid in journal}
-            kept = self.timeslices.release(journal, sorted(owed))  # GPUs first, then entries
-            for uid in owed - kept.keys():
-                del journal[uid]
-            if owed - kept.keys():
-                self.checkpoint.store(journal)
-            self.pending_removals = set(kept)
         return journal
 
     def fail(self, ref: ClaimRef, claim: dict[str, Any] | None, err: DriverError) -> PrepareResult:

@@ -1,4 +1,5 @@
-"""The node-wide serialize lock of prepare and unprepare (`<data dir>/serialize.lock`)."""
+"""The node-wide serialize lock of prepare and unprepare (`<data dir>/serialize.lock`),
+and how every lock file of the data dir is opened (`open_lock_file`)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import contextlib
 import errno
 import fcntl
 import os
+import stat
 import threading
 import time
 from collections.abc import Iterator
@@ -13,12 +15,31 @@ from pathlib import Path
 from typing import Final
 
 from driver.errors import transient
-from driver.state.fileio import DATA_DIR_MODE
+from driver.state.fileio import DATA_DIR_MODE, UnsafeFileError
 
 LOCK_FILE: Final = "serialize.lock"
 
 _PROCESS_LOCKS: dict[str, threading.Lock] = {}
 _PROCESS_LOCKS_GUARD = threading.Lock()
+
+
+def open_lock_file(path: Path) -> int:
+    """A descriptor of the lock file at `path`, created (0600) if absent. A symlink at
+    `path` is refused, never followed (UnsafeFileError, ELOOP: opening through it
+    would create or lock the file it names), as is anything but a regular file
+    (EINVAL). Other OSErrors propagate."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            raise UnsafeFileError(
+                errno.ELOOP, "is a symbolic link; refusing to follow it", str(path)
+            ) from err
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise UnsafeFileError(errno.EINVAL, "is not a regular file; refusing to lock it", str(path))
+    return fd
 
 
 def _process_lock(path: Path) -> threading.Lock:
@@ -61,9 +82,9 @@ class SerializeLock:
     def _lock_file(self, deadline: float) -> int:
         try:
             self.data_dir.mkdir(parents=True, exist_ok=True, mode=DATA_DIR_MODE)
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            fd = open_lock_file(self.path)
         except OSError as err:
-            raise transient(f"cannot open lock file {self.path}: {err}") from err
+            raise transient(f"cannot open lock file {self.path}: {err.strerror or err}") from err
         while True:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

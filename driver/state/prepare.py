@@ -107,7 +107,7 @@ class DeviceState(StepContext):
 
         try:
             with self.lock.hold():
-                journal = self.load_journal()
+                journal = teardown.settled_journal(self)
                 prepare_locked(self, todo, journal, results)
         except Exception as exc:  # lock timeout, unreadable/corrupt journal, a bug
             if isinstance(exc, CheckpointCorruptError):

@@ -51,7 +51,7 @@ def unprepare(state: StepContext, claims: Sequence[ClaimRef]) -> dict[str, Drive
         with state.lock.hold():
             journal: dict[str, ClaimEntry] | None
             try:
-                journal = state.load_journal()
+                journal = settled_journal(state)
             except CheckpointCorruptError as err:
                 state.stats.checkpoint_corrupt += 1
                 log.error("%s; unprepare removes CDI specs only", err)
@@ -64,6 +64,27 @@ def unprepare(state: StepContext, claims: Sequence[ClaimRef]) -> dict[str, Drive
         for ref in claims:
             results.setdefault(ref.uid, error)
     return results
+
+
+def settled_journal(state: StepContext) -> dict[str, ClaimEntry]:
+    """The journal (`load_journal`), with the unprepares owed from a time it was
+    unreadable finished first: each such claim is torn down as its unprepare would
+    have done (marked, MIG devices destroyed, GPU intervals restored, entry dropped).
+    A claim whose teardown fails keeps its entry, and so its devices, and stays owed:
+    the next call tries again."""
+    journal = state.load_journal()
+    owed = [
+        ClaimRef(journal[uid].namespace, journal[uid].name, uid)
+        for uid in sorted(state.pending_removals)
+        if uid in journal
+    ]
+    state.pending_removals.clear()
+    if owed:
+        for uid, err in _unprepare_batch(state, owed, journal).items():
+            if err is not None:
+                log.error("claim %s: its owed unprepare failed, entry kept: %s", uid, err)
+                state.pending_removals.add(uid)
+    return journal
 
 
 def _unprepare_batch(

@@ -163,3 +163,52 @@ def test_unpreparing_is_stored_only_when_set() -> None:
     assert marked.unpreparing == "boot-1" and marked.to_json()["unpreparing"] == "boot-1"
     with pytest.raises(ValueError, match="unpreparing"):
         ClaimEntry.from_json({**entry.to_json(), "unpreparing": True})
+
+
+# -- unprepares owed while the journal was unreadable ---------------------------------
+
+
+def _unprepared_while_corrupt(node: Node) -> tuple[ClaimRef, bytes]:
+    """Claim u holds a MIG device; its unprepare ran while the journal was corrupt
+    (spec removed, the MIG device left: the journal that owns it is unreadable).
+    Returns the claim and the good journal's bytes, to restore as an operator would."""
+    ref = node.claims.add("u", TWO[0])
+    assert node.state.prepare([ref])["u"].ok
+    path = node.root / "plugin" / "checkpoint.json"
+    good = path.read_bytes()
+    path.write_bytes(good[:-20])
+    assert node.state.unprepare([ref]) == {"u": None}
+    assert not node.state.cdi.claim_spec_exists("u")
+    assert len(node.live()) == 1
+    return ref, good
+
+
+def test_restored_journal_destroys_the_mig_devices_of_owed_unprepares(
+    tmp_path: Path, nvml_calls: dict[str, list[object]]
+) -> None:
+    node = make_node(tmp_path, H100)
+    _, good = _unprepared_while_corrupt(node)
+    (node.root / "plugin" / "checkpoint.json").write_bytes(good)  # the documented repair
+    other = node.claims.add("v", TWO[1])
+    assert node.state.prepare([other])["v"].ok
+    journal = Checkpoint(node.root / "plugin").load()
+    assert set(journal) == {"v"}
+    (held,) = node.live()  # u's device is gone, not leaked as foreign
+    assert held.uuid in {d.mig.uuid for d in journal["v"].devices if d.mig is not None}
+
+
+def test_owed_unprepare_keeps_its_entry_while_the_destroy_fails(
+    tmp_path: Path, nvml_calls: dict[str, list[object]]
+) -> None:
+    node = make_node(tmp_path, H100)
+    ref, good = _unprepared_while_corrupt(node)
+    (device,) = node.live()
+    (node.root / "plugin" / "checkpoint.json").write_bytes(good)
+    nvml_calls["fail_destroy"].append(device.gi_id)
+    assert node.state.unprepare([node.claims.add("w", TWO[1])]) == {"w": None}
+    assert set(Checkpoint(node.root / "plugin").load()) == {"u"}  # still owns it
+    assert node.live() == [device]
+    assert node.state.unprepare([node.claims.add("w", TWO[1])]) == {"w": None}
+    assert Checkpoint(node.root / "plugin").load() == {}
+    assert node.live() == []
+    assert not node.state.cdi.claim_spec_exists(ref.uid)
