@@ -1,8 +1,9 @@
 """The real-GPU tier (`make test-gpu`): runs against the host's libnvidia-ml.
 
-Without a usable NVML library or GPU the whole tier skips with one line saying why;
-that is the only skip in the project. Nothing here changes a GPU's MIG mode or resets
-a GPU.
+Without a usable NVML library or GPU the whole tier skips; a GPU in the wrong MIG
+mode for a group of tests, or with an administrator's MIG devices, makes that group
+skip (tests/gpu/gates.py). The run ends with one line per reason, printed with -q
+too. Nothing here changes a GPU's MIG mode or resets a GPU.
 """
 
 from __future__ import annotations
@@ -12,9 +13,11 @@ from typing import Any
 
 import pytest
 
-from driver.nvml.backend import NvmlBackend, select_backend
+from driver.nvml.backend import NvmlBackend
 from driver.nvml.library import NvmlUnavailableError
-from driver.nvml.types import Inventory
+from driver.nvml.types import GpuInfo, Inventory
+from tests.gpu.gates import Gate, TierGates, summary_lines
+from tests.gpu.node import host_backend
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -22,33 +25,63 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         item.add_marker(pytest.mark.gpu)
 
 
-def nvml_unavailable() -> str | None:
-    """Why this host cannot run the tier, or None."""
+def _discover() -> Inventory | str:
+    """What NVML reports at the start of the run, or why this host cannot run the tier."""
     try:
-        inventory = select_backend(mock=False).discover()
+        inventory = host_backend().discover()
     except NvmlUnavailableError as err:
         return str(err)
-    return None if inventory.gpus else "NVML reports 0 devices"
+    return inventory if inventory.gpus else "NVML reports 0 devices"
 
 
-_REASON = nvml_unavailable()
+_FOUND = _discover()
+_GATES = TierGates.of(_FOUND.gpus) if isinstance(_FOUND, Inventory) else None
 
 
-def pytest_report_header() -> str:
-    if _REASON is None:
-        return "real-GPU tier: NVML found a GPU"
-    return f"real-GPU tier: every test skips: no NVIDIA GPU on this host: {_REASON}"
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    for line in summary_lines(_FOUND):
+        terminalreporter.write_line(line)
 
 
 @pytest.fixture(scope="session", autouse=True)
 def _gpu_present() -> None:
-    if _REASON is not None:
-        pytest.skip(f"no NVIDIA GPU on this host: {_REASON}")
+    if isinstance(_FOUND, str):
+        pytest.skip(f"no NVIDIA GPU on this host: {_FOUND}")
+
+
+def _gpu_of(gate: Gate) -> GpuInfo:
+    if gate.gpu is None:
+        pytest.skip(str(gate.skip))
+    return gate.gpu
+
+
+@pytest.fixture(scope="session")
+def gates() -> TierGates:
+    assert _GATES is not None
+    return _GATES
+
+
+@pytest.fixture
+def whole_gpu(gates: TierGates) -> GpuInfo:
+    """A GPU with MIG mode off."""
+    return _gpu_of(gates.whole_gpu)
+
+
+@pytest.fixture
+def dynamic_mig_gpu(gates: TierGates) -> GpuInfo:
+    """A GPU in MIG mode without MIG devices at the start of the run."""
+    return _gpu_of(gates.dynamic_mig)
+
+
+@pytest.fixture
+def static_mig_gpu(gates: TierGates) -> GpuInfo:
+    """A GPU in MIG mode with an administrator's MIG devices."""
+    return _gpu_of(gates.static_mig)
 
 
 @pytest.fixture(scope="session")
 def backend() -> NvmlBackend:
-    return select_backend(mock=False)
+    return host_backend()
 
 
 @pytest.fixture(scope="session")

@@ -20,10 +20,10 @@ from typing import Any
 import pytest
 
 from driver.nvml.backend import NvmlBackend
-from driver.nvml.types import Inventory
+from driver.nvml.types import GpuInfo
 from driver.state.driver_edits import DriverRoot
 from tests import cdi_bundle
-from tests.gpu.test_real_nvml import _state
+from tests.gpu.node import open_node
 
 REPO = Path(__file__).resolve().parents[2]
 LDD_LINE = re.compile(r"(?:=>\s*)?(/\S+)\s+\(0x")
@@ -57,21 +57,19 @@ def _c_library_rootfs(rootfs: Path, program: Path) -> None:
 
 
 def test_a_container_with_exactly_the_claims_edits_lists_exactly_its_gpu(
-    backend: NvmlBackend, inventory: Inventory, tmp_path: Path, monkeypatch: Any
+    backend: NvmlBackend, whole_gpu: GpuInfo, tmp_path: Path, monkeypatch: Any
 ) -> None:
     tools = _tools()
     monkeypatch.setenv("PATH", f"{tools}:{os.environ.get('PATH', '')}")
     root = Path(os.environ.get("NVIDIA_DRIVER_ROOT") or "/")
     driver = DriverRoot(root, root, str(tools / "nvidia-cdi-hook"))
-    state, claims = _state(backend, inventory, tmp_path, driver_root=driver)
-    gpus = [g for g in inventory.gpus if not g.mig_enabled]
-    if not gpus:
-        pytest.skip("every GPU is in MIG mode; this test prepares a whole GPU")
-    gpu = gpus[-1]
-    result = state.prepare([claims.add("ctr", f"gpu-{gpu.minor}")])["ctr"]
+    node = open_node(backend, tmp_path, driver_root=driver)
+    gpu = whole_gpu
+    ref = node.claims.add("ctr", f"gpu-{gpu.minor}")
+    result = node.state.prepare([ref])["ctr"]
     assert result.ok, result.error
-    specs: list[dict[str, Any]] = [state.cdi.read_claim_spec("ctr") or {}]
-    specs.append(json.loads(state.cdi.common_spec_path.read_text()))
+    specs: list[dict[str, Any]] = [node.spec("ctr")]
+    specs.append(json.loads(node.state.cdi.common_spec_path.read_text()))
     nvidia_smi = shutil.which("nvidia-smi", path=f"{root}/usr/bin:{root}/bin")
     assert nvidia_smi, f"no nvidia-smi under {root}"
     rootfs = tmp_path / "rootfs"
@@ -83,4 +81,4 @@ def test_a_container_with_exactly_the_claims_edits_lists_exactly_its_gpu(
     assert proc.returncode == 0, proc.stderr
     listed = [line for line in proc.stdout.splitlines() if line.startswith("GPU ")]
     assert len(listed) == 1 and gpu.uuid in listed[0], proc.stdout
-    assert state.unprepare([claims.add("ctr", f"gpu-{gpu.minor}")]) == {"ctr": None}
+    assert node.state.unprepare([ref]) == {"ctr": None}

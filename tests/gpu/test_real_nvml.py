@@ -1,4 +1,5 @@
-"""Discovery, events, prepare and the MIG lifecycle on a real GPU (`make test-gpu`)."""
+"""Discovery, events and the prepare of a whole GPU on a real GPU (`make test-gpu`);
+the MIG lifecycle is in test_mig.py."""
 
 from __future__ import annotations
 
@@ -10,14 +11,10 @@ from typing import Any
 
 import pytest
 
-from driver.devices.model import PoolOptions, build_pool
 from driver.nvml.backend import NvmlBackend
 from driver.nvml.mig import MigError, MigTarget
 from driver.nvml.types import GpuInfo, Inventory
-from driver.state.claims import ClaimRef
-from driver.state.prepare import DeviceState
-
-DRIVER = "gpu.example.com"
+from tests.gpu.node import open_node
 
 
 def test_discovery_reports_every_gpu_with_its_device_node(
@@ -54,72 +51,6 @@ def test_event_wait_blocks_without_spinning(backend: NvmlBackend) -> None:
     assert cpu < 0.3 * wall, "waiting for events burns CPU"
 
 
-class _Claims:
-    def __init__(self, node: str) -> None:
-        self.node = node
-        self.docs: dict[str, dict[str, Any]] = {}
-
-    def add(self, uid: str, device: str) -> ClaimRef:
-        self.docs[uid] = {
-            "metadata": {"namespace": "default", "name": uid, "uid": uid},
-            "status": {
-                "allocation": {
-                    "devices": {
-                        "results": [
-                            {
-                                "request": "gpu",
-                                "driver": DRIVER,
-                                "pool": self.node,
-                                "device": device,
-                            }
-                        ],
-                        "config": [],
-                    }
-                }
-            },
-        }
-        return ClaimRef("default", uid, uid)
-
-    def get(self, namespace: str, name: str) -> dict[str, Any]:
-        return self.docs[name]
-
-
-class _Healthy:
-    def failure(self, device_name: str) -> str | None:
-        return None
-
-    def ensure_tainted(self, device_name: str) -> None:
-        raise AssertionError("no failed device in this test")
-
-
-class _NoReports:
-    def permanent_failure(self, claim: dict[str, Any], error: Any) -> None:
-        raise AssertionError(str(error))
-
-
-def _state(
-    backend: NvmlBackend, inventory: Inventory, tmp_path: Path, **options: Any
-) -> tuple[DeviceState, _Claims]:
-    claims = _Claims("gpu-node")
-    state = DeviceState(
-        **options,
-        driver_name=DRIVER,
-        node_name="gpu-node",
-        devices={},
-        cdi_root=tmp_path / "cdi",
-        data_dir=tmp_path / "plugin",
-        claims=claims,
-        health=_Healthy(),
-        reporter=_NoReports(),
-        real_devices=True,
-        mig=backend.mig(),
-    )
-    state.recover()
-    pool = build_pool(inventory, PoolOptions(), owned_mig=state.owned_mig())
-    state.devices = {d.name: d for d in pool.devices}
-    return state, claims
-
-
 def _nodes_exist(spec: dict[str, Any]) -> None:
     paths = [n["path"] for d in spec["devices"] for n in d["containerEdits"].get("deviceNodes", [])]
     paths += [n["path"] for n in spec["containerEdits"].get("deviceNodes", [])]
@@ -127,65 +58,38 @@ def _nodes_exist(spec: dict[str, Any]) -> None:
     assert not missing, f"device nodes missing on the host: {missing}"
 
 
-def _mig_off(inventory: Inventory) -> list[GpuInfo]:
-    return [g for g in inventory.gpus if not g.mig_enabled]
-
-
-def _mig_on(inventory: Inventory) -> list[GpuInfo]:
-    return [g for g in inventory.gpus if g.mig_enabled and g.partition_profiles]
-
-
 def test_prepare_of_a_gpu_yields_a_spec_whose_device_nodes_exist(
-    backend: NvmlBackend, inventory: Inventory, tmp_path: Path
+    backend: NvmlBackend, whole_gpu: GpuInfo, tmp_path: Path
 ) -> None:
-    state, claims = _state(backend, inventory, tmp_path)
-    gpu = inventory.gpus[0]
-    ref = claims.add("whole", f"gpu-{gpu.minor}")
+    node = open_node(backend, tmp_path)
+    device = f"gpu-{whole_gpu.minor}"
+    ref = node.claims.add("whole", device)
     started = time.monotonic()
-    result = state.prepare([ref])["whole"]
-    print(f"prepare of gpu-{gpu.minor}: {1000 * (time.monotonic() - started):.1f} ms")
+    result = node.state.prepare([ref])["whole"]
+    print(f"prepare of {device}: {1000 * (time.monotonic() - started):.1f} ms")
     assert result.ok, result.error
-    spec = state.cdi.read_claim_spec("whole")
-    assert spec is not None
+    spec = node.spec("whole")
     _nodes_exist(spec)
     edits = spec["devices"][0]["containerEdits"]
     assert edits["env"][-1] == "NVIDIA_VISIBLE_DEVICES=void"
-    node = edits["deviceNodes"][0]
-    host = os.stat(node["path"])
-    assert (node["major"], node["minor"]) == (os.major(host.st_rdev), os.minor(host.st_rdev))
+    gpu_node = edits["deviceNodes"][0]
+    host = os.stat(gpu_node["path"])
+    assert (gpu_node["major"], gpu_node["minor"]) == (
+        os.major(host.st_rdev),
+        os.minor(host.st_rdev),
+    )
     started = time.monotonic()
-    assert state.unprepare([ref]) == {"whole": None}
+    assert node.state.unprepare([ref]) == {"whole": None}
     print(f"unprepare: {1000 * (time.monotonic() - started):.1f} ms")
 
 
-def test_mig_lifecycle_where_mig_mode_is_on(backend: NvmlBackend, inventory: Inventory) -> None:
-    """With MIG on: create, list, destroy a MIG device on a free placement. With MIG
-    off: NVML refuses to create one (NOT_SUPPORTED) and nothing is published as MIG."""
-    mig = backend.mig()
-    for gpu in _mig_off(inventory):
-        with pytest.raises(MigError) as refused:
-            mig.create(MigTarget(gpu.uuid, 0, (0, 8), 7))
-        assert refused.value.code in ("NVML_ERROR_NOT_SUPPORTED", "NVML_ERROR_INVALID_ARGUMENT")
-    for gpu in _mig_on(inventory):
-        taken = [set(range(m.placement[0], sum(m.placement))) for m in gpu.mig_instances]
-        smallest = min(gpu.partition_profiles, key=lambda p: (p.slice_count, p.memory_bytes))
-        free = [
-            pl
-            for pl in smallest.placements
-            if not any(set(range(pl[0], pl[0] + pl[1])) & t for t in taken)
-        ]
-        if not free:
-            continue  # every slice is in use by an administrator's MIG devices: leave them
-        started = time.monotonic()
-        created = mig.create(
-            MigTarget(gpu.uuid, smallest.profile_id, free[0], smallest.slice_count)
-        )
-        print(f"create {smallest.name}@{free[0]}: {1000 * (time.monotonic() - started):.0f} ms")
-        try:
-            assert created.uuid is not None and created.uuid.startswith("MIG-")
-            assert created in mig.instances(gpu.uuid)
-        finally:
-            started = time.monotonic()
-            assert mig.destroy(gpu.uuid, created.gi_id)
-            print(f"destroy: {1000 * (time.monotonic() - started):.0f} ms")
-        assert created not in mig.instances(gpu.uuid)
+def test_nvml_refuses_a_mig_device_on_a_gpu_with_mig_mode_off(
+    backend: NvmlBackend, whole_gpu: GpuInfo
+) -> None:
+    """The MIG manager turns NVML's refusal into a MigError no retry can fix (the
+    GPU's MIG mode is an administrator's to change). No MIG device is created."""
+    with pytest.raises(MigError) as refused:
+        backend.mig().create(MigTarget(whole_gpu.uuid, 0, (0, 8), 7))
+    print(f"{whole_gpu.uuid}: {refused.value.code}")
+    assert refused.value.code in ("NVML_ERROR_NOT_SUPPORTED", "NVML_ERROR_INVALID_ARGUMENT")
+    assert not refused.value.retryable and not refused.value.gpu_gone
