@@ -98,6 +98,16 @@ _KNOWN_ERRORS = (
 )
 
 
+@dataclass(frozen=True)
+class RecordedInstance:
+    """What the caller recorded of a GPU instance it created: checked before the id
+    is trusted at destroy."""
+
+    profile_id: int
+    placement: tuple[int, int]  # (start, size) in memory slices
+    ci_id: int | None  # its compute instance, if the record has it
+
+
 class MigManager:
     """MIG devices of this node's GPUs. Holds one NVML session open while in use;
     calls are serialised (the plugin also holds its node-wide lock around them)."""
@@ -353,19 +363,23 @@ class MigManager:
 
     def _undo(self, nvml: Any, gi: Any, target: MigTarget) -> None:
         try:
-            for ci in self._compute_instances(nvml, gi):
-                nvml.nvmlComputeInstanceDestroy(ci)
-            nvml.nvmlGpuInstanceDestroy(gi)
+            self._destroy_instance(nvml, gi, None)
         except nvml.NVMLError as err:  # recovery at start finds it by its placement
             log.error("undoing the half-created %s failed: %s", target.describe(), err)
 
     # ------------------------------------------------------------ destroy
 
-    def destroy(self, gpu_uuid: str, gi_id: int) -> bool:
-        """Destroy the GPU instance and its compute instances. False when it did not
-        exist (or MIG mode is off): nothing to do. Raises MigError otherwise."""
+    def destroy(self, gpu_uuid: str, gi_id: int, recorded: RecordedInstance | None = None) -> bool:
+        """Destroy the GPU instance and its compute instances, by id as NVIDIA's driver
+        does. With `recorded`, only if the instance with that id still has the recorded
+        profile and placement (ids are reused: an id alone may name someone else's
+        device), its compute instance looked up by the recorded id: a few calls however
+        many devices the GPU holds. False when there is nothing of the record to
+        destroy: no such instance, another one under the id, or MIG mode off. Raises
+        MigError otherwise."""
         with self._session() as nvml:
             handle = self._lookup(nvml, gpu_uuid)
+            what = f"GPU instance {gi_id} on {gpu_uuid}"
             try:
                 gi = nvml.nvmlDeviceGetGpuInstanceById(handle, gi_id)
             except nvml.NVMLError as err:
@@ -373,14 +387,51 @@ class MigManager:
                     err, "NVML_ERROR_NOT_SUPPORTED"
                 ):
                     return False
-                raise self._fail(err, f"looking up GPU instance {gi_id} on {gpu_uuid}") from err
+                raise self._fail(err, f"looking up {what}") from err
             try:
-                for ci in self._compute_instances(nvml, gi):
-                    nvml.nvmlComputeInstanceDestroy(ci)
-                nvml.nvmlGpuInstanceDestroy(gi)
+                if recorded is not None and not self._is_recorded(nvml, gi, what, recorded):
+                    return False
+                self._destroy_instance(nvml, gi, recorded.ci_id if recorded else None)
             except nvml.NVMLError as err:
-                raise self._fail(err, f"destroying GPU instance {gi_id} on {gpu_uuid}") from err
+                raise self._fail(err, f"destroying {what}") from err
             return True
+
+    def _is_recorded(self, nvml: Any, gi: Any, what: str, recorded: RecordedInstance) -> bool:
+        info = nvml.nvmlGpuInstanceGetInfo(gi)
+        found = (int(info.profileId), (int(info.placement.start), int(info.placement.size)))
+        if found == (recorded.profile_id, recorded.placement):
+            return True
+        log.warning(
+            "%s is profile %d at placement %s, not the recorded profile %d at %s: left alone",
+            what,
+            found[0],
+            found[1],
+            recorded.profile_id,
+            recorded.placement,
+        )
+        return False
+
+    def _destroy_instance(self, nvml: Any, gi: Any, ci_id: int | None) -> None:
+        """The compute instance by its id, then the GPU instance; if NVML says the GPU
+        instance is still in use (a compute instance the id did not name, or none was
+        recorded), every compute instance it holds, then the GPU instance again."""
+        if ci_id is not None:
+            try:
+                nvml.nvmlComputeInstanceDestroy(
+                    nvml.nvmlGpuInstanceGetComputeInstanceById(gi, ci_id)
+                )
+            except nvml.NVMLError as err:
+                if not self._is(err, "NVML_ERROR_NOT_FOUND"):
+                    raise
+            try:
+                nvml.nvmlGpuInstanceDestroy(gi)
+                return
+            except nvml.NVMLError as err:
+                if not self._is(err, "NVML_ERROR_IN_USE"):
+                    raise
+        for ci in self._compute_instances(nvml, gi):
+            nvml.nvmlComputeInstanceDestroy(ci)
+        nvml.nvmlGpuInstanceDestroy(gi)
 
 
 def _text(value: str | bytes) -> str:

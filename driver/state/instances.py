@@ -11,8 +11,9 @@ of the intent's profile there whose id is not in `before` and that no other jour
 entry records. Anything else at the placement (an administrator's device, another
 claim's) is never destroyed, and an intent that does not record `before` (an earlier
 release's) destroys nothing. Destroying by id first checks that the instance with
-that id still sits at the recorded placement: ids are reused, and an id must never
-destroy another claim's device. Static (not owned) MIG devices are never created or
+that id still has the recorded profile and placement (a few NVML calls, as NVIDIA's
+driver destroys by id): ids are reused, and an id must never destroy another claim's
+device. Static (not owned) MIG devices are never created or
 destroyed here.
 
 Every failure is a transient `DriverError` naming the device and NVML's code. A
@@ -33,7 +34,7 @@ from dataclasses import replace
 from typing import Protocol
 
 from driver.errors import DriverError, transient
-from driver.nvml.mig import MigError, MigTarget
+from driver.nvml.mig import MigError, MigTarget, RecordedInstance
 from driver.nvml.types import MigInstance
 from driver.state.checkpoint import ClaimEntry, MigRecord, PreparedDevice
 from driver.state.failpoints import failpoint
@@ -46,7 +47,9 @@ class MigOps(Protocol):
     """`driver.nvml.mig.MigManager`, or a test double."""
 
     def create(self, target: MigTarget) -> MigInstance: ...
-    def destroy(self, gpu_uuid: str, gi_id: int) -> bool: ...
+    def destroy(
+        self, gpu_uuid: str, gi_id: int, recorded: RecordedInstance | None = None
+    ) -> bool: ...
     def instances(self, gpu_uuid: str) -> list[MigInstance]: ...
 
 
@@ -267,19 +270,25 @@ class ClaimInstances:
     def _destroy(self, record: MigRecord, device: str = "", keep: Held = frozenset()) -> None:
         name = device or f"MIG {record.placement} on {record.gpu_uuid}"
         try:
-            instance = self._live_at(record, name, keep)
-            if instance is None:
-                return  # already gone (a repeated unprepare, a reboot), or not ours
-            if (record.gpu_uuid, instance.gi_id) in keep:
+            gi_id = record.gi_id
+            if gi_id is None:  # an intent: the instance its attempt created, if any
+                instance = self._live_at(record, name, keep)
+                if instance is None:
+                    return  # none was created, or what is there is not ours
+                gi_id = instance.gi_id
+            if (record.gpu_uuid, gi_id) in keep:
                 log.error(
                     "device %s: GPU instance %d on %s is recorded by another claim as well; "
                     "left alone",
                     name,
-                    instance.gi_id,
+                    gi_id,
                     record.gpu_uuid,
                 )
                 return
-            self._need_ops(name).destroy(record.gpu_uuid, instance.gi_id)
+            # By id, checked against the record (gone already: a repeated unprepare,
+            # a reboot; another device under the id: left alone).
+            recorded = RecordedInstance(record.profile_id, record.placement, record.ci_id)
+            self._need_ops(name).destroy(record.gpu_uuid, gi_id, recorded)
         except MigError as err:
             if not err.gpu_gone:
                 raise _refusal(name, err) from err

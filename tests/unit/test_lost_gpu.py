@@ -265,14 +265,14 @@ def test_an_unexpected_failure_fails_only_its_own_claim(
     refs = _prepared(node, ("a", "gpu-0-mig-1g10gb-0"), ("b", "gpu-1-mig-1g10gb-0"))
     manager = node.state.instances._ops
     assert manager is not None
-    listed = manager.instances
+    destroy = manager.destroy
 
-    def flaky(gpu_uuid: str) -> Any:
+    def flaky(gpu_uuid: str, *args: Any) -> Any:
         if gpu_uuid == node.mock.gpus[1].uuid:
             raise RuntimeError("a bug")
-        return listed(gpu_uuid)
+        return destroy(gpu_uuid, *args)
 
-    monkeypatch.setattr(manager, "instances", flaky)
+    monkeypatch.setattr(manager, "destroy", flaky)
     results = node.state.unprepare(refs)
     assert results["a"] is None
     assert isinstance(results["b"], DriverError) and not results["b"].permanent

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from driver.nvml.mig import MigManager, MigTarget
+from driver.nvml.mig import MigManager, MigTarget, RecordedInstance
 from driver.nvml.types import MigInstance
 from driver.state.checkpoint import Checkpoint, ClaimEntry, ClaimState, PreparedDevice
 from driver.state.claims import ClaimRef
@@ -42,9 +42,11 @@ def destroyed(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int]]:
     calls: list[tuple[str, int]] = []
     real = MigManager.destroy
 
-    def spy(self: MigManager, gpu_uuid: str, gi_id: int) -> bool:
+    def spy(
+        self: MigManager, gpu_uuid: str, gi_id: int, recorded: RecordedInstance | None = None
+    ) -> bool:
         calls.append((gpu_uuid, gi_id))
-        return real(self, gpu_uuid, gi_id)
+        return real(self, gpu_uuid, gi_id, recorded)
 
     monkeypatch.setattr(MigManager, "destroy", spy)
     return calls

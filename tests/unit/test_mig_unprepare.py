@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from driver.nvml.mig import MigError, MigManager
+from driver.nvml.mig import MigError, MigManager, RecordedInstance
 from driver.state import teardown
 from driver.state.checkpoint import Checkpoint, ClaimEntry, ClaimState
 from driver.state.claims import ClaimRef
@@ -31,12 +31,14 @@ def nvml_calls(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[object]]:
         calls["create"].append(target)
         return create(self, target)  # type: ignore[arg-type]
 
-    def spy_destroy(self: MigManager, gpu_uuid: str, gi_id: int) -> bool:
+    def spy_destroy(
+        self: MigManager, gpu_uuid: str, gi_id: int, recorded: RecordedInstance | None = None
+    ) -> bool:
         if gi_id in calls["fail_destroy"]:
             calls["fail_destroy"].remove(gi_id)
             raise MigError("NVML refused", code="NVML_ERROR_UNKNOWN", retryable=True)
         calls["destroy"].append(gi_id)
-        return destroy(self, gpu_uuid, gi_id)
+        return destroy(self, gpu_uuid, gi_id, recorded)
 
     monkeypatch.setattr(MigManager, "create", spy_create)
     monkeypatch.setattr(MigManager, "destroy", spy_destroy)
