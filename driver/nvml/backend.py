@@ -68,7 +68,9 @@ class NvmlBackend:
         if self._timeslice is None:
             if self._mock is not None:
                 uuids = [gpu.uuid for gpu in self._mock.gpus]
-                self._timeslice = MockTimeSlice(self._mock.mig_store.root, uuids)
+                self._timeslice = MockTimeSlice(
+                    self._mock.mig_store.root, uuids, is_lost=self._mock.is_lost
+                )
             else:
                 self._timeslice = NvidiaSmiTimeSlice(driver_root)
         return self._timeslice

@@ -11,7 +11,10 @@ libnvidia-ml preloaded (the container's loader does not search the driver root).
 Every call has a timeout. A failure is a transient `DriverError` naming the GPU and
 nvidia-smi's last error line. `Default` on a GPU that does not support the setting
 (exit status 3, "not available on target device") succeeds: there is nothing to
-restore there.
+restore there. A GPU that has fallen off the bus (exit status 15) fails with
+`GpuLostError`: a prepare fails transiently (the health monitor taints the GPU), and
+a restore of that GPU counts as done (a GPU reset or a reboot, the only ways back,
+restore `Default`).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import subprocess
 from pathlib import Path
 from typing import Final
 
-from driver.errors import transient
+from driver.errors import DriverError, ErrorClass, transient
 from driver.nvml.library import LIBRARY_DIRS, NVML_LIBRARY
 
 log = logging.getLogger(__name__)
@@ -32,6 +35,15 @@ BINARY: Final = "nvidia-smi"
 BINARY_DIRS: Final = ("opt/bin", "usr/bin", "usr/sbin", "bin", "sbin")
 DEFAULT_TIMEOUT: Final = 30.0
 EXIT_NOT_SUPPORTED: Final = 3  # nvidia-smi: "the requested operation is not available"
+EXIT_GPU_LOST: Final = 15  # nvidia-smi: "GPU has fallen off the bus or ... inaccessible"
+
+
+class GpuLostError(DriverError):
+    """The GPU cannot be reached to set its interval: it has fallen off the bus.
+    Transient for the claim being prepared; the end of a restore obligation."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(ErrorClass.TRANSIENT, message)
 
 
 def _last_line(text: str) -> str:
@@ -95,6 +107,7 @@ class NvidiaSmiTimeSlice:
         if proc.returncode == EXIT_NOT_SUPPORTED and interval == "Default":
             log.warning("GPU %s has no time-slice setting to restore: %s", gpu_uuid, line)
             return
-        raise transient(
-            f"{what}: {argv[0]} exited with status {proc.returncode}: {line or '(no output)'}"
-        )
+        failure = f"{what}: {argv[0]} exited with status {proc.returncode}: {line or '(no output)'}"
+        if proc.returncode == EXIT_GPU_LOST:
+            raise GpuLostError(failure)
+        raise transient(failure)

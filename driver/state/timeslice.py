@@ -34,6 +34,7 @@ from dataclasses import replace
 from typing import Final, Protocol
 
 from driver.errors import DriverError, transient
+from driver.nvml.timeslice import GpuLostError
 from driver.state.checkpoint import ClaimEntry, ClaimState, PreparedDevice
 from driver.state.planning import PlannedDevice
 
@@ -195,6 +196,8 @@ class ClaimTimeSlices:
                 continue  # another claim keeps the GPU at its interval
             try:
                 self._set(gpu, target)
+            except GpuLostError as err:  # a reset or a reboot, the only ways back, restore it
+                log.warning("unprepare: the time-slice interval counts as restored: %s", err)
             except DriverError as err:
                 log.error("unprepare: restoring the time-slice interval failed: %s", err)
                 for u in uids_on_gpu:

@@ -317,3 +317,26 @@ def test_an_unprepare_during_a_corrupt_journal_restores_once_it_is_readable(node
     assert state.unprepare([node.claims.add("other", "gpu-1")]) == {"other": None}
     assert Checkpoint(node.root / "plugin").load() == {}
     assert node.ts.settings() == {}
+
+
+def test_a_lost_gpu_does_not_keep_its_claims_unprepare_failing(node: Node) -> None:
+    """nvidia-smi cannot reach a GPU that fell off the bus; only a GPU reset or a
+    reboot brings it back, and both restore the Default interval: the obligation ends
+    with the GPU, as for its MIG devices (docs/mig.md, "A lost GPU")."""
+    state = node.state()
+    ref = node.claims.add("a", "gpu-0", interval="Long")
+    ok(state, ref)
+    node.mock.inject_gpu_lost(node.uuid(0))
+    assert state.unprepare([ref]) == {"a": None}
+    assert Checkpoint(node.root / "plugin").load() == {}
+    other = node.claims.add("b", "gpu-1", interval="Short")
+    ok(state, other)  # a healthy GPU is set as before
+    assert node.ts.get(node.uuid(1)) == "Short"
+
+
+def test_a_lost_gpu_fails_the_prepare_that_would_set_it(node: Node) -> None:
+    state = node.state()
+    node.mock.inject_gpu_lost(node.uuid(0))
+    error = state.prepare([node.claims.add("a", "gpu-0", interval="Long")])["a"].error
+    assert error is not None and not error.permanent
+    assert "fallen off the bus" in error.message

@@ -15,7 +15,7 @@ from driver.nvml.backend import NvmlBackend
 from driver.nvml.mock.fleet import parse_fleet
 from driver.nvml.mock.nvml import MockNvml
 from driver.nvml.mock.timeslice import STATE_FILE, MockTimeSlice
-from driver.nvml.timeslice import NvidiaSmiTimeSlice
+from driver.nvml.timeslice import GpuLostError, NvidiaSmiTimeSlice
 from driver.state.checkpoint import (
     Checkpoint,
     CheckpointCorruptError,
@@ -97,6 +97,16 @@ def test_not_supported_fails_a_setting_but_not_a_restore(tmp_path: Path) -> None
     with pytest.raises(DriverError, match="Not supported"):
         ops.set(GPU, "Medium")
     ops.set(GPU, "Default")  # nothing can be left to restore there
+
+
+def test_a_gpu_fallen_off_the_bus_is_a_gpu_lost_error(tmp_path: Path) -> None:
+    fake_smi(
+        tmp_path,
+        'echo "Unable to determine the device handle for GPU: GPU is lost" >&2 ; exit 15',
+    )
+    with pytest.raises(GpuLostError, match="status 15: Unable to determine") as err:
+        NvidiaSmiTimeSlice(tmp_path).set(GPU, "Default")
+    assert not err.value.permanent
 
 
 def test_a_hanging_nvidia_smi_times_out(tmp_path: Path) -> None:

@@ -6,7 +6,8 @@ Kept in memory, or, with a driver root, in `<root>/run/nvidia-mock/timeslice.jso
 listed), so a plugin, its restart and a CLI on the same driver root see the same
 settings, as on a real node. Every access is a read-modify-write under an exclusive
 `flock` on `timeslice.lock`; writes are atomic (temp file, fsync, rename).
-`reboot()` resets every GPU to `Default`, as a node reboot does.
+`reboot()` resets every GPU to `Default`, as a node reboot does. A GPU the mock NVML
+holds lost fails as nvidia-smi does there (`GpuLostError`, its exit status 15).
 """
 
 from __future__ import annotations
@@ -17,11 +18,12 @@ import json
 import os
 import tempfile
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Final
 
 from driver.errors import transient
+from driver.nvml.timeslice import EXIT_GPU_LOST, GpuLostError
 
 STATE_FILE: Final = Path("run/nvidia-mock/timeslice.json")
 INTERVALS: Final = ("Default", "Short", "Medium", "Long")
@@ -30,9 +32,15 @@ INTERVALS: Final = ("Default", "Short", "Medium", "Long")
 class MockTimeSlice:
     """`TimeSliceOps` (driver/state/timeslice.py) for the mock fleet's GPUs."""
 
-    def __init__(self, driver_root: Path | None, gpu_uuids: Iterable[str]) -> None:
+    def __init__(
+        self,
+        driver_root: Path | None,
+        gpu_uuids: Iterable[str],
+        is_lost: Callable[[str], bool] = lambda _uuid: False,
+    ) -> None:
         self.root = driver_root
         self.gpu_uuids = frozenset(gpu_uuids)
+        self._is_lost = is_lost
         self._lock = threading.Lock()
         self._memory: dict[str, str] = {}
 
@@ -67,6 +75,12 @@ class MockTimeSlice:
             raise transient(
                 f"cannot set the time-slice interval of GPU {gpu_uuid} to {interval}: "
                 f"nvidia-smi (mock): no GPU with UUID {gpu_uuid}"
+            )
+        if self._is_lost(gpu_uuid):
+            raise GpuLostError(
+                f"cannot set the time-slice interval of GPU {gpu_uuid} to {interval}: "
+                f"nvidia-smi (mock) exited with status {EXIT_GPU_LOST}: Unable to determine "
+                "the device handle for GPU: GPU has fallen off the bus"
             )
         with self._open() as settings:
             if interval == "Default":
