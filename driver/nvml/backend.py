@@ -112,9 +112,12 @@ def select_backend(
     fleet_path: str | Path | None = None,
     node_name: str = "",
     mock_driver_root: Path | None = None,
+    driver_root: Path | str | None = None,
 ) -> NvmlBackend:
     """The backend for this process: real pynvml, or (explicitly chosen) a mock fleet.
 
+    Real NVML is loaded from `driver_root` (the plugin's `--nvidia-driver-root`;
+    default: the NVIDIA_DRIVER_ROOT environment variable, else the loader's path).
     The mock is logged loudly at WARNING: its devices must never be published by
     accident on a real GPU node.
     """
@@ -141,5 +144,7 @@ def select_backend(
         import pynvml
     except ImportError as err:  # pragma: no cover - pynvml is a hard dependency
         raise NvmlUnavailableError(f"pynvml is not installed: {err}") from err
-    load_library_from_driver_root(pynvml, os.environ.get("NVIDIA_DRIVER_ROOT", ""))
+    if driver_root is None:
+        driver_root = os.environ.get("NVIDIA_DRIVER_ROOT", "")
+    load_library_from_driver_root(pynvml, str(driver_root))
     return NvmlBackend(pynvml)

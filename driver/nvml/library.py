@@ -43,7 +43,8 @@ def load_library_from_driver_root(pynvml: Any, driver_root: str) -> None:
             pynvml.nvmlLib = ctypes.CDLL(str(candidate))
             return
     raise NvmlUnavailableError(
-        f"NVIDIA_DRIVER_ROOT={driver_root}: no {NVML_LIBRARY} under "
+        f"NVIDIA driver root (--nvidia-driver-root, NVIDIA_DRIVER_ROOT) {driver_root}: "
+        f"no {NVML_LIBRARY} under "
         + ", ".join(f"{driver_root}/{d}" for d in LIBRARY_DIRS)
     )
 

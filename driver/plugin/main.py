@@ -65,7 +65,11 @@ class Plugin:
         mock = o.nvml_backend == "mock"
         mock_root = o.mock_driver_root or o.data_dir / "mock-driver-root"
         backend = select_backend(
-            mock=mock, fleet_path=o.mock_fleet, node_name=o.node_name, mock_driver_root=mock_root
+            mock=mock,
+            fleet_path=o.mock_fleet,
+            node_name=o.node_name,
+            mock_driver_root=mock_root,
+            driver_root=o.nvidia_driver_root,
         )
         monitor_thread = HealthMonitor.THREAD_NAME
         metrics.NVML_CALLS.count_from(

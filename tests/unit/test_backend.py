@@ -245,6 +245,16 @@ def test_select_backend_real_uses_pynvml_without_calling_it(
     assert "MOCK" not in caplog.text
 
 
+def test_select_backend_loads_nvml_from_the_driver_root_it_is_given(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The plugin's --nvidia-driver-root, not only the environment, names where
+    libnvidia-ml is loaded from."""
+    monkeypatch.delenv("NVIDIA_DRIVER_ROOT", raising=False)
+    with pytest.raises(be.NvmlUnavailableError, match=f"{tmp_path}: no libnvidia-ml"):
+        be.select_backend(mock=False, node_name="n1", driver_root=tmp_path)
+
+
 def test_select_backend_with_fleet_file(tmp_path: Any) -> None:
     path = tmp_path / "f.yaml"
     path.write_text("gpus:\n- model: example\n  count: 2\n")
