@@ -39,7 +39,7 @@ def test_library_under_the_driver_root_is_loaded(tmp_path: Path, layout: str) ->
 
 def test_missing_library_names_the_driver_root(tmp_path: Path) -> None:
     with pytest.raises(
-        NvmlUnavailableError, match=f"NVIDIA_DRIVER_ROOT\) {tmp_path}: no {NVML_LIBRARY}"
+        NvmlUnavailableError, match=rf"NVIDIA_DRIVER_ROOT\) {tmp_path}: no {NVML_LIBRARY}"
     ):
         load_library_from_driver_root(SimpleNamespace(nvmlLib=None), str(tmp_path))
 
