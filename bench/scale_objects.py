@@ -27,7 +27,8 @@ DRIVER = "gpu.example.com"
 GPUS_PER_NODE = 8
 GPU_MODEL = "H100-80GB"
 WHOLE_CLASS = DRIVER
-PARTITION_CLASS = f"mig.{DRIVER}"
+MIG_CLASS = f"mig.{DRIVER}"
+GPU_PARTITION_CLASS = f"partition.{DRIVER}"
 NAMESPACE = "scale"
 # Allocatable of every fake node: far more than the pods need, so only devices limit.
 NODE_ALLOCATABLE = {"cpu": "64", "memory": "512Gi", "pods": "110"}
@@ -56,7 +57,7 @@ LAYOUTS: dict[str, Layout] = {
             "mig",
             "enabled",
             0,
-            PARTITION_CLASS,
+            MIG_CLASS,
             f"{_ATTRS}.profile == '1g.10gb'",
             "every MIG placement (dynamic MIG); a pod asks for a 1g.10gb MIG device",
         ),
@@ -65,7 +66,7 @@ LAYOUTS: dict[str, Layout] = {
             "partitions4",
             "disabled",
             4,
-            PARTITION_CLASS,
+            GPU_PARTITION_CLASS,
             None,
             "--gpu-partitions 4 (the reference's layout); a pod asks for a partition",
         ),
@@ -119,11 +120,13 @@ def node_status(now: str) -> dict[str, Any]:
 
 
 def device_classes() -> list[dict[str, Any]]:
-    """The chart's two DeviceClasses (whole GPUs; partitions of either kind)."""
+    """The chart's three DeviceClasses (whole GPUs; MIG partitions; time-shared
+    `--gpu-partitions` partitions)."""
     base = f"device.driver == '{DRIVER}'"
     expressions = {
         WHOLE_CLASS: f"{base} && !('profile' in {_ATTRS}) && !('partition' in {_ATTRS})",
-        PARTITION_CLASS: f"{base} && ('profile' in {_ATTRS} || 'partition' in {_ATTRS})",
+        MIG_CLASS: f"{base} && 'profile' in {_ATTRS}",
+        GPU_PARTITION_CLASS: f"{base} && 'partition' in {_ATTRS}",
     }
     return [
         {

@@ -40,13 +40,17 @@ from driver.cli.state_dir import HealthView, add_state_dir_argument, default_sta
 from driver.health.clear import record_json
 from driver.health.control import ControlError, check_active
 from driver.health.failures import DEFAULT_DRIVER_NAME, KIND_RANK, GpuFailure
+from driver.plugin.host_inputs import driver_name_argument
 
 HEADERS = ("SOURCE", "DEVICE", "TAINT", "SINCE", "REASON")
 
 
 def add_common_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--driver-name", default=DEFAULT_DRIVER_NAME, help="DRA driver name (default: %(default)s)"
+        "--driver-name",
+        type=driver_name_argument,
+        default=DEFAULT_DRIVER_NAME,
+        help="DRA driver name (default: %(default)s)",
     )
     add_state_dir_argument(parser, default=None)
 
@@ -66,6 +70,11 @@ def add_parser(subcommands: Any) -> None:
     )
     parser.add_argument(
         "--kubeconfig", default=None, help="kubeconfig for reading the node's ResourceSlices"
+    )
+    parser.add_argument(
+        "--allow-insecure-http",
+        action="store_true",
+        help="send the kubeconfig's token to an http:// server (readable on the network)",
     )
     parser.add_argument(
         "-o",
@@ -91,7 +100,12 @@ def run(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None 
         print(f"gpu-dra health: --state-dir {state_dir}: no such directory", file=err)
         return 1
     view = read_health(state_dir, args.driver_name)
-    published = read_published(args.node_name, args.driver_name, args.kubeconfig)
+    published = read_published(
+        args.node_name,
+        args.driver_name,
+        args.kubeconfig,
+        allow_insecure_http=args.allow_insecure_http,
+    )
     report = build_report(args.node_name, args.driver_name, state_dir, view, published)
     if args.output == "json":
         print(json.dumps(report, indent=2), file=out)

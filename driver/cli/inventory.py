@@ -48,6 +48,7 @@ from driver.devices.table import HEADERS, device_rows
 from driver.nvml.backend import select_backend
 from driver.nvml.library import NvmlUnavailableError
 from driver.plugin.flags import non_negative_int
+from driver.plugin.host_inputs import driver_name_argument
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +75,10 @@ def add_parser(subcommands: Any) -> None:
     )
     parser.add_argument("--node-uid", default=None, help="Node UID for the slices' ownerReferences")
     parser.add_argument(
-        "--driver-name", default=DEFAULT_DRIVER_NAME, help="DRA driver name (default: %(default)s)"
+        "--driver-name",
+        type=driver_name_argument,
+        default=DEFAULT_DRIVER_NAME,
+        help="DRA driver name (default: %(default)s)",
     )
     parser.add_argument(
         "--gpu-partitions",

@@ -39,6 +39,7 @@ from driver.cli.output import format_table
 from driver.cli.state_dir import add_state_dir_argument, default_state_dir
 from driver.errors import DriverError
 from driver.health.failures import DEFAULT_DRIVER_NAME
+from driver.plugin.host_inputs import driver_name_argument
 from driver.state.cdi import CdiSpecs
 from driver.state.checkpoint import (
     Checkpoint,
@@ -47,6 +48,8 @@ from driver.state.checkpoint import (
     ClaimState,
     quarantine_checkpoint,
 )
+from driver.state.fileio import read_file_nofollow
+from driver.state.locking import open_lock_file
 
 # The lock every running plugin instance holds shared for its lifetime
 # (`driver.plugin.instances.InstanceLock`).
@@ -97,7 +100,10 @@ def add_parser(subcommands: Any) -> None:
 
 def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--driver-name", default=DEFAULT_DRIVER_NAME, help="DRA driver name (default: %(default)s)"
+        "--driver-name",
+        type=driver_name_argument,
+        default=DEFAULT_DRIVER_NAME,
+        help="DRA driver name (default: %(default)s)",
     )
     add_state_dir_argument(parser, default=None)
 
@@ -140,7 +146,7 @@ def read_journal(state_dir: Path, cdi_root: Path | None, driver: str) -> dict[st
 def _unverified_entries(path: Path) -> dict[str, ClaimEntry]:
     """The entries of a corrupt journal that still parse (checksum not verified)."""
     try:
-        doc = json.loads(path.read_bytes()) if not path.is_symlink() else None
+        doc = json.loads(read_file_nofollow(path))  # no symlink followed, no FIFO waited on
     except (OSError, ValueError, RecursionError):
         return {}
     raw = doc.get("entries") if isinstance(doc, dict) else None
@@ -250,7 +256,7 @@ def no_plugin_running(state_dir: Path) -> Iterator[None]:
     """Hold the plugin instances' lock exclusively (a plugin starting meanwhile waits);
     PluginRunning when a running plugin holds it."""
     path = state_dir / INSTANCE_LOCK_FILE
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    fd = open_lock_file(path)
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

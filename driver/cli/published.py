@@ -4,7 +4,9 @@ their GPUs and placements, and their taints (`gpu-dra health`).
 Where the API is: `--kubeconfig`, else $KUBECONFIG, else the in-cluster config (in the
 plugin's pod, with its service account, which may list ResourceSlices), else
 `~/.kube/config`. Without any of them the slices are not read and the output says so.
-Only the newest pool generation counts (older slices are being replaced).
+Only the newest pool generation counts (older slices are being replaced). A
+kubeconfig whose token would go to an `http://` server is refused unless
+`--allow-insecure-http` is given.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any
 
 from driver.health.failures import Placement
 from driver.kube.api import ApiError, KubeApi
+from driver.kube.connection import InsecureServerError, connect
 from driver.kube.publisher import SLICES_PATH
 
 IN_CLUSTER_ENV = "KUBERNETES_SERVICE_HOST"
@@ -62,7 +65,9 @@ def kubeconfig_source(explicit: str | None) -> tuple[str | None, str] | None:
     return None
 
 
-def read_published(node: str, driver: str, kubeconfig: str | None) -> PublishedView:
+def read_published(
+    node: str, driver: str, kubeconfig: str | None, *, allow_insecure_http: bool = False
+) -> PublishedView:
     """The node's published devices; never raises for an unreachable API (the
     problem is reported in the view)."""
     source = kubeconfig_source(kubeconfig)
@@ -74,7 +79,7 @@ def read_published(node: str, driver: str, kubeconfig: str | None) -> PublishedV
         )
     path, description = source
     try:
-        api = KubeApi.from_kubeconfig(path)
+        api = KubeApi(connect(path, allow_insecure_http=allow_insecure_http))
         listed = api.request(
             "GET",
             SLICES_PATH,
@@ -83,6 +88,8 @@ def read_published(node: str, driver: str, kubeconfig: str | None) -> PublishedV
         )
     except ApiError as err:
         return PublishedView(description, problem=f"listing ResourceSlices failed: {err}")
+    except InsecureServerError as err:
+        return PublishedView(description, problem=f"{err}, or pass --allow-insecure-http")
     except Exception as err:  # config errors, connection refused, TLS: all just reported
         return PublishedView(description, problem=f"cannot reach the API server: {err}")
     return PublishedView(description, devices=devices_of(listed.get("items") or []))

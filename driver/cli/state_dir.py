@@ -2,7 +2,7 @@
 read-only view of its health store (`health.json`).
 
 The view never changes the plugin's files: an unreadable file is reported as such
-(the plugin would move it aside when it loads it).
+(the plugin keeps every GPU failed while it is, docs/health.md).
 """
 
 from __future__ import annotations
@@ -19,6 +19,10 @@ from driver.state.fileio import UnsafeFileError, read_file_nofollow
 STATE_DIR_ENV = "GPU_DRA_STATE_DIR"
 PLUGINS_DIR = Path("/var/lib/kubelet/plugins")
 HEALTH_FILE = "health.json"
+CORRUPT_CONSEQUENCE = (
+    "; the plugin keeps every GPU failed until it is restored or moved aside and the "
+    "plugin restarted (docs/health.md)"
+)
 
 
 def default_state_dir(driver_name: str = DEFAULT_DRIVER_NAME) -> Path:
@@ -49,8 +53,8 @@ class HealthView:
 
 def read_health(state_dir: Path, driver_name: str = DEFAULT_DRIVER_NAME) -> HealthView:
     """Read `<state_dir>/health.json` without touching it (an unreadable file is
-    reported, never moved aside as the plugin would). A data dir without the file
-    has no recorded failure (the plugin writes it on the first one)."""
+    reported, never moved aside). A data dir without the file has no recorded failure
+    (the plugin writes it on the first one)."""
     path = state_dir / HEALTH_FILE
     if not state_dir.is_dir():
         return HealthView(path, unknown=f"no plugin data directory {state_dir}")
@@ -58,8 +62,13 @@ def read_health(state_dir: Path, driver_name: str = DEFAULT_DRIVER_NAME) -> Heal
         records = parse_records(read_file_nofollow(path))
     except FileNotFoundError:
         records = HealthRecords()
-    except (UnsafeFileError, OSError) as err:
+    except UnsafeFileError as err:
+        return HealthView(path, unknown=f"{path} {err.strerror}{CORRUPT_CONSEQUENCE}")
+    except OSError as err:
         return HealthView(path, unknown=f"cannot read {path}: {err.strerror or err}")
-    except (ValueError, KeyError, TypeError, AttributeError) as err:
-        return HealthView(path, unknown=f"{path} is unreadable (not valid health state: {err})")
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as err:
+        return HealthView(
+            path,
+            unknown=f"{path} is unreadable (not valid health state: {err}){CORRUPT_CONSEQUENCE}",
+        )
     return HealthView(path, store=HealthStore(path, driver=driver_name, records=records))

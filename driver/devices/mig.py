@@ -4,7 +4,8 @@ Per GPU one counter set `gpu-<minor>-counter-set` (memory, multiprocessors, engi
 counters and one `memory-slice-<i>` counter per memory slice). Every partition is a
 device `gpu-<minor>-mig-<profile label>-<placement start>` consuming its profile's
 share and its memory slices, so the scheduler never hands out overlapping
-partitions, or a GPU together with one of its partitions.
+partitions, or a GPU together with one of its partitions; it carries `isolated: true`
+(its own memory, SMs and engines, unlike a `--gpu-partitions` partition).
 
 - dynamic: every (profile, placement) NVML reports, and the whole GPU `gpu-<minor>`
   consuming all counters. CUDA cannot use a GPU in MIG mode without a MIG device, so
@@ -24,6 +25,7 @@ from typing import Any
 
 from driver.devices.documents import (
     MIG_DIMENSIONS,
+    bool_attr,
     counter_quantity,
     counters,
     device_doc,
@@ -128,6 +130,7 @@ def _partition(
         "parentIndex": int_attr(gpu.index),
         "placementStart": int_attr(start),
         "placementSize": int_attr(size),
+        "isolated": bool_attr(True),
         **parent_attrs,
     }
     if existing is not None and existing.uuid is not None:

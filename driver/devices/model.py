@@ -7,7 +7,7 @@ the driver's domain). Per GPU, one of:
   set, dynamic or static by `--mig-strategy` (driver/devices/mig.py, docs/mig.md);
 - `gpu_partitions=N` (the Go reference's --gpu-partitions): per GPU a counter set
   `gpu-<i>-counters` {memory, compute}, N devices `gpu-<i>-partition-<j>` of equal size
-  and `gpu-<i>-full`;
+  (time-shared, attribute `isolated: false`) and `gpu-<i>-full`;
 - otherwise the whole GPU `gpu-<minor>`.
 
 With `allow_multiple_allocations` (docs/sharing.md) whole GPUs and reference
@@ -193,7 +193,14 @@ def _reference_partitions(
     devices: list[PublishedDevice] = []
     for j in range(n):
         name = f"gpu-{gpu.minor}-partition-{j}"
-        attrs = {**gpu_attrs, "partition": int_attr(j), "partitionable": bool_attr(True)}
+        # `isolated: false`: time-shared on the whole GPU, no memory or fault isolation
+        # from its other partitions (MIG partitions publish `isolated: true`).
+        attrs = {
+            **gpu_attrs,
+            "partition": int_attr(j),
+            "partitionable": bool_attr(True),
+            "isolated": bool_attr(False),
+        }
         doc = device_doc(name, attrs, {k: quantity(v) for k, v in part.items()})
         doc["consumesCounters"] = [
             {"counterSet": set_name, "counters": {k: quantity(v) for k, v in part.items()}}

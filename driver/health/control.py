@@ -19,6 +19,13 @@ channel first served only the mock backend's `gpu-dra mock ...`).
 
 A request is a JSON object with at least `action`; the answer has `ok` and `message`
 plus what the action adds.
+
+Nothing in the spool is trusted to be what its name says. The plugin opens a
+request with `O_NOFOLLOW | O_NONBLOCK` and answers anything but a regular file owned
+by root with a refusal (a FIFO named `req-<id>.json` would otherwise block the health
+monitor's thread, and new Xids would stop being tainted). The CLI writes only into a
+spool that is a real directory (not a symlink) owned by root and closed to others,
+and reads the marker and the answer without following a symlink or blocking.
 """
 
 from __future__ import annotations
@@ -36,7 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from driver.state.fileio import atomic_write
+from driver.state.fileio import UnsafeFileError, atomic_write, read_file_nofollow
 
 log = logging.getLogger(__name__)
 
@@ -127,7 +134,7 @@ class ControlChannel:
         if now - self._last_beat >= HEARTBEAT_SECONDS:
             self._last_beat = now
             try:
-                os.utime(self.dir / ACTIVE_NAME)
+                os.utime(self.dir / ACTIVE_NAME, follow_symlinks=False)
             except FileNotFoundError:
                 log.warning("control channel: %s vanished; recreating it", self.dir / ACTIVE_NAME)
                 self.activate()
@@ -174,7 +181,7 @@ class ControlChannel:
 
 
 def _read_request(path: Path) -> dict[str, Any]:
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
@@ -219,6 +226,19 @@ class PluginMarker:
         }
 
 
+def check_spool(directory: Path) -> None:
+    """ControlError unless `directory` is the spool a plugin made: a directory itself
+    (not a symlink to one), owned by this user, writable by nobody else."""
+    st = os.lstat(directory)
+    if stat.S_ISLNK(st.st_mode):
+        raise ControlError(f"{directory} is a symbolic link; refusing to use it")
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o022:
+        raise ControlError(
+            f"{directory} is not a directory owned by uid {os.geteuid()} and closed to "
+            "others; refusing to use it"
+        )
+
+
 def check_active(
     state_dir: str | Path, *, now: float | None = None, wanted: str = "kubelet plugin"
 ) -> PluginMarker:
@@ -227,8 +247,9 @@ def check_active(
     directory = spool_dir(state_dir)
     marker = directory / ACTIVE_NAME
     try:
-        st = os.stat(marker)
-        doc = json.loads(marker.read_bytes())
+        check_spool(directory)
+        st = os.lstat(marker)
+        doc = json.loads(read_file_nofollow(marker))
     except FileNotFoundError:
         raise ControlError(
             f"no {wanted} is consuming {directory} (no {ACTIVE_NAME} marker). Run this "
@@ -237,6 +258,8 @@ def check_active(
         ) from None
     except PermissionError:
         raise ControlError(f"permission denied on {directory}: run as root") from None
+    except UnsafeFileError as err:
+        raise ControlError(f"cannot read {marker}: {err.strerror}") from None
     except (OSError, ValueError) as err:
         raise ControlError(f"cannot read {marker}: {err}") from None
     if not isinstance(doc, dict):
@@ -289,6 +312,10 @@ def deliver(
         marker = check_active(state_dir, wanted=wanted)
     require_action(marker, action)
     directory = spool_dir(state_dir)
+    try:
+        check_spool(directory)
+    except OSError as err:
+        raise ControlError(f"cannot use {directory}: {err}") from None
     ident = f"{time.time_ns():016x}{secrets.token_hex(4)}"
     req = directory / f"req-{ident}.json"
     res = directory / f"res-{ident}.json"
@@ -301,10 +328,12 @@ def deliver(
     deadline = time.monotonic() + timeout
     while True:
         try:
-            data = res.read_bytes()
+            data = read_file_nofollow(res)
             break
         except FileNotFoundError:
             pass
+        except UnsafeFileError as err:
+            raise ControlError(f"cannot read the plugin's answer {res}: {err.strerror}") from None
         if time.monotonic() >= deadline:
             try:
                 os.unlink(req)

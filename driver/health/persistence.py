@@ -10,17 +10,16 @@
 `instances` is written only when there is one (a file without it reads as before;
 an older plugin reading a newer file ignores it). A record of an unknown kind (a
 newer plugin's) is skipped with a warning. A file that cannot be parsed, or a
-symlink at the path (never followed), is moved aside to `health.json.corrupt-<time>`
-and the store starts empty.
+symlink or anything but a regular file at the path (never followed, never opened
+blocking), is corrupt: `load_records` raises `HealthStoreCorruptError` and leaves it
+where it is (the store then keeps every GPU failed until an operator repairs it).
 """
 
 from __future__ import annotations
 
-import contextlib
+import errno
 import json
 import logging
-import os
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,21 +40,30 @@ class HealthRecords:
     instances: dict[str, dict[Placement, GpuFailure]] = field(default_factory=dict)
 
 
+class HealthStoreCorruptError(ValueError):
+    """The file exists but cannot be trusted: which GPUs failed is unknown."""
+
+    def __init__(self, path: Path, reason: str) -> None:
+        self.path = path
+        self.reason = reason
+        super().__init__(f"health store {path} is corrupt ({reason})")
+
+
 def load_records(path: Path) -> HealthRecords:
-    """The records in `path`; empty when there is no file. An unreadable file is set
-    aside (logged), and the records start empty."""
+    """The records in `path`; empty when there is no file. Raises
+    HealthStoreCorruptError for a file that cannot be parsed or is no regular file
+    (left untouched), OSError when it cannot be read at all."""
     try:
         raw = read_file_nofollow(path)
     except FileNotFoundError:
         return HealthRecords()
-    except UnsafeFileError as err:  # a symlink is never followed: set aside, not read
-        set_aside(path, err)
-        return HealthRecords()
+    except UnsafeFileError as err:  # a symlink is never followed, a FIFO never opened
+        code = errno.errorcode.get(err.errno or 0, str(err.errno))
+        raise HealthStoreCorruptError(path, f"{err.strerror} ({code})") from err
     try:
         return parse_records(raw)
-    except (ValueError, KeyError, TypeError, AttributeError) as err:
-        set_aside(path, err)
-        return HealthRecords()
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as err:
+        raise HealthStoreCorruptError(path, f"{type(err).__name__}: {err}") from err
 
 
 def parse_records(raw: bytes) -> HealthRecords:
@@ -154,16 +162,3 @@ def write_records(path: Path, records: HealthRecords) -> None:
     """Atomically replace the file (0600, its directory 0700 if created). Raises OSError."""
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     atomic_write(path, encode_records(records), mode=0o600)
-
-
-def set_aside(path: Path, err: Exception) -> None:
-    """Move an unreadable file (or a symlink: the link itself) aside."""
-    quarantine = path.with_name(f"{path.name}.corrupt-{int(time.time())}")
-    with contextlib.suppress(OSError):
-        os.replace(path, quarantine)
-    log.error(
-        "health store %s is unreadable (%s); moved to %s, starting with no failed GPUs",
-        path,
-        err,
-        quarantine,
-    )

@@ -15,6 +15,13 @@ slices (`gpu-dra health clear <partition>`).
 
 Each change bumps `version` and notifies waiters (`wait_changed`), which the health
 stream uses.
+
+A corrupt file (`HealthStoreCorruptError`: garbage, a symlink, a FIFO) fails closed:
+which GPUs failed is unknown, so every device shows an `UnknownHealth` failure (taint
+`<driver>/health-store-corrupt`) until an operator restores or moves the file aside
+and restarts the plugin (docs/health.md). The file is left as it is; failures
+recorded meanwhile are published from memory but not written over it.
+`gpu_dra_health_store_corrupt` is 1 while so.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from driver.health.failures import (
@@ -39,11 +47,19 @@ from driver.health.failures import (
     overlaps,
     precedence,
 )
-from driver.health.persistence import SCHEMA_VERSION, HealthRecords, load_records, write_records
+from driver.health.persistence import (
+    SCHEMA_VERSION,
+    HealthRecords,
+    HealthStoreCorruptError,
+    load_records,
+    write_records,
+)
+from driver.observability import metrics
 
 __all__ = [
     "DEFAULT_DRIVER_NAME",
     "KIND_GPU_LOST",
+    "KIND_UNKNOWN",
     "KIND_XID",
     "SCHEMA_VERSION",
     "Devices",
@@ -51,12 +67,27 @@ __all__ = [
     "HealthDevice",
     "HealthStore",
     "Placement",
+    "UnknownHealth",
     "device_list",
     "device_placement",
     "overlaps",
 ]
 
 log = logging.getLogger(__name__)
+
+KIND_UNKNOWN = "health-store-corrupt"
+# The taint effect of UnknownHealth when NoExecute is configured: no GPU is known to
+# have failed, so running pods are not evicted; new ones are kept off.
+UNKNOWN_EFFECT_FOR_NO_EXECUTE = "NoSchedule"
+
+
+@dataclass(frozen=True)
+class UnknownHealth(GpuFailure):
+    """What every device shows while the store's file is corrupt: its health is
+    unknown, so it counts as failed. Never persisted; weaker than any recorded failure."""
+
+    def message(self) -> str:
+        return f"{self.reason} (since {self.since})"
 
 
 class HealthStore:
@@ -80,6 +111,7 @@ class HealthStore:
         self._devices: dict[str, tuple[str, Placement | None]] = {}
         self._version = 0
         self._dirty = False
+        self._unknown: UnknownHealth | None = None
         if records is None:
             self._load()
         else:
@@ -88,7 +120,21 @@ class HealthStore:
     # -- persistence -------------------------------------------------------------------
 
     def _load(self) -> None:
-        records = load_records(self.path)
+        try:
+            records = load_records(self.path)
+        except HealthStoreCorruptError as err:
+            self._unknown = UnknownHealth(
+                key=f"{self.driver}/{KIND_UNKNOWN}",
+                value=None,
+                reason=(
+                    f"{err}: every GPU is kept failed until an operator restores the file "
+                    "or moves it aside and restarts the plugin"
+                ),
+                since=now_rfc3339(),
+            )
+            log.error("%s", self._unknown.reason)
+            records = HealthRecords()
+        metrics.HEALTH_STORE_CORRUPT.set(float(self._unknown is not None))
         self._failures, self._instances = records.gpus, records.instances
         if self._failures:
             log.warning(
@@ -106,7 +152,18 @@ class HealthStore:
                 ),
             )
 
+    @property
+    def problem(self) -> str | None:
+        """Why every GPU is kept failed (the file is corrupt), or None."""
+        return self._unknown.reason if self._unknown is not None else None
+
     def _persist_locked(self) -> None:
+        if self._unknown is not None:
+            # Writing would replace the corrupt file with one listing only the failures
+            # seen since, which the next start would trust: that would fail open.
+            self._dirty = True
+            log.error("health store: %s is corrupt; change kept in memory only", self.path)
+            return
         try:
             write_records(self.path, HealthRecords(self._failures, self._instances))
             self._dirty = False
@@ -116,9 +173,10 @@ class HealthStore:
             log.error("health store: cannot write %s: %s", self.path, err)
 
     def flush(self) -> bool:
-        """Retry a failed write. True when the file is up to date."""
+        """Retry a failed write. True when the file is up to date (never while it is
+        corrupt)."""
         with self._cond:
-            if self._dirty:
+            if self._dirty and self._unknown is None:
                 self._persist_locked()
             return not self._dirty
 
@@ -291,7 +349,9 @@ class HealthStore:
         for where, failure in self._instances.get(gpu_uuid, {}).items():
             if overlaps(placement, where):
                 found.append(failure)
-        return min(found, key=precedence) if found else None
+        if found:
+            return min(found, key=precedence)
+        return self._unknown
 
     def device_failure(self, device: HealthDevice) -> GpuFailure | None:
         """The failure a device shows: its GPU's, or that of a GPU instance on its
@@ -331,10 +391,13 @@ class HealthStore:
     ) -> dict[str, list[dict[str, str]]]:
         """Taints per device name: a GPU's failure taints every device of that GPU, a
         GPU instance's every device on its memory slices. Devices without a failure
-        are absent. `timeAdded` is left to the API server."""
+        are absent; while the file is corrupt, none is (`UnknownHealth`, whose taint
+        is NoSchedule where `effect` is NoExecute). `timeAdded` is left to the API
+        server."""
         driver = driver or self.driver
+        unknown_effect = UNKNOWN_EFFECT_FOR_NO_EXECUTE if effect == "NoExecute" else effect
         return {
-            name: [failure.taint(driver, effect)]
+            name: [failure.taint(driver, unknown_effect if failure is self._unknown else effect)]
             for name, failure in self.device_failures(devices).items()
         }
 

@@ -10,6 +10,11 @@ as kubelet rotates it), and kubeconfig users with a client certificate and/or a
 bearer token. Anything else in a kubeconfig (exec plugins, auth providers, basic
 auth, impersonation, proxies) and lists of kubeconfig files to merge are handed to the
 official loader, imported only then.
+
+A server given as `http://` gets no credentials: `connect` refuses a kubeconfig that
+would send a bearer token (inline, from a file, from an exec plugin or an auth
+provider) over plain HTTP, where anyone on the path reads it, unless the caller
+passes `allow_insecure_http` (`gpu-dra health --allow-insecure-http`).
 """
 
 from __future__ import annotations
@@ -58,6 +63,17 @@ _USER_FIELDS = frozenset(
 
 class KubeconfigError(ValueError):
     """A kubeconfig or in-cluster setting that cannot be used; names the field."""
+
+
+class InsecureServerError(KubeconfigError):
+    """Credentials would be sent to an `http://` server; names the server."""
+
+    def __init__(self, kubeconfig: str, server: str) -> None:
+        self.server = server
+        super().__init__(
+            f"kubeconfig {kubeconfig}: refusing to send credentials to {server} over plain "
+            "http (anyone on the path could read them); use an https server"
+        )
 
 
 @dataclass(frozen=True)
@@ -120,18 +136,27 @@ class Connection:
         )
 
 
-def connect(kubeconfig: str | None) -> Connection:
+def connect(kubeconfig: str | None, *, allow_insecure_http: bool = False) -> Connection:
     """A connection from `kubeconfig` (a path, or several joined by `:` as in
-    $KUBECONFIG, which the official loader merges), or the in-cluster settings if None."""
-    if kubeconfig and os.pathsep in kubeconfig:
-        return _connect_with_official_loader(kubeconfig)
-    if kubeconfig:
-        settings = read_kubeconfig(Path(kubeconfig))
-        if settings is None:
-            return _connect_with_official_loader(kubeconfig)
+    $KUBECONFIG, which the official loader merges), or the in-cluster settings if None.
+    InsecureServerError where a token would go to an `http://` server, unless
+    `allow_insecure_http`."""
+    if not kubeconfig:
+        settings = in_cluster_settings(os.environ, IN_CLUSTER_DIR)  # always https
+        return Connection(settings.server, _pool(settings), _authorization(settings))
+    direct = None if os.pathsep in kubeconfig else read_kubeconfig(Path(kubeconfig))
+    if direct is None:
+        connection = _connect_with_official_loader(kubeconfig)
     else:
-        settings = in_cluster_settings(os.environ, IN_CLUSTER_DIR)
-    return Connection(settings.server, _pool(settings), _authorization(settings))
+        connection = Connection(direct.server, _pool(direct), _authorization(direct))
+    if connection.server.lower().startswith("http://") and not allow_insecure_http:
+        if direct is not None:
+            sends_token = bool(direct.token or direct.token_file)
+        else:  # an exec plugin's, an auth provider's or a merged kubeconfig's token
+            sends_token = connection.authorization() is not None
+        if sends_token:
+            raise InsecureServerError(kubeconfig, connection.server)
+    return connection
 
 
 def in_cluster_settings(env: Mapping[str, str], secrets_dir: Path) -> ConnectionSettings:

@@ -110,6 +110,12 @@ CHECKPOINT_CORRUPT = Gauge(
     "as of the last prepare, unprepare or start.",
     registry=REGISTRY,
 )
+HEALTH_STORE_CORRUPT = Gauge(
+    "gpu_dra_health_store_corrupt",
+    "1 while the health store (health.json) is corrupt and every GPU is kept failed "
+    "(tainted), else 0; as of the plugin's start.",
+    registry=REGISTRY,
+)
 KUBELET_REGISTERED = Gauge(
     "gpu_dra_kubelet_registered",
     "1 while the kubelet has confirmed this plugin's registration, else 0.",

@@ -3,13 +3,29 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from driver.plugin.host_inputs import check_driver_name, check_path
+
 PACKAGE = "gpu-dra-driver"
 TAINT_EFFECTS = ("NoSchedule", "NoExecute", "None")
+# Path flags (argparse dest -> flag), by whether the plugin writes under them.
+WRITTEN_DIR_FLAGS = {
+    "cdi_root": "--cdi-root",
+    "registrar_dir": "--kubelet-registrar-directory-path",
+    "plugins_dir": "--kubelet-plugins-directory-path",
+    "mock_driver_root": "--mock-driver-root",
+}
+READ_PATH_FLAGS = {
+    "nvidia_driver_root": "--nvidia-driver-root",
+    "nvidia_driver_root_host": "--nvidia-driver-root-host",
+    "nvidia_cdi_hook_path": "--nvidia-cdi-hook-path",
+}
+OPTIONAL_STRING_PATHS = frozenset({"nvidia_cdi_hook_path"})  # "" means none
 
 
 def package_version() -> str:
@@ -205,7 +221,11 @@ def build_parser() -> argparse.ArgumentParser:
 def env_name(action: argparse.Action) -> str:
     """The environment variable of a flag: its long name, upper case (--mig-strategy:
     MIG_STRATEGY, --v: V)."""
-    return action.option_strings[-1].lstrip("-").upper().replace("-", "_")
+    return flag_env(action.option_strings[-1])
+
+
+def flag_env(flag: str) -> str:
+    return flag.lstrip("-").upper().replace("-", "_")
 
 
 def document_env_and_defaults(parser: argparse.ArgumentParser) -> None:
@@ -216,6 +236,26 @@ def document_env_and_defaults(parser: argparse.ArgumentParser) -> None:
         default = "none" if action.default in (None, "") else "%(default)s"
         suffix = f"(env {env_name(action)}, default: {default})"
         action.help = f"{action.help} {suffix}" if action.help else suffix
+
+
+def check_host_inputs(args: argparse.Namespace) -> None:
+    """ValueError naming the flag (and its env var) whose value would put the plugin's
+    files somewhere it must not write (`driver.plugin.host_inputs`)."""
+    written = functools.partial(check_path, written=True)
+    read = functools.partial(check_path, written=False)
+    checks: list[tuple[str, str, Callable[[str], object]]] = [
+        ("driver_name", "--driver-name", check_driver_name),
+        *((dest, flag, written) for dest, flag in WRITTEN_DIR_FLAGS.items()),
+        *((dest, flag, read) for dest, flag in READ_PATH_FLAGS.items()),
+    ]
+    for dest, flag, check in checks:
+        value = getattr(args, dest)
+        if value is None or (dest in OPTIONAL_STRING_PATHS and value == ""):
+            continue  # not given: its default is derived from a checked flag
+        try:
+            check(str(value))
+        except ValueError as err:
+            raise ValueError(f"{flag} (env {flag_env(flag)}): {err}") from None
 
 
 def parse_options(argv: Sequence[str] | None = None) -> PluginOptions:
@@ -233,6 +273,10 @@ def parse_options(argv: Sequence[str] | None = None) -> PluginOptions:
                 f"{action.option_strings[-1]}: invalid value {value!r} "
                 f"(from the environment; choose from {allowed})"
             )
+    try:
+        check_host_inputs(args)
+    except ValueError as err:  # before anything touches the host: one line, exit 1
+        parser.exit(1, f"{parser.prog}: {err}\n")
     return PluginOptions(
         node_name=args.node_name,
         driver_name=args.driver_name,

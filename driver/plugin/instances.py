@@ -13,12 +13,12 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
+from driver.state.locking import open_lock_file
+
 
 class InstanceLock:
     def __init__(self, data_dir: Path) -> None:
-        self._fd = os.open(
-            data_dir / "instances.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600
-        )
+        self._fd = open_lock_file(data_dir / "instances.lock")  # never through a symlink
         fcntl.flock(self._fd, fcntl.LOCK_SH)  # waits while a last instance cleans up
 
     def release(self, on_last: Callable[[], None]) -> bool:

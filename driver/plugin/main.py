@@ -196,6 +196,7 @@ class Plugin:
                 registered=registration.registered.is_set(),
                 last_synced=publisher.stats.last_synced,
                 checkpoint_problem=state.checkpoint_problem,
+                health_store_problem=store.problem,
             )
 
         http = serve_http(o.http_port, healthy) if o.http_port >= 0 else None

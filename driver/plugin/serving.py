@@ -9,6 +9,10 @@ both files every `interval` seconds (stat of two paths: cheap) and rebuilds the
 server of a file that is gone or was replaced by another inode. A lost service
 socket also rebuilds the registration socket, so the kubelet registers the plugin
 again and re-dials the new service socket at once instead of on its next failure.
+
+A socket is private (0600) from the moment it exists: it is bound under umask 0177.
+A chmod after the bind would follow a symlink put in its place meanwhile and change
+the mode of whatever that names.
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ from driver.observability import metrics
 log = logging.getLogger(__name__)
 
 DEFAULT_CHECK_INTERVAL = 1.0
+# The kubelet runs as root; nobody else needs these sockets: rw for the owner only.
+SOCKET_UMASK = 0o177
 
 
 @dataclass
@@ -52,10 +58,15 @@ class SocketServer:
     def start(self) -> None:
         built = self._build()
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        built.server.add_insecure_port(f"unix://{self.path}")
+        # grpcio binds in add_insecure_port. The umask is process-wide: what another
+        # thread creates in these microseconds is owner-only too (the plugin's state
+        # files are 0600 anyway; root still enters a directory made without x bits).
+        previous = os.umask(SOCKET_UMASK)
+        try:
+            built.server.add_insecure_port(f"unix://{self.path}")
+        finally:
+            os.umask(previous)
         built.server.start()
-        # The kubelet runs as root; nobody else needs these sockets.
-        os.chmod(self.path, 0o600)
         self._current = built
         self._inode = os.lstat(self.path).st_ino
 

@@ -10,6 +10,8 @@ re-register the plugin. A readiness probe would not help either: nothing routes 
 a kubelet plugin through a Service, so an unready plugin pod is used as before.
 So /healthz answers 200 and names the problem in its text, and
 `gpu_dra_checkpoint_corrupt` is 1 for alerting (docs/state.md, "Corrupt checkpoint").
+A corrupt health store (every GPU kept failed, `gpu_dra_health_store_corrupt`) is
+named the same way, for the same reason (docs/health.md, "Persistence").
 """
 
 from __future__ import annotations
@@ -27,15 +29,22 @@ class CheckpointHealth(Protocol):
 
 
 def health_report(
-    *, registered: bool, last_synced: float, checkpoint_problem: str | None
+    *,
+    registered: bool,
+    last_synced: float,
+    checkpoint_problem: str | None,
+    health_store_problem: str | None = None,
 ) -> tuple[bool, str]:
-    """(healthy, text) for /healthz. Always healthy: see the module docstring."""
+    """(healthy, text) for /healthz. Always healthy: see the module docstring.
+    `health_store_problem`: `HealthStore.problem`."""
     text = (
         f"ok: {'registered' if registered else 'not registered'}, "
         f"slices synced at {last_synced:.0f}"
     )
     if checkpoint_problem is not None:
         text += f"; CHECKPOINT CORRUPT, prepare refused: {checkpoint_problem}"
+    if health_store_problem is not None:
+        text += f"; HEALTH STORE CORRUPT, every GPU failed: {health_store_problem}"
     return True, text + "\n"
 
 

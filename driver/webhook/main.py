@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from types import FrameType
 
 from driver.plugin.flags import add_version_flag, document_env_and_defaults, package_version
+from driver.plugin.host_inputs import driver_name_argument
 from driver.webhook.server import VALIDATE_PATH, WebhookServer
 
 log = logging.getLogger("gpu-dra-webhook")
@@ -48,6 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--driver-name",
+        type=driver_name_argument,
         default=os.environ.get("DRIVER_NAME", "gpu.example.com"),
         help="DRA driver name whose opaque configs are validated",
     )

@@ -5,7 +5,8 @@
   webhook's matchConditions, RBAC objects).
 * The RBAC and the ValidatingAdmissionPolicy, applied for real: a token bound to a pod
   on node A (so it carries the node-name extra) may write node A's ResourceSlices and
-  is denied node B's, and has no rights beyond the ClusterRole.
+  is denied node B's and slices in node B's pool, and has no rights beyond the
+  ClusterRole.
 * The plugin's own API code (slice publisher, claim reader, failure reporter with
   device status), run with that token, works with exactly these rules.
 """
@@ -75,6 +76,7 @@ def test_rendered_chart_is_accepted_by_the_api_server(cluster: Any, values: list
             "daemonset.apps/gpu-dra-driver-kubeletplugin",
             "deviceclass.resource.k8s.io/gpu.example.com",
             "deviceclass.resource.k8s.io/mig.gpu.example.com",
+            "deviceclass.resource.k8s.io/partition.gpu.example.com",
             "validatingadmissionpolicy.admissionregistration.k8s.io/gpu-dra-driver-resourceslices",
             "validatingwebhookconfiguration.admissionregistration.k8s.io/gpu-dra-driver-webhook",
             "clusterrole.rbac.authorization.k8s.io/gpu-dra-driver-kubeletplugin",
@@ -105,7 +107,9 @@ class PluginIdentity:
         )
 
 
-def _slice(name: str, node: str, driver: str = DRIVER) -> str:
+def _slice(
+    name: str, node: str, driver: str = DRIVER, pool: str | None = None, generation: int = 1
+) -> str:
     return json.dumps(
         {
             "apiVersion": "resource.k8s.io/v1",
@@ -114,7 +118,11 @@ def _slice(name: str, node: str, driver: str = DRIVER) -> str:
             "spec": {
                 "driver": driver,
                 "nodeName": node,
-                "pool": {"name": node, "generation": 1, "resourceSliceCount": 1},
+                "pool": {
+                    "name": pool or node,
+                    "generation": generation,
+                    "resourceSliceCount": 1,
+                },
                 "devices": [],
             },
         }
@@ -211,7 +219,9 @@ def policy_setup(cluster: Any) -> Iterator[tuple[PluginIdentity, str, str, str]]
     try:
         yield PluginIdentity(cluster, tmp / "plugin.kubeconfig"), ns, node_a, node_b
     finally:
-        for name in (f"slice-a-{suffix}", f"slice-b-{suffix}", f"slice-x-{suffix}"):
+        for name in (
+            f"slice-a-{suffix}", f"slice-b-{suffix}", f"slice-x-{suffix}", f"slice-sq-{suffix}"
+        ):  # fmt: skip
             cluster.kubectl("delete", "resourceslice", name, "--ignore-not-found", check=False)
         cluster.kubectl(
             "delete", "-f", "-", "--ignore-not-found", "--wait=false",
@@ -317,6 +327,41 @@ def test_policy_allows_own_node_and_denies_other_nodes(cluster: Any, policy_setu
 
     # The admin is not affected by the policy.
     proc = cluster.kubectl("delete", "resourceslice", slice_b, check=False)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_policy_denies_publishing_in_another_nodes_pool(cluster: Any, policy_setup: Any) -> None:
+    """Pool squatting: node A's plugin may not put a slice of its own node into node B's
+    pool (the scheduler groups slices by pool name across nodes: with a huge generation
+    B's pool looks outdated or incomplete and its devices unallocatable). A squatting
+    slice already on node A may still be deleted by A's plugin (its publisher removes
+    surplus slices of its node), not updated."""
+    plugin, _, node_a, node_b = policy_setup
+    squat = f"slice-sq-{node_a.rsplit('-', 1)[1]}"
+    huge = 2**62
+
+    def denied_pool() -> bool:
+        proc = plugin.kubectl(
+            "create", "--dry-run=server", "-f", "-",
+            input=_slice(squat, node_a, pool=node_b, generation=huge),
+        )  # fmt: skip
+        return proc.returncode != 0 and "pool" in proc.stderr
+
+    cluster.wait_for(denied_pool, timeout=60, what="the ValidatingAdmissionPolicy to deny pool B")
+    proc = plugin.kubectl("create", "-f", "-", input=_slice(squat, node_a, pool=node_b))
+    assert proc.returncode != 0
+    assert "ValidatingAdmissionPolicy" in proc.stderr
+    assert (
+        f"running on node '{node_a}' may only publish resourceslices in pool '{node_a}', "
+        f"not '{node_b}'"
+    ) in proc.stderr
+
+    # A squatting slice on node A (made by the admin; spec.pool.name is immutable): A's
+    # plugin may not update it, and may delete it.
+    cluster.kubectl("create", "-f", "-", input=_slice(squat, node_a, pool=node_b))
+    proc = plugin.kubectl("replace", "-f", "-", input=_touched(cluster, squat))
+    assert proc.returncode != 0 and f"not '{node_b}'" in proc.stderr
+    proc = plugin.kubectl("delete", "resourceslice", squat)
     assert proc.returncode == 0, proc.stderr
 
 
@@ -448,6 +493,7 @@ def test_webhook_certificate_is_renewed_by_helm_upgrade(cluster: Any) -> None:
         "--set", "webhook.failurePolicy=Ignore",
         "--set", "deviceClasses.gpu.enabled=false",
         "--set", "deviceClasses.partition.enabled=false",
+        "--set", "deviceClasses.gpuPartition.enabled=false",
     ]  # fmt: skip
 
     def helm(*args: str) -> None:

@@ -74,7 +74,9 @@ def test_slices_of_n_nodes_are_per_node_pools_with_distinct_uuids() -> None:
 
 def test_claims_ask_each_layout_for_one_device_of_its_class() -> None:
     mig = obj.claim_document(obj.LAYOUTS["mig"], "c")["spec"]["devices"]["requests"]
-    assert mig[0]["exactly"]["deviceClassName"] == obj.PARTITION_CLASS
+    assert mig[0]["exactly"]["deviceClassName"] == obj.MIG_CLASS
+    parts = obj.claim_document(obj.LAYOUTS["partitions4"], "c")["spec"]["devices"]["requests"]
+    assert parts[0]["exactly"]["deviceClassName"] == obj.GPU_PARTITION_CLASS
     assert "1g.10gb" in mig[0]["exactly"]["selectors"][0]["cel"]["expression"]
     whole = obj.claim_document(obj.LAYOUTS["whole"], "c")["spec"]["devices"]["requests"]
     assert whole == [{"name": "gpu", "exactly": {"deviceClassName": obj.WHOLE_CLASS}}]

@@ -181,6 +181,7 @@ def test_objects(default_docs: list[Doc], mock_docs: list[Doc]) -> None:
             ("Deployment", "gpu-dra-driver-webhook"),
             ("DeviceClass", "gpu.example.com"),
             ("DeviceClass", "mig.gpu.example.com"),
+            ("DeviceClass", "partition.gpu.example.com"),
             ("PodDisruptionBudget", "gpu-dra-driver-webhook"),
             ("Secret", "gpu-dra-driver-webhook-tls"),
             ("Service", "gpu-dra-driver-kubeletplugin-metrics"),
@@ -249,6 +250,27 @@ def test_rbac_device_status_adds_claim_status_rules(mock_docs: list[Doc]) -> Non
     other = render("--set", "deviceStatus=true", "--set", "driverName=gpu.acme.io")
     rules = one(other, "ClusterRole")["rules"]
     assert [r["resourceNames"] for r in rules if "resourceNames" in r] == [["gpu.acme.io"]]
+
+
+@pytest.mark.parametrize("version", ["1.34.0", "v1.35.9", "1.35.3-gke.1200"])
+def test_device_status_is_refused_below_1_36(version: str) -> None:
+    """Below 1.36 `resourceclaims/status: patch` is not narrowed to the plugin's node
+    (no DRAResourceClaimGranularStatusAuthorization): every plugin pod could change the
+    status of every claim in the cluster."""
+    proc = helm_template("--set", "deviceStatus=true", "--kube-version", version, check=False)
+    assert proc.returncode != 0
+    assert "deviceStatus=true needs Kubernetes >= 1.36" in proc.stderr, proc.stderr
+    assert version.lstrip("v") in proc.stderr, proc.stderr
+    # Without device status the chart still installs there.
+    role = one(render("--kube-version", version), "ClusterRole")
+    assert _sorted_rules(role["rules"]) == _sorted_rules(BASE_RULES)
+
+
+@pytest.mark.parametrize("version", ["1.36.0", "v1.36.0-rc.1", "1.37.1"])
+def test_device_status_from_1_36(version: str) -> None:
+    docs = render("--set", "deviceStatus=true", "--kube-version", version)
+    role = one(docs, "ClusterRole")
+    assert _sorted_rules(role["rules"]) == _sorted_rules(BASE_RULES + STATUS_RULES)
 
 
 _API_PATH = re.compile(
@@ -426,6 +448,8 @@ def test_policy_limits_plugin_to_own_node(default_docs: list[Doc]) -> None:
     exprs = [v["expression"] for v in spec["validations"]]
     assert "variables.userNodeName == variables.objectNodeName" in exprs
     assert any(f"'{DRIVER}'" in e or f'"{DRIVER}"' in e for e in exprs)
+    # The pool too (pool squatting; tests/integration/test_chart.py applies it for real).
+    assert any("variables.slice.spec.pool.name == variables.userNodeName" in e for e in exprs)
     binding = one(default_docs, "ValidatingAdmissionPolicyBinding")
     assert binding["spec"] == {"policyName": vap["metadata"]["name"], "validationActions": ["Deny"]}
 
@@ -869,43 +893,6 @@ def test_mock_fleet_is_mounted_from_a_configmap() -> None:
     assert env["MOCK_FLEET"]["value"] == "/etc/gpu-dra-driver/mock-fleet.yaml"
     mounts = {m["mountPath"] for m in plugin_container(docs)["volumeMounts"]}
     assert "/etc/gpu-dra-driver" in mounts
-
-
-# --- DeviceClasses --------------------------------------------------------------------
-
-
-def test_device_classes(default_docs: list[Doc]) -> None:
-    classes = {d["metadata"]["name"]: d for d in default_docs if d["kind"] == "DeviceClass"}
-    whole = classes[DRIVER]["spec"]["selectors"][0]["cel"]["expression"]
-    part = classes[f"mig.{DRIVER}"]["spec"]["selectors"][0]["cel"]["expression"]
-    for expr in (whole, part):
-        assert f"device.driver == '{DRIVER}'" in expr
-    assert f"!('profile' in device.attributes['{DRIVER}'])" in whole
-    assert f"'profile' in device.attributes['{DRIVER}']" in part
-    renamed = render("--set", "driverName=gpu.acme.io")
-    names = {d["metadata"]["name"] for d in renamed if d["kind"] == "DeviceClass"}
-    assert names == {"gpu.acme.io", "mig.gpu.acme.io"}
-
-
-def test_device_class_extended_resource_names(default_docs: list[Doc]) -> None:
-    """deviceClasses.<class>.extendedResourceName -> the DeviceClass's extendedResourceName
-    (KEP-5004); unset by default, where only the implicit deviceclass.resource.kubernetes.io
-    name exists."""
-    for doc in default_docs:
-        if doc["kind"] == "DeviceClass":
-            assert "extendedResourceName" not in doc["spec"], doc
-    docs = render(
-        "--set",
-        "deviceClasses.gpu.extendedResourceName=example.com/gpu",
-        "--set",
-        "deviceClasses.partition.extendedResourceName=example.com/gpu-partition",
-    )
-    names = {
-        d["metadata"]["name"]: d["spec"].get("extendedResourceName")
-        for d in docs
-        if d["kind"] == "DeviceClass"
-    }
-    assert names == {DRIVER: "example.com/gpu", f"mig.{DRIVER}": "example.com/gpu-partition"}
 
 
 # --- webhook --------------------------------------------------------------------------

@@ -15,6 +15,8 @@ import yaml
 from driver.devices.documents import parse_quantity
 from driver.devices.model import PoolOptions, build_pool
 from driver.nvml.backend import select_backend
+from tests.unit.test_chart_device_classes import cel_selects, class_selectors
+from tests.unit.test_chart_render import render
 
 REPO = Path(__file__).resolve().parents[2]
 DEMO = REPO / "demo"
@@ -105,6 +107,21 @@ def first_shareable(devices: list[Doc], partitions: bool) -> Doc:
     raise AssertionError(f"no shareable {'partition' if partitions else 'GPU'} in the fleet")
 
 
+def request_selectors(path: Path) -> list[str]:
+    """The CEL selectors of the example's (one) template request: its DeviceClass's, as
+    the chart renders it with demo/values-demo.yaml, and its own."""
+    (exactly,) = (
+        request["exactly"]
+        for doc in documents(path)
+        if doc["kind"] == "ResourceClaimTemplate"
+        for request in doc["spec"]["spec"]["devices"]["requests"]
+    )
+    classes = class_selectors(render("--values", str(DEMO / "values-demo.yaml")))
+    assert exactly["deviceClassName"] in classes, exactly["deviceClassName"]
+    own = [s["cel"]["expression"] for s in exactly.get("selectors", [])]
+    return [classes[exactly["deviceClassName"]], *own]
+
+
 def shareable(device: Doc) -> dict[str, Decimal]:
     return {
         key: parse_quantity(entry["requestPolicy"]["validRange"]["max"])
@@ -124,11 +141,17 @@ def fits(shares: list[dict[str, Decimal]], limit: dict[str, Decimal]) -> bool:
 def test_two_shares_fit_on_one_device_and_a_third_does_not(
     path: Path, partitions: bool, tmp_path: Path
 ) -> None:
-    ((device_class, wanted),) = share_requests(path)
-    assert device_class == ("mig.gpu.example.com" if partitions else "gpu.example.com")
+    ((_, wanted),) = share_requests(path)
     values = yaml.safe_load((DEMO / "partitions" / "values.yaml").read_text())
     devices = demo_devices(values["kubeletPlugin"]["gpuPartitions"] if partitions else 0, tmp_path)
-    limit = shareable(first_shareable(devices, partitions))
+    first = first_shareable(devices, partitions)
+    # The request's class and selectors pick exactly the shareable devices of its kind
+    # (whole GPUs, or the time-shared --gpu-partitions partitions).
+    selectors = request_selectors(path)
+    picked = [d for d in devices if all(cel_selects(e, d) for e in selectors)]
+    assert picked and picked[0] == first
+    assert all(("partition" in d["attributes"]) == partitions for d in picked)
+    limit = shareable(first)
     assert fits([wanted, wanted], limit), (wanted, limit)
     assert not fits([wanted, wanted, wanted], limit), (wanted, limit)
 

@@ -281,6 +281,7 @@ def test_reference_gpu_partitions(n: int, memory: str, compute: str) -> None:
         "driverVersion": {"version": "1.0.0"},
         "partition": {"int": 0},
         "partitionable": {"bool": True},
+        "isolated": {"bool": False},
     }
     assert part.document["capacity"] == {"memory": {"value": memory}, "compute": {"value": compute}}
     assert part.document["consumesCounters"] == [
@@ -388,6 +389,28 @@ def test_static_strategy_without_usable_instances_publishes_nothing_and_says_why
     assert pool.devices == ()
     assert any("GPU instance 9" in n and "no compute instance" in n for n in pool.notes)
     assert any("GPU 1" in n and "nothing of it is published" in n for n in pool.notes)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [dm.PoolOptions(), dm.PoolOptions(gpu_partitions=4), dm.PoolOptions(gpu_partitions=2)],
+    ids=["mig", "gpu-partitions-4", "gpu-partitions-2"],
+)
+def test_every_partition_says_whether_it_is_isolated(options: dm.PoolOptions) -> None:
+    """A MIG device is hardware-isolated (its own memory, SMs, engines); a
+    `--gpu-partitions` partition runs time-shared on the whole GPU, with no memory or
+    fault isolation from the GPU's other partitions. Whole GPUs carry no such claim."""
+    inv = inventory(TWO_H100)
+    gpu0 = _instance(inv, 0, "3g.40gb", 4, gi=2)  # GPU 0 static, GPU 1 dynamic
+    pool = dm.build_pool(_with_instances(inv, {0: (gpu0,)}), options)
+    partitions = [d for d in pool.devices if d.is_partition]
+    assert partitions
+    for device in pool.devices:
+        attrs = device.document["attributes"]
+        if device.is_partition:
+            assert attrs["isolated"] == {"bool": device.mig is not None}, device.name
+        else:
+            assert "isolated" not in attrs, device.name
 
 
 def test_reference_partitions_on_a_real_mig_gpu_fail_at_start() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import stat
 import threading
 import time
@@ -12,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from driver.health.store import HealthStore
+from driver.observability import metrics
 
 GPU0 = "GPU-00000000-0000-4000-8000-000000000000"
 GPU1 = "GPU-11111111-1111-4111-8111-111111111111"
@@ -120,14 +122,73 @@ def test_failure_by_device_name(tmp_path: Path) -> None:
     assert store.failure("no-such-device") is None
 
 
-def test_corrupt_file_is_quarantined(tmp_path: Path) -> None:
+UNKNOWN_TAINT = {"key": "gpu.example.com/health-store-corrupt", "effect": "NoSchedule"}
+
+
+def corrupt_gauge() -> float | None:
+    value: float | None = metrics.REGISTRY.get_sample_value("gpu_dra_health_store_corrupt")
+    return value
+
+
+def test_corrupt_file_keeps_every_gpu_failed(tmp_path: Path) -> None:
     path = tmp_path / "health.json"
     path.write_text("{not json")
     store = HealthStore(path)
-    assert store.failed_gpus() == {}
-    assert [p.name.startswith("health.json.corrupt-") for p in tmp_path.iterdir()] == [True]
-    store.record_xid(GPU0, 79)
-    assert HealthStore(path).gpu_failure(GPU0) is not None
+    assert store.problem is not None and f"health store {path} is corrupt" in store.problem
+    assert store.device_taints(DEVICES) == {d.name: [UNKNOWN_TAINT] for d in DEVICES}
+    store.set_devices(DEVICES)
+    assert store.failure("gpu-1") == store.device_failures(DEVICES)["gpu-1"].message()
+    assert "every GPU is kept failed" in (store.failure("gpu-1") or "")
+    assert corrupt_gauge() == 1.0
+    assert [p.name for p in tmp_path.iterdir()] == ["health.json"]  # left where it is
+
+    # A new failure is published with its own taint, but never written over the file.
+    assert store.record_xid(GPU0, 79)
+    taints = store.device_taints(DEVICES)
+    assert taints["gpu-0"] == [
+        {"key": "gpu.example.com/xid", "value": "79", "effect": "NoSchedule"}
+    ]
+    assert taints["gpu-1"] == [UNKNOWN_TAINT]
+    assert not store.flush()
+    assert path.read_text() == "{not json"
+
+    # A restart finds the same file: still every GPU failed.
+    assert HealthStore(path).device_taints(DEVICES) == {d.name: [UNKNOWN_TAINT] for d in DEVICES}
+
+
+def test_corrupt_store_never_evicts_with_no_execute(tmp_path: Path) -> None:
+    path = tmp_path / "health.json"
+    path.write_text('{"gpus": []}')
+    store = HealthStore(path)
+    store.record_lost(GPU1)
+    taints = store.device_taints(DEVICES, effect="NoExecute")
+    assert taints["gpu-0"] == [UNKNOWN_TAINT]  # unknown health: kept off, not evicted
+    assert taints["gpu-1"] == [{"key": "gpu.example.com/gpu-lost", "effect": "NoExecute"}]
+    assert store.device_taints(DEVICES, effect="None")["gpu-0"][0]["effect"] == "None"
+
+
+def test_repaired_store_is_trusted_after_a_restart(tmp_path: Path) -> None:
+    path = tmp_path / "health.json"
+    good = HealthStore(path)
+    good.record_xid(GPU1, 79)
+    backup = path.read_bytes()
+    path.write_text("garbage")
+    assert HealthStore(path).problem is not None
+    path.write_bytes(backup)  # the operator restores a good copy
+    restored = HealthStore(path)
+    assert restored.problem is None and corrupt_gauge() == 0.0
+    assert set(restored.device_taints(DEVICES)) == {d.name for d in DEVICES if d.gpu_uuid == GPU1}
+    path.rename(tmp_path / "health.json.corrupt-1")  # ... or moves it aside
+    assert HealthStore(path).device_taints(DEVICES) == {}
+
+
+def test_fifo_at_the_path_is_corrupt_not_waited_on(tmp_path: Path) -> None:
+    path = tmp_path / "health.json"
+    os.mkfifo(path)
+    store = HealthStore(path)  # returns: the FIFO is never opened blocking
+    assert store.problem is not None and "not a regular file" in store.problem
+    assert stat.S_ISFIFO(os.lstat(path).st_mode)
+    assert store.tainted_device_count(DEVICES) == len(DEVICES)
 
 
 def test_unwritable_directory_keeps_memory_state(tmp_path: Path) -> None:
@@ -306,9 +367,12 @@ def test_file_without_instances_still_loads(tmp_path: Path) -> None:
     assert set(json.loads(path.read_text())) == {"version", "gpus"}
 
 
-def test_malformed_instance_record_is_quarantined(tmp_path: Path) -> None:
+def test_malformed_instance_record_keeps_every_gpu_failed(tmp_path: Path) -> None:
     path = tmp_path / "health.json"
     bad = {"version": 1, "gpus": {}, "instances": {GPU2: [{"key": "x/xid", "start": "3"}]}}
     path.write_text(json.dumps(bad))
-    assert HealthStore(path).failed_instances() == {}
-    assert any(p.name.startswith("health.json.corrupt-") for p in tmp_path.iterdir())
+    store = HealthStore(path)
+    assert store.failed_instances() == {}
+    assert store.problem is not None and "KeyError: 'size'" in store.problem
+    assert set(store.device_taints(DEVICES)) == {d.name for d in DEVICES}
+    assert [p.name for p in tmp_path.iterdir()] == ["health.json"]

@@ -416,7 +416,7 @@ def test_symlinked_checkpoint_is_reported_corrupt_at_start(tmp_path: Path) -> No
 # -- 4. the health store never follows a symlink ---------------------------------------
 
 
-def test_symlinked_health_store_is_set_aside_not_followed(
+def test_symlinked_health_store_is_corrupt_not_followed(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     elsewhere = tmp_path / "elsewhere.json"
@@ -430,11 +430,33 @@ def test_symlinked_health_store_is_set_aside_not_followed(
     with caplog.at_level(logging.ERROR):
         store = HealthStore(path)
     assert store.failed_gpus() == {}  # the linked content was not read
-    assert "symbolic link" in caplog.text
-    assert not path.is_symlink()  # set aside like an unreadable file...
-    assert json.loads(elsewhere.read_text()) == doc  # ...and its target untouched
-    moved = list(tmp_path.glob("health.json.corrupt-*"))
-    assert len(moved) == 1 and moved[0].is_symlink()
+    assert "symbolic link" in caplog.text and "(ELOOP)" in caplog.text
+    # Corrupt: every device failed (fail closed), the link left for the operator...
+    assert set(store.device_failures(DEVICES)) == set(DEVICES)
+    assert path.is_symlink() and not list(tmp_path.glob("health.json.corrupt-*"))
+    store.record_xid("GPU-bbbb", 79)  # ...never written through, its target untouched
+    assert path.is_symlink() and json.loads(elsewhere.read_text()) == doc
+
+
+def test_corrupt_health_store_is_in_the_health_text(tmp_path: Path) -> None:
+    path = tmp_path / "health.json"
+    path.write_text("[]")
+    store = HealthStore(path)
+    ok, text = health_report(
+        registered=True,
+        last_synced=1,
+        checkpoint_problem=None,
+        health_store_problem=store.problem,
+    )
+    assert ok  # a restart cannot repair it either (driver.plugin.status)
+    assert f"HEALTH STORE CORRUPT, every GPU failed: health store {path} is corrupt" in text
+    assert metrics.REGISTRY.get_sample_value("gpu_dra_health_store_corrupt") == 1.0
+    assert (
+        "CORRUPT"
+        not in health_report(
+            registered=True, last_synced=1, checkpoint_problem=None, health_store_problem=None
+        )[1]
+    )
 
 
 def test_fresh_uid_shape_matches_the_api_server() -> None:

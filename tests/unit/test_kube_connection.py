@@ -21,6 +21,7 @@ import yaml
 
 from driver.kube.api import ApiError, KubeApi
 from driver.kube.connection import (
+    InsecureServerError,
     KubeconfigError,
     Pem,
     connect,
@@ -177,6 +178,11 @@ class Recorder(http.server.BaseHTTPRequestHandler):
         pass
 
 
+def plain_http(path: Path | str) -> KubeApi:
+    """A client of the local http:// test server, which needs the explicit opt-in."""
+    return KubeApi(connect(str(path), allow_insecure_http=True))
+
+
 @pytest.fixture
 def server() -> Iterator[str]:
     Recorder.seen = []
@@ -189,7 +195,7 @@ def server() -> Iterator[str]:
 
 
 def test_requests_carry_the_token_query_and_json_body(tmp_path: Path, server: str) -> None:
-    api = KubeApi.from_kubeconfig(str(kubeconfig(tmp_path, {"server": server}, {"token": "t0"})))
+    api = plain_http(kubeconfig(tmp_path, {"server": server}, {"token": "t0"}))
     assert api.request("GET", "/apis/x", query={"fieldSelector": "a=b,c=d"}) == {"ok": True}
     api.request("PATCH", "/apis/x/y", body={"k": "v"}, content_type="application/merge-patch+json")
     with pytest.raises(ApiError, match=r"404 .*not here"):
@@ -214,9 +220,7 @@ def test_bearer_token_sources(
     tmp_path: Path, server: str, user: dict[str, Any], sent: str | None
 ) -> None:
     (tmp_path / "token-file").write_text("from-file\n")
-    KubeApi.from_kubeconfig(str(kubeconfig(tmp_path, {"server": server}, user))).request(
-        "GET", "/apis/x"
-    )
+    plain_http(kubeconfig(tmp_path, {"server": server}, user)).request("GET", "/apis/x")
     assert Recorder.seen == [("GET", "/apis/x", sent, b"")]
 
 
@@ -230,16 +234,18 @@ def test_exec_credentials_go_through_the_official_loader(tmp_path: Path, server:
     plugin.write_text(f"#!/bin/sh\necho '{json.dumps(credential)}'\n")
     plugin.chmod(0o755)
     user = {"exec": {"apiVersion": "client.authentication.k8s.io/v1", "command": str(plugin)}}
-    api = KubeApi.from_kubeconfig(str(kubeconfig(tmp_path, {"server": server}, user)))
-    api.request("GET", "/apis/x")
+    path = kubeconfig(tmp_path, {"server": server}, user)
+    plain_http(path).request("GET", "/apis/x")
     assert Recorder.seen == [("GET", "/apis/x", "Bearer from-exec", b"")]
+    with pytest.raises(InsecureServerError, match=f"refusing to send credentials to {server} "):
+        connect(str(path))  # the exec plugin's token would cross the network in clear
 
 
 def test_a_kubeconfig_list_is_merged_by_the_official_loader(tmp_path: Path, server: str) -> None:
     first = kubeconfig(tmp_path, {"server": server}, {"token": "merged"})
     second = tmp_path / "second"
     second.write_text(yaml.safe_dump({"apiVersion": "v1", "kind": "Config", "users": []}))
-    KubeApi.from_kubeconfig(f"{first}{os.pathsep}{second}").request("GET", "/apis/x")
+    plain_http(f"{first}{os.pathsep}{second}").request("GET", "/apis/x")
     assert Recorder.seen == [("GET", "/apis/x", "Bearer merged", b"")]
 
 
@@ -296,3 +302,40 @@ def test_https_trusts_the_kubeconfig_ca_only(tmp_path: Path) -> None:
     finally:
         httpd.shutdown()
         httpd.server_close()
+
+
+@pytest.mark.parametrize("user", [{"token": "secret"}, {"tokenFile": "token-file"}])
+def test_no_token_goes_to_a_plain_http_server(
+    tmp_path: Path, server: str, user: dict[str, Any]
+) -> None:
+    (tmp_path / "token-file").write_text("secret\n")
+    path = kubeconfig(tmp_path, {"server": server}, user)
+    with pytest.raises(InsecureServerError) as refused:
+        KubeApi.from_kubeconfig(str(path))  # what the plugin does
+    message = str(refused.value)
+    assert message.count("\n") == 0 and server in message and str(path) in message
+    assert isinstance(refused.value, KubeconfigError)  # the plugin's one-line config error
+    assert Recorder.seen == []  # nothing was sent
+
+
+def test_plain_http_without_a_token_is_not_refused(tmp_path: Path, server: str) -> None:
+    KubeApi(connect(str(kubeconfig(tmp_path, {"server": server}, {})))).request("GET", "/apis/x")
+    assert Recorder.seen == [("GET", "/apis/x", None, b"")]
+
+
+def test_gpu_dra_health_refuses_plain_http_unless_allowed(
+    tmp_path: Path, server: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from driver.cli import main
+
+    path = kubeconfig(tmp_path, {"server": server}, {"token": "secret"})
+    state = ["--state-dir", str(tmp_path), "--node-name", "n1", "-o", "json"]
+    assert main(["health", *state, "--kubeconfig", str(path)]) == 0
+    problem = json.loads(capsys.readouterr().out)["slices"]["problem"]
+    assert f"refusing to send credentials to {server} over plain http" in problem
+    assert problem.endswith("or pass --allow-insecure-http") and "\n" not in problem
+    assert Recorder.seen == []
+
+    assert main(["health", *state, "--kubeconfig", str(path), "--allow-insecure-http"]) == 0
+    assert json.loads(capsys.readouterr().out)["slices"]["problem"] is None
+    assert Recorder.seen[0][2] == "Bearer secret"

@@ -30,6 +30,7 @@ def test_no_metric_that_only_grows_is_a_gauge() -> None:
         "gpu_dra_tainted_devices",
         "gpu_dra_published_devices",
         "gpu_dra_checkpoint_corrupt",
+        "gpu_dra_health_store_corrupt",
         "gpu_dra_kubelet_registered",
     }
 
