@@ -10,6 +10,11 @@ keeps them in memory only.
 
 `quarantine` moves a corrupt journal aside to `checkpoint.json.corrupt-<UTC time>`
 (never deletes it) so the plugin can prepare again, starting from an empty journal.
+When the corrupt file's readable entries own MIG devices the driver created, it
+refuses until `--owned-mig` says what becomes of them: `adopt` (carried into the new
+journal: their claims keep them, their unprepare destroys them), `destroy` (the
+plugin's next start destroys them and removes those claims' CDI specs) or `foreign`
+(left as an administrator's; docs/state.md, "MIG devices after a quarantine").
 It refuses a valid journal, and refuses while a kubelet plugin runs on the node
 (it holds `<state dir>/instances.lock`): stop the plugin on this node first. It
 shows what the plugin will do on its next start and asks for confirmation (`--yes`
@@ -46,10 +51,14 @@ from driver.state.checkpoint import (
     CheckpointCorruptError,
     ClaimEntry,
     ClaimState,
-    quarantine_checkpoint,
 )
-from driver.state.fileio import read_file_nofollow
 from driver.state.locking import open_lock_file
+from driver.state.quarantine import (
+    OwnedMig,
+    owning_mig,
+    quarantine_checkpoint,
+    salvage_entries,
+)
 
 # The lock every running plugin instance holds shared for its lifetime
 # (`driver.plugin.instances.InstanceLock`).
@@ -58,17 +67,29 @@ HEADERS = ("CLAIM", "UID", "STATE", "DEVICES", "CDI SPEC", "VERDICT")
 
 AFTER_QUARANTINE = """\
 On its next start the kubelet plugin:
-  - finds no journal and starts from an empty one: prepare works again;
+  - starts from a new journal (empty, or holding what --owned-mig carries over):
+    prepare works again;
   - keeps the CDI specs of claims prepared before (reported as orphans at start);
     each is removed by its claim's unprepare, so running pods keep their devices;
-  - does not know the MIG devices it created for those claims as its own: with
-    --mig-strategy auto their GPU is published as static (exactly those MIG
-    devices), with dynamic it refuses to start until they are destroyed; none is
-    destroyed by the driver;
+  - {mig}
   - cannot protect the devices of those claims against a second local prepare
     until they are unprepared (the scheduler still sees them allocated).
 The corrupt file stays next to the journal for inspection.
 """
+MIG_FATE = {
+    OwnedMig.FOREIGN: """does not know the MIG devices it created for those claims as its own:
+    with --mig-strategy auto their GPU is published as static (exactly those MIG
+    devices, which a new claim may then get while a pod still uses them), with
+    dynamic it refuses to start until they are destroyed; none is destroyed by the
+    driver;""",
+    OwnedMig.ADOPT: """adopts the MIG devices of the readable entries listed above: their
+    entries are carried into the new journal as they were; each is destroyed by
+    its claim's unprepare;""",
+    OwnedMig.DESTROY: """destroys the MIG devices of the readable entries listed above at its
+    next start (each only if the instance under its recorded id still has the
+    recorded profile and placement) and removes those claims' CDI specs: pods using
+    them lose their devices;""",
+}
 
 
 def add_parser(subcommands: Any) -> None:
@@ -94,6 +115,12 @@ def add_parser(subcommands: Any) -> None:
         "quarantine", help="move a corrupt journal aside (timestamped, never deleted)"
     )
     _common(quarantine)
+    quarantine.add_argument(
+        "--owned-mig",
+        choices=[m.value for m in OwnedMig],
+        help="what becomes of the MIG devices the corrupt journal's readable entries own "
+        "(required when there are any): adopt, destroy or leave them foreign",
+    )
     add_yes_argument(quarantine)
     quarantine.set_defaults(run=run_quarantine)
 
@@ -132,7 +159,7 @@ def read_journal(state_dir: Path, cdi_root: Path | None, driver: str) -> dict[st
             report["status"] = "absent"
     except CheckpointCorruptError as err:
         report.update(status="corrupt", problem=err.reason, verified=False)
-        entries = _unverified_entries(checkpoint.path)
+        entries = salvage_entries(checkpoint.path)
     except DriverError as err:
         report.update(status="unreadable", problem=str(err), verified=False)
         entries = {}
@@ -141,22 +168,6 @@ def read_journal(state_dir: Path, cdi_root: Path | None, driver: str) -> dict[st
     for uid, entry in sorted(entries.items(), key=lambda i: (i[1].namespace, i[1].name, i[0])):
         report["entries"].append(_entry_json(uid, entry, specs))
     return report
-
-
-def _unverified_entries(path: Path) -> dict[str, ClaimEntry]:
-    """The entries of a corrupt journal that still parse (checksum not verified)."""
-    try:
-        doc = json.loads(read_file_nofollow(path))  # no symlink followed, no FIFO waited on
-    except (OSError, ValueError, RecursionError):
-        return {}
-    raw = doc.get("entries") if isinstance(doc, dict) else None
-    if not isinstance(raw, dict):
-        return {}
-    entries: dict[str, ClaimEntry] = {}
-    for uid, entry in raw.items():
-        with contextlib.suppress(ValueError, TypeError, KeyError, AttributeError):
-            entries[str(uid)] = ClaimEntry.from_json(entry)
-    return entries
 
 
 def _entry_json(uid: str, entry: ClaimEntry, specs: CdiSpecs | None) -> dict[str, Any]:
@@ -272,6 +283,18 @@ def no_plugin_running(state_dir: Path) -> Iterator[None]:
         os.close(fd)
 
 
+def _owned_mig_choice(choice: str | None, owning: dict[str, ClaimEntry]) -> OwnedMig:
+    if choice is not None:
+        return OwnedMig(choice)
+    if owning:
+        raise ValueError(
+            f"the journal's readable entries own the MIG devices of {len(owning)} claim(s): "
+            "choose --owned-mig adopt|destroy|foreign (docs/state.md, "
+            '"MIG devices after a quarantine")'
+        )
+    return OwnedMig.FOREIGN
+
+
 def run_quarantine(
     args: argparse.Namespace,
     out: TextIO | None = None,
@@ -299,13 +322,18 @@ def run_quarantine(
             else:
                 print(f"{prog}: {checkpoint.path} is valid: not moving it", file=err)
                 return 1
+            owning = owning_mig(salvage_entries(checkpoint.path))
+            owned_mig = _owned_mig_choice(args.owned_mig, owning)
             out.write(
                 f"{checkpoint.path} is corrupt ({reason}).\n"
                 f"It will be renamed to {checkpoint.path.name}.corrupt-<UTC time> in "
-                f"{state_dir} (kept, never deleted).\n{AFTER_QUARANTINE}"
+                f"{state_dir} (kept, never deleted).\n"
             )
+            for uid, entry in sorted(owning.items()):
+                out.write(f"  claim {entry.namespace}/{entry.name} ({uid}) owns MIG devices\n")
+            out.write(AFTER_QUARANTINE.format(mig=MIG_FATE[owned_mig]))
             confirm("Move it aside?", yes=args.yes, stdin=stdin, out=out)
-            target = quarantine_checkpoint(state_dir)
+            target = quarantine_checkpoint(state_dir, owned_mig=owned_mig)
     except (PluginRunning, NotConfirmed, ValueError, DriverError) as error:
         print(f"{prog}: {error}", file=err)
         return 1

@@ -36,7 +36,8 @@ malformed entries is *corrupt*, and so is a symlink (or anything but a regular f
 at the journal's path, which is never followed (O_NOFOLLOW): `load()` raises
 `CheckpointCorruptError` (transient, names the file and the reason). It is never
 discarded automatically; an operator moves it aside with `gpu-dra journal quarantine`
-(`quarantine_checkpoint()`: renamed `checkpoint.json.corrupt-<ts>`).
+(`driver.state.quarantine.quarantine_checkpoint()`: renamed
+`checkpoint.json.corrupt-<ts>`).
 """
 
 from __future__ import annotations
@@ -48,7 +49,6 @@ import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Final, TypeGuard
 
@@ -58,12 +58,10 @@ from driver.state.fileio import (
     DATA_DIR_MODE,
     UnsafeFileError,
     atomic_write,
-    fsync_dir,
     read_file_nofollow,
     sweep_temp_files,
 )
 from driver.state.hardware_record import HardwareRecord, MigRecord
-from driver.state.locking import SerializeLock
 from driver.state.timeslice_record import TimeSliceRecord
 
 __all__ = ["HardwareRecord", "MigRecord"]  # re-exported: the device records' module
@@ -369,31 +367,3 @@ class Checkpoint:
             return []
         prefix = CHECKPOINT_FILE + CORRUPT_SUFFIX
         return sorted(self.data_dir / n for n in names if n.startswith(prefix))
-
-
-def quarantine_checkpoint(
-    data_dir: Path | str, *, force: bool = False, now: datetime | None = None
-) -> Path | None:
-    """Operator action: move a corrupt checkpoint aside so the driver starts from an
-    empty journal. Renames it to `checkpoint.json.corrupt-<UTC timestamp>` (kept for
-    inspection) and returns the new path; None if there is no checkpoint.
-
-    Refuses (ValueError) to move a checkpoint that is valid unless `force` is set.
-    Takes the serialize lock, so it is safe while a plugin is running.
-    """
-    cp = Checkpoint(data_dir)
-    with SerializeLock(cp.data_dir).hold():
-        if not os.path.lexists(cp.path):  # a symlink, even a dangling one, is moved aside
-            return None
-        if not force:
-            try:
-                cp.load()
-            except CheckpointCorruptError:
-                pass
-            else:
-                raise ValueError(f"checkpoint {cp.path} is valid; not moving it (use force)")
-        stamp = (now or datetime.now(UTC)).strftime("%Y%m%dT%H%M%S.%fZ")
-        target = cp.path.with_name(f"{CHECKPOINT_FILE}{CORRUPT_SUFFIX}{stamp}")
-        os.rename(cp.path, target)
-        fsync_dir(cp.data_dir)
-        return target

@@ -26,9 +26,9 @@ from driver.state.checkpoint import (
     HardwareRecord,
     PreparedDevice,
     checksum,
-    quarantine_checkpoint,
 )
 from driver.state.locking import SerializeLock
+from driver.state.quarantine import quarantine_checkpoint
 
 DEVICE = PreparedDevice(
     pool_name="node-a",

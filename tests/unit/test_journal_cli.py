@@ -131,7 +131,8 @@ def test_show_garbage_journal(data_dir: Path) -> None:
 
 
 def quarantine(data_dir: Path, *extra: str, stdin: io.StringIO | None = None) -> Any:
-    return gpu_dra(["journal", "quarantine", "--state-dir", str(data_dir), *extra], stdin)
+    argv = ["journal", "quarantine", "--state-dir", str(data_dir), "--owned-mig", "foreign"]
+    return gpu_dra([*argv, *extra], stdin)
 
 
 def test_quarantine_refuses_without_a_terminal_and_without_yes(data_dir: Path) -> None:

@@ -27,11 +27,11 @@ from driver.state.checkpoint import (
     ClaimState,
     HardwareRecord,
     PreparedDevice,
-    quarantine_checkpoint,
 )
 from driver.state.claims import ClaimRef
 from driver.state.fileio import atomic_write
 from driver.state.prepare import DeviceState
+from driver.state.quarantine import quarantine_checkpoint
 from driver.state.verdicts import parse_permanent_errors
 
 DRIVER = "gpu.example.com"
