@@ -20,7 +20,7 @@ from driver.state.checkpoint import ClaimEntry, ClaimState, PreparedDevice
 from driver.state.claims import ClaimRef, PrepareResult
 from driver.state.context import StepContext
 from driver.state.failpoints import failpoint
-from driver.state.instances import other_entries
+from driver.state.instances import other_entries, owns_mig
 from driver.state.planning import PlannedDevice, plan_claim, render_spec
 from driver.state.teardown import unprepare_begun
 
@@ -108,28 +108,29 @@ def prepare_locked(
         return
 
     failpoint("prepare-before-started")
-    try:
-        # No directory fsync: a crash of the process keeps the rename (page cache),
-        # and a power loss, which could lose it, also takes every MIG device with
-        # it; the specs written next are made safe by the PrepareCompleted store.
-        state.checkpoint.store(
-            journal, before_rename="prepare-started-before-rename", sync_dir=False
-        )
-    except DriverError as err:
-        _abort(state, work, journal, results, err)
-        return
-    failpoint("prepare-after-started")
+    if any(_changes_the_node(w) for w in work):
+        try:
+            # The intent, before MIG devices are created or GPU intervals set. No
+            # directory fsync: a crash of the process keeps the rename (page cache),
+            # and a power loss, which could lose it, also resets every MIG device and
+            # interval.
+            state.checkpoint.store(
+                journal, before_rename="prepare-started-before-rename", sync_dir=False
+            )
+        except DriverError as err:
+            _abort(state, work, journal, results, err)
+            return
+        failpoint("prepare-after-started")
 
-    # Each spec's content is fsynced before its rename, so a spec on disk is whole;
-    # the renames are not synced: the PrepareCompleted entries carry every spec,
-    # and recover() rewrites one a power loss took before the kubelet can use it.
+    # Specs are not fsynced: the PrepareCompleted entries carry every spec, and
+    # recover() rewrites one a power loss took or garbled before the kubelet can use
+    # it; a spec whose entry never became durable is removed there (or by the
+    # unprepare the kubelet sends for every claim it asked to prepare).
     for w in work:
         try:
             w.planned = tuple(state.instances.create(w.planned))
             w.spec = render_spec(w.planned, state.context)
-            state.cdi.write_claim_spec(
-                w.ref.uid, w.spec, before_rename="prepare-cdi-before-rename", sync_dir=False
-            )
+            state.cdi.write_claim_spec(w.ref.uid, w.spec, before_rename="prepare-cdi-before-rename")
             w.planned = state.timeslices.apply(w.ref.uid, w.planned, journal)
         except Exception as exc:
             w.error = _error(exc, w.ref.uid)
@@ -151,6 +152,14 @@ def prepare_locked(
     for w in work:
         state.stats.prepared += 1
         results[w.ref.uid] = PrepareResult(devices=tuple(p.prepared for p in w.planned))
+
+
+def _changes_the_node(w: _Work) -> bool:
+    """Does the claim's prepare change state outside the data directory (a MIG device
+    to create, a GPU's time-slice interval to set)? Then its intent is journaled
+    first; a whole-GPU or partition claim goes straight to `PrepareCompleted`."""
+    devices = _devices(w)
+    return owns_mig(devices) or any(d.time_slice is not None for d in devices)
 
 
 def _plan(

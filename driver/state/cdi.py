@@ -16,9 +16,12 @@ its legacy mode adds nothing; on real GPUs it carries its own device nodes, comp
 (driver/state/device_nodes.py), and the common device the control nodes and the
 driver's libraries, binaries and hooks (driver/state/driver_edits.py): containerd's CDI
 support is all a node needs.
-Writes are atomic (temp file in the same directory, fsync, rename, fsync directory);
-a batch of claim specs can defer the directory fsync to one `sync_root()`. Reads never
-follow a symlink at the file's path (`read_file_nofollow`).
+Writes are atomic (temp file in the same directory, rename): a reader sees the old or
+the new spec. The common spec is also durable (fsync, directory fsync); claim specs
+and their removals are not: the journal holds each prepared claim's spec, and start-up
+rewrites a spec a power loss took or garbled and removes one no entry owns
+(driver/state/recovery.py `recover`; docs/state.md, "Durability"). Reads never follow
+a symlink at the file's path (`read_file_nofollow`).
 """
 
 from __future__ import annotations
@@ -36,7 +39,6 @@ from driver.state.device_nodes import DeviceNode
 from driver.state.driver_edits import DriverEdits
 from driver.state.fileio import (
     atomic_write,
-    fsync_dir,
     read_file_nofollow,
     remove_durably,
     sweep_temp_files,
@@ -267,55 +269,41 @@ class CdiSpecs:
         return path
 
     def write_claim_spec(
-        self,
-        claim_uid: str,
-        spec: ClaimSpec,
-        *,
-        before_rename: str | None = None,
-        sync_dir: bool = True,
+        self, claim_uid: str, spec: ClaimSpec, *, before_rename: str | None = None
     ) -> Path:
-        """Atomically write (or replace) the claim's spec. `before_rename`: failpoint.
-        `sync_dir=False` defers the fsync of the CDI root to one `sync_root()` call
-        for a batch of specs (the spec is not durably in place until then)."""
+        """Atomically write (or replace) the claim's spec, not durably (the module
+        doc says why). `before_rename`: failpoint."""
         self._ensure_root()
         path = self.claim_spec_path(claim_uid)
         atomic_write(
             path,
-            self._render(spec.devices, spec.device_nodes),
+            self.render_claim_spec(spec),
             mode=SPEC_MODE,
             before_rename=before_rename,
-            sync_dir=sync_dir,
+            durable=False,
         )
         return path
 
-    def remove_claim_spec(self, claim_uid: str, *, sync_dir: bool = True) -> bool:
-        """Delete the claim's spec; False if there was none. `sync_dir=False`: the
-        removal is durable only after `sync_root()`."""
-        return remove_durably(self.claim_spec_path(claim_uid), sync_dir=sync_dir)
+    def render_claim_spec(self, spec: ClaimSpec) -> bytes:
+        """The bytes `write_claim_spec` writes for `spec`."""
+        return self._render(spec.devices, spec.device_nodes)
+
+    def remove_claim_spec(self, claim_uid: str) -> bool:
+        """Delete the claim's spec (not durably); False if there was none."""
+        return remove_durably(self.claim_spec_path(claim_uid), sync_dir=False)
 
     def remove_claim_specs(self, uids: Sequence[str]) -> tuple[set[str], dict[str, OSError]]:
-        """Remove the claims' specs with one fsync of the root. Returns the UIDs whose
-        spec is durably gone and the errors of the others."""
+        """Remove the claims' specs. Returns the UIDs whose spec is gone and the
+        errors of the others."""
         gone: set[str] = set()
         errors: dict[str, OSError] = {}
-        removed = False
         for uid in uids:
             try:
-                removed = self.remove_claim_spec(uid, sync_dir=False) or removed
+                self.remove_claim_spec(uid)
                 gone.add(uid)
             except OSError as err:
                 errors[uid] = err
-        if removed:
-            try:
-                self.sync_root()
-            except OSError as err:
-                errors.update(dict.fromkeys(gone, err))
-                gone.clear()
         return gone, errors
-
-    def sync_root(self) -> None:
-        """fsync the CDI root: makes the batch's deferred renames and unlinks durable."""
-        fsync_dir(self.root)
 
     def sweep_temp_files(self) -> list[Path]:
         """Remove spec temp files left by a crash (call under the serialize lock)."""
@@ -347,6 +335,16 @@ class CdiSpecs:
                 continue
             out[name[len(self._prefix) : -len(".json")]] = self.root / name
         return out
+
+    def claim_spec_is(self, claim_uid: str, spec: ClaimSpec) -> bool:
+        """Is the claim's spec on disk exactly what `write_claim_spec(spec)` writes?
+        False for a missing, partial or different one, and for a symlink."""
+        try:
+            return read_file_nofollow(self.claim_spec_path(claim_uid)) == self.render_claim_spec(
+                spec
+            )
+        except OSError:
+            return False
 
     def read_claim_spec(self, claim_uid: str) -> dict[str, Any] | None:
         """The parsed claim spec, or None if absent. A symlink at the path is refused

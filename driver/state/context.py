@@ -1,12 +1,12 @@
 """What the prepare, unprepare and recovery steps share: `StepContext`.
 
-`driver/state/batch.py` (prepare under the node lock) and `driver/state/teardown.py`
-(unprepare, start-up recovery) take a `StepContext`; `DeviceState`
-(`driver/state/prepare.py`) is the facade on top that the plugin calls. The context
-holds the node's stores (journal, CDI specs, MIG and time-slice operations), the node
-lock, the remembered verdicts and counters, and the two steps every path takes:
-loading the journal and failing
-a claim (its verdict remembered and reported when permanent).
+`driver/state/batch.py` (prepare under the node lock), `driver/state/teardown.py`
+(unprepare) and `driver/state/recovery.py` (start-up recovery) take a `StepContext`;
+`DeviceState` (`driver/state/prepare.py`) is the facade on top that the plugin calls.
+The context holds the node's stores (journal, CDI specs, MIG and time-slice
+operations), the node lock, the remembered verdicts and counters, and the two steps
+every path takes: loading the journal and failing a claim (its verdict remembered and
+reported when permanent).
 """
 
 from __future__ import annotations

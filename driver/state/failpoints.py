@@ -23,25 +23,25 @@ ENV_VAR: Final = "GPU_DRA_FAILPOINTS"
 # per call and a crash leaves every claim of the batch at the same step.
 PREPARE_FAILPOINTS: Final[tuple[str, ...]] = (
     # entries were found for claims being prepared (a retried half-done prepare, or
-    # recover() at startup): their CDI specs have been removed (one directory fsync),
-    # the entries not yet rewritten
+    # recover() at startup): their CDI specs have been removed, the entries not yet
+    # rewritten
     "prepare-rollback-after-cdi-removed",
     # all claims checked and planned, nothing written yet
     "prepare-before-started",
     # checkpoint temp file with the batch's PrepareStarted entries written + fsynced,
-    # not renamed
+    # not renamed (only a batch that creates MIG devices or sets intervals journals one)
     "prepare-started-before-rename",
-    # the PrepareStarted entries are durable, no CDI spec yet
+    # the PrepareStarted entries are durable, no CDI spec yet (idem)
     "prepare-after-started",
     # a MIG device of the batch is about to be created (its intent is journaled)
     "prepare-before-mig-create",
     # the batch's first MIG device exists (GPU and compute instance), not journaled
     # beyond its intent
     "prepare-after-mig-create",
-    # the batch's first CDI spec temp file written + fsynced, not renamed
+    # the batch's first CDI spec temp file written, not renamed
     "prepare-cdi-before-rename",
-    # every CDI spec in place and the CDI root fsynced, checkpoint still says
-    # PrepareStarted
+    # every CDI spec in place (not fsynced: derived from the journal), the checkpoint
+    # says PrepareStarted, or nothing for a batch without an intent
     "prepare-after-cdi",
     # checkpoint temp file with the PrepareCompleted entries written + fsynced, not
     # renamed
@@ -54,7 +54,7 @@ UNPREPARE_FAILPOINTS: Final[tuple[str, ...]] = (
     # entries/specs found for the batch, nothing removed yet (entries with MIG devices
     # the driver created are already marked `unpreparing`)
     "unprepare-before-cdi-removed",
-    # the batch's CDI specs removed (one directory fsync), checkpoint entries present
+    # the batch's CDI specs removed (not durably), checkpoint entries present
     "unprepare-after-cdi-removed",
     # an owned MIG device of the batch is about to be destroyed
     "unprepare-before-mig-destroy",

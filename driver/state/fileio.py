@@ -41,6 +41,7 @@ def atomic_write(
     mode: int = 0o600,
     before_rename: str | None = None,
     sync_dir: bool = True,
+    durable: bool = True,
 ) -> None:
     """Replace `target` with `data` so that a crash leaves either the old or the new
     content: temp file in the same directory, fsync, rename, fsync the directory.
@@ -51,6 +52,11 @@ def atomic_write(
     `sync_dir=False` skips the directory fsync: the content is durable but the rename
     is not until the caller runs `fsync_dir(target.parent)`, once for a whole batch of
     writes to that directory, before anything that relies on the new content.
+
+    `durable=False` fsyncs nothing: readers see the old or the new content (the
+    rename), but a power loss may take either, or leave the new name with partial
+    content. For files another durable record can rebuild (the claims' CDI specs,
+    from the journal, at start).
     """
     tmp = temp_name(target)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
@@ -60,7 +66,8 @@ def atomic_write(
             while view:
                 written = os.write(fd, view)
                 view = view[written:]
-            os.fsync(fd)
+            if durable:
+                os.fsync(fd)
         finally:
             os.close(fd)
         if before_rename is not None:
@@ -71,7 +78,7 @@ def atomic_write(
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
-    if sync_dir:
+    if sync_dir and durable:
         fsync_dir(target.parent)
 
 

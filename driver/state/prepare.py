@@ -28,7 +28,8 @@ MIG lifecycle come in as small protocols (driver/state/claims.py, instances.py).
 A claim that fails in steps 4-5 is rolled back alone (spec removed, MIG devices
 destroyed, entry dropped in the next store); only a failed journal store fails the
 whole batch, which is then rolled back. Steps 3-5 live in driver/state/batch.py,
-unprepare and start-up recovery in driver/state/teardown.py; both take the
+unprepare in driver/state/teardown.py, start-up recovery in driver/state/recovery.py;
+all take the
 `StepContext` (driver/state/context.py) this facade extends.
 """
 
@@ -41,7 +42,7 @@ from typing import Any
 from driver.errors import DriverError, transient
 from driver.nvml.types import Inventory
 from driver.observability import metrics
-from driver.state import teardown
+from driver.state import recovery, teardown
 from driver.state.batch import as_transient, prepare_locked
 from driver.state.checkpoint import (
     CheckpointCorruptError,
@@ -56,7 +57,7 @@ from driver.state.claims import (
 from driver.state.context import StepContext
 from driver.state.instances import Held, owned_instances
 from driver.state.planning import check_health
-from driver.state.teardown import RecoveryReport
+from driver.state.recovery import RecoveryReport
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +127,7 @@ class DeviceState(StepContext):
 
     def recover(self) -> RecoveryReport:
         """Start-up reconciliation of the journal, the CDI specs and the MIG devices."""
-        return teardown.recover(self)
+        return recovery.recover(self)
 
     def owned_mig(self, inventory: Inventory | None = None) -> Held:
         """(GPU UUID, GPU-instance id) of every MIG device the journal owns: a

@@ -16,7 +16,7 @@ from driver.state.claims import ClaimRef
 from driver.state.driver_edits import DriverRoot
 from driver.state.instances import MigOps
 from driver.state.prepare import DeviceState
-from driver.state.teardown import RecoveryReport
+from driver.state.recovery import RecoveryReport
 from tests.state_fakes import Healthy, NoReports
 
 DRIVER = "gpu.example.com"

@@ -278,28 +278,32 @@ class FsyncSpy:
         monkeypatch.setattr(os, "fsync", counting)
 
 
-def test_batch_of_specs_defers_the_directory_fsync(
+def test_claim_specs_are_written_and_removed_without_a_fsync(
     specs: CdiSpecs, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """The journal holds every prepared claim's spec and start-up rewrites a lost or
+    partial one: a claim spec costs no fsync; the common spec stays durable."""
     specs.write_claim_spec("warm-up", ClaimSpec(()))  # creates the root
     spy = FsyncSpy(monkeypatch)
     for uid in ("a", "b", "c"):
-        specs.write_claim_spec(uid, ClaimSpec((CdiDevice(f"{uid}-gpu-0", ()),)), sync_dir=False)
-    assert (spy.files, spy.dirs) == (3, 0)  # every spec's content is durable ...
-    specs.sync_root()
-    assert (spy.files, spy.dirs) == (3, 1)  # ... and one directory fsync covers the renames
-    assert set(specs.list_claim_specs()) == {"warm-up", "a", "b", "c"}
+        specs.write_claim_spec(uid, ClaimSpec((CdiDevice(f"{uid}-gpu-0", ()),)))
+    for uid in ("a", "b", "never-written"):
+        specs.remove_claim_spec(uid)
+    assert set(specs.list_claim_specs()) == {"warm-up", "c"}
+    assert (spy.files, spy.dirs) == (0, 0)
+    specs.write_common_spec("node-a")
+    assert (spy.files, spy.dirs) == (1, 1)
 
-    for uid in ("a", "b", "c", "never-written"):
-        specs.remove_claim_spec(uid, sync_dir=False)
-    assert spy.dirs == 1
-    specs.sync_root()
-    assert set(specs.list_claim_specs()) == {"warm-up"}
 
-    specs.write_claim_spec("d", ClaimSpec(()))  # the default still syncs each write
-    assert spy.dirs == 3
-    assert specs.remove_claim_spec("d") is True and spy.dirs == 4
-    assert specs.remove_claim_spec("d") is False and spy.dirs == 4  # nothing to sync
+def test_claim_spec_is_compares_the_bytes_on_disk(specs: CdiSpecs) -> None:
+    spec = ClaimSpec((CdiDevice("a-gpu-0", ("A=1",)),))
+    assert not specs.claim_spec_is("a", spec)  # absent
+    specs.write_claim_spec("a", spec)
+    assert specs.claim_spec_is("a", spec)
+    assert not specs.claim_spec_is("a", ClaimSpec((CdiDevice("a-gpu-0", ("A=2",)),)))
+    path = specs.claim_spec_path("a")
+    path.write_bytes(path.read_bytes()[:10])  # what a power loss may leave
+    assert not specs.claim_spec_is("a", spec)
 
 
 def test_claim_spec_round_trips_through_json() -> None:

@@ -537,8 +537,31 @@ def _share_state(root: Path, uid: str) -> tuple[dict[str, bytes], Any]:
     return specs, Checkpoint(root / "plugin").load().get(uid)
 
 
-# A share of a GPU with MIG off creates no MIG device: the MIG failpoints are not on its path.
-SHARE_FAILPOINTS = [name for name in FAILPOINTS if "-mig-" not in name]
+# A share of a GPU with MIG off creates no MIG device and sets no time-slice interval:
+# its prepare journals no intent (straight to PrepareCompleted), so neither the MIG
+# failpoints nor the intent's nor a found intent's rollback are on its path.
+NOT_ON_A_SHARES_PATH = frozenset(
+    {"prepare-started-before-rename", "prepare-after-started", "prepare-rollback-after-cdi-removed"}
+)
+SHARE_FAILPOINTS = [
+    name for name in FAILPOINTS if "-mig-" not in name and name not in NOT_ON_A_SHARES_PATH
+]
+
+
+def test_a_share_prepare_journals_no_intent(tmp_path: Path) -> None:
+    """The failpoints a share skips are really not passed: armed, the prepare lives."""
+    root = _root(tmp_path, "node")
+    env = {**os.environ, ENV_VAR: ",".join(sorted(NOT_ON_A_SHARES_PATH))}
+    proc = subprocess.run(
+        [sys.executable, "-c", HARNESS + "\nmain()\n", str(root), "prepare", SHARE_2],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    entry = Checkpoint(root / "plugin").load()[UID_S2]
+    assert entry.state is ClaimState.PREPARE_COMPLETED
 
 
 @pytest.mark.parametrize("failpoint", SHARE_FAILPOINTS)

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from driver.devices.model import MigStrategy, PoolDevices, PoolOptions, build_pool
+from driver.errors import transient
 from driver.nvml.backend import NvmlBackend
 from driver.nvml.mig import MigTarget
 from driver.nvml.mock.fleet import parse_fleet
@@ -261,3 +262,27 @@ def test_admin_access_never_creates_a_mig_device(node: Node) -> None:
     assert [n["path"] for n in edits["deviceNodes"]] == ["/dev/nvidia0"]  # the parent GPU
     assert node.state.unprepare([admin]) == {"admin": None}
     assert [m.placement for m in node.live()] == [(0, 2)]  # the user's device stays
+
+
+@pytest.mark.parametrize("failing", [1, 2], ids=["intent", "completed"])
+def test_a_failed_journal_store_leaves_no_mig_device(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, failing: int
+) -> None:
+    """A MIG claim journals its intent before the create: if that store fails nothing
+    is created; if the PrepareCompleted store fails the created device is destroyed."""
+    node = make_node(tmp_path, H100)
+    stores = {"n": 0}
+    real = Checkpoint.store
+
+    def store(self: Checkpoint, entries: Any, **kwargs: Any) -> None:
+        stores["n"] += 1
+        if stores["n"] == failing:
+            raise transient(f"cannot write checkpoint {self.path}: No space left on device")
+        real(self, entries, **kwargs)
+
+    monkeypatch.setattr(Checkpoint, "store", store)
+    error = node.state.prepare([node.claims.add("u", "gpu-0-mig-1g10gb-0")])["u"].error
+    assert error is not None and not error.permanent and "checkpoint" in str(error)
+    assert node.live() == []
+    assert not node.state.cdi.claim_spec_exists("u")
+    assert "u" not in Checkpoint(node.root / "plugin").load()

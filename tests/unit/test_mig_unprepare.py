@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from driver.nvml.mig import MigError, MigManager, RecordedInstance
-from driver.state import teardown
+from driver.state import recovery, teardown
 from driver.state.checkpoint import Checkpoint, ClaimEntry, ClaimState
 from driver.state.claims import ClaimRef
 from tests.unit.test_mig_prepare import H100, Node, make_node, uuids_in
@@ -128,7 +128,8 @@ def test_after_a_reboot_a_marked_claim_is_restored_as_before(
     for path in (tmp_path / "cdi").iterdir():
         path.unlink()
     node.mock.mock_reboot()
-    monkeypatch.setattr(teardown, "boot_id", lambda: "the-next-boot")
+    for module in (teardown, recovery):
+        monkeypatch.setattr(module, "boot_id", lambda: "the-next-boot")
     restarted = make_node(tmp_path, H100)
     assert len(restarted.live()) == 2
     entry = Checkpoint(tmp_path / "plugin").load()["u"]

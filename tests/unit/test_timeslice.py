@@ -19,7 +19,7 @@ from driver.nvml.mock.timeslice import MockTimeSlice
 from driver.state.checkpoint import Checkpoint, ClaimState
 from driver.state.claims import ClaimRef
 from driver.state.prepare import DeviceState
-from driver.state.teardown import RecoveryReport
+from driver.state.recovery import RecoveryReport
 from driver.state.timeslice import TimeSliceOps
 from tests.state_fakes import Healthy, NoReports
 

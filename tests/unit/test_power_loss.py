@@ -1,0 +1,192 @@
+"""A power loss keeps what was fsynced and nothing else: nothing the kubelet was told
+is lost (docs/state.md, "Durability").
+
+The journal is the source of truth and claim specs are derived from it: a claim spec
+is written and removed without a fsync, a whole-GPU or share claim journals no intent,
+and start-up rewrites a spec a power loss took or garbled and removes one no entry
+owns. `Disk` records what reached the disk: each fsync of a file makes that inode's
+content durable, each fsync of a directory its listing. A power loss is modelled at
+both extremes a file system allows: every rename and unlink since a directory's last
+fsync undone (`lost`), or all of them kept with only the fsynced contents (`kept`).
+After every step of a kubelet's sequence the node loses power, restarts (`recover()`)
+and must hold exactly the claims the kubelet was told are prepared, each with the spec
+its journal entry stores, and no other spec.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from driver.state.cdi import ClaimSpec
+from driver.state.checkpoint import Checkpoint, ClaimState
+from driver.state.claims import ClaimRef
+from driver.state.quarantine import quarantine_checkpoint
+from tests.unit.test_mig_prepare import Node, make_node
+
+# MIG off: whole GPUs and shares, the claims whose prepare journals no intent.
+FLEET = {"gpus": [{"model": "H100-80GB", "count": 3, "migMode": "disabled"}]}
+
+Listing = dict[str, tuple[int, bytes]]  # name -> (inode, content)
+
+
+class Disk:
+    """What of the watched directories reached the disk (see the module doc)."""
+
+    def __init__(self, directories: list[Path], monkeypatch: pytest.MonkeyPatch) -> None:
+        self.directories = directories
+        self.durable_content: dict[int, bytes] = {}  # inode -> content at its last fsync
+        self.synced: dict[Path, Listing] = {}  # directory -> listing at its last fsync
+        for directory in directories:
+            directory.mkdir(parents=True, exist_ok=True)
+            for listing in self._listing(directory).values():
+                self.durable_content[listing[0]] = listing[1]
+            self.synced[directory] = self._listing(directory)
+        real = os.fsync
+
+        def recording_fsync(fd: int) -> None:
+            real(fd)
+            path = Path(os.readlink(f"/proc/self/fd/{fd}"))
+            if stat.S_ISDIR(os.fstat(fd).st_mode):
+                if path in self.synced:
+                    self.synced[path] = self._listing(path)
+            elif path.parent in self.synced:
+                self.durable_content[os.fstat(fd).st_ino] = path.read_bytes()
+
+        monkeypatch.setattr(os, "fsync", recording_fsync)
+
+    @staticmethod
+    def _listing(directory: Path) -> Listing:
+        return {
+            p.name: (p.stat().st_ino, p.read_bytes())
+            for p in directory.iterdir()
+            if p.is_file() and not p.is_symlink()
+        }
+
+    def after_power_loss(self, renames: str) -> dict[Path, dict[str, bytes]]:
+        """Each directory as a restart finds it: names from the last fsync of the
+        directory (`lost`) or as they are now (`kept`); contents as last fsynced (a
+        file never fsynced comes back empty)."""
+        out: dict[Path, dict[str, bytes]] = {}
+        for directory in self.directories:
+            names = self.synced[directory] if renames == "lost" else self._listing(directory)
+            out[directory] = {
+                name: self.durable_content.get(inode, b"") for name, (inode, _) in names.items()
+            }
+        return out
+
+
+def _restore(files: dict[Path, dict[str, bytes]], root: Path, into: Path) -> None:
+    for directory, contents in files.items():
+        target = into / directory.relative_to(root)
+        target.mkdir(parents=True, exist_ok=True)
+        for name, data in contents.items():
+            (target / name).write_bytes(data)
+
+
+def _claim(node: Node, uid: str, device: str) -> ClaimRef:
+    return node.claims.add(uid, device)
+
+
+def _check_restart(
+    node: Node, disk: Disk, prepared: set[str], tmp_path: Path, renames: str
+) -> None:
+    """Power lost now: a restart holds exactly `prepared`, each spec as its entry says."""
+    files = disk.after_power_loss(renames)
+    into = tmp_path / f"restart-{len(list(tmp_path.iterdir()))}"
+    _restore(files, node.root, into)
+    shutil.copytree(node.root / "driver-root", into / "driver-root")
+    again = make_node(into, FLEET)  # make_node runs recover(), as the plugin's start
+    journal = Checkpoint(into / "plugin").load()
+    assert set(journal) == prepared
+    assert all(e.state is ClaimState.PREPARE_COMPLETED for e in journal.values())
+    assert set(again.state.cdi.list_claim_specs()) == prepared
+    for uid, entry in journal.items():
+        assert entry.cdi_spec is not None and again.state.cdi.claim_spec_is(uid, entry.cdi_spec)
+
+
+Step = Callable[[Node], None]
+
+
+def _steps() -> list[tuple[str, Step, set[str]]]:
+    """A kubelet's calls and, after each, the claims it was told are prepared."""
+
+    def prepare(*pairs: tuple[str, str]) -> Step:
+        def run(node: Node) -> None:
+            refs = [_claim(node, uid, device) for uid, device in pairs]
+            assert all(r.ok for r in node.state.prepare(refs).values())
+
+        return run
+
+    def unprepare(*uids: str) -> Step:
+        def run(node: Node) -> None:
+            refs = [ClaimRef("default", f"claim-{uid}", uid) for uid in uids]
+            assert node.state.unprepare(refs) == dict.fromkeys(uids)
+
+        return run
+
+    def common_spec(node: Node) -> None:  # a durable write to the CDI root (a refresh)
+        node.state.cdi.write_common_spec("node-a")
+
+    return [
+        ("prepare a", prepare(("a", "gpu-0")), {"a"}),
+        ("common spec", common_spec, {"a"}),
+        ("prepare b, c", prepare(("b", "gpu-1"), ("c", "gpu-2")), {"a", "b", "c"}),
+        ("unprepare a", unprepare("a"), {"b", "c"}),
+        ("common spec", common_spec, {"b", "c"}),
+        ("unprepare b", unprepare("b"), {"c"}),
+        ("prepare a again", prepare(("a", "gpu-0")), {"a", "c"}),
+    ]
+
+
+@pytest.mark.parametrize("renames", ["lost", "kept"])
+def test_a_power_loss_after_any_answer_loses_nothing_owed(
+    renames: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    node = make_node(tmp_path / "node", FLEET)
+    disk = Disk([node.root / "cdi", node.root / "plugin"], monkeypatch)
+    restarts = tmp_path / "restarts"
+    restarts.mkdir()
+    for _, step, prepared in _steps():
+        step(node)
+        _check_restart(node, disk, prepared, restarts, renames)
+
+
+def test_the_model_loses_what_was_not_fsynced(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The oracle itself: a spec that was never fsynced comes back empty or not at all."""
+    node = make_node(tmp_path / "node", FLEET)
+    disk = Disk([node.root / "cdi"], monkeypatch)
+    node.state.cdi.write_claim_spec("x", ClaimSpec(()))
+    kept = disk.after_power_loss("kept")[node.root / "cdi"]
+    assert kept[node.state.cdi.claim_spec_path("x").name] == b""
+    assert (
+        node.state.cdi.claim_spec_path("x").name
+        not in disk.after_power_loss("lost")[node.root / "cdi"]
+    )
+    node.state.cdi.write_common_spec("node-a")  # fsyncs the CDI root: the name survives
+    lost = disk.after_power_loss("lost")[node.root / "cdi"]
+    assert lost[node.state.cdi.claim_spec_path("x").name] == b""
+    assert lost[node.state.cdi.common_spec_path.name] != b""
+
+
+def test_specs_of_claims_a_quarantined_journal_knew_are_kept(tmp_path: Path) -> None:
+    """After `gpu-dra journal quarantine` the claims prepared before have specs but no
+    entry: their pods still run, and a container restart needs the spec. Any other
+    spec without an entry is removed."""
+    node = make_node(tmp_path, FLEET)
+    assert node.state.prepare([_claim(node, "a", "gpu-0")])["a"].ok
+    path = node.root / "plugin" / "checkpoint.json"
+    path.write_bytes(path.read_bytes().replace(b'"checksum":"sha256:', b'"checksum":"sha256:0'))
+    assert quarantine_checkpoint(node.root / "plugin") is not None
+    restarted = make_node(tmp_path, FLEET)  # the plugin's start after the quarantine
+    restarted.state.cdi.write_claim_spec("stray", ClaimSpec(()))
+    report = restarted.state.recover()
+    assert report.orphan_specs == ("a",) and report.removed_specs == ("stray",)
+    assert set(restarted.state.cdi.list_claim_specs()) == {"a"}
