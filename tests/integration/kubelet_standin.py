@@ -11,7 +11,12 @@ pkg/kubelet/pluginmanager and pkg/kubelet/cm/dra):
   ``supported_versions`` (the first entry this kubelet knows wins, walking the
   plugin's list in the plugin's order), answers ``NotifyRegistrationStatus`` and dials
   the DRA endpoint. A failed attempt is retried about once a second, like the
-  kubelet's reconciler. Removing the registration socket deregisters the plugin.
+  kubelet's reconciler. Removing the registration socket deregisters the plugin; a
+  socket file replaced by a new one, even between two polls, is registered anew, as
+  the kubelet re-registers a plugin whose socket it saw created again (the create
+  event updates its desired state's timestamp). A new file is told by inode and
+  modification time: a socket bound right after the old one was removed usually gets
+  the freed inode number back.
 * **DRA calls**: ``prepare``/``unprepare`` send ``NodePrepareResources`` /
   ``NodeUnprepareResources`` over the negotiated service (``v1.DRAPlugin``, or
   ``v1beta1.DRAPlugin`` when the plugin lists that first) with the kubelet's 45 s
@@ -92,6 +97,8 @@ class RegisteredPlugin:
     service: str  # the negotiated DRA service, e.g. "v1.DRAPlugin"
     channel: grpc.Channel
     registered_at: float = field(default_factory=time.monotonic)
+    # (inode, mtime) of the registration socket GetInfo was asked on
+    socket_identity: tuple[int, int] | None = None
 
     @property
     def health_service(self) -> str | None:
@@ -111,6 +118,7 @@ class RegistrationAttempt:
     error: str = ""
     notified: bool = False  # whether NotifyRegistrationStatus reached the plugin
     info: reg_pb2.PluginInfo | None = None
+    at: float = field(default_factory=time.monotonic)  # when the attempt began
 
 
 def choose_service(supported_versions: Sequence[str]) -> str | None:
@@ -144,6 +152,16 @@ def _is_socket(path: Path) -> bool:
         return stat.S_ISSOCK(path.lstat().st_mode)
     except OSError:
         return False
+
+
+def _identity(path: str) -> tuple[int, int] | None:
+    """Which file is at `path`: inode and modification time (set when a socket is bound;
+    a chmod leaves it)."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None
+    return st.st_ino, st.st_mtime_ns
 
 
 def _unix_target(path: str) -> str:
@@ -279,7 +297,11 @@ class KubeletStandin:
         """One reconcile pass: register new sockets, deregister removed ones."""
         present = self._sockets()
         with self._cond:
-            gone = [s for s in self._plugins if s not in present]
+            gone = [
+                s
+                for s, p in self._plugins.items()
+                if s not in present or _identity(s) != p.socket_identity
+            ]
             for sock in gone:
                 self._plugins.pop(sock).channel.close()
             if gone:
@@ -296,6 +318,7 @@ class KubeletStandin:
 
     def _register(self, sock: str) -> None:
         attempt = RegistrationAttempt(socket=sock, ok=False)
+        identity = _identity(sock)
         channel = grpc.insecure_channel(_unix_target(sock))
         try:
             stub = reg_grpc.RegistrationStub(channel)
@@ -326,6 +349,7 @@ class KubeletStandin:
                 supported_versions=list(info.supported_versions),
                 service=service,
                 channel=grpc.insecure_channel(_unix_target(endpoint)),
+                socket_identity=identity,
             )
             if not self._notify(stub, attempt, registered=True):
                 plugin.channel.close()
@@ -385,6 +409,13 @@ class KubeletStandin:
                     break
                 self._cond.wait(min(left, 0.5))
         return self.plugin(driver)
+
+    def registrations_since(self, socket: str | os.PathLike[str], since: float) -> int:
+        """Successful registrations (GetInfo, validation, NotifyRegistrationStatus
+        with plugin_registered=true) through `socket` that began after `since`
+        (time.monotonic())."""
+        path = str(socket)
+        return sum(1 for a in list(self.attempts) if a.ok and a.socket == path and a.at > since)
 
     def wait_for_deregistration(self, driver: str, timeout: float = 30.0) -> None:
         deadline = time.monotonic() + timeout

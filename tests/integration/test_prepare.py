@@ -265,12 +265,14 @@ def test_deleted_socket_is_recreated_and_the_plugin_serves_again(
     pool: list[dict[str, Any]],
     socket: str,
 ) -> None:
+    """Either socket deleted: the plugin serves it again within SOCKET_BOUND_SECONDS and
+    renews its registration (a lost service socket rebuilds the registration socket
+    too), and the kubelet stand-in registers it anew through the new registration
+    socket: GetInfo and NotifyRegistrationStatus(registered) after the deletion."""
     name = f"socket-loss-{socket}"
     ref = allocated_claim(cluster, name, "gpu-4" if socket == "service" else "gpu-5", pool)
-    path = {
-        "registration": plugin.registry_dir / f"{DRIVER}-reg.sock",
-        "service": plugin.data_dir / "dra.sock",
-    }[socket]
+    registration = plugin.registry_dir / f"{DRIVER}-reg.sock"
+    path = {"registration": registration, "service": plugin.data_dir / "dra.sock"}[socket]
     labels = {"socket": socket}
     before = plugin.metric("gpu_dra_socket_recreations_total", labels)
 
@@ -286,7 +288,17 @@ def test_deleted_socket_is_recreated_and_the_plugin_serves_again(
     assert path.is_socket()
     print(f"{socket} socket back after {elapsed:.2f}s")
 
-    kubelet.wait_for_plugin(DRIVER, timeout=10)
+    cluster.wait_for(
+        lambda: kubelet.registrations_since(registration, deleted),
+        timeout=10,
+        interval=0.05,
+        what="the kubelet stand-in registering the plugin again",
+    )
+    registered = kubelet.wait_for_plugin(DRIVER, timeout=10)
+    assert registered.registered_at > deleted, "the stand-in still uses the old registration"
+    # The plugin cleared its registered flag when it renewed the socket; the new
+    # NotifyRegistrationStatus set it again.
+    assert plugin.metric("gpu_dra_kubelet_registered") == 1
     result = kubelet.prepare(DRIVER, [ref])[ref[1]]
     assert result.error == "", result.error
     assert kubelet.unprepare(DRIVER, [ref])[ref[1]].error == ""

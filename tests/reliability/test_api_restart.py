@@ -1,11 +1,13 @@
 """The API server stopped and restarted while the kubelet keeps calling the plugin.
 
 The kube-apiserver of the test cluster is killed by its pid file; meanwhile prepare
-calls keep coming (each must answer a clear, non-permanent error, never hang or crash
-the plugin) and a GPU fails (a mock Xid), so the slices have to change while nobody
-can write them. `hack/local-cluster.sh up` (idempotent: it restarts what is not
-running) brings the control plane back; then the slices must converge to the taint,
-prepare must work again, and the reset must clear the taint.
+calls keep coming (each must answer a transient error naming the claim it could not
+read, never hang or crash the plugin; every unprepare succeeds, it needs no API) and a
+GPU fails (a mock Xid), so the slices have to change while nobody can write them.
+`hack/local-cluster.sh up` (idempotent: it restarts what is not running) brings the
+control plane back; then the slices must converge to the taint, prepare must work
+again, a claim on the failed GPU must be answered `permanent (device-failed)` with an
+Event on it, and the reset must clear the taint.
 """
 
 from __future__ import annotations
@@ -19,9 +21,11 @@ from collections import Counter
 from pathlib import Path
 
 from driver.health.mock_control import MockRequest, submit
+from driver.kube.api import KubeApi
 from driver.proto.dra.v1 import api_pb2
 from tests.conftest import SCRIPT, Cluster, FakeNode
 from tests.integration.helpers import complete_pool, published_devices
+from tests.integration.kubelet_standin import ClaimRef
 from tests.integration.plugin_process import DRIVER
 from tests.reliability.support import (
     allocated_claim,
@@ -59,6 +63,16 @@ def _taint(cluster: Cluster, node: str, device: str) -> list[dict[str, object]] 
     return taints
 
 
+def _events(api: KubeApi, ref: ClaimRef) -> list[str]:
+    """Messages of the driver's PermanentPrepareFailure Events on the claim."""
+    events = api.request(
+        "GET",
+        f"/api/v1/namespaces/{ref.namespace}/events",
+        query={"fieldSelector": f"involvedObject.uid={ref.uid}"},
+    )["items"]
+    return [e["message"] for e in events if e["reason"] == "PermanentPrepareFailure"]
+
+
 def test_api_server_down_and_back_under_load(
     cluster: Cluster, node: FakeNode, root: Path, figures: Counter[str]
 ) -> None:
@@ -66,10 +80,15 @@ def test_api_server_down_and_back_under_load(
     api = api_for(cluster)
     ensure_namespace(api, NS)
     refs = [allocated_claim(api, node.name, NS, f"api-{i}", f"gpu-{i}") for i in range(2)]
+    on_failing_gpu = allocated_claim(api, node.name, NS, "api-failing", "gpu-5")
     inst = start_instance(cluster, node, root)
     try:
         cluster.wait_for(lambda: complete_pool(cluster, node.name), 60, "pool published")
-        errors: list[str] = []
+        # gpu-5 works before the outage.
+        before = inst.kubelet.prepare(DRIVER, [on_failing_gpu])[on_failing_gpu.uid]
+        assert before.error == "", before.error
+        assert inst.kubelet.unprepare(DRIVER, [on_failing_gpu])[on_failing_gpu.uid].error == ""
+        errors: list[tuple[ClaimRef, str]] = []
         calls = Counter[str]()
         stop = threading.Event()
 
@@ -80,9 +99,13 @@ def test_api_server_down_and_back_under_load(
                     res = inst.kubelet.prepare(DRIVER, [ref], timeout=45)[ref.uid]
                     calls["slow" if time.monotonic() - t > 40 else "calls"] += 1
                     if res.error:
-                        errors.append(res.error)
+                        errors.append((ref, res.error))
                         assert res.error_type != api_pb2.Permanent, res.error
-                    inst.kubelet.unprepare(DRIVER, [ref], timeout=45)
+                    # Unprepare is local (journal and CDI spec): it succeeds even while
+                    # the API server is down.
+                    gone = inst.kubelet.unprepare(DRIVER, [ref], timeout=45)[ref.uid]
+                    assert gone.error == "", f"unprepare of {ref.name}: {gone.error}"
+                    calls["unprepares"] += 1
                 time.sleep(0.05)
 
         failures: list[BaseException] = []
@@ -115,6 +138,7 @@ def test_api_server_down_and_back_under_load(
             check=False,
         )
         assert up.returncode == 0, f"local-cluster.sh up failed:\n{up.stdout}\n{up.stderr}"
+        assert not failures, failures[0]  # the load loop's answers during the outage
 
         # The slices converge to the failure that happened during the outage.
         taints = cluster.wait_for(
@@ -123,17 +147,31 @@ def test_api_server_down_and_back_under_load(
         assert taints[0]["key"] == f"{DRIVER}/xid" and taints[0]["value"] == "79", taints
         # Prepare works again (the load loop keeps going for a few calls).
         done = calls["calls"]
-        cluster.wait_for(lambda: calls["calls"] >= done + 4, 60, "prepare calls after restart")
+        cluster.wait_for(
+            lambda: failures or calls["calls"] >= done + 4, 60, "prepare calls after restart"
+        )
         stop.set()
         worker.join(timeout=60)
         assert not failures, failures[0]
         assert not calls["slow"], "a prepare took more than 40 s"
         figures["api restart: prepare calls under load"] += calls["calls"]
         figures["api restart: clear transient errors while down"] += len(errors)
+        figures["api restart: unprepare answers checked"] += calls["unprepares"]
         assert errors, "no call noticed the API server outage"
-        for message in errors:
-            assert message and not message.startswith("permanent"), message
-            assert "ResourceClaim" in message or "claim" in message, message
+        for ref, message in errors:  # the claim read is the only step that needs the API
+            assert message.startswith(f"reading ResourceClaim {NS}/{ref.name}: "), message
+
+        # The GPU that failed during the outage: permanent device-failed, its taint
+        # accepted first (published above), an Event on the claim.
+        failed = inst.kubelet.prepare(DRIVER, [on_failing_gpu])[on_failing_gpu.uid]
+        assert failed.error_type == api_pb2.Permanent, failed.error
+        assert failed.error.startswith(
+            f"permanent (device-failed): allocated device(s) unusable for claim "
+            f"{NS}/{on_failing_gpu.name}: gpu-5: Xid 79"
+        ), failed.error
+        assert not failed.devices
+        assert _events(api, on_failing_gpu) == [failed.error]
+        assert inst.kubelet.unprepare(DRIVER, [on_failing_gpu])[on_failing_gpu.uid].error == ""
 
         last = refs[-1]
         assert inst.kubelet.prepare(DRIVER, [last])[last.uid].error == ""

@@ -1,7 +1,10 @@
 """Concurrent and overlapping calls: two plugin instances of a rolling update on the
 same directories, and 100 overlapping prepare/unprepare calls at once on one instance.
-Both must serialise: no device handed to two claims, CDI specs == journal, and every
-answer either success or a clear transient error."""
+Both must serialise: no device handed to two claims, CDI specs == journal, every
+unprepare succeeds, and every prepare answer is either success or the transient
+double-booking refusal naming the claim that holds the device. No lock timeout: the
+node lock (10 s) is held for milliseconds per call, so a timeout here would mean a
+call stuck under it."""
 
 from __future__ import annotations
 
@@ -10,6 +13,7 @@ import threading
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 from driver.proto.dra.v1 import api_pb2
@@ -28,13 +32,37 @@ from tests.reliability.support import (
 )
 
 NS = "reliability-concurrency"
-REFUSAL = "refusing to hand it to a second claim"
 JOIN_TIMEOUT = 120.0  # seconds for all 100 concurrent calls to finish
 
 
-def _check_error(message: str, error_type: int = api_pb2.Unknown) -> None:
+@dataclass(frozen=True)
+class Allocated:
+    """A claim and the one device it is allocated."""
+
+    ref: ClaimRef
+    device: str
+
+
+def _check_refusal(
+    claim: Allocated,
+    claims: list[Allocated],
+    batch: list[ClaimRef],
+    message: str,
+    error_type: int,
+) -> None:
+    """The only error a prepare here may get: the transient double-booking refusal
+    (driver/state/booking.py) naming the other claim allocated the same device, whose
+    journal entry is completed, or just started when it came in the same request."""
     assert error_type != api_pb2.Permanent, message
-    assert REFUSAL in message or "lock" in message, f"unexpected error: {message}"
+    holder = next(c.ref for c in claims if c.device == claim.device and c.ref != claim.ref)
+    states = ("PrepareCompleted", "PrepareStarted") if holder in batch else ("PrepareCompleted",)
+    expected = [
+        f"device {claim.device} overlaps device {claim.device} already prepared for claim "
+        f"{NS}/{holder.name} ({holder.uid}, {state}); refusing to hand it to a "
+        f"second claim ({claim.ref.uid})"
+        for state in states
+    ]
+    assert message in expected, f"unexpected error for {claim.ref.name}: {message}"
 
 
 def test_rolling_update_two_instances_take_concurrent_calls(
@@ -47,9 +75,16 @@ def test_rolling_update_two_instances_take_concurrent_calls(
     ensure_namespace(api, NS)
     # thread t owns claims on gpu-t and gpu-(t+1)%4: every device is wanted by two threads
     owned = [
-        [allocated_claim(api, node.name, NS, f"ru-{t}-{k}", f"gpu-{(t + k) % 4}") for k in range(2)]
+        [
+            Allocated(
+                allocated_claim(api, node.name, NS, f"ru-{t}-{k}", f"gpu-{(t + k) % 4}"),
+                f"gpu-{(t + k) % 4}",
+            )
+            for k in range(2)
+        ]
         for t in range(4)
     ]
+    claims = [c for mine in owned for c in mine]
     old = start_instance(cluster, node, root, args=["--pod-uid=old-pod"])
     new = start_instance(cluster, node, root, args=["--pod-uid=new-pod"])
     try:
@@ -73,7 +108,8 @@ def test_rolling_update_two_instances_take_concurrent_calls(
             rng = random.Random(t)
             mine: set[str] = set()
             for _ in range(25):
-                ref = rng.choice(owned[t])
+                claim = rng.choice(owned[t])
+                ref = claim.ref
                 target = stub(rng.choice(instances))
                 if ref.uid in mine:
                     resp = target.NodeUnprepareResources(unprepare_request([ref]), timeout=30)
@@ -84,7 +120,7 @@ def test_rolling_update_two_instances_take_concurrent_calls(
                     resp = target.NodePrepareResources(prepare_request([ref]), timeout=30)
                     result = resp.claims[ref.uid]
                     if result.error:
-                        _check_error(result.error, result.error_type)
+                        _check_refusal(claim, claims, [ref], result.error, result.error_type)
                         key = "refused"
                     else:
                         mine.add(ref.uid)
@@ -113,7 +149,7 @@ def test_rolling_update_two_instances_take_concurrent_calls(
 
         # The old instance goes away; the new one carries on with the same state.
         old.stop()
-        everything = [r for refs in owned for r in refs]
+        everything = [c.ref for c in claims]
         resp = stub(instances[0]).NodeUnprepareResources(unprepare_request(everything), timeout=30)
         assert all(c.error == "" for c in resp.claims.values())
         assert_consistent(new.plugin, set())
@@ -129,7 +165,12 @@ def test_100_concurrent_overlapping_calls(
     of 8 claims (two claims per device), repeated claims within and across calls."""
     api = api_for(cluster)
     ensure_namespace(api, NS)
-    refs = [allocated_claim(api, node.name, NS, f"cc-{i}", f"gpu-{i % 4}") for i in range(8)]
+    claims = [
+        Allocated(allocated_claim(api, node.name, NS, f"cc-{i}", f"gpu-{i % 4}"), f"gpu-{i % 4}")
+        for i in range(8)
+    ]
+    refs = [c.ref for c in claims]
+    by_uid = {c.ref.uid: c for c in claims}
     inst = start_instance(cluster, node, root)
     try:
         target = stub(inst.kubelet.plugin(DRIVER))
@@ -151,9 +192,11 @@ def test_100_concurrent_overlapping_calls(
                 else:
                     resp = target.NodeUnprepareResources(unprepare_request(batch), timeout=60)
                 assert set(resp.claims) == {r.uid for r in batch}, "a claim was left out"
-                for result in resp.claims.values():
-                    if result.error:
-                        _check_error(result.error, getattr(result, "error_type", 0))
+                for uid, result in resp.claims.items():
+                    if op == "unprepare":
+                        assert result.error == "", f"unprepare of {uid}: {result.error}"
+                    elif result.error:
+                        _check_refusal(by_uid[uid], claims, batch, result.error, result.error_type)
                 with lock:
                     for result in resp.claims.values():
                         outcomes[f"{op} {'error' if result.error else 'ok'}"] += 1
