@@ -11,12 +11,14 @@
 # Release file debootstrap reads is verified against the Debian archive keyring
 # (--keyring, --force-check-gpg) and every .deb against the Release file's hashes;
 # DEBIAN_SNAPSHOT=20261120T000000Z builds from snapshot.debian.org at that instant
-# instead of the moving bookworm suite. Every Python file is downloaded with
+# instead of the moving bookworm suite (a reproducible base). Every Python file is downloaded with
 # `pip wheel --require-hashes -r requirements.lock` (sha256 of each file, make lock),
 # the package's own wheel is built offline from those verified files, and the image's
 # pip installs offline from them only.
 #
-#   sudo hack/build-image.sh [--tag gpu-dra-driver:dev] [--output FILE]
+#   sudo hack/build-image.sh [--tag gpu-dra-driver:dev] [--output FILE] [--refresh-base]
+#   hack/build-image.sh --base-status     the cached base: where, when built, whether the
+#                                         next build reuses it (no root needed)
 #
 # Load the result with:
 #   ctr -n k8s.io images import FILE          (containerd; the real-node e2e tier)
@@ -29,6 +31,12 @@
 # the Debian mirror and PyPI; go >= 1.26 and gcc for hack/build-nvidia-tools.sh unless
 # GPU_DRA_NVIDIA_TOOLS_DIR is set. The Debian base (debootstrap --variant=minbase) and
 # the tools are cached outside the repository, so only the first build is slow.
+#
+# Refreshing the base: a base from the moving suite misses every Debian security update
+# published after its debootstrap, so it is rebuilt once it is older than
+# GPU_DRA_BASE_MAX_AGE_DAYS (30) days, or now with --refresh-base. Each build prints the
+# base's age. A DEBIAN_SNAPSHOT base is never rebuilt by age: its packages are those of
+# its instant; pick a newer DEBIAN_SNAPSHOT to update it.
 set -euo pipefail
 
 HACK_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -48,6 +56,9 @@ PYTHON=${PYTHON:-python3}
 TAG=gpu-dra-driver:dev
 OUTPUT=
 VENV=/opt/gpu-dra-driver
+BASE_MAX_AGE_DAYS=${GPU_DRA_BASE_MAX_AGE_DAYS:-30}
+REFRESH_BASE=false
+BASE_STATUS=false
 
 START_TIME=$(date +%s)
 progress() { printf '[build-image %4ss] %s\n' "$(( $(date +%s) - START_TIME ))" "$*"; }
@@ -57,12 +68,48 @@ while (($#)); do
   case $1 in
     --tag) TAG=${2:?--tag needs a value}; shift 2 ;;
     --output) OUTPUT=${2:?--output needs a value}; shift 2 ;;
-    -h|--help) sed -n '2,31p' "${BASH_SOURCE[0]}"; exit 0 ;;
+    --refresh-base) REFRESH_BASE=true; shift ;;
+    --base-status) BASE_STATUS=true; shift ;;
+    -h|--help) sed -n '2,/^set -euo pipefail/p' "${BASH_SOURCE[0]}" | sed '$d'; exit 0 ;;
     *) die "unknown argument: $1 (see --help)" ;;
   esac
 done
 [[ $TAG == *:* ]] || TAG=$TAG:latest
 OUTPUT=${OUTPUT:-$IMAGE_CACHE/$(tr '/:' '__' <<<"$TAG").oci.tar}
+[[ $BASE_MAX_AGE_DAYS =~ ^[0-9]+$ ]] ||
+  die "GPU_DRA_BASE_MAX_AGE_DAYS must be a number of days, not '$BASE_MAX_AGE_DAYS'"
+
+# --- The cached Debian base: which one, how old, whether to rebuild it --------------
+base_key=$(printf '%s|%s|%s' "$SUITE" "$BASE_PACKAGES" "$MIRROR" | sha256sum | cut -c1-12)
+BASE_DIR=$IMAGE_CACHE/base-$SUITE-$base_key
+# A cached base is used only if its debootstrap verified the Release signature.
+base_verified() { grep -q '^I: Valid Release signature' "$BASE_DIR/debootstrap.log" 2>/dev/null; }
+base_built_at() { # epoch seconds; bases cached before built-at was written: .complete's mtime
+  if [[ -s $BASE_DIR/built-at ]]; then cat "$BASE_DIR/built-at"; else stat -c %Y "$BASE_DIR/.complete"; fi
+}
+base_age_days() { echo $(( ($(date +%s) - $(base_built_at)) / 86400 )); }
+base_built_text() { # "2026-07-01 (40 days ago)"
+  printf '%s (%s days ago)' "$(date -u -d "@$(base_built_at)" +%Y-%m-%d)" "$(base_age_days)"
+}
+base_rebuild_reason() { # why the next build debootstraps the base anew; empty: it reuses it
+  if [[ ! -f $BASE_DIR/.complete ]] || ! base_verified; then
+    echo "no verified base cached"
+  elif $REFRESH_BASE; then
+    echo "--refresh-base"
+  elif [[ -z ${DEBIAN_SNAPSHOT:-} ]] && (( $(base_age_days) > BASE_MAX_AGE_DAYS )); then
+    echo "older than GPU_DRA_BASE_MAX_AGE_DAYS=$BASE_MAX_AGE_DAYS days: the moving $SUITE suite has had security updates since"
+  fi
+}
+if $BASE_STATUS; then
+  printf 'base: %s
+mirror: %s
+' "$BASE_DIR" "$MIRROR"
+  if [[ -f $BASE_DIR/.complete ]]; then printf 'built: %s
+' "$(base_built_text)"; else echo "built: never"; fi
+  reason=$(base_rebuild_reason)
+  if [[ -n $reason ]]; then echo "next build: rebuilds it ($reason)"; else echo "next build: reuses it"; fi
+  exit 0
+fi
 
 ((EUID == 0)) || die "must run as root (debootstrap and chroot); try: sudo $0"
 command -v debootstrap >/dev/null || die "debootstrap missing: apt-get install -y debootstrap"
@@ -71,28 +118,40 @@ command -v debootstrap >/dev/null || die "debootstrap missing: apt-get install -
   die "$PYTHON is not CPython 3.11 (the image's Debian python); set PYTHON=/path/to/python3.11"
 
 # --- 1. Debian base rootfs (cached) -------------------------------------------------
-base_key=$(printf '%s|%s|%s' "$SUITE" "$BASE_PACKAGES" "$MIRROR" | sha256sum | cut -c1-12)
-BASE_DIR=$IMAGE_CACHE/base-$SUITE-$base_key
-# A cached base is used only if its debootstrap verified the Release signature.
-base_verified() { grep -q '^I: Valid Release signature' "$BASE_DIR/debootstrap.log" 2>/dev/null; }
-if [[ -f $BASE_DIR/.complete ]] && base_verified; then
-  progress "Debian $SUITE base cached in $BASE_DIR ($(grep -m1 '^I: Valid Release signature' "$BASE_DIR/debootstrap.log"))"
-else
-  rm -rf "$BASE_DIR"
-  mkdir -p "$BASE_DIR"
-  progress "debootstrap --variant=minbase $SUITE (+ $BASE_PACKAGES) from $MIRROR into $BASE_DIR, verified with $KEYRING (first time: a few minutes)"
+build_base() { # <dir>: debootstrap a verified base into <dir>; non-zero on any failure
+  local dir=$1
+  rm -rf "$dir" && mkdir -p "$dir" || return 1
+  progress "debootstrap --variant=minbase $SUITE (+ $BASE_PACKAGES) from $MIRROR into $dir, verified with $KEYRING (a few minutes)"
   debootstrap --variant=minbase --keyring="$KEYRING" --force-check-gpg --include="$BASE_PACKAGES" \
-    "$SUITE" "$BASE_DIR/rootfs" "$MIRROR" \
-    >"$BASE_DIR/debootstrap.log" 2>&1 || { tail -n 30 "$BASE_DIR/debootstrap.log" >&2; die "debootstrap failed"; }
-  base_verified || die "debootstrap did not report a valid Release signature (log: $BASE_DIR/debootstrap.log)"
+    "$SUITE" "$dir/rootfs" "$MIRROR" >"$dir/debootstrap.log" 2>&1 ||
+    { tail -n 30 "$dir/debootstrap.log" >&2; return 1; }
+  grep -q '^I: Valid Release signature' "$dir/debootstrap.log" ||
+    { printf 'build-image: no valid Release signature reported (%s)\n' "$dir/debootstrap.log" >&2; return 1; }
   progress "adding user gpu-dra (65532) and trimming apt caches"
-  env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin chroot "$BASE_DIR/rootfs" /bin/sh -eu -c '
+  env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin chroot "$dir/rootfs" /bin/sh -eu -c '
     groupadd --system --gid 65532 gpu-dra
     useradd --system --uid 65532 --gid 65532 --home-dir /nonexistent --no-create-home --shell /usr/sbin/nologin gpu-dra
     apt-get clean
     rm -rf /var/lib/apt/lists/* /var/cache/apt/*.bin /var/log/*.log /var/log/apt/*
-  '
-  touch "$BASE_DIR/.complete"
+  ' || return 1
+  date -u +%s >"$dir/built-at" && touch "$dir/.complete"
+}
+rebuild_reason=$(base_rebuild_reason)
+if [[ -z $rebuild_reason ]]; then
+  progress "Debian $SUITE base cached in $BASE_DIR, built $(base_built_text) ($(grep -m1 '^I: Valid Release signature' "$BASE_DIR/debootstrap.log"))"
+  [[ -n ${DEBIAN_SNAPSHOT:-} ]] ||
+    progress "  rebuilt when older than $BASE_MAX_AGE_DAYS days (GPU_DRA_BASE_MAX_AGE_DAYS), or now with --refresh-base"
+else
+  progress "building the Debian $SUITE base: $rebuild_reason"
+  # Built beside the cached one, which is replaced only by a complete, verified base.
+  if build_base "$BASE_DIR.new"; then
+    rm -rf "$BASE_DIR"
+    mv "$BASE_DIR.new" "$BASE_DIR"
+  elif [[ -f $BASE_DIR/.complete ]] && base_verified; then
+    progress "WARNING: the base could not be refreshed (log: $BASE_DIR.new/debootstrap.log); building from the cached one, built $(base_built_text)"
+  else
+    die "debootstrap of the Debian $SUITE base failed (log: $BASE_DIR.new/debootstrap.log)"
+  fi
 fi
 
 # --- 2. Wheels: the package + locked runtime dependencies ---------------------------

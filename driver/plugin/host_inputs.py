@@ -2,7 +2,7 @@
 
 The driver name is a path component (the data dir `<plugins dir>/<driver>`, the CDI
 spec names `k8s.<driver>-gpu_*.json`, the socket names): it must be a DNS subdomain
-(lower-case RFC 1123, at most 253 characters), as the API requires of a DRA driver
+(lower-case RFC 1123) of at most 63 characters, as the API requires of a DRA driver
 name, so that `../../tmp/evil` never puts the data dir or the common CDI spec outside
 their directories.
 
@@ -22,7 +22,8 @@ import re
 from pathlib import PurePosixPath
 from typing import Final
 
-DNS_SUBDOMAIN_MAX: Final = 253
+# resource.k8s.io's DriverNameMaxLength: a DNS subdomain, at most 63 characters.
+DRIVER_NAME_MAX: Final = 63
 _DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 
 # Directories the driver must never write into directly.
@@ -36,8 +37,8 @@ SYSTEM_TREES: Final = ("/proc", "/sys", "/dev", "/boot")
 
 def check_driver_name(value: str) -> str:
     """`value` if it is a DNS subdomain, else ValueError saying why."""
-    if len(value) > DNS_SUBDOMAIN_MAX:
-        raise ValueError(f"{value[:40]!r}... is longer than {DNS_SUBDOMAIN_MAX} characters")
+    if len(value) > DRIVER_NAME_MAX:
+        raise ValueError(f"{value[:40]!r}... is longer than {DRIVER_NAME_MAX} characters")
     if not _DNS_SUBDOMAIN.match(value):
         raise ValueError(
             f"{value!r} is not a DNS subdomain (lower-case letters, digits, '-' and '.', "

@@ -18,6 +18,7 @@ from driver.config import FieldError, config_list_of, validate_object_configs
 ADMISSION_API_VERSION: Final = "admission.k8s.io/v1"
 RESOURCE_GROUP: Final = "resource.k8s.io"
 VERSIONS: Final = ("v1", "v1beta1", "v1beta2")
+MAX_REPORTED_ERRORS: Final = 20
 #: plural resource -> kind, for the resources this webhook validates
 RESOURCES: Final = {
     "resourceclaims": "ResourceClaim",
@@ -71,9 +72,14 @@ def admit(request: Mapping[str, Any], driver_name: str) -> dict[str, Any]:
 
 
 def deny_message(errors: list[FieldError]) -> str:
+    """One line naming every bad field, or the first `MAX_REPORTED_ERRORS` of them (the
+    API server shows it to the user; a forged review can carry thousands)."""
     configs = {e.path.split(".opaque.", 1)[0] for e in errors}
     noun = "config" if len(configs) == 1 else "configs"
-    return f"{len(configs)} {noun} failed to validate: " + "; ".join(str(e) for e in errors)
+    shown = "; ".join(str(e) for e in errors[:MAX_REPORTED_ERRORS])
+    if len(errors) > MAX_REPORTED_ERRORS:
+        shown += f"; and {len(errors) - MAX_REPORTED_ERRORS} more"
+    return f"{len(configs)} {noun} failed to validate: {shown}"
 
 
 def review(body: object, driver_name: str) -> dict[str, Any]:

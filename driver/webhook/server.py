@@ -1,13 +1,20 @@
-"""HTTPS server for the admission webhook (standard library only).
+"""HTTPS server for the admission webhook.
 
 - `POST /validate-resource-claim-parameters`: AdmissionReview in, AdmissionReview out.
 - `GET /readyz` (also `/healthz`, `/livez`): `200 ok`.
 
-TLS only: every accepted connection is wrapped server-side before any byte is read,
-so a plain-HTTP client gets its connection closed. The handshake runs in the
-connection's own thread (a slow or idle client cannot stall the accept loop), with
-a timeout. The certificate and key files are re-read when they change on disk
-(cert-manager rotates them in place).
+TLS only: every accepted connection is TLS from its first byte, so a plain-HTTP client
+gets its connection closed. The certificate and key files are re-read when they change
+on disk (cert-manager rotates them in place).
+
+Any pod that can open a connection to the webhook can POST to it, and with
+`failurePolicy: Fail` a review the API server gets no answer to in time rejects the
+claim; so the server is bounded (`driver.observability.bounded_http`): no thread per
+connection, `REQUEST_TIMEOUT` to deliver a request (handshake, head and body) and again
+to take the answer, at most `MAX_CONNECTIONS` open (a new one closes the oldest still
+sending), bodies of at most `MAX_BODY_BYTES` and `MAX_BUFFERED_BYTES` of requests held
+in all, `WORKERS` threads for reviews of up to 64 KiB (every real one) and one for
+larger ones, each answering the smallest first. docs/security.md has the threat model.
 """
 
 from __future__ import annotations
@@ -15,23 +22,37 @@ from __future__ import annotations
 import json
 import logging
 import os
-import socket
 import ssl
 import threading
 from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Final
+from typing import Final
 
 from driver.config import LoadError, loads_json
+from driver.observability.bounded_http import BoundedHttpServer, Limits
+from driver.observability.http_messages import Request, Response
 from driver.webhook.admission import BadReview, review
 
 log = logging.getLogger(__name__)
 
 VALIDATE_PATH: Final = "/validate-resource-claim-parameters"
 HEALTH_PATHS: Final = frozenset({"/readyz", "/healthz", "/livez"})
-MAX_BODY_BYTES: Final = 3 * 1024 * 1024  # the API server's own request size limit
-HANDSHAKE_TIMEOUT: Final = 10.0
-REQUEST_TIMEOUT: Final = 30.0
+# An AdmissionReview carries the object and, on UPDATE, the old one: each at most the
+# API server's 1.5 MiB object limit.
+MAX_BODY_BYTES: Final = 3 * 1024 * 1024
+MAX_BUFFERED_BYTES: Final = 32 * 1024 * 1024
+MAX_CONNECTIONS: Final = 64
+WORKERS: Final = 2
+# Far longer than a real request needs, and no longer than the API server waits
+# (webhook timeoutSeconds, 10 s by default).
+REQUEST_TIMEOUT: Final = 10.0
+LIMITS: Final = Limits(
+    timeout=REQUEST_TIMEOUT,
+    max_connections=MAX_CONNECTIONS,
+    workers=WORKERS,
+    max_body=MAX_BODY_BYTES,
+    max_buffered=MAX_BUFFERED_BYTES,
+    keep_alive=True,
+)
 
 
 class TLSFiles:
@@ -72,96 +93,46 @@ class TLSFiles:
             return self._context
 
 
-class _Handler(BaseHTTPRequestHandler):
-    server: WebhookServer
-    server_version = "gpu-dra-webhook"
-    protocol_version = "HTTP/1.1"
-    timeout = REQUEST_TIMEOUT
-
-    def log_message(self, format: str, *args: Any) -> None:
-        log.debug("%s - " + format, self.address_string(), *args)
-
-    def _send(self, status: int, body: bytes, content_type: str = "text/plain") -> None:
-        self.send_response(status)
-        self.send_header("Content-Type", content_type)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def _path(self) -> str:
-        return self.path.split("?", 1)[0]
-
-    def do_GET(self) -> None:
-        if self._path() in HEALTH_PATHS:
-            self._send(HTTPStatus.OK, b"ok")
-        else:
-            self._send(HTTPStatus.NOT_FOUND, b"not found")
-
-    def do_POST(self) -> None:
-        # Read the body first, even for requests that will be refused: closing a TLS
-        # connection with unread input resets it and can destroy the response.
-        length_header = self.headers.get("Content-Length")
-        if length_header is None or not length_header.strip().isdigit():
-            self.close_connection = True
-            self._send(HTTPStatus.LENGTH_REQUIRED, b"Content-Length required")
-            return
-        length = int(length_header)
-        if length > MAX_BODY_BYTES:
-            self.close_connection = True
-            self._send(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, b"request body too large")
-            return
-        body = self.rfile.read(length)
-        if self._path() != VALIDATE_PATH:
-            self._send(HTTPStatus.NOT_FOUND, b"not found")
-            return
-        content_type = self.headers.get("Content-Type", "")
-        if content_type.split(";", 1)[0].strip().lower() != "application/json":
-            self._send(
-                HTTPStatus.UNSUPPORTED_MEDIA_TYPE,
-                f"contentType={content_type}, expected application/json".encode(),
-            )
-            return
-        try:
-            answer = review(loads_json(body), self.server.driver_name)
-        except (LoadError, BadReview) as err:
-            message = f"failed to read AdmissionReview from request body: {err}"
-            self._send(HTTPStatus.BAD_REQUEST, message.encode())
-            return
-        response = answer["response"]
-        if not response["allowed"]:
-            log.info("denied %s: %s", response["uid"], response["status"]["message"])
-        self._send(HTTPStatus.OK, json.dumps(answer).encode(), "application/json")
-
-
-class WebhookServer(ThreadingHTTPServer):
-    daemon_threads = True
+class WebhookServer(BoundedHttpServer):
+    """Serves the webhook within `LIMITS` (other bounds: `limits`)."""
 
     def __init__(
-        self, host: str, port: int, *, cert_file: str, key_file: str, driver_name: str
+        self,
+        host: str,
+        port: int,
+        *,
+        cert_file: str,
+        key_file: str,
+        driver_name: str,
+        limits: Limits = LIMITS,
     ) -> None:
         self.tls = TLSFiles(cert_file, key_file)
         self.driver_name = driver_name
-        if ":" in host:
-            self.address_family = socket.AF_INET6
-        super().__init__((host, port), _Handler)
+        super().__init__(host, port, self._respond, limits, tls=self.tls.context, name="webhook")
 
-    @property
-    def port(self) -> int:
-        port: int = self.server_address[1]
-        return port
-
-    def finish_request(self, request: Any, client_address: Any) -> None:
-        """Runs in the connection's thread: TLS handshake, then HTTP."""
-        request.settimeout(HANDSHAKE_TIMEOUT)
+    def _respond(self, request: Request) -> Response:
+        if request.method in ("GET", "HEAD"):
+            if request.path in HEALTH_PATHS:
+                return Response(HTTPStatus.OK, b"ok")
+            return Response(HTTPStatus.NOT_FOUND, b"not found")
+        if request.method != "POST":
+            return Response(
+                HTTPStatus.METHOD_NOT_ALLOWED, b"method not allowed", allow="GET, HEAD, POST"
+            )
+        if request.path != VALIDATE_PATH:
+            return Response(HTTPStatus.NOT_FOUND, b"not found")
+        content_type = request.headers.get("content-type", "")
+        if content_type.split(";", 1)[0].strip().lower() != "application/json":
+            return Response(
+                HTTPStatus.UNSUPPORTED_MEDIA_TYPE,
+                f"contentType={content_type}, expected application/json".encode(),
+            )
         try:
-            tls_socket = self.tls.context().wrap_socket(request, server_side=True)
-        except (ssl.SSLError, OSError) as err:
-            log.debug("TLS handshake with %s failed: %s", client_address, err)
-            return
-        try:
-            _Handler(tls_socket, client_address, self)
-        finally:
-            tls_socket.close()
-
-    def handle_error(self, request: Any, client_address: Any) -> None:
-        log.warning("error serving %s", client_address, exc_info=True)
+            answer = review(loads_json(request.body), self.driver_name)
+        except (LoadError, BadReview) as err:
+            message = f"failed to read AdmissionReview from request body: {err}"
+            return Response(HTTPStatus.BAD_REQUEST, message.encode())
+        response = answer["response"]
+        if not response["allowed"]:
+            log.info("denied %s: %s", response["uid"], response["status"]["message"])
+        return Response(HTTPStatus.OK, json.dumps(answer).encode(), "application/json")

@@ -3,17 +3,23 @@
 # loads it into every node of the kind cluster.
 #
 #   hack/kind/build-and-load-image.sh                       build + load DRIVER_IMAGE
+#   hack/kind/build-and-load-image.sh --refresh-base-images first rewrite the Dockerfile's
+#                                                           base-image digests to their
+#                                                           tags' current ones
 #   hack/kind/build-and-load-image.sh --oci-archive FILE    load an archive made by
 #                                                           hack/build-image.sh instead
 set -euo pipefail
 # shellcheck source=hack/kind/common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
+BASE_IMAGES=$REPO_DIR/deployments/container/base-images.sh
 archive=
+refresh_base=false
 case ${1:-} in
   --oci-archive) archive=${2:?--oci-archive needs a file} ;;
+  --refresh-base-images) refresh_base=true ;;
   "") ;;
-  *) kind_die "usage: $0 [--oci-archive FILE]" ;;
+  *) kind_die "usage: $0 [--refresh-base-images | --oci-archive FILE]" ;;
 esac
 
 need kind
@@ -28,9 +34,18 @@ if [[ -n $archive ]]; then
 fi
 
 need "$CONTAINER_TOOL"
-# Base images by digest, not by their mutable tags: both Python stages get the same
-# image and the log says which. PYTHON_IMAGE / GOLANG_IMAGE may name a digest already
-# (image@sha256:...).
+export CONTAINER_TOOL
+if $refresh_base; then
+  kind_progress "refreshing the base-image digests in deployments/container/Dockerfile"
+  "$BASE_IMAGES" refresh
+else
+  # The pins stay as committed; say whether their tags have moved since.
+  "$BASE_IMAGES" check ||
+    kind_progress "building from the pinned digests anyway; --refresh-base-images updates them"
+fi
+# Base images by digest, not by their mutable tags: the Dockerfile's pins, or
+# PYTHON_IMAGE / GOLANG_IMAGE (a tag is resolved to its digest here), so that both
+# Python stages get the same image and the log says which.
 by_digest() { # <image>
   local image=$1
   if [[ $image != *@sha256:* ]]; then
@@ -41,8 +56,10 @@ by_digest() { # <image>
   fi
   printf '%s' "$image"
 }
-python_image=$(by_digest "${PYTHON_IMAGE:-python:3.11-slim-bookworm}")
-golang_image=$(by_digest "${GOLANG_IMAGE:-golang:1.26-bookworm}")
+python_image=${PYTHON_IMAGE:-$("$BASE_IMAGES" pinned PYTHON_IMAGE)}
+golang_image=${GOLANG_IMAGE:-$("$BASE_IMAGES" pinned GOLANG_IMAGE)}
+python_image=$(by_digest "$python_image")
+golang_image=$(by_digest "$golang_image")
 kind_progress "building $DRIVER_IMAGE with $CONTAINER_TOOL from $python_image and $golang_image"
 "$CONTAINER_TOOL" build -f "$REPO_DIR/deployments/container/Dockerfile" \
   --build-arg "PYTHON_IMAGE=$python_image" --build-arg "GOLANG_IMAGE=$golang_image" \

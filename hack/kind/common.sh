@@ -22,11 +22,12 @@ KIND_CLUSTER_NAME=${KIND_CLUSTER_NAME:-gpu-dra-driver}
 KIND_K8S_TAG=${KIND_K8S_TAG:-v$K8S_VERSION}
 KIND_IMAGE=${KIND_IMAGE:-kindest/node:$KIND_K8S_TAG}
 KIND_WORKERS=${KIND_WORKERS:-1}
-# Fully qualified: Podman stores an unqualified build as localhost/<name>, while the
-# kubelet (CRI) would normalize an unqualified name to docker.io/library/<name> and try
-# to pull it (ErrImagePull). localhost/ means the same image under Docker and Podman.
-# install.sh passes repository and tag to helm (image.repository / image.tag).
-DRIVER_IMAGE=${DRIVER_IMAGE:-localhost/gpu-dra-driver:dev}
+# values-mock.yaml's image (gpu-dra-driver:dev) as the kubelet (CRI) normalizes it, so
+# that a plain `helm install -f values-mock.yaml` finds the image loaded here. Fully
+# qualified: Podman would store an unqualified build as localhost/<name>, which the
+# kubelet never looks for (ErrImagePull). install.sh passes repository and tag to helm
+# (image.repository / image.tag) all the same.
+DRIVER_IMAGE=${DRIVER_IMAGE:-docker.io/library/gpu-dra-driver:dev}
 # The DRA driver name the chart registers (ResourceSlice spec.driver, DeviceClasses).
 DRIVER_NAME=${DRIVER_NAME:-gpu.example.com}
 DRIVER_NAMESPACE=${DRIVER_NAMESPACE:-gpu-dra-driver}

@@ -11,6 +11,12 @@ HELM=$(find_helm)
 repo=${DRIVER_IMAGE%:*}
 tag=${DRIVER_IMAGE##*:}
 
+# The plugin pods need the privileged Pod Security level (host paths, root).
+kubectl --context "$KUBE_CONTEXT" create namespace "$DRIVER_NAMESPACE" --dry-run=client -o yaml |
+  kubectl --context "$KUBE_CONTEXT" apply -f - >/dev/null
+kubectl --context "$KUBE_CONTEXT" label namespace "$DRIVER_NAMESPACE" --overwrite \
+  pod-security.kubernetes.io/enforce=privileged >/dev/null
+
 kind_progress "installing release $HELM_RELEASE ($CHART_DIR, values-mock.yaml, image $repo:$tag) in namespace $DRIVER_NAMESPACE"
 "$HELM" upgrade --install "$HELM_RELEASE" "$CHART_DIR" \
   --kube-context "$KUBE_CONTEXT" \

@@ -1,4 +1,5 @@
-"""The plugin's /metrics + /healthz server stays answerable under idle and slow clients."""
+"""The plugin's /metrics + /healthz server stays answerable under idle and slow clients,
+and the bounded server under it (shared with the webhook) reads bodies within bounds."""
 
 from __future__ import annotations
 
@@ -8,16 +9,19 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
+from http import HTTPStatus
 from typing import Any
 
 import pytest
 
+from driver.observability.bounded_http import BoundedHttpServer, Limits
 from driver.observability.http import (
     DEFAULT_MAX_CONNECTIONS,
     DEFAULT_TIMEOUT,
     HttpServer,
     serve_http,
 )
+from driver.observability.http_messages import Request, Response
 
 
 def _ok() -> tuple[bool, str]:
@@ -233,3 +237,61 @@ def test_shutdown_closes_everything(start: Callable[..., HttpServer]) -> None:
     assert _closed_by_server(sock, within=2) is not None
     with pytest.raises(OSError):
         socket.create_connection(("127.0.0.1", server.port), timeout=1)
+
+
+# --- the bounded server under the webhook (bodies, lanes) -------------------------------
+
+
+def test_small_requests_have_workers_of_their_own() -> None:
+    """Large requests that keep every large-request worker busy (and more queued behind
+    them) do not delay a small one: it has its own workers."""
+
+    def slow_for_large(request: Request) -> Response:
+        if len(request.body) > 1024:
+            time.sleep(1.5)
+        return Response(HTTPStatus.OK, str(len(request.body)).encode())
+
+    limits = Limits(timeout=10, max_body=1 << 20, small_request=1024, workers=1, large_workers=1)
+    server = BoundedHttpServer("127.0.0.1", 0, slow_for_large, limits).start()
+
+    def post(body: bytes) -> socket.socket:
+        sock = socket.create_connection(("127.0.0.1", server.port), timeout=5)
+        sock.sendall(b"POST / HTTP/1.1\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        return sock
+
+    try:
+        large = [post(b"x" * 4096) for _ in range(3)]
+        _wait(lambda: server.stats.accepted == 3)
+        time.sleep(0.1)  # the first one is being answered, the others wait
+        began = time.monotonic()
+        small = post(b"{}")
+        assert small.recv(1024).endswith(b"\r\n\r\n2")
+        assert time.monotonic() - began < 0.5
+        assert large[0].recv(1024).endswith(b"\r\n\r\n4096")
+        for sock in [*large, small]:
+            sock.close()
+    finally:
+        server.shutdown()
+
+
+def test_request_bodies_are_read_only_up_to_the_limit() -> None:
+    def echo(request: Request) -> Response:
+        return Response(HTTPStatus.OK, request.body)
+
+    server = BoundedHttpServer("127.0.0.1", 0, echo, Limits(max_body=16)).start()
+    try:
+        for head, expected in [
+            (b"POST / HTTP/1.1\r\nContent-Length: 5\r\n\r\nhello", b"HTTP/1.1 200 OK"),
+            (b"POST / HTTP/1.1\r\nContent-Length: 17\r\n\r\n", b"HTTP/1.1 413 "),
+            (b"POST / HTTP/1.1\r\n\r\n", b"HTTP/1.1 411 "),
+            (b"POST / HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n", b"HTTP/1.1 411 "),
+            (b"POST / HTTP/1.1\r\nContent-Length: -1\r\n\r\n", b"HTTP/1.1 400 "),
+            (b"POST / HTTP/1.1\r\nContent-Length: " + b"9" * 5000 + b"\r\n\r\n", b"HTTP/1.1 413 "),
+        ]:
+            sock = socket.create_connection(("127.0.0.1", server.port), timeout=5)
+            sock.sendall(head)
+            answer = sock.recv(4096)
+            assert answer.startswith(expected), (head[:60], answer)
+            sock.close()
+    finally:
+        server.shutdown()

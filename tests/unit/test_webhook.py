@@ -8,7 +8,6 @@ import shutil
 import socket
 import ssl
 import subprocess
-import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -90,14 +89,11 @@ def make_cert(directory: Path) -> tuple[str, str]:
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     cert, key = make_cert(tmp_path_factory.mktemp("tls"))
     server = WebhookServer("127.0.0.1", 0, cert_file=cert, key_file=key, driver_name=DRIVER)
-    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05})
-    thread.start()
+    server.start()
     try:
         yield Served(server, cert)
     finally:
         server.shutdown()
-        server.server_close()
-        thread.join(5)
 
 
 def params(sharing: Any) -> dict[str, Any]:

@@ -1,0 +1,418 @@
+"""An HTTP/1.1 server bounded against idle, slow and flooding clients (standard library).
+
+The plugin's /metrics + /healthz endpoint (`driver.observability.http`) and the
+admission webhook (`driver.webhook.server`) listen on ports that any pod allowed to
+open a connection can reach; neither may be starved by a few cheap clients:
+
+- One I/O thread multiplexes every connection (`selectors`): an idle or slow
+  connection costs a socket and its buffer, never a thread.
+- Each request has `timeout` seconds from the accept (on a kept-alive connection: from
+  the previous answer) until it is answered, TLS handshake, head and body included;
+  the answer then has `timeout` seconds to be taken. Dribbling one byte at a time does
+  not extend it (a deadline, not an idle timer).
+- At most `max_connections` are open. A connection beyond that closes, at once, the
+  oldest one still sending its request (idle ones included), so that a flood of slow
+  connections cannot lock out a client that sends its request as soon as it connects;
+  if none is sending, the new connection is closed instead.
+- A request head of at most 8 KiB; a body of at most `max_body` bytes (413 beyond; with
+  0, bodies are not read). At most `max_buffered` bytes of requests not yet answered
+  are held in all (those being answered may add a body per worker): past that, the
+  connection holding the most (still sending, or waiting for a worker) is closed, so
+  a small request is the last to go.
+- `workers` threads answer requests of up to `small_request` bytes, `large_workers`
+  threads the larger ones; each picks the smallest waiting request first. So complete
+  large requests, however many, never delay a small one by more than the GIL they
+  share. The I/O thread writes the answers without blocking: a client that never
+  reads its answer holds no thread.
+- With `tls`, every connection is TLS: the I/O thread does the handshake without
+  blocking, within the request's deadline; a plain-HTTP client is closed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import logging
+import queue
+import selectors
+import socket
+import ssl
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Final
+
+from driver.observability.http_messages import (
+    BadRequest,
+    Request,
+    Response,
+    body_length,
+    parse_head,
+    render,
+)
+from driver.observability.http_workers import Handler, Job, WorkerLane
+
+log = logging.getLogger(__name__)
+
+_READ_CHUNK: Final = 65536
+_ACCEPTS_PER_WAKEUP: Final = 8  # well below max_connections: reads in between
+
+TlsContext = Callable[[], ssl.SSLContext]
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The bounds described in the module docstring."""
+
+    timeout: float = 5.0
+    max_connections: int = 64
+    workers: int = 2
+    max_body: int = 0
+    max_buffered: int = 16 << 20
+    small_request: int = 64 << 10
+    large_workers: int = 1
+    keep_alive: bool = False
+
+    def __post_init__(self) -> None:
+        if self.timeout <= 0 or self.max_connections < 1 or self.workers < 1:
+            raise ValueError("timeout, max_connections and workers must be positive")
+        if self.max_body < 0 or self.max_buffered < 1 or self.large_workers < 1:
+            raise ValueError("max_body must be >= 0, max_buffered and large_workers positive")
+
+
+@dataclass
+class HttpStats:
+    accepted: int = 0
+    answered: int = 0
+    timed_out: int = 0  # closed at their deadline
+    evicted: int = 0  # closed while sending, to make room (connections or bytes)
+    refused: int = 0  # new ones closed at once: the limit was reached, none sending
+    bad_requests: int = 0
+
+
+class _Phase(enum.Enum):
+    HANDSHAKE = "handshake"
+    READING = "reading"
+    WORKING = "working"
+    WRITING = "writing"
+
+
+@dataclass(eq=False)
+class _Connection:
+    sock: socket.socket
+    deadline: float
+    phase: _Phase
+    inbuf: bytearray = field(default_factory=bytearray)
+    held: int = 0  # request bytes counted against max_buffered
+    out: memoryview | None = None
+    close_after: bool = True
+    events: int = 0  # what the selector waits for; 0: not registered
+    closed: bool = False
+
+    @property
+    def sending(self) -> bool:
+        return self.phase in (_Phase.HANDSHAKE, _Phase.READING)
+
+
+class BoundedHttpServer:
+    """Serves `handler` within `limits`; see the module docstring."""
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        handler: Handler,
+        limits: Limits,
+        *,
+        tls: TlsContext | None = None,
+        name: str = "http",
+    ) -> None:
+        self.limits = limits
+        self.stats = HttpStats()
+        self._tls = tls
+        self._name = name
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._listener = socket.create_server((host, port), family=family, backlog=128)
+        self._listener.setblocking(False)
+        self.server_address: tuple[str, int] = self._listener.getsockname()[:2]
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self._selector = selectors.DefaultSelector()
+        self._selector.register(self._listener, selectors.EVENT_READ, "accept")
+        self._selector.register(self._wake_r, selectors.EVENT_READ, "wake")
+        self._conns: dict[_Connection, None] = {}  # oldest first
+        self._held = 0
+        self._done: queue.SimpleQueue[tuple[Job[_Connection], Response]] = queue.SimpleQueue()
+        self._small = self._lane(f"{name}-worker", limits.workers, handler)
+        self._large = self._small
+        if limits.max_body > limits.small_request:
+            self._large = self._lane(f"{name}-large", limits.large_workers, handler)
+        self._stopping = threading.Event()
+        self._loop_idle = threading.Event()
+        self._loop_idle.set()
+
+    @property
+    def port(self) -> int:
+        return self.server_address[1]
+
+    @property
+    def open_connections(self) -> int:
+        return len(self._conns)
+
+    def start(self) -> BoundedHttpServer:
+        """Serves in background threads until `shutdown()`."""
+        self._begin()
+        threading.Thread(target=self._run, name=self._name, daemon=True).start()
+        return self
+
+    def serve_forever(self) -> None:
+        """Serves in the calling thread until `shutdown()` (from another thread)."""
+        self._begin()
+        self._run()
+
+    def shutdown(self) -> None:
+        """Stops serving and closes every connection and the listening socket."""
+        if self._stopping.is_set():
+            return
+        self._stopping.set()
+        self._wake()
+        self._loop_idle.wait(timeout=5)
+        self._small.stop()
+        if self._large is not self._small:
+            self._large.stop()
+        for conn in list(self._conns):
+            self._close(conn)
+        with contextlib.suppress(KeyError, ValueError):
+            self._selector.unregister(self._listener)
+        self._listener.close()
+        self._selector.close()
+        self._wake_r.close()
+        self._wake_w.close()
+
+    server_close = shutdown
+
+    def __enter__(self) -> BoundedHttpServer:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.shutdown()
+
+    def _begin(self) -> None:
+        self._small.start()
+        self._large.start()
+        self._loop_idle.clear()
+
+    def _lane(self, name: str, count: int, handler: Handler) -> WorkerLane[_Connection]:
+        return WorkerLane(name, count, handler, self._finished, lambda conn: conn.closed)
+
+    def _finished(self, job: Job[_Connection], response: Response) -> None:  # in a worker
+        self._done.put((job, response))
+        self._wake()
+
+    def _wake(self) -> None:
+        with contextlib.suppress(OSError):
+            self._wake_w.send(b"x")
+
+    # -- the I/O thread from here on ---------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while not self._stopping.is_set():
+                try:
+                    self._once()
+                except Exception:  # never let one bad connection stop the server
+                    log.exception("%s server loop error", self._name)
+                    time.sleep(0.1)
+        finally:
+            self._loop_idle.set()
+
+    def _once(self) -> None:
+        now = time.monotonic()
+        wait = min((c.deadline for c in self._conns), default=now + 1.0) - now
+        for key, _ in self._selector.select(max(0.0, min(wait, 1.0))):
+            if key.data == "accept":
+                self._accept()
+            elif key.data == "wake":
+                with contextlib.suppress(OSError):
+                    while self._wake_r.recv(4096):
+                        pass
+            elif isinstance(key.data, _Connection):
+                self._advance(key.data)
+        while True:
+            try:
+                job, response = self._done.get_nowait()
+            except queue.Empty:
+                break
+            if not job.client.closed:
+                self._release(job.client)
+                self._answer(job.client, response, head_only=job.request.method == "HEAD")
+        now = time.monotonic()
+        for conn in [c for c in self._conns if c.deadline <= now]:
+            self.stats.timed_out += 1
+            self._close(conn)
+
+    def _accept(self) -> None:
+        for _ in range(_ACCEPTS_PER_WAKEUP):
+            try:
+                sock, _ = self._listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as err:  # e.g. EMFILE: leave the rest in the backlog
+                log.warning("%s accept failed: %s", self._name, err)
+                return
+            self.stats.accepted += 1
+            if len(self._conns) >= self.limits.max_connections:
+                oldest = next((c for c in self._conns if c.sending), None)
+                if oldest is None:
+                    self.stats.refused += 1
+                    sock.close()
+                    continue
+                self.stats.evicted += 1
+                self._close(oldest)
+            sock.setblocking(False)
+            phase = _Phase.READING
+            if self._tls is not None:
+                try:
+                    sock = self._tls().wrap_socket(
+                        sock, server_side=True, do_handshake_on_connect=False
+                    )
+                except OSError:
+                    sock.close()
+                    continue
+                phase = _Phase.HANDSHAKE
+            conn = _Connection(sock, time.monotonic() + self.limits.timeout, phase)
+            self._conns[conn] = None
+            self._listen(conn, selectors.EVENT_READ)
+
+    def _advance(self, conn: _Connection) -> None:
+        """Takes `conn` as far as it goes without blocking."""
+        if conn.closed:
+            return
+        try:
+            if conn.phase is _Phase.HANDSHAKE:
+                assert isinstance(conn.sock, ssl.SSLSocket)
+                conn.sock.do_handshake()
+                conn.phase = _Phase.READING
+                self._listen(conn, selectors.EVENT_READ)
+            if conn.phase is _Phase.READING:
+                self._read(conn)
+            elif conn.phase is _Phase.WRITING:
+                self._write(conn)
+        except ssl.SSLWantReadError:
+            self._listen(conn, selectors.EVENT_READ)
+        except ssl.SSLWantWriteError:
+            self._listen(conn, selectors.EVENT_WRITE)
+        except (BlockingIOError, InterruptedError):
+            pass
+        except OSError as err:  # ssl.SSLError included: a failed handshake, plain HTTP
+            log.debug("%s connection closed: %s", self._name, err)
+            self._close(conn)
+
+    def _listen(self, conn: _Connection, events: int) -> None:
+        if conn.closed or conn.events == events:
+            return
+        if conn.events:
+            self._selector.modify(conn.sock, events, conn)
+        else:
+            self._selector.register(conn.sock, events, conn)
+        conn.events = events
+
+    def _mute(self, conn: _Connection) -> None:
+        if conn.events:
+            conn.events = 0
+            with contextlib.suppress(KeyError, ValueError):
+                self._selector.unregister(conn.sock)
+
+    def _read(self, conn: _Connection) -> None:
+        while conn.phase is _Phase.READING and not conn.closed:
+            data = conn.sock.recv(_READ_CHUNK)  # raises when it would block
+            if not data:
+                self._close(conn)
+                return
+            conn.inbuf += data
+            self._hold(conn, len(data))
+            if not conn.closed:
+                self._dispatch(conn)
+
+    def _hold(self, conn: _Connection, size: int) -> None:
+        conn.held += size
+        self._held += size
+        while self._held > self.limits.max_buffered:
+            holding = [c for c in self._conns if c.held]
+            if not holding:
+                return
+            self.stats.evicted += 1
+            self._close(max(holding, key=lambda c: c.held))  # the oldest of the largest
+
+    def _release(self, conn: _Connection) -> None:
+        self._held -= conn.held
+        conn.held = 0
+
+    def _dispatch(self, conn: _Connection) -> None:
+        """Hands the request in `conn.inbuf` to a worker once it is complete."""
+        try:
+            head = parse_head(conn.inbuf)
+        except BadRequest:
+            self.stats.bad_requests += 1
+            self._close(conn)
+            return
+        if head is None:
+            return
+        length = 0
+        if self.limits.max_body:
+            length_or_refusal = body_length(head, self.limits.max_body)
+            if isinstance(length_or_refusal, Response):
+                self._answer(conn, length_or_refusal, close=True)
+                return
+            length = length_or_refusal
+            if len(conn.inbuf) < head.size + length:
+                return  # more body to come
+        body = bytes(conn.inbuf[head.size : head.size + length])
+        del conn.inbuf[: head.size + length]
+        conn.close_after = not (self.limits.keep_alive and head.keep_alive)
+        conn.phase = _Phase.WORKING
+        self._mute(conn)
+        job = Job(conn, Request(head.method, head.target, head.headers, body))
+        lane = self._small if length <= self.limits.small_request else self._large
+        lane.put(job)
+
+    def _answer(
+        self, conn: _Connection, response: Response, *, close: bool = False, head_only: bool = False
+    ) -> None:
+        conn.close_after = conn.close_after or close
+        conn.out = memoryview(render(response, close=conn.close_after, head_only=head_only))
+        conn.phase = _Phase.WRITING
+        conn.deadline = time.monotonic() + self.limits.timeout
+        self._listen(conn, selectors.EVENT_WRITE)
+        self._advance(conn)
+
+    def _write(self, conn: _Connection) -> None:
+        assert conn.out is not None
+        while conn.out:
+            sent = conn.sock.send(conn.out)  # raises when it would block
+            conn.out = conn.out[sent:]
+        self.stats.answered += 1
+        if conn.close_after:
+            self._close(conn)
+            return
+        # Kept alive: the next request gets a fresh deadline and counts as the newest.
+        self._release(conn)
+        conn.phase = _Phase.READING
+        conn.deadline = time.monotonic() + self.limits.timeout
+        del self._conns[conn]
+        self._conns[conn] = None
+        self._listen(conn, selectors.EVENT_READ)
+        if conn.inbuf:
+            self._hold(conn, len(conn.inbuf))
+        self._advance(conn)  # a pipelined request may be buffered already
+
+    def _close(self, conn: _Connection) -> None:
+        if conn.closed:
+            return
+        self._mute(conn)
+        conn.closed = True
+        self._release(conn)
+        self._conns.pop(conn, None)
+        conn.sock.close()

@@ -1,0 +1,104 @@
+"""HTTP/1.1 requests and answers of `driver.observability.bounded_http`: the types its
+handlers see, reading a request head and writing an answer (pure functions, no I/O)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from http import HTTPStatus
+from typing import Final
+
+MAX_REQUEST_HEAD: Final = 8192
+BODY_METHODS: Final = frozenset({"POST", "PUT", "PATCH"})
+
+
+@dataclass(frozen=True)
+class Request:
+    method: str
+    target: str
+    headers: Mapping[str, str]  # lower-case names
+    body: bytes = b""
+
+    @property
+    def path(self) -> str:
+        return self.target.split("?", 1)[0]
+
+
+@dataclass(frozen=True)
+class Response:
+    status: HTTPStatus
+    body: bytes = b""
+    content_type: str = "text/plain"
+    allow: str | None = None
+
+
+@dataclass(frozen=True)
+class RequestHead:
+    method: str
+    target: str
+    version: str
+    headers: Mapping[str, str]  # lower-case names
+    size: int  # bytes, the blank line included
+
+    @property
+    def keep_alive(self) -> bool:
+        """Whether the client lets the connection carry another request."""
+        return self.version == "HTTP/1.1" and self.headers.get("connection", "").lower() != "close"
+
+
+class BadRequest(ValueError):
+    """Not an HTTP request: the connection is closed without an answer."""
+
+
+def parse_head(buf: bytes | bytearray) -> RequestHead | None:
+    """The request head at the start of `buf`; None while it is incomplete. Raises
+    `BadRequest` for a malformed head or one longer than `MAX_REQUEST_HEAD`."""
+    end, separator = buf.find(b"\r\n\r\n"), 4
+    if end < 0:
+        end, separator = buf.find(b"\n\n"), 2
+    if end < 0:
+        if len(buf) > MAX_REQUEST_HEAD:
+            raise BadRequest("request head too long")
+        return None
+    if end > MAX_REQUEST_HEAD:
+        raise BadRequest("request head too long")
+    lines = bytes(buf[:end]).decode("latin-1").splitlines()
+    parts = lines[0].split() if lines else []
+    if len(parts) != 3 or not parts[2].startswith("HTTP/"):
+        raise BadRequest("malformed request line")
+    headers: dict[str, str] = {}
+    for line in lines[1:]:
+        name, colon, value = line.partition(":")
+        if colon:
+            headers[name.strip().lower()] = value.strip()
+    return RequestHead(parts[0], parts[1], parts[2], headers, end + separator)
+
+
+def body_length(head: RequestHead, max_body: int) -> int | Response:
+    """The length of the body that follows `head`, or the answer that refuses it."""
+    declared = head.headers.get("content-length")
+    if "transfer-encoding" in head.headers or (declared is None and head.method in BODY_METHODS):
+        return Response(HTTPStatus.LENGTH_REQUIRED, b"Content-Length required")
+    if declared is None:
+        return 0
+    if not declared.isdigit():
+        return Response(HTTPStatus.BAD_REQUEST, b"bad Content-Length")
+    if len(declared) > 15 or int(declared) > max_body:
+        return Response(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, b"request body too large")
+    return int(declared)
+
+
+def render(response: Response, *, close: bool, head_only: bool = False) -> bytes:
+    """The bytes of an HTTP/1.1 answer."""
+    status = response.status
+    lines = [
+        f"HTTP/1.1 {status.value} {status.phrase}",
+        f"Content-Type: {response.content_type}",
+        f"Content-Length: {len(response.body)}",
+    ]
+    if close:
+        lines.append("Connection: close")
+    if response.allow:
+        lines.append(f"Allow: {response.allow}")
+    head = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+    return head if head_only else head + response.body

@@ -1,0 +1,280 @@
+"""The admission webhook answers the API server in time while a pod floods it.
+
+The webhook's port is reachable from every pod that may open a connection to it, and
+it answers whoever POSTs an AdmissionReview. With `failurePolicy: Fail`, a review the
+API server does not get an answer to within `webhook.timeoutSeconds` (10 s by default)
+rejects the claim, so a webhook that one pod can stall rejects every claim with an
+opaque config for this driver, cluster-wide.
+
+The flood here, against the real server on loopback: idle TCP connections that never
+start TLS, requests that announce a 3 MiB body and stall after a few bytes of it,
+reviews whose `opaque.parameters` is a string holding a YAML alias bomb (a few hundred
+bytes that expand to millions of paths), and complete reviews of a few MiB. Then a
+legitimate review must be answered within 1 s, and the server must hold no thread per
+connection. Bounded: the server is a process of its own, killed at the end (whatever
+the flood left it computing ends with it), and every client socket has a timeout.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import http.client
+import json
+import re
+import socket
+import ssl
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from driver.config import API_VERSION, KIND
+from driver.webhook.server import VALIDATE_PATH
+from tests.unit.test_webhook import make_cert
+
+DRIVER = "gpu.example.com"
+LEGIT_DEADLINE = 1.0  # seconds: well inside the API server's 10 s default
+IDLE = 150  # TCP connections that never send a byte
+STALLED = 40  # TLS connections that announce a 3 MiB body and stop sending
+BOMBS = 120  # complete reviews with an alias-bomb string as parameters
+LARGE = 8  # complete reviews of about 2.8 MiB, each about a second to parse
+BOMB_DEPTH = 20  # 2**20 paths: seconds of CPU each where the walk expands them
+MAX_SERVER_THREADS = 8  # the main thread, the I/O thread, the workers
+SENDER_TIMEOUT = 10.0  # seconds, for each step of a flood request
+
+
+@dataclass
+class Served:
+    process: subprocess.Popen[str]
+    port: int
+    context: ssl.SSLContext
+
+    def tls(self, timeout: float) -> ssl.SSLSocket:
+        raw = socket.create_connection(("127.0.0.1", self.port), timeout=timeout)
+        return self.context.wrap_socket(raw, server_hostname="localhost")
+
+    def threads(self) -> int:
+        status = Path(f"/proc/{self.process.pid}/status").read_text()
+        return int(re.search(r"^Threads:\s+(\d+)", status, re.M).group(1))  # type: ignore[union-attr]
+
+
+@pytest.fixture
+def served(tmp_path: Path) -> Iterator[Served]:
+    """The real gpu-dra-webhook process: whatever the flood leaves it doing ends with it."""
+    cert, key = make_cert(tmp_path)
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "driver.webhook.main",
+            "--tls-cert-file",
+            cert,
+            "--tls-private-key-file",
+            key,
+            "--port",
+            "0",
+            "--bind-address",
+            "127.0.0.1",
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        port = _serving_port(process)
+        yield Served(process, port, ssl.create_default_context(cafile=cert))
+    finally:
+        process.kill()
+        process.wait(10)
+        assert process.stderr is not None
+        process.stderr.close()
+
+
+def _serving_port(process: subprocess.Popen[str]) -> int:
+    assert process.stderr is not None
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        line = process.stderr.readline()
+        if not line:
+            break
+        found = re.search(r"serving https on port (\d+)", line)
+        if found:
+            threading.Thread(target=process.stderr.read, daemon=True).start()  # keep it drained
+            return int(found.group(1))
+    pytest.fail("gpu-dra-webhook did not start")
+
+
+def review(configs: list[dict[str, Any]], uid: str) -> bytes:
+    claim = {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceClaim",
+        "metadata": {"name": "c", "namespace": "ns"},
+        "spec": {
+            "devices": {
+                "requests": [{"name": "gpu", "exactly": {"deviceClassName": DRIVER}}],
+                "config": configs,
+            }
+        },
+    }
+    body = {
+        "apiVersion": "admission.k8s.io/v1",
+        "kind": "AdmissionReview",
+        "request": {
+            "uid": uid,
+            "resource": {"group": "resource.k8s.io", "version": "v1", "resource": "resourceclaims"},
+            "operation": "CREATE",
+            "object": claim,
+        },
+    }
+    return json.dumps(body).encode()
+
+
+def opaque(parameters: Any, driver: str = DRIVER) -> dict[str, Any]:
+    return {"requests": ["gpu"], "opaque": {"driver": driver, "parameters": parameters}}
+
+
+def alias_bomb(depth: int) -> str:
+    """A YAML mapping whose last list reaches 2**depth leaves through aliases."""
+    lines = [f"apiVersion: {API_VERSION}", f"kind: {KIND}", "l0: &l0 [x, x]"]
+    lines += [f"l{i}: &l{i} [*l{i - 1}, *l{i - 1}]" for i in range(1, depth)]
+    return "\n".join(lines) + "\n"
+
+
+def post_head(length: int) -> bytes:
+    return (
+        f"POST {VALIDATE_PATH} HTTP/1.1\r\nHost: localhost\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {length}\r\n\r\n"
+    ).encode()
+
+
+def legit_review_seconds(served: Served) -> float:
+    """Time to a complete answer of a valid review over a fresh connection (as the API
+    server opens them); fails if any step takes longer than LEGIT_DEADLINE."""
+    began = time.monotonic()
+    conn = http.client.HTTPSConnection(
+        "127.0.0.1", served.port, context=served.context, timeout=LEGIT_DEADLINE
+    )
+    try:
+        good = {"apiVersion": API_VERSION, "kind": KIND, "sharing": {"strategy": "TimeSlicing"}}
+        conn.request(
+            "POST",
+            VALIDATE_PATH,
+            body=review([opaque(good)], "legit"),
+            headers={"Content-Type": "application/json"},
+        )
+        response = conn.getresponse()
+        answer = json.loads(response.read())
+    except (TimeoutError, OSError, http.client.HTTPException) as err:
+        pytest.fail(f"the legitimate review got no answer within {LEGIT_DEADLINE} s: {err!r}")
+    finally:
+        conn.close()
+    assert response.status == 200
+    assert answer["response"] == {"uid": "legit", "allowed": True}
+    return time.monotonic() - began
+
+
+def read_answer(sock: ssl.SSLSocket) -> dict[str, Any]:
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        assert chunk, f"connection closed before an answer: {data!r}"
+        data += chunk
+    head, body = data.split(b"\r\n\r\n", 1)
+    assert head.startswith(b"HTTP/1.1 200 "), head
+    length = int(
+        next(h for h in head.split(b"\r\n") if h.lower().startswith(b"content-length:"))[15:]
+    )
+    while len(body) < length:
+        chunk = sock.recv(65536)
+        assert chunk
+        body += chunk
+    answer: dict[str, Any] = json.loads(body)
+    return answer
+
+
+@dataclass
+class Flood:
+    """The flood's connections, held open until the end, and what each bomb got back."""
+
+    sockets: list[socket.socket] = field(default_factory=list)
+    answers: dict[str, object] = field(default_factory=dict)
+    sent: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def hold(self, sock: socket.socket) -> socket.socket:
+        with self.lock:
+            self.sockets.append(sock)
+        return sock
+
+    def send(self, served: Served, body: bytes, uid: str) -> None:
+        """One complete request; its answer (or why there is none) goes to `answers`."""
+        try:
+            sock = self.hold(served.tls(timeout=SENDER_TIMEOUT))
+            sock.sendall(post_head(len(body)) + body)
+            with self.lock:
+                self.sent += 1
+            self.answers[uid] = read_answer(sock)["response"]
+        except (OSError, AssertionError, ValueError) as err:
+            self.answers[uid] = repr(err)
+
+    def close(self) -> None:
+        with self.lock:
+            for sock in self.sockets:
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)  # wakes a sender blocked reading
+                sock.close()
+
+
+@pytest.mark.timeout(120)
+def test_legitimate_review_is_answered_within_a_second_under_a_flood(served: Served) -> None:
+    flood = Flood()
+    senders = concurrent.futures.ThreadPoolExecutor(max_workers=16)
+    try:
+        for _ in range(IDLE):  # connecting in the background: not held up by a backlog
+            idle = flood.hold(socket.socket())
+            idle.setblocking(False)
+            idle.connect_ex(("127.0.0.1", served.port))
+        for _ in range(STALLED):
+            stalled = flood.hold(served.tls(timeout=10))
+            stalled.sendall(post_head(3 * 1024 * 1024) + b'{"apiVersion": ')
+        # another driver's configs: many small objects, parsed whole, then skipped
+        other = [opaque({"a": [{"b": i} for i in range(30)]}, "other.example.com")]
+        large = review(other * 7000, "large")
+        sent = [senders.submit(flood.send, served, large, f"large-{i}") for i in range(LARGE)]
+        bombs = [f"bomb-{i}" for i in range(BOMBS)]
+        for uid in bombs:
+            body = review([opaque(alias_bomb(BOMB_DEPTH))], uid)
+            sent.append(senders.submit(flood.send, served, body, uid))
+        deadline = time.monotonic() + 10
+        while flood.sent < BOMBS // 4 and time.monotonic() < deadline:
+            time.sleep(0.01)  # the legitimate reviews go in while the bombs still arrive
+
+        timings = [legit_review_seconds(served) for _ in range(3)]
+        assert max(timings) < LEGIT_DEADLINE, timings
+        # no thread per connection: a couple of hundred open connections cost none
+        assert served.threads() <= MAX_SERVER_THREADS
+
+        concurrent.futures.wait(sent, timeout=30)
+        refused = {
+            "allowed": False,
+            "status": {
+                "status": "Failure",
+                "code": 422,
+                "reason": "Invalid",
+                "message": "1 config failed to validate: spec.devices.config[0].opaque"
+                ".parameters: must be a JSON object, got a string",
+            },
+        }
+        # each bomb is refused at once, without being expanded
+        assert {uid: flood.answers.get(uid) for uid in bombs} == {
+            uid: {"uid": uid, **refused} for uid in bombs
+        }
+    finally:
+        flood.close()
+        senders.shutdown(wait=False, cancel_futures=True)  # they end with the server
