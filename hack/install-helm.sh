@@ -24,6 +24,8 @@ HELM_MAJOR=${HELM_VERSION%%.*}
 START_TIME=$(date +%s)
 progress() { printf '[install-helm %4ss] %s\n' "$(( $(date +%s) - START_TIME ))" "$*" >&2; }
 die() { printf 'install-helm: %s\n' "$*" >&2; exit 1; }
+# shellcheck source=hack/lib/go-progress.sh
+source "$HACK_DIR/lib/go-progress.sh"
 
 if [[ ${1:-} == path ]]; then
   printf '%s\n' "$HELM_BIN"
@@ -43,21 +45,17 @@ partial=$HELM_DIR/.partial
 rm -rf "$partial"
 mkdir -p "$partial"
 log=$TOOLS_DIR/build-helm-v$HELM_VERSION.log
-progress "building helm v$HELM_VERSION from helm.sh/helm/v$HELM_MAJOR (cold: ~5-10 min on 2 cores; log: $log)"
+module=helm.sh/helm/v$HELM_MAJOR
+export GOTOOLCHAIN=local CGO_ENABLED=0
+count_module_packages "resolving helm's packages" "$module@v$HELM_VERSION" \
+  "$TOOLS_DIR/list-helm-v$HELM_VERSION.log" ./cmd/helm
+progress "building helm v$HELM_VERSION from $module: up to ${GO_PACKAGES_TOTAL:-?} packages (cold: ~5-10 min on 2 cores; log: $log)"
 
 # helm stamps its version through ldflags; without them `helm version` says "v4.x-dev".
-ldflags="-s -w -X helm.sh/helm/v$HELM_MAJOR/internal/version.version=v$HELM_VERSION"
-GOTOOLCHAIN=local CGO_ENABLED=0 GOFLAGS=-mod=mod GOBIN=$partial \
-  go install -trimpath -ldflags "$ldflags" "helm.sh/helm/v$HELM_MAJOR/cmd/helm@v$HELM_VERSION" >"$log" 2>&1 &
-pid=$!
-while kill -0 "$pid" 2>/dev/null; do
-  sleep 15
-  kill -0 "$pid" 2>/dev/null && progress "still building helm ($(grep -c '^go: downloading' "$log" || true) modules downloaded)"
-done
-if ! wait "$pid"; then
-  tail -n 30 "$log" >&2
-  die "helm build failed; full log: $log"
-fi
+ldflags="-s -w -X $module/internal/version.version=v$HELM_VERSION"
+run_with_progress --total "$GO_PACKAGES_TOTAL" "helm build" "$log" \
+  env GOFLAGS=-mod=mod GOBIN="$partial" \
+  go install -v -trimpath -ldflags "$ldflags" "$module/cmd/helm@v$HELM_VERSION"
 mv "$partial/helm" "$HELM_BIN"
 rm -rf "$partial"
 "$HELM_BIN" version >&2 || die "built helm does not run"

@@ -3,19 +3,23 @@
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import sys
 from collections.abc import Sequence
 
-from driver.cli import health, inventory, journal, mock, validate
+from driver.cli import health, inventory, journal, mock, status, validate
 from driver.cli.verbosity import add_verbosity_flag, configure_logging
 from driver.plugin.flags import add_version_flag
+
+SIGPIPE_EXIT = 128 + signal.SIGPIPE  # what a shell reports for a command SIGPIPE killed
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gpu-dra", description=__doc__)
     add_version_flag(parser)
     subcommands = parser.add_subparsers(dest="command", required=True)
-    for module in (inventory, validate, health, journal, mock):
+    for module in (inventory, validate, health, status, journal, mock):
         module.add_parser(subcommands)
     add_verbosity_flag(parser)
     return parser
@@ -24,8 +28,22 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     configure_logging(args.verbosity)
-    exit_code: int = args.run(args)
+    try:
+        exit_code: int = args.run(args)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        return reader_went_away()
     return exit_code
+
+
+def reader_went_away() -> int:
+    """The reader of stdout closed it (`gpu-dra inventory | head`): stop quietly, as a
+    command killed by SIGPIPE does. stdout goes to /dev/null so that the interpreter's
+    final flush cannot fail again."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return SIGPIPE_EXIT
 
 
 if __name__ == "__main__":

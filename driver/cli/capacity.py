@@ -9,71 +9,15 @@ reading the ResourceSlices from `kubectl get resourceslices -o yaml` or
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping
 from decimal import Decimal
 from typing import Any
 
+from driver.cli.claim_requests import device_requests
+from driver.cli.claim_rules import DeviceClasses
+from driver.cli.slice_devices import OfferedDevice
+from driver.config.errors import FieldError
 from driver.devices.documents import binary_quantity, parse_quantity
-
-
-@dataclass(frozen=True)
-class CapacityDevice:
-    """One published device: where it is and the capacity it offers."""
-
-    node: str
-    name: str
-    capacity: Mapping[str, Decimal]
-
-
-@dataclass(frozen=True)
-class CapacityProblem:
-    path: str
-    message: str
-
-
-def devices_of_slices(slices: Iterable[Any], driver: str) -> list[CapacityDevice]:
-    """The devices of `driver` in ResourceSlice documents (other kinds and drivers are
-    skipped); a capacity whose value is not a quantity is left out."""
-    devices = []
-    for doc in slices:
-        if not isinstance(doc, Mapping) or doc.get("kind") != "ResourceSlice":
-            continue
-        spec = doc.get("spec")
-        if not isinstance(spec, Mapping) or spec.get("driver") != driver:
-            continue
-        node = str(spec.get("nodeName") or (spec.get("pool") or {}).get("name") or "")
-        for device in spec.get("devices") or []:
-            if not isinstance(device, Mapping):
-                continue
-            capacity: dict[str, Decimal] = {}
-            for key, entry in (device.get("capacity") or {}).items():
-                try:
-                    capacity[str(key)] = parse_quantity((entry or {}).get("value"))
-                except (ValueError, TypeError, AttributeError):
-                    continue
-            devices.append(CapacityDevice(node, str(device.get("name")), capacity))
-    return devices
-
-
-def _device_requests(doc: Mapping[str, Any]) -> Iterator[tuple[str, Any]]:
-    """(field path, request) of each device request of a ResourceClaim or template."""
-    if doc.get("kind") == "ResourceClaimTemplate":
-        spec, prefix = (doc.get("spec") or {}).get("spec") or {}, "spec.spec"
-    elif doc.get("kind") == "ResourceClaim":
-        spec, prefix = doc.get("spec") or {}, "spec"
-    else:
-        return
-    requests = (spec.get("devices") or {}).get("requests") or []
-    for i, request in enumerate(requests if isinstance(requests, list) else []):
-        if not isinstance(request, Mapping):
-            continue
-        path = f"{prefix}.devices.requests[{i}]"
-        if isinstance(request.get("exactly"), Mapping):
-            yield f"{path}.exactly", request["exactly"]
-        for j, sub in enumerate(request.get("firstAvailable") or []):
-            if isinstance(sub, Mapping):
-                yield f"{path}.firstAvailable[{j}]", sub
 
 
 def requests_capacity(doc: Any) -> bool:
@@ -81,44 +25,54 @@ def requests_capacity(doc: Any) -> bool:
     if not isinstance(doc, Mapping):
         return False
     return any(
-        isinstance(request.get("capacity"), Mapping) and request["capacity"].get("requests")
-        for _, request in _device_requests(doc)
+        isinstance(request.fields.get("capacity"), Mapping)
+        and request.fields["capacity"].get("requests")
+        for request in device_requests(doc)
     )
 
 
-def capacity_problems(doc: Any, devices: list[CapacityDevice]) -> list[CapacityProblem]:
+def capacity_problems(
+    doc: Any, devices: list[OfferedDevice], classes: DeviceClasses
+) -> list[FieldError]:
     """Each request of a claim document whose capacity requests no single device of
-    `devices` can satisfy, with the largest capacity offered."""
+    `devices` its class selects (`DeviceClasses.offered`) can satisfy, with the largest
+    capacity offered."""
     if not isinstance(doc, Mapping):
         return []
     problems = []
-    for path, request in _device_requests(doc):
-        wanted = (request.get("capacity") or {}).get("requests") or {}
+    for request in device_requests(doc):
+        capacity = request.fields.get("capacity")
+        wanted = capacity.get("requests") if isinstance(capacity, Mapping) else None
         if not isinstance(wanted, Mapping) or not wanted:
             continue
-        field = f"{path}.capacity.requests"
+        field = f"{request.path}.capacity.requests"
         parsed: dict[str, Decimal] = {}
         for key, value in wanted.items():
             try:
                 parsed[str(key)] = parse_quantity(value)
             except (ValueError, TypeError) as err:
-                problems.append(CapacityProblem(f"{field}.{key}", f"not a quantity: {err}"))
+                problems.append(FieldError(f"{field}.{key}", f"not a quantity: {err}"))
         if len(parsed) != len(wanted):
             continue
-        if any(_fits(device, parsed) for device in devices):
+        offered = classes.offered(request.device_class, devices)
+        if any(_fits(device, parsed) for device in offered):
             continue
-        problems.append(CapacityProblem(field, _why_nothing_fits(parsed, devices)))
+        asked = ", ".join(f"{k}={_show(v, k)}" for k, v in sorted(parsed.items()))
+        if not devices:
+            why = "the given slices publish no device of this driver"
+        elif not offered:
+            why = f"the given slices publish no device of class {request.device_class}"
+        else:
+            why = _why_nothing_fits(parsed, offered)
+        problems.append(FieldError(field, f"{asked}: {why}"))
     return problems
 
 
-def _fits(device: CapacityDevice, wanted: Mapping[str, Decimal]) -> bool:
+def _fits(device: OfferedDevice, wanted: Mapping[str, Decimal]) -> bool:
     return all(key in device.capacity and device.capacity[key] >= v for key, v in wanted.items())
 
 
-def _why_nothing_fits(wanted: Mapping[str, Decimal], devices: list[CapacityDevice]) -> str:
-    asked = ", ".join(f"{k}={_show(v)}" for k, v in sorted(wanted.items()))
-    if not devices:
-        return f"{asked}: the given slices publish no device of this driver"
+def _why_nothing_fits(wanted: Mapping[str, Decimal], devices: list[OfferedDevice]) -> str:
     parts = []
     for key in sorted(wanted):
         offered = [d for d in devices if key in d.capacity]
@@ -126,14 +80,25 @@ def _why_nothing_fits(wanted: Mapping[str, Decimal], devices: list[CapacityDevic
             parts.append(f"no device has a {key} capacity")
             continue
         largest = max(offered, key=lambda d: d.capacity[key])
-        parts.append(
-            f"largest {key}: {_show(largest.capacity[key])} ({largest.name} on {largest.node})"
-        )
-    return f"{asked}: no single device offers this much ({'; '.join(parts)})"
+        parts.append(f"largest {key}: {_show(largest.capacity[key], key)} ({largest.where()})")
+    return f"no single device offers this much ({'; '.join(parts)})"
 
 
-def _show(value: Decimal) -> str:
-    """A whole quantity as the API server writes it (80Gi); a fraction as a number."""
-    if value == value.to_integral_value() and value >= 0:
-        return binary_quantity(int(value))
-    return f"{value.normalize():f}"
+#: The capacity counted in bytes (`driver.devices.model`); other capacities are counts.
+BYTES_CAPACITY = "memory"
+_READABLE_UNITS = (("Ti", 1 << 40), ("Gi", 1 << 30), ("Mi", 1 << 20), ("Ki", 1 << 10))
+
+
+def _show(value: Decimal, capacity: str) -> str:
+    """A whole quantity as the API server writes it (80Gi); a fraction as a number. A
+    memory size no binary suffix divides (a third of a GPU: 28506936661) gets a readable
+    size beside it (~26.5Gi)."""
+    if value != value.to_integral_value() or value < 0:
+        return f"{value.normalize():f}"
+    exact = binary_quantity(int(value))
+    if capacity != BYTES_CAPACITY or not exact.isdigit():
+        return exact
+    for suffix, size in _READABLE_UNITS:
+        if value >= size:
+            return f"{exact} (~{value / size:.1f}{suffix})"
+    return exact

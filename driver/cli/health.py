@@ -11,6 +11,10 @@ Two sources, each line says which:
   shown as a note: the plugin republishes within seconds, so a lasting difference
   means it is not running or cannot write.
 
+Devices are named as the slices publish them; when the slices cannot be read, as
+the running plugin names them (its /status, `--plugin-url`), else by NVML on this
+node (`gpu-<minor>`).
+
 Also shown: whether a plugin is running on this node (its control channel's
 `ACTIVE` marker) and whether it accepts `gpu-dra health clear`.
 
@@ -34,7 +38,9 @@ from typing import Any, TextIO
 import yaml
 
 from driver.cli import health_clear
+from driver.cli.gpu_names import local_gpu_names
 from driver.cli.output import format_table
+from driver.cli.plugin_endpoint import add_plugin_url_argument
 from driver.cli.published import PublishedView, SliceDevice, read_published
 from driver.cli.state_dir import HealthView, add_state_dir_argument, default_state_dir, read_health
 from driver.health.clear import record_json
@@ -83,6 +89,7 @@ def add_parser(subcommands: Any) -> None:
         default="table",
         help="output format (default: %(default)s)",
     )
+    add_plugin_url_argument(parser)
     parser.set_defaults(run=run)
     actions = parser.add_subparsers(dest="health_action", metavar="ACTION")
     health_clear.add_parser(actions, add_common_arguments)
@@ -106,7 +113,12 @@ def run(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None 
         args.kubeconfig,
         allow_insecure_http=args.allow_insecure_http,
     )
-    report = build_report(args.node_name, args.driver_name, state_dir, view, published)
+    names = published.gpu_names() if published.problem is None else None
+    if names is None and view.store is not None:
+        names = local_gpu_names(args.plugin_url).names
+    report = build_report(
+        args.node_name, args.driver_name, state_dir, view, published, gpu_names=names
+    )
     if args.output == "json":
         print(json.dumps(report, indent=2), file=out)
     elif args.output == "yaml":
@@ -136,10 +148,17 @@ def plugin_status(state_dir: Path) -> dict[str, Any]:
 
 
 def build_report(
-    node: str, driver: str, state_dir: Path, view: HealthView, published: PublishedView
+    node: str,
+    driver: str,
+    state_dir: Path,
+    view: HealthView,
+    published: PublishedView,
+    *,
+    gpu_names: dict[str, str] | None = None,
 ) -> dict[str, Any]:
-    """The JSON document `-o json` prints (the table shows the same)."""
-    names = published.gpu_names()
+    """The JSON document `-o json` prints (the table shows the same). `gpu_names`:
+    GPU UUID -> device name (default: the published whole-GPU devices')."""
+    names = published.gpu_names() if gpu_names is None else gpu_names
     failures: list[dict[str, Any]] = []
     if view.store is not None:
         for uuid, failure in sorted(view.store.failed_gpus().items()):

@@ -1,16 +1,33 @@
 """`gpu-dra inventory`: discover GPUs and print the ResourceSlices this node would publish.
 
-Without --mock, real NVML (pynvml) is used; --mock uses a mock fleet instead: a fleet
-YAML file, a built-in fleet name (`default`: 8 x H100-80GB with MIG, `example`: the Go
-reference's 8 devices), or nothing for the default fleet. Output: a table of GPUs
+It reads the plugin's settings, flags and environment variables alike
+(`driver.plugin.settings`: NODE_NAME, DRIVER_NAME, NVML_BACKEND, MOCK_FLEET,
+GPU_PARTITIONS, MIG_STRATEGY, GPU_ALLOW_MULTIPLE_ALLOCATIONS, XID_TAINT_EFFECT, ...),
+and the plugin's journal (`<state dir>/checkpoint.json`) for the MIG devices it created
+for prepared claims, so that in the plugin's pod it shows what the plugin publishes.
+Real NVML (pynvml) is used unless NVML_BACKEND=mock; `--mock [FLEET]` is short for
+`--nvml-backend=mock [--mock-fleet=FLEET]`: a fleet YAML file, a built-in fleet name
+(`default`: 8 x H100-80GB with MIG, `example`: the Go reference's 8 devices), or
+nothing for the default fleet. The mock's MIG state is read from MOCK_DRIVER_ROOT, else
+`<state dir>/mock-driver-root` where the plugin keeps it. Output: a table of GPUs
 (default; `--partitions` lists partitions too) or the ResourceSlice documents (yaml,
 json).
 
 The table's HEALTH column comes from the health store of the plugin on this node
 (`<state dir>/health.json`, read only): `--state-dir DIR`, else $GPU_DRA_STATE_DIR,
-else the plugin's standard data dir /var/lib/kubelet/plugins/<driver name> if it
+else the plugin's data dir <KUBELET_PLUGINS_DIRECTORY_PATH>/<driver name> if it
 exists. Without one, HEALTH says `unknown`: inventory never claims a GPU is healthy
-without reading what the plugin recorded. Run it in the plugin's pod for real health:
+without reading what the plugin recorded. Taints show the plugin's effect
+(`--xid-taint-effect`, default $XID_TAINT_EFFECT as in the plugin's pod).
+
+The table has one row per GPU, also for a GPU of which nothing is published (DEVICE
+`-`), and with --partitions one per partition after its GPU. INDEX and PCI BUS ID are
+the GPU's; UUID is the row's device as NVML names it (`-`: a MIG device created at
+prepare); MIG the GPU's MIG mode (unsupported, disabled, dynamic, static, ignored);
+PROFILE and PLACEMENT the MIG profile and memory slices a device is delivered as;
+PARTITIONS, on GPU rows, how many partitions of the GPU are published.
+
+Run it in the plugin's pod for real health:
 
     kubectl exec -n <ns> <plugin-pod> -- gpu-dra inventory
 """
@@ -29,26 +46,26 @@ from typing import Any
 import yaml
 
 from driver.cli.output import format_table
-from driver.cli.state_dir import (
-    HealthView,
-    add_state_dir_argument,
-    default_state_dir,
-    read_health,
-)
-from driver.devices.model import (
-    DEFAULT_DRIVER_NAME,
-    MigStrategy,
-    PoolDevices,
-    PoolError,
-    PoolOptions,
-    build_pool,
-)
+from driver.cli.state_dir import STATE_DIR_ENV, HealthView, add_state_dir_argument, read_health
+from driver.devices.gpu_view import GpuView
+from driver.devices.model import PoolDevices, PoolError, PublishedDevice, build_pool
 from driver.devices.slices import build_slice_documents, validate_slice_specs
-from driver.devices.table import HEADERS, device_rows
+from driver.devices.table import HEADERS, device_rows, taint_text
+from driver.errors import DriverError
 from driver.nvml.backend import select_backend
 from driver.nvml.library import NvmlUnavailableError
-from driver.plugin.flags import non_negative_int
-from driver.plugin.host_inputs import driver_name_argument
+from driver.nvml.types import Inventory
+from driver.plugin.settings import (
+    NODE_NAME,
+    NODE_SETTINGS,
+    NodeSettings,
+    SettingError,
+    add_settings,
+    node_settings,
+    read_settings,
+)
+from driver.state.checkpoint import Checkpoint
+from driver.state.instances import Held, owned_instances
 
 log = logging.getLogger(__name__)
 
@@ -65,41 +82,11 @@ def add_parser(subcommands: Any) -> None:
         nargs="?",
         const="",
         default=None,
-        metavar="FLEET.yaml",
-        help="use the mock NVML with this fleet (file or built-in name; default fleet if empty)",
+        metavar="FLEET",
+        help="mock GPUs: short for --nvml-backend=mock [--mock-fleet=FLEET]",
     )
-    parser.add_argument(
-        "--node-name",
-        default=os.environ.get("NODE_NAME") or socket.gethostname(),
-        help="node name: pool name, slice owner and mock UUID seed (default: $NODE_NAME or host)",
-    )
+    add_settings(parser, NODE_SETTINGS, default_text={NODE_NAME.dest: "this host's name"})
     parser.add_argument("--node-uid", default=None, help="Node UID for the slices' ownerReferences")
-    parser.add_argument(
-        "--driver-name",
-        type=driver_name_argument,
-        default=DEFAULT_DRIVER_NAME,
-        help="DRA driver name (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--gpu-partitions",
-        type=non_negative_int("--gpu-partitions"),
-        default=0,
-        metavar="N",
-        help="publish N equal partitions per GPU like the Go reference, instead of MIG",
-    )
-    parser.add_argument(
-        "--gpu-allow-multiple-allocations",
-        action="store_true",
-        help="publish whole GPUs (and --gpu-partitions partitions) as shareable by "
-        "consumable capacity, as the plugin flag of the same name does",
-    )
-    parser.add_argument(
-        "--mig-strategy",
-        choices=[m.value for m in MigStrategy],
-        default=MigStrategy.AUTO.value,
-        help="GPUs in MIG mode: auto (static where MIG devices exist, else dynamic), "
-        "dynamic or static (default: %(default)s)",
-    )
     parser.add_argument(
         "--partitions", action="store_true", help="table output: also list partitions"
     )
@@ -114,14 +101,61 @@ def add_parser(subcommands: Any) -> None:
     parser.set_defaults(run=run)
 
 
+def read_inventory_settings(args: argparse.Namespace) -> NodeSettings:
+    """The plugin's settings from the flags, else the environment (the plugin pod's);
+    SettingError naming a bad one."""
+    given = dict(vars(args))
+    if args.mock is not None:
+        given["nvml_backend"] = "mock"
+        given["mock_fleet"] = args.mock or given.get("mock_fleet")
+    values = read_settings(argparse.Namespace(**given), NODE_SETTINGS)
+    values[NODE_NAME.dest] = values[NODE_NAME.dest] or socket.gethostname()
+    return node_settings(values)
+
+
+def plugin_state_dir(args: argparse.Namespace, settings: NodeSettings) -> Path:
+    """--state-dir, else $GPU_DRA_STATE_DIR, else the plugin's data dir."""
+    return Path(args.state_dir or os.environ.get(STATE_DIR_ENV) or settings.data_dir)
+
+
+def mock_driver_root(settings: NodeSettings, state_dir: Path) -> Path | None:
+    """Where the plugin keeps the mock's MIG state; None (an in-memory mock) where
+    there is none: a command that only reads never creates it."""
+    if settings.mock_driver_root is not None:
+        return settings.mock_driver_root
+    plugins = state_dir / "mock-driver-root"
+    return plugins if plugins.is_dir() else None
+
+
+def owned_mig_devices(state_dir: Path, inventory: Inventory) -> Held:
+    """The MIG devices the plugin created for prepared claims (its journal), which it
+    publishes as the dynamic partitions they are, not as static devices. A corrupt
+    journal owns nothing, as in the plugin."""
+    try:
+        journal = Checkpoint(state_dir).load()
+    except DriverError as err:  # corrupt, or not readable by this user
+        print(f"gpu-dra inventory: the plugin's journal: {err}", file=sys.stderr)
+        return frozenset()
+    live = [m for g in inventory.gpus for m in g.mig_instances]
+    return owned_instances(journal, live)
+
+
 def run(args: argparse.Namespace) -> int:
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
+        settings = read_inventory_settings(args)
+    except SettingError as err:
+        print(f"gpu-dra inventory: {err}", file=sys.stderr)
+        return 1
+    state_dir = plugin_state_dir(args, settings)
+    try:
         backend = select_backend(
-            mock=args.mock is not None,
-            fleet_path=args.mock or None,
-            node_name=args.node_name,
+            mock=settings.mock,
+            fleet_path=settings.mock_fleet,
+            node_name=settings.node_name,
+            mock_driver_root=mock_driver_root(settings, state_dir) if settings.mock else None,
+            driver_root=settings.nvidia_driver_root,
         )
         inventory = backend.discover()
     except (NvmlUnavailableError, ValueError) as err:  # a bad fleet file is a ValueError
@@ -130,21 +164,16 @@ def run(args: argparse.Namespace) -> int:
     except Exception as err:
         print(f"gpu-dra inventory: NVML discovery failed: {err}", file=sys.stderr)
         return 1
-    options = PoolOptions(
-        driver_name=args.driver_name,
-        gpu_partitions=args.gpu_partitions,
-        mig_strategy=MigStrategy(args.mig_strategy),
-        allow_multiple_allocations=args.gpu_allow_multiple_allocations,
-    )
+    owned = owned_mig_devices(state_dir, inventory)
     try:
-        pool = build_pool(inventory, options)
+        pool = build_pool(inventory, settings.pool_options(), owned_mig=owned)
     except PoolError as err:
         print(f"gpu-dra inventory: {err}", file=sys.stderr)
         return 1
     for note in pool.notes:
         print(f"gpu-dra inventory: {note}", file=sys.stderr)
     docs = build_slice_documents(
-        pool, driver=args.driver_name, node_name=args.node_name, node_uid=args.node_uid
+        pool, driver=settings.driver_name, node_name=settings.node_name, node_uid=args.node_uid
     )
     problems = validate_slice_specs([d["spec"] for d in docs])
     if problems:
@@ -152,10 +181,19 @@ def run(args: argparse.Namespace) -> int:
             print(f"gpu-dra inventory: invalid slice: {p}", file=sys.stderr)
         return 1
     if args.output == "table":
-        health = _health_view(args)
+        health = _health_view(args, state_dir, settings.driver_name)
         if health is None:
             return 1
-        sys.stdout.write(_table(pool, health, driver=args.driver_name, partitions=args.partitions))
+        sys.stdout.write(
+            _table(
+                inventory,
+                pool,
+                health,
+                driver=settings.driver_name,
+                effect=settings.xid_taint_effect,
+                partitions=args.partitions,
+            )
+        )
         n_devices = len(pool.devices)
         print(
             f"\n{len(inventory.gpus)} GPU(s), {n_devices} device(s) in {len(docs)} slice(s) "
@@ -182,24 +220,30 @@ class NoAliasDumper(getattr(yaml, "CSafeDumper", yaml.SafeDumper)):  # type: ign
         return True
 
 
-def _health_view(args: argparse.Namespace) -> HealthView | None:
+def _health_view(args: argparse.Namespace, state_dir: Path, driver: str) -> HealthView | None:
     """The plugin's recorded health; None (after a message) for a --state-dir given
     explicitly that is not a directory."""
-    if args.state_dir is not None:
-        state_dir = Path(args.state_dir)
-        if not state_dir.is_dir():
-            print(f"gpu-dra inventory: --state-dir {state_dir}: no such directory", file=sys.stderr)
-            return None
-    else:
-        state_dir = default_state_dir(args.driver_name)
-    return read_health(state_dir, args.driver_name)
+    if args.state_dir is not None and not state_dir.is_dir():
+        print(f"gpu-dra inventory: --state-dir {state_dir}: no such directory", file=sys.stderr)
+        return None
+    return read_health(state_dir, driver)
 
 
-def _table(pool: PoolDevices, health: HealthView, *, driver: str, partitions: bool) -> str:
-    taints = None
-    if health.store is not None:
-        taints = health.store.device_taints(pool.devices, driver=driver)
-    rows = device_rows(pool, taints, partitions=partitions)
-    if health.store is None:
-        rows = [(*row[:-1], "unknown") for row in rows]
-    return format_table(HEADERS, rows)
+def _table(
+    inventory: Inventory,
+    pool: PoolDevices,
+    health: HealthView,
+    *,
+    driver: str,
+    effect: str,
+    partitions: bool,
+) -> str:
+    store = health.store
+
+    def health_text(device: PublishedDevice | GpuView) -> str:
+        if store is None:
+            return "unknown"
+        taints = store.device_taints([device], driver=driver, effect=effect)
+        return taint_text(taints.get(device.name, ()))
+
+    return format_table(HEADERS, device_rows(inventory, pool, health_text, partitions=partitions))

@@ -1,4 +1,5 @@
-"""`gpu-dra mock xid|lost|reset`: inject health events into a running mock plugin.
+"""`gpu-dra mock xid|lost|reset|recovery-action`: inject health events into a running
+mock plugin.
 
 Works only against a kubelet plugin started with the mock NVML backend. The request
 goes through the plugin's root-only spool directory `<state-dir>/mock-control/`; the
@@ -10,11 +11,16 @@ plugin injects it into its mock NVML, where it takes the same path as a real eve
         --xid 94 --instance
     kubectl exec -n <ns> <plugin-pod> -- gpu-dra mock lost --device gpu-0-mig-1g10gb-0
     kubectl exec -n <ns> <plugin-pod> -- gpu-dra mock reset --all
+    kubectl exec -n <ns> <plugin-pod> -- gpu-dra mock recovery-action --device gpu-3 \
+        --action drain-and-reset
 
 A partition name means its GPU, unless `xid --instance` attributes the Xid to the
 partition's live MIG GPU instance (as NVML does for an Xid inside a partition): then
 only the devices on its memory slices are tainted. A dynamic partition has a GPU
 instance only while it is prepared. `reset` clears the GPU and all its partitions.
+`recovery-action` sets the NVML recovery action of a device's GPU, which the plugin
+reads at its next poll (`none` takes it back; an Xid that needs a reset, e.g. 48,
+sets `gpu-reset` by itself, and `reset` sets `none`).
 Exit codes: 0 injected, 1 refused or no mock plugin consumes the spool, 2 usage error.
 """
 
@@ -28,10 +34,12 @@ from typing import Any, TextIO
 from driver.cli.arguments import positive_seconds
 from driver.health.mock_control import (
     DEFAULT_STATE_DIR,
+    RECOVERY_ACTION,
     MockControlError,
     MockRequest,
     submit,
 )
+from driver.nvml.recovery import ACTION_NAMES, parse_action
 
 STATE_DIR_ENV = "GPU_DRA_STATE_DIR"
 
@@ -44,6 +52,13 @@ def _xid(text: str) -> int:
     if not 0 < value <= 0xFFFFFFFF:
         raise argparse.ArgumentTypeError(f"Xid {value} is out of range (1..4294967295)")
     return value
+
+
+def _recovery_action(text: str) -> int:
+    try:
+        return parse_action(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def _common(parser: argparse.ArgumentParser) -> None:
@@ -63,7 +78,10 @@ def _common(parser: argparse.ArgumentParser) -> None:
 def add_parser(subcommands: Any) -> None:
     parser: argparse.ArgumentParser = subcommands.add_parser(
         "mock",
-        help="inject health events (Xid, GPU lost, reset) into a running mock plugin",
+        help=(
+            "inject health events (Xid, GPU lost, reset, recovery action) into a running "
+            "mock plugin"
+        ),
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -95,6 +113,23 @@ def add_parser(subcommands: Any) -> None:
     _common(reset)
     reset.set_defaults(run=run)
 
+    recovery = actions.add_parser(
+        RECOVERY_ACTION, help="set the NVML recovery action of a device's GPU (none: clear it)"
+    )
+    recovery.add_argument(
+        "--device", required=True, help="gpu-<n>, a partition name, or a GPU UUID"
+    )
+    recovery.add_argument(
+        "--action",
+        required=True,
+        dest="recovery_action",
+        type=_recovery_action,
+        metavar="ACTION",
+        help=f"{', '.join(ACTION_NAMES.values())}, or NVML's number",
+    )
+    _common(recovery)
+    recovery.set_defaults(run=run)
+
 
 def request_from_args(args: argparse.Namespace) -> MockRequest:
     return MockRequest(
@@ -103,6 +138,7 @@ def request_from_args(args: argparse.Namespace) -> MockRequest:
         xid=getattr(args, "xid", None),
         all=bool(getattr(args, "all", False)),
         instance=bool(getattr(args, "instance", False)),
+        recovery_action=getattr(args, "recovery_action", None),
     )
 
 

@@ -1,45 +1,60 @@
-"""`gpu-dra validate FILE|DIR|- ...`: check GpuConfigs in YAML files before applying them.
+"""`gpu-dra validate FILE|DIR|- ...`: check GpuConfigs and claims in YAML files before
+applying them.
 
 Each file may hold several YAML documents: bare GpuConfig documents, ResourceClaims,
 ResourceClaimTemplates and DeviceClasses (any resource.k8s.io version), and lists of
 them (`kind: List` or any `*List` kind, as `kubectl get -o yaml` prints). Other
-documents (Pods, Namespaces, ...) are skipped. A directory means its *.yaml, *.yml
-and *.json files (not recursive); `-` reads standard input. The same decoding,
-defaults and static rules as the webhook and the plugin apply.
+Kubernetes objects (Pods, Namespaces, ...) are skipped; a document that is neither a
+Kubernetes object nor a GpuConfig (no apiVersion or kind: a Helm values file) is a
+problem. A directory means its *.yaml, *.yml and *.json files (not recursive); `-`
+reads standard input. The same decoding, defaults and static rules as the webhook and
+the plugin apply to each GpuConfig.
+
+A claim is also checked as a whole (the files are read first, so a DeviceClass in one
+file is known in all): each request's deviceClassName must be a class of
+--driver-name (the chart's `<driver>`, `mig.<driver>`, `partition.<driver>`, those
+given with --device-class, a DeviceClass in the files selecting the driver) or a
+DeviceClass of another driver in the files; each name in a config's `requests` must
+be a request or `<request>/<sub-request>` of the claim; and the config prepare applies
+to a request must not be SpacePartitioning on `mig.<driver>` or `partition.<driver>`
+(a partition is never split). A claim that asks for a class of the driver is the
+driver's, GpuConfig or not.
 
 With `--slices FILE` (ResourceSlices, e.g. `kubectl get resourceslices -o yaml` or
 `gpu-dra inventory -o yaml`), a claim request whose `capacity.requests` no single
-published device of --driver-name can give is reported too: the scheduler would leave
-it pending.
+published device of --driver-name can give is reported too (the scheduler would leave
+it pending), and so is a SpacePartitioning config that every published device refuses
+at prepare (`partitionCount` above every `maxPartitions`, every whole GPU shared by
+capacity). A request of one of the chart's classes is checked against the devices that
+class selects (whole GPUs, MIG partitions or `--gpu-partitions` partitions).
 
-Every problem is printed to stderr as
+Every problem is printed to stderr on one line:
 
     FILE: <kind>/<name>: <field path>: <message>
+    FILE: invalid YAML: line L, column C: <message>
 
 A document that asks for SpacePartitioning gets one note on stdout (it does not fail
 validation): on real GPUs the partition count is only passed to the container as env,
-no MPS daemon splits the GPU. On success one summary line goes to stdout. Exit code 1
-if any file or directory is missing, unreadable or empty, any config is invalid, no
-GpuConfig or claim document was found at all, or no document is for --driver-name
-(neither a GpuConfig, nor an opaque config of that driver, nor - with --slices
-publishing devices of that driver - a claim with capacity requests checked against
-them); else 0.
+no MPS daemon splits the GPU. On success one summary line goes to stdout, also when
+the files hold nothing to check. Exit code 1 if any file or directory is missing,
+unreadable or empty, any document or config is invalid, or GpuConfigs or claims were
+found but none is for --driver-name (neither a GpuConfig, nor a claim asking for a
+class of the driver or configuring it, nor - with --slices publishing devices of that
+driver - a claim with capacity requests checked against them); else 0.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from driver.cli.capacity import (
-    CapacityDevice,
-    capacity_problems,
-    devices_of_slices,
-    requests_capacity,
-)
+from driver.cli.capacity import capacity_problems, requests_capacity
+from driver.cli.claim_rules import DeviceClasses, claim_problems, is_for_driver
+from driver.cli.slice_devices import OfferedDevice, devices_of_slices
 from driver.config import (
     LoadError,
     Strategy,
@@ -49,6 +64,7 @@ from driver.config import (
 )
 from driver.config import validate_claim_document as check_document
 from driver.config.documents import CONFIG_LIST_PATHS, config_list_of
+from driver.config.errors import FieldError
 from driver.config.loader import join_path
 
 DEFAULT_DRIVER_NAME = "gpu.example.com"
@@ -63,7 +79,8 @@ SPACE_PARTITIONING_NOTE = (
 def add_parser(subcommands: Any) -> None:
     parser: argparse.ArgumentParser = subcommands.add_parser(
         "validate",
-        help="validate GpuConfigs in YAML files (GpuConfig, ResourceClaim, ResourceClaimTemplate)",
+        help="validate GpuConfigs and claims in YAML files (GpuConfig, ResourceClaim, "
+        "ResourceClaimTemplate, DeviceClass)",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -73,13 +90,22 @@ def add_parser(subcommands: Any) -> None:
     parser.add_argument(
         "--driver-name",
         default=DEFAULT_DRIVER_NAME,
-        help="DRA driver name whose opaque configs are checked (default: %(default)s)",
+        help="DRA driver name whose configs and device classes are checked (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--device-class",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="a DeviceClass of --driver-name besides the chart's <driver>, mig.<driver> and "
+        "partition.<driver> (e.g. one renamed in the chart's deviceClasses); repeatable",
     )
     parser.add_argument(
         "--slices",
         action="append",
         metavar="FILE",
-        help="ResourceSlices (YAML/JSON, Lists too) to check capacity requests against; repeatable",
+        help="ResourceSlices (YAML/JSON, Lists too) to check capacity requests and "
+        "SpacePartitioning configs against; repeatable",
     )
     parser.set_defaults(run=run)
 
@@ -155,21 +181,33 @@ def _space_partitioning(doc: object, driver_name: str) -> str | None:
     return None
 
 
+@dataclass
 class Result:
-    def __init__(self) -> None:
-        self.problems: list[str] = []
-        self.notes: list[str] = []  # stdout; never fail validation
-        self.checked = 0  # GpuConfig and claim documents
-        # Of those: GpuConfigs, with an opaque config for the driver, or (--slices) with
-        # capacity requests checked against the driver's devices.
-        self.ours = 0
-        self.drivers: set[str] = set()  # opaque config drivers seen
-        self.files = 0
-        self.devices: list[CapacityDevice] | None = None  # from --slices
+    problems: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # stdout; never fail validation
+    checked: int = 0  # GpuConfig and claim documents
+    # Of those: GpuConfigs, claims and DeviceClasses for the driver (is_for_driver), or
+    # (--slices) claims with capacity requests checked against the driver's devices.
+    ours: int = 0
+    drivers: set[str] = field(default_factory=set)  # opaque config drivers seen
+    files: int = 0
+
+    def report(self, filename: str, label: str, errors: Iterable[FieldError]) -> None:
+        for error in errors:
+            self.problems.append(f"{filename}: {label}: {error.path or '<root>'}: {error.message}")
 
 
-def _load_devices(names: list[str], driver_name: str, result: Result) -> list[CapacityDevice]:
-    devices: list[CapacityDevice] = []
+@dataclass(frozen=True)
+class Checks:
+    """What every document is checked against."""
+
+    driver: str
+    classes: DeviceClasses
+    devices: list[OfferedDevice] | None  # from --slices
+
+
+def _load_devices(names: list[str], driver_name: str, result: Result) -> list[OfferedDevice]:
+    devices: list[OfferedDevice] = []
     for name in names:
         try:
             with open(name, "rb") as handle:
@@ -184,45 +222,40 @@ def _load_devices(names: list[str], driver_name: str, result: Result) -> list[Ca
     return devices
 
 
-def validate_text(text: str | bytes, filename: str, driver_name: str) -> tuple[list[str], int]:
-    """Problems in one file as printable lines, and how many documents were checked."""
-    result = Result()
-    _validate_into(result, text, filename, driver_name)
-    return result.problems, result.checked
+def _not_an_object(doc: object) -> str | None:
+    """Why a skipped document is no Kubernetes object, or None."""
+    if not isinstance(doc, Mapping):
+        return None
+    missing = [key for key in ("apiVersion", "kind") if not isinstance(doc.get(key), str)]
+    if not missing:
+        return None
+    return f"not a Kubernetes object or GpuConfig (no {' and '.join(missing)})"
 
 
-def _validate_into(result: Result, text: str | bytes, filename: str, driver_name: str) -> None:
-    result.files += 1
-    try:
-        docs = load_yaml_documents(text)
-    except LoadError as err:
-        result.problems.append(f"{filename}: {err}")
+def _check_document(result: Result, filename: str, doc: object, label: str, checks: Checks) -> None:
+    if not is_checked_document(doc):
+        why = _not_an_object(doc)
+        if why is not None:
+            result.report(filename, label, [FieldError("", why)])
         return
-    if not docs:
-        result.problems.append(f"{filename}: empty: no YAML documents")
-        return
-    for doc, label in _documents(docs):
-        if _is_list(doc):
-            result.problems.append(f"{filename}: {label}: items: must be a list")
-            continue
-        if not is_checked_document(doc):
-            continue
-        result.checked += 1
-        drivers = _opaque_drivers(doc)
-        result.drivers |= drivers
-        capacity_checked = bool(result.devices) and requests_capacity(doc)
-        if _is_gpu_config(doc) or driver_name in drivers or capacity_checked:
-            result.ours += 1
-        for error in check_document(doc, driver_name):
-            result.problems.append(
-                f"{filename}: {label}: {error.path or '<root>'}: {error.message}"
-            )
-        note_path = _space_partitioning(doc, driver_name)
-        if note_path is not None:
-            result.notes.append(f"{filename}: {label}: {note_path}: {SPACE_PARTITIONING_NOTE}")
-        if result.devices is not None:
-            for problem in capacity_problems(doc, result.devices):
-                result.problems.append(f"{filename}: {label}: {problem.path}: {problem.message}")
+    result.checked += 1
+    drivers = _opaque_drivers(doc)
+    result.drivers |= drivers
+    capacity_checked = bool(checks.devices) and requests_capacity(doc)
+    if (
+        _is_gpu_config(doc)
+        or checks.driver in drivers
+        or capacity_checked
+        or is_for_driver(doc, checks.classes)
+    ):
+        result.ours += 1
+    result.report(filename, label, check_document(doc, checks.driver))
+    result.report(filename, label, claim_problems(doc, checks.classes, checks.devices))
+    note_path = _space_partitioning(doc, checks.driver)
+    if note_path is not None:
+        result.notes.append(f"{filename}: {label}: {note_path}: {SPACE_PARTITIONING_NOTE}")
+    if checks.devices is not None:
+        result.report(filename, label, capacity_problems(doc, checks.devices, checks.classes))
 
 
 def _inputs(names: list[str], result: Result) -> Iterator[str]:
@@ -252,6 +285,52 @@ def _inputs(names: list[str], result: Result) -> Iterator[str]:
             yield name
 
 
+def _read(names: list[str], stdin: TextIO, result: Result) -> Iterator[tuple[str, list[Any]]]:
+    """(file name, its documents) of each input that reads and parses."""
+    for filename in _inputs(names, result):
+        try:
+            if filename == "-":
+                text: str | bytes = stdin.read()
+            else:
+                with open(filename, "rb") as handle:
+                    text = handle.read()
+        except OSError as error:
+            result.problems.append(f"{filename}: cannot read: {error.strerror or error}")
+            continue
+        result.files += 1
+        try:
+            docs = load_yaml_documents(text)
+        except LoadError as err:
+            result.problems.append(f"{filename}: {err}")
+            continue
+        if not docs:
+            result.problems.append(f"{filename}: empty: no YAML documents")
+            continue
+        yield filename, docs
+
+
+def _summary(result: Result, driver_name: str) -> tuple[int, str]:
+    """Exit code and the last line (stderr on failure, stdout on success)."""
+    if result.problems:
+        return 1, f"{PROG}: {len(result.problems)} problem(s) found"
+    if result.checked == 0:
+        return 0, (
+            f"OK: nothing to check for driver {driver_name}: no GpuConfig or claim document "
+            f"in {result.files} file(s)"
+        )
+    if result.ours == 0:
+        others = ", ".join(sorted(result.drivers)) or "none"
+        return 1, (
+            f"{PROG}: --driver-name {driver_name} matches no document: no GpuConfig, no "
+            f"claim asking for its classes and no opaque config for it (opaque configs "
+            f"found for: {others})"
+        )
+    return 0, (
+        f"OK: {result.checked} GpuConfig/claim document(s) in {result.files} file(s) valid "
+        f"for driver {driver_name}"
+    )
+
+
 def run(
     args: argparse.Namespace,
     stdin: TextIO | None = None,
@@ -262,44 +341,21 @@ def run(
     out = out if out is not None else sys.stdout
     err = err if err is not None else sys.stderr
     result = Result()
-    if args.slices:
-        result.devices = _load_devices(list(args.slices), args.driver_name, result)
-    for filename in _inputs(list(args.files), result):
-        try:
-            if filename == "-":
-                text: str | bytes = stdin.read()
+    devices = _load_devices(list(args.slices), args.driver_name, result) if args.slices else None
+    files = list(_read(list(args.files), stdin, result))
+    documents = [doc for _, docs in files for doc, _ in _documents(docs)]
+    classes = DeviceClasses.of(args.driver_name, args.device_class, documents)
+    checks = Checks(args.driver_name, classes, devices)
+    for filename, docs in files:
+        for doc, label in _documents(docs):
+            if _is_list(doc):
+                result.problems.append(f"{filename}: {label}: items: must be a list")
             else:
-                with open(filename, "rb") as handle:
-                    text = handle.read()
-        except OSError as error:
-            result.problems.append(f"{filename}: cannot read: {error.strerror or error}")
-            continue
-        _validate_into(result, text, filename, args.driver_name)
+                _check_document(result, filename, doc, label, checks)
     for line in result.notes:
         print(line, file=out)
     for line in result.problems:
         print(line, file=err)
-    if result.problems:
-        print(f"{PROG}: {len(result.problems)} problem(s) found", file=err)
-        return 1
-    if result.checked == 0:
-        print(
-            f"{PROG}: no GpuConfig or claim documents found in {result.files} file(s) "
-            "(expected GpuConfig, ResourceClaim, ResourceClaimTemplate or DeviceClass)",
-            file=err,
-        )
-        return 1
-    if result.ours == 0:
-        others = ", ".join(sorted(result.drivers)) or "none"
-        print(
-            f"{PROG}: --driver-name {args.driver_name} matches no document: no GpuConfig "
-            f"and no opaque config for it (opaque configs found for: {others})",
-            file=err,
-        )
-        return 1
-    print(
-        f"OK: {result.checked} GpuConfig/claim document(s) in {result.files} file(s) valid "
-        f"for driver {args.driver_name}",
-        file=out,
-    )
-    return 0
+    code, summary = _summary(result, args.driver_name)
+    print(summary, file=out if code == 0 else err)
+    return code

@@ -1,17 +1,16 @@
-"""`-v`/`--v` on gpu-dra and every subcommand, as Kubernetes components spell it."""
+"""`-v`/`--v` on gpu-dra and every subcommand, on the verbosity scale of all three
+binaries (`driver.observability.logs`); the CLI's default is 0, warnings only."""
 
 from __future__ import annotations
 
 import argparse
 import logging
 
+from driver.observability.logs import VERBOSITY_HELP, apply_verbosity
 from driver.plugin.flags import non_negative_int
 
 LOG_FORMAT = "%(levelname)s %(name)s: %(message)s"
-# The Kubernetes client logs request headers (bearer tokens) at DEBUG.
-QUIET_LOGGERS = ("urllib3", "kubernetes")
-DEBUG_VERBOSITY = 4
-HELP = "log verbosity: 0 warnings only, 1-3 also info, >= 4 debug (default: 0)"
+HELP = f"{VERBOSITY_HELP} (default: 0)"
 
 
 def add_verbosity_flag(parser: argparse.ArgumentParser) -> None:
@@ -41,16 +40,8 @@ def _subparsers(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser
     return found
 
 
-def log_level(verbosity: int) -> int:
-    if verbosity >= DEBUG_VERBOSITY:
-        return logging.DEBUG
-    return logging.INFO if verbosity >= 1 else logging.WARNING
-
-
 def configure_logging(verbosity: int) -> None:
     """Log records to stderr at the level `verbosity` asks for; stdout stays the
     command's output."""
     logging.basicConfig(format=LOG_FORMAT)
-    logging.getLogger().setLevel(log_level(verbosity))
-    for name in QUIET_LOGGERS:
-        logging.getLogger(name).setLevel(logging.WARNING)
+    apply_verbosity(verbosity)

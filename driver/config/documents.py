@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from typing import Any, Final
 
 from driver.config.errors import FieldError
-from driver.config.gpu import GROUP, KIND, gpu_config_errors
+from driver.config.gpu import GROUP, KIND, GpuConfig, gpu_config_errors
 from driver.config.loader import join_path
 
 RESOURCE_GROUP: Final = "resource.k8s.io"
@@ -37,13 +37,41 @@ def is_checked_document(doc: object) -> bool:
     return group == RESOURCE_GROUP and kind in CONFIG_LIST_PATHS
 
 
+def opaque_parameters_errors(
+    parameters: object, path: str
+) -> tuple[GpuConfig | None, list[FieldError]]:
+    """`gpu_config_errors` for the `opaque.parameters` of an API object (claim, claim
+    template, device class, allocation), which the API server only accepts as a JSON
+    object. Anything else, JSON or YAML text in a string included, is refused unparsed:
+    only a forged review or a manifest the API server would refuse carries it, and
+    parsing it would hand its sender the YAML parser."""
+    if not isinstance(parameters, dict):
+        return None, [FieldError(path, f"must be a JSON object, got {_json_type(parameters)}")]
+    return gpu_config_errors(parameters, path)
+
+
+def _json_type(value: object) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int | float):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list):
+        return "an array"
+    return type(value).__name__
+
+
 def validate_configs(configs: object, path: str, driver_name: str) -> list[FieldError]:
     """Check a list of device configs (`spec.devices.config` and the like).
 
     Entries without `opaque` (other configuration types) and opaque entries for other
     drivers are skipped: the webhook sees every claim in the cluster. Each entry for
-    `driver_name` must carry GpuConfig `parameters` that decode, default and pass the
-    static rules; errors are prefixed with `<path>[i].opaque.parameters`.
+    `driver_name` must carry GpuConfig `parameters`, a JSON object (as the API server
+    stores it; never text to parse), that decode, default and pass the static rules;
+    errors are prefixed with `<path>[i].opaque.parameters`.
     """
     if configs is None:
         return []
@@ -67,7 +95,7 @@ def validate_configs(configs: object, path: str, driver_name: str) -> list[Field
         if "parameters" not in opaque:
             errors.append(FieldError(params_path, "required field missing"))
             continue
-        _, problems = gpu_config_errors(opaque["parameters"], params_path)
+        _, problems = opaque_parameters_errors(opaque["parameters"], params_path)
         errors.extend(problems)
     return errors
 

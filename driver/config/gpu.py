@@ -43,7 +43,13 @@ from typing import Any, Final
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from driver.config.errors import ConfigError, FieldError
-from driver.config.loader import LoadError, find_raw_problems, join_path, loads_json_or_yaml
+from driver.config.loader import (
+    LoadError,
+    exceeds_values,
+    find_raw_problems,
+    join_path,
+    loads_json_or_yaml,
+)
 
 GROUP: Final = "gpu.resource.example.com"
 API_VERSION: Final = f"{GROUP}/v1alpha1"
@@ -65,6 +71,10 @@ class Interval(enum.StrEnum):
 DEFAULT_PARTITION_COUNT: Final = 1
 #: The most partitions any config may ask for (see the module docstring).
 MAX_PARTITION_COUNT: Final = 64
+#: The most values (fields, list items, nested objects) a config may hold before it is
+#: refused as a whole: a GpuConfig has at most 7. Reporting each unknown field of a
+#: config of thousands costs a worker of the webhook seconds.
+MAX_CONFIG_VALUES: Final = 256
 
 _MODEL_CONFIG = ConfigDict(strict=True, extra="forbid", frozen=True)
 
@@ -290,6 +300,8 @@ def gpu_config_errors(
             return None, [FieldError(path, str(err))]
     if not isinstance(parameters, dict):
         return None, [FieldError(path, "must be an object")]
+    if exceeds_values(parameters, MAX_CONFIG_VALUES):
+        return None, [FieldError(path, f"too large: more than {MAX_CONFIG_VALUES} values")]
     errors = find_raw_problems(parameters, path)
     try:
         raw = GpuConfig.model_validate(parameters)

@@ -9,16 +9,22 @@ keys, which JSON cannot express) into field-path errors.
 
 Use `loads_json` for API bodies (admission reviews, claims read as raw JSON) and
 `load_yaml_documents` for files, so the duplicates survive into the decoder.
+
+YAML aliases make a DAG (or, pointing at an enclosing node, a cycle): a few hundred
+bytes of anchors can name billions of paths, and every walk that follows them (a
+comparison, a copy, a dump) pays for each. So a YAML document whose aliases stand for
+more than `MAX_ALIAS_EXPANSION` nodes beyond its own, or whose alias points into
+itself, is refused; and `find_raw_problems` visits each shared value once.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Final
 
 import yaml
-from yaml.nodes import MappingNode
+from yaml.nodes import MappingNode, Node, SequenceNode
 
 from driver.config.errors import FieldError
 
@@ -39,6 +45,11 @@ class LoadError(ValueError):
 
 class NestingError(LoadError):
     """The text nests deeper than the parser allows."""
+
+
+#: Nodes a YAML document's aliases may add to it. Merge keys and repeated blocks in
+#: hand-written files stay far below; an alias bomb is far above.
+MAX_ALIAS_EXPANSION: Final = 10_000
 
 
 def _pairs_hook(pairs: list[tuple[str, Any]]) -> KeyTrackingDict:
@@ -75,7 +86,47 @@ def loads_json(data: str | bytes | bytearray) -> Any:
 
 
 class _TrackingLoader(yaml.SafeLoader):
-    """SafeLoader whose mappings are `KeyTrackingDict`s."""
+    """SafeLoader whose mappings are `KeyTrackingDict`s, refusing alias bombs and
+    recursive aliases before anything is constructed."""
+
+    def compose_document(self) -> Node | None:
+        node = super().compose_document()
+        if node is None:
+            return None
+        expanded, distinct = _alias_expansion(node)
+        if expanded - distinct > MAX_ALIAS_EXPANSION:
+            raise LoadError(f"aliases expand the document by more than {MAX_ALIAS_EXPANSION} nodes")
+        return node
+
+
+def _children(node: Node) -> list[Node]:
+    if isinstance(node, MappingNode):
+        return [part for pair in node.value for part in pair]
+    if isinstance(node, SequenceNode):
+        return list(node.value)
+    return []
+
+
+def _alias_expansion(root: Node) -> tuple[int, int]:
+    """(nodes of the tree `root` stands for with every alias expanded, distinct nodes),
+    in time linear in the distinct nodes. Raises `LoadError` for an alias to an
+    enclosing node."""
+    sizes: dict[int, int] = {}
+    enclosing: set[int] = set()
+    stack: list[tuple[Node, bool]] = [(root, False)]
+    while stack:
+        node, children_done = stack.pop()
+        if children_done:
+            enclosing.discard(id(node))
+            sizes[id(node)] = 1 + sum(sizes[id(child)] for child in _children(node))
+        elif id(node) in enclosing:
+            mark = node.start_mark
+            raise LoadError(f"recursive alias at line {mark.line + 1}, column {mark.column + 1}")
+        elif id(node) not in sizes:
+            enclosing.add(id(node))
+            stack.append((node, True))
+            stack.extend((child, False) for child in _children(node))
+    return sizes[id(root)], len(sizes)
 
 
 def _construct_tracking_map(
@@ -115,8 +166,31 @@ def load_yaml_documents(data: str | bytes | bytearray) -> list[Any]:
         return [doc for doc in yaml.load_all(text, Loader=_TrackingLoader) if doc is not None]
     except RecursionError as err:
         raise NestingError("invalid YAML: too deeply nested") from err
-    except (yaml.YAMLError, ValueError) as err:  # ValueError: int() of a huge integer
+    except yaml.YAMLError as err:
+        raise LoadError(f"invalid YAML: {_describe_yaml_error(err, text)}") from err
+    except ValueError as err:  # int() of a huge integer; an alias bomb (LoadError)
         raise LoadError(f"invalid YAML: {err}") from err
+
+
+def _position(line: int, column: int) -> str:
+    return f"line {line + 1}, column {column + 1}"
+
+
+def _describe_yaml_error(err: yaml.YAMLError, text: str) -> str:
+    """PyYAML's error on one line, positions as line and column of `text` (PyYAML's own
+    text spans several lines and names the stream `<unicode string>`)."""
+    if isinstance(err, yaml.reader.ReaderError):
+        before = text[: err.position]
+        where = _position(before.count("\n"), len(before) - (before.rfind("\n") + 1))
+        return f"{where}: unacceptable character #x{err.character:04x}: {err.reason}"
+    if not isinstance(err, yaml.MarkedYAMLError):
+        return " ".join(str(err).split())
+    message = err.problem or err.context or "malformed"
+    context = err.context_mark
+    if err.problem and err.context and context is not None:
+        message += f" ({err.context} from {_position(context.line, context.column)})"
+    mark = err.problem_mark or context
+    return message if mark is None else f"{_position(mark.line, mark.column)}: {message}"
 
 
 def loads_json_or_yaml(data: str | bytes | bytearray) -> Any:
@@ -147,11 +221,18 @@ def join_path(base: str, part: str | int) -> str:
 
 
 def find_raw_problems(value: Any, path: str) -> list[FieldError]:
-    """Duplicate keys and non-string keys anywhere inside `value` (iterative, any depth)."""
+    """Duplicate keys and non-string keys anywhere inside `value` (iterative, any depth).
+    A dict or list reached on several paths (YAML aliases) is checked once, at the first
+    path: linear in the distinct values, whatever the aliases expand to."""
     problems: list[FieldError] = []
     stack: list[tuple[Any, str]] = [(value, path)]
+    visited: set[int] = set()
     while stack:
         current, where = stack.pop()
+        if isinstance(current, dict | list):
+            if id(current) in visited:
+                continue
+            visited.add(id(current))
         if isinstance(current, dict):
             for key in getattr(current, "duplicates", ()):
                 problems.append(FieldError(join_path(where, str(key)), "duplicate field"))
@@ -169,3 +250,22 @@ def find_raw_problems(value: Any, path: str) -> list[FieldError]:
                 reversed([(child, join_path(where, i)) for i, child in enumerate(current)])
             )
     return problems
+
+
+def exceeds_values(value: Any, limit: int) -> bool:
+    """Whether `value` holds more than `limit` distinct dicts, lists and scalars (a walk
+    that stops as soon as it knows)."""
+    count = 0
+    stack: list[Any] = [value]
+    visited: set[int] = set()
+    while stack:
+        current = stack.pop()
+        count += 1
+        if count > limit:
+            return True
+        if isinstance(current, dict | list):
+            if id(current) in visited:
+                continue
+            visited.add(id(current))
+            stack.extend(current.values() if isinstance(current, dict) else current)
+    return False

@@ -10,8 +10,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Final
 
+from driver.config.documents import opaque_parameters_errors
 from driver.config.errors import ConfigError, FieldError
-from driver.config.gpu import GpuConfig, default_gpu_config, gpu_config_errors
+from driver.config.gpu import GpuConfig, default_gpu_config
 from driver.config.loader import join_path
 
 SOURCE_CLASS: Final = "FromClass"
@@ -104,7 +105,7 @@ def resolve_configs(
         if "parameters" not in opaque:
             errors.append(FieldError(params_path, "required field missing"))
             continue
-        config, problems = gpu_config_errors(opaque["parameters"], params_path)
+        config, problems = opaque_parameters_errors(opaque["parameters"], params_path)
         if config is None:
             errors.extend(problems)
             continue

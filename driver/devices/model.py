@@ -240,9 +240,12 @@ def _reference_partitions(
 
 
 def foreign_instances(gpu: GpuInfo, owned: Set[tuple[str, int]]) -> list[str]:
-    """The GPU's MIG instances this driver did not create, described for messages."""
+    """The GPU's MIG instances this driver did not create, described for messages by
+    the profile names nvidia-smi shows ("1g.10gb at 3+1": memory slices start+size)."""
+    names = {p.profile_id: p.name for p in gpu.partition_profiles}
     return [
-        f"GPU instance {i.gi_id} (profile {i.profile_id} at {i.placement[0]}+{i.placement[1]})"
+        f"GPU instance {i.gi_id} ({names.get(i.profile_id, f'profile {i.profile_id}')} "
+        f"at {i.placement[0]}+{i.placement[1]})"
         for i in gpu.mig_instances
         if (gpu.uuid, i.gi_id) not in owned
     ]

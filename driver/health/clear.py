@@ -18,11 +18,13 @@ Request: `{"action": "clear", "device": "<name or GPU UUID>", "dryRun": bool,
 
 After a clear the slices are republished and the answer says whether the API server
 accepted them (`published`) within `publish_timeout`. If the fault persists, the next
-NVML event records it (and taints the device) again.
+NVML event records it (and taints the device) again. With `taint_events`, a clear
+that removes a taint is also a `GpuTaintCleared` Event on the Node.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -38,12 +40,14 @@ from driver.health.failures import (
     device_placement,
     overlaps,
 )
+from driver.health.node_events import TaintEvents
 from driver.health.store import HealthStore
 from driver.observability import metrics
 
 log = logging.getLogger(__name__)
 
 ACTION = "clear"
+OPERATOR_CAUSE = "cleared by an operator (gpu-dra health clear)"
 DEFAULT_PUBLISH_TIMEOUT = 5.0
 
 
@@ -127,6 +131,7 @@ class ClearAction:
         *,
         on_change: Callable[[], None] = lambda: None,
         publish_timeout: float = DEFAULT_PUBLISH_TIMEOUT,
+        taint_events: TaintEvents | None = None,
     ) -> None:
         self._store = store
         self._devices = device_list(devices)
@@ -134,6 +139,7 @@ class ClearAction:
         self._publisher = publisher
         self._on_change = on_change
         self._publish_timeout = publish_timeout
+        self._taint_events = taint_events
 
     def register_on(self, channel: ControlChannel) -> None:
         channel.register(ACTION, self.handle)
@@ -148,10 +154,15 @@ class ClearAction:
             )
         if request.dry_run or not plan.records:
             return {"message": _preview(plan), "dryRun": request.dry_run, "plan": plan.to_json()}
-        if plan.placement is None:
-            self._store.clear(plan.gpu_uuid)
-        else:
-            self._store.clear_instances(plan.gpu_uuid, plan.placement)
+        with (
+            contextlib.nullcontext()
+            if self._taint_events is None
+            else self._taint_events.change(plan.gpu_uuid, OPERATOR_CAUSE)
+        ):
+            if plan.placement is None:
+                self._store.clear(plan.gpu_uuid)
+            else:
+                self._store.clear_instances(plan.gpu_uuid, plan.placement)
         metrics.XID_EVENTS.labels(xid="operator-clear", verdict="cleared").inc()
         log.warning(
             "operator cleared %s (%s): %s; untainted: %s",

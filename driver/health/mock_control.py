@@ -1,4 +1,4 @@
-"""The mock NVML's actions on the control channel: `gpu-dra mock xid|lost|reset`.
+"""The mock NVML's actions on the control channel: `gpu-dra mock xid|lost|reset|recovery-action`.
 
 Registered on the plugin's control channel (`driver.health.control`) only when the
 plugin runs the mock backend; a plugin on real NVML refuses them.
@@ -13,6 +13,9 @@ plugin runs the mock backend; a plugin on real NVML refuses them.
   IDs and placement); a CLI that asked for an instance and gets no `instance` back
   talks to a plugin that predates it (which injected a whole-GPU Xid). The key is
   written only when true, so every other request is byte-for-byte what it was.
+- `recovery-action` sets the GPU's NVML recovery action (`"recoveryAction"`: the
+  number, `driver.nvml.recovery`), the field the plugin polls
+  (`driver.health.recovery`); a plugin that predates it refuses the action by name.
 """
 
 from __future__ import annotations
@@ -35,13 +38,15 @@ from driver.health.control import (
     spool_dir,
 )
 from driver.health.failures import Devices, HealthDevice, device_list, device_placement
+from driver.nvml.recovery import MAX_ACTION, action_name
 from driver.nvml.types import HealthEvent, MigInstance
 
 log = logging.getLogger(__name__)
 
 DEFAULT_DRIVER_NAME = "gpu.example.com"
 DEFAULT_STATE_DIR = Path("/var/lib/kubelet/plugins") / DEFAULT_DRIVER_NAME
-ACTIONS = ("xid", "lost", "reset")
+RECOVERY_ACTION = "recovery-action"
+ACTIONS = ("xid", "lost", "reset", RECOVERY_ACTION)
 MOCK_PLUGIN = "kubelet plugin with the mock NVML backend"
 
 __all__ = ["ACTIVE_NAME", "MockControl", "MockControlError", "MockRequest", "spool_dir", "submit"]
@@ -54,11 +59,12 @@ MockControlError = ControlError
 
 @dataclass(frozen=True)
 class MockRequest:
-    action: str  # "xid" | "lost" | "reset"
+    action: str  # "xid" | "lost" | "reset" | "recovery-action"
     device: str | None = None
     xid: int | None = None
     all: bool = False
     instance: bool = False  # xid only: attribute it to the device's live GPU instance
+    recovery_action: int | None = None  # recovery-action only: NVML's value to set
 
     def validate(self) -> None:
         if self.action not in ACTIONS:
@@ -79,6 +85,15 @@ class MockRequest:
             raise MockControlError(
                 f"--instance is only valid for the xid action, not {self.action}"
             )
+        if self.action == RECOVERY_ACTION:
+            if self.recovery_action is None or not 0 <= self.recovery_action <= MAX_ACTION:
+                raise MockControlError(
+                    f"invalid recovery action {self.recovery_action!r} (0..{MAX_ACTION})"
+                )
+        elif self.recovery_action is not None:
+            raise MockControlError(
+                f"a recovery action is only valid for {RECOVERY_ACTION}, not {self.action}"
+            )
 
     def to_json(self) -> bytes:
         doc: dict[str, Any] = {
@@ -89,6 +104,8 @@ class MockRequest:
         }
         if self.instance:
             doc["instance"] = True
+        if self.recovery_action is not None:
+            doc["recoveryAction"] = self.recovery_action
         return json.dumps(doc).encode()
 
     @classmethod
@@ -110,6 +127,7 @@ class MockRequest:
                 xid=None if doc.get("xid") is None else int(doc["xid"]),
                 all=bool(doc.get("all", False)),
                 instance=bool(doc.get("instance", False)),
+                recovery_action=_optional_int(doc.get("recoveryAction")),
             )
         except (ValueError, KeyError, TypeError) as err:
             raise MockControlError(f"malformed request: {err}") from None
@@ -123,7 +141,18 @@ class MockRequest:
             return f"Xid {self.xid} on {where}"
         if self.action == "lost":
             return f"GPU lost on {target}"
+        if self.action == RECOVERY_ACTION:
+            assert self.recovery_action is not None
+            return f"recovery action {action_name(self.recovery_action)} on {target}"
         return f"reset of {target}"
+
+
+def _optional_int(value: object) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"not an integer: {value!r}")
+    return value
 
 
 class _MockGpu(Protocol):
@@ -140,6 +169,8 @@ class InjectableNvml(Protocol):
     def gpus(self) -> list[Any]: ...
 
     def inject(self, event: HealthEvent) -> None: ...
+
+    def set_recovery_action(self, uuid: str, action: int) -> None: ...
 
 
 MigInstances = Callable[[str], Iterable[MigInstance]]  # GPU UUID -> live GPU instances
@@ -158,7 +189,8 @@ def _live_instances(nvml: InjectableNvml) -> MigInstances:
 
 
 class MockActions:
-    """`xid`, `lost`, `reset` on a mock NVML; `register_on` a control channel."""
+    """`xid`, `lost`, `reset`, `recovery-action` on a mock NVML; `register_on` a
+    control channel."""
 
     def __init__(
         self,
@@ -179,7 +211,7 @@ class MockActions:
     def register_on(self, channel: ControlChannel) -> None:
         for action in ACTIONS:
             channel.register(action, self.handle)
-        log.warning("mock control: gpu-dra mock xid|lost|reset accepted at %s", channel.dir)
+        log.warning("mock control: gpu-dra mock %s accepted at %s", "|".join(ACTIONS), channel.dir)
 
     def handle(self, doc: dict[str, Any]) -> dict[str, Any]:
         """One request from the channel: inject it, answer what was injected."""
@@ -264,6 +296,10 @@ class MockActions:
             assert request.device is not None
             uuids = [self.resolve(request.device)]
         for uuid in uuids:
+            if request.action == RECOVERY_ACTION:
+                assert request.recovery_action is not None
+                self._nvml.set_recovery_action(uuid, request.recovery_action)
+                continue
             if request.action == "xid":
                 event = HealthEvent(uuid, "xid", xid=request.xid, message=f"Xid {request.xid}")
             elif request.action == "lost":

@@ -22,6 +22,11 @@ every event wait and withdraws on `stop()`. Every backend accepts `clear`
 (`NvmlBackend.mock_module`) also the mock actions
 (`driver.health.mock_control`, `gpu-dra mock ...`).
 
+With `node_events`, every change of a GPU's taints is also an Event on the Node
+(`driver.health.node_events`). The per-GPU metrics (`gpu_dra_gpu_healthy`,
+`gpu_dra_gpu_xid_events_total`) are labelled with each GPU's UUID and name
+(`gpu_names`; by default the names of the published whole-GPU devices).
+
 `KubeDeviceHealth` implements the `DeviceHealth` protocol of `driver.state.prepare`.
 """
 
@@ -30,16 +35,24 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Protocol
 
 from driver.errors import transient
 from driver.health.clear import ClearAction, Publisher
 from driver.health.control import ControlChannel
+from driver.health.gpu_metrics import GpuHealthMetrics, published_gpu_names
 from driver.health.mock_control import MockActions
+from driver.health.node_events import EventSink, TaintEvents
 from driver.health.store import Devices, HealthDevice, HealthStore, Placement, device_list
-from driver.health.xid import Verdict, XidPolicy, attributed_instance
+from driver.health.xid import (
+    DEFAULT_TAINT_EFFECT,
+    INFORMATIONAL_EFFECT,
+    Verdict,
+    XidPolicy,
+    attributed_instance,
+)
 from driver.nvml.types import HealthEvent, MigInstance
 from driver.observability import metrics
 
@@ -61,6 +74,15 @@ class EventSource(Protocol):
 
 
 MigInstances = Callable[[str], Iterable[MigInstance]]  # GPU UUID -> its live GPU instances
+RECOVERED_CAUSE = "NVML reported the GPU recovered"
+RECORDED_CAUSE = "a new failure was recorded"  # a record never removes a taint
+
+
+class NodeEventSink(EventSink, Protocol):
+    """`driver.kube.events.NodeEvents`, started and stopped with the monitor."""
+
+    def start(self) -> None: ...
+    def stop(self, timeout: float = 5.0) -> None: ...
 
 
 def backend_mig_instances(backend: object) -> MigInstances | None:
@@ -97,6 +119,10 @@ class HealthMonitor:
         error_backoff: float = 0.5,
         max_backoff: float = 5.0,
         mig_instances: MigInstances | None = None,
+        gpu_names: Mapping[str, str] | None = None,
+        node_events: NodeEventSink | None = None,
+        driver: str | None = None,
+        taint_effect: str = "NoSchedule",
     ) -> None:
         if not 0 < wait_timeout_ms <= 1000:
             raise ValueError("wait_timeout_ms must be in 1..1000")
@@ -109,6 +135,22 @@ class HealthMonitor:
         self._policy = policy
         self._publisher = publisher
         self._devices = device_list(devices)
+        self._gpu_metrics = GpuHealthMetrics(
+            gpu_names if gpu_names is not None else published_gpu_names(self._devices)
+        )
+        self._node_events = node_events
+        self._taint_events = (
+            None
+            if node_events is None
+            else TaintEvents(
+                node_events,
+                store,
+                self._devices,
+                driver=driver or store.driver,
+                effect=taint_effect,
+                gpu_names=self._gpu_metrics.gpu_names,
+            )
+        )
         self._wait_ms = wait_timeout_ms
         self._pollers = list(pollers)
         # The control channel (`gpu-dra health clear`, `gpu-dra mock ...`), polled on
@@ -116,9 +158,13 @@ class HealthMonitor:
         self.control: ControlChannel | None = None
         if data_dir is not None:
             self.control = ControlChannel(data_dir, node_name=node_name)
-            ClearAction(store, self._devices, publisher, on_change=self._update_gauge).register_on(
-                self.control
-            )
+            ClearAction(
+                store,
+                self._devices,
+                publisher,
+                on_change=self._update_gauge,
+                taint_events=self._taint_events,
+            ).register_on(self.control)
             mock_module = getattr(backend, "mock_module", None)
             if mock_module is not None:
                 mock_actions = MockActions(
@@ -143,6 +189,8 @@ class HealthMonitor:
         if self._thread is not None:
             raise RuntimeError("health monitor already started")
         log.info("health monitor: %s", self._policy.describe())
+        if self._node_events is not None:
+            self._node_events.start()
         if self.control is not None:
             self.control.activate()
         self._thread = threading.Thread(target=self._run, name=self.THREAD_NAME, daemon=True)
@@ -157,6 +205,8 @@ class HealthMonitor:
         self._close()
         if self.control is not None:
             self.control.close()
+        if self._node_events is not None:
+            self._node_events.stop(timeout)
 
     @property
     def running(self) -> bool:
@@ -208,11 +258,14 @@ class HealthMonitor:
         self.events_handled += 1
         if event.kind == "recovered":
             metrics.XID_EVENTS.labels(xid="recovered", verdict="recovered").inc()
-            changed = self._store.clear(event.gpu_uuid)
+            with self._taint_changes(event.gpu_uuid, RECOVERED_CAUSE):
+                changed = self._store.clear(event.gpu_uuid)
         else:
             verdict = self._policy.classify(event)
             label = str(event.xid) if event.kind == "xid" else event.kind
             metrics.XID_EVENTS.labels(xid=label, verdict=verdict.value).inc()
+            if event.kind in ("xid", "ecc-dbe"):
+                self._gpu_metrics.count_xid(event.gpu_uuid, verdict.value)
             if verdict is Verdict.IGNORED:
                 log.info(
                     "GPU %s: %s ignored (%s)",
@@ -221,20 +274,28 @@ class HealthMonitor:
                     "application Xid" if event.kind == "xid" else event.kind,
                 )
                 return False
-            if event.kind == "gpu-lost":
-                changed = self._store.record_lost(event.gpu_uuid, event.message)
-            elif event.kind == "ecc-dbe":
-                changed = self._store.record_xid(
-                    event.gpu_uuid, ECC_DBE_XID, event.message or "double-bit ECC error"
-                )
-            else:
-                xid = event.xid if event.xid is not None else 0
-                changed = self._record_xid(event, xid)
+            with self._taint_changes(event.gpu_uuid, RECORDED_CAUSE):
+                changed = self._record(event)
         if changed:
             self._update_gauge()
             if self._publisher is not None:
                 self._publisher.trigger()
         return changed
+
+    def _taint_changes(self, gpu_uuid: str, cause: str) -> contextlib.AbstractContextManager[None]:
+        if self._taint_events is None:
+            return contextlib.nullcontext()
+        return self._taint_events.change(gpu_uuid, cause)
+
+    def _record(self, event: HealthEvent) -> bool:
+        """Records a fatal event; True when the store changed."""
+        if event.kind == "gpu-lost":
+            return self._store.record_lost(event.gpu_uuid, event.message)
+        if event.kind == "ecc-dbe":
+            return self._store.record_xid(
+                event.gpu_uuid, ECC_DBE_XID, event.message or "double-bit ECC error"
+            )
+        return self._record_xid(event, event.xid if event.xid is not None else 0)
 
     def _record_xid(self, event: HealthEvent, xid: int) -> bool:
         gi = attributed_instance(event)
@@ -280,6 +341,7 @@ class HealthMonitor:
 
     def _update_gauge(self) -> None:
         metrics.TAINTED_DEVICES.set(self._store.tainted_device_count(self._devices))
+        self._gpu_metrics.update(self._store)
 
 
 class KubeDeviceHealth:
@@ -288,6 +350,11 @@ class KubeDeviceHealth:
     `ensure_tainted` triggers a republish and waits until a reconcile that started
     after the trigger has succeeded, i.e. the API server has accepted the slices that
     carry the taint (the publisher's desired state is built from the same store).
+
+    With the taint effect `None` (`--xid-taint-effect=None`) health is informational:
+    the taint is published, the health stream reports the device unhealthy, but the
+    scheduler keeps choosing it, so prepare must not refuse it either (a refusal
+    would fail every claim the scheduler puts there, for good).
     """
 
     def __init__(
@@ -296,16 +363,18 @@ class KubeDeviceHealth:
         publisher: Publisher,
         devices: Devices,
         *,
+        effect: str = DEFAULT_TAINT_EFFECT,
         sync_timeout: float = 10.0,
     ) -> None:
         self._store = store
         self._publisher = publisher
         self._devices: dict[str, HealthDevice] = {d.name: d for d in device_list(devices)}
+        self._refuses = effect != INFORMATIONAL_EFFECT
         self._timeout = sync_timeout
 
     def failure(self, device_name: str) -> str | None:
         device = self._devices.get(device_name)
-        if device is None:
+        if device is None or not self._refuses:
             return None
         failure = self._store.device_failure(device)
         return failure.message() if failure is not None else None

@@ -37,6 +37,8 @@ EFFECT_ENV = "XID_TAINT_EFFECT"
 
 TAINT_EFFECTS = ("NoSchedule", "NoExecute", "None")
 DEFAULT_TAINT_EFFECT = "NoSchedule"
+# The scheduler ignores a taint with this effect, so prepare does not refuse the device.
+INFORMATIONAL_EFFECT = "None"
 
 
 class Verdict(enum.Enum):
@@ -215,6 +217,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="EFFECT",
         help=(
             "effect of the taint on a failed device: NoSchedule (default), NoExecute "
-            f"(evicts running pods), None (informational) (env {EFFECT_ENV})"
+            "(evicts running pods), None (informational: the device stays schedulable "
+            f"and preparable) (env {EFFECT_ENV})"
         ),
     )

@@ -4,6 +4,13 @@ One pool per node, owned by the Node object. A watch on the driver's slices of t
 node triggers a reconcile, so slices deleted by someone else (the kubelet wipes a
 node's slices when it starts) come back by themselves. A reconcile that finds nothing
 to change writes nothing.
+
+Every write is compared with the API server's answer: a field a feature gate keeps
+that the server dropped fails the publish, naming the gate (`feature_gates`). Before
+the first write of the process, the slices go through a server-side dry run, so a
+server without the gates never stores a slice that lost its counters. While the API
+server is unreachable, both loops back off and the outage is logged once a minute
+(`RetryLog`), not once per attempt.
 """
 
 from __future__ import annotations
@@ -21,13 +28,21 @@ from typing import Any
 
 from driver.devices.documents import parse_quantity
 from driver.kube.api import JSON, ApiError, KubeApi, segment
+from driver.kube.feature_gates import DroppedFieldsError, dropped_fields
+from driver.observability.logs import RetryLog
 
 log = logging.getLogger(__name__)
 
 SLICES_PATH = "/apis/resource.k8s.io/v1/resourceslices"
 RESYNC_SECONDS = 300.0
 PARALLEL_WRITES = 4
-WATCH_RETRY_SECONDS = 1.0
+RETRY_SECONDS = 0.5  # first retry of a failed reconcile; doubles up to MAX_RETRY_SECONDS
+MAX_RETRY_SECONDS = 10.0
+# A server without a feature gate keeps failing until an operator turns it on.
+DROPPED_FIELDS_RETRY_SECONDS = 60.0
+WATCH_RETRY_SECONDS = 1.0  # doubles while the watch keeps failing, up to the maximum
+MAX_WATCH_RETRY_SECONDS = 30.0
+DRY_RUN = {"dryRun": "All"}
 
 
 def slice_index(name: str) -> int | None:
@@ -79,6 +94,7 @@ class PublisherStats:
     deletes: int = 0
     last_synced: float = 0.0
     errors: list[str] = field(default_factory=list)
+    failing: str | None = None  # why the last reconcile failed; None once one succeeded
 
 
 class SlicePublisher:
@@ -106,7 +122,9 @@ class SlicePublisher:
         # Slice name -> (resourceVersion, canonical JSON of the spec we wrote or verified):
         # a slice nobody touched since is compared by string, not re-normalised.
         self._known: dict[str, tuple[str, str]] = {}
-        self._checked_dropped_fields = False
+        self._dry_run_passed = False
+        self._retries = RetryLog(log, "publishing ResourceSlices")
+        self._watch_retries = RetryLog(log, "watching ResourceSlices")
         self.stats = PublisherStats()
 
     # -- public API --------------------------------------------------------------------
@@ -154,7 +172,7 @@ class SlicePublisher:
     # -- reconcile ---------------------------------------------------------------------
 
     def _reconcile_loop(self) -> None:
-        backoff = 0.5
+        backoff = RETRY_SECONDS
         while not self._stopped.is_set():
             with self._wake:
                 while not self._pending and not self._stopped.is_set():
@@ -166,18 +184,27 @@ class SlicePublisher:
                 ticket = self._requested
             try:
                 self.reconcile()
-                backoff = 0.5
-                with self._synced:
-                    self._generation_synced = max(self._generation_synced, ticket)
-                    self._synced.notify_all()
             except Exception as err:  # the API server may be down: retry, never die
-                log.warning("publishing ResourceSlices failed, retrying in %.1fs: %s", backoff, err)
+                wait = backoff
+                if isinstance(err, DroppedFieldsError):
+                    wait = max(backoff, DROPPED_FIELDS_RETRY_SECONDS)
+                    self._retries.failed(err, wait, level=logging.ERROR)
+                else:
+                    self._retries.failed(err, wait)
+                self.stats.failing = str(err)
                 self.stats.errors.append(str(err))
                 del self.stats.errors[:-20]
-                self._stopped.wait(backoff)
-                backoff = min(backoff * 2, 10.0)
+                self._stopped.wait(wait)
+                backoff = min(backoff * 2, MAX_RETRY_SECONDS)
                 with self._wake:
                     self._pending = True
+                continue
+            backoff = RETRY_SECONDS
+            self.stats.failing = None
+            self._retries.succeeded()
+            with self._synced:
+                self._generation_synced = max(self._generation_synced, ticket)
+                self._synced.notify_all()
 
     def _list(self) -> list[JSON]:
         result = self._api.request("GET", SLICES_PATH, query=self._selector())
@@ -231,18 +258,19 @@ class SlicePublisher:
             generation += 1
             changed = list(range(len(desired)))
 
+        def with_pool(index: int) -> JSON:
+            count = len(desired)
+            pool = {"name": self._node, "generation": generation, "resourceSliceCount": count}
+            return {**desired[index], "pool": pool}
+
+        if not self._dry_run_passed:
+            self._dry_run([with_pool(index) for index in changed])
+
         for item in obsolete:
             self._delete(item)
 
         def write(index: int) -> None:
-            spec = {
-                **desired[index],
-                "pool": {
-                    "name": self._node,
-                    "generation": generation,
-                    "resourceSliceCount": len(desired),
-                },
-            }
+            spec = with_pool(index)
             if index in by_index:
                 stored = self._update(by_index[index], spec)
             else:
@@ -268,8 +296,22 @@ class SlicePublisher:
         self._known[meta["name"]] = (meta["resourceVersion"], canonical)
         return True
 
-    def _create(self, index: int, spec: JSON) -> JSON:
-        body = {
+    def _dry_run(self, specs: list[JSON]) -> None:
+        """Creates the slices in a server-side dry run (nothing is stored) and checks
+        the answers for dropped fields: the first writes of a process never store a
+        slice that lost them."""
+        with ThreadPoolExecutor(max_workers=PARALLEL_WRITES) as pool:
+            for future in [pool.submit(self._dry_run_create, spec) for spec in specs]:
+                future.result()
+        self._dry_run_passed = True
+
+    def _dry_run_create(self, spec: JSON) -> None:
+        body = self._create_body(0, spec)
+        answer = self._api.request("POST", SLICES_PATH, query=DRY_RUN, body=body)
+        self._check_dropped(spec, answer["spec"], f"{body['metadata']['generateName']}* (dry run)")
+
+    def _create_body(self, index: int, spec: JSON) -> JSON:
+        return {
             "apiVersion": "resource.k8s.io/v1",
             "kind": "ResourceSlice",
             "metadata": {
@@ -286,9 +328,11 @@ class SlicePublisher:
             },
             "spec": spec,
         }
-        created = self._api.request("POST", SLICES_PATH, body=body)
+
+    def _create(self, index: int, spec: JSON) -> JSON:
+        created = self._api.request("POST", SLICES_PATH, body=self._create_body(index, spec))
         self.stats.creates += 1
-        self._warn_dropped(spec, created["spec"], created["metadata"]["name"])
+        self._check_dropped(spec, created["spec"], created["metadata"]["name"])
         return created
 
     def _update(self, current: JSON, spec: JSON) -> JSON:
@@ -296,7 +340,7 @@ class SlicePublisher:
         name = current["metadata"]["name"]
         updated = self._api.request("PUT", f"{SLICES_PATH}/{segment(name)}", body=body)
         self.stats.updates += 1
-        self._warn_dropped(spec, updated["spec"], name)
+        self._check_dropped(spec, updated["spec"], name)
         return updated
 
     def _delete(self, item: JSON) -> None:
@@ -313,17 +357,12 @@ class SlicePublisher:
             if not (err.not_found or err.conflict):
                 raise
 
-    def _warn_dropped(self, sent: JSON, stored: JSON, name: str) -> None:
-        """Checks the first write: a server with a DRA gate off drops fields silently."""
-        if self._checked_dropped_fields:
-            return
-        self._checked_dropped_fields = True
-        if comparable_spec(stored) != comparable_spec(sent):
-            log.error(
-                "the API server dropped fields of ResourceSlice %s: is a DRA feature gate "
-                "(DRAPartitionableDevices, DRADeviceTaints, DRAConsumableCapacity) disabled?",
-                name,
-            )
+    @staticmethod
+    def _check_dropped(sent: JSON, stored: JSON, name: str) -> None:
+        """DroppedFieldsError where a server with a DRA gate off dropped fields."""
+        dropped = dropped_fields(sent, stored)
+        if dropped:
+            raise DroppedFieldsError(name, dropped)
 
     def _owner_uid(self) -> str:
         if self._node_uid is None:
@@ -334,9 +373,12 @@ class SlicePublisher:
     # -- watch -------------------------------------------------------------------------
 
     def _watch_loop(self) -> None:
+        retry = WATCH_RETRY_SECONDS
         while not self._stopped.is_set():
             try:
                 listing = self._api.request("GET", SLICES_PATH, query=self._selector())
+                retry = WATCH_RETRY_SECONDS
+                self._watch_retries.succeeded()
                 version = listing["metadata"]["resourceVersion"]
                 for kind, obj in self._api.watch(
                     SLICES_PATH, query={**self._selector(), "resourceVersion": version}
@@ -353,5 +395,6 @@ class SlicePublisher:
                         )
                         self.trigger()
             except Exception as err:
-                log.debug("slice watch ended: %s", err)
-                self._stopped.wait(WATCH_RETRY_SECONDS)
+                self._watch_retries.failed(err, retry)
+                self._stopped.wait(retry)
+                retry = min(retry * 2, MAX_WATCH_RETRY_SECONDS)

@@ -3,14 +3,16 @@
 `NvmlBackend(module)` takes the real `pynvml` module or a `MockNvml` instance and only
 calls functions that exist in real pynvml (tests/unit/test_pynvml_contract.py checks
 names and signatures). Discovery lives in `driver.nvml.discovery`, the health event
-set in `driver.nvml.events`, the counted calls in `driver.nvml.calls` and loading the
-library in `driver.nvml.library`; this module puts them together for one process.
+set in `driver.nvml.events`, the recovery action in `driver.nvml.recovery`, the
+counted calls in `driver.nvml.calls` and loading the library in
+`driver.nvml.library`; this module puts them together for one process.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -20,6 +22,7 @@ from driver.nvml.events import HealthEventSet
 from driver.nvml.library import NvmlUnavailableError, load_library_from_driver_root
 from driver.nvml.mig import MigManager
 from driver.nvml.mock.timeslice import MockTimeSlice
+from driver.nvml.recovery import RecoveryActionReader, RecoveryReading
 from driver.nvml.timeslice import NvidiaSmiTimeSlice
 from driver.nvml.types import HealthEvent, Inventory
 
@@ -46,6 +49,7 @@ class NvmlBackend:
             backend_name = "nvml" if self._mock is None else "mock"
         self.backend_name = backend_name
         self._events = HealthEventSet(self._nvml)
+        self._recovery = RecoveryActionReader(self._nvml)
         self._timeslice: NvidiaSmiTimeSlice | MockTimeSlice | None = None
 
     @property
@@ -100,10 +104,22 @@ class NvmlBackend:
     def monitored_uuids(self) -> tuple[str, ...]:
         return self._events.monitored_uuids
 
+    def recovery_actions(self, uuids: Iterable[str]) -> list[RecoveryReading]:
+        """NVML's recovery action of each GPU (`driver.nvml.recovery`)."""
+        return self._recovery.read(uuids)
+
     def wait_event(self, timeout_ms: int) -> HealthEvent | None:
         """The next health event, or None when `timeout_ms` passes without one
         (`HealthEventSet.wait` says how NVML events map to HealthEvents)."""
         return self._events.wait(timeout_ms)
+
+
+def check_mock_fleet(fleet_path: str | Path | None) -> None:
+    """ValueError where the mock fleet (a YAML file or a built-in name) cannot be
+    loaded: the plugin's settings check it before anything touches the host."""
+    from driver.nvml.mock.fleet import resolve_fleet
+
+    resolve_fleet(fleet_path)
 
 
 def select_backend(

@@ -44,8 +44,7 @@ def load_library_from_driver_root(pynvml: Any, driver_root: str) -> None:
             return
     raise NvmlUnavailableError(
         f"NVIDIA driver root (--nvidia-driver-root, NVIDIA_DRIVER_ROOT) {driver_root}: "
-        f"no {NVML_LIBRARY} under "
-        + ", ".join(f"{driver_root}/{d}" for d in LIBRARY_DIRS)
+        f"no {NVML_LIBRARY} under " + ", ".join(f"{driver_root}/{d}" for d in LIBRARY_DIRS)
     )
 
 

@@ -1,4 +1,22 @@
-"""Structured logging: text or JSON lines, each carrying the current request id."""
+"""Logging of the three binaries: one verbosity scale, text or JSON lines (each carrying
+the current request id), and quiet retries.
+
+Verbosity (`-v N`, env `V`), the same in gpu-kubelet-plugin, gpu-dra-webhook and
+gpu-dra (docs/operations.md, "Log reference"):
+
+    0    warnings and errors
+    1-3  also info: start-up, registration, ResourceSlice changes, taints, claims
+    4    also debug: NVML calls, discovery details
+    5+   also the HTTP client's own lines (connections, retries; never headers)
+
+The daemons default to 2 (as the chart's `logVerbosity`), the CLI to 0 (its stdout is
+the command's output). The Kubernetes client's logger stays at WARNING at every
+verbosity: it logs request headers (bearer tokens) at debug.
+
+An operation retried while it keeps failing (the API server is down) is logged by
+`RetryLog`: the first failure at WARNING, then one line per interval while it lasts,
+and its end at INFO, instead of a line per attempt.
+"""
 
 from __future__ import annotations
 
@@ -6,12 +24,44 @@ import contextvars
 import json
 import logging
 import sys
+import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Final
+
+DAEMON_VERBOSITY: Final = 2
+DEBUG_VERBOSITY: Final = 4
+CLIENT_DEBUG_VERBOSITY: Final = 5
+VERBOSITY_HELP: Final = (
+    "log verbosity: 0 warnings and errors, 1-3 also info, 4 also debug, 5 also the "
+    "HTTP client's lines"
+)
+HTTP_CLIENT_LOGGER: Final = "urllib3"
+# Logs request headers and bodies (bearer tokens) at debug: never below WARNING.
+KUBERNETES_CLIENT_LOGGER: Final = "kubernetes"
+RETRY_LOG_INTERVAL: Final = 60.0
 
 request_id: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="-")
+
+
+def log_level(verbosity: int) -> int:
+    """The level of the driver's own loggers at `verbosity`."""
+    if verbosity >= DEBUG_VERBOSITY:
+        return logging.DEBUG
+    return logging.INFO if verbosity >= 1 else logging.WARNING
+
+
+def apply_verbosity(verbosity: int) -> None:
+    """Set the root logger's level and the client libraries' for `verbosity`. The HTTP
+    client (urllib3) logs every retry of a request at WARNING: during an API outage
+    that is several lines a second, so below 5 only its errors pass (the callers log
+    the outage themselves, `RetryLog`)."""
+    logging.getLogger().setLevel(log_level(verbosity))
+    client = logging.DEBUG if verbosity >= CLIENT_DEBUG_VERBOSITY else logging.ERROR
+    logging.getLogger(HTTP_CLIENT_LOGGER).setLevel(client)
+    logging.getLogger(KUBERNETES_CLIENT_LOGGER).setLevel(logging.WARNING)
 
 
 @contextmanager
@@ -50,12 +100,68 @@ TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s [%(request_id)s] %(message)s"
 
 
 def setup_logging(fmt: str, verbosity: int) -> None:
+    """The daemons' logging: text or JSON lines on stderr at `verbosity`."""
     handler = logging.StreamHandler(sys.stderr)
     handler.addFilter(_RequestIdFilter())
     handler.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter(TEXT_FORMAT))
-    root = logging.getLogger()
-    root.handlers[:] = [handler]
-    root.setLevel(logging.DEBUG if verbosity >= 4 else logging.INFO)
-    # The API client logs request bodies (and bearer tokens) at debug level.
-    for noisy in ("urllib3", "kubernetes"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
+    logging.getLogger().handlers[:] = [handler]
+    apply_verbosity(verbosity)
+
+
+class RetryLog:
+    """Logs an operation that is retried until it succeeds: its first failure (and a
+    failure of another kind) at `level`, then one line per `interval` while it keeps
+    failing, every attempt at DEBUG, and the recovery at INFO. Thread-safe: the loops
+    of one component can share it."""
+
+    def __init__(
+        self,
+        logger: logging.Logger,
+        what: str,
+        *,
+        interval: float = RETRY_LOG_INTERVAL,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._log = logger
+        self._what = what
+        self._interval = interval
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._failures = 0
+        self._since = 0.0
+        self._logged_at = 0.0
+        self._kind = ""
+
+    def failed(self, err: BaseException, retry_in: float, *, level: int = logging.WARNING) -> None:
+        now = self._clock()
+        kind = type(err).__name__
+        with self._lock:
+            first = self._failures == 0
+            self._failures += 1
+            if first:
+                self._since = now
+            if first or kind != self._kind:
+                message = "%s failed, retrying in %.1fs (while it lasts, logged every %.0fs): %s"
+                args: tuple[object, ...] = (self._what, retry_in, self._interval, err)
+            elif now - self._logged_at >= self._interval:
+                message = "%s still failing: %d attempts in %.0fs; last: %s"
+                args = (self._what, self._failures, now - self._since, err)
+            else:
+                self._log.debug("%s failed, retrying in %.1fs: %s", self._what, retry_in, err)
+                return
+            self._kind = kind
+            self._logged_at = now
+        self._log.log(level, message, *args)
+
+    def succeeded(self) -> None:
+        with self._lock:
+            failures, since = self._failures, self._since
+            self._failures = 0
+            self._kind = ""
+        if failures:
+            self._log.info(
+                "%s works again after %d failed attempt(s) in %.0fs",
+                self._what,
+                failures,
+                self._clock() - since,
+            )

@@ -1,4 +1,10 @@
-"""Prometheus metrics of the kubelet plugin, in one registry."""
+"""Prometheus metrics of the kubelet plugin, in one registry.
+
+Every label value known before the first event has its series from the start, at 0
+(`rate()` and `increase()` need a series to exist before it grows): the outcomes,
+error classes, sockets and request kinds here; the per-GPU series once discovery
+named the GPUs (`HealthMonitor`, `driver.plugin.status.export_gpus`).
+"""
 
 from __future__ import annotations
 
@@ -7,6 +13,8 @@ from collections.abc import Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.metrics_core import CounterMetricFamily, Metric
+
+from driver.errors import ErrorClass
 
 REGISTRY = CollectorRegistry()
 
@@ -132,3 +140,60 @@ NVML_CALLS = CountedElsewhere(
     "NVML functions called since start, by caller (health-monitor, other).",
     ("caller",),
 )
+PREPARED_CLAIMS = Gauge(
+    "gpu_dra_prepared_claims",
+    "Claims prepared on this node (PrepareCompleted in the journal); NaN while the journal "
+    "cannot be read.",
+    registry=REGISTRY,
+)
+PREPARED_DEVICES = Gauge(
+    "gpu_dra_prepared_devices",
+    "Devices of the claims prepared on this node; NaN while the journal cannot be read.",
+    registry=REGISTRY,
+)
+REQUESTS_IN_FLIGHT = Gauge(
+    "gpu_dra_requests_in_flight",
+    "NodePrepareResources and NodeUnprepareResources calls being answered, by method "
+    "(prepare, unprepare).",
+    ["method"],
+    registry=REGISTRY,
+)
+GPU_HEALTHY = Gauge(
+    "gpu_dra_gpu_healthy",
+    "Per physical GPU: 1 healthy, 0 when the GPU or one of its MIG GPU instances has a "
+    "recorded failure (its devices are tainted) or health is unknown (corrupt health store).",
+    ["uuid", "device"],
+    registry=REGISTRY,
+)
+GPU_XID_EVENTS = Counter(
+    "gpu_dra_gpu_xid_events",
+    "Per physical GPU: NVML Xid events (double-bit ECC errors included), by verdict "
+    "(fatal, ignored).",
+    ["uuid", "device", "verdict"],
+    registry=REGISTRY,
+)
+GPUS = Gauge(
+    "gpu_dra_gpus",
+    "Physical GPUs of this node, by MIG mode (unsupported, disabled, dynamic, static, ignored).",
+    ["mig_mode"],
+    registry=REGISTRY,
+)
+BUILD_INFO = Gauge(
+    "gpu_dra_build_info",
+    "1, labelled with the version of the running plugin.",
+    ["version"],
+    registry=REGISTRY,
+)
+
+XID_VERDICTS = ("fatal", "ignored")
+
+for _outcome in ("ok", *(c.value for c in ErrorClass)):
+    PREPARE_REQUESTS.labels(outcome=_outcome)
+for _outcome in ("ok", "error"):
+    UNPREPARE_REQUESTS.labels(outcome=_outcome)
+for _class in (ErrorClass.INVALID_CONFIG, ErrorClass.DEVICE_FAILED):
+    PERMANENT_VERDICT_REPLAYS.labels(error_class=_class.value)
+for _socket in ("service", "registration"):
+    SOCKET_RECREATIONS.labels(socket=_socket)
+for _method in ("prepare", "unprepare"):
+    REQUESTS_IN_FLIGHT.labels(method=_method)

@@ -124,7 +124,10 @@ class DraService:
         self._state = state
 
     def prepare(self, request: Any, context: grpc.ServicerContext, pb: Any) -> Any:
-        with request_scope("prepare"):
+        with (
+            request_scope("prepare"),
+            metrics.REQUESTS_IN_FLIGHT.labels("prepare").track_inprogress(),
+        ):
             started = time.monotonic()
             refs = _claim_refs(request.claims, context)
             log.info("NodePrepareResources: %s", ", ".join(f"{r.namespace}/{r.name}" for r in refs))
@@ -153,7 +156,10 @@ class DraService:
             return response
 
     def unprepare(self, request: Any, context: grpc.ServicerContext, pb: Any) -> Any:
-        with request_scope("unprepare"):
+        with (
+            request_scope("unprepare"),
+            metrics.REQUESTS_IN_FLIGHT.labels("unprepare").track_inprogress(),
+        ):
             refs = _claim_refs(request.claims, context)
             log.info(
                 "NodeUnprepareResources: %s", ", ".join(f"{r.namespace}/{r.name}" for r in refs)

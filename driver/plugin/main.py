@@ -2,36 +2,46 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import shutil
 import signal
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import FrameType
 
-from driver.devices.model import MigStrategy, PoolError, PoolOptions, build_pool
+from driver.devices.gpu_view import gpu_views
+from driver.devices.model import PoolError, build_pool
 from driver.devices.slices import build_slice_specs
 from driver.health.monitor import HealthMonitor, KubeDeviceHealth, NoDeviceHealth
+from driver.health.recovery import RecoveryActions, RecoveryAwareHealth, RecoveryPoller
 from driver.health.store import HealthStore
 from driver.health.xid import XidPolicy
 from driver.kube.api import KubeApi
 from driver.kube.claims import ApiClaimReader, ClaimFailureReporter
+from driver.kube.events import NodeEvents
 from driver.kube.publisher import SlicePublisher
 from driver.nvml.backend import select_backend
 from driver.nvml.library import NvmlUnavailableError
 from driver.observability import metrics
-from driver.observability.http import serve_http
+from driver.observability.http import HttpServer
 from driver.observability.logs import setup_logging
 from driver.plugin.dra import add_dra_services
 from driver.plugin.flags import PluginOptions, package_version, parse_options
 from driver.plugin.health import add_health_services
 from driver.plugin.instances import InstanceLock
+from driver.plugin.node_status import PluginStatus, export_gpus, export_journal
 from driver.plugin.registration import DRA_SERVICES, HEALTH_SERVICES, RegistrationServicer
 from driver.plugin.serving import BuiltServer, SocketServer, SocketWatcher, new_server
 from driver.plugin.sockets import socket_paths
-from driver.plugin.status import export_checkpoint_state, health_report
+from driver.plugin.status import (
+    Healthz,
+    describe_recovery,
+    export_checkpoint_state,
+    health_report,
+)
 from driver.proto.pluginregistration.v1 import api_pb2_grpc as registration_grpc
 from driver.state.cdi_hook import HOOK_NAME, cdi_hook_path, install_cdi_hook
 from driver.state.driver_edits import DriverRoot
@@ -54,21 +64,41 @@ class Plugin:
 
     def run(self) -> int:
         o = self.options
+        # Before anything touches the host: the API server's settings and the HTTP port
+        # (a busy port must not leave sockets in the kubelet's directories).
+        api = KubeApi.from_kubeconfig(o.kubeconfig)
+        healthz = Healthz()
+        http = bind_http(o.http_port, healthz)
+        with contextlib.ExitStack() as running:
+            if http is not None:
+                running.callback(http.shutdown)
+            leave = self._serve(api, healthz, http, running)
+            self.stopping.wait()
+            log.info("shutting down")
+        leave()
+        return 0
+
+    def _serve(
+        self,
+        api: KubeApi,
+        healthz: Healthz,
+        http: HttpServer | None,
+        running: contextlib.ExitStack,
+    ) -> Callable[[], object]:
+        """Start everything; `running` stops it, in the reverse order. Returns what
+        releases this instance's hold on the node once everything stopped."""
+        o = self.options
         o.data_dir.mkdir(parents=True, exist_ok=True, mode=0o750)
         o.cdi_root.mkdir(parents=True, exist_ok=True, mode=0o755)
         instance = InstanceLock(o.data_dir)
-        permanent_errors = parse_permanent_errors(o.permanent_errors)
         policy = XidPolicy.from_flags(
             additional_ignored=o.additional_xids_to_ignore, fatal=o.fatal_xids
         )
-
-        mock = o.nvml_backend == "mock"
-        mock_root = o.mock_driver_root or o.data_dir / "mock-driver-root"
         backend = select_backend(
-            mock=mock,
+            mock=o.mock,
             fleet_path=o.mock_fleet,
             node_name=o.node_name,
-            mock_driver_root=mock_root,
+            mock_driver_root=o.plugin_mock_driver_root,
             driver_root=o.nvidia_driver_root,
         )
         monitor_thread = HealthMonitor.THREAD_NAME
@@ -80,15 +110,14 @@ class Plugin:
             caller="other",
         )
         # The mock with a (fake) driver installation writes complete CDI specs too.
-        complete_cdi = not mock or o.nvidia_driver_root != Path("/")
+        complete_cdi = not o.mock or o.nvidia_driver_root != Path("/")
         driver_root = real_driver_root(o) if complete_cdi else None
-        if mock and driver_root is not None:
+        if o.mock and driver_root is not None:
             log.warning(
                 "MOCK GPUs with the driver installation at %s: CDI specs carry device "
                 "nodes, its files and hooks as on a real node",
                 driver_root.host_path,
             )
-        api = KubeApi.from_kubeconfig(o.kubeconfig)
         metrics.API_WRITES.count_from(lambda: api.writes)
         store = HealthStore(o.data_dir / "health.json")
         state = DeviceState(
@@ -107,33 +136,27 @@ class Plugin:
             caps_root=backend.kernel_root,
             proc_devices=backend.kernel_root / "proc" / "devices",
             driver_root=driver_root,
-            permanent_errors=permanent_errors,
+            permanent_errors=parse_permanent_errors(o.permanent_errors),
             timeslice=backend.timeslice(o.nvidia_driver_root),
         )
         export_checkpoint_state(state)
+        journal = export_journal(state)
         if driver_root is not None:
             install_image_hook(o, state)
         # Before discovery: recovery destroys half-created MIG devices and recreates
         # the ones a reboot destroyed, so discovery sees the node as it will be served.
-        log.info("recovered local state: %s", state.recover())
+        log.info("recovered local state: %s", describe_recovery(state.recover()))
 
         # The listing and the journal snapshot of one moment, under the node lock (an
         # old instance may still be serving during a rolling update).
         inventory, owned_mig = state.discover_with_owned(backend.discover)
-        pool = build_pool(
-            inventory,
-            PoolOptions(
-                driver_name=o.driver_name,
-                gpu_partitions=o.gpu_partitions,
-                mig_strategy=MigStrategy(o.mig_strategy),
-                allow_multiple_allocations=o.allow_multiple_allocations,
-            ),
-            owned_mig=owned_mig,
-        )
+        pool = build_pool(inventory, o.pool_options(), owned_mig=owned_mig)
         for note in pool.notes:
             log.warning("%s", note)
         devices = {device.name: device for device in pool.devices}
         metrics.PUBLISHED_DEVICES.set(len(devices))
+        gpus = gpu_views(inventory, pool.mig_modes)
+        export_gpus(gpus, package_version())
         log.info(
             "discovered %d GPU(s) via %s: publishing %d devices (MIG: %s)",
             len(inventory.gpus),
@@ -142,8 +165,11 @@ class Plugin:
             ", ".join(f"{uuid} {mode}" for uuid, mode in pool.mig_modes.items()) or "none",
         )
 
+        recovery = RecoveryActions(devices, driver=o.driver_name)
+
         def desired_slices() -> list[dict[str, object]]:
             taints = store.device_taints(devices, driver=o.driver_name, effect=o.xid_taint_effect)
+            taints = recovery.add_taints(taints)
             return build_slice_specs(
                 pool, driver=o.driver_name, node_name=o.node_name, taints=taints
             )
@@ -152,11 +178,34 @@ class Plugin:
             api, driver=o.driver_name, node_name=o.node_name, desired=desired_slices
         )
         state.devices = devices
-        state.health = KubeDeviceHealth(store, publisher, devices)
+        state.health = RecoveryAwareHealth(
+            KubeDeviceHealth(store, publisher, devices, effect=o.xid_taint_effect),
+            recovery,
+            publisher,
+        )
+        interval = o.recovery_action_poll_interval  # 0: off
+        pollers = (
+            [RecoveryPoller(backend.recovery_actions, recovery, publisher, interval=interval)]
+            if interval
+            else []
+        )
 
         monitor = HealthMonitor(
-            backend, store, policy, publisher, devices, data_dir=o.data_dir, node_name=o.node_name
+            backend,
+            store,
+            policy,
+            publisher,
+            devices,
+            data_dir=o.data_dir,
+            node_name=o.node_name,
+            gpu_names={gpu.uuid: gpu.name for gpu in gpus},
+            node_events=NodeEvents(api, driver=o.driver_name, node_name=o.node_name),
+            driver=o.driver_name,
+            taint_effect=o.xid_taint_effect,
+            pollers=pollers,
         )
+        running.callback(publisher.stop)  # slices stay: a restart must not lose them
+        running.callback(monitor.stop)
 
         paths = socket_paths(o.driver_name, o.registrar_dir, o.data_dir, o.pod_uid or None)
 
@@ -179,8 +228,11 @@ class Plugin:
         service_socket = SocketServer("service", paths.service, build_service)
         registration_socket = SocketServer("registration", paths.registration, build_registration)
         # The service first: the kubelet dials it as soon as the registration appears.
+        # Stopped the other way round: removing the registration socket deregisters.
         service_socket.start()
+        running.callback(service_socket.stop, SHUTDOWN_GRACE_SECONDS)
         registration_socket.start()
+        running.callback(registration_socket.stop, 0)
         log.info("serving %s; registration socket %s", paths.service, paths.registration)
         metrics.KUBELET_REGISTERED.set_function(lambda: float(registration.registered.is_set()))
         watcher = SocketWatcher(
@@ -190,6 +242,7 @@ class Plugin:
         publisher.start()
         monitor.start()
         watcher.start()
+        running.callback(watcher.stop)
 
         def healthy() -> tuple[bool, str]:
             return health_report(
@@ -197,29 +250,48 @@ class Plugin:
                 last_synced=publisher.stats.last_synced,
                 checkpoint_problem=state.checkpoint_problem,
                 health_store_problem=store.problem,
+                publish_problem=publisher.stats.failing,
             )
 
-        http = serve_http(o.http_port, healthy) if o.http_port >= 0 else None
-
-        self.stopping.wait()
-        log.info("shutting down")
-        watcher.stop()
-        # Registration socket first: its removal is what deregisters this instance.
-        registration_socket.stop(0)
-        service_socket.stop(SHUTDOWN_GRACE_SECONDS)
-        monitor.stop()
-        publisher.stop()  # slices stay: a restart must not make the scheduler forget them
+        healthz.serve(healthy)
         if http is not None:
-            http.shutdown()
+            status = PluginStatus(
+                version=package_version(),
+                node=o.node_name,
+                driver=o.driver_name,
+                taint_effect=o.xid_taint_effect,
+                gpus=gpus,
+                devices=devices,
+                registration=registration.registered,
+                publisher=publisher,
+                store=store,
+                state=state,
+                journal=journal,
+            )
+            http.serve_status(status.document)
+            http.start()
 
-        # The last instance leaves: an uninstall must not leave CDI files behind.
-        # (Claim specs go with their unprepare; ResourceSlices are removed by the
-        # kubelet once no instance is registered.)
         def remove_common_spec() -> None:
             remove_durably(state.cdi.common_spec_path)
 
-        instance.release(on_last=remove_common_spec)
-        return 0
+        def leave() -> bool:
+            # The last instance leaves: an uninstall must not leave CDI files behind.
+            # (Claim specs go with their unprepare; ResourceSlices are removed by the
+            # kubelet once no instance is registered.)
+            return instance.release(on_last=remove_common_spec)
+
+        return leave
+
+
+def bind_http(port: int, healthz: Healthz) -> HttpServer | None:
+    """The /metrics and /healthz server, its port bound but not yet served; None for
+    port -1. A port that cannot be bound is a configuration error."""
+    if port < 0:
+        return None
+    try:
+        return HttpServer(port, healthz)
+    except OSError as err:
+        raise ValueError(f"--http-port {port}: cannot listen: {err.strerror or err}") from err
 
 
 def real_driver_root(o: PluginOptions) -> DriverRoot:

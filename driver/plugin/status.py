@@ -1,5 +1,6 @@
-"""What the kubelet plugin tells about itself: the /healthz text and the checkpoint
-gauge (kept out of `main` so that both can be tested without a running plugin).
+"""What the kubelet plugin tells about itself: the /healthz text, the checkpoint gauge
+and its start-up recovery in the log (kept out of `main` so that they can be tested
+without a running plugin).
 
 A corrupt checkpoint (the prepare journal) does NOT fail /healthz. /healthz is the
 container's liveness probe, and a restart cannot repair the file: the new process
@@ -12,13 +13,21 @@ So /healthz answers 200 and names the problem in its text, and
 `gpu_dra_checkpoint_corrupt` is 1 for alerting (docs/state.md, "Corrupt checkpoint").
 A corrupt health store (every GPU kept failed, `gpu_dra_health_store_corrupt`) is
 named the same way, for the same reason (docs/health.md, "Persistence").
+
+/status, the whole picture as JSON for `gpu-dra status`: `driver.plugin.node_status`.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from typing import Protocol
 
 from driver.observability import metrics
+from driver.state.recovery import RecoveryReport
+
+Report = Callable[[], tuple[bool, str]]
+STARTING = "ok: starting\n"
 
 
 class CheckpointHealth(Protocol):
@@ -28,24 +37,57 @@ class CheckpointHealth(Protocol):
         ...
 
 
+class Healthz:
+    """/healthz's answer: "starting" until the plugin runs and `serve`s its report."""
+
+    def __init__(self) -> None:
+        self._report: Report | None = None
+
+    def serve(self, report: Report) -> None:
+        self._report = report
+
+    def __call__(self) -> tuple[bool, str]:
+        return self._report() if self._report is not None else (True, STARTING)
+
+
 def health_report(
     *,
     registered: bool,
     last_synced: float,
     checkpoint_problem: str | None,
     health_store_problem: str | None = None,
+    publish_problem: str | None = None,
 ) -> tuple[bool, str]:
     """(healthy, text) for /healthz. Always healthy: see the module docstring.
-    `health_store_problem`: `HealthStore.problem`."""
-    text = (
-        f"ok: {'registered' if registered else 'not registered'}, "
-        f"slices synced at {last_synced:.0f}"
-    )
+    `last_synced`: when the ResourceSlices were last in sync (0: never);
+    `health_store_problem`: `HealthStore.problem`; `publish_problem`: why the last
+    ResourceSlice publish failed (`PublisherStats.failing`)."""
+    synced = f"slices synced at {last_synced:.0f}" if last_synced else "slices not synced yet"
+    text = f"ok: {'registered' if registered else 'not registered'}, {synced}"
+    if publish_problem is not None:
+        text += f"; PUBLISHING FAILS, retrying: {publish_problem}"
     if checkpoint_problem is not None:
         text += f"; CHECKPOINT CORRUPT, prepare refused: {checkpoint_problem}"
     if health_store_problem is not None:
         text += f"; HEALTH STORE CORRUPT, every GPU failed: {health_store_problem}"
     return True, text + "\n"
+
+
+def describe_recovery(report: RecoveryReport) -> str:
+    """The start-up recovery report (`DeviceState.recover()`) for the log: each
+    non-empty field as "field name: value" ("swept temp files: 2 (a, b)"), or "nothing
+    to do"."""
+    parts: list[str] = []
+    for field in dataclasses.fields(report):
+        value = getattr(report, field.name)
+        if not value:
+            continue
+        name = field.name.replace("_", " ")
+        if isinstance(value, tuple | list):
+            parts.append(f"{name}: {len(value)} ({', '.join(map(str, value))})")
+        else:
+            parts.append(f"{name}: {value}")
+    return "; ".join(parts) or "nothing to do"
 
 
 def export_checkpoint_state(state: CheckpointHealth) -> None:

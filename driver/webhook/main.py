@@ -12,7 +12,17 @@ import threading
 from collections.abc import Sequence
 from types import FrameType
 
-from driver.plugin.flags import add_version_flag, document_env_and_defaults, package_version
+from driver.observability.logs import (
+    DAEMON_VERBOSITY,
+    VERBOSITY_HELP,
+    apply_verbosity,
+)
+from driver.plugin.flags import (
+    add_version_flag,
+    document_env_and_defaults,
+    non_negative_int,
+    package_version,
+)
 from driver.plugin.host_inputs import driver_name_argument
 from driver.webhook.server import VALIDATE_PATH, WebhookServer
 
@@ -55,17 +65,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--log-level",
-        default=os.environ.get("LOG_LEVEL", "INFO"),
+        default=os.environ.get("LOG_LEVEL") or None,
         choices=LOG_LEVELS,
-        help="log level",
+        help="the level of the webhook's own loggers, instead of the one -v gives",
     )
     parser.add_argument(
         "-v",
         "--v",
         dest="verbosity",
-        type=int,
-        default=os.environ.get("V", "0"),
-        help="log verbosity; >= 1 logs at DEBUG whatever --log-level says",
+        type=non_negative_int("-v"),
+        default=os.environ.get("V", str(DAEMON_VERBOSITY)),
+        metavar="N",
+        help=VERBOSITY_HELP,
     )
     document_env_and_defaults(parser)
     return parser
@@ -75,20 +86,23 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = build_parser()
     args = parser.parse_args(argv)
     # argparse checks the choices of command-line values only, not of env defaults.
-    if args.log_level not in LOG_LEVELS:
+    if args.log_level is not None and args.log_level not in LOG_LEVELS:
         parser.error(f"--log-level (or LOG_LEVEL): {args.log_level!r} is not one of {LOG_LEVELS}")
     return args
 
 
-def log_level(args: argparse.Namespace) -> str:
-    return "DEBUG" if args.verbosity >= 1 else str(args.log_level)
+def configure_logging(args: argparse.Namespace) -> None:
+    """The verbosity scale of every binary (`driver.observability.logs`); an explicit
+    --log-level (LOG_LEVEL) sets the webhook's own level instead."""
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    apply_verbosity(args.verbosity)
+    if args.log_level is not None:
+        logging.getLogger().setLevel(args.log_level)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(
-        level=log_level(args), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    configure_logging(args)
     try:
         server = WebhookServer(
             args.bind_address,

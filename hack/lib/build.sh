@@ -4,30 +4,8 @@
 
 export GOTOOLCHAIN=local GOFLAGS=-mod=mod CGO_ENABLED=0
 
-# Runs a long build in the background, printing elapsed time and the number of
-# packages compiled so far, so that a cold build (tens of minutes) is visibly alive.
-run_with_progress() {
-  local label=$1 log=$2; shift 2
-  "$@" >"$log" 2>&1 &
-  local pid=$! last=0
-  while kill -0 "$pid" 2>/dev/null; do
-    sleep 5
-    if (( $(date +%s) - last >= 30 )); then
-      last=$(date +%s)
-      local n
-      n=$(grep -cv '^go: ' "$log" || true)
-      if ((n == 0)); then
-        progress "$label: nothing to compile so far (Go build cache hits are not listed); linking"
-      else
-        progress "$label: $n packages compiled, last: $(tail -n 1 "$log" | cut -c1-80)"
-      fi
-    fi
-  done
-  if ! wait "$pid"; then
-    tail -n 40 "$log" >&2
-    die "$label failed; full log: $log"
-  fi
-}
+# shellcheck source=hack/lib/go-progress.sh
+source "$HACK_DIR/lib/go-progress.sh"
 
 version_ldflags() {
   local v=v$K8S_VERSION minor now pkg flags="-s -w"
@@ -65,10 +43,12 @@ build_k8s() {
   progress "resolving k8s.io/kubernetes v$K8S_VERSION modules (first time: downloads ~1 GB)"
   write_k8s_wrapper "$dir"
   (cd "$dir" && go mod download k8s.io/kubernetes) || die "module download failed"
-  progress "compiling ${wanted[*]} (2 cores: ~35 min cold, ~2 min with a warm Go build cache)"
+  count_go_packages "resolving the kubernetes packages" "$dir" "$CACHE_ROOT/list-k8s.log" \
+    -tags selinux,notest,grpcnotrace "${pkgs[@]}"
+  progress "compiling ${wanted[*]}: up to ${GO_PACKAGES_TOTAL:-?} packages (2 cores: ~35 min cold, ~2 min with a warm Go build cache)"
   local tmp=$BIN_DIR.partial
   mkdir -p "$tmp"
-  run_with_progress "kubernetes build" "$CACHE_ROOT/build-k8s.log" \
+  run_with_progress --total "$GO_PACKAGES_TOTAL" "kubernetes build" "$CACHE_ROOT/build-k8s.log" \
     bash -c "cd '$dir' && go build -v -trimpath -tags selinux,notest,grpcnotrace -ldflags '$(version_ldflags)' -o '$tmp/' ${pkgs[*]}"
   mkdir -p "$BIN_DIR"
   for b in "${wanted[@]}"; do mv "$tmp/$b" "$BIN_DIR/$b"; done
@@ -79,9 +59,10 @@ build_etcd() {
   mkdir -p "$dir"
   printf 'module local/etcdbin\n\ngo 1.26.0\n\nrequire go.etcd.io/etcd/server/v3 v%s\n' "$ETCD_VERSION" >"$dir/go.mod"
   printf 'package tools\n' >"$dir/doc.go"
-  progress "compiling etcd v$ETCD_VERSION"
+  count_go_packages "resolving the etcd packages" "$dir" "$CACHE_ROOT/list-etcd.log" go.etcd.io/etcd/server/v3
+  progress "compiling etcd v$ETCD_VERSION: up to ${GO_PACKAGES_TOTAL:-?} packages"
   mkdir -p "$BIN_DIR"
-  run_with_progress "etcd build" "$CACHE_ROOT/build-etcd.log" \
+  run_with_progress --total "$GO_PACKAGES_TOTAL" "etcd build" "$CACHE_ROOT/build-etcd.log" \
     bash -c "cd '$dir' && go build -v -trimpath -ldflags '-s -w' -o '$BIN_DIR/etcd.partial' go.etcd.io/etcd/server/v3"
   mv "$BIN_DIR/etcd.partial" "$BIN_DIR/etcd"
 }

@@ -39,8 +39,11 @@ have_runtime_binaries() {
 build_containerd() {
   local v=v$CONTAINERD_VERSION tmp=$NODE_BIN_DIR.partial
   mkdir -p "$tmp"
-  progress "compiling containerd $v, containerd-shim-runc-v2, ctr (cold: 5-10 min)"
-  run_with_progress "containerd build" "$CACHE_ROOT/build-containerd.log" \
+  CGO_ENABLED=0 count_module_packages "resolving the containerd packages" \
+    "github.com/containerd/containerd/v2@$v" "$CACHE_ROOT/list-containerd.log" \
+    -tags "no_btrfs urfave_cli_no_docs" ./cmd/containerd ./cmd/containerd-shim-runc-v2 ./cmd/ctr
+  progress "compiling containerd $v, containerd-shim-runc-v2, ctr: up to ${GO_PACKAGES_TOTAL:-?} packages (cold: 5-10 min)"
+  run_with_progress --total "$GO_PACKAGES_TOTAL" "containerd build" "$CACHE_ROOT/build-containerd.log" \
     env CGO_ENABLED=0 GOBIN="$tmp" go install -v -trimpath -tags "no_btrfs urfave_cli_no_docs" \
     -ldflags "-s -w -X github.com/containerd/containerd/v2/version.Version=$v" \
     "github.com/containerd/containerd/v2/cmd/containerd@$v" \
@@ -57,8 +60,10 @@ build_containerd() {
 build_runc() {
   local v=v$RUNC_VERSION tmp=$NODE_BIN_DIR.partial
   mkdir -p "$tmp"
-  progress "compiling runc $v (cgo, seccomp)"
-  run_with_progress "runc build" "$CACHE_ROOT/build-runc.log" \
+  CGO_ENABLED=1 count_module_packages "resolving the runc packages" \
+    "github.com/opencontainers/runc@$v" "$CACHE_ROOT/list-runc.log" -tags "seccomp urfave_cli_no_docs" .
+  progress "compiling runc $v (cgo, seccomp): up to ${GO_PACKAGES_TOTAL:-?} packages"
+  run_with_progress --total "$GO_PACKAGES_TOTAL" "runc build" "$CACHE_ROOT/build-runc.log" \
     env CGO_ENABLED=1 GOBIN="$tmp" go install -v -trimpath -tags "seccomp urfave_cli_no_docs" \
     -ldflags "-s -w" "github.com/opencontainers/runc@$v"
   mkdir -p "$NODE_BIN_DIR"

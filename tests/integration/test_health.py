@@ -415,3 +415,55 @@ def test_health_clear_removes_the_taint_from_the_published_slice(
         assert json.loads(journal.stdout)["status"] in ("ok", "absent")
         quarantine = run("journal", "quarantine", "--yes")
         assert quarantine.returncode == 1 and "a kubelet plugin is running" in quarantine.stderr
+
+
+def node_events(cluster: Cluster, node: FakeNode, reason: str, gpu: str) -> list[dict[str, Any]]:
+    """The Node's Events of `reason` about `gpu` (their message starts with its name)."""
+    listed = get_json(
+        cluster,
+        "events",
+        "-n",
+        "default",
+        f"--field-selector=involvedObject.kind=Node,involvedObject.name={node.name},"
+        f"reason={reason}",
+    )["items"]
+    return [e for e in listed if e["message"].startswith(f"{gpu} (")]
+
+
+def test_a_taint_and_its_clear_are_events_on_the_node(
+    cluster: Cluster, node: FakeNode, root: Path, pool: list[dict[str, Any]]
+) -> None:
+    """`kubectl describe node` tells an operator that a GPU was tainted and when it was
+    cleared; the per-GPU metrics follow."""
+    uuid = gpu_uuid_of(pool, "gpu-2")
+    labels = {"device": "gpu-2", "uuid": uuid}
+    with running_plugin(kubeconfig=cluster.kubeconfig, node_name=node.name, root=root) as plugin:
+        assert plugin.metric("gpu_dra_gpu_healthy", labels) == 1
+        assert plugin.metric("gpu_dra_gpu_xid_events_total", {**labels, "verdict": "fatal"}) == 0
+        inject(plugin, "xid", "--device", "gpu-2", "--xid", "79")
+        (tainted,) = cluster.wait_for(
+            lambda: node_events(cluster, node, "GpuTainted", "gpu-2"),
+            timeout=20,
+            what="GpuTainted Event on the Node",
+        )
+        assert tainted["type"] == "Warning"
+        assert tainted["involvedObject"]["uid"] == node.uid
+        assert tainted["reportingComponent"] == DRIVER
+        assert tainted["reportingInstance"] == node.name
+        count = len(family(pool, "gpu-2"))
+        assert tainted["message"].startswith(f"gpu-2 ({uuid}): Xid 79")
+        assert f"taint {XID_KEY}=79:NoSchedule on {count} device(s)" in tainted["message"]
+        assert plugin.metric("gpu_dra_gpu_healthy", labels) == 0
+        assert plugin.metric("gpu_dra_gpu_xid_events_total", {**labels, "verdict": "fatal"}) == 1
+
+        cleared = gpu_dra("health", "clear", "gpu-2", "--yes", f"--state-dir={plugin.data_dir}")
+        assert cleared.returncode == 0, cleared.stderr
+        (event,) = cluster.wait_for(
+            lambda: node_events(cluster, node, "GpuTaintCleared", "gpu-2"),
+            timeout=20,
+            what="GpuTaintCleared Event on the Node",
+        )
+        assert event["type"] == "Normal"
+        assert "cleared by an operator (gpu-dra health clear)" in event["message"]
+        assert f"taint removed from {count} device(s)" in event["message"]
+        assert plugin.metric("gpu_dra_gpu_healthy", labels) == 1

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -69,6 +72,42 @@ def test_default_fleet_is_accepted_with_mig_partitions(pool: list[dict], node: F
         spec = s["spec"]
         assert not (spec.get("devices") and spec.get("sharedCounters"))
         assert len(spec.get("devices") or []) <= 64 and len(spec.get("sharedCounters") or []) <= 8
+
+
+CLI = "import sys; from driver.cli import main; sys.exit(main(sys.argv[1:]))"
+
+
+def test_inventory_in_the_plugins_environment_shows_what_it_publishes(
+    pool: list[dict], node: FakeNode, plugin: PluginProcess
+) -> None:
+    """`kubectl exec <plugin pod> -- gpu-dra inventory`: the pod's settings (here the
+    plugin's flags as the chart's environment variables) give the published devices."""
+    env = {k: v for k, v in os.environ.items() if k != "GPU_DRA_STATE_DIR"}
+    env.update(
+        NODE_NAME=node.name,
+        NVML_BACKEND="mock",
+        KUBELET_PLUGINS_DIRECTORY_PATH=str(plugin.plugins_dir),
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", CLI, "inventory", "-o", "json"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    listed = published_devices(json.loads(proc.stdout)["items"])
+    published = published_devices(pool)
+    assert sorted(listed) == sorted(published)
+    for name, device in published.items():
+        assert listed[name]["attributes"] == device["attributes"], name
+        assert listed[name].get("consumesCounters", [{}])[0].get("counterSet") == device.get(
+            "consumesCounters", [{}]
+        )[0].get("counterSet"), name
+    # The start-up log is text, not a Python repr.
+    assert "recovered local state: nothing to do" in plugin.logs()
+    assert "RecoveryReport(" not in plugin.logs()
 
 
 def test_deleted_slices_come_back(cluster: Cluster, node: FakeNode, pool: list[dict]) -> None:

@@ -83,3 +83,96 @@ def test_enabled_rule_lints_and_bad_values_are_rejected() -> None:
         failed = helm_template("--set", bad, check=False)
         assert failed.returncode != 0, bad
         assert "prometheusRule" in failed.stderr, failed.stderr
+
+
+MONITOR = "kubeletPlugin.metrics.serviceMonitor"
+
+
+def github_anchors(markdown: str) -> set[str]:
+    """The anchors a Markdown renderer (GitHub's rules) gives the headings."""
+    anchors = set()
+    for heading in re.findall(r"^#+ (.+)$", markdown, flags=re.MULTILINE):
+        slug = re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+        anchors.add(slug)
+    return anchors
+
+
+def test_the_gpu_alert_fires_per_gpu_not_per_device() -> None:
+    """One H100 with its MIG partitions is one failed GPU, not 26 failed devices."""
+    rule = one(render("--set", f"{RULE}.enabled=true"), "PrometheusRule")
+    alerts = rule_alerts(rule)
+    assert "GpuDraDeviceUnhealthy" not in alerts
+    gpu = alerts["GpuDraGpuUnhealthy"]
+    families = {f.name: f for f in metrics.REGISTRY.collect()}
+    used = set(re.findall(r"\bgpu_dra_\w+", gpu["expr"]))
+    assert "gpu_dra_gpu_healthy" in used and "gpu_dra_tainted_devices" not in used
+    # The series is one per GPU: its labels name the GPU, and so does the alert.
+    assert {"uuid", "device"} <= set(metrics.GPU_HEALTHY._labelnames)
+    assert "gpu_dra_gpu_healthy" in families
+    summary = gpu["annotations"]["summary"]
+    assert "$labels.device" in summary and "$labels.uuid" in summary
+    assert "$value" not in summary
+
+
+def test_every_alert_links_its_runbook_section() -> None:
+    anchors = github_anchors((REPO / "docs" / "operations.md").read_text())
+    rule = one(render("--set", f"{RULE}.enabled=true"), "PrometheusRule")
+    for name, alert in rule_alerts(rule).items():
+        url = alert["annotations"]["runbook_url"]
+        assert url == f"docs/operations.md#{name.lower()}", name
+        assert name.lower() in anchors, f"docs/operations.md has no section {name}"
+    base = "https://git.example.com/gpu-dra-driver/blob/main/"
+    rule = one(
+        render("--set", f"{RULE}.enabled=true", "--set", f"{RULE}.runbookBaseURL={base}"),
+        "PrometheusRule",
+    )
+    urls = {a["annotations"]["runbook_url"] for a in rule_alerts(rule).values()}
+    assert all(u.startswith(f"{base}docs/operations.md#") for u in urls), urls
+
+
+def test_no_service_monitor_by_default() -> None:
+    assert [d for d in render() if d["kind"] == "ServiceMonitor"] == []
+
+
+def test_service_monitor_scrapes_every_plugin_pod_with_its_node() -> None:
+    docs = render(
+        "--set", f"{MONITOR}.enabled=true",
+        "--set", f"{MONITOR}.labels.release=prometheus",
+        "--set", f"{MONITOR}.interval=30s",
+    )  # fmt: skip
+    monitor = one(docs, "ServiceMonitor")
+    service = next(
+        d for d in docs if d["kind"] == "Service" and d["metadata"]["name"].endswith("-metrics")
+    )
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    assert monitor["metadata"]["namespace"] == NAMESPACE
+    assert monitor["metadata"]["labels"]["release"] == "prometheus"
+    spec = monitor["spec"]
+    assert spec["namespaceSelector"] == {"matchNames": [NAMESPACE]}
+    selector = spec["selector"]["matchLabels"]
+    assert selector.items() <= service["metadata"]["labels"].items()
+    (endpoint,) = spec["endpoints"]
+    assert endpoint["port"] in {p["name"] for p in service["spec"]["ports"]}
+    assert (endpoint["path"], endpoint["interval"]) == ("/metrics", "30s")
+    assert endpoint["relabelings"] == [
+        {"sourceLabels": ["__meta_kubernetes_pod_node_name"], "targetLabel": "node"}
+    ]
+
+
+def test_service_monitor_needs_the_metrics_service_and_valid_values() -> None:
+    failed = helm_template(
+        "--set", f"{MONITOR}.enabled=true",
+        "--set", "kubeletPlugin.metricsService.enabled=false",
+        check=False,
+    )  # fmt: skip
+    assert failed.returncode != 0
+    assert "serviceMonitor.enabled needs kubeletPlugin.metricsService.enabled" in failed.stderr
+    for bad in [
+        f"{MONITOR}.enabled=yes",
+        f"{MONITOR}.interval=often",
+        f"{MONITOR}.scrape=true",
+        f"{RULE}.runbookBaseURL=ftp://x",
+    ]:
+        failed = helm_template("--set", bad, check=False)
+        assert failed.returncode != 0, bad
+        assert "serviceMonitor" in failed.stderr or "runbookBaseURL" in failed.stderr, bad

@@ -42,6 +42,7 @@ PLUGIN_FLAG_ENV = {
     "XID_TAINT_EFFECT",
     "ADDITIONAL_XIDS_TO_IGNORE",
     "FATAL_XIDS",
+    "RECOVERY_ACTION_POLL_INTERVAL",
     "PERMANENT_ERRORS",
     "DEVICE_STATUS",
     "HTTP_PORT",
@@ -207,7 +208,7 @@ def test_objects(default_docs: list[Doc], mock_docs: list[Doc]) -> None:
 
 # --- RBAC -----------------------------------------------------------------------------
 
-# Exactly the plugin's API requests (driver/kube/publisher.py, driver/kube/claims.py);
+# Exactly the plugin's API requests (driver/kube/publisher.py, claims.py, events.py);
 # test_rbac_rules_are_the_requests_the_plugin_sends derives them from the code.
 BASE_RULES = [
     {
@@ -340,7 +341,8 @@ def _api_call_sites() -> set[tuple[str, str]]:
 
 def test_rbac_rules_are_the_requests_the_plugin_sends() -> None:
     """Runs every code path that calls the API (publisher: list, watch, create, update,
-    delete, node lookup; claim read; permanent-failure Event and device-status apply)
+    delete, node lookup; claim read; permanent-failure Event and device-status apply;
+    the Node's Events)
     against a recording fake, and derives the RBAC the requests need: the ClusterRole
     grants exactly that, no verb more or less."""
     import sys
@@ -348,6 +350,7 @@ def test_rbac_rules_are_the_requests_the_plugin_sends() -> None:
 
     from driver.errors import invalid_config
     from driver.kube.claims import ApiClaimReader, ClaimFailureReporter
+    from driver.kube.events import NodeEvent, NodeEvents
     from driver.kube.publisher import SlicePublisher
     from tests.unit.test_publisher import NODE, FakeApi, device, spec
 
@@ -399,6 +402,11 @@ def test_rbac_rules_are_the_requests_the_plugin_sends() -> None:
     }
     reporter = ClaimFailureReporter(api, driver=DRIVER, node_name=NODE, device_status=True)
     reporter.permanent_failure(claim, invalid_config("bad"))
+
+    node_events = NodeEvents(api, driver=DRIVER, node_name=NODE)  # a GPU tainted: Node Event
+    node_events.start()
+    node_events.post(NodeEvent("GpuTainted", "gpu-0: Xid 79"))
+    node_events.stop()
 
     assert recording.sites >= _api_call_sites(), "an API call site this test does not exercise"
     used = set(recording.used)
@@ -823,16 +831,18 @@ def _affinity(docs: list[Doc]) -> Doc | None:
 
 
 def test_plugin_runs_on_gpu_nodes_by_default(default_docs: list[Doc]) -> None:
-    assert _affinity(default_docs) == {
-        "nodeAffinity": {
-            "requiredDuringSchedulingIgnoredDuringExecution": {
-                "nodeSelectorTerms": [{"matchExpressions": [GPU_TERM]}]
-            }
-        }
-    }
+    affinity = _affinity(default_docs)
+    assert affinity is not None
+    # The GPU operator's label first, then NFD's (tests/unit/test_chart_install.py).
+    terms = affinity["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][
+        "nodeSelectorTerms"
+    ]
+    assert terms[0] == {"matchExpressions": [GPU_TERM]}
     other = render(
         "--set",
         "kubeletPlugin.gpuNodeLabel.key=feature.node.kubernetes.io/pci-10de.present",
+        "--set",
+        "kubeletPlugin.gpuNodeLabel.nfdPciLabels=false",
     )
     affinity = _affinity(other)
     assert affinity is not None
@@ -859,7 +869,12 @@ def test_gpu_node_label_is_added_to_a_user_affinity() -> None:
         },
         "podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": []},
     }
-    docs = render("--set-json", f"kubeletPlugin.affinity={json.dumps(user)}")
+    docs = render(
+        "--set-json",
+        f"kubeletPlugin.affinity={json.dumps(user)}",
+        "--set",
+        "kubeletPlugin.gpuNodeLabel.nfdPciLabels=false",
+    )
     affinity = _affinity(docs)
     assert affinity is not None
     terms = affinity["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][

@@ -109,8 +109,8 @@ def test_an_administrators_mig_devices_skip_the_dynamic_tests_naming_them() -> N
     assert gates.static_mig == Gate(gpu)
     skip = str(gates.dynamic_mig.skip)
     assert gates.dynamic_mig.gpu is None and gpu.uuid in skip
-    assert "GPU instance 1 (profile 19 at 0+1)" in skip
-    assert "GPU instance 2 (profile 19 at 1+1)" in skip
+    assert "GPU instance 1 (1g.10gb at 0+1)" in skip  # profile 19: named as nvidia-smi does
+    assert "GPU instance 2 (1g.10gb at 1+1)" in skip
 
 
 def test_a_gpu_instance_without_a_compute_instance_is_no_static_device() -> None:

@@ -108,6 +108,7 @@ def no_api_server(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.delenv("KUBECONFIG", raising=False)
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("HTTP_PORT", "1")  # no plugin endpoint unless a test serves one
 
 
 # -- clear -----------------------------------------------------------------------------
@@ -220,7 +221,7 @@ def test_clear_works_on_the_real_backend_and_mock_actions_do_not(tmp_path: Path)
 def test_mock_backend_accepts_clear_and_the_mock_actions(plugin: Plugin, tmp_path: Path) -> None:
     plugin.monitor.start()
     marker = json.loads((spool_dir(tmp_path) / ACTIVE_NAME).read_text())
-    assert marker["actions"] == ["clear", "lost", "reset", "xid"]
+    assert marker["actions"] == ["clear", "lost", "recovery-action", "reset", "xid"]
 
 
 def test_clear_without_a_plugin_fails(tmp_path: Path) -> None:
@@ -325,6 +326,63 @@ def test_show_table_says_where_each_line_comes_from(plugin: Plugin, tmp_path: Pa
     assert row.startswith("store") and plugin.uuid(3) in row and f"{DRIVER}/xid=79" in row
     assert "store: 1 recorded failure(s)" in out
     assert "slices: not read" in out and "plugin: not found" in out
+
+
+def test_without_slices_devices_are_named_by_the_running_plugin(
+    plugin: Plugin, tmp_path: Path
+) -> None:
+    """The API server is out of reach: the store's lines name each GPU as the plugin
+    on this node does (its /status), not by UUID."""
+    from test_status_cli import FakePublisher, FakeState
+
+    from driver.devices.gpu_view import gpu_views
+    from driver.observability.http import HttpServer
+    from driver.plugin.journal_summary import JournalReader
+    from driver.plugin.node_status import PluginStatus
+    from driver.state.checkpoint import Checkpoint
+
+    plugin.store.record_xid(plugin.uuid(3), 79)
+    plugin.store.record_instance_xid(plugin.uuid(5), (3, 1), 94, gpu_instance_id=9)
+    inventory = NvmlBackend(plugin.mock).discover()
+    state = FakeState(Checkpoint(tmp_path))
+    status = PluginStatus(
+        version="test",
+        node="node-1",
+        driver=DRIVER,
+        taint_effect="NoSchedule",
+        gpus=gpu_views(inventory, plugin.pool.mig_modes),
+        devices={d.name: d for d in plugin.pool.devices},
+        registration=threading.Event(),
+        publisher=FakePublisher(),
+        store=plugin.store,
+        state=state,
+        journal=JournalReader(state.checkpoint),
+    )
+    server = HttpServer(0, lambda: (True, "ok\n"), "127.0.0.1").start()
+    server.serve_status(status.document)
+    try:
+        url = f"http://127.0.0.1:{server.port}"
+        code, out, _ = gpu_dra(["health", "--state-dir", str(tmp_path), "--plugin-url", url])
+    finally:
+        server.shutdown()
+    assert code == 0
+    rows = [line.split() for line in out.splitlines()[1:3]]
+    assert [row[:2] for row in rows] == [["store", "gpu-3"], ["store", "gpu-5"]]
+    assert plugin.uuid(3) not in out
+    assert "GPU instance 9, slices 3+1" in out
+
+
+def test_without_slices_or_plugin_devices_are_named_by_nvml(
+    plugin: Plugin, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from driver.cli import gpu_names
+
+    monkeypatch.setattr(gpu_names, "select_backend", lambda **_: NvmlBackend(plugin.mock))
+    plugin.store.record_xid(plugin.uuid(6), 48)
+    code, out, _ = gpu_dra(["health", "-o", "json", "--state-dir", str(tmp_path)])
+    assert code == 0
+    (failure,) = json.loads(out)["store"]["failures"]
+    assert (failure["device"], failure["gpuUUID"]) == ("gpu-6", plugin.uuid(6))
 
 
 def test_show_compares_the_store_with_the_published_taints(tmp_path: Path) -> None:

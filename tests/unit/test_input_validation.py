@@ -358,7 +358,7 @@ def test_health_report_text() -> None:
     # Still healthy: a liveness restart cannot repair the file (see driver.plugin.status).
     assert ok is True
     assert text == (
-        "ok: not registered, slices synced at 0; "
+        "ok: not registered, slices not synced yet; "
         "CHECKPOINT CORRUPT, prepare refused: checkpoint /x is corrupt (y)\n"
     )
 

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import logging
+import re
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +29,19 @@ def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
     code = main(["inventory", *argv])
     out, err = capsys.readouterr()
     return code, out, err
+
+
+def table(out: str) -> list[dict[str, str]]:
+    """The table's rows as column -> cell, cut at the header's column starts (headers
+    may hold a space: PCI BUS ID)."""
+    lines = out.split("\n\n", 1)[0].splitlines()
+    header = lines[0]
+    starts = [m.start() for m in re.finditer(r"(?:(?<=  )|^)\S", header)]
+    names = [header[a:b].strip() for a, b in zip(starts, [*starts[1:], None], strict=True)]
+    return [
+        {n: line[a:b].strip() for n, a, b in zip(names, starts, [*starts[1:], None], strict=True)}
+        for line in lines[1:]
+    ]
 
 
 def test_default_mock_fleet_yaml(
@@ -87,14 +103,15 @@ def test_table_is_the_default_and_health_is_unknown_without_a_plugin(
     code, out, _ = run(capsys, "--mock", "--node-name", "n1")
     assert code == 0
     lines = out.splitlines()
-    assert lines[0].split() == ["DEVICE", "MODEL", "MEMORY", "PARTITIONS", "SHARING", "HEALTH"]
-    assert lines[1].split()[0] == "gpu-0" and "25" in lines[1] and "exclusive" in lines[1]
+    assert table(out)[0]["DEVICE"] == "gpu-0"
+    assert table(out)[0]["PARTITIONS"] == "25" and table(out)[0]["SHARING"] == "exclusive"
     assert lines[1].split()[-1] == "unknown"
     assert "Healthy" not in out
     assert "8 GPU(s), 208 device(s) in 5 slice(s)" in out
     assert "health unknown: no plugin data directory" in out and "--state-dir" in out
     code, out, _ = run(capsys, "--mock", "--node-name", "n1", "-o", "table", "--partitions")
-    assert "gpu-0-mig-1g10gb-me-3" in out and "1g.10gb+me @3+1" in out
+    row = {r["DEVICE"]: r for r in table(out)}["gpu-0-mig-1g10gb-me-3"]
+    assert (row["PROFILE"], row["PLACEMENT"]) == ("1g.10gb+me", "3+1")
 
 
 def test_table_health_from_the_plugins_store(
@@ -138,6 +155,125 @@ def test_table_health_from_the_plugins_store(
     assert before
 
 
+def test_table_health_shows_the_effect_the_plugin_publishes(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from driver.health.store import HealthStore
+    from driver.nvml.backend import select_backend
+
+    gpus = select_backend(mock=True, node_name="n1").discover().gpus
+    HealthStore(tmp_path / "health.json").record_xid(gpus[3].uuid, 79)
+    argv = ("--mock", "--node-name", "n1", "--state-dir", str(tmp_path))
+
+    monkeypatch.setenv("XID_TAINT_EFFECT", "NoExecute")  # as in the plugin's pod
+    code, out, _ = run(capsys, *argv)
+    assert code == 0
+    assert table(out)[3]["HEALTH"] == "Unhealthy (gpu.example.com/xid=79:NoExecute)"
+    code, out, _ = run(capsys, *argv, "--xid-taint-effect", "None")
+    assert table(out)[3]["HEALTH"] == "Unhealthy (gpu.example.com/xid=79:None)"
+    assert table(out)[2]["HEALTH"] == "Healthy"
+
+    monkeypatch.setenv("XID_TAINT_EFFECT", "Sometimes")
+    code, out, err = run(capsys, *argv)
+    assert (code, out) == (1, "")
+    assert "--xid-taint-effect (env XID_TAINT_EFFECT): 'Sometimes' is not one of" in err
+
+
+def test_static_mig_gpus_without_mig_devices_are_rows_too(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """Nothing of such a GPU is published; the table still lists it, with its health."""
+    from driver.health.store import HealthStore
+    from driver.nvml.backend import select_backend
+
+    gpus = select_backend(mock=True, node_name="n1").discover().gpus
+    HealthStore(tmp_path / "health.json").record_xid(gpus[1].uuid, 48)
+    code, out, _ = run(
+        capsys, "--mock", "--node-name", "n1", "--mig-strategy", "static",
+        "--state-dir", str(tmp_path),
+    )  # fmt: skip
+    assert code == 0
+    rows = table(out)
+    assert [r["UUID"] for r in rows] == [g.uuid for g in gpus]
+    assert {(r["DEVICE"], r["MIG"], r["PARTITIONS"]) for r in rows} == {("-", "static", "0")}
+    assert rows[1]["HEALTH"] == "Unhealthy (gpu.example.com/xid=48:NoSchedule)"
+    assert rows[0]["HEALTH"] == "Healthy"
+    assert "8 GPU(s), 0 device(s)" in out
+
+
+def test_table_columns_each_mean_one_thing(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """INDEX, PCI BUS ID are the GPU's on every row; UUID is the row's own device;
+    PARTITIONS counts published partitions on GPU rows only; PROFILE and PLACEMENT
+    are the MIG device a row is delivered as."""
+    from driver.nvml.backend import select_backend
+
+    fleet = tmp_path / "fleet.yaml"
+    fleet.write_text(
+        "gpus:\n"
+        "- model: H100-80GB\n"
+        "  count: 1\n"
+        "  migInstances: [{profile: 1g.10gb, start: 0}, {profile: 3g.40gb, start: 4}]\n"
+        "- model: H100-80GB\n"
+        "  count: 1\n"
+        "- model: A100-40GB\n"
+        "  count: 1\n"
+        "  migMode: disabled\n"
+    )
+    inventory = select_backend(mock=True, fleet_path=fleet, node_name="n1").discover()
+    code, out, _ = run(capsys, "--mock", str(fleet), "--node-name", "n1", "--partitions")
+    assert code == 0
+    rows = table(out)
+    by_device = {r["DEVICE"]: r for r in rows}
+    static_gpu, dynamic_gpu, plain_gpu = inventory.gpus
+
+    # GPU 0, static: no whole-GPU device, two existing MIG devices.
+    assert rows[0]["DEVICE"] == "-" and rows[0]["UUID"] == static_gpu.uuid
+    assert (rows[0]["MIG"], rows[0]["PARTITIONS"]) == ("static", "2")
+    mig_uuids = {i.placement: i.uuid for i in static_gpu.mig_instances}
+    small = by_device["gpu-0-mig-1g10gb-0"]
+    assert (small["UUID"], small["PROFILE"], small["PLACEMENT"]) == (
+        mig_uuids[(0, 1)], "1g.10gb", "0+1",
+    )  # fmt: skip
+    assert (small["INDEX"], small["PCI BUS ID"]) == ("0", static_gpu.pci_bus_id)
+    assert small["PARTITIONS"] == "-"
+
+    # GPU 1, dynamic: the whole GPU is a full-size MIG device; partitions have no UUID yet.
+    whole = by_device["gpu-1"]
+    assert (whole["UUID"], whole["MIG"], whole["PROFILE"], whole["PLACEMENT"]) == (
+        dynamic_gpu.uuid, "dynamic", "7g.80gb", "0+8",
+    )  # fmt: skip
+    partitions = [r for r in rows if r["DEVICE"].startswith("gpu-1-")]
+    assert whole["PARTITIONS"] == str(len(partitions))
+    assert {(r["UUID"], r["INDEX"], r["PCI BUS ID"]) for r in partitions} == {
+        ("-", "1", dynamic_gpu.pci_bus_id)
+    }
+
+    # GPU 2: MIG-capable, MIG mode off.
+    plain = by_device["gpu-2"]
+    assert (plain["UUID"], plain["MIG"], plain["PROFILE"], plain["PLACEMENT"]) == (
+        plain_gpu.uuid, "disabled", "-", "-",
+    )  # fmt: skip
+    assert plain["PARTITIONS"] == "0"
+
+
+def test_a_closed_pipe_ends_the_command_quietly() -> None:
+    """`gpu-dra inventory | head` (every subcommand: the CLI's entry point)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from driver.cli import main; sys.exit(main())",
+         "inventory", "--mock", "--node-name", "n1", "-o", "json"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )  # fmt: skip
+    assert proc.stdout is not None and proc.stderr is not None
+    assert proc.stdout.readline() == b"{\n"
+    proc.stdout.close()  # more than a pipe's buffer is still to come
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == 141, err
+    assert "Traceback" not in err and "BrokenPipe" not in err, err
+
+
 def test_state_dir_given_but_missing(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     code, out, err = run(capsys, "--mock", "--state-dir", str(tmp_path / "nope"))
     assert (code, out) == (1, "")
@@ -177,10 +313,8 @@ def test_fleet_file_and_errors(capsys: pytest.CaptureFixture[str], tmp_path: Pat
 
 
 def test_negative_partitions_rejected(capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(SystemExit) as exc:
-        main(["inventory", "--mock", "--gpu-partitions", "-1"])
-    assert exc.value.code == 2
-    assert "must be >= 0" in capsys.readouterr().err
+    assert main(["inventory", "--mock", "--gpu-partitions", "-1"]) == 1  # as in the plugin
+    assert "--gpu-partitions (env GPU_PARTITIONS): must be >= 0" in capsys.readouterr().err
 
 
 def test_without_nvml_library_is_a_clear_error(

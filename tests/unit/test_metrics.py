@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
+import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from driver.observability import metrics
+from driver.plugin.dra import DraService
+from driver.proto.dra.v1 import api_pb2 as v1
 
 
 def _exposed_types() -> dict[str, str]:
@@ -32,7 +38,67 @@ def test_no_metric_that_only_grows_is_a_gauge() -> None:
         "gpu_dra_checkpoint_corrupt",
         "gpu_dra_health_store_corrupt",
         "gpu_dra_kubelet_registered",
+        "gpu_dra_prepared_claims",
+        "gpu_dra_prepared_devices",
+        "gpu_dra_requests_in_flight",
+        "gpu_dra_gpu_healthy",
+        "gpu_dra_gpus",
+        "gpu_dra_build_info",
     }
+
+
+def test_series_of_known_labels_are_zero_from_the_start() -> None:
+    """A fresh process, before any event: `increase()` needs the series to exist."""
+    script = (
+        "from prometheus_client import generate_latest\n"
+        "from driver.observability import metrics\n"
+        "print(generate_latest(metrics.REGISTRY).decode())\n"
+    )
+    text = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=60
+    ).stdout
+    for sample in [
+        'gpu_dra_prepare_claims_total{outcome="ok"} 0.0',
+        'gpu_dra_prepare_claims_total{outcome="transient"} 0.0',
+        'gpu_dra_prepare_claims_total{outcome="invalid-config"} 0.0',
+        'gpu_dra_prepare_claims_total{outcome="device-failed"} 0.0',
+        'gpu_dra_unprepare_claims_total{outcome="error"} 0.0',
+        'gpu_dra_permanent_verdict_replays_total{error_class="device-failed"} 0.0',
+        'gpu_dra_socket_recreations_total{socket="registration"} 0.0',
+        'gpu_dra_requests_in_flight{method="prepare"} 0.0',
+        'gpu_dra_requests_in_flight{method="unprepare"} 0.0',
+    ]:
+        assert sample in text.splitlines(), sample
+
+
+def test_requests_in_flight_while_a_prepare_runs() -> None:
+    release, entered = threading.Event(), threading.Event()
+
+    class SlowState:
+        def prepare(self, claims: Any) -> dict[str, Any]:
+            entered.set()
+            release.wait(10)
+            return {}
+
+        def unprepare(self, claims: Any) -> dict[str, Any]:
+            return {}
+
+    def in_flight() -> float | None:
+        return metrics.REGISTRY.get_sample_value(
+            "gpu_dra_requests_in_flight", {"method": "prepare"}
+        )
+
+    request = v1.NodePrepareResourcesRequest()
+    worker = threading.Thread(
+        target=DraService(SlowState()).prepare, args=(request, None, v1), daemon=True
+    )
+    before = in_flight()
+    worker.start()
+    assert entered.wait(10)
+    assert in_flight() == (before or 0) + 1
+    release.set()
+    worker.join(10)
+    assert in_flight() == before
 
 
 def test_counted_elsewhere_reads_its_sources_at_scrape() -> None:

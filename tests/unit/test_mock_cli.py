@@ -443,3 +443,73 @@ def test_the_spool_of_a_mock_is_read_as_often_as_an_event_would_wake_a_wait(
         None,
     )
     assert without_channel.wait_timeout_ms == DEFAULT_WAIT_TIMEOUT_MS
+
+
+# -- recovery-action: the NVML field the plugin polls --------------------------------------
+
+
+def test_recovery_action_round_trip(plugin: Plugin, tmp_path: Path) -> None:
+    uuid = plugin.uuid(3)
+    argv = ["mock", "recovery-action", "--device", "gpu-3-mig-1g10gb-2", "--action"]
+    code, out, err = cli([*argv, "DRAIN_AND_RESET", "--state-dir", str(tmp_path)])
+    assert (code, err) == (0, "")
+    assert out == f"injected: recovery action drain-and-reset on gpu-3-mig-1g10gb-2 ({uuid})\n"
+    assert plugin.mock.recovery_action(uuid) == 4  # a partition name means its GPU
+    assert plugin.mock.recovery_action(plugin.uuid(2)) == 0
+
+    code, out, _ = cli([*argv, "none", "--state-dir", str(tmp_path)])
+    assert code == 0 and "recovery action none" in out
+    assert plugin.mock.recovery_action(uuid) == 0
+    # The field is all it changes: no health event, no record.
+    assert plugin.monitor.events_handled == 0 and plugin.store.failed_gpus() == {}
+
+
+def test_reset_clears_the_recovery_action(plugin: Plugin, tmp_path: Path) -> None:
+    state = ["--state-dir", str(tmp_path)]
+    cli(["mock", "recovery-action", "--device", "gpu-1", "--action", "node-reboot", *state])
+    assert plugin.mock.recovery_action(plugin.uuid(1)) == 2
+    assert cli(["mock", "reset", "--device", "gpu-1", *state])[0] == 0
+    assert plugin.mock.recovery_action(plugin.uuid(1)) == 0
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--action", "reboot"], "'reboot' is not a recovery action (one of none, gpu-reset"),
+        (["--action", "-1"], "out of range"),
+        ([], "the following arguments are required: --action"),
+    ],
+)
+def test_recovery_action_usage_errors(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        parse(["mock", "recovery-action", "--device", "gpu-0", *argv])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_recovery_action_on_the_wire_and_only_for_its_action() -> None:
+    request = MockRequest("recovery-action", device="gpu-0", recovery_action=1)
+    assert json.loads(request.to_json())["recoveryAction"] == 1
+    assert MockRequest.from_json(request.to_json()) == request
+    assert "recoveryAction" not in json.loads(MockRequest("reset", all=True).to_json())
+    with pytest.raises(MockControlError, match="only valid for recovery-action, not xid"):
+        MockRequest("xid", device="gpu-0", xid=79, recovery_action=1).validate()
+    with pytest.raises(MockControlError, match="invalid recovery action None"):
+        MockRequest("recovery-action", device="gpu-0").validate()
+    with pytest.raises(MockControlError, match="malformed request"):
+        MockRequest.from_json(
+            b'{"action": "recovery-action", "device": "gpu-0", "recoveryAction": "1"}'
+        )
+
+
+def test_plugin_predating_recovery_action_is_reported(tmp_path: Path) -> None:
+    spool = spool_dir(tmp_path)
+    spool.mkdir(mode=0o700)
+    marker = {"pid": os.getpid(), "node": "node-1", "actions": ["clear", "lost", "reset", "xid"]}
+    (spool / ACTIVE_NAME).write_text(json.dumps(marker))
+    argv = ["mock", "recovery-action", "--device", "gpu-0", "--action", "gpu-reset"]
+    code, _, err = cli([*argv, "--state-dir", str(tmp_path)])
+    assert code == 1
+    assert "does not accept 'recovery-action'" in err and "it accepts: clear, lost" in err

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from driver.kube.api import ApiError
+from driver.kube.feature_gates import DroppedFieldsError
 from driver.kube.publisher import SLICES_PATH, SlicePublisher, comparable_spec, slice_index
 
 NODE = "node-a"
@@ -18,10 +19,24 @@ DRIVER = "gpu.example.com"
 class FakeApi:
     """Stores ResourceSlices like the API server does (names, uids, resourceVersions)."""
 
-    def __init__(self) -> None:
+    def __init__(self, drops: tuple[str, ...] = ()) -> None:
         self.slices: dict[str, dict[str, Any]] = {}
         self.writes: list[tuple[str, str]] = []
+        self.dry_runs = 0
         self._ids = itertools.count(1)
+        # Fields this server drops as one with their feature gate off does: slice
+        # fields ("sharedCounters") and device fields ("devices[].taints").
+        self._drops = drops
+
+    def _stored(self, body: Any) -> Any:
+        obj = copy.deepcopy(body)
+        for name in self._drops:
+            if name.startswith("devices[]."):
+                for device in obj["spec"].get("devices") or []:
+                    device.pop(name.removeprefix("devices[]."), None)
+            else:
+                obj["spec"].pop(name, None)
+        return obj
 
     def request(self, method: str, path: str, *, query: Any = None, body: Any = None, **_: Any):
         if method == "GET" and path == f"/api/v1/nodes/{NODE}":
@@ -31,10 +46,14 @@ class FakeApi:
                 "metadata": {"resourceVersion": "1"},
                 "items": copy.deepcopy(list(self.slices.values())),
             }
+        if (query or {}).get("dryRun") == "All":  # answered as stored, never stored
+            assert method == "POST"
+            self.dry_runs += 1
+            return self._stored(body)
         self.writes.append((method, path))
         n = next(self._ids)
         if method == "POST":
-            obj = copy.deepcopy(body)
+            obj = self._stored(body)
             obj["metadata"]["name"] = obj["metadata"].pop("generateName") + f"x{n:04d}"
             obj["metadata"].update(
                 uid=f"uid-{n}", resourceVersion=str(n), creationTimestamp=f"t{n:05d}"
@@ -45,7 +64,7 @@ class FakeApi:
         if name not in self.slices:
             raise ApiError(404, "NotFound")
         if method == "PUT":
-            obj = copy.deepcopy(body)
+            obj = self._stored(body)
             obj["metadata"]["resourceVersion"] = str(n)
             self.slices[name] = obj
             return copy.deepcopy(obj)
@@ -252,3 +271,72 @@ def test_a_slice_changed_by_someone_else_is_written_back(api: FakeApi) -> None:
     assert next(iter(api.slices.values()))["spec"]["devices"][0]["attributes"]["index"] == {
         "int": 0
     }
+
+
+# -- fields that only a feature gate keeps ---------------------------------------------
+
+COUNTER_SET = {"name": "gpu-0-counter-set", "counters": {"memory": {"value": "80Gi"}}}
+CONSUMES = [{"counterSet": "gpu-0-counter-set", "counters": {"memory": {"value": "10Gi"}}}]
+
+
+def partitioned_pool() -> list[dict[str, Any]]:
+    counters = {**spec(), "sharedCounters": [COUNTER_SET]}
+    del counters["devices"]
+    return [counters, spec(device("gpu-0-mig-1g10gb-0", consumesCounters=CONSUMES))]
+
+
+def test_a_server_without_partitionable_devices_fails_the_publish_storing_nothing() -> None:
+    api = FakeApi(drops=("sharedCounters", "devices[].consumesCounters"))
+    with pytest.raises(DroppedFieldsError) as exc:
+        publisher(api, partitioned_pool()).reconcile()
+    message = str(exc.value)
+    assert "DRAPartitionableDevices" in message and "Kubernetes 1.36" in message
+    assert "Counters (1) of ResourceSlice" in message and "overlapping" in message
+    assert exc.value.gates == ("DRAPartitionableDevices",)
+    # The dry run found it: no slice without its counters reached the store.
+    assert api.slices == {} and api.writes == [] and api.dry_runs >= 1
+
+
+def test_the_dry_run_is_done_once_and_a_server_with_the_gates_is_written(api: FakeApi) -> None:
+    desired = partitioned_pool()
+    pub = publisher(api, desired)
+    pub.reconcile()
+    assert len(api.slices) == 2 and api.dry_runs == 2
+    desired[1] = spec(device("gpu-0-mig-1g10gb-0", consumesCounters=CONSUMES, taints=TAINT))
+    pub.reconcile()
+    assert api.dry_runs == 2  # later writes are checked by their answers
+
+
+TAINT = [{"key": f"{DRIVER}/xid", "value": "79", "effect": "NoSchedule"}]
+
+
+def test_a_dropped_taint_fails_a_later_publish_naming_its_gate() -> None:
+    api = FakeApi(drops=("devices[].taints",))
+    desired = [spec(device("gpu-0")), spec(device("gpu-1"))]
+    pub = publisher(api, desired)
+    pub.reconcile()  # no taint yet: nothing to drop
+    desired[1] = spec(device("gpu-1", taints=TAINT))
+    with pytest.raises(DroppedFieldsError, match="DRADeviceTaints") as exc:
+        pub.reconcile()
+    assert "devices[].taints (1)" in str(exc.value)
+
+
+def test_a_default_false_allow_multiple_allocations_may_be_dropped() -> None:
+    api = FakeApi(drops=("devices[].allowMultipleAllocations",))
+    pub = publisher(api, [spec(device("gpu-0", allowMultipleAllocations=False))])
+    pub.reconcile()
+    shared = spec(device("gpu-0", allowMultipleAllocations=True))
+    with pytest.raises(DroppedFieldsError, match="DRAConsumableCapacity"):
+        publisher(FakeApi(drops=("devices[].allowMultipleAllocations",)), [shared]).reconcile()
+
+
+def test_the_background_loop_reports_the_gate_until_it_is_on() -> None:
+    api = FakeApi(drops=("sharedCounters", "devices[].consumesCounters"))
+    pub = publisher(api, partitioned_pool())
+    pub._watch_loop = lambda: None  # type: ignore[method-assign]
+    pub.start()
+    try:
+        assert not pub.wait_synced(pub.trigger(), timeout=1)
+        assert pub.stats.failing is not None and "DRAPartitionableDevices" in pub.stats.failing
+    finally:
+        pub.stop()

@@ -25,6 +25,7 @@ from driver.nvml.mock import mig as mock_mig
 from driver.nvml.mock import mig_state as mock_mig_state
 from driver.nvml.mock.fleet import parse_fleet
 from driver.nvml.mock.nvml import MockNvml
+from driver.nvml.recovery import ACTION_NAMES, FIELD_RECOVERY_ACTION, RecoveryActionReader
 from driver.nvml.types import HealthEvent
 
 
@@ -57,6 +58,8 @@ def recorded() -> Recorder:
     backend = NvmlBackend(rec, backend_name="mock")
     backend.discover()
     backend.open_event_set()
+    inner.set_recovery_action(inner.gpus[0].uuid, 1)
+    backend.recovery_actions([g.uuid for g in inner.gpus])
     inner.inject_xid(inner.gpus[0].uuid, 79)
     inner.inject(HealthEvent(gpu_uuid=inner.gpus[1].uuid, kind="ecc-dbe"))
     inner.inject_gpu_lost(inner.gpus[1].uuid)
@@ -96,6 +99,7 @@ def test_backend_exercised_the_whole_api(recorded: Recorder) -> None:
         "nvmlDeviceRegisterEvents",
         "nvmlEventSetWait_v2",
         "nvmlEventSetFree",
+        "nvmlDeviceGetFieldValues",
     }
     assert expected <= called, expected - called
 
@@ -321,3 +325,51 @@ def test_mig_calls_bind_and_use_only_pynvml_names(mig_recorded: Recorder) -> Non
     assert not missing, f"names pynvml lacks: {missing}"
     for name, args, kwargs in mig_recorded.calls:
         inspect.signature(getattr(pynvml, name)).bind(*args, **kwargs)
+
+
+# -- the recovery action (nvmlDeviceGetFieldValues) --------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("mock_struct", "real_struct"),
+    [
+        (m.c_nvmlFieldValue_t, pynvml.c_nvmlFieldValue_t),
+        (m.c_nvmlValue_t, pynvml.c_nvmlValue_t),
+    ],
+)
+def test_field_value_structs_have_pynvmls_layout(mock_struct: Any, real_struct: Any) -> None:
+    assert [(name, ctypes.sizeof(kind)) for name, kind in mock_struct._fields_] == [
+        (name, ctypes.sizeof(kind)) for name, kind in real_struct._fields_
+    ]
+    assert ctypes.sizeof(mock_struct) == ctypes.sizeof(real_struct)
+
+
+def test_recovery_action_names_are_pynvmls() -> None:
+    assert FIELD_RECOVERY_ACTION == pynvml.NVML_FI_DEV_GET_GPU_RECOVERY_ACTION
+    for code, name in ACTION_NAMES.items():
+        constant = "NVML_GPU_RECOVERY_ACTION_" + name.upper().replace("-", "_")
+        assert getattr(pynvml, constant) == code, constant
+
+
+class RealStructs:
+    """The mock answering in pynvml's own ctypes array, as the real call returns it."""
+
+    def __init__(self, inner: MockNvml) -> None:
+        self._inner = inner
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def nvmlDeviceGetFieldValues(self, handle: Any, fieldIds: list[Any]) -> Any:
+        answer = self._inner.nvmlDeviceGetFieldValues(handle, fieldIds)
+        real = (pynvml.c_nvmlFieldValue_t * len(answer))()
+        ctypes.memmove(real, answer, ctypes.sizeof(real))
+        return real
+
+
+def test_reader_decodes_pynvmls_field_value_struct() -> None:
+    inner = MockNvml(parse_fleet({"gpus": [{"model": "H100-80GB", "count": 2}]}), "n")
+    inner.set_recovery_action(inner.gpus[1].uuid, pynvml.NVML_GPU_RECOVERY_ACTION_DRAIN_P2P)
+    reader = RecoveryActionReader(CountingModule(RealStructs(inner)))
+    readings = reader.read([g.uuid for g in inner.gpus])
+    assert [r.action for r in readings] == [0, pynvml.NVML_GPU_RECOVERY_ACTION_DRAIN_P2P]

@@ -126,8 +126,9 @@ def test_driver_name_matching_no_document_fails(tmp_path: Path) -> None:
     code, out, err = run_cli("--driver-name", "gpu.acme.io", str(claim))
     assert (code, out) == (1, "")
     assert err == (
-        "gpu-dra validate: --driver-name gpu.acme.io matches no document: no GpuConfig and "
-        "no opaque config for it (opaque configs found for: gpu.example.com)\n"
+        "gpu-dra validate: --driver-name gpu.acme.io matches no document: no GpuConfig, no "
+        "claim asking for its classes and no opaque config for it (opaque configs found "
+        "for: gpu.example.com)\n"
     )
 
 
@@ -230,14 +231,6 @@ def test_directory(tmp_path: Path) -> None:
     assert problems(err) == [f"{empty_dir}: directory has no *.yaml, *.yml, *.json files"]
 
 
-def test_file_without_config_documents_fails(tmp_path: Path) -> None:
-    pod = tmp_path / "pod.yaml"
-    pod.write_text("apiVersion: v1\nkind: Pod\nmetadata: {name: p}\n")
-    code, out, err = run_cli(str(pod))
-    assert (code, out) == (1, "")
-    assert err.startswith("gpu-dra validate: no GpuConfig or claim documents found in 1 file(s)")
-
-
 def test_non_mapping_document_is_reported(tmp_path: Path) -> None:
     odd = tmp_path / "odd.yaml"
     odd.write_text("- just\n- a list\n")
@@ -310,8 +303,8 @@ def test_claim_with_only_capacity_requests_counts_for_the_driver_of_the_slices(
     tmp_path: Path,
 ) -> None:
     """A share claim without an opaque config (demo/11-shared-gpu-capacity.yaml) is checked
-    for the driver when --slices publishes devices of it; without --slices nothing in it
-    is for the driver."""
+    for the driver when --slices publishes devices of it, and without --slices it is the
+    driver's by its device class."""
     claim = json.loads(json.dumps(_capacity_claim("share", memory="16Gi", compute="20")))
     del claim["spec"]["devices"]["config"]
     share = tmp_path / "share.json"
@@ -319,5 +312,88 @@ def test_claim_with_only_capacity_requests_counts_for_the_driver_of_the_slices(
     code, out, err = run_cli(str(share), "--slices", str(_shared_slices(tmp_path)))
     assert (code, err) == (0, ""), err
     assert out.startswith("OK: 1 GpuConfig/claim document(s) in 1 file(s)")
-    code, _, err = run_cli(str(share))
-    assert code == 1 and "--driver-name gpu.example.com matches no document" in err
+    code, out, err = run_cli(str(share))
+    assert (code, err) == (0, "")
+    assert out.startswith("OK: 1 GpuConfig/claim document(s) in 1 file(s)")
+
+
+def test_a_yaml_error_is_one_line_naming_file_line_and_column(tmp_path: Path) -> None:
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("apiVersion: v1\nkind: Namespace\n---\na: [1\nb: 2\n")
+    code, out, err = run_cli(str(broken))
+    assert (code, out) == (1, "")
+    assert problems(err) == [
+        f"{broken}: invalid YAML: line 5, column 2: expected ',' or ']', but got ':' "
+        "(while parsing a flow sequence from line 4, column 4)"
+    ]
+    indented = tmp_path / "indented.yaml"
+    indented.write_text("a: 1\n b: 2\n")
+    code, _, err = run_cli(str(indented))
+    assert problems(err) == [
+        f"{indented}: invalid YAML: line 2, column 3: mapping values are not allowed here"
+    ]
+
+
+def test_a_yaml_reader_error_names_line_and_column(tmp_path: Path) -> None:
+    control = tmp_path / "control.yaml"
+    control.write_text("a: 1\nb: \x07\n")
+    code, _, err = run_cli(str(control))
+    assert code == 1
+    assert problems(err) == [
+        f"{control}: invalid YAML: line 2, column 4: unacceptable character #x0007: "
+        "special characters are not allowed"
+    ]
+
+
+def _default_fleet_slices(tmp_path: Path, gpu_partitions: int) -> Path:
+    from driver.devices.model import PoolOptions, build_pool
+    from driver.devices.slices import build_slice_documents
+    from driver.nvml.backend import select_backend
+
+    inventory = select_backend(mock=True, fleet_path=None, node_name="node-a").discover()
+    assert {gpu.memory_bytes for gpu in inventory.gpus} == {85520809984}  # H100 80GB
+    options = PoolOptions(gpu_partitions=gpu_partitions, allow_multiple_allocations=True)
+    docs = build_slice_documents(
+        build_pool(inventory, options), driver="gpu.example.com", node_name="node-a"
+    )
+    slices = tmp_path / "slices.json"
+    slices.write_text(json.dumps({"kind": "List", "items": docs}))
+    return slices
+
+
+def test_capacity_errors_print_quantities_not_bytes(tmp_path: Path) -> None:
+    """An H100's 85520809984 bytes are written as the API server writes them, 81559Mi."""
+    slices = _default_fleet_slices(tmp_path, gpu_partitions=1)
+    claim = tmp_path / "claim.json"
+    claim.write_text(json.dumps(_capacity_claim("big", memory="100Gi")))
+    code, _, err = run_cli(str(claim), "--slices", str(slices))
+    assert code == 1
+    [line] = problems(err)
+    assert line.endswith(
+        "memory=100Gi: no single device offers this much "
+        "(largest memory: 81559Mi (gpu-0-full on node-a))"
+    )
+    assert "85520809984" not in line
+
+
+def test_a_memory_no_binary_suffix_divides_is_also_shown_approximately(tmp_path: Path) -> None:
+    """A third of an H100 (28506936661 bytes, published so) gets a readable size beside
+    the exact one. A request is checked against the devices its chart class selects:
+    30Gi fits the whole GPU gpu-0-full (class gpu.example.com), no partition."""
+    slices = _default_fleet_slices(tmp_path, gpu_partitions=3)
+    claim = json.loads(json.dumps(_capacity_claim("big", memory="30Gi")))
+    claim["spec"]["devices"]["requests"][0]["exactly"]["deviceClassName"] = (
+        "partition.gpu.example.com"
+    )
+    path = tmp_path / "claim.json"
+    path.write_text(json.dumps(claim))
+    code, _, err = run_cli(str(path), "--slices", str(slices))
+    assert code == 1
+    [line] = problems(err)
+    assert line.endswith(
+        "memory=30Gi: no single device offers this much "
+        "(largest memory: 28506936661 (~26.5Gi) (gpu-0-partition-0 on node-a))"
+    )
+    claim["spec"]["devices"]["requests"][0]["exactly"]["deviceClassName"] = "gpu.example.com"
+    path.write_text(json.dumps(claim))
+    assert run_cli(str(path), "--slices", str(slices))[0] == 0

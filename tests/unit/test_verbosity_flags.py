@@ -1,5 +1,6 @@
-"""`-v` on gpu-dra (every subcommand); gpu-dra-webhook's flags from the environment,
-each with its environment variable and default in --help."""
+"""`-v` on gpu-dra (every subcommand), one verbosity scale for the three binaries;
+gpu-dra-webhook's flags from the environment, each with its environment variable and
+default in --help."""
 
 from __future__ import annotations
 
@@ -7,14 +8,18 @@ import argparse
 import logging
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 from driver import cli
-from driver.cli.verbosity import QUIET_LOGGERS
+from driver.cli.verbosity import configure_logging
+from driver.observability.logs import setup_logging
+from driver.plugin.flags import parse_options
 from driver.webhook import main as webhook_main
+
+CLIENT_LOGGERS = ("urllib3", "kubernetes")
 
 WEBHOOK_ENV = ("TLS_CERT_FILE", "TLS_PRIVATE_KEY_FILE", "PORT", "BIND_ADDRESS", "DRIVER_NAME")
 WEBHOOK_ENV_ALL = (*WEBHOOK_ENV, "LOG_LEVEL", "V")
@@ -22,13 +27,15 @@ WEBHOOK_ENV_ALL = (*WEBHOOK_ENV, "LOG_LEVEL", "V")
 
 @pytest.fixture(autouse=True)
 def restore_logging(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    names = ["", *QUIET_LOGGERS]
+    names = ["", *CLIENT_LOGGERS]
     levels = {name: logging.getLogger(name).level for name in names}
+    handlers = logging.getLogger().handlers[:]
     for name in WEBHOOK_ENV_ALL:
         monkeypatch.delenv(name, raising=False)
     yield
     for name, level in levels.items():
         logging.getLogger(name).setLevel(level)
+    logging.getLogger().handlers[:] = handlers
 
 
 def subcommand_parsers(
@@ -81,8 +88,53 @@ def run_validate(tmp_path: Path, flags: list[str]) -> int:
 def test_verbosity_sets_the_log_level(tmp_path: Path, flags: list[str], level: int) -> None:
     assert run_validate(tmp_path, flags) == 0
     assert logging.getLogger().level == level
-    for name in QUIET_LOGGERS:  # bearer tokens in the Kubernetes client's debug logs
-        assert logging.getLogger(name).level == logging.WARNING
+    # Bearer tokens in the Kubernetes client's debug logs.
+    assert logging.getLogger("kubernetes").level == logging.WARNING
+
+
+def plugin_level(verbosity: str | None) -> int:
+    argv = ["--node-name=n"] + ([f"--v={verbosity}"] if verbosity is not None else [])
+    options = parse_options(argv)
+    setup_logging(options.log_format, options.verbosity)
+    return logging.getLogger().level
+
+
+def webhook_level(verbosity: str | None) -> int:
+    argv = ["--tls-cert-file=c", "--tls-private-key-file=k"]
+    argv += [f"--v={verbosity}"] if verbosity is not None else []
+    webhook_main.configure_logging(webhook_main.parse_args(argv))
+    return logging.getLogger().level
+
+
+def cli_level(verbosity: str | None) -> int:
+    configure_logging(int(verbosity or 0))
+    return logging.getLogger().level
+
+
+SCALE = {
+    "0": logging.WARNING,
+    "1": logging.INFO,
+    "2": logging.INFO,
+    "3": logging.INFO,
+    "4": logging.DEBUG,
+    "7": logging.DEBUG,
+}
+
+
+@pytest.mark.parametrize("binary", [plugin_level, webhook_level, cli_level])
+@pytest.mark.parametrize(("verbosity", "level"), SCALE.items())
+def test_one_verbosity_scale_for_the_three_binaries(
+    binary: Callable[[str | None], int], verbosity: str, level: int
+) -> None:
+    assert binary(verbosity) == level
+    http_client = logging.getLogger("urllib3").level
+    assert http_client == (logging.DEBUG if int(verbosity) >= 5 else logging.ERROR)
+    assert logging.getLogger("kubernetes").level == logging.WARNING
+
+
+def test_daemons_log_info_by_default_and_the_cli_warnings() -> None:
+    assert plugin_level(None) == webhook_level(None) == logging.INFO
+    assert cli_level(None) == logging.WARNING
 
 
 def gpu_dra(*args: str) -> subprocess.CompletedProcess[str]:
@@ -122,8 +174,8 @@ def test_webhook_help_shows_each_flags_env_and_default() -> None:
     text = " ".join(parser.format_help().split())
     assert "(env PORT, default: 443)" in text
     assert "(env DRIVER_NAME, default: gpu.example.com)" in text
-    assert "(env LOG_LEVEL, default: INFO)" in text
-    assert "(env V, default: 0)" in text
+    assert "(env LOG_LEVEL, default: none)" in text
+    assert "(env V, default: 2)" in text
     assert "(env TLS_CERT_FILE, default: none)" in text
     for action in parser._actions:
         if action.option_strings and action.dest not in ("help", "version"):
@@ -135,16 +187,18 @@ def test_webhook_flags_come_from_the_environment(monkeypatch: pytest.MonkeyPatch
         WEBHOOK_ENV, ("c.pem", "k.pem", "9443", "::", "gpu.other.com"), strict=True
     ):
         monkeypatch.setenv(name, value)
-    monkeypatch.setenv("V", "2")
-    monkeypatch.setenv("LOG_LEVEL", "WARNING")
+    monkeypatch.setenv("V", "4")
     args = webhook_main.parse_args([])
     assert (args.tls_cert_file, args.tls_private_key_file) == ("c.pem", "k.pem")
     assert (args.port, args.bind_address, args.driver_name) == (9443, "::", "gpu.other.com")
-    assert (args.log_level, args.verbosity) == ("WARNING", 2)
-    assert webhook_main.log_level(args) == "DEBUG"
-    # The command line wins over the environment.
-    args = webhook_main.parse_args(["--port", "8443", "--v", "0"])
-    assert (args.port, webhook_main.log_level(args)) == (8443, "WARNING")
+    assert (args.log_level, args.verbosity) == (None, 4)
+    webhook_main.configure_logging(args)
+    assert logging.getLogger().level == logging.DEBUG
+    # The command line wins over the environment; an explicit level wins over -v.
+    monkeypatch.setenv("LOG_LEVEL", "ERROR")
+    args = webhook_main.parse_args(["--port", "8443", "--v", "0", "--log-level", "WARNING"])
+    webhook_main.configure_logging(args)
+    assert (args.port, logging.getLogger().level) == (8443, logging.WARNING)
 
 
 @pytest.mark.parametrize(
@@ -153,6 +207,7 @@ def test_webhook_flags_come_from_the_environment(monkeypatch: pytest.MonkeyPatch
         ({"LOG_LEVEL": "LOUD"}, "--log-level (or LOG_LEVEL): 'LOUD'"),
         ({"PORT": "https"}, "--port"),
         ({"V": "high"}, "-v/--v"),
+        ({"V": "-1"}, "must be >= 0"),
         ({}, "--tls-cert-file"),
     ],
 )

@@ -104,6 +104,15 @@ nvmlEventTypeNone = 0x0
 
 NVML_GPU_RECOVERY_ACTION_NONE = 0
 NVML_GPU_RECOVERY_ACTION_GPU_RESET = 1
+NVML_GPU_RECOVERY_ACTION_NODE_REBOOT = 2
+NVML_GPU_RECOVERY_ACTION_DRAIN_P2P = 3
+NVML_GPU_RECOVERY_ACTION_DRAIN_AND_RESET = 4
+NVML_GPU_RECOVERY_ACTION_RECOVER_IMEX_DOMAIN = 5
+NVML_GPU_RECOVERY_ACTION_BUS_RESET = 6
+NVML_GPU_RECOVERY_ACTION_SYSTEM_REBOOT = 7
+
+NVML_FI_DEV_GET_GPU_RECOVERY_ACTION = 230
+NVML_VALUE_TYPE_UNSIGNED_INT = 1
 
 NVML_COMPUTE_INSTANCE_PROFILE_1_SLICE = 0x0
 NVML_COMPUTE_INSTANCE_PROFILE_2_SLICE = 0x1
@@ -237,6 +246,33 @@ class GpuInstanceProfileInfo:  # c_nvmlGpuInstanceProfileInfo_v2_t
     ofaCount: int
     memorySizeMB: int
     name: str
+
+
+class c_nvmlValue_t(ctypes.Union):
+    _fields_ = [
+        ("dVal", ctypes.c_double),
+        ("uiVal", ctypes.c_uint),
+        ("ulVal", ctypes.c_ulong),
+        ("ullVal", ctypes.c_ulonglong),
+        ("sllVal", ctypes.c_longlong),
+        ("siVal", ctypes.c_int),
+        ("usVal", ctypes.c_ushort),
+    ]
+
+
+class c_nvmlFieldValue_t(ctypes.Structure):
+    """One entry of `nvmlDeviceGetFieldValues`: the field asked for and NVML's answer
+    for it (`nvmlReturn`, then `valueType` and `value` when it is NVML_SUCCESS)."""
+
+    _fields_ = [
+        ("fieldId", ctypes.c_uint32),
+        ("scopeId", ctypes.c_uint32),
+        ("timestamp", ctypes.c_int64),
+        ("latencyUsec", ctypes.c_int64),
+        ("valueType", ctypes.c_uint),
+        ("nvmlReturn", ctypes.c_uint),
+        ("value", c_nvmlValue_t),
+    ]
 
 
 @dataclass

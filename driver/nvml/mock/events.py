@@ -5,7 +5,8 @@ event-set functions that deliver them.
 `nvmlEventSetWait*` return it (an Xid attributed to a MIG GPU / compute instance carries
 their IDs in the event data); `gpu-lost` makes every query on that GPU raise
 `GPU_IS_LOST` (and the next wait raise it) until a `recovered` (reset) injection, which
-the next wait reports as a `GpuRecoveryAction` event with action NONE.
+the next wait reports as a `GpuRecoveryAction` event with action NONE. An injection
+also sets the GPU's recovery action as the driver would (`driver/nvml/mock/recovery.py`).
 """
 
 from __future__ import annotations
@@ -71,6 +72,8 @@ class EventFunctions:
 
         def _not_mig(self, handle: Any) -> MockGpu: ...
 
+        def _recovery_after(self, index: int, event: HealthEvent) -> None: ...
+
     def inject(self, event: HealthEvent) -> None:
         """Inject a health event for a GPU (thread-safe); see the module docstring.
 
@@ -101,6 +104,7 @@ class EventFunctions:
                 )
             else:
                 raise ValueError(f"unknown health event kind {event.kind!r}")
+            self._recovery_after(gpu.index, event)
             self._cond.notify_all()
 
     @staticmethod

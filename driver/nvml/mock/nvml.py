@@ -19,6 +19,9 @@ Extras for tests and demos (not part of pynvml):
 - MIG instances (`driver/nvml/mock/mig.py`): GPU and compute instances and MIG device
   handles, kept in memory or, given `driver_root`, in a state file under it shared by
   every process on that root; `mock_reboot()` drops the dynamic ones.
+- The recovery action per GPU (`driver/nvml/mock/recovery.py`): set by the faults
+  that need a reset and by `set_recovery_action(uuid, action)`, read with
+  `nvmlDeviceGetFieldValues`, cleared by a reset.
 """
 
 from __future__ import annotations
@@ -80,6 +83,7 @@ from driver.nvml.mock.mig_state import (
     c_nvmlComputeInstance_t,
     c_nvmlGpuInstance_t,
 )
+from driver.nvml.mock.recovery import RecoveryFunctions
 from driver.nvml.types import Inventory
 
 _ARCH_BY_NAME = {
@@ -110,7 +114,7 @@ def _slot_value(slot: str) -> int:
     return value
 
 
-class MockNvml(EventFunctions, MigFunctions):
+class MockNvml(EventFunctions, MigFunctions, RecoveryFunctions):
     """A pynvml-compatible module object for one mock node.
 
     `driver_root`: keep MIG instances in a state file under it (shared by every
@@ -134,6 +138,7 @@ class MockNvml(EventFunctions, MigFunctions):
         self._init_count = 0
         self._lost: set[int] = set()
         self._pending: list[PendingEvent] = []
+        self._recovery_actions: dict[int, int] = {}
         self.calls: collections.Counter[str] = collections.Counter()
         self._init_mig(None if driver_root is None else Path(driver_root))
         if driver_root is not None:

@@ -108,22 +108,59 @@ seccompProfile:
 {{- end }}
 
 {{/*
-Affinity of the plugin pods: kubeletPlugin.affinity with the gpuNodeLabel expression
-added to every required nodeSelectorTerm (terms are ORed, so each must carry it), or
-as the only term. Empty output: no affinity.
+Node feature discovery's labels for a node with an NVIDIA (PCI vendor 10de) device:
+vendor only (the GPU operator's NFD configuration), and class + vendor (NFD's default
+labelling) for 3D (0302) and VGA (0300) controllers. NVIDIA's chart selects the same.
+*/}}
+{{- define "gpu-dra-driver.nfdNvidiaPciLabels" -}}
+- feature.node.kubernetes.io/pci-10de.present
+- feature.node.kubernetes.io/pci-0302_10de.present
+- feature.node.kubernetes.io/pci-0300_10de.present
+{{- end }}
+
+{{/*
+The node-selector requirements that each mark a GPU node (any one suffices):
+gpuNodeLabel, then, with gpuNodeLabel.nfdPciLabels, NFD's NVIDIA PCI labels. A key
+under node-restriction.kubernetes.io/ (one that the NodeRestriction admission plugin
+keeps kubelets from setting on their own Node) is pointless next to labels a node can
+set on itself, so that combination is refused.
+*/}}
+{{- define "gpu-dra-driver.gpuNodeRequirements" -}}
+{{- $label := .Values.kubeletPlugin.gpuNodeLabel }}
+{{- if $label.key }}
+{{- if and (hasPrefix "node-restriction.kubernetes.io/" $label.key) $label.nfdPciLabels }}
+{{- fail (printf "kubeletPlugin.gpuNodeLabel.key %s is a label only administrators can set, but kubeletPlugin.gpuNodeLabel.nfdPciLabels=true also selects nodes by node feature discovery's labels, which a node can set on itself: set kubeletPlugin.gpuNodeLabel.nfdPciLabels=false" $label.key) }}
+{{- end }}
+{{- $requirements := list (dict "key" $label.key "operator" "In" "values" $label.values) }}
+{{- if $label.nfdPciLabels }}
+{{- range include "gpu-dra-driver.nfdNvidiaPciLabels" . | fromYamlArray }}
+{{- $requirements = append $requirements (dict "key" . "operator" "In" "values" (list "true")) }}
+{{- end }}
+{{- end }}
+{{- toYaml $requirements }}
+{{- end }}
+{{- end }}
+
+{{/*
+Affinity of the plugin pods: kubeletPlugin.affinity, its required node selector ANDed
+with "any GPU node requirement". Terms are ORed, so each user term (or an empty one)
+is combined with each GPU node requirement: (A or B) and (g1 or g2) = A g1, A g2, B g1,
+B g2. Empty output: no affinity.
 */}}
 {{- define "gpu-dra-driver.pluginAffinity" -}}
 {{- $kp := .Values.kubeletPlugin }}
 {{- $affinity := deepCopy (default (dict) $kp.affinity) }}
-{{- if $kp.gpuNodeLabel.key }}
-{{- $gpu := dict "key" $kp.gpuNodeLabel.key "operator" "In" "values" $kp.gpuNodeLabel.values }}
+{{- $gpuRequirements := include "gpu-dra-driver.gpuNodeRequirements" . | fromYamlArray }}
+{{- if $gpuRequirements }}
 {{- $nodeAffinity := default (dict) (get $affinity "nodeAffinity") }}
 {{- $required := default (dict) (get $nodeAffinity "requiredDuringSchedulingIgnoredDuringExecution") }}
 {{- $terms := list }}
-{{- range (default (list (dict)) (get $required "nodeSelectorTerms")) }}
-{{- $term := deepCopy . }}
-{{- $_ := set $term "matchExpressions" (append (default (list) (get $term "matchExpressions")) $gpu) }}
+{{- range $userTerm := default (list (dict)) (get $required "nodeSelectorTerms") }}
+{{- range $gpuRequirements }}
+{{- $term := deepCopy $userTerm }}
+{{- $_ := set $term "matchExpressions" (append (default (list) (get $term "matchExpressions")) .) }}
 {{- $terms = append $terms $term }}
+{{- end }}
 {{- end }}
 {{- $_ := set $required "nodeSelectorTerms" $terms }}
 {{- $_ := set $nodeAffinity "requiredDuringSchedulingIgnoredDuringExecution" $required }}
@@ -204,4 +241,132 @@ gives an integer, a values file a float) or a list of numbers.
 {{- else if not (kindIs "invalid" .) }}
 {{- int64 . }}
 {{- end }}
+{{- end }}
+
+{{/*
+The mock uses a driver root only when one is named: a fake driver installation that
+makes its CDI specs complete, as on a real node. Output "true" or nothing.
+*/}}
+{{- define "gpu-dra-driver.pluginUsesDriverRoot" -}}
+{{- if or (eq .Values.nvml.backend "nvml") (ne (include "gpu-dra-driver.driverRootHost" .) "/") }}true{{ end }}
+{{- end }}
+
+{{/*
+The plugin container's environment set by the chart: the plugin's flags (driver/plugin/
+flags.py) from the values; POD_UID gives every pod's sockets its own name (rolling
+updates); GPU_DRA_STATE_DIR lets `kubectl exec ... gpu-dra` find the data directory;
+NVIDIA_DRIVER_ROOT_HOST is the driver root's host path, by which the CDI specs name
+the driver's files. A YAML list; kubeletPlugin.containers.plugin.extraEnv follows it.
+*/}}
+{{- define "gpu-dra-driver.pluginEnv" -}}
+{{- $kp := .Values.kubeletPlugin }}
+- name: NODE_NAME
+  valueFrom:
+    fieldRef:
+      fieldPath: spec.nodeName
+- name: POD_UID
+  valueFrom:
+    fieldRef:
+      fieldPath: metadata.uid
+- name: DRIVER_NAME
+  value: {{ include "gpu-dra-driver.driverName" . | quote }}
+- name: CDI_ROOT
+  value: {{ $kp.cdiRoot | quote }}
+- name: KUBELET_REGISTRAR_DIRECTORY_PATH
+  value: {{ $kp.kubeletRegistrarDirectoryPath | quote }}
+- name: KUBELET_PLUGINS_DIRECTORY_PATH
+  value: {{ $kp.kubeletPluginsDirectoryPath | quote }}
+- name: NVML_BACKEND
+  value: {{ .Values.nvml.backend | quote }}
+- name: GPU_DRA_STATE_DIR
+  value: {{ printf "%s/%s" $kp.kubeletPluginsDirectoryPath (include "gpu-dra-driver.driverName" .) | quote }}
+{{- if .Values.nvml.mockFleet }}
+- name: MOCK_FLEET
+  value: /etc/gpu-dra-driver/mock-fleet.yaml
+{{- end }}
+{{- if include "gpu-dra-driver.pluginUsesDriverRoot" . }}
+- name: NVIDIA_DRIVER_ROOT
+  value: /driver-root
+- name: NVIDIA_DRIVER_ROOT_HOST
+  value: {{ include "gpu-dra-driver.driverRootHost" . | quote }}
+{{- with .Values.nvidiaCDIHookPath }}
+- name: NVIDIA_CDI_HOOK_PATH
+  value: {{ . | quote }}
+{{- end }}
+{{- end }}
+- name: GPU_PARTITIONS
+  value: {{ $kp.gpuPartitions | quote }}
+- name: MIG_STRATEGY
+  value: {{ $kp.migStrategy | quote }}
+{{- if $kp.allowMultipleAllocations }}
+- name: GPU_ALLOW_MULTIPLE_ALLOCATIONS
+  value: "true"
+{{- end }}
+- name: XID_TAINT_EFFECT
+  value: {{ $kp.health.xidTaintEffect | quote }}
+- name: ADDITIONAL_XIDS_TO_IGNORE
+  value: {{ include "gpu-dra-driver.xidList" $kp.health.additionalXidsToIgnore | quote }}
+- name: FATAL_XIDS
+  value: {{ include "gpu-dra-driver.xidList" $kp.health.fatalXids | quote }}
+- name: RECOVERY_ACTION_POLL_INTERVAL
+  value: {{ $kp.health.recoveryActionPollInterval | quote }}
+- name: PERMANENT_ERRORS
+  value: {{ $kp.permanentErrors | quote }}
+- name: DEVICE_STATUS
+  value: {{ .Values.deviceStatus | quote }}
+- name: HTTP_PORT
+  value: {{ $kp.httpPort | quote }}
+- name: LOG_FORMAT
+  value: {{ .Values.logging.format | quote }}
+- name: V
+  value: {{ include "gpu-dra-driver.logVerbosity" . | quote }}
+{{- end }}
+
+{{/*
+Where each variable of gpu-dra-driver.pluginEnv comes from, for the error that refuses
+an extraEnv entry of the same name.
+*/}}
+{{- define "gpu-dra-driver.pluginEnvSources" -}}
+NODE_NAME: the pod's spec.nodeName
+POD_UID: the pod's metadata.uid
+DRIVER_NAME: driverName
+CDI_ROOT: kubeletPlugin.cdiRoot
+KUBELET_REGISTRAR_DIRECTORY_PATH: kubeletPlugin.kubeletRegistrarDirectoryPath
+KUBELET_PLUGINS_DIRECTORY_PATH: kubeletPlugin.kubeletPluginsDirectoryPath
+NVML_BACKEND: nvml.backend
+GPU_DRA_STATE_DIR: kubeletPlugin.kubeletPluginsDirectoryPath and driverName
+MOCK_FLEET: nvml.mockFleet
+NVIDIA_DRIVER_ROOT: nvidiaDriverRoot
+NVIDIA_DRIVER_ROOT_HOST: nvidiaDriverRoot
+NVIDIA_CDI_HOOK_PATH: nvidiaCDIHookPath
+GPU_PARTITIONS: kubeletPlugin.gpuPartitions
+MIG_STRATEGY: kubeletPlugin.migStrategy
+GPU_ALLOW_MULTIPLE_ALLOCATIONS: kubeletPlugin.allowMultipleAllocations
+XID_TAINT_EFFECT: kubeletPlugin.health.xidTaintEffect
+ADDITIONAL_XIDS_TO_IGNORE: kubeletPlugin.health.additionalXidsToIgnore
+FATAL_XIDS: kubeletPlugin.health.fatalXids
+RECOVERY_ACTION_POLL_INTERVAL: kubeletPlugin.health.recoveryActionPollInterval
+PERMANENT_ERRORS: kubeletPlugin.permanentErrors
+DEVICE_STATUS: deviceStatus
+HTTP_PORT: kubeletPlugin.httpPort
+LOG_FORMAT: logging.format
+V: logVerbosity
+{{- end }}
+
+{{/*
+The plugin container's env: the chart's, then kubeletPlugin.containers.plugin.extraEnv,
+whose names must differ from the chart's (a later duplicate would silently win over
+the value the schema checked).
+*/}}
+{{- define "gpu-dra-driver.pluginEnvWithExtra" -}}
+{{- $env := include "gpu-dra-driver.pluginEnv" . | fromYamlArray }}
+{{- $sources := include "gpu-dra-driver.pluginEnvSources" . | fromYaml }}
+{{- $chartNames := dict }}
+{{- range $env }}{{ $_ := set $chartNames .name true }}{{ end }}
+{{- range $i, $extra := .Values.kubeletPlugin.containers.plugin.extraEnv }}
+{{- if hasKey $chartNames $extra.name }}
+{{- fail (printf "kubeletPlugin.containers.plugin.extraEnv[%d]: %s is set by the chart from %s: set that value instead" $i $extra.name (get $sources $extra.name | default "its own values")) }}
+{{- end }}
+{{- end }}
+{{- toYaml (concat $env .Values.kubeletPlugin.containers.plugin.extraEnv) }}
 {{- end }}

@@ -1,0 +1,267 @@
+"""What `gpu-dra validate` checks in a claim beyond each GpuConfig on its own: what its
+requests and configs name. Each of these problems leaves a claim pending, refused by
+the API server, or failing at every prepare, while each GpuConfig in it is valid.
+
+- Device classes. A request's `deviceClassName` must be a class of the driver (the
+  chart's `<driver>`, `mig.<driver>` and `partition.<driver>`, the names given with
+  `--device-class`, a DeviceClass in the given files that selects the driver's devices
+  or configures them) or a DeviceClass of another driver in the given files. In a claim
+  for the driver every unknown name is reported; in any other claim only a name close
+  to one of the driver's (a likely misspelling).
+- Request names. Each name in a config's `requests` must be a request (`gpu`) or a
+  sub-request (`gpu/small`) of the claim: the API server refuses the claim otherwise.
+- SpacePartitioning. For each request, the config that applies at prepare (the claim's
+  last config of the driver naming it or naming none) must not be SpacePartitioning on a
+  partition class (`mig.<driver>`, `partition.<driver>`): prepare never splits a
+  partition. With `--slices`, some published device the request's class selects
+  (`DeviceClasses.offered`) must take it at prepare (`driver.config.validate_for_device`:
+  a whole GPU not shared by capacity whose `maxPartitions`, if published, is at least
+  `partitionCount`).
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+
+from driver.cli.claim_requests import (
+    ClaimConfig,
+    DeviceRequest,
+    claim_configs,
+    device_requests,
+    request_names,
+)
+from driver.cli.slice_devices import GPU_PARTITION_ATTRIBUTE, MIG_ATTRIBUTE, OfferedDevice
+from driver.config import CONFIG_LIST_PATHS, ConfigError, GpuConfig, Strategy, request_matches
+from driver.config import validate_for_device as device_rule
+from driver.config.documents import config_list_of, opaque_parameters_errors
+from driver.config.errors import FieldError
+
+#: How alike (difflib ratio) an unknown class name and one of the driver's must be to
+#: be reported in a claim not otherwise for the driver: `gpu.exmaple.com` (0.93) is,
+#: another driver's `nic.example.com` (0.80) is not.
+MISSPELLING_CUTOFF = 0.85
+
+
+def chart_classes(driver: str) -> dict[str, str | None]:
+    """The chart's DeviceClasses for `driver`, each with the attribute its selector
+    requires of a device (None: whole GPUs, which have neither)."""
+    return {
+        driver: None,
+        f"mig.{driver}": MIG_ATTRIBUTE,
+        f"partition.{driver}": GPU_PARTITION_ATTRIBUTE,
+    }
+
+
+@dataclass(frozen=True)
+class DeviceClasses:
+    """The DeviceClass names claims may use, and whose they are."""
+
+    driver: str
+    ours: tuple[str, ...]  # the driver's, the chart's first
+    others: frozenset[str]  # DeviceClasses of other drivers in the given files
+
+    @classmethod
+    def of(cls, driver: str, extra: Iterable[str], documents: Iterable[object]) -> DeviceClasses:
+        """The chart's classes for `driver`, `extra` (--device-class), and the
+        DeviceClass documents among `documents`."""
+        ours = [*chart_classes(driver), *extra]
+        others: set[str] = set()
+        for doc in documents:
+            name = _device_class_name(doc)
+            if name is None or not isinstance(doc, Mapping):
+                continue
+            if _selects_driver(doc, driver):
+                ours.append(name)
+            else:
+                others.add(name)
+        return cls(driver, tuple(dict.fromkeys(ours)), frozenset(others))
+
+    def is_ours(self, name: object) -> bool:
+        return name in self.ours
+
+    def gives_partitions(self, name: object) -> bool:
+        """Whether `name` is a chart class of partitions only (MIG or --gpu-partitions)."""
+        return chart_classes(self.driver).get(str(name)) is not None
+
+    def offered(self, name: object, devices: list[OfferedDevice]) -> list[OfferedDevice]:
+        """The devices a request of class `name` may get: for the chart's classes those
+        their selectors pick (whole GPUs, MIG partitions, `--gpu-partitions` partitions);
+        for any other class all of them."""
+        chart = chart_classes(self.driver)
+        if not isinstance(name, str) or name not in chart:
+            return devices
+        return [d for d in devices if d.partition_attribute == chart[name]]
+
+
+def _device_class_name(doc: object) -> str | None:
+    if not isinstance(doc, Mapping) or doc.get("kind") != "DeviceClass":
+        return None
+    metadata = doc.get("metadata")
+    name = metadata.get("name") if isinstance(metadata, Mapping) else None
+    return name if isinstance(name, str) and name else None
+
+
+def _selects_driver(doc: Mapping[str, object], driver: str) -> bool:
+    """Whether a DeviceClass configures `driver`'s devices or names the driver in a
+    CEL selector (`device.driver == '<driver>'`)."""
+    configs = config_list_of(doc, "DeviceClass")
+    for entry in configs if isinstance(configs, list) else []:
+        opaque = entry.get("opaque") if isinstance(entry, Mapping) else None
+        if isinstance(opaque, Mapping) and opaque.get("driver") == driver:
+            return True
+    spec = doc.get("spec")
+    selectors = spec.get("selectors") if isinstance(spec, Mapping) else None
+    for selector in selectors if isinstance(selectors, list) else []:
+        cel = selector.get("cel") if isinstance(selector, Mapping) else None
+        expression = cel.get("expression") if isinstance(cel, Mapping) else None
+        if isinstance(expression, str) and any(q + driver + q in expression for q in "'\""):
+            return True
+    return False
+
+
+def is_for_driver(doc: object, classes: DeviceClasses) -> bool:
+    """Whether a claim document asks for a class of the driver or configures it, or a
+    DeviceClass document is one of the driver's."""
+    if not isinstance(doc, Mapping) or doc.get("kind") not in CONFIG_LIST_PATHS:
+        return False
+    if doc.get("kind") == "DeviceClass":
+        return classes.is_ours(_device_class_name(doc))
+    return any(classes.is_ours(r.device_class) for r in device_requests(doc)) or any(
+        config.driver == classes.driver for config in claim_configs(doc)
+    )
+
+
+def claim_problems(
+    doc: object, classes: DeviceClasses, devices: list[OfferedDevice] | None
+) -> list[FieldError]:
+    """Every problem of the rules above in one claim document; `devices`: those of the
+    driver in the --slices files, None without them."""
+    requests = device_requests(doc)
+    if not requests:
+        return []
+    for_driver = is_for_driver(doc, classes)
+    problems = list(_class_problems(requests, classes, for_driver))
+    if for_driver:
+        problems += _request_name_problems(requests, claim_configs(doc))
+        problems += _space_partitioning_problems(doc, requests, classes, devices)
+    return problems
+
+
+def _class_problems(
+    requests: list[DeviceRequest], classes: DeviceClasses, for_driver: bool
+) -> Iterator[FieldError]:
+    for request in requests:
+        name = request.device_class
+        path = f"{request.path}.deviceClassName"
+        if not isinstance(name, str) or not name:
+            if for_driver:
+                yield FieldError(path, "required field missing")
+            continue
+        if classes.is_ours(name) or name in classes.others:
+            continue
+        close = difflib.get_close_matches(name, classes.ours, n=1, cutoff=MISSPELLING_CUTOFF)
+        if not close and not for_driver:
+            continue
+        guess = f" (did you mean '{close[0]}'?)" if close else ""
+        yield FieldError(
+            path,
+            f"unknown device class '{name}'{guess}; the classes of {classes.driver} are "
+            f"{', '.join(classes.ours)}; --device-class adds others",
+        )
+
+
+def _request_name_problems(
+    requests: list[DeviceRequest], configs: list[ClaimConfig]
+) -> Iterator[FieldError]:
+    names = request_names(requests)
+    for config in configs:
+        for index, name in enumerate(config.requests):
+            if name not in names:
+                yield FieldError(
+                    f"{config.path}.requests[{index}]",
+                    f"no request '{name}' in this claim (requests: {', '.join(names)})",
+                )
+
+
+def _effective_configs(
+    doc: object, requests: list[DeviceRequest], driver: str
+) -> Iterator[tuple[DeviceRequest, ClaimConfig, GpuConfig]]:
+    """Each request with the claim config of `driver` that prepare applies to it (the
+    last valid one naming it or naming none; `driver.config.resolve_configs`)."""
+    decoded: list[tuple[ClaimConfig, GpuConfig]] = []
+    for config in claim_configs(doc):
+        if config.driver == driver:
+            gpu_config, _ = opaque_parameters_errors(config.parameters, "")
+            if gpu_config is not None:
+                decoded.append((config, gpu_config))
+    for request in requests:
+        applying = [
+            (config, gpu_config)
+            for config, gpu_config in decoded
+            if not config.requests or any(request_matches(n, request.name) for n in config.requests)
+        ]
+        if applying:
+            yield request, *applying[-1]
+
+
+def _space_partitioning_problems(
+    doc: object,
+    requests: list[DeviceRequest],
+    classes: DeviceClasses,
+    devices: list[OfferedDevice] | None,
+) -> Iterator[FieldError]:
+    for request, config, gpu_config in _effective_configs(doc, requests, classes.driver):
+        if gpu_config.strategy != Strategy.SPACE_PARTITIONING:
+            continue
+        parameters = f"{config.path}.opaque.parameters"
+        device_class = request.device_class
+        if classes.gives_partitions(device_class):
+            yield FieldError(
+                f"{parameters}.sharing.strategy",
+                f"SpacePartitioning fails at prepare for request '{request.name}': class "
+                f"{device_class} gives partitions, which cannot be split further; use "
+                "TimeSlicing or no sharing config for it",
+            )
+        elif devices and classes.is_ours(device_class):
+            refusal = _refused_everywhere(gpu_config, classes.offered(device_class, devices))
+            if refusal is not None:
+                yield FieldError(
+                    f"{parameters}.{refusal.path}",
+                    f"fails at prepare for request '{request.name}' on every device of class "
+                    f"{device_class} in the given slices ({refusal.message})",
+                )
+
+
+def _refused_everywhere(config: GpuConfig, devices: list[OfferedDevice]) -> FieldError | None:
+    """None if some device takes `config` at prepare (or there is none); else the field
+    every device refuses and why, told by the device that came closest."""
+    if not devices:
+        return None
+    refusals: list[FieldError] = []  # one per device, in order
+    for device in devices:
+        try:
+            device_rule(
+                config,
+                device_name=device.name,
+                is_partition=device.is_partition,
+                max_partitions=device.max_partitions,
+                share=device.shared,
+            )
+        except ConfigError as err:
+            refusals.append(err.errors[0])
+        else:
+            return None
+    whole = [d for d in devices if not d.is_partition]
+    unshared = [d for d in whole if not d.shared]
+    if unshared:
+        best = max(unshared, key=lambda d: d.max_partitions or 0)
+        why = f"largest maxPartitions: {best.max_partitions}, {best.where()}"
+    elif whole:
+        best = whole[0]
+        why = "every whole GPU is shared by capacity (allowMultipleAllocations), never split"
+    else:
+        best = devices[0]
+        why = "all of them are partitions"
+    return FieldError(refusals[devices.index(best)].path, why)

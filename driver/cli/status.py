@@ -1,0 +1,193 @@
+"""`gpu-dra status`: this node's kubelet plugin at a glance.
+
+The plugin's version, its registration with the kubelet, the last ResourceSlice
+sync, every GPU with its MIG mode and health, the prepared claims and the state of
+the prepare journal, from the running plugin's /status (`--plugin-url`). When the
+plugin does not answer, what this node's files say (`--state-dir`: the health store
+and the journal) and that the plugin is not reachable.
+
+The first line is the verdict: `OK: ...` or `UNHEALTHY: <first problem>`, which a
+node-problem-detector custom plugin shows as the condition's message:
+
+    kubectl exec -n <ns> <plugin-pod> -- gpu-dra status
+    gpu-dra status --fail-on-unhealthy     # exit 1 while a problem is listed
+
+Exit codes: 0 shown (healthy or not, unless --fail-on-unhealthy); 1 with
+--fail-on-unhealthy when a problem is listed (the plugin not answering included);
+2 usage error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any, TextIO
+
+import yaml
+
+from driver.cli.output import format_table
+from driver.cli.plugin_endpoint import PluginUnreachable, add_plugin_url_argument, fetch_status
+from driver.cli.state_dir import add_state_dir_argument, default_state_dir, read_health
+from driver.health.clear import record_json
+from driver.health.failures import DEFAULT_DRIVER_NAME
+from driver.plugin.host_inputs import driver_name_argument
+from driver.plugin.journal_summary import JournalSummary, summarise
+from driver.state.checkpoint import Checkpoint
+
+GPU_HEADERS = ("GPU", "INDEX", "PCI BUS ID", "UUID", "MODEL", "MIG", "HEALTH")
+
+
+def add_parser(subcommands: Any) -> None:
+    parser: argparse.ArgumentParser = subcommands.add_parser(
+        "status",
+        help="this node's plugin at a glance: registration, sync, GPUs, claims, health",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_plugin_url_argument(parser)
+    parser.add_argument(
+        "--driver-name",
+        type=driver_name_argument,
+        default=DEFAULT_DRIVER_NAME,
+        help="DRA driver name, for the default --state-dir (default: %(default)s)",
+    )
+    add_state_dir_argument(parser, default=None)
+    parser.add_argument(
+        "--fail-on-unhealthy",
+        action="store_true",
+        help="exit 1 when a problem is listed (node-problem-detector style checks)",
+    )
+    parser.add_argument(
+        "-o",
+        "--output",
+        choices=("table", "json", "yaml"),
+        default="table",
+        help="output format (default: %(default)s)",
+    )
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
+    out = out if out is not None else sys.stdout
+    try:
+        report = {"reachable": True, "problem": None, **fetch_status(args.plugin_url)}
+    except PluginUnreachable as err:
+        state_dir = Path(args.state_dir) if args.state_dir else default_state_dir(args.driver_name)
+        report = local_report(state_dir, args.driver_name, f"the plugin does not answer: {err}")
+    if args.output == "json":
+        print(json.dumps(report, indent=2), file=out)
+    elif args.output == "yaml":
+        out.write(yaml.safe_dump(report, sort_keys=False))
+    else:
+        out.write(render(report))
+    return 1 if args.fail_on_unhealthy and report["problems"] else 0
+
+
+def local_report(state_dir: Path, driver: str, why: str) -> dict[str, Any]:
+    """What the node's files say while the plugin does not answer: `problems` starts
+    with `why`."""
+    journal = (
+        summarise(Checkpoint(state_dir))
+        if state_dir.is_dir()
+        else JournalSummary("unreadable", f"no plugin data directory {state_dir}", None, None, None)
+    )
+    view = read_health(state_dir, driver)
+    failures = []
+    if view.store is not None:
+        for uuid, failure in sorted(view.store.failed_gpus().items()):
+            failures.append(record_json(uuid, failure))
+        for uuid, by_placement in sorted(view.store.failed_instances().items()):
+            failures += [record_json(uuid, f) for _, f in sorted(by_placement.items())]
+    problems = [why]
+    if view.unknown is not None:
+        problems.append(f"health store: {view.unknown}")
+    problems += [f"{f['gpuUUID']} failed: {f['message']}" for f in failures]
+    if journal.status in ("corrupt", "unreadable"):
+        problems.append(f"prepare journal {journal.status}: {journal.problem}")
+    return {
+        "reachable": False,
+        "problem": why,
+        "stateDir": str(state_dir),
+        "health": {"storeProblem": view.unknown, "failures": failures},
+        "journal": journal.to_json(),
+        "problems": problems,
+        "healthy": False,
+    }
+
+
+def _verdict(report: dict[str, Any]) -> str:
+    problems: list[str] = report["problems"]
+    if not problems:
+        gpus = report.get("gpus") or []
+        return f"OK: {len(gpus)} GPU(s) healthy, plugin registered, slices in sync"
+    more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
+    return f"UNHEALTHY: {problems[0]}{more}"
+
+
+def _journal_line(journal: dict[str, Any]) -> str:
+    if journal["status"] in ("ok", "absent"):
+        text = (
+            f"{journal['status']}: {journal['preparedClaims']} claim(s) prepared "
+            f"({journal['preparedDevices']} device(s)), {journal['preparingClaims']} being prepared"
+        )
+    else:
+        text = f"{journal['status'].upper()}: {journal['problem']}"
+    if journal.get("prepareRefused"):
+        text += f"; prepare refused: {journal['prepareRefused']}"
+    return text
+
+
+def _gpu_health(gpu: dict[str, Any]) -> str:
+    if gpu["health"] != "failed":
+        return str(gpu["health"])
+    return "failed: " + "; ".join(f["message"] for f in gpu["failures"])
+
+
+def _gpu_row(gpu: dict[str, Any]) -> tuple[str, ...]:
+    return (
+        gpu["name"],
+        str(gpu["index"]),
+        gpu["pciBusID"],
+        gpu["uuid"],
+        gpu["model"],
+        gpu["migMode"],
+        _gpu_health(gpu),
+    )
+
+
+def render(report: dict[str, Any]) -> str:
+    lines = [_verdict(report), ""]
+    if not report["reachable"]:
+        lines.append(f"plugin        NOT REACHABLE: {report['problem']}")
+        lines.append(f"journal       {_journal_line(report['journal'])} ({report['stateDir']})")
+        failures = report["health"]["failures"]
+        lines.append(f"health        {len(failures)} recorded failure(s) (health store)")
+    else:
+        plugin, slices, health = report["plugin"], report["slices"], report["health"]
+        lines.append(
+            f"plugin        version {plugin['version']} (pid {plugin['pid']}), node "
+            f"{plugin['node']}, driver {plugin['driver']}, up {plugin['uptimeSeconds']}s"
+        )
+        registered = report["registration"]["registered"]
+        lines.append(f"registration  {'registered' if registered else 'NOT registered'}")
+        if slices["lastSynced"] is None:
+            synced = "not published yet"
+        else:
+            synced = f"last in sync {slices['lastSynced']} ({slices['ageSeconds']:.0f}s ago)"
+        error = f"; last error: {slices['lastError']}" if slices["lastError"] else ""
+        lines.append(f"slices        {slices['publishedDevices']} device(s), {synced}{error}")
+        lines.append(
+            f"health        {health['failedGPUs']} GPU(s) failed, {health['taintedDevices']} "
+            f"device(s) tainted (effect {health['taintEffect']})"
+            + (f"; STORE CORRUPT: {health['storeProblem']}" if health["storeProblem"] else "")
+        )
+        lines.append(f"journal       {_journal_line(report['journal'])}")
+        rows = [_gpu_row(g) for g in report["gpus"]]
+        if rows:
+            lines += ["", format_table(GPU_HEADERS, rows).rstrip("\n")]
+    if report["problems"]:
+        lines.append("")
+        lines += [f"problem: {p}" for p in report["problems"]]
+    return "\n".join(lines) + "\n"

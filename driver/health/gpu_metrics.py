@@ -1,0 +1,44 @@
+"""The per-GPU health metrics (`gpu_dra_gpu_healthy`, `gpu_dra_gpu_xid_events_total`),
+labelled with each GPU's UUID and name, every series present from the start."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from driver.health.failures import HealthDevice
+from driver.health.store import HealthStore
+from driver.observability import metrics
+
+UNKNOWN_GPU = "unknown"  # the device label of a GPU discovery did not name
+
+
+@dataclass(frozen=True)
+class WholeGpu:
+    """A GPU as the health store sees its whole-GPU device (`HealthDevice`): every
+    failure of it or of its GPU instances covers it."""
+
+    name: str
+    gpu_uuid: str
+
+
+def published_gpu_names(devices: Iterable[HealthDevice]) -> dict[str, str]:
+    """GPU UUID -> the name of its published whole-GPU device."""
+    return {d.gpu_uuid: d.name for d in devices if not getattr(d, "is_partition", False)}
+
+
+class GpuHealthMetrics:
+    def __init__(self, gpu_names: Mapping[str, str]) -> None:
+        self.gpu_names = dict(gpu_names)  # GPU UUID -> gpu-<minor>
+        for uuid, name in self.gpu_names.items():
+            for verdict in metrics.XID_VERDICTS:
+                metrics.GPU_XID_EVENTS.labels(uuid=uuid, device=name, verdict=verdict)
+
+    def count_xid(self, gpu_uuid: str, verdict: str) -> None:
+        name = self.gpu_names.get(gpu_uuid, UNKNOWN_GPU)
+        metrics.GPU_XID_EVENTS.labels(uuid=gpu_uuid, device=name, verdict=verdict).inc()
+
+    def update(self, store: HealthStore) -> None:
+        for uuid, name in self.gpu_names.items():
+            failed = store.device_failure(WholeGpu(name, uuid)) is not None
+            metrics.GPU_HEALTHY.labels(uuid=uuid, device=name).set(0.0 if failed else 1.0)

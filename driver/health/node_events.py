@@ -1,0 +1,100 @@
+"""Events on the Node when a GPU's devices are tainted or their taint is cleared.
+
+`TaintEvents.change(gpu_uuid, cause)` wraps one change of the health store: it
+compares which devices of the GPU show which failure before and after, and posts
+
+- `GpuTainted` (Warning) for each failure that now covers devices it did not before
+  (a fatal Xid, a lost GPU, a failed MIG GPU instance): which GPU, why, the taint
+  and the devices that carry it;
+- `GpuTaintCleared` (Normal) when devices lost their taint: which GPU, the cause
+  (NVML's recovery event, `gpu-dra health clear`), what was recorded.
+
+A change that moves no taint (a repeated Xid) posts nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Protocol
+
+from driver.health.failures import Devices, GpuFailure, HealthDevice, device_list
+from driver.health.store import HealthStore
+from driver.kube.events import NodeEvent
+
+REASON_TAINTED = "GpuTainted"
+REASON_CLEARED = "GpuTaintCleared"
+NAMES_SHOWN = 5
+
+
+class EventSink(Protocol):
+    """What the health code needs of `driver.kube.events.NodeEvents`."""
+
+    def post(self, event: NodeEvent) -> None: ...
+
+
+def _names(devices: Sequence[str]) -> str:
+    shown = ", ".join(devices[:NAMES_SHOWN])
+    more = len(devices) - NAMES_SHOWN
+    return shown + (f" and {more} more" if more > 0 else "")
+
+
+def _taint(failure: GpuFailure, driver: str, effect: str) -> str:
+    taint = failure.taint(driver, effect)
+    value = f"={taint['value']}" if "value" in taint else ""
+    return f"{taint['key']}{value}:{taint['effect']}"
+
+
+class TaintEvents:
+    def __init__(
+        self,
+        sink: EventSink,
+        store: HealthStore,
+        devices: Devices,
+        *,
+        driver: str,
+        effect: str,
+        gpu_names: Mapping[str, str] | None = None,
+    ) -> None:
+        self._sink = sink
+        self._store = store
+        self._devices: list[HealthDevice] = device_list(devices)
+        self._driver = driver
+        self._effect = effect
+        self._gpu_names = dict(gpu_names or {})
+
+    @contextlib.contextmanager
+    def change(self, gpu_uuid: str, cause: str) -> Iterator[None]:
+        """Posts what the store change made in the block did to the GPU's taints.
+        `cause`: why a taint would go, for `GpuTaintCleared`."""
+        gpu_devices = [d for d in self._devices if d.gpu_uuid == gpu_uuid]
+        before = self._store.device_failures(gpu_devices)
+        yield
+        after = self._store.device_failures(gpu_devices)
+        gpu = f"{self._gpu_names.get(gpu_uuid, gpu_uuid)} ({gpu_uuid})"
+        new: dict[GpuFailure, list[str]] = {}
+        for device in gpu_devices:
+            failure = after.get(device.name)
+            if failure is not None and failure not in before.values():
+                new.setdefault(failure, []).append(device.name)
+        for failure, names in new.items():
+            self._sink.post(
+                NodeEvent(
+                    REASON_TAINTED,
+                    f"{gpu}: {failure.message()}; taint "
+                    f"{_taint(failure, self._driver, self._effect)} on {len(names)} "
+                    f"device(s): {_names(names)}",
+                    "Warning",
+                )
+            )
+        untainted = [d.name for d in gpu_devices if d.name in before and d.name not in after]
+        if untainted:
+            was = "; ".join(dict.fromkeys(before[n].message() for n in untainted))
+            self._sink.post(
+                NodeEvent(
+                    REASON_CLEARED,
+                    f"{gpu}: {cause}; taint removed from {len(untainted)} device(s): "
+                    f"{_names(untainted)} (was: {was})",
+                    "Normal",
+                )
+            )

@@ -1,0 +1,312 @@
+"""Health by what the GPU needs: NVML's recovery action, polled, as a device taint that
+goes by itself once the GPU is fine again.
+
+Beside the Xid lists (`driver.health.xid`), the health monitor thread reads every
+GPU's recovery action (`driver.nvml.recovery`, through `NvmlBackend.recovery_actions`)
+every `--recovery-action-poll-interval` seconds (5 s by default; the first read at
+start). A GPU whose action is not NONE gets the taint
+`<driver>/recovery-action=<action>` on every device of it (the full GPU and every
+partition: a reset or a reboot takes the whole GPU), with the effect and the reason
+`POLICIES` gives (table in docs/health.md, "Recovery actions"): drain actions evict
+(NoExecute), since the GPU cannot recover while its work runs; reset and reboot
+actions keep new pods off (NoSchedule) and leave the disruptive step to the operator;
+an IMEX-domain recovery is not the GPU's and is only logged; an action newer than
+this table keeps new pods off.
+
+The taint goes by itself at the first read that answers NONE: the GPU answered
+NVML and needs nothing. A read that fails (the GPU is lost, an NVML error) keeps
+the taint; a driver that does not report recovery actions (before R565) never
+taints (logged once per GPU).
+
+These records are separate from the health store's: the poll only ever removes its
+own taint, so an Xid failure stays until NVML's recovery event, a reset or an
+operator's `gpu-dra health clear` removes it, and `gpu-dra health clear` does not
+remove a recovery-action taint (the next read would put it back). They are kept in
+memory only: NVML keeps the action across a plugin restart, and the first read after
+the start publishes it again.
+
+`RecoveryAwareHealth` makes prepare refuse a device whose GPU carries such a taint,
+as it refuses a device with a recorded failure.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+from driver.errors import transient
+from driver.health.clear import Publisher
+from driver.health.failures import Devices, device_list, now_rfc3339
+from driver.nvml.recovery import ACTION_NONE, RecoveryReading, action_name
+from driver.state.claims import DeviceHealth
+
+log = logging.getLogger(__name__)
+
+KIND_RECOVERY_ACTION = "recovery-action"
+DEFAULT_POLL_SECONDS = 5
+
+Taints = Mapping[str, Sequence[Mapping[str, str]]]  # device name -> its taints
+
+
+@dataclass(frozen=True)
+class ActionPolicy:
+    """What one recovery action means for scheduling, and what an operator does."""
+
+    effect: str | None  # the taint's effect; None: no taint, the action is only logged
+    todo: str
+
+
+POLICIES: Mapping[int, ActionPolicy] = {
+    1: ActionPolicy(
+        "NoSchedule",
+        "the GPU needs a reset: once no pod uses it, reset it "
+        "(nvidia-smi --gpu-reset -i <bus id>) or reboot the node",
+    ),
+    2: ActionPolicy("NoSchedule", "the node needs a reboot: drain it (kubectl drain) and reboot"),
+    3: ActionPolicy(
+        "NoExecute",
+        "peer-to-peer (NVLink) traffic must drain: the GPU's pods are evicted",
+    ),
+    4: ActionPolicy(
+        "NoExecute",
+        "the GPU must be drained and reset: its pods are evicted; then reset it "
+        "(nvidia-smi --gpu-reset -i <bus id>) or reboot the node",
+    ),
+    5: ActionPolicy(
+        None,
+        "the IMEX domain needs recovery (its IMEX daemons); the GPU itself stays usable",
+    ),
+    6: ActionPolicy(
+        "NoSchedule",
+        "the GPU's PCIe bus needs a reset: once no pod uses the GPU, reset the bus or "
+        "reboot the node",
+    ),
+    7: ActionPolicy(
+        "NoSchedule", "the system needs a reboot: drain the node (kubectl drain) and reboot"
+    ),
+}
+UNKNOWN_POLICY = ActionPolicy(
+    "NoSchedule", "an action this driver does not know: see NVIDIA's documentation of it"
+)
+
+
+def policy_of(action: int) -> ActionPolicy:
+    return POLICIES.get(action, UNKNOWN_POLICY)
+
+
+@dataclass(frozen=True)
+class RecoveryFailure:
+    """A GPU whose recovery action is not NONE."""
+
+    gpu_uuid: str
+    action: int
+    since: str  # RFC 3339, UTC: when this action was first read
+
+    @property
+    def name(self) -> str:
+        return action_name(self.action)
+
+    @property
+    def effect(self) -> str | None:
+        return policy_of(self.action).effect
+
+    def reason(self) -> str:
+        return f"NVML recovery action {self.name}: {policy_of(self.action).todo}"
+
+    def message(self) -> str:
+        return f"{self.reason()} (since {self.since})"
+
+    def taint(self, driver: str) -> dict[str, str] | None:
+        if self.effect is None:
+            return None
+        return {
+            "key": f"{driver}/{KIND_RECOVERY_ACTION}",
+            "value": self.name,
+            "effect": self.effect,
+        }
+
+
+class RecoveryActions:
+    """The GPUs of the published devices whose recovery action is not NONE, and the
+    taints that follows. Written by the health monitor's thread, read by the slice
+    publisher and prepare."""
+
+    def __init__(self, devices: Devices, *, driver: str) -> None:
+        self.driver = driver
+        self._gpu_of = {d.name: d.gpu_uuid for d in device_list(devices)}
+        self.gpu_uuids: tuple[str, ...] = tuple(dict.fromkeys(self._gpu_of.values()))
+        self._lock = threading.Lock()
+        self._failures: dict[str, RecoveryFailure] = {}
+        self._unanswered: dict[str, str] = {}  # GPU UUID -> why its last read failed
+        self._unsupported: set[str] = set()
+
+    def apply(self, reading: RecoveryReading) -> bool:
+        """One GPU's reading; True when its taint appeared, changed or went."""
+        uuid = reading.gpu_uuid
+        if reading.action is None:
+            self._note_unanswered(reading)
+            return False
+        if self._unanswered.pop(uuid, None) is not None:
+            log.info("GPU %s: NVML answers its recovery action again", uuid)
+        with self._lock:
+            current = self._failures.get(uuid)
+            if reading.action == ACTION_NONE:
+                removed, added = self._failures.pop(uuid, None), None
+            elif current is not None and current.action == reading.action:
+                return False
+            else:
+                removed, added = None, RecoveryFailure(uuid, reading.action, now_rfc3339())
+                self._failures[uuid] = added
+        if added is not None:
+            taint = added.taint(self.driver)
+            shown = _taint_text(taint) if taint is not None else "no taint"
+            log.warning("GPU %s: %s (%s)", uuid, added.reason(), shown)
+            return True
+        if removed is not None:
+            log.warning(
+                "GPU %s answers NVML with no recovery action: its %s taint is removed",
+                uuid,
+                removed.name,
+            )
+            return True
+        return False
+
+    def _note_unanswered(self, reading: RecoveryReading) -> None:
+        uuid = reading.gpu_uuid
+        if not reading.supported:
+            if uuid not in self._unsupported:
+                self._unsupported.add(uuid)
+                log.info(
+                    "GPU %s: NVML reports no recovery action (%s; driver R565 or later has "
+                    "it): only its events decide its health",
+                    uuid,
+                    reading.error or "not supported",
+                )
+            return
+        if self._unanswered.get(uuid) != reading.error:
+            self._unanswered[uuid] = reading.error
+            kept = self.failure(uuid)
+            log.warning(
+                "GPU %s: cannot read its recovery action (%s)%s",
+                uuid,
+                reading.error,
+                f"; its {kept.name} taint stays" if kept is not None else "",
+            )
+
+    def failure(self, gpu_uuid: str) -> RecoveryFailure | None:
+        with self._lock:
+            return self._failures.get(gpu_uuid)
+
+    def failures(self) -> dict[str, RecoveryFailure]:
+        """By GPU UUID."""
+        with self._lock:
+            return dict(self._failures)
+
+    def device_failure(self, device_name: str) -> RecoveryFailure | None:
+        """The recovery action that taints this device (not one that is only logged)."""
+        uuid = self._gpu_of.get(device_name)
+        failure = self.failure(uuid) if uuid is not None else None
+        return failure if failure is not None and failure.effect is not None else None
+
+    def add_taints(self, taints: Taints) -> dict[str, list[dict[str, str]]]:
+        """`taints` (the health store's, by device name) with the recovery-action
+        taint added to every device of a GPU that needs one."""
+        merged = {name: [dict(t) for t in listed] for name, listed in taints.items()}
+        failures = self.failures()
+        for name, uuid in self._gpu_of.items():
+            failure = failures.get(uuid)
+            taint = failure.taint(self.driver) if failure is not None else None
+            if taint is not None:
+                merged.setdefault(name, []).append(taint)
+        return merged
+
+
+class RecoveryPoller:
+    """The health monitor's poller (`HealthMonitor(pollers=...)`): called on every
+    event wait, it reads the recovery actions once per `interval` seconds and
+    republishes when a taint changed."""
+
+    def __init__(
+        self,
+        read: Callable[[Sequence[str]], Sequence[RecoveryReading]],
+        actions: RecoveryActions,
+        publisher: Publisher | None,
+        *,
+        interval: float = DEFAULT_POLL_SECONDS,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if not interval > 0:
+            raise ValueError(f"recovery action poll interval must be > 0, got {interval}")
+        self._read = read
+        self._actions = actions
+        self._publisher = publisher
+        self._interval = interval
+        self._clock = clock
+        self._due: float | None = None  # None: read at the first call
+        self._error: str | None = None
+
+    def __call__(self) -> None:
+        now = self._clock()
+        if self._due is not None and now < self._due:
+            return
+        if self._due is None:
+            log.info(
+                "reading the NVML recovery action of %d GPU(s) every %gs",
+                len(self._actions.gpu_uuids),
+                self._interval,
+            )
+        self._due = now + self._interval
+        try:
+            readings = self._read(self._actions.gpu_uuids)
+        except Exception as err:
+            if str(err) != self._error:
+                log.warning("cannot read the GPUs' recovery actions: %s; retrying", err)
+            self._error = str(err)
+            return
+        self._error = None
+        changed = [self._actions.apply(reading) for reading in readings]
+        if any(changed) and self._publisher is not None:
+            self._publisher.trigger()
+
+
+class RecoveryAwareHealth:
+    """`DeviceHealth` for prepare: a device whose GPU carries a recovery-action taint
+    is refused like a failed one (and its taint published first); any other device
+    is `inner`'s to answer."""
+
+    def __init__(
+        self,
+        inner: DeviceHealth,
+        actions: RecoveryActions,
+        publisher: Publisher,
+        *,
+        sync_timeout: float = 10.0,
+    ) -> None:
+        self._inner = inner
+        self._actions = actions
+        self._publisher = publisher
+        self._timeout = sync_timeout
+
+    def failure(self, device_name: str) -> str | None:
+        failure = self._actions.device_failure(device_name)
+        if failure is not None:
+            return failure.message()
+        return self._inner.failure(device_name)
+
+    def ensure_tainted(self, device_name: str) -> None:
+        if self._actions.device_failure(device_name) is None:
+            self._inner.ensure_tainted(device_name)
+            return
+        ticket = self._publisher.trigger()
+        if not self._publisher.wait_synced(ticket, self._timeout):
+            raise transient(
+                f"device {device_name}: the API server has not accepted its recovery-action "
+                f"taint within {self._timeout:.0f}s; retrying"
+            )
+
+
+def _taint_text(taint: Mapping[str, str]) -> str:
+    return f"{taint['key']}={taint['value']}:{taint['effect']}"

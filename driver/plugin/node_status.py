@@ -1,0 +1,179 @@
+"""The plugin's /status document, read by `gpu-dra status`, and the metrics drawn from
+the same sources: the node at a glance.
+
+The document: the plugin (version, node, driver, start), its registration with the
+kubelet, the last ResourceSlice sync, each GPU (name, NVML index, UUID, PCI bus id,
+MIG mode, health and failures), the health store, the prepare journal, and
+`problems`: each thing an operator must look at, in one line (empty: healthy).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any, Protocol
+
+from driver.devices.gpu_view import GpuView, MigMode
+from driver.health.clear import record_json
+from driver.health.failures import HealthDevice
+from driver.health.store import HealthStore
+from driver.kube.publisher import RESYNC_SECONDS, PublisherStats
+from driver.observability import metrics
+from driver.plugin.journal_summary import JournalReader, JournalSummary
+from driver.state.checkpoint import Checkpoint
+
+# A sync older than this means the reconcile keeps failing: it runs at least every
+# RESYNC_SECONDS, and at once after every change.
+SYNC_STALE_AFTER_SECONDS = 2 * RESYNC_SECONDS
+
+
+class JournalState(Protocol):
+    """What /status needs of `DeviceState`."""
+
+    @property
+    def checkpoint_problem(self) -> str | None: ...
+
+    @property
+    def checkpoint(self) -> Checkpoint: ...
+
+
+class Registration(Protocol):
+    def is_set(self) -> bool: ...
+
+
+class SyncStats(Protocol):
+    @property
+    def stats(self) -> PublisherStats: ...
+
+
+def export_journal(state: JournalState) -> JournalReader:
+    """Make `gpu_dra_prepared_claims` and `gpu_dra_prepared_devices` read the journal
+    file at each scrape (NaN while it cannot be read). Returns the reader, for
+    `PluginStatus`."""
+    reader = JournalReader(state.checkpoint)
+
+    def count(value: int | None) -> float:
+        return float("nan") if value is None else float(value)
+
+    metrics.PREPARED_CLAIMS.set_function(lambda: count(reader.summary().prepared_claims))
+    metrics.PREPARED_DEVICES.set_function(lambda: count(reader.summary().prepared_devices))
+    return reader
+
+
+def export_gpus(gpus: Sequence[GpuView], version: str) -> None:
+    """`gpu_dra_build_info` and `gpu_dra_gpus` by MIG mode (every mode, 0 included)."""
+    metrics.BUILD_INFO.labels(version=version).set(1)
+    for mode in MigMode:
+        metrics.GPUS.labels(mig_mode=mode.value).set(sum(g.mig_mode is mode for g in gpus))
+
+
+def _rfc3339(timestamp: float) -> str:
+    return datetime.fromtimestamp(timestamp, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+@dataclass
+class PluginStatus:
+    """The live objects /status reads; `document()` runs once per request."""
+
+    version: str
+    node: str
+    driver: str
+    taint_effect: str
+    gpus: Sequence[GpuView]
+    devices: Mapping[str, HealthDevice]
+    registration: Registration
+    publisher: SyncStats
+    store: HealthStore
+    state: JournalState
+    journal: JournalReader
+    started: float = field(default_factory=time.time)
+    clock: Callable[[], float] = time.time
+
+    def document(self) -> dict[str, Any]:
+        now = self.clock()
+        registered = self.registration.is_set()
+        slices = self._slices(now)
+        gpus = [self._gpu(gpu) for gpu in self.gpus]
+        journal = self.journal.summary()
+        problems = self._problems(registered, slices, gpus, journal)
+        return {
+            "plugin": {
+                "version": self.version,
+                "node": self.node,
+                "driver": self.driver,
+                "pid": os.getpid(),
+                "startedAt": _rfc3339(self.started),
+                "uptimeSeconds": round(now - self.started),
+            },
+            "registration": {"registered": registered},
+            "slices": slices,
+            "gpus": gpus,
+            "health": {
+                "taintEffect": self.taint_effect,
+                "storeProblem": self.store.problem,
+                "failedGPUs": sum(g["health"] != "healthy" for g in gpus),
+                "taintedDevices": self.store.tainted_device_count(self.devices),
+            },
+            "journal": {**journal.to_json(), "prepareRefused": self.state.checkpoint_problem},
+            "problems": problems,
+            "healthy": not problems,
+        }
+
+    def _slices(self, now: float) -> dict[str, Any]:
+        stats = self.publisher.stats
+        synced = stats.last_synced or None
+        age = None if synced is None else round(now - synced, 1)
+        return {
+            "lastSynced": None if synced is None else _rfc3339(synced),
+            "ageSeconds": age,
+            "stale": age is None or age > SYNC_STALE_AFTER_SECONDS,
+            "publishedDevices": len(self.devices),
+            "lastError": stats.errors[-1] if stats.errors else None,
+        }
+
+    def _gpu(self, gpu: GpuView) -> dict[str, Any]:
+        records = [self.store.gpu_failure(gpu.uuid)]
+        records += [f for _, f in sorted(self.store.failed_instances().get(gpu.uuid, {}).items())]
+        failures = [record_json(gpu.uuid, f) for f in records if f is not None]
+        if self.store.problem is not None:
+            health = "unknown"
+        else:
+            health = "failed" if failures else "healthy"
+        own = [d for d in self.devices.values() if d.gpu_uuid == gpu.uuid]
+        return {
+            **gpu.to_json(),
+            "health": health,
+            "failures": failures,
+            "taintedDevices": self.store.tainted_device_count(own),
+        }
+
+    def _problems(
+        self,
+        registered: bool,
+        slices: dict[str, Any],
+        gpus: list[dict[str, Any]],
+        journal: JournalSummary,
+    ) -> list[str]:
+        problems = []
+        if not registered:
+            problems.append("the kubelet has not registered the plugin (yet)")
+        if slices["lastSynced"] is None:
+            problems.append("ResourceSlices not published yet")
+        elif slices["stale"]:
+            problems.append(
+                f"ResourceSlices last published {slices['ageSeconds']:.0f}s ago "
+                f"(last error: {slices['lastError']})"
+            )
+        if self.store.problem is not None:
+            problems.append(f"health store corrupt, every GPU kept failed: {self.store.problem}")
+        for gpu in gpus:
+            for failure in gpu["failures"]:
+                problems.append(f"{gpu['name']} ({gpu['uuid']}) failed: {failure['message']}")
+        if journal.status in ("corrupt", "unreadable"):
+            problems.append(f"prepare journal {journal.status}: {journal.problem}")
+        elif self.state.checkpoint_problem is not None:
+            problems.append(f"prepare refused: {self.state.checkpoint_problem}")
+        return problems

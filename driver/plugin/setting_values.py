@@ -1,0 +1,113 @@
+"""The value types of the plugin's settings (`driver.plugin.settings`): each turns a
+flag's or variable's text into its value, or raises ValueError saying why."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from driver.devices.types import MigStrategy
+from driver.health.xid import TAINT_EFFECTS, parse_taint_effect, parse_xid_list
+from driver.plugin.host_inputs import check_driver_name, check_path
+from driver.state.verdicts import parse_permanent_errors
+
+MIG_STRATEGIES = tuple(m.value for m in MigStrategy)
+TRUE_WORDS = frozenset({"true", "1", "yes", "on"})
+FALSE_WORDS = frozenset({"false", "0", "no", "off"})
+MAX_PORT = 65535
+
+
+def text(value: str) -> str:
+    return value
+
+
+def choice(*allowed: str) -> Callable[[str], str]:
+    def parse(value: str) -> str:
+        if value not in allowed:
+            raise ValueError(f"{value!r} is not one of {', '.join(allowed)}")
+        return value
+
+    return parse
+
+
+def mig_strategy(value: str) -> MigStrategy:
+    return MigStrategy(choice(*MIG_STRATEGIES)(value))
+
+
+def boolean(value: str) -> bool:
+    word = value.strip().lower()
+    if word in TRUE_WORDS:
+        return True
+    if word in FALSE_WORDS:
+        return False
+    raise ValueError(f"{value!r} is not a boolean (true or false)")
+
+
+def integer(minimum: int, maximum: int | None = None) -> Callable[[str], int]:
+    def parse(value: str) -> int:
+        try:
+            number = int(value.strip(), 10)
+        except ValueError:
+            raise ValueError(f"{value!r} is not an integer") from None
+        if number < minimum:
+            raise ValueError(f"must be >= {minimum}, got {number}")
+        if maximum is not None and number > maximum:
+            raise ValueError(f"must be <= {maximum}, got {number}")
+        return number
+
+    return parse
+
+
+def http_port(value: str) -> int:
+    port = integer(-1, MAX_PORT)(value)
+    if port == 0:  # the kernel would pick one that no probe or scrape could find
+        raise ValueError(f"must be a port (1..{MAX_PORT}) or -1 (off), got 0")
+    return port
+
+
+def taint_effect(value: str) -> str:
+    try:
+        return parse_taint_effect(value, flag="")
+    except ValueError:
+        raise ValueError(f"{value!r} is not one of {', '.join(TAINT_EFFECTS)}") from None
+
+
+def xid_list(value: str) -> str:
+    """Checked, kept as given (`XidPolicy.from_flags` reads it)."""
+    try:
+        parse_xid_list(value, "")
+    except ValueError as err:
+        raise ValueError(str(err).removeprefix(": ")) from None
+    return value
+
+
+def permanent_errors(value: str) -> str:
+    parse_permanent_errors(value)
+    return value
+
+
+def written_dir(value: str) -> Path:
+    check_path(value, written=True)
+    return Path(value)
+
+
+def read_path(value: str) -> Path:
+    check_path(value, written=False)
+    return Path(value)
+
+
+def read_path_text(value: str) -> str:
+    check_path(value, written=False)
+    return value
+
+
+def driver_name(value: str) -> str:
+    return check_driver_name(value)
+
+
+def mock_fleet(value: str) -> str:
+    """A fleet YAML file or a built-in fleet's name, loaded to check it."""
+    from driver.nvml.backend import check_mock_fleet  # NVML's modules: only when needed
+
+    check_mock_fleet(value)
+    return value

@@ -1,0 +1,105 @@
+"""NVML's recovery action against a running plugin and the real API server: set with
+`gpu-dra mock recovery-action`, published as a taint with its own effect, removed by
+itself when the action is back to none; an Xid taint stays."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from tests.conftest import Cluster, FakeNode
+from tests.integration.helpers import complete_pool, gpu_uuid_of, published_devices
+from tests.integration.plugin_process import DRIVER, PluginProcess, running_plugin
+
+GPU_DRA = Path(sys.executable).parent / "gpu-dra"
+KEY = f"{DRIVER}/recovery-action"
+XID = f"{DRIVER}/xid"
+
+
+def mock(plugin: PluginProcess, *args: str) -> None:
+    done = subprocess.run(
+        [GPU_DRA, "mock", *args, f"--state-dir={plugin.data_dir}"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert done.returncode == 0, done.stderr
+
+
+def taints_of(cluster: Cluster, node: str) -> dict[str, set[tuple[str, str, str]]]:
+    """(key, value, effect) of every taint, by device name."""
+    pool = complete_pool(cluster, node) or []
+    return {
+        name: {(t["key"], t.get("value", ""), t["effect"]) for t in d.get("taints") or []}
+        for name, d in published_devices(pool).items()
+    }
+
+
+def family(pool: list[dict[str, Any]], gpu: str) -> set[str]:
+    uuid = gpu_uuid_of(pool, gpu)
+    return {
+        name
+        for name, d in published_devices(pool).items()
+        if uuid
+        in (
+            d["attributes"].get("uuid", {}).get("string"),
+            d["attributes"].get("parentUUID", {}).get("string"),
+        )
+    }
+
+
+def test_recovery_action_taints_and_clears_itself(
+    cluster: Cluster, node: FakeNode, tmp_path: Path
+) -> None:
+    with running_plugin(
+        kubeconfig=cluster.kubeconfig,
+        node_name=node.name,
+        root=tmp_path,
+        args=["--recovery-action-poll-interval=1"],
+    ) as plugin:
+        pool = cluster.wait_for(lambda: complete_pool(cluster, node.name), timeout=60, what="pool")
+        gpu2, gpu5 = family(pool, "gpu-2"), family(pool, "gpu-5")
+        drain = (KEY, "drain-and-reset", "NoExecute")
+
+        mock(plugin, "recovery-action", "--device", "gpu-2", "--action", "drain-and-reset")
+        cluster.wait_for(
+            lambda: all(drain in taints_of(cluster, node.name)[d] for d in gpu2),
+            timeout=15,
+            what="the drain-and-reset taint on gpu-2 and its partitions",
+        )
+        assert not any(taints_of(cluster, node.name)[d] for d in gpu5)
+
+        # Xid 48 needs a GPU reset: the Xid's taint and the action's.
+        mock(plugin, "xid", "--device", "gpu-5", "--xid", "48")
+        both = {(XID, "48", "NoSchedule"), (KEY, "gpu-reset", "NoSchedule")}
+        cluster.wait_for(
+            lambda: taints_of(cluster, node.name)["gpu-5"] == both,
+            timeout=15,
+            what="Xid 48 and gpu-reset on gpu-5",
+        )
+
+        # Back to none without a reset: each GPU loses the action's taint by itself;
+        # gpu-5 keeps its Xid taint for the operator to clear.
+        mock(plugin, "recovery-action", "--device", "gpu-2", "--action", "none")
+        mock(plugin, "recovery-action", "--device", "gpu-5", "--action", "none")
+        cluster.wait_for(
+            lambda: (
+                (t := taints_of(cluster, node.name))
+                and not any(t[d] for d in gpu2)
+                and all(t[d] == {(XID, "48", "NoSchedule")} for d in gpu5)
+            ),
+            timeout=15,
+            what="the recovery-action taints gone, the Xid taint kept",
+        )
+        logs = plugin.logs()
+        assert "NVML recovery action drain-and-reset: the GPU must be drained and reset" in logs
+        assert "answers NVML with no recovery action: its gpu-reset taint is removed" in logs
+
+        mock(plugin, "reset", "--all")
+        cluster.wait_for(
+            lambda: not any(taints_of(cluster, node.name).values()),
+            timeout=15,
+            what="every taint gone after the reset",
+        )

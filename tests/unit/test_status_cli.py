@@ -1,0 +1,232 @@
+"""`gpu-dra status` against a plugin's /status served over HTTP (the plugin's own
+`PluginStatus` over mock GPUs, a health store and a journal on disk), and from the
+node's files when the plugin does not answer."""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from driver.cli import build_parser
+from driver.devices.gpu_view import gpu_views
+from driver.devices.model import PoolOptions, build_pool
+from driver.health.store import HealthStore
+from driver.kube.publisher import PublisherStats
+from driver.nvml.backend import select_backend
+from driver.observability import metrics
+from driver.observability.http import HttpServer
+from driver.plugin.journal_summary import JournalReader
+from driver.plugin.node_status import PluginStatus, export_gpus, export_journal
+from driver.state.checkpoint import (
+    CHECKPOINT_FILE,
+    Checkpoint,
+    ClaimEntry,
+    ClaimState,
+    PreparedDevice,
+)
+
+NODE = "n1"
+FLEET = """\
+gpus:
+- model: H100-80GB
+  count: 2
+- model: H100-80GB
+  count: 1
+  migInstances: [{profile: 3g.40gb, start: 4}]
+- model: A100-40GB
+  count: 1
+  migMode: disabled
+"""
+
+
+@dataclass
+class FakePublisher:
+    stats: PublisherStats = field(default_factory=PublisherStats)
+
+
+@dataclass
+class FakeState:
+    checkpoint: Checkpoint
+    checkpoint_problem: str | None = None
+
+
+class Node:
+    """What the plugin's /status reads, over mock GPUs and files under `root`."""
+
+    def __init__(self, root: Path) -> None:
+        fleet = root / "fleet.yaml"
+        fleet.write_text(FLEET)
+        self.inventory = select_backend(mock=True, fleet_path=fleet, node_name=NODE).discover()
+        self.pool = build_pool(self.inventory, PoolOptions())
+        self.devices = {d.name: d for d in self.pool.devices}
+        self.gpus = gpu_views(self.inventory, self.pool.mig_modes)
+        self.store = HealthStore(root / "health.json")
+        self.registered = threading.Event()
+        self.publisher = FakePublisher()
+        self.state = FakeState(Checkpoint(root))
+        self.now = 1_000_000.0
+        self.status = PluginStatus(
+            version="1.2.3",
+            node=NODE,
+            driver="gpu.example.com",
+            taint_effect="NoExecute",
+            gpus=self.gpus,
+            devices=self.devices,
+            registration=self.registered,
+            publisher=self.publisher,
+            store=self.store,
+            state=self.state,
+            journal=JournalReader(self.state.checkpoint),
+            started=self.now - 90,
+            clock=lambda: self.now,
+        )
+
+    def healthy(self) -> None:
+        self.registered.set()
+        self.publisher.stats.last_synced = self.now - 4
+
+    def prepare(
+        self, uid: str, *devices: str, state: ClaimState = ClaimState.PREPARE_COMPLETED
+    ) -> None:
+        entries = self.state.checkpoint.load()
+        entries[uid] = ClaimEntry(
+            state,
+            "ns",
+            f"claim-{uid}",
+            tuple(PreparedDevice(NODE, d, ("gpu",), (f"cdi/{d}",)) for d in devices),
+        )
+        self.state.checkpoint.store(entries)
+
+
+@pytest.fixture
+def node(tmp_path: Path) -> Node:
+    return Node(tmp_path)
+
+
+@pytest.fixture
+def served(node: Node) -> Iterator[str]:
+    server = HttpServer(0, lambda: (True, "ok\n"), "127.0.0.1").start()
+    server.serve_status(node.status.document)
+    yield f"http://127.0.0.1:{server.port}"
+    server.shutdown()
+
+
+def status(*argv: str) -> tuple[int, str]:
+    args = build_parser().parse_args(["status", *argv])
+    out = io.StringIO()
+    code = args.run(args, out=out)
+    return code, out.getvalue()
+
+
+def status_json(*argv: str) -> tuple[int, dict[str, Any]]:
+    code, out = status(*argv, "-o", "json")
+    return code, json.loads(out)
+
+
+def test_a_healthy_node_at_a_glance(node: Node, served: str) -> None:
+    node.healthy()
+    node.prepare("a", "gpu-0", "gpu-1-mig-1g10gb-0")
+    node.prepare("b", "gpu-3")
+    node.prepare("c", "gpu-1-mig-1g10gb-1", state=ClaimState.PREPARE_STARTED)
+    code, out = status("--plugin-url", served, "--fail-on-unhealthy")
+    assert code == 0, out
+    assert out.splitlines()[0] == "OK: 4 GPU(s) healthy, plugin registered, slices in sync"
+    assert "version 1.2.3" in out and "node n1" in out and "up 90s" in out
+    assert "registration  registered" in out
+    assert f"slices        {len(node.devices)} device(s), last in sync" in out and "(4s ago)" in out
+    assert "journal       ok: 2 claim(s) prepared (3 device(s)), 1 being prepared" in out
+    assert "effect NoExecute" in out
+
+    code, report = status_json("--plugin-url", served)
+    assert report["healthy"] is True and report["problems"] == []
+    modes = {g["name"]: g["migMode"] for g in report["gpus"]}
+    assert modes == {"gpu-0": "dynamic", "gpu-1": "dynamic", "gpu-2": "static", "gpu-3": "disabled"}
+    gpu2 = report["gpus"][2]
+    assert (gpu2["uuid"], gpu2["index"], gpu2["pciBusID"]) == (
+        node.inventory.gpus[2].uuid,
+        node.inventory.gpus[2].index,
+        node.inventory.gpus[2].pci_bus_id,
+    )
+    assert report["journal"]["preparedDevices"] == 3
+
+
+def test_every_problem_is_listed_and_fails_the_check(node: Node, served: str) -> None:
+    node.healthy()
+    uuid = node.inventory.gpus[1].uuid
+    node.store.record_xid(uuid, 79)
+    code, out = status("--plugin-url", served)
+    assert code == 0  # shown; only --fail-on-unhealthy turns a problem into exit 1
+    first = out.splitlines()[0]
+    assert first.startswith(f"UNHEALTHY: gpu-1 ({uuid}) failed: Xid 79"), first
+    assert "1 GPU(s) failed" in out
+    gpu_row = next(line for line in out.splitlines() if line.startswith("gpu-1 "))
+    assert "failed: Xid 79" in gpu_row
+    assert status("--plugin-url", served, "--fail-on-unhealthy")[0] == 1
+
+    node.registered.clear()
+    node.publisher.stats.last_synced = node.now - 3600
+    node.publisher.stats.errors.append("503 Service Unavailable")
+    (node.state.checkpoint.path).write_text("{garbage")
+    code, report = status_json("--plugin-url", served, "--fail-on-unhealthy")
+    assert code == 1
+    problems = "\n".join(report["problems"])
+    assert "has not registered the plugin" in problems
+    assert (
+        "ResourceSlices last published 3600s ago (last error: 503 Service Unavailable)" in problems
+    )
+    assert "prepare journal corrupt" in problems
+    assert report["journal"]["preparedClaims"] is None
+
+
+def test_without_the_plugin_the_nodes_files_are_shown(node: Node, tmp_path: Path) -> None:
+    node.prepare("a", "gpu-0")
+    node.store.record_xid(node.inventory.gpus[0].uuid, 48)
+    argv = ("--plugin-url", "http://127.0.0.1:1", "--state-dir", str(tmp_path))
+    code, out = status(*argv)
+    assert code == 0
+    assert out.startswith("UNHEALTHY: the plugin does not answer: http://127.0.0.1:1/status")
+    assert "plugin        NOT REACHABLE" in out
+    assert "journal       ok: 1 claim(s) prepared (1 device(s)), 0 being prepared" in out
+    assert "Xid 48" in out
+    assert status(*argv, "--fail-on-unhealthy")[0] == 1
+
+
+def test_status_rejects_a_url_that_is_not_http() -> None:
+    with pytest.raises(SystemExit) as exited:
+        build_parser().parse_args(["status", "--plugin-url", "file:///etc/passwd"])
+    assert exited.value.code == 2
+
+
+def test_journal_summary_rereads_only_a_changed_file(node: Node) -> None:
+    reader = JournalReader(node.state.checkpoint)
+    assert reader.summary().status == "absent"
+    node.prepare("a", "gpu-0")
+    first = reader.summary()
+    assert (first.status, first.prepared_claims) == ("ok", 1)
+    assert reader.summary() is first  # unchanged file: not parsed again
+    node.prepare("b", "gpu-1")
+    assert reader.summary().prepared_claims == 2
+
+
+def test_prepared_claims_and_gpu_metrics(node: Node) -> None:
+    export_journal(node.state)
+    export_gpus(node.gpus, "1.2.3")
+    value = metrics.REGISTRY.get_sample_value
+    assert value("gpu_dra_prepared_claims") == 0
+    node.prepare("a", "gpu-0", "gpu-1")
+    assert (value("gpu_dra_prepared_claims"), value("gpu_dra_prepared_devices")) == (1, 2)
+    (node.state.checkpoint.data_dir / CHECKPOINT_FILE).write_text("{")
+    assert math.isnan(value("gpu_dra_prepared_devices") or 0.0)
+    assert value("gpu_dra_build_info", {"version": "1.2.3"}) == 1
+    assert {
+        mode: value("gpu_dra_gpus", {"mig_mode": mode})
+        for mode in ("unsupported", "disabled", "dynamic", "static", "ignored")
+    } == {"unsupported": 0, "disabled": 1, "dynamic": 2, "static": 1, "ignored": 0}
