@@ -16,14 +16,15 @@
 # the package's own wheel is built offline from those verified files, and the image's
 # pip installs offline from them only.
 #
-#   sudo hack/build-image.sh [--tag gpu-dra-driver:dev] [--output FILE] [--refresh-base]
+#   sudo hack/build-image.sh [--tag gpu-dra-driver:<version>] [--output FILE] [--refresh-base]
+#                                         (default tag: pyproject.toml's version)
 #   hack/build-image.sh --base-status     the cached base: where, when built, whether the
 #                                         next build reuses it (no root needed)
 #
 # Load the result with:
 #   ctr -n k8s.io images import FILE          (containerd; the real-node e2e tier)
 #   docker load -i FILE                       (Docker >= 25)
-#   skopeo copy oci-archive:FILE docker-daemon:gpu-dra-driver:dev
+#   skopeo copy oci-archive:FILE docker-daemon:gpu-dra-driver:<version>
 #
 # Needs: root (debootstrap and chroot), debootstrap and debian-archive-keyring
 # (apt-get install debootstrap debian-archive-keyring),
@@ -53,7 +54,8 @@ fi
 KEYRING=${DEBIAN_KEYRING:-/usr/share/keyrings/debian-archive-keyring.gpg}
 BASE_PACKAGES=python3,python3-venv,ca-certificates
 PYTHON=${PYTHON:-python3}
-TAG=gpu-dra-driver:dev
+# The default tag is the package's version, the chart's appVersion and image.tag default.
+TAG=gpu-dra-driver:$(sed -n 's/^version = "\(.*\)"$/\1/p' "$REPO_DIR/pyproject.toml" | head -n 1)
 OUTPUT=
 VENV=/opt/gpu-dra-driver
 BASE_MAX_AGE_DAYS=${GPU_DRA_BASE_MAX_AGE_DAYS:-30}

@@ -5,6 +5,7 @@ the tags the install commands name, and a changelog with a section for that vers
 from __future__ import annotations
 
 import re
+import subprocess
 import tomllib
 
 import yaml
@@ -39,6 +40,15 @@ def test_the_package_version_is_the_charts_app_version() -> None:
     assert SEMVER.match(VERSION), VERSION
     assert str(chart["appVersion"]) == VERSION
     assert SEMVER.match(str(chart["version"])), "the chart's own version is semver too"
+
+
+def test_the_image_build_tags_the_package_version_by_default() -> None:
+    """hack/build-image.sh without --tag builds the image the chart runs by default."""
+    script = (REPO / "hack" / "build-image.sh").read_text().splitlines()
+    (default,) = [line for line in script if line.startswith("TAG=")]
+    shell = f'REPO_DIR="{REPO}"; {default}; printf %s "$TAG"'
+    tag = subprocess.run(["bash", "-c", shell], capture_output=True, text=True, check=True)
+    assert tag.stdout == f"gpu-dra-driver:{VERSION}"
 
 
 def test_the_chart_runs_the_image_of_the_package_version_by_default() -> None:
