@@ -250,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
         "--nodes", type=_int_list, default=list(DEFAULT_NODES), help="node counts, e.g. 10,100,500"
     )
     parser.add_argument(
-        "--layouts", type=_layout_list, default=list(obj.LAYOUTS), help="mig,whole,partitions4"
+        "--layouts", type=_layout_list, default=list(obj.LAYOUTS), help="mig,mig3,whole,partitions4"
     )
     parser.add_argument(
         "--repetitions", type=int, default=3, help="timed bursts per point (default 3)"

@@ -44,6 +44,7 @@ class Layout:
     device_class: str
     selector: str | None  # CEL the claim's request adds to its class, if any
     description: str
+    mig_profiles: tuple[str, ...] = ()  # --mig-profiles, as labels (empty: every profile)
 
     def fleet(self) -> Fleet:
         group = {"model": GPU_MODEL, "count": GPUS_PER_NODE, "migMode": self.mig_mode}
@@ -60,6 +61,16 @@ LAYOUTS: dict[str, Layout] = {
             MIG_CLASS,
             f"{_ATTRS}.profile == '1g.10gb'",
             "every MIG placement (dynamic MIG); a pod asks for a 1g.10gb MIG device",
+        ),
+        Layout(
+            "mig3",
+            "enabled",
+            0,
+            MIG_CLASS,
+            f"{_ATTRS}.profile == '1g.10gb'",
+            "dynamic MIG with --mig-profiles 1g.10gb,3g.40gb,7g.80gb; a pod asks for a "
+            "1g.10gb MIG device",
+            mig_profiles=("1g10gb", "3g40gb", "7g80gb"),
         ),
         Layout("whole", "disabled", 0, WHOLE_CLASS, None, "whole GPUs; a pod asks for one"),
         Layout(
@@ -81,9 +92,10 @@ def node_name(index: int) -> str:
 def node_slices(layout: Layout, name: str, uid: str, fleet: Fleet | None = None) -> list[Any]:
     """The ResourceSlice documents the plugin would publish on this node."""
     inventory = NvmlBackend(MockNvml(fleet or layout.fleet(), name)).discover()
-    pool = build_pool(
-        inventory, PoolOptions(driver_name=DRIVER, gpu_partitions=layout.gpu_partitions)
+    options = PoolOptions(
+        driver_name=DRIVER, gpu_partitions=layout.gpu_partitions, mig_profiles=layout.mig_profiles
     )
+    pool = build_pool(inventory, options)
     return build_slice_documents(pool, driver=DRIVER, node_name=name, node_uid=uid)
 
 

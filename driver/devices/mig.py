@@ -20,7 +20,7 @@ partitions, or a GPU together with one of its partitions; it carries `isolated: 
 
 from __future__ import annotations
 
-from collections.abc import Set
+from collections.abc import Sequence, Set
 from typing import Any
 
 from driver.devices.documents import (
@@ -167,11 +167,23 @@ def _parent_attributes(gpu_attrs: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in gpu_attrs.items() if k in PARENT_ATTRIBUTES}
 
 
-def dynamic_partitions(gpu: GpuInfo, gpu_attrs: dict[str, Any]) -> list[PublishedDevice]:
-    """Every (profile, placement) of the GPU, smallest first."""
+def dynamic_partitions(
+    gpu: GpuInfo, gpu_attrs: dict[str, Any], selected: Sequence[str] = ()
+) -> list[PublishedDevice]:
+    """Every (profile, placement) of the GPU, smallest first; with `selected` (profile
+    labels, `unselected_profiles` checked them) those profiles' placements only."""
     parent = _parent_attributes(gpu_attrs)
-    items = [(p, pl) for p in gpu.partition_profiles for pl in p.placements]
+    profiles = [
+        p for p in gpu.partition_profiles if not selected or profile_label(p.name) in selected
+    ]
+    items = [(p, pl) for p in profiles for pl in p.placements]
     return [_partition(gpu, parent, p, pl, None) for p, pl in sorted(items, key=_order)]
+
+
+def unselected_profiles(gpu: GpuInfo, selected: Sequence[str]) -> list[str]:
+    """The labels of `selected` that name none of the GPU's MIG profiles."""
+    offered = {profile_label(p.name) for p in gpu.partition_profiles}
+    return [label for label in selected if label not in offered]
 
 
 def static_partitions(

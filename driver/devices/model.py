@@ -271,9 +271,16 @@ def _mig_gpu(
                 "and --mig-strategy=static: nothing of it is published"
             )
         return devices, "static", notes
+    unknown = mig.unselected_profiles(gpu, options.mig_profiles)
+    if unknown:
+        offered = ", ".join(p.name for p in gpu.partition_profiles)
+        raise PoolError(
+            f"--mig-profiles: GPU {gpu.minor} ({gpu.product_name}, {gpu.uuid}) has no MIG "
+            f"profile {', '.join(unknown)}; its profiles: {offered}"
+        )
     whole = mig.whole_gpu(gpu, attrs, _base_capacity(gpu), gpu_max_partitions(gpu))
-    devices = ([whole] if whole is not None else []) + mig.dynamic_partitions(gpu, attrs)
-    return devices, "dynamic", []
+    partitions = mig.dynamic_partitions(gpu, attrs, options.mig_profiles)
+    return ([whole] if whole is not None else []) + partitions, "dynamic", []
 
 
 # --------------------------------------------------------------------------- pool

@@ -50,6 +50,10 @@ class PoolOptions:
     # and request policies on `memory` and `compute`. Never MIG devices, and never the
     # whole GPU of a dynamic MIG GPU (it is delivered as a MIG device created per claim).
     allow_multiple_allocations: bool = False
+    # `--mig-profiles`: the MIG profiles a dynamic-MIG GPU publishes placements of, as
+    # profile labels ("1g10gb", `documents.profile_label`); empty: every profile. The
+    # whole GPU is published either way.
+    mig_profiles: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.gpu_partitions < 0:

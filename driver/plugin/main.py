@@ -9,6 +9,7 @@ import signal
 import sys
 import threading
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from types import FrameType
 
@@ -32,6 +33,7 @@ from driver.plugin.dra import add_dra_services
 from driver.plugin.flags import PluginOptions, package_version, parse_options
 from driver.plugin.health import add_health_services
 from driver.plugin.instances import InstanceLock
+from driver.plugin.node_overrides import node_mig_profiles
 from driver.plugin.node_status import PluginStatus, export_gpus, export_journal
 from driver.plugin.registration import DRA_SERVICES, HEALTH_SERVICES, RegistrationServicer
 from driver.plugin.serving import BuiltServer, SocketServer, SocketWatcher, new_server
@@ -150,7 +152,12 @@ class Plugin:
         # The listing and the journal snapshot of one moment, under the node lock (an
         # old instance may still be serving during a rolling update).
         inventory, owned_mig = state.discover_with_owned(backend.discover)
-        pool = build_pool(inventory, o.pool_options(), owned_mig=owned_mig)
+        options = o.pool_options()
+        node_profiles = node_mig_profiles(api, o.node_name, o.driver_name)
+        if node_profiles is not None:
+            log.info("MIG profiles from the Node's label: %s", ", ".join(node_profiles))
+            options = replace(options, mig_profiles=node_profiles)
+        pool = build_pool(inventory, options, owned_mig=owned_mig)
         for note in pool.notes:
             log.warning("%s", note)
         devices = {device.name: device for device in pool.devices}

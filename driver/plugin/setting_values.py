@@ -3,9 +3,11 @@ flag's or variable's text into its value, or raises ValueError saying why."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from pathlib import Path
 
+from driver.devices.documents import profile_label
 from driver.devices.types import MigStrategy
 from driver.health.xid import TAINT_EFFECTS, parse_taint_effect, parse_xid_list
 from driver.plugin.host_inputs import check_driver_name, check_path
@@ -32,6 +34,26 @@ def choice(*allowed: str) -> Callable[[str], str]:
 
 def mig_strategy(value: str) -> MigStrategy:
     return MigStrategy(choice(*MIG_STRATEGIES)(value))
+
+
+# A MIG GPU-instance profile as NVML names it (1g.10gb, 1g.10gb+me) or as labelled
+# (1g10gb, 1g10gb-me).
+_PROFILE = re.compile(r"^[0-9]+g(\.[0-9]+gb([+.-][a-z0-9.+-]*)?|[0-9]+gb(-[a-z0-9-]*)?)$")
+
+
+def mig_profiles(value: str) -> tuple[str, ...]:
+    """MIG profiles, as NVML names them ("1g.10gb,3g.40gb") or as device names label
+    them ("1g10gb_3g40gb", what a node label can hold), each once; as labels."""
+    labels: list[str] = []
+    for item in re.split(r"[,_]", value.strip().lower()):
+        item = item.strip()
+        if not item:
+            continue
+        if not _PROFILE.match(item):
+            raise ValueError(f"{item!r} is not a MIG profile (like 1g.10gb or 1g10gb)")
+        if (label := profile_label(item)) not in labels:
+            labels.append(label)
+    return tuple(labels)
 
 
 def boolean(value: str) -> bool:

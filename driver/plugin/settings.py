@@ -131,6 +131,17 @@ MIG_STRATEGY = Setting(
     MigStrategy.AUTO.value,
     metavar="{" + ",".join(MIG_STRATEGIES) + "}",
 )
+MIG_PROFILES = Setting(
+    "mig_profiles",
+    "--mig-profiles",
+    "dynamic MIG: publish the placements of these MIG profiles only, e.g. "
+    "1g.10gb,3g.40gb,7g.80gb (the whole GPU stays published); the node label "
+    "<driver name>/mig-profiles (e.g. 1g10gb_3g40gb) overrides it per node; empty: every "
+    "profile",
+    v.mig_profiles,
+    "",
+    metavar="PROFILES",
+)
 ALLOW_MULTIPLE_ALLOCATIONS = Setting(
     "allow_multiple_allocations",
     "--gpu-allow-multiple-allocations",
@@ -237,6 +248,7 @@ NODE_SETTINGS = (
     NVIDIA_DRIVER_ROOT,
     GPU_PARTITIONS,
     MIG_STRATEGY,
+    MIG_PROFILES,
     ALLOW_MULTIPLE_ALLOCATIONS,
     XID_TAINT_EFFECT,
 )
@@ -255,6 +267,7 @@ class NodeSettings:
     nvidia_driver_root: Path
     gpu_partitions: int
     mig_strategy: MigStrategy
+    mig_profiles: tuple[str, ...]
     allow_multiple_allocations: bool
     xid_taint_effect: str
 
@@ -277,6 +290,7 @@ class NodeSettings:
             gpu_partitions=self.gpu_partitions,
             mig_strategy=self.mig_strategy,
             allow_multiple_allocations=self.allow_multiple_allocations,
+            mig_profiles=self.mig_profiles,
         )
 
 

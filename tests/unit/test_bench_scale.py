@@ -27,6 +27,8 @@ def _slices(layout: str, node: str = "scale-node-0000") -> list[dict[str, Any]]:
     [
         # 8 GPUs x (whole + 25 MIG placements); 1 counter-set slice + 208 / 64 -> 4.
         ("mig", 8 * 26, 5),
+        # 8 GPUs x (whole + seven 1g.10gb, two 3g.40gb, one 7g.80gb); 1 + 88 / 64 -> 2.
+        ("mig3", 8 * 11, 3),
         ("whole", 8, 1),
         # 8 GPUs x (4 partitions + full); 1 counter-set slice + 1 device slice.
         ("partitions4", 8 * 5, 2),

@@ -39,6 +39,7 @@ PLUGIN_FLAG_ENV = {
     "MOCK_FLEET",
     "GPU_PARTITIONS",
     "MIG_STRATEGY",
+    "MIG_PROFILES",
     "XID_TAINT_EFFECT",
     "ADDITIONAL_XIDS_TO_IGNORE",
     "FATAL_XIDS",
@@ -352,6 +353,7 @@ def test_rbac_rules_are_the_requests_the_plugin_sends() -> None:
     from driver.kube.claims import ApiClaimReader, ClaimFailureReporter
     from driver.kube.events import NodeEvent, NodeEvents
     from driver.kube.publisher import SlicePublisher
+    from driver.plugin.node_overrides import node_mig_profiles
     from tests.unit.test_publisher import NODE, FakeApi, device, spec
 
     class RecordingApi(FakeApi):
@@ -407,6 +409,7 @@ def test_rbac_rules_are_the_requests_the_plugin_sends() -> None:
     node_events.start()
     node_events.post(NodeEvent("GpuTainted", "gpu-0: Xid 79"))
     node_events.stop()
+    node_mig_profiles(api, NODE, DRIVER)  # the Node's per-node MIG profile label
 
     assert recording.sites >= _api_call_sites(), "an API call site this test does not exercise"
     used = set(recording.used)

@@ -298,6 +298,8 @@ the driver's files. A YAML list; kubeletPlugin.containers.plugin.extraEnv follow
   value: {{ $kp.gpuPartitions | quote }}
 - name: MIG_STRATEGY
   value: {{ $kp.migStrategy | quote }}
+- name: MIG_PROFILES
+  value: {{ $kp.migProfiles | default "" | quote }}
 {{- if $kp.allowMultipleAllocations }}
 - name: GPU_ALLOW_MULTIPLE_ALLOCATIONS
   value: "true"
@@ -341,6 +343,7 @@ NVIDIA_DRIVER_ROOT_HOST: nvidiaDriverRoot
 NVIDIA_CDI_HOOK_PATH: nvidiaCDIHookPath
 GPU_PARTITIONS: kubeletPlugin.gpuPartitions
 MIG_STRATEGY: kubeletPlugin.migStrategy
+MIG_PROFILES: kubeletPlugin.migProfiles
 GPU_ALLOW_MULTIPLE_ALLOCATIONS: kubeletPlugin.allowMultipleAllocations
 XID_TAINT_EFFECT: kubeletPlugin.health.xidTaintEffect
 ADDITIONAL_XIDS_TO_IGNORE: kubeletPlugin.health.additionalXidsToIgnore

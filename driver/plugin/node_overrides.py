@@ -1,0 +1,46 @@
+"""Per-node overrides of the plugin's settings, read from labels on its Node object.
+
+`<driver name>/mig-profiles` (e.g. `gpu.example.com/mig-profiles=1g10gb_3g40gb`)
+replaces `--mig-profiles` on that node: a node pool can publish the MIG layout it uses.
+A label value holds no commas, dots or plus signs, so profiles are written as the
+device names label them, joined by `_`. The label is read once at start; a change
+takes effect at the plugin's next start. A bad value stops the start with one line
+naming the label; a Node that cannot be read leaves the flag's value, with a warning.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Protocol
+
+from driver.kube.api import segment
+from driver.plugin import setting_values
+from driver.plugin.settings import SettingError
+
+log = logging.getLogger(__name__)
+
+
+class NodeReader(Protocol):
+    def request(self, method: str, path: str) -> object: ...
+
+
+def mig_profiles_label(driver_name: str) -> str:
+    return f"{driver_name}/mig-profiles"
+
+
+def node_mig_profiles(api: NodeReader, node_name: str, driver_name: str) -> tuple[str, ...] | None:
+    """The profiles the Node's label selects, or None without the label (or Node)."""
+    label = mig_profiles_label(driver_name)
+    try:
+        node = api.request("GET", f"/api/v1/nodes/{segment(node_name)}")
+    except Exception as err:  # the API is down or forbids it: the flag's value stands
+        log.warning("reading Node %s for its %s label: %s", node_name, label, err)
+        return None
+    labels = node.get("metadata", {}).get("labels") or {} if isinstance(node, dict) else {}
+    value = labels.get(label)
+    if value is None:
+        return None
+    try:
+        return setting_values.mig_profiles(str(value))
+    except ValueError as err:
+        raise SettingError(f"node label {label}={value!r}: {err}") from err
