@@ -270,11 +270,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--doc", type=Path, help="with --report: rewrite this document's scale section"
     )
+    parser.add_argument(
+        "--section",
+        default="",
+        help="with --doc: the section's name (markers <!-- scale:NAME:begin/end -->; "
+        "default: the main one)",
+    )
     args = parser.parse_args(argv)
     if args.report:
         results = json.loads(args.report.read_text())
         if args.doc:
-            args.doc.write_text(scale_report.replace_section(args.doc.read_text(), results))
+            doc = scale_report.replace_section(args.doc.read_text(), results, args.section)
+            args.doc.write_text(doc)
         else:
             sys.stdout.write(scale_report.section(results) + "\n")
         return 0

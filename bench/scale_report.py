@@ -14,7 +14,7 @@ from typing import Any
 
 BEGIN = "<!-- scale:begin -->"
 END = "<!-- scale:end -->"
-LAYOUT_ORDER = ("mig", "whole", "partitions4")
+LAYOUT_ORDER = ("mig", "mig3", "whole", "partitions4")
 SCHEDULER_ORDER = ("default", "unthrottled")
 
 
@@ -164,12 +164,22 @@ def header(results: Mapping[str, Any]) -> str:
     )
 
 
-def section(results: Mapping[str, Any]) -> str:
-    return f"{BEGIN}\n{header(results)}\n{table(results)}{END}"
+def markers(name: str = "") -> tuple[str, str]:
+    """The begin and end markers of the section `name` ("": the main one)."""
+    if not name:
+        return BEGIN, END
+    return f"<!-- scale:{name}:begin -->", f"<!-- scale:{name}:end -->"
 
 
-def replace_section(doc: str, results: Mapping[str, Any]) -> str:
-    pattern = re.compile(re.escape(BEGIN) + r".*?" + re.escape(END), re.DOTALL)
+def section(results: Mapping[str, Any], name: str = "") -> str:
+    begin, end = markers(name)
+    return f"{begin}\n{header(results)}\n{table(results)}{end}"
+
+
+def replace_section(doc: str, results: Mapping[str, Any], name: str = "") -> str:
+    """`doc` with its section `name` generated anew from `results`."""
+    begin, end = markers(name)
+    pattern = re.compile(re.escape(begin) + r".*?" + re.escape(end), re.DOTALL)
     if not pattern.search(doc):
-        raise ReportError(f"the document has no {BEGIN} … {END} markers")
-    return pattern.sub(lambda _: section(results), doc, count=1)
+        raise ReportError(f"the document has no {begin} … {end} markers")
+    return pattern.sub(lambda _: section(results, name), doc, count=1)

@@ -204,6 +204,17 @@ def test_replace_section_rewrites_only_between_markers() -> None:
         report.replace_section("no markers", _results([]))
 
 
+def test_a_named_section_is_rewritten_and_the_main_one_kept() -> None:
+    begin, end = report.markers("profiles")
+    assert (begin, end) == ("<!-- scale:profiles:begin -->", "<!-- scale:profiles:end -->")
+    doc = f"{report.BEGIN}\nmain\n{report.END}\n{begin}\nold\n{end}\n"
+    new = report.replace_section(doc, _results([_point("whole", 10, [[1.0, 2.0]])]), "profiles")
+    assert new.startswith(
+        f"{report.BEGIN}\nmain\n{report.END}\n<!-- scale:profiles:begin -->\nRun "
+    )
+    assert "old" not in new and new.endswith("<!-- scale:profiles:end -->\n")
+
+
 def test_scheduler_histograms_are_summed_over_their_series() -> None:
     text = "\n".join(
         [
