@@ -21,7 +21,7 @@ from driver.state.claims import ClaimRef, PrepareResult
 from driver.state.context import StepContext
 from driver.state.failpoints import failpoint
 from driver.state.instances import other_entries, owns_mig
-from driver.state.planning import PlannedDevice, plan_claim, render_spec
+from driver.state.planning import PlannedDevice, for_batch, plan_claim, render_spec
 from driver.state.teardown import unprepare_begun
 
 log = logging.getLogger(__name__)
@@ -94,6 +94,7 @@ def prepare_locked(
         return
     try:  # the driver's files, before any container is pointed at them
         state.common.refresh()
+        context = for_batch(state.context, state.common.majors)
     except DriverError as err:
         for w in work:
             results[w.ref.uid] = state.fail(w.ref, w.claim, err)
@@ -129,7 +130,7 @@ def prepare_locked(
     for w in work:
         try:
             w.planned = tuple(state.instances.create(w.planned))
-            w.spec = render_spec(w.planned, state.context)
+            w.spec = render_spec(w.planned, context)
             state.cdi.write_claim_spec(w.ref.uid, w.spec, before_rename="prepare-cdi-before-rename")
             w.planned = state.timeslices.apply(w.ref.uid, w.planned, journal)
         except Exception as exc:

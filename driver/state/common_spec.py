@@ -46,6 +46,8 @@ class CommonSpec:
         self.proc_devices = proc_devices
         self.generator = generator
         self.problem: str | None = None  # why the driver's edits are missing
+        # The device majors the last sync read (claim specs of the same request use them).
+        self.majors: CharMajors | None = None
         self._written: _Written | None = None
 
     def write(self) -> None:
@@ -102,8 +104,8 @@ class CommonSpec:
 
     def _control_nodes(self) -> tuple[DeviceNode, ...]:
         try:
-            majors = CharMajors.read(self.proc_devices)
-            return majors.control_nodes(modeset=MODESET_NODE.exists())
+            self.majors = CharMajors.read(self.proc_devices)
+            return self.majors.control_nodes(modeset=MODESET_NODE.exists())
         except (OSError, DeviceNodeError) as err:
             raise DriverEditsError(f"control device nodes: {err}") from err
 

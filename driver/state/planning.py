@@ -50,12 +50,24 @@ class CdiContext:
     real_devices: bool  # device nodes for real GPUs
     caps_root: Path  # where /proc/driver/nvidia/capabilities is read (real: "/")
     proc_devices: Path = Path("/proc/devices")  # the kernel's device majors
+    # The majors already read for this batch (`with_majors`): one read per request.
+    read_majors: CharMajors | None = None
 
     def majors(self) -> CharMajors:
+        if self.read_majors is not None:
+            return self.read_majors
         try:
             return CharMajors.read(self.proc_devices)
         except OSError as err:
             raise transient(f"cannot read device majors from {self.proc_devices}: {err}") from err
+
+
+def for_batch(context: CdiContext, known: CharMajors | None) -> CdiContext:
+    """The context for one request's specs: the majors read once (`known`: what the
+    common spec's refresh just read), not once per claim."""
+    if not context.real_devices:
+        return context
+    return replace(context, read_majors=known if known is not None else context.majors())
 
 
 def _sharing_env(config: GpuConfig) -> SharingEnv:

@@ -18,6 +18,7 @@ from driver.nvml.mock.mig_state import mig_minor
 from driver.nvml.mock.nvml import MockNvml
 from driver.state.checkpoint import Checkpoint, ClaimState
 from driver.state.claims import ClaimRef
+from driver.state.device_nodes import CharMajors
 from driver.state.prepare import DeviceState
 from tests.state_fakes import Healthy, NoReports
 
@@ -286,3 +287,21 @@ def test_a_failed_journal_store_leaves_no_mig_device(
     assert node.live() == []
     assert not node.state.cdi.claim_spec_exists("u")
     assert "u" not in Checkpoint(node.root / "plugin").load()
+
+
+def test_a_request_reads_the_device_majors_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """/proc/devices is read once per prepare request, not once per claim."""
+    node = make_node(tmp_path, H100)
+    reads = []
+    real = CharMajors.read.__func__  # type: ignore[attr-defined]
+
+    def counting(cls: type[CharMajors], path: Path) -> CharMajors:
+        reads.append(path)
+        return real(cls, path)  # type: ignore[no-any-return]
+
+    monkeypatch.setattr(CharMajors, "read", classmethod(counting))
+    refs = [node.claims.add(f"u{i}", f"gpu-0-mig-1g10gb-{i}") for i in range(4)]
+    assert all(r.ok for r in node.state.prepare(refs).values())
+    assert reads == [PROC_DEVICES]
