@@ -166,17 +166,30 @@ def test_bad_placement_profile_and_mig_off(nvml: MockNvml) -> None:
     assert _code(lambda: bad(dev, 19, object())) == m.NVML_ERROR_INVALID_ARGUMENT
     off = nvml.nvmlDeviceGetHandleByIndex(3)  # A100-80GB, migMode: disabled
     example = nvml.nvmlDeviceGetHandleByIndex(4)
-    count = ctypes.byref(ctypes.c_uint())
+    listed = ctypes.c_uint(5)
+    count = ctypes.byref(listed)
+    creates: list[Callable[[Any], object]] = [
+        lambda h: nvml.nvmlDeviceCreateGpuInstance(h, 19),
+        lambda h: nvml.nvmlDeviceCreateGpuInstanceWithPlacement(h, 19, _placement(0, 1)),
+    ]
+    lookups: list[Callable[[Any], object]] = [
+        lambda h: nvml.nvmlDeviceGetGpuInstanceById(h, 7),
+        lambda h: nvml.nvmlDeviceGetGpuInstances(h, 19, [], count),
+        lambda h: nvml.nvmlDeviceGetMigDeviceHandleByIndex(h, 0),
+    ]
+    for call in creates + lookups:
+        assert _code(lambda call=call: call(example)) == m.NVML_ERROR_NOT_SUPPORTED
+    for call in creates:
+        assert _code(lambda call=call: call(off)) == m.NVML_ERROR_NOT_SUPPORTED
+    # A MIG-capable GPU with MIG mode off has no instances to find (a real H200 answered
+    # so: tests/data/nvml-probe-h200.json).
+    assert _code(lambda: nvml.nvmlDeviceGetGpuInstanceById(off, 7)) == m.NVML_ERROR_NOT_FOUND
+    assert _code(lambda: nvml.nvmlDeviceGetMigDeviceHandleByIndex(off, 0)) == (
+        m.NVML_ERROR_NOT_FOUND
+    )
+    nvml.nvmlDeviceGetGpuInstances(off, 19, [], count)
+    assert listed.value == 0
     for h in (off, example):
-        calls: list[Callable[[Any], object]] = [
-            lambda h: nvml.nvmlDeviceCreateGpuInstance(h, 19),
-            lambda h: nvml.nvmlDeviceCreateGpuInstanceWithPlacement(h, 19, _placement(0, 1)),
-            lambda h: nvml.nvmlDeviceGetGpuInstanceById(h, 7),
-            lambda h: nvml.nvmlDeviceGetGpuInstances(h, 19, [], count),
-            lambda h: nvml.nvmlDeviceGetMigDeviceHandleByIndex(h, 0),
-        ]
-        for call in calls:
-            assert _code(lambda call=call, h=h: call(h)) == m.NVML_ERROR_NOT_SUPPORTED
         assert nvml.nvmlDeviceGetMaxMigDeviceCount(h) == 0
     assert nvml.nvmlDeviceGetMaxMigDeviceCount(dev) == 7
 

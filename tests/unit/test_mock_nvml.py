@@ -245,8 +245,10 @@ def test_event_set_free(nvml: MockNvml) -> None:
     h = nvml.nvmlDeviceGetHandleByIndex(0)
     with pytest.raises(m.NVMLError):
         nvml.nvmlDeviceRegisterEvents(h, m.nvmlEventTypeXidCriticalError, es)
+    unsupported = 0x0020  # a bit outside the mask a real H200 reported (nvmlEventTypeAll)
+    assert nvml.nvmlDeviceGetSupportedEventTypes(h) & unsupported == 0
     with pytest.raises(m.NVMLError) as err:
-        nvml.nvmlDeviceRegisterEvents(h, m.nvmlEventTypePState, nvml.nvmlEventSetCreate())
+        nvml.nvmlDeviceRegisterEvents(h, unsupported, nvml.nvmlEventSetCreate())
     assert err.value.value == m.NVML_ERROR_NOT_SUPPORTED
 
 

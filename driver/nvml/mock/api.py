@@ -98,9 +98,31 @@ nvmlEventTypeXidCriticalError = 0x0008
 nvmlEventTypeClock = 0x0010
 nvmlEventTypePowerSourceChange = 0x0080
 nvmlEventMigConfigChange = 0x0100
+nvmlEventTypeSingleBitEccErrorStorm = 0x0200
+nvmlEventTypeDramRetirementEvent = 0x0400
+nvmlEventTypeDramRetirementFailure = 0x0800
+nvmlEventTypeNonFatalPoisonError = 0x1000
+nvmlEventTypeFatalPoisonError = 0x2000
 nvmlEventTypeGpuUnavailableError = 0x4000
 nvmlEventTypeGpuRecoveryAction = 0x8000
 nvmlEventTypeNone = 0x0
+nvmlEventTypeAll = (
+    nvmlEventTypeNone
+    | nvmlEventTypeSingleBitEccError
+    | nvmlEventTypeDoubleBitEccError
+    | nvmlEventTypePState
+    | nvmlEventTypeClock
+    | nvmlEventTypePowerSourceChange
+    | nvmlEventTypeXidCriticalError
+    | nvmlEventMigConfigChange
+    | nvmlEventTypeSingleBitEccErrorStorm
+    | nvmlEventTypeDramRetirementEvent
+    | nvmlEventTypeDramRetirementFailure
+    | nvmlEventTypeNonFatalPoisonError
+    | nvmlEventTypeFatalPoisonError
+    | nvmlEventTypeGpuUnavailableError
+    | nvmlEventTypeGpuRecoveryAction
+)
 
 NVML_GPU_RECOVERY_ACTION_NONE = 0
 NVML_GPU_RECOVERY_ACTION_GPU_RESET = 1

@@ -28,10 +28,9 @@ from driver.nvml.mock.api import (
     MockEventSet,
     NVMLError,
     nvml_call,
+    nvmlEventTypeAll,
     nvmlEventTypeDoubleBitEccError,
     nvmlEventTypeGpuRecoveryAction,
-    nvmlEventTypeGpuUnavailableError,
-    nvmlEventTypeSingleBitEccError,
     nvmlEventTypeXidCriticalError,
 )
 from driver.nvml.mock.fleet import MockGpu
@@ -47,13 +46,10 @@ class PendingEvent:
     compute_instance_id: int = NO_INSTANCE
 
 
-SUPPORTED_EVENTS = (
-    nvmlEventTypeSingleBitEccError
-    | nvmlEventTypeDoubleBitEccError
-    | nvmlEventTypeXidCriticalError
-    | nvmlEventTypeGpuUnavailableError
-    | nvmlEventTypeGpuRecoveryAction
-)
+# What a real H200 (driver 580.159.04, MIG off) answered to
+# nvmlDeviceGetSupportedEventTypes: every type nvml.h defines (nvmlEventTypeAll); the
+# mock raises only Xid, ECC, GPU-unavailable and recovery-action events.
+SUPPORTED_EVENTS = nvmlEventTypeAll
 
 
 class EventFunctions:

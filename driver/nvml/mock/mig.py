@@ -135,8 +135,17 @@ class MigFunctions:
         return True
 
     def _mig_gpu(self, device: Any) -> MockGpu:
+        gpu = self._mig_capable_gpu(device)
+        if not gpu.mig_enabled:
+            raise MigError(NVML_ERROR_NOT_SUPPORTED)
+        return gpu
+
+    def _mig_capable_gpu(self, device: Any) -> MockGpu:
+        """A GPU that can run MIG, in MIG mode or not. Lookups of GPU instances and MIG
+        devices on one with MIG mode off find none (a real H200 answered an empty list
+        and NOT_FOUND), where creating one is NOT_SUPPORTED."""
         gpu = self._gpu(device)
-        if gpu.profile.mig is None or not gpu.mig_enabled:
+        if gpu.profile.mig is None:
             raise MigError(NVML_ERROR_NOT_SUPPORTED)
         return gpu
 
@@ -245,7 +254,7 @@ class MigFunctions:
 
     @nvml_call
     def nvmlDeviceGetGpuInstanceById(self, device: Any, gpuInstanceId: int) -> MockGpuInstance:
-        gpu = self._mig_gpu(device)
+        gpu = self._mig_capable_gpu(device)
         with self.mig_store.open() as st:
             gi = _find_gi(st, gpu, gpuInstanceId)
         if gi is None:
@@ -256,7 +265,7 @@ class MigFunctions:
     def nvmlDeviceGetGpuInstances(
         self, device: Any, profileId: int, gpuInstancesRef: Any, countRef: Any
     ) -> int:
-        gpu = self._mig_gpu(device)
+        gpu = self._mig_capable_gpu(device)
         self._gi_profile(gpu, profileId)
         with self.mig_store.open() as st:
             gis = [gi for gi in st.gpus.get(gpu.uuid, []) if gi.profile == profileId]
@@ -374,7 +383,7 @@ class MigFunctions:
 
     @nvml_call
     def nvmlDeviceGetMigDeviceHandleByIndex(self, device: Any, index: int) -> MockMigDeviceHandle:
-        gpu = self._mig_gpu(device)
+        gpu = self._mig_capable_gpu(device)
         if (
             not isinstance(index, int)
             or not 0 <= index < cast(MigSpec, gpu.profile.mig).compute_slices
