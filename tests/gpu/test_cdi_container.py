@@ -43,6 +43,18 @@ def _tools() -> Path:
     return tools
 
 
+def _mounted_binary(specs: list[dict[str, Any]], name: str) -> tuple[Path, str]:
+    """Where the specs mount the driver's binary `name`: its host path and the path the
+    container sees (a driver root such as /usr/local/nvidia keeps its own layout)."""
+    for spec in specs:
+        edits = [spec.get("containerEdits", {})]
+        edits += [device["containerEdits"] for device in spec.get("devices", [])]
+        for mount in (m for e in edits for m in e.get("mounts", [])):
+            if Path(mount["containerPath"]).name == name:
+                return Path(mount["hostPath"]), mount["containerPath"]
+    pytest.fail(f"the claim's CDI specs mount no {name}")
+
+
 def _c_library_rootfs(rootfs: Path, program: Path) -> None:
     """The loader and C libraries `program` links, none of NVIDIA's, in /lib."""
     out = subprocess.run(["ldd", str(program)], capture_output=True, text=True, check=True)
@@ -70,12 +82,11 @@ def test_a_container_with_exactly_the_claims_edits_lists_exactly_its_gpu(
     assert result.ok, result.error
     specs: list[dict[str, Any]] = [node.spec("ctr")]
     specs.append(json.loads(node.state.cdi.common_spec_path.read_text()))
-    nvidia_smi = shutil.which("nvidia-smi", path=f"{root}/usr/bin:{root}/bin")
-    assert nvidia_smi, f"no nvidia-smi under {root}"
+    host_smi, container_smi = _mounted_binary(specs, "nvidia-smi")
     rootfs = tmp_path / "rootfs"
-    _c_library_rootfs(rootfs, Path(nvidia_smi))
+    _c_library_rootfs(rootfs, host_smi)
     proc = cdi_bundle.run(
-        tmp_path / "bundle", rootfs, specs, result.devices[0].cdi_device_ids, ["nvidia-smi", "-L"]
+        tmp_path / "bundle", rootfs, specs, result.devices[0].cdi_device_ids, [container_smi, "-L"]
     )
     print(proc.stdout, proc.stderr)
     assert proc.returncode == 0, proc.stderr

@@ -1,0 +1,111 @@
+#!/usr/bin/env bash
+# The real-GPU tier (tests/gpu) on a GPU host that cannot reach a package registry:
+# `pack` gathers, on a machine that can, everything the tier needs beside the
+# repository; `run` installs it on the GPU host and runs the tier there.
+#
+#   hack/gpu-tier-bundle.sh pack DIR        wheels + tools into DIR (needs network)
+#   hack/gpu-tier-bundle.sh run DIR [ARGS]  install DIR's wheels, run pytest tests/gpu ARGS
+#
+# pack: the runtime and test packages of requirements.lock as wheels for the GPU
+# host's CPython (GPU_PYTHON_VERSION, default 3.12; pip checks every file against the
+# lock's sha256), and a tar of the tools the container test needs: nvidia-cdi-hook,
+# nvidia-ctk and gpu-dra-cdi-common (hack/build-nvidia-tools.sh) and runc with the
+# libseccomp it links (make cluster-build). About 30 MB.
+# run: pip installs the wheels into a directory of their own (--no-index: nothing is
+# fetched), unpacks the tools into a cache laid out as the builds lay theirs out
+# (GPU_DRA_CACHE), prints what the host has (driver, GPUs and MIG modes, device nodes,
+# where nvidia-smi and libnvidia-ml are) and runs the tier with the host's python3.
+# Nothing is written outside DIR and a temporary directory, which run removes.
+set -euo pipefail
+
+REPO_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+# shellcheck source=hack/versions.env
+source "$REPO_DIR/hack/versions.env"
+CACHE_ROOT=${GPU_DRA_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/gpu-dra-driver}
+TOOLKIT_DIR=bin/nvidia-toolkit-$NVIDIA_CTK_VERSION
+RUNC_DIR=bin/containerd-$CONTAINERD_VERSION-runc-$RUNC_VERSION
+# What the driver and the tier import, and pytest; the lock's other packages are
+# development tools (lint, type checks, plots, code generation).
+RUNTIME_PACKAGES=(
+  annotated-types certifi charset-normalizer durationpy grpcio idna iniconfig kubernetes
+  nvidia-ml-py oauthlib packaging pluggy prometheus-client protobuf pydantic pydantic-core
+  pygments pytest pytest-timeout python-dateutil pyyaml requests requests-oauthlib
+  typing-extensions typing-inspection urllib3 websocket-client
+)
+
+die() {
+  printf 'gpu-tier-bundle: %s\n' "$*" >&2
+  exit 1
+}
+
+# The lock's blocks (a `name==version \` line and its `--hash` lines) of the packages
+# named, as a requirements file pip reads with --require-hashes.
+locked_requirements() {
+  awk -v names=" ${RUNTIME_PACKAGES[*]} " '
+    /^[a-z0-9]/ { split($1, nv, "=="); keep = index(names, " " nv[1] " ") > 0 }
+    /^[a-z0-9]/ || /^ *--hash/ { if (keep) print }
+  ' "$REPO_DIR/requirements.lock"
+}
+
+pack() {
+  local dir=$1 python_version=${GPU_PYTHON_VERSION:-3.12} tools stage
+  mkdir -p "$dir/wheels"
+  locked_requirements >"$dir/requirements.txt"
+  local found
+  found=$(grep -c '^[a-z0-9]' "$dir/requirements.txt")
+  printf 'gpu-tier-bundle: %s of %s packages are in the lock\n' "$found" "${#RUNTIME_PACKAGES[@]}"
+  python3 -m pip download --quiet --no-deps --require-hashes --only-binary=:all: \
+    --implementation cp --python-version "$python_version" \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
+    --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+    --platform manylinux_2_5_x86_64 --platform manylinux1_x86_64 \
+    -d "$dir/wheels" -r "$dir/requirements.txt"
+  tools=$("$REPO_DIR/hack/build-nvidia-tools.sh" | tail -n 1)
+  [[ -x $CACHE_ROOT/$RUNC_DIR/runc ]] || die "$CACHE_ROOT/$RUNC_DIR/runc missing: run make cluster-build"
+  stage=$(mktemp -d)
+  trap 'rm -rf "$stage"' RETURN
+  mkdir -p "$stage/$TOOLKIT_DIR" "$stage/$RUNC_DIR" "$stage/lib"
+  cp -p "$tools"/{nvidia-cdi-hook,nvidia-ctk,gpu-dra-cdi-common} "$stage/$TOOLKIT_DIR/"
+  cp -p "$CACHE_ROOT/$RUNC_DIR/runc" "$stage/$RUNC_DIR/"
+  cp -L "$(ldd "$CACHE_ROOT/$RUNC_DIR/runc" | awk '/libseccomp/ {print $3}')" "$stage/lib/"
+  tar -C "$stage" -cJf "$dir/tools.tar.xz" .
+  du -sh "$dir"
+}
+
+host_facts() {
+  printf '== host\n'
+  uname -r
+  cat /proc/driver/nvidia/version 2>/dev/null || echo "no /proc/driver/nvidia/version"
+  nvidia-smi --query-gpu=index,name,uuid,pci.bus_id,memory.total,mig.mode.current,driver_version \
+    --format=csv 2>&1 || true
+  printf 'nvidia-smi: %s\n' "$(command -v nvidia-smi || echo none on PATH)"
+  ldconfig -p | grep -E 'libnvidia-ml|libcuda\.so' || echo "libnvidia-ml not in the ld cache"
+  ls -l /dev/nvidia* 2>&1 || true
+  python3 --version
+}
+
+run() {
+  local dir=$1
+  shift
+  [[ -d $dir/wheels && -f $dir/tools.tar.xz ]] || die "$dir is not a bundle (pack it first)"
+  dir=$(cd "$dir" && pwd)
+  WORK=$(mktemp -d)
+  trap 'rm -rf "$WORK"' EXIT
+  python3 -m pip install --quiet --no-index --no-deps --no-compile --no-cache-dir \
+    --target "$WORK/site" "$dir"/wheels/*.whl
+  mkdir -p "$WORK/cache"
+  tar -C "$WORK/cache" -xJf "$dir/tools.tar.xz"
+  # runc's libseccomp where the host has none of its own.
+  ldconfig -p | grep -q 'libseccomp\.so\.2' || export LD_LIBRARY_PATH=$WORK/cache/lib
+  export GPU_DRA_CACHE=$WORK/cache PYTHONPATH=$WORK/site:$REPO_DIR PYTHONDONTWRITEBYTECODE=1
+  host_facts
+  printf '== tier\n'
+  cd "$REPO_DIR"
+  python3 -m pytest -p no:cacheprovider tests/gpu "$@"
+}
+
+case ${1:-} in
+  pack) [[ $# -eq 2 ]] || die "usage: $0 pack DIR"; pack "$2" ;;
+  run) [[ $# -ge 2 ]] || die "usage: $0 run DIR [PYTEST_ARGS...]"; run "${@:2}" ;;
+  *) die "usage: $0 pack DIR | run DIR [PYTEST_ARGS...]" ;;
+esac
