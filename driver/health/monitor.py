@@ -42,9 +42,14 @@ from typing import Protocol
 from driver.errors import transient
 from driver.health.clear import ClearAction, Publisher
 from driver.health.control import ControlChannel
-from driver.health.gpu_metrics import GpuHealthMetrics, published_gpu_names
+from driver.health.gpu_metrics import (
+    GpuHealthMetrics,
+    published_gpu_names,
+    tainted_device_names,
+)
 from driver.health.mock_control import MockActions
 from driver.health.node_events import EventSink, TaintEvents
+from driver.health.recovery import RecoveryActions, RecoveryChange, recovery_event
 from driver.health.store import Devices, HealthDevice, HealthStore, Placement, device_list
 from driver.health.xid import (
     DEFAULT_TAINT_EFFECT,
@@ -123,6 +128,7 @@ class HealthMonitor:
         node_events: NodeEventSink | None = None,
         driver: str | None = None,
         taint_effect: str = "NoSchedule",
+        recovery: RecoveryActions | None = None,
     ) -> None:
         if not 0 < wait_timeout_ms <= 1000:
             raise ValueError("wait_timeout_ms must be in 1..1000")
@@ -138,6 +144,8 @@ class HealthMonitor:
         self._gpu_metrics = GpuHealthMetrics(
             gpu_names if gpu_names is not None else published_gpu_names(self._devices)
         )
+        self._recovery = recovery
+        self._driver = driver or store.driver
         self._node_events = node_events
         self._taint_events = (
             None
@@ -146,7 +154,7 @@ class HealthMonitor:
                 node_events,
                 store,
                 self._devices,
-                driver=driver or store.driver,
+                driver=self._driver,
                 effect=taint_effect,
                 gpu_names=self._gpu_metrics.gpu_names,
             )
@@ -182,6 +190,12 @@ class HealthMonitor:
         self.events_handled = 0
         self.errors = 0
         self._update_gauge()
+
+    def add_poller(self, poller: Callable[[], object]) -> None:
+        """Called on every event wait, like `pollers` (before `start`)."""
+        if self._thread is not None:
+            raise RuntimeError("health monitor already started")
+        self._pollers.append(poller)
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -339,9 +353,28 @@ class HealthMonitor:
         )
         return why
 
+    def recovery_changed(self, change: RecoveryChange) -> None:
+        """A GPU's recovery action appeared, changed or went (`RecoveryPoller`'s
+        `on_change`): the metrics, a Node event, and the kubelet's health stream."""
+        self._update_gauge()
+        self._store.note_change()
+        if self._node_events is None or self._recovery is None:
+            return
+        uuid = change.gpu_uuid
+        name = self._gpu_metrics.gpu_names.get(uuid, uuid)
+        event = recovery_event(
+            change,
+            self._recovery.device_names(uuid),
+            gpu=f"{name} ({uuid})",
+            driver=self._driver,
+        )
+        if event is not None:
+            self._node_events.post(event)
+
     def _update_gauge(self) -> None:
-        metrics.TAINTED_DEVICES.set(self._store.tainted_device_count(self._devices))
-        self._gpu_metrics.update(self._store)
+        tainted = tainted_device_names(self._store, self._devices, self._recovery)
+        metrics.TAINTED_DEVICES.set(len(tainted))
+        self._gpu_metrics.update(self._store, self._recovery)
 
 
 class KubeDeviceHealth:

@@ -33,7 +33,7 @@ class EventSink(Protocol):
     def post(self, event: NodeEvent) -> None: ...
 
 
-def _names(devices: Sequence[str]) -> str:
+def device_names_text(devices: Sequence[str]) -> str:
     shown = ", ".join(devices[:NAMES_SHOWN])
     more = len(devices) - NAMES_SHOWN
     return shown + (f" and {more} more" if more > 0 else "")
@@ -83,7 +83,7 @@ class TaintEvents:
                     REASON_TAINTED,
                     f"{gpu}: {failure.message()}; taint "
                     f"{_taint(failure, self._driver, self._effect)} on {len(names)} "
-                    f"device(s): {_names(names)}",
+                    f"device(s): {device_names_text(names)}",
                     "Warning",
                 )
             )
@@ -94,7 +94,7 @@ class TaintEvents:
                 NodeEvent(
                     REASON_CLEARED,
                     f"{gpu}: {cause}; taint removed from {len(untainted)} device(s): "
-                    f"{_names(untainted)} (was: {was})",
+                    f"{device_names_text(untainted)} (was: {was})",
                     "Normal",
                 )
             )

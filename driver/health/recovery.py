@@ -40,6 +40,8 @@ from dataclasses import dataclass
 from driver.errors import transient
 from driver.health.clear import Publisher
 from driver.health.failures import Devices, device_list, now_rfc3339
+from driver.health.node_events import REASON_CLEARED, REASON_TAINTED, device_names_text
+from driver.kube.events import NodeEvent
 from driver.nvml.recovery import ACTION_NONE, RecoveryReading, action_name
 from driver.state.claims import DeviceHealth
 
@@ -129,6 +131,15 @@ class RecoveryFailure:
         }
 
 
+@dataclass(frozen=True)
+class RecoveryChange:
+    """One GPU's recovery action appeared, changed (both set) or went."""
+
+    gpu_uuid: str
+    added: RecoveryFailure | None
+    removed: RecoveryFailure | None
+
+
 class RecoveryActions:
     """The GPUs of the published devices whose recovery action is not NONE, and the
     taints that follows. Written by the health monitor's thread, read by the slice
@@ -143,12 +154,12 @@ class RecoveryActions:
         self._unanswered: dict[str, str] = {}  # GPU UUID -> why its last read failed
         self._unsupported: set[str] = set()
 
-    def apply(self, reading: RecoveryReading) -> bool:
-        """One GPU's reading; True when its taint appeared, changed or went."""
+    def apply(self, reading: RecoveryReading) -> RecoveryChange | None:
+        """One GPU's reading; the change when its action appeared, changed or went."""
         uuid = reading.gpu_uuid
         if reading.action is None:
             self._note_unanswered(reading)
-            return False
+            return None
         if self._unanswered.pop(uuid, None) is not None:
             log.info("GPU %s: NVML answers its recovery action again", uuid)
         with self._lock:
@@ -156,23 +167,23 @@ class RecoveryActions:
             if reading.action == ACTION_NONE:
                 removed, added = self._failures.pop(uuid, None), None
             elif current is not None and current.action == reading.action:
-                return False
+                return None
             else:
-                removed, added = None, RecoveryFailure(uuid, reading.action, now_rfc3339())
+                removed, added = current, RecoveryFailure(uuid, reading.action, now_rfc3339())
                 self._failures[uuid] = added
         if added is not None:
             taint = added.taint(self.driver)
             shown = _taint_text(taint) if taint is not None else "no taint"
             log.warning("GPU %s: %s (%s)", uuid, added.reason(), shown)
-            return True
+            return RecoveryChange(uuid, added, removed)
         if removed is not None:
             log.warning(
                 "GPU %s answers NVML with no recovery action: its %s taint is removed",
                 uuid,
                 removed.name,
             )
-            return True
-        return False
+            return RecoveryChange(uuid, None, removed)
+        return None
 
     def _note_unanswered(self, reading: RecoveryReading) -> None:
         uuid = reading.gpu_uuid
@@ -205,6 +216,10 @@ class RecoveryActions:
         with self._lock:
             return dict(self._failures)
 
+    def device_names(self, gpu_uuid: str) -> list[str]:
+        """The published devices of the GPU, in published order."""
+        return [name for name, uuid in self._gpu_of.items() if uuid == gpu_uuid]
+
     def device_failure(self, device_name: str) -> RecoveryFailure | None:
         """The recovery action that taints this device (not one that is only logged)."""
         uuid = self._gpu_of.get(device_name)
@@ -227,7 +242,8 @@ class RecoveryActions:
 class RecoveryPoller:
     """The health monitor's poller (`HealthMonitor(pollers=...)`): called on every
     event wait, it reads the recovery actions once per `interval` seconds and
-    republishes when a taint changed."""
+    republishes when a taint changed; `on_change` hears of each change after that
+    (the health monitor: metrics, Node events, the kubelet's health stream)."""
 
     def __init__(
         self,
@@ -237,6 +253,7 @@ class RecoveryPoller:
         *,
         interval: float = DEFAULT_POLL_SECONDS,
         clock: Callable[[], float] = time.monotonic,
+        on_change: Callable[[RecoveryChange], object] | None = None,
     ) -> None:
         if not interval > 0:
             raise ValueError(f"recovery action poll interval must be > 0, got {interval}")
@@ -245,6 +262,7 @@ class RecoveryPoller:
         self._publisher = publisher
         self._interval = interval
         self._clock = clock
+        self._on_change = on_change
         self._due: float | None = None  # None: read at the first call
         self._error: str | None = None
 
@@ -267,9 +285,12 @@ class RecoveryPoller:
             self._error = str(err)
             return
         self._error = None
-        changed = [self._actions.apply(reading) for reading in readings]
-        if any(changed) and self._publisher is not None:
+        changes = [c for c in map(self._actions.apply, readings) if c is not None]
+        if changes and self._publisher is not None:
             self._publisher.trigger()
+        if self._on_change is not None:
+            for change in changes:
+                self._on_change(change)
 
 
 class RecoveryAwareHealth:
@@ -306,6 +327,31 @@ class RecoveryAwareHealth:
                 f"device {device_name}: the API server has not accepted its recovery-action "
                 f"taint within {self._timeout:.0f}s; retrying"
             )
+
+
+def recovery_event(
+    change: RecoveryChange, devices: Sequence[str], *, gpu: str, driver: str
+) -> NodeEvent | None:
+    """The Node event for a change of one GPU's recovery-action taint (`gpu`: its name
+    and UUID as shown): `GpuTainted` when a taint appears or changes, `GpuTaintCleared`
+    when it goes; None for an action that is only logged."""
+    added = change.added.taint(driver) if change.added is not None else None
+    removed = change.removed.taint(driver) if change.removed is not None else None
+    shown = f"{len(devices)} device(s): {device_names_text(devices)}"
+    if added is not None and change.added is not None:
+        return NodeEvent(
+            REASON_TAINTED,
+            f"{gpu}: {change.added.reason()}; taint {_taint_text(added)} on {shown}",
+            "Warning",
+        )
+    if removed is not None and change.removed is not None:
+        now = change.added.reason() if change.added else "NVML answers no recovery action"
+        return NodeEvent(
+            REASON_CLEARED,
+            f"{gpu}: {now}; taint removed from {shown} (was: {change.removed.reason()})",
+            "Normal",
+        )
+    return None
 
 
 def _taint_text(taint: Mapping[str, str]) -> str:

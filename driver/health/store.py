@@ -303,6 +303,12 @@ class HealthStore:
                 self._cond.wait(remaining)
             return self._version
 
+    def note_change(self) -> None:
+        """Health outside this store changed (a GPU's recovery action): waiters in
+        `wait_changed` see a new version and read the devices' health again."""
+        with self._cond:
+            self._changed_locked()
+
     def wake(self) -> None:
         """Wake every `wait_changed` caller without a change (used on shutdown)."""
         with self._cond:

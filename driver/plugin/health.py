@@ -1,8 +1,9 @@
 """The kubelet's DRA health stream: `DRAResourceHealth.NodeWatchResources`, v1 and v1alpha1.
 
 Each message is the complete list of this node's published devices (pool = node
-name) with HEALTHY or UNHEALTHY and, for unhealthy ones, why. A message is sent at
-once when the stream opens, on every change of the health store, and at least every
+name) with HEALTHY or UNHEALTHY and, for unhealthy ones, why (a recorded failure, or
+a recovery action that taints the GPU). A message is sent at once when the stream
+opens, on every change of the health store or of a recovery action, and at least every
 `heartbeat_seconds` (10 s): the kubelet marks a device Unknown when it has not heard
 of it within its `health_check_timeout_seconds` (30 s here). The stream ends when
 the client cancels or `HealthServices.stop()` is called before the server stops.
@@ -20,6 +21,7 @@ from typing import Any
 
 import grpc
 
+from driver.health.recovery import RecoveryActions
 from driver.health.store import Devices, HealthStore, device_list
 from driver.proto.dra_health.v1 import api_pb2 as v1
 from driver.proto.dra_health.v1 import api_pb2_grpc as v1_grpc
@@ -43,24 +45,37 @@ class DeviceStatus:
 
 
 class HealthSource:
-    """Device health from the store, in published device order."""
+    """Device health from the store and the GPUs' recovery actions, in published
+    device order."""
 
-    def __init__(self, store: HealthStore, devices: Devices, *, pool_name: str) -> None:
+    def __init__(
+        self,
+        store: HealthStore,
+        devices: Devices,
+        *,
+        pool_name: str,
+        recovery: RecoveryActions | None = None,
+    ) -> None:
         self.store = store
         self.pool_name = pool_name
         self._devices = devices
+        self._recovery = recovery
         self._names = [d.name for d in device_list(devices)]
 
     def snapshot(self) -> tuple[int, list[DeviceStatus]]:
-        """Per device: a whole-GPU failure, or a GPU-instance failure on its slices."""
+        """Per device: a whole-GPU failure, or a GPU-instance failure on its slices,
+        else a recovery action that taints its GPU."""
         version, failures = self.store.device_snapshot(self._devices)
         statuses: list[DeviceStatus] = []
         for name in self._names:
             failure = failures.get(name)
-            if failure is None:
-                statuses.append(DeviceStatus(name, True))
-            else:
+            recovery = self._recovery.device_failure(name) if self._recovery else None
+            if failure is not None:
                 statuses.append(DeviceStatus(name, False, _truncate(failure.message())))
+            elif recovery is not None:
+                statuses.append(DeviceStatus(name, False, _truncate(recovery.message())))
+            else:
+                statuses.append(DeviceStatus(name, True))
         return version, statuses
 
     def wait_changed(self, version: int, timeout: float) -> int:
@@ -173,13 +188,14 @@ def add_health_services(
     devices: Devices,
     *,
     pool_name: str,
+    recovery: RecoveryActions | None = None,
     heartbeat_seconds: float = HEARTBEAT_SECONDS,
     timeout_seconds: int = HEALTH_CHECK_TIMEOUT_SECONDS,
 ) -> HealthServices:
     """Register `v1.DRAResourceHealth` and `v1alpha1.DRAResourceHealth` on `server`.
 
     Each open stream holds one of the server's worker threads."""
-    source = HealthSource(store, devices, pool_name=pool_name)
+    source = HealthSource(store, devices, pool_name=pool_name, recovery=recovery)
     stopping = threading.Event()
     servicers: list[HealthServicer] = []
     for pb2, grpc_module in ((v1, v1_grpc), (v1alpha1, v1alpha1_grpc)):

@@ -190,13 +190,6 @@ class Plugin:
             recovery,
             publisher,
         )
-        interval = o.recovery_action_poll_interval  # 0: off
-        pollers = (
-            [RecoveryPoller(backend.recovery_actions, recovery, publisher, interval=interval)]
-            if interval
-            else []
-        )
-
         monitor = HealthMonitor(
             backend,
             store,
@@ -209,8 +202,19 @@ class Plugin:
             node_events=NodeEvents(api, driver=o.driver_name, node_name=o.node_name),
             driver=o.driver_name,
             taint_effect=o.xid_taint_effect,
-            pollers=pollers,
+            recovery=recovery,
         )
+        interval = o.recovery_action_poll_interval  # 0: off
+        if interval:
+            monitor.add_poller(
+                RecoveryPoller(
+                    backend.recovery_actions,
+                    recovery,
+                    publisher,
+                    interval=interval,
+                    on_change=monitor.recovery_changed,
+                )
+            )
         running.callback(publisher.stop)  # slices stay: a restart must not lose them
         running.callback(monitor.stop)
 
@@ -220,7 +224,9 @@ class Plugin:
             # Each open health stream holds a worker thread for its lifetime.
             server = new_server(max_workers=16)
             add_dra_services(server, state)
-            health = add_health_services(server, store, devices, pool_name=o.node_name)
+            health = add_health_services(
+                server, store, devices, pool_name=o.node_name, recovery=recovery
+            )
             return BuiltServer(server, before_stop=health.stop)
 
         registration = RegistrationServicer(

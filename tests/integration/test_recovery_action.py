@@ -12,6 +12,7 @@ from typing import Any
 from tests.conftest import Cluster, FakeNode
 from tests.integration.helpers import complete_pool, gpu_uuid_of, published_devices
 from tests.integration.plugin_process import DRIVER, PluginProcess, running_plugin
+from tests.integration.test_health import node_events
 
 GPU_DRA = Path(sys.executable).parent / "gpu-dra"
 KEY = f"{DRIVER}/recovery-action"
@@ -70,6 +71,18 @@ def test_recovery_action_taints_and_clears_itself(
             what="the drain-and-reset taint on gpu-2 and its partitions",
         )
         assert not any(taints_of(cluster, node.name)[d] for d in gpu5)
+        # As a failure's taint is: counted, announced on the Node, the GPU unhealthy.
+        assert plugin.metric("gpu_dra_tainted_devices") == len(gpu2)
+        healthy = {"device": "gpu-2", "uuid": gpu_uuid_of(pool, "gpu-2")}
+        assert plugin.metric("gpu_dra_gpu_healthy", healthy) == 0.0
+        (event,) = cluster.wait_for(
+            lambda: node_events(cluster, node, "GpuTainted", "gpu-2"),
+            timeout=15,
+            what="GpuTainted Event for the recovery action",
+        )
+        assert (
+            f"taint {KEY}=drain-and-reset:NoExecute on {len(gpu2)} device(s)" in (event["message"])
+        )
 
         # Xid 48 needs a GPU reset: the Xid's taint and the action's.
         mock(plugin, "xid", "--device", "gpu-5", "--xid", "48")
@@ -93,6 +106,12 @@ def test_recovery_action_taints_and_clears_itself(
             timeout=15,
             what="the recovery-action taints gone, the Xid taint kept",
         )
+        cluster.wait_for(
+            lambda: node_events(cluster, node, "GpuTaintCleared", "gpu-2"),
+            timeout=15,
+            what="GpuTaintCleared Event once the action is none",
+        )
+        assert plugin.metric("gpu_dra_gpu_healthy", healthy) == 1.0
         logs = plugin.logs()
         assert "NVML recovery action drain-and-reset: the GPU must be drained and reset" in logs
         assert "answers NVML with no recovery action: its gpu-reset taint is removed" in logs

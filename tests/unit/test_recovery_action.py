@@ -22,12 +22,15 @@ from driver.health.recovery import (
 )
 from driver.health.store import HealthStore
 from driver.health.xid import XidPolicy
+from driver.kube.events import NodeEvent
 from driver.nvml.backend import NvmlBackend
 from driver.nvml.mock import api as m
 from driver.nvml.mock.fleet import default_fleet
 from driver.nvml.mock.nvml import MockNvml
 from driver.nvml.recovery import RecoveryReading, parse_action
 from driver.nvml.types import HealthEvent
+from driver.observability.metrics import REGISTRY
+from driver.plugin.health import HealthSource
 from driver.state.claims import ClaimRef
 from driver.state.planning import check_health
 
@@ -56,6 +59,22 @@ class Clock:
         return self.now
 
 
+class Events:
+    """The Node events posted (`driver.kube.events.NodeEvents`' interface)."""
+
+    def __init__(self) -> None:
+        self.posted: list[NodeEvent] = []
+
+    def post(self, event: NodeEvent) -> None:
+        self.posted.append(event)
+
+    def start(self) -> None:
+        pass
+
+    def stop(self, timeout: float = 5.0) -> None:
+        pass
+
+
 class Node:
     """The plugin's health wiring (driver/plugin/main.py) over a mock NVML, driven one
     monitor iteration at a time with a fake clock."""
@@ -73,13 +92,7 @@ class Node:
             self.recovery,
             self.publisher,
         )
-        poller = RecoveryPoller(
-            self.backend.recovery_actions,
-            self.recovery,
-            self.publisher,
-            interval=INTERVAL,
-            clock=self.clock,
-        )
+        self.events = Events()
         self.monitor = HealthMonitor(
             self.backend,
             self.store,
@@ -87,7 +100,22 @@ class Node:
             self.publisher,
             self.pool.devices,
             wait_timeout_ms=1,
-            pollers=[poller],
+            node_events=self.events,
+            driver=DRIVER,
+            recovery=self.recovery,
+        )
+        self.monitor.add_poller(
+            RecoveryPoller(
+                self.backend.recovery_actions,
+                self.recovery,
+                self.publisher,
+                interval=INTERVAL,
+                clock=self.clock,
+                on_change=self.monitor.recovery_changed,
+            )
+        )
+        self.stream = HealthSource(
+            self.store, self.pool.devices, pool_name="node-1", recovery=self.recovery
         )
 
     def uuid(self, minor: int) -> str:
@@ -142,6 +170,42 @@ def test_an_action_taints_every_device_of_its_gpu_with_the_mapped_effect_within_
         "NVML recovery action drain-and-reset: the GPU must be drained and reset"
     )
     assert node.health.failure("gpu-4") is None
+
+
+def _gpu_healthy(node: Node, minor: int) -> float | None:
+    labels = {"uuid": node.uuid(minor), "device": f"gpu-{minor}"}
+    return REGISTRY.get_sample_value("gpu_dra_gpu_healthy", labels)
+
+
+def test_a_recovery_action_is_counted_announced_and_streamed_as_a_failure_is(
+    node: Node,
+) -> None:
+    node.step()
+    version, _ = node.stream.snapshot()
+    node.mock.set_recovery_action(node.uuid(3), m.NVML_GPU_RECOVERY_ACTION_DRAIN_AND_RESET)
+    node.step(INTERVAL)
+
+    gpu3 = node.names(3)
+    assert REGISTRY.get_sample_value("gpu_dra_tainted_devices") == len(gpu3)
+    assert (_gpu_healthy(node, 3), _gpu_healthy(node, 4)) == (0.0, 1.0)
+    (tainted,) = node.events.posted
+    assert (tainted.reason, tainted.event_type) == ("GpuTainted", "Warning")
+    assert f"({node.uuid(3)}): NVML recovery action drain-and-reset" in tainted.message
+    assert f"taint {KEY}=drain-and-reset:NoExecute on {len(gpu3)} device(s)" in tainted.message
+    assert node.store.wait_changed(version, 0) != version  # the kubelet's stream resends
+    _, statuses = node.stream.snapshot()
+    unhealthy = {s.name: s.message for s in statuses if not s.healthy}
+    assert set(unhealthy) == gpu3
+    assert all(m.startswith("NVML recovery action drain-and-reset") for m in unhealthy.values())
+
+    node.mock.set_recovery_action(node.uuid(3), m.NVML_GPU_RECOVERY_ACTION_NONE)
+    node.step(INTERVAL)
+    assert REGISTRY.get_sample_value("gpu_dra_tainted_devices") == 0
+    assert _gpu_healthy(node, 3) == 1.0
+    cleared = node.events.posted[-1]
+    assert (cleared.reason, cleared.event_type) == ("GpuTaintCleared", "Normal")
+    assert f"NVML answers no recovery action; taint removed from {len(gpu3)}" in cleared.message
+    assert all(s.healthy for s in node.stream.snapshot()[1])
 
 
 @pytest.mark.parametrize(
