@@ -16,7 +16,8 @@ from types import FrameType
 from driver.devices.gpu_view import gpu_views
 from driver.devices.model import PoolError, build_pool
 from driver.devices.slices import build_slice_specs
-from driver.health.monitor import HealthMonitor, KubeDeviceHealth, NoDeviceHealth
+from driver.health.monitor import HealthMonitor
+from driver.health.prepare_health import KubeDeviceHealth, NoDeviceHealth
 from driver.health.recovery import RecoveryActions, RecoveryAwareHealth, RecoveryPoller
 from driver.health.store import HealthStore
 from driver.health.xid import XidPolicy

@@ -12,7 +12,8 @@ import pytest
 
 from driver.devices.model import PoolDevices, build_pool
 from driver.errors import DriverError, ErrorClass
-from driver.health.monitor import HealthMonitor, KubeDeviceHealth
+from driver.health.monitor import HealthMonitor
+from driver.health.prepare_health import KubeDeviceHealth
 from driver.health.store import HealthStore
 from driver.health.xid import XidPolicy
 from driver.nvml.backend import NvmlBackend

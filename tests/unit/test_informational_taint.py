@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from driver.errors import ErrorClass
-from driver.health.monitor import KubeDeviceHealth
+from driver.health.prepare_health import KubeDeviceHealth
 from driver.health.store import HealthStore
 from tests.unit.test_prepare import DEVICES, DRIVER, Env, env, make_claim, result
 

@@ -19,7 +19,7 @@ import driver.state.cdi as cdi_module
 import driver.state.checkpoint as checkpoint_module
 from driver.devices.model import PublishedDevice
 from driver.errors import DriverError, ErrorClass, transient
-from driver.health.monitor import KubeDeviceHealth
+from driver.health.prepare_health import KubeDeviceHealth
 from driver.health.store import HealthStore
 from driver.observability import metrics
 from driver.state.cdi import ClaimSpec
