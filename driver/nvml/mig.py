@@ -109,12 +109,21 @@ class RecordedInstance:
 
 
 class MigManager:
-    """MIG devices of this node's GPUs. Holds one NVML session open while in use;
-    calls are serialised (the plugin also holds its node-wide lock around them)."""
+    """MIG devices of this node's GPUs. Each call opens its own NVML session (NVML
+    is thread-safe and counts its initialisations). Creates and destroys on one GPU
+    run one at a time; on different GPUs, and listings, side by side: the plugin
+    makes them outside its node lock (driver/state/completion.py), and a create on a
+    real GPU takes hundreds of milliseconds to seconds."""
 
     def __init__(self, module: Any) -> None:
         self._nvml = module
-        self._lock = threading.Lock()
+        self._gpu_locks: dict[str, threading.Lock] = {}
+        self._gpu_locks_guard = threading.Lock()
+
+    def _changing(self, gpu_uuid: str) -> threading.Lock:
+        """The lock of the GPU's MIG layout in this process."""
+        with self._gpu_locks_guard:
+            return self._gpu_locks.setdefault(gpu_uuid, threading.Lock())
 
     # ------------------------------------------------------------ helpers
 
@@ -143,18 +152,17 @@ class MigManager:
     @contextmanager
     def _session(self) -> Iterator[Any]:
         nvml = self._nvml
-        with self._lock:
+        try:
+            nvml.nvmlInit()
+        except nvml.NVMLError as err:
+            raise self._fail(err, "initialising NVML") from err
+        try:
+            yield nvml
+        finally:
             try:
-                nvml.nvmlInit()
-            except nvml.NVMLError as err:
-                raise self._fail(err, "initialising NVML") from err
-            try:
-                yield nvml
-            finally:
-                try:
-                    nvml.nvmlShutdown()
-                except nvml.NVMLError as err:  # the work is done (or failed) already
-                    log.warning("nvmlShutdown failed: %s", err)
+                nvml.nvmlShutdown()
+            except nvml.NVMLError as err:  # the work is done (or failed) already
+                log.warning("nvmlShutdown failed: %s", err)
 
     def _lookup(self, nvml: Any, gpu_uuid: str) -> Any:
         """The GPU's handle, or a MigError (`gpu_gone` if it is lost or not here)."""
@@ -201,9 +209,8 @@ class MigManager:
         MigError. `initialised`: the caller holds an NVML session already and handles
         NVML's errors itself (discovery skips a GPU that is lost)."""
         if initialised:
-            with self._lock:
-                nvml = self._nvml
-                return self._list(nvml, self._handle(nvml, gpu_uuid), gpu_uuid)
+            nvml = self._nvml
+            return self._list(nvml, self._handle(nvml, gpu_uuid), gpu_uuid)
         with self._session() as nvml:
             handle = self._lookup(nvml, gpu_uuid)
             try:
@@ -308,7 +315,7 @@ class MigManager:
 
     def create(self, target: MigTarget) -> MigInstance:
         """Create the MIG device; raise MigError naming what NVML refused."""
-        with self._session() as nvml:
+        with self._changing(target.gpu_uuid), self._session() as nvml:
             handle = self._lookup(nvml, target.gpu_uuid)
             placement = nvml.c_nvmlGpuInstancePlacement_t()
             placement.start, placement.size = target.placement
@@ -377,7 +384,7 @@ class MigManager:
         many devices the GPU holds. False when there is nothing of the record to
         destroy: no such instance, another one under the id, or MIG mode off. Raises
         MigError otherwise."""
-        with self._session() as nvml:
+        with self._changing(gpu_uuid), self._session() as nvml:
             handle = self._lookup(nvml, gpu_uuid)
             what = f"GPU instance {gi_id} on {gpu_uuid}"
             try:

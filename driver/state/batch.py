@@ -1,27 +1,34 @@
-"""Steps 3-5 of a prepare, under the node lock (the module doc of
-driver/state/prepare.py lists them): plan and book each claim, roll back found
-half-done entries, then ONE `PrepareStarted` store, the MIG devices, the CDI specs, the
-GPUs' time-slice intervals and ONE `PrepareCompleted` store. A claim that fails here
-is rolled back alone; a failed journal store fails and rolls back the whole batch."""
+"""Steps 3-4 of a prepare and the start of step 5, under the node lock (the module
+doc of driver/state/prepare.py lists them): plan and book each claim, roll back
+found half-done entries, then ONE `PrepareStarted` store (the intent). What follows
+(the MIG devices, the CDI specs, the GPUs' time-slice intervals and ONE
+`PrepareCompleted` store) is in driver/state/completion.py. A claim that fails is
+rolled back alone; a failed journal store fails and rolls back the whole batch.
+
+A claim whose own request, or the request of the claim holding its device, is in
+flight outside the node lock (its claim lock is held, driver/state/locking.py) is
+not planned but `Deferred`: the caller waits for that request, holding no lock, and
+plans it again."""
 
 from __future__ import annotations
 
 import itertools
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from driver.errors import DriverError, transient
 from driver.nvml.types import MigInstance
-from driver.state.booking import refuse_double_booking, refuse_over_capacity
+from driver.state.booking import HeldError, refuse_double_booking, refuse_over_capacity
 from driver.state.cdi import ClaimSpec
 from driver.state.checkpoint import ClaimEntry, ClaimState, PreparedDevice
 from driver.state.claims import ClaimRef, PrepareResult
 from driver.state.context import StepContext
 from driver.state.failpoints import failpoint
 from driver.state.instances import other_entries, owns_mig
-from driver.state.planning import PlannedDevice, for_batch, plan_claim, render_spec
+from driver.state.locking import ClaimHolds
+from driver.state.planning import CdiContext, PlannedDevice, for_batch, plan_claim
 from driver.state.teardown import unprepare_begun
 
 log = logging.getLogger(__name__)
@@ -29,8 +36,11 @@ log = logging.getLogger(__name__)
 PREPARE_STARTED = ClaimState.PREPARE_STARTED
 
 
+Todo = Sequence[tuple[ClaimRef, dict[str, Any], list[dict[str, Any]]]]
+
+
 @dataclass
-class _Work:
+class Work:
     """A claim of the current batch that is being written."""
 
     ref: ClaimRef
@@ -38,6 +48,7 @@ class _Work:
     planned: tuple[PlannedDevice, ...]
     spec: ClaimSpec | None = None
     error: DriverError | None = None
+    intent: ClaimEntry | None = None  # its PrepareStarted entry, as journaled
 
     def entry(self, state: ClaimState) -> ClaimEntry:
         devices = tuple(p.prepared for p in self.planned)
@@ -45,68 +56,60 @@ class _Work:
         return ClaimEntry(state, self.ref.namespace, self.ref.name, devices, spec)
 
 
-def prepare_locked(
+@dataclass(frozen=True)
+class Deferred:
+    """A claim planned again once `blocker`'s request in flight is done; `error` is
+    its answer if that takes longer than the lock timeout."""
+
+    blocker: str
+    error: DriverError
+
+
+@dataclass
+class Batch:
+    """The planned claims of a request whose intent is journaled (if it needs one)."""
+
+    work: list[Work]
+    context: CdiContext  # how their specs are rendered
+    # It creates MIG devices: the NVML calls run outside the node lock, its claims'
+    # locks held (`ClaimHolds`), and the journal is read again for the rest.
+    leaves_lock: bool
+
+
+def plan_batch(
     state: StepContext,
-    todo: Sequence[tuple[ClaimRef, dict[str, Any], list[dict[str, Any]]]],
+    todo: Todo,
     journal: dict[str, ClaimEntry],
     results: dict[str, PrepareResult],
-) -> None:
-    """Plan, book and write the claims of `todo` (read and checked, outside the lock)
-    with `journal` loaded under the lock; every claim's answer goes into `results`."""
-    work: list[_Work] = []
-    found: dict[str, ClaimEntry] = {}  # pre-existing entries of claims being redone
-    planned: dict[str, ClaimEntry] = {}  # the new PrepareStarted entries
-    unmarked: dict[str, tuple[ClaimRef, dict[str, Any], ClaimEntry]] = {}
-    for ref, claim, driver_results in todo:
-        uid = ref.uid
-        entry = journal.get(uid)
-        if entry is not None and entry.state is ClaimState.PREPARE_COMPLETED:
-            try:
-                if _spec_in_place(state, uid, entry):
-                    state.stats.idempotent_hits += 1
-                    results[uid] = PrepareResult(devices=entry.devices)
-                    if entry.unpreparing is not None:  # prepared again: no longer torn down
-                        unmarked[uid] = (ref, claim, entry)
-                    continue
-            except OSError as err:
-                error = transient(f"cannot rewrite the CDI spec of {uid}: {err}")
-                results[uid] = state.fail(ref, claim, error)
-                continue
-        try:
-            w = _Work(ref, claim, _plan(state, ref, claim, driver_results))
-            devices = tuple(p.prepared for p in w.planned)
-            # Against every journal entry (a found entry of a claim being redone
-            # holds its old devices until it is rolled back) and every claim
-            # planned before this one in the same request.
-            refuse_double_booking(uid, devices, journal, state.devices)
-            refuse_double_booking(uid, devices, planned, state.devices)
-            refuse_over_capacity(uid, devices, state.devices, journal, planned)
-        except Exception as exc:
-            results[uid] = state.fail(ref, claim, _error(exc, uid))
-            continue
-        if entry is not None:
-            found[uid] = entry
-        planned[uid] = w.entry(PREPARE_STARTED)
-        work.append(w)
-    if unmarked:
-        _unmark(state, unmarked, journal, results)
+    holds: ClaimHolds,
+) -> tuple[Batch | None, dict[str, Deferred]]:
+    """Plan and book the claims of `todo` (read and checked, outside the lock) with
+    `journal` loaded under the lock, roll back their found entries and journal the
+    intent. Every claim gets its answer in `results`, is `Deferred`, or is in the
+    returned batch (None when no claim is left to write)."""
+    plans = _plan_each(state, todo, journal, results)
+    if plans.unmarked:
+        _unmark(state, plans.unmarked, journal, results)
+    work, found, deferred = plans.work, plans.found, plans.deferred
+    leaves_lock = any(owns_mig(devices_of(w)) for w in work)
+    if leaves_lock:
+        work = _hold(work, holds, deferred)
+        found = {uid: e for uid, e in found.items() if uid not in deferred}
     if not work:
-        return
+        return None, deferred
     try:  # the driver's files, before any container is pointed at them
         state.common.refresh()
         context = for_batch(state.context, state.common.majors)
     except DriverError as err:
         for w in work:
             results[w.ref.uid] = state.fail(w.ref, w.claim, err)
-        return
-    journal.update(planned)
+        return None, deferred
+    journal.update({w.ref.uid: plans.planned[w.ref.uid] for w in work})
     if found:
         work = _roll_back_found(state, work, found, journal, results)
-        if not work:
-            return
     work = _note_occupants(state, work, journal, results)
     if not work:
-        return
+        return None, deferred
 
     failpoint("prepare-before-started")
     if any(_changes_the_node(w) for w in work):
@@ -119,47 +122,101 @@ def prepare_locked(
                 journal, before_rename="prepare-started-before-rename", sync_dir=False
             )
         except DriverError as err:
-            _abort(state, work, journal, results, err)
-            return
+            abort(state, work, journal, results, err)
+            return None, deferred
         failpoint("prepare-after-started")
-
-    # Specs are not fsynced: the PrepareCompleted entries carry every spec, and
-    # recover() rewrites one a power loss took or garbled before the kubelet can use
-    # it; a spec whose entry never became durable is removed there (or by the
-    # unprepare the kubelet sends for every claim it asked to prepare).
     for w in work:
+        w.intent = journal[w.ref.uid]
+    return Batch(work, context, leaves_lock), deferred
+
+
+@dataclass
+class _Plans:
+    """The claims of a request after planning and booking, before anything is written."""
+
+    work: list[Work] = field(default_factory=list)
+    found: dict[str, ClaimEntry] = field(default_factory=dict)  # entries of claims redone
+    planned: dict[str, ClaimEntry] = field(default_factory=dict)  # their PrepareStarted
+    # completed claims answered as stored whose `unpreparing` mark goes
+    unmarked: dict[str, tuple[ClaimRef, dict[str, Any], ClaimEntry]] = field(default_factory=dict)
+    deferred: dict[str, Deferred] = field(default_factory=dict)
+
+
+def _plan_each(
+    state: StepContext,
+    todo: Todo,
+    journal: dict[str, ClaimEntry],
+    results: dict[str, PrepareResult],
+) -> _Plans:
+    """Per claim: answer a completed one from the journal, else plan and book it, or
+    defer it behind the request in flight that holds it or its device."""
+    plans = _Plans()
+    for ref, claim, driver_results in todo:
+        uid = ref.uid
+        entry = journal.get(uid)
+        if entry is not None and state.claim_locks.busy(uid):
+            plans.deferred[uid] = Deferred(uid, in_flight(uid))
+            continue
+        if entry is not None and entry.state is ClaimState.PREPARE_COMPLETED:
+            try:
+                if _spec_in_place(state, uid, entry):
+                    state.stats.idempotent_hits += 1
+                    results[uid] = PrepareResult(devices=entry.devices)
+                    if entry.unpreparing is not None:  # prepared again: no longer torn down
+                        plans.unmarked[uid] = (ref, claim, entry)
+                    continue
+            except OSError as err:
+                error = transient(f"cannot rewrite the CDI spec of {uid}: {err}")
+                results[uid] = state.fail(ref, claim, error)
+                continue
         try:
-            w.planned = tuple(state.instances.create(w.planned))
-            w.spec = render_spec(w.planned, context)
-            state.cdi.write_claim_spec(w.ref.uid, w.spec, before_rename="prepare-cdi-before-rename")
-            w.planned = state.timeslices.apply(w.ref.uid, w.planned, journal)
+            w = Work(ref, claim, _plan(state, ref, claim, driver_results))
+            devices = devices_of(w)
+            # Against every journal entry (a found entry of a claim being redone
+            # holds its old devices until it is rolled back) and every claim
+            # planned before this one in the same request.
+            refuse_double_booking(uid, devices, journal, state.devices)
+            refuse_double_booking(uid, devices, plans.planned, state.devices)
+            refuse_over_capacity(uid, devices, state.devices, journal, plans.planned)
+        except HeldError as err:
+            if err.holder not in plans.planned and state.claim_locks.busy(err.holder):
+                plans.deferred[uid] = Deferred(err.holder, err)  # freed or refused once done
+            else:
+                results[uid] = state.fail(ref, claim, err)
+            continue
         except Exception as exc:
-            w.error = _error(exc, w.ref.uid)
-    failpoint("prepare-after-cdi")
+            results[uid] = state.fail(ref, claim, claim_failure(exc, uid))
+            continue
+        if entry is not None:
+            plans.found[uid] = entry
+        plans.planned[uid] = w.entry(PREPARE_STARTED)
+        plans.work.append(w)
+    return plans
 
-    failed = [w for w in work if w.error is not None]
-    if failed:  # specs and MIG devices go now, entries in the PrepareCompleted store
-        _undo(state, failed, journal, work)
-        _fail_work(state, failed, results)
-        work = [w for w in work if w.error is None]
+
+def in_flight(uid: str) -> DriverError:
+    return transient(
+        f"another prepare or unprepare of claim {uid} is still in progress on this node"
+    )
+
+
+def _hold(work: list[Work], holds: ClaimHolds, deferred: dict[str, Deferred]) -> list[Work]:
+    """The claim locks of a batch that leaves the node lock, taken before anything is
+    written; a claim whose lock another request took meanwhile is deferred."""
+    kept: list[Work] = []
     for w in work:
-        journal[w.ref.uid] = w.entry(ClaimState.PREPARE_COMPLETED)
-    try:
-        state.checkpoint.store(journal, before_rename="prepare-completed-before-rename")
-    except DriverError as err:
-        _abort(state, work, journal, results, err)
-        return
-    failpoint("prepare-after-completed")
-    for w in work:
-        state.stats.prepared += 1
-        results[w.ref.uid] = PrepareResult(devices=tuple(p.prepared for p in w.planned))
+        if holds.take(w.ref.uid):
+            kept.append(w)
+        else:
+            deferred[w.ref.uid] = Deferred(w.ref.uid, in_flight(w.ref.uid))
+    return kept
 
 
-def _changes_the_node(w: _Work) -> bool:
+def _changes_the_node(w: Work) -> bool:
     """Does the claim's prepare change state outside the data directory (a MIG device
     to create, a GPU's time-slice interval to set)? Then its intent is journaled
     first; a whole-GPU or partition claim goes straight to `PrepareCompleted`."""
-    devices = _devices(w)
+    devices = devices_of(w)
     return owns_mig(devices) or any(d.time_slice is not None for d in devices)
 
 
@@ -179,11 +236,11 @@ def _plan(
 
 def _roll_back_found(
     state: StepContext,
-    work: list[_Work],
+    work: list[Work],
     found: dict[str, ClaimEntry],
     journal: dict[str, ClaimEntry],
     results: dict[str, PrepareResult],
-) -> list[_Work]:
+) -> list[Work]:
     """Half-done entries of claims being redone: their specs and MIG devices go
     before anything new is written. One that cannot be rolled back stays as it
     was found (the retry or recover() redoes it)."""
@@ -203,16 +260,16 @@ def _roll_back_found(
         except DriverError as err:
             journal[uid] = found[uid]
             w.error = err
-    _fail_work(state, work, results)
+    fail_work(state, work, results)
     return [w for w in work if w.error is None]
 
 
 def _note_occupants(
     state: StepContext,
-    work: list[_Work],
+    work: list[Work],
     journal: dict[str, ClaimEntry],
     results: dict[str, PrepareResult],
-) -> list[_Work]:
+) -> list[Work]:
     """Each MIG intent records the instances already at its placement (normally none)
     before it is journaled: a rollback destroys only an instance that was not there
     (driver/state/instances.py). After `_roll_back_found`, whose destroys free ids a
@@ -223,11 +280,11 @@ def _note_occupants(
         try:
             w.planned = state.instances.note_occupants(w.planned, seen)
         except Exception as exc:
-            w.error = _error(exc, w.ref.uid)
+            w.error = claim_failure(exc, w.ref.uid)
             journal.pop(w.ref.uid, None)
             continue
         journal[w.ref.uid] = w.entry(PREPARE_STARTED)
-    _fail_work(state, work, results)
+    fail_work(state, work, results)
     return [w for w in work if w.error is None]
 
 
@@ -263,26 +320,24 @@ def _unmark(
             results[uid] = state.fail(ref, claim, err)
 
 
-def _error(exc: BaseException, uid: str) -> DriverError:
+def claim_failure(exc: BaseException, uid: str) -> DriverError:
     if isinstance(exc, DriverError):
         return exc
     log.error("prepare of claim %s failed", uid, exc_info=exc)
     return as_transient(exc)
 
 
-def _fail_work(
-    state: StepContext, work: Sequence[_Work], results: dict[str, PrepareResult]
-) -> None:
+def fail_work(state: StepContext, work: Sequence[Work], results: dict[str, PrepareResult]) -> None:
     for w in work:
         if w.error is not None and w.ref.uid not in results:
             results[w.ref.uid] = state.fail(w.ref, w.claim, w.error)
 
 
-def _undo(
+def undo(
     state: StepContext,
-    work: Sequence[_Work],
+    work: Sequence[Work],
     journal: dict[str, ClaimEntry],
-    batch: Sequence[_Work] = (),
+    batch: Sequence[Work] = (),
 ) -> set[str]:
     """Remove the claims' specs and MIG devices (never one that another entry or
     another claim of the `batch` records); drop the entries of those fully undone.
@@ -294,11 +349,11 @@ def _undo(
         try:
             if uid in errors:
                 raise transient(str(errors[uid]))
-            batch_others = (_devices(o) for o in batch if o is not w)
+            batch_others = (devices_of(o) for o in batch if o is not w)
             state.instances.destroy(
-                _devices(w), itertools.chain(other_entries(uid, journal), batch_others)
+                devices_of(w), itertools.chain(other_entries(uid, journal), batch_others)
             )
-            state.timeslices.restore(uid, _devices(w), journal)
+            state.timeslices.restore(uid, devices_of(w), journal)
         except DriverError as err:
             journal[uid] = w.entry(PREPARE_STARTED)
             log.error("rolling back claim %s failed: %s", uid, err)
@@ -308,13 +363,13 @@ def _undo(
     return undone
 
 
-def _devices(w: _Work) -> tuple[PreparedDevice, ...]:
+def devices_of(w: Work) -> tuple[PreparedDevice, ...]:
     return tuple(p.prepared for p in w.planned)
 
 
-def _abort(
+def abort(
     state: StepContext,
-    work: Sequence[_Work],
+    work: Sequence[Work],
     journal: dict[str, ClaimEntry],
     results: dict[str, PrepareResult],
     err: DriverError,
@@ -324,8 +379,8 @@ def _abort(
     entry that the retry or `recover()` rolls back."""
     for w in work:
         w.error = err
-    undone = _undo(state, work, journal, work)
-    _fail_work(state, work, results)
+    undone = undo(state, work, journal, work)
+    fail_work(state, work, results)
     if undone:
         try:
             state.checkpoint.store(journal)

@@ -29,9 +29,19 @@ from collections.abc import Mapping
 from decimal import Decimal
 
 from driver.devices.documents import parse_quantity
-from driver.errors import transient
+from driver.errors import DriverError, ErrorClass, transient
 from driver.state.checkpoint import ClaimEntry, HardwareRecord, PreparedDevice
 from driver.state.claims import PreparableDevice
+
+
+class HeldError(DriverError):
+    """A planned device overlaps one another journal entry holds: transient, and
+    `holder` names that claim (a prepare waits for it while its request is in
+    flight, driver/state/batch.py)."""
+
+    def __init__(self, holder: str, message: str) -> None:
+        super().__init__(ErrorClass.TRANSIENT, message)
+        self.holder = holder
 
 
 def _share_capacity(published: PreparableDevice | None) -> Mapping[str, int] | None:
@@ -169,9 +179,10 @@ def refuse_double_booking(
     entries: Mapping[str, ClaimEntry],
     devices: Mapping[str, PreparableDevice],
 ) -> None:
-    """Raise a transient error if a planned device overlaps one held by another entry,
-    or shares of a multi-allocatable device would exceed its capacity (counting this
-    mapping's entries only: `refuse_over_capacity` sums over several)."""
+    """Raise `HeldError` if a planned device overlaps one held by another entry, or a
+    transient error if shares of a multi-allocatable device would exceed its
+    capacity (counting this mapping's entries only: `refuse_over_capacity` sums over
+    several)."""
     for other_uid, entry in entries.items():
         if other_uid == uid:
             continue
@@ -179,9 +190,10 @@ def refuse_double_booking(
             for new in planned:
                 why = conflict(held, new, devices)
                 if why is not None:
-                    raise transient(
+                    raise HeldError(
+                        other_uid,
                         f"{why[0]} already prepared for claim {entry.namespace}/{entry.name} "
                         f"({other_uid}, {entry.state}){why[1]}; refusing to hand it to a "
-                        f"second claim ({uid})"
+                        f"second claim ({uid})",
                     )
     refuse_over_capacity(uid, planned, devices, entries)

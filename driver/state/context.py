@@ -1,12 +1,12 @@
 """What the prepare, unprepare and recovery steps share: `StepContext`.
 
-`driver/state/batch.py` (prepare under the node lock), `driver/state/teardown.py`
+`driver/state/batch.py` and `completion.py` (prepare), `driver/state/teardown.py`
 (unprepare) and `driver/state/recovery.py` (start-up recovery) take a `StepContext`;
 `DeviceState` (`driver/state/prepare.py`) is the facade on top that the plugin calls.
 The context holds the node's stores (journal, CDI specs, MIG and time-slice
-operations), the node lock, the remembered verdicts and counters, and the two steps
-every path takes: loading the journal and failing a claim (its verdict remembered and
-reported when permanent).
+operations), the node lock and the claim locks, the remembered verdicts and counters,
+and the two steps every path takes: loading the journal and failing a claim (its
+verdict remembered and reported when permanent).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from driver.state.claims import (
 from driver.state.common_spec import CommonSpec
 from driver.state.driver_edits import DriverRoot
 from driver.state.instances import ClaimInstances, MigOps
-from driver.state.locking import SerializeLock
+from driver.state.locking import ClaimLocks, SerializeLock
 from driver.state.planning import CdiContext
 from driver.state.timeslice import ClaimTimeSlices, TimeSliceOps
 from driver.state.verdicts import (
@@ -62,8 +62,8 @@ class StateStats:
 
 class StepContext:
     """The node's prepare state as the steps see it. Thread-safe where the steps take
-    `lock`; safe across plugin instances that share `data_dir` (serialised by
-    `<data_dir>/serialize.lock`)."""
+    `lock` (and `claim_locks` for what they do outside it); safe across plugin
+    instances that share `data_dir` (both are `flock`s in it)."""
 
     def __init__(
         self,
@@ -106,6 +106,7 @@ class StepContext:
         self.stats = StateStats()
         self.verdicts = VerdictMemory(ttl=verdict_ttl, limit=verdict_limit, clock=clock)
         self.lock = SerializeLock(data_dir, timeout=lock_timeout)
+        self.claim_locks = ClaimLocks(data_dir)  # requests in flight outside `lock`
         self._claims = claims
         self.health = health  # replaced by the plugin once discovery ran
         self._reporter = reporter

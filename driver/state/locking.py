@@ -1,4 +1,5 @@
 """The node-wide serialize lock of prepare and unprepare (`<data dir>/serialize.lock`),
+the claim locks of requests in flight outside it (`<data dir>/inflight-<uid>.lock`),
 and how every lock file of the data dir is opened (`open_lock_file`)."""
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import os
 import stat
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Final
 
@@ -23,13 +24,14 @@ _PROCESS_LOCKS: dict[str, threading.Lock] = {}
 _PROCESS_LOCKS_GUARD = threading.Lock()
 
 
-def open_lock_file(path: Path) -> int:
-    """A descriptor of the lock file at `path`, created (0600) if absent. A symlink at
-    `path` is refused, never followed (UnsafeFileError, ELOOP: opening through it
-    would create or lock the file it names), as is anything but a regular file
-    (EINVAL). Other OSErrors propagate."""
+def open_lock_file(path: Path, *, create: bool = True) -> int:
+    """A descriptor of the lock file at `path`, created (0600) if absent and `create`
+    (else FileNotFoundError). A symlink at `path` is refused, never followed
+    (UnsafeFileError, ELOOP: opening through it would create or lock the file it
+    names), as is anything but a regular file (EINVAL). Other OSErrors propagate."""
+    flags = os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW | (os.O_CREAT if create else 0)
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        fd = os.open(path, flags, 0o600)
     except OSError as err:
         if err.errno == errno.ELOOP:
             raise UnsafeFileError(
@@ -101,3 +103,133 @@ class SerializeLock:
                         ) from err
                     raise transient(f"cannot lock {self.path}: {err}") from err
             time.sleep(self.poll_interval)
+
+
+CLAIM_LOCK_PREFIX: Final = "inflight-"
+CLAIM_LOCK_SUFFIX: Final = ".lock"
+_TAKE_TRIES: Final = 20  # a probe holds a free lock for microseconds: retried, 1 ms apart
+
+
+class ClaimLocks:
+    """Which claims have a prepare or unprepare in flight outside the node lock (its
+    MIG devices being created or destroyed): `flock(LOCK_EX)` on
+    `<data dir>/inflight-<claim uid>.lock`, held from before the request leaves the
+    node lock until its last journal store. The file exists only while held (or when
+    a crash left it: then nobody holds it, and the next probe removes it); a crashed
+    holder releases it with its descriptor, so a `PrepareStarted` entry whose claim
+    lock is free is a crash's leftover and one whose lock is held is in flight.
+
+    Lock order: a claim lock is taken (`ClaimHolds.take`) only while holding the node
+    lock and without blocking; a request waits for one (`wait_free`) only while
+    holding no lock. Holders of claim locks may wait for the node lock.
+    """
+
+    def __init__(self, data_dir: Path | str, *, poll_interval: float = 0.005) -> None:
+        self.data_dir = Path(data_dir)
+        self.poll_interval = poll_interval
+
+    def path(self, uid: str) -> Path:
+        return self.data_dir / f"{CLAIM_LOCK_PREFIX}{uid.replace('/', '_')}{CLAIM_LOCK_SUFFIX}"
+
+    def busy(self, uid: str) -> bool:
+        """Does a live request hold the claim's lock? A file nobody holds (a crash's)
+        is removed. Never creates the file."""
+        path = self.path(uid)
+        try:
+            fd = open_lock_file(path, create=False)
+        except FileNotFoundError:
+            return False
+        try:
+            if not _try_flock(fd):
+                return True
+            if _same_file(fd, path):
+                os.unlink(path)  # ours for the moment: nobody else may unlink it
+            return False
+        finally:
+            os.close(fd)
+
+    def wait_free(self, uids: Iterable[str], deadline: float) -> bool:
+        """Wait, holding no lock, until no request holds any of the claims' locks;
+        False once `deadline` (time.monotonic) has passed."""
+        pending = set(uids)
+        while time.monotonic() < deadline:
+            pending = {uid for uid in pending if self.busy(uid)}
+            if not pending:
+                return True
+            time.sleep(self.poll_interval)
+        return False
+
+    def sweep(self) -> list[str]:
+        """Remove the lock files of claims nobody holds (left by a crash); returns the
+        claims whose lock is held (their requests are in flight)."""
+        try:
+            names = os.listdir(self.data_dir)
+        except FileNotFoundError:
+            return []
+        uids = [
+            n[len(CLAIM_LOCK_PREFIX) : -len(CLAIM_LOCK_SUFFIX)]
+            for n in names
+            if n.startswith(CLAIM_LOCK_PREFIX) and n.endswith(CLAIM_LOCK_SUFFIX)
+        ]
+        return sorted(uid for uid in uids if self.busy(uid))
+
+    @contextlib.contextmanager
+    def round(self) -> Iterator[ClaimHolds]:
+        """The claim locks one round of a request takes, all released at its end."""
+        holds = ClaimHolds(self)
+        try:
+            yield holds
+        finally:
+            holds.release()
+
+
+class ClaimHolds:
+    """The claim locks a request holds (`ClaimLocks.round`)."""
+
+    def __init__(self, locks: ClaimLocks) -> None:
+        self._locks = locks
+        self._held: dict[str, int] = {}
+
+    def take(self, uid: str) -> bool:
+        """Hold the claim's lock, without blocking (the caller holds the node lock):
+        False if another request holds it. Raises a transient DriverError if the
+        file cannot be opened."""
+        if uid in self._held:
+            return True
+        path = self._locks.path(uid)
+        for _ in range(_TAKE_TRIES):
+            try:
+                fd = open_lock_file(path)
+            except OSError as err:
+                raise transient(f"cannot open lock file {path}: {err.strerror or err}") from err
+            if _try_flock(fd) and _same_file(fd, path):
+                self._held[uid] = fd
+                return True
+            os.close(fd)  # held by another, or removed by its holder meanwhile
+            time.sleep(0.001)
+        return False
+
+    def release(self) -> None:
+        for uid, fd in self._held.items():
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._locks.path(uid))  # before the close: nobody holds it then
+            os.close(fd)
+        self._held.clear()
+
+
+def _try_flock(fd: int) -> bool:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as err:
+        if err.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            return False
+        raise
+    return True
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    """Is the locked descriptor still the file at `path` (not one its holder removed)?"""
+    try:
+        return os.lstat(path).st_ino == os.fstat(fd).st_ino
+    except FileNotFoundError:
+        return False

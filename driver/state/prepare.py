@@ -17,25 +17,31 @@ MIG lifecycle come in as small protocols (driver/state/claims.py, instances.py).
 3. under the serialize lock, with the journal loaded, per claim: a `PrepareCompleted`
    entry is answered as before (idempotent; a lost CDI spec is rewritten from the
    journal); otherwise plan it (configs -> invalid-config; device rules) and refuse
-   hardware another entry holds (driver/state/booking.py);
+   hardware another entry holds (driver/state/booking.py). A claim whose own
+   request, or the request of the claim holding its device, is in flight outside the
+   lock (its claim lock is held) is deferred: it waits, holding no lock, and is
+   planned again;
 4. found entries of planned claims (half-done prepares) are rolled back: CDI specs
-   removed (one directory fsync), their MIG devices destroyed;
+   removed, their MIG devices destroyed;
 5. ONE journal store with every planned claim's `PrepareStarted` entry (MIG devices
    named by placement: the intent) -> the MIG devices created -> every CDI spec
-   (temp file, fsync, rename) -> ONE journal store with the `PrepareCompleted` entries
-   (MIG ids, UUIDs and the spec content), whose directory fsync is the only one.
+   (not fsynced) -> ONE journal store with the `PrepareCompleted` entries (MIG ids,
+   UUIDs and the spec content), whose directory fsync is the only one. A batch that
+   creates MIG devices releases the lock for the creates, holding its claims' locks,
+   and takes it again (the journal read again) for the rest.
 
 A claim that fails in steps 4-5 is rolled back alone (spec removed, MIG devices
 destroyed, entry dropped in the next store); only a failed journal store fails the
-whole batch, which is then rolled back. Steps 3-5 live in driver/state/batch.py,
-unprepare in driver/state/teardown.py, start-up recovery in driver/state/recovery.py;
-all take the
+whole batch, which is then rolled back. Steps 3-5 live in driver/state/batch.py and
+driver/state/completion.py, unprepare in driver/state/teardown.py, start-up
+recovery in driver/state/recovery.py; all take the
 `StepContext` (driver/state/context.py) this facade extends.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -43,7 +49,7 @@ from driver.errors import DriverError, transient
 from driver.nvml.types import Inventory
 from driver.observability import metrics
 from driver.state import recovery, teardown
-from driver.state.batch import as_transient, prepare_locked
+from driver.state.batch import Batch, Deferred, Todo, as_transient, plan_batch
 from driver.state.checkpoint import (
     CheckpointCorruptError,
 )
@@ -54,6 +60,7 @@ from driver.state.claims import (
     read_claims,
     unique,
 )
+from driver.state.completion import complete_batch, create_devices, finish_outside_lock
 from driver.state.context import StepContext
 from driver.state.instances import Held, owned_instances
 from driver.state.planning import check_health
@@ -65,7 +72,8 @@ log = logging.getLogger(__name__)
 class DeviceState(StepContext):
     """Prepare/unprepare for one node: the facade the plugin calls. Thread-safe; safe
     across plugin instances that share `data_dir` (serialised by
-    `<data_dir>/serialize.lock`)."""
+    `<data_dir>/serialize.lock`, and the claim locks of requests in flight outside
+    it, driver/state/locking.py)."""
 
     # -- public ------------------------------------------------------------------------
 
@@ -106,20 +114,42 @@ class DeviceState(StepContext):
         if not todo:
             return results
 
-        try:
-            with self.lock.hold():
-                journal = teardown.settled_journal(self)
-                prepare_locked(self, todo, journal, results)
-        except Exception as exc:  # lock timeout, unreadable/corrupt journal, a bug
-            if isinstance(exc, CheckpointCorruptError):
-                self.stats.checkpoint_corrupt += 1
-            if not isinstance(exc, DriverError):
-                log.exception("prepare failed")
-            error = exc if isinstance(exc, DriverError) else as_transient(exc)
-            for ref, claim, _ in todo:
-                if ref.uid not in results:
-                    results[ref.uid] = self.fail(ref, claim, error)
+        deadline = time.monotonic() + self.lock.timeout
+        while todo:
+            deferred = self._prepare_round(todo, results)
+            todo = [t for t in todo if t[0].uid in deferred]
+            blockers = {d.blocker for d in deferred.values()}
+            if todo and not self.claim_locks.wait_free(blockers, deadline):
+                for ref, claim, _ in todo:
+                    results[ref.uid] = self.fail(ref, claim, deferred[ref.uid].error)
+                break
         return results
+
+    def _prepare_round(self, todo: Todo, results: dict[str, PrepareResult]) -> dict[str, Deferred]:
+        """Plan and write the claims of `todo` that no request in flight holds up;
+        returns those it does (they wait for it, holding no lock, and come again)."""
+        deferred: dict[str, Deferred] = {}
+        batch: Batch | None = None
+        with self.claim_locks.round() as holds:
+            try:
+                with self.lock.hold():
+                    journal = teardown.settled_journal(self)
+                    batch, deferred = plan_batch(self, todo, journal, results, holds)
+                    if batch is not None and not batch.leaves_lock:
+                        create_devices(self, batch)
+                        complete_batch(self, batch, journal, results)
+                if batch is not None and batch.leaves_lock:
+                    finish_outside_lock(self, batch, results)
+            except Exception as exc:  # lock timeout, unreadable/corrupt journal, a bug
+                if isinstance(exc, CheckpointCorruptError):
+                    self.stats.checkpoint_corrupt += 1
+                if not isinstance(exc, DriverError):
+                    log.exception("prepare failed")
+                error = exc if isinstance(exc, DriverError) else as_transient(exc)
+                for ref, claim, _ in todo:
+                    if ref.uid not in results and ref.uid not in deferred:
+                        results[ref.uid] = self.fail(ref, claim, error)
+        return deferred
 
     def unprepare(self, claims: Sequence[ClaimRef]) -> dict[str, DriverError | None]:
         """Remove each claim's local state. Never permanent; unknown claims succeed."""
@@ -139,9 +169,11 @@ class DeviceState(StepContext):
             return self._owned_locked(inventory)
 
     def discover_with_owned(self, discover: Callable[[], Inventory]) -> tuple[Inventory, Held]:
-        """`discover()` and `owned_mig()` of one moment, both under the node lock: a
-        plugin instance still serving (a rolling update) cannot create or destroy a
-        MIG device between the listing and the journal snapshot."""
+        """`discover()` and `owned_mig()` of one moment, both under the node lock. A
+        plugin instance still serving (a rolling update) creates and destroys MIG
+        devices outside that lock, but journals each intent before the create and
+        drops an entry only after the destroy, both under it: every MIG device of
+        ours in the listing has its entry in the snapshot."""
         with self.lock.hold():
             inventory = discover()
             return inventory, self._owned_locked(inventory)

@@ -65,18 +65,31 @@ def recover(state: StepContext) -> RecoveryReport:
         except CheckpointCorruptError as err:
             return RecoveryReport(checkpoint_problem=str(err))
         swept = tuple(state.last_swept)
+        # Claims whose request another instance (a rolling update) has in flight:
+        # their entries are not a crash's leftovers and are left to it.
+        busy = set(state.claim_locks.sweep())
+        if busy:
+            log.info("left %d claim(s) another instance is preparing or unpreparing", len(busy))
         problems: list[str] = []
-        rolled_back = _roll_back_started(state, journal, problems)
+        rolled_back = _roll_back_started(state, journal, busy, problems)
         specs = state.cdi.list_claim_specs()
         boot = boot_id()
-        begun = [u for u, e in sorted(journal.items()) if unprepare_begun(e, u in specs, boot)]
+        begun = [
+            u
+            for u, e in sorted(journal.items())
+            if u not in busy and unprepare_begun(e, u in specs, boot)
+        ]
         finished = _finish_unprepares(state, journal, begun, problems)
         # Other marks are inert (an unprepare that removed nothing: the kubelet repeats
         # it; a mark of an earlier boot): dropped, so only an unprepare in progress has one.
-        inert = [u for u, e in journal.items() if e.unpreparing is not None and u not in begun]
+        inert = [
+            u
+            for u, e in journal.items()
+            if e.unpreparing is not None and u not in begun and u not in busy
+        ]
         for uid in inert:
             journal[uid] = replace(journal[uid], unpreparing=None)
-        restored = _restore_mig(state, journal, begun, problems)
+        restored = _restore_mig(state, journal, [*begun, *busy], problems)
         time_slices = state.timeslices.reapply(journal)
         if rolled_back or restored or finished or inert:
             state.checkpoint.store(journal)
@@ -86,7 +99,9 @@ def recover(state: StepContext) -> RecoveryReport:
         stale = [
             uid
             for uid, entry in sorted(journal.items())
-            if uid not in begun and not _spec_current(state, uid, entry, uid in specs)
+            if uid not in begun
+            and uid not in busy
+            and not _spec_current(state, uid, entry, uid in specs)
         ]
         recreated, missing = _recreate_specs(state, stale, journal, problems)
     for uid in orphans:
@@ -151,11 +166,16 @@ def _problem(problems: list[str], uid: str, what: str, err: Exception) -> None:
 
 
 def _roll_back_started(
-    state: StepContext, journal: dict[str, ClaimEntry], problems: list[str]
+    state: StepContext, journal: dict[str, ClaimEntry], busy: set[str], problems: list[str]
 ) -> list[str]:
-    """Under the lock no prepare is in flight, so a `PrepareStarted` entry is from a
-    crash; the kubelet never got a success answer and will retry."""
-    started = [u for u, e in sorted(journal.items()) if e.state is ClaimState.PREPARE_STARTED]
+    """A `PrepareStarted` entry whose claim lock nobody holds is from a crash (a
+    prepare in flight holds it: `busy`); the kubelet never got a success answer and
+    will retry."""
+    started = [
+        u
+        for u, e in sorted(journal.items())
+        if e.state is ClaimState.PREPARE_STARTED and u not in busy
+    ]
     if not started:
         return []
     _, errors = state.cdi.remove_claim_specs(started)  # specs first
@@ -203,15 +223,16 @@ def _finish_unprepares(
 
 
 def _restore_mig(
-    state: StepContext, journal: dict[str, ClaimEntry], begun: Sequence[str], problems: list[str]
+    state: StepContext, journal: dict[str, ClaimEntry], skip: Sequence[str], problems: list[str]
 ) -> list[str]:
     """Completed claims whose MIG devices a reboot destroyed get them again. One that
     cannot (its GPU is lost, NVML refuses) stays as it is: still prepared, its
-    devices held, until the kubelet unprepares it."""
+    devices held, until the kubelet unprepares it. `skip`: claims being torn down
+    (an unprepare begun, or in flight in another instance)."""
     restored: list[str] = []
     for uid, entry in sorted(journal.items()):
-        if entry.state is not ClaimState.PREPARE_COMPLETED or uid in begun:
-            continue  # (begun: one that could not be finished; the kubelet's repeat does)
+        if entry.state is not ClaimState.PREPARE_COMPLETED or uid in skip:
+            continue
         try:
             devices = state.instances.restore(entry.devices)
             if devices is None:

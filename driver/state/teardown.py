@@ -10,8 +10,9 @@ lost GPU")."""
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from driver.errors import DriverError, transient
@@ -20,6 +21,7 @@ from driver.state.claims import ClaimRef, unique
 from driver.state.context import StepContext
 from driver.state.failpoints import failpoint
 from driver.state.instances import other_entries, owns_mig
+from driver.state.locking import ClaimHolds
 
 log = logging.getLogger(__name__)
 
@@ -27,54 +29,120 @@ log = logging.getLogger(__name__)
 def unprepare(state: StepContext, claims: Sequence[ClaimRef]) -> dict[str, DriverError | None]:
     state.verdicts.forget(ref.uid for ref in claims)
     results: dict[str, DriverError | None] = {}
-    try:
-        with state.lock.hold():
-            journal: dict[str, ClaimEntry] | None
-            try:
-                journal = settled_journal(state)
-            except CheckpointCorruptError as err:
-                state.stats.checkpoint_corrupt += 1
-                log.error("%s; unprepare removes CDI specs only", err)
-                journal = None
-            results.update(_unprepare_batch(state, unique(list(claims)), journal))
-    except Exception as exc:  # lock timeout, unreadable journal, a bug
-        if not isinstance(exc, DriverError):
-            log.exception("unprepare failed")
-        error = exc if isinstance(exc, DriverError) else transient(f"{type(exc).__name__}: {exc}")
-        for ref in claims:
-            results.setdefault(ref.uid, error)
+    todo = unique(list(claims))
+    deadline = time.monotonic() + state.lock.timeout
+    while todo:
+        busy = _unprepare_round(state, todo, results)
+        todo = [ref for ref in todo if ref.uid in busy]
+        if todo and not state.claim_locks.wait_free(busy, deadline):
+            for ref in todo:
+                results[ref.uid] = transient(
+                    f"another prepare or unprepare of claim {ref.uid} is still in progress "
+                    "on this node"
+                )
+            break
     return results
+
+
+def _unprepare_round(
+    state: StepContext, claims: Sequence[ClaimRef], results: dict[str, DriverError | None]
+) -> set[str]:
+    """Unprepare the claims no request in flight holds (their claim lock is free);
+    returns the others, which wait for it holding no lock and come again. A request
+    that destroys MIG devices does that outside the node lock, its claims' locks
+    held, and takes the node lock again for the journal store."""
+    busy: set[str] = set()
+    removal: _Removal | None = None
+    with state.claim_locks.round() as holds:
+        try:
+            with state.lock.hold():
+                journal = _journal_or_none(state)
+                if journal is not None:
+                    busy = {
+                        r.uid for r in claims if r.uid in journal and state.claim_locks.busy(r.uid)
+                    }
+                ready = [r for r in claims if r.uid not in busy]
+                removal = _begin(state, ready, journal, results, holds, busy)
+                if removal is not None and not removal.leaves_lock:
+                    _destroy(state, removal, results)
+                    _end(state, removal, journal, results)
+            if removal is not None and removal.leaves_lock:
+                _destroy(state, removal, results)  # NVML, without the node lock
+                with state.lock.hold():
+                    _end(state, removal, _journal_or_none(state), results)
+        except Exception as exc:  # lock timeout, unreadable journal, a bug
+            if not isinstance(exc, DriverError):
+                log.exception("unprepare failed")
+            error = (
+                exc if isinstance(exc, DriverError) else transient(f"{type(exc).__name__}: {exc}")
+            )
+            for ref in claims:
+                if ref.uid not in busy:
+                    results.setdefault(ref.uid, error)
+    return busy
+
+
+def _journal_or_none(state: StepContext) -> dict[str, ClaimEntry] | None:
+    """The settled journal, or None while it is corrupt (unprepare then removes CDI
+    specs only and owes the rest)."""
+    try:
+        return settled_journal(state)
+    except CheckpointCorruptError as err:
+        state.stats.checkpoint_corrupt += 1
+        log.error("%s; unprepare removes CDI specs only", err)
+        return None
 
 
 def settled_journal(state: StepContext) -> dict[str, ClaimEntry]:
     """The journal (`load_journal`), with the unprepares owed from a time it was
     unreadable finished first: each such claim is torn down as its unprepare would
     have done (marked, MIG devices destroyed, GPU intervals restored, entry dropped).
-    A claim whose teardown fails keeps its entry, and so its devices, and stays owed:
-    the next call tries again."""
+    A claim whose teardown fails, or whose claim lock a request in flight holds,
+    keeps its entry, and so its devices, and stays owed: the next call tries again."""
     journal = state.load_journal()
     owed = [
         ClaimRef(journal[uid].namespace, journal[uid].name, uid)
         for uid in sorted(state.pending_removals)
-        if uid in journal
+        if uid in journal and not state.claim_locks.busy(uid)
     ]
-    state.pending_removals.clear()
+    state.pending_removals.difference_update(ref.uid for ref in owed)
+    state.pending_removals.intersection_update(journal)
     if owed:
-        for uid, err in _unprepare_batch(state, owed, journal).items():
+        results: dict[str, DriverError | None] = {}
+        removal = _begin(state, owed, journal, results)
+        if removal is not None:
+            _destroy(state, removal, results)
+            _end(state, removal, journal, results)
+        for uid, err in results.items():
             if err is not None:
                 log.error("claim %s: its owed unprepare failed, entry kept: %s", uid, err)
                 state.pending_removals.add(uid)
     return journal
 
 
-def _unprepare_batch(
-    state: StepContext, claims: Sequence[ClaimRef], journal: dict[str, ClaimEntry] | None
-) -> dict[str, DriverError | None]:
-    """Remove every claim's CDI spec (not durably: recovery), destroy its MIG
-    devices, then drop the entries in ONE journal store. A claim whose spec or MIG
-    device could not be removed keeps its entry (and so its devices) and gets a
-    transient error; the kubelet repeats the unprepare."""
-    results: dict[str, DriverError | None] = {}
+@dataclass
+class _Removal:
+    """Claims of an unprepare whose CDI specs are gone, between the spec removal and
+    the journal store."""
+
+    claims: list[str]
+    journal: dict[str, ClaimEntry] | None  # as it was then (None: corrupt)
+    leaves_lock: bool  # MIG devices to destroy, outside the node lock
+    done: list[str] = field(default_factory=list)  # what `_destroy` finished
+
+
+def _begin(
+    state: StepContext,
+    claims: Sequence[ClaimRef],
+    journal: dict[str, ClaimEntry] | None,
+    results: dict[str, DriverError | None],
+    holds: ClaimHolds | None = None,
+    busy: set[str] | None = None,
+) -> _Removal | None:
+    """Mark the claims with owned MIG devices `unpreparing` and remove every claim's
+    CDI spec (not durably: recovery). With `holds`, a request with MIG devices to
+    destroy takes its claims' locks (one another request took meanwhile goes into
+    `busy`) and leaves the node lock for the destroys; without, it stays."""
     targets: list[str] = []
     for ref in claims:
         uid = ref.uid
@@ -85,19 +153,33 @@ def _unprepare_batch(
         else:
             targets.append(uid)
     if not targets:
-        return results
+        return None
+    leaves_lock = holds is not None and any(
+        journal is not None and uid in journal and owns_mig(journal[uid].devices) for uid in targets
+    )
+    if holds is not None and leaves_lock:
+        taken = [uid for uid in targets if holds.take(uid)]
+        if busy is not None:
+            busy.update(uid for uid in targets if uid not in taken)
+        targets = taken
     if journal is not None:
         targets = _mark_unpreparing(state, journal, targets, results)
-        if not targets:
-            return results
+    if not targets:
+        return None
 
     failpoint("unprepare-before-cdi-removed")
     gone, errors = state.cdi.remove_claim_specs(targets)
     failpoint("unprepare-after-cdi-removed")
     for uid, err in errors.items():
         results[uid] = transient(f"unprepare of claim {uid}: {err}")
-    done: list[str] = []
-    for uid in (u for u in targets if u in gone):
+    return _Removal([uid for uid in targets if uid in gone], journal, leaves_lock)
+
+
+def _destroy(state: StepContext, removal: _Removal, results: dict[str, DriverError | None]) -> None:
+    """Destroy the claims' owned MIG devices (never one another entry records). A
+    claim whose device cannot be destroyed keeps its entry and gets the error."""
+    journal = removal.journal
+    for uid in removal.claims:
         entry = journal.get(uid) if journal is not None else None
         try:
             if entry is not None and journal is not None:
@@ -105,7 +187,19 @@ def _unprepare_batch(
         except Exception as err:  # this claim keeps its entry; the others go on
             results[uid] = claim_error(uid, err)
             continue
-        done.append(uid)
+        removal.done.append(uid)
+
+
+def _end(
+    state: StepContext,
+    removal: _Removal,
+    journal: dict[str, ClaimEntry] | None,
+    results: dict[str, DriverError | None],
+) -> None:
+    """Under the node lock, with `journal` loaded: put the GPUs' intervals back and
+    drop the entries of the claims torn down in ONE journal store. A claim whose
+    interval cannot be restored, or whose entry the store failed to drop, keeps it."""
+    done = removal.done
     if journal is not None:  # GPUs back to what the remaining claims want, before the store
         failed = state.timeslices.release(journal, done)
         results.update(failed)
@@ -126,7 +220,6 @@ def _unprepare_batch(
     for uid in done:
         results[uid] = None
     state.stats.unprepared += len(done)
-    return results
 
 
 BOOT_ID = Path("/proc/sys/kernel/random/boot_id")

@@ -36,6 +36,7 @@ NVML behaviour modelled, and where it comes from:
 from __future__ import annotations
 
 import ctypes
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar, cast
@@ -57,6 +58,7 @@ from driver.nvml.mock.api import (
     set_out_uint,
 )
 from driver.nvml.mock.fleet import MigProfileSpec, MigSpec, MockGpu
+from driver.nvml.mock.latency import latency_from_env
 from driver.nvml.mock.mig_state import (
     CiProfile,
     CiRecord,
@@ -101,6 +103,9 @@ class MigFunctions:
 
     def _init_mig(self, driver_root: Path | None) -> None:
         self.mig_store = MigStore(self.gpus, driver_root)
+        # Seconds a GPU-instance create or destroy takes (driver/nvml/mock/latency.py),
+        # spent before the instance changes and outside every lock, as a GPU does.
+        self.mig_latency = latency_from_env()
         self._interned: dict[object, object] = {}  # one handle object per instance
         self._by_address: dict[int, object] = {}  # id(handle) -> handle, for ctypes arrays
         if driver_root is not None:
@@ -232,6 +237,7 @@ class MigFunctions:
         self, gpu: MockGpu, profile_id: Any, at: tuple[int, int] | None
     ) -> MockGpuInstance:
         profile = self._gi_profile(gpu, profile_id)
+        time.sleep(self.mig_latency)
         with self.mig_store.open() as st:
             gi = create_gi(st, gpu, profile, at)
         return self._gi_handle(gpu, gi)
@@ -281,6 +287,7 @@ class MigFunctions:
 
     @nvml_call
     def nvmlGpuInstanceDestroy(self, gpuInstance: Any) -> int:
+        time.sleep(self.mig_latency)
         with self.mig_store.open() as st:
             gpu, gi = self._gi_of(st, gpuInstance)
             if gi.cis:
