@@ -34,7 +34,7 @@ from driver.plugin.dra import add_dra_services
 from driver.plugin.flags import PluginOptions, package_version, parse_options
 from driver.plugin.health import add_health_services
 from driver.plugin.instances import InstanceLock
-from driver.plugin.node_overrides import node_mig_profiles
+from driver.plugin.node_overrides import NodeLabelRead
 from driver.plugin.node_status import PluginStatus, export_gpus, export_journal
 from driver.plugin.registration import DRA_SERVICES, HEALTH_SERVICES, RegistrationServicer
 from driver.plugin.serving import BuiltServer, SocketServer, SocketWatcher, new_server
@@ -55,14 +55,19 @@ from driver.state.verdicts import parse_permanent_errors
 log = logging.getLogger("gpu-kubelet-plugin")
 
 SHUTDOWN_GRACE_SECONDS = 5.0
+# How often the main thread wakes while it waits to stop. A signal that the kernel
+# hands to another thread (grpc's, the publisher's) runs its Python handler only once
+# the main thread runs Python again: an endless wait would never see SIGTERM.
+SIGNAL_CHECK_SECONDS = 0.5
 # Errors that mean "the flags or the node's configuration are wrong" (option values,
 # fleet files, no NVML, a pool that cannot be built): reported in one line.
 CONFIG_ERRORS = (ValueError, NvmlUnavailableError, PoolError)  # a bad fleet file is a ValueError
 
 
 class Plugin:
-    def __init__(self, options: PluginOptions) -> None:
+    def __init__(self, options: PluginOptions, version: str) -> None:
         self.options = options
+        self.version = version
         self.stopping = threading.Event()
 
     def run(self) -> int:
@@ -76,7 +81,8 @@ class Plugin:
             if http is not None:
                 running.callback(http.shutdown)
             leave = self._serve(api, healthz, http, running)
-            self.stopping.wait()
+            while not self.stopping.wait(SIGNAL_CHECK_SECONDS):
+                pass
             log.info("shutting down")
         leave()
         return 0
@@ -91,6 +97,9 @@ class Plugin:
         """Start everything; `running` stops it, in the reverse order. Returns what
         releases this instance's hold on the node once everything stopped."""
         o = self.options
+        # Sent now, awaited when the pool is built: the API round trip overlaps the
+        # local work below (NVML, recovery, discovery) instead of following it.
+        node_label = NodeLabelRead(api, o.node_name, o.driver_name)
         o.data_dir.mkdir(parents=True, exist_ok=True, mode=0o750)
         o.cdi_root.mkdir(parents=True, exist_ok=True, mode=0o755)
         instance = InstanceLock(o.data_dir)
@@ -154,7 +163,7 @@ class Plugin:
         # old instance may still be serving during a rolling update).
         inventory, owned_mig = state.discover_with_owned(backend.discover)
         options = o.pool_options()
-        node_profiles = node_mig_profiles(api, o.node_name, o.driver_name)
+        node_profiles = node_label.profiles()
         if node_profiles is not None:
             log.info("MIG profiles from the Node's label: %s", ", ".join(node_profiles))
             options = replace(options, mig_profiles=node_profiles)
@@ -164,7 +173,7 @@ class Plugin:
         devices = {device.name: device for device in pool.devices}
         metrics.PUBLISHED_DEVICES.set(len(devices))
         gpus = gpu_views(inventory, pool.mig_modes)
-        export_gpus(gpus, package_version())
+        export_gpus(gpus, self.version)
         log.info(
             "discovered %d GPU(s) via %s: publishing %d devices (MIG: %s)",
             len(inventory.gpus),
@@ -270,7 +279,7 @@ class Plugin:
         healthz.serve(healthy)
         if http is not None:
             status = PluginStatus(
-                version=package_version(),
+                version=self.version,
                 node=o.node_name,
                 driver=o.driver_name,
                 taint_effect=o.xid_taint_effect,
@@ -330,8 +339,9 @@ def install_image_hook(o: PluginOptions, state: DeviceState) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     options = parse_options(argv)
     setup_logging(options.log_format, options.verbosity)
-    log.info("gpu-kubelet-plugin %s starting on node %s", package_version(), options.node_name)
-    plugin = Plugin(options)
+    version = package_version()
+    log.info("gpu-kubelet-plugin %s starting on node %s", version, options.node_name)
+    plugin = Plugin(options, version)
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
         log.info("received %s", signal.Signals(signum).name)
