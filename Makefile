@@ -6,7 +6,7 @@ PYTEST_ARGS ?=
 
 .PHONY: venv lock proto proto-check lint typecheck unit integration e2e test test-gpu test-reliability \
         cluster-build cluster-up cluster-down cluster-status demo bench bench-scale clean helm image \
-        kind-up kind-install kind-demo kind-down nvidia-tools
+        kind-up kind-install kind-demo kind-down nvidia-tools kubelet-kep5322 e2e-kep5322
 
 venv: $(VENV)/.installed
 
@@ -81,6 +81,16 @@ integration: venv cluster-build helm nvidia-tools
 # and installs the chart; the driver image is built by `up` when the sources changed.
 e2e: venv cluster-build nvidia-tools
 	$(VENV)/bin/pytest tests/e2e $(PYTEST_ARGS)
+
+# KEP-5322 (docs/kep-5322.md): build the prototype kubelet (hack/patches/) and run the
+# e2e checks on it with DRAHandlePermanentDriverFailures on, then with it off.
+kubelet-kep5322:
+	hack/build-kubelet-kep5322.sh
+
+e2e-kep5322: venv cluster-build nvidia-tools kubelet-kep5322
+	GPU_DRA_KEP5322_KUBELET=1 $(VENV)/bin/pytest tests/e2e/test_kep5322.py $(PYTEST_ARGS)
+	GPU_DRA_KEP5322_KUBELET=1 GPU_DRA_KEP5322_GATE=false \
+		$(VENV)/bin/pytest tests/e2e/test_kep5322.py tests/e2e/test_failures.py $(PYTEST_ARGS)
 
 # One command on a fresh machine: build what is missing, start the cluster with its
 # node, install the driver, run every demo/ example and the failure scenarios.

@@ -7,7 +7,9 @@
 #      partition-sharing example, then back to the demo values
 #   5. apply demo/[0-9]*.yaml, print per pod and container the GPUs it sees (the
 #      GPU_DEVICE_* variables CDI put into the container environment)
-#   6. the permanent-error scenario (KEP-5322) and the Xid/NoExecute scenario
+#   6. the permanent-error scenario (KEP-5322) and the Xid/NoExecute scenario; the
+#      permanent error twice: on today's kubelet (retrying) and on the KEP-5322
+#      prototype kubelet (hack/patches/, docs/kep-5322.md), which fails the pod at once
 # The cluster stays up afterwards; `hack/local-cluster.sh down` stops it. The demo's
 # cluster-scoped objects (the DeviceTaintRule of 10-device-taints.yaml) are deleted when
 # the demo ends, so that no GPU stays tainted for later users.
@@ -33,6 +35,7 @@ die() { printf 'demo: %s\n' "$*" >&2; exit 1; }
 step "1/7 build what is missing (cold: about an hour on 2 cores; warm: seconds)"
 "$CLUSTER" build
 HELM=$("$REPO/hack/install-helm.sh" | tail -n 1)
+"$REPO/hack/build-kubelet-kep5322.sh" >/dev/null # the KEP-5322 prototype kubelet
 
 step "2/7 start the local cluster with its node"
 "$CLUSTER" up --with-node
@@ -154,7 +157,37 @@ done
 [[ -n $r && ${r%.*} -ge 1 ]] || die "gpu_dra_permanent_verdict_replays_total stayed at ${r:-absent} in the plugin's /metrics"
 say "plugin metrics: $(curl -sf "http://$PLUGIN_IP:8080/metrics" | grep -E '^gpu_dra_(permanent_verdict_replays|prepare_claims)_total' | tr '\n' ' ')"
 k -n gpu-demo-permanent-error get pod pod0 -o wide
+# The kubelet's calls for a claim: one `NodePrepareResources: <ns>/<claim>` line each in
+# the plugin's log.
+prepare_calls() { # <namespace> <claim>
+  k -n "$DRIVER_NS" logs "$PLUGIN_POD" -c plugin | grep -c "NodePrepareResources: .*$1/$2\b" || true
+}
+claim_of() { k -n "$1" get pod pod0 -o jsonpath='{.status.resourceClaimStatuses[0].resourceClaimName}'; }
+today_claim=$(claim_of gpu-demo-permanent-error)
+today="pod0 $(k -n gpu-demo-permanent-error get pod pod0 -o jsonpath='{.status.phase}') after $(( $(date +%s) - $(date -d "$(k -n gpu-demo-permanent-error get pod pod0 -o jsonpath='{.metadata.creationTimestamp}')" +%s) ))s, $(prepare_calls gpu-demo-permanent-error "$today_claim") NodePrepareResources for $today_claim"
 k delete namespace gpu-demo-permanent-error --wait=false >/dev/null
+
+say "the same claim on the KEP-5322 prototype kubelet (DRAHandlePermanentDriverFailures=true): restarting the node's kubelet as the prototype"
+GPU_DRA_KEP5322_KUBELET=1 "$CLUSTER" restart-kubelet | tail -n 1
+registered() { curl -sf "http://$PLUGIN_IP:8080/metrics" | awk '/^gpu_dra_kubelet_registered /{print $NF}'; }
+for _ in $(seq 60); do [[ $(registered || true) == 1.0 ]] && break; sleep 1; done
+sed 's/gpu-demo-permanent-error/gpu-demo-kep5322/' "$DEMO_DIR/scenarios/permanent-error.yaml" | k apply -f - >/dev/null
+phase=
+for _ in $(seq 150); do
+  phase=$(k -n gpu-demo-kep5322 get pod pod0 -o jsonpath='{.status.phase}' 2>/dev/null || true)
+  [[ $phase == Failed ]] && break; sleep 1
+done
+[[ $phase == Failed ]] || die "pod0 did not fail on the prototype kubelet (phase: ${phase:-none})"
+proto_claim=$(claim_of gpu-demo-kep5322)
+proto="pod0 Failed after $(( $(date +%s) - $(date -d "$(k -n gpu-demo-kep5322 get pod pod0 -o jsonpath='{.metadata.creationTimestamp}')" +%s) ))s, $(prepare_calls gpu-demo-kep5322 "$proto_claim") NodePrepareResources for $proto_claim"
+say "pod0 $(k -n gpu-demo-kep5322 get pod pod0 -o jsonpath='{.status.reason}: {.status.message}')"
+k -n gpu-demo-kep5322 get pod pod0 -o wide
+say "today's kubelet:        $today (retrying, answered from the remembered verdict)"
+say "KEP-5322 prototype:     $proto (no retry; claim unprepared)"
+k delete namespace gpu-demo-kep5322 --wait=false >/dev/null
+say "back to today's kubelet"
+GPU_DRA_KEP5322_KUBELET=0 "$CLUSTER" restart-kubelet | tail -n 1
+for _ in $(seq 60); do [[ $(registered || true) == 1.0 ]] && break; sleep 1; done
 
 say "Xid 79 on the GPU of a running Deployment pod (demo/scenarios/xid-eviction.yaml; xidTaintEffect NoExecute)"
 k apply -f "$DEMO_DIR/scenarios/xid-eviction.yaml" >/dev/null

@@ -7,6 +7,9 @@
 #                                  (builds first when binaries are missing; idempotent)
 #   hack/local-cluster.sh up --with-node   also the real node (same as GPU_DRA_WITH_NODE=1;
 #                                  `build` with GPU_DRA_WITH_NODE=1 builds its binaries)
+#   hack/local-cluster.sh up --with-node --kep5322-kubelet   the node runs the KEP-5322
+#                                  prototype kubelet (same as GPU_DRA_KEP5322_KUBELET=1;
+#                                  docs/kep-5322.md)
 #   hack/local-cluster.sh down     stop only the processes this script started, remove
 #                                  the run dir (GPU_DRA_KEEP_RUN_DIR=1 keeps it); exit 1
 #                                  when the node's host state was left alone (foreign)
@@ -14,6 +17,8 @@
 #                                  that these scripts did not create (what `up
 #                                  --with-node` refuses on); changes nothing
 #   hack/local-cluster.sh restart-kubelet   restart the node's kubelet alone (containers keep running)
+#                                  (with GPU_DRA_KEP5322_KUBELET=1 or 0 set: as the KEP-5322
+#                                  prototype or the upstream kubelet)
 #   hack/local-cluster.sh status   show what runs and where (exit 1 if not all healthy)
 #   hack/local-cluster.sh env      print shell exports (KUBECONFIG, PATH) for the cluster
 #   hack/local-cluster.sh bin-dir  print the directory of the cached binaries
@@ -29,6 +34,9 @@
 #   GPU_DRA_CACHE            binary/source cache [~/.cache/gpu-dra-driver]
 #   GPU_DRA_WITH_NODE=1      also start a real kubelet node (hack/lib/node.sh: up_node,
 #                            down_node, status_node)
+#   GPU_DRA_KEP5322_KUBELET=1  the node's kubelet is the KEP-5322 prototype
+#                            (hack/build-kubelet-kep5322.sh), with the gate
+#                            DRAHandlePermanentDriverFailures=GPU_DRA_KEP5322_GATE [true]
 #   GPU_DRA_EXTRA_FEATURE_GATES, GPU_DRA_RUNTIME_CONFIG, GPU_DRA_KCM_CONTROLLERS,
 #   GPU_DRA_UP_TIMEOUT [180]
 #   node host paths and ports [real ones]: GPU_DRA_KUBELET_ROOT [/var/lib/kubelet],
@@ -118,9 +126,12 @@ cmd_main() {
     build)
       cmd_build
       if node_wanted; then cmd_build_node; fi
+      if [[ ${GPU_DRA_KEP5322_KUBELET:-0} == 1 ]]; then "$HACK_DIR/build-kubelet-kep5322.sh" >/dev/null; fi
       ;;
     up)
       [[ ${2:-} == --with-node ]] && export GPU_DRA_WITH_NODE=1
+      if [[ ${3:-} == --kep5322-kubelet ]]; then export GPU_DRA_KEP5322_KUBELET=1; fi
+      if [[ ${2:-} == --kep5322-kubelet ]]; then die "--kep5322-kubelet is an option of the node: up --with-node --kep5322-kubelet"; fi
       cmd_up
       ;;
     down) cmd_down ;;
@@ -142,7 +153,7 @@ cmd_main() {
       imported_driver_image_tag
       printf '\n'
       ;;
-    *) die "usage: $0 build|up [--with-node]|down|restart-kubelet|status|env|bin-dir|driver-image-tag|node-preflight" ;;
+    *) die "usage: $0 build|up [--with-node [--kep5322-kubelet]]|down|restart-kubelet|status|env|bin-dir|driver-image-tag|node-preflight" ;;
   esac
 }
 

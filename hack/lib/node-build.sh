@@ -100,3 +100,46 @@ cmd_build_node() {
   exec 8>&-
   progress "node build done: kubelet in $BIN_DIR; containerd, ctr, shim, runc in $NODE_BIN_DIR"
 }
+
+# --- the KEP-5322 prototype kubelet (docs/kep-5322.md) -----------------------------
+# GPU_DRA_KEP5322_KUBELET=1 (`up --with-node --kep5322-kubelet`) runs the kubelet that
+# hack/build-kubelet-kep5322.sh builds from the upstream one and hack/patches/, with the
+# feature gate DRAHandlePermanentDriverFailures set to GPU_DRA_KEP5322_GATE [true]
+# (false: the patched binary with the gate off, which must behave as upstream). The
+# choice is recorded in the run dir, so `restart-kubelet` starts the same binary.
+KEP5322_GATE=DRAHandlePermanentDriverFailures
+
+kep5322_kubelet_wanted() { [[ ${GPU_DRA_KEP5322_KUBELET:-0} == 1 ]]; }
+kep5322_choice_file() { printf '%s' "$NODE_DIR/kubelet-kep5322.env"; } # node.sh sets NODE_DIR
+
+# Builds (or finds) the prototype and records it with the gate's value; without the
+# option, removes an earlier choice.
+kep5322_kubelet_prepare() {
+  if ! kep5322_kubelet_wanted; then
+    rm -f "$(kep5322_choice_file)"
+    return 0
+  fi
+  local gate=${GPU_DRA_KEP5322_GATE:-true} bin
+  [[ $gate == true || $gate == false ]] || die "GPU_DRA_KEP5322_GATE must be true or false, not '$gate'"
+  bin=$("$HACK_DIR/build-kubelet-kep5322.sh" | tail -n 1) || die "hack/build-kubelet-kep5322.sh failed"
+  mkdir -p "$NODE_DIR"
+  printf 'binary=%s\ngate=%s\n' "$bin" "$gate" >"$(kep5322_choice_file)"
+  progress "node runs the KEP-5322 prototype kubelet ($KEP5322_GATE=$gate): $bin"
+}
+
+kep5322_choice() { # <key>: binary or gate, from the recorded choice
+  local file
+  file=$(kep5322_choice_file)
+  [[ -f $file ]] || return 1
+  sed -n "s/^$1=//p" "$file"
+}
+
+# The kubelet binary the node runs.
+node_kubelet_binary() { kep5322_choice binary || printf '%s' "$BIN_DIR/kubelet"; }
+
+# The gate's line for the kubelet config's featureGates map (nothing for upstream).
+kep5322_feature_gate_yaml() {
+  local gate
+  gate=$(kep5322_choice gate) || return 0
+  printf '  %s: %s\n' "$KEP5322_GATE" "$gate"
+}

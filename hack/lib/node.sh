@@ -510,6 +510,7 @@ feature_gates_yaml() {
   for kv in "${kvs[@]}"; do
     [[ -n $kv ]] && printf '  %s: %s\n' "${kv%%=*}" "${kv#*=}"
   done
+  kep5322_feature_gate_yaml
 }
 
 write_kubelet_config() {
@@ -588,7 +589,7 @@ api_proxy_ready() {
 }
 
 start_kubelet() {
-  start_component kubelet "$BIN_DIR/kubelet" \
+  start_component kubelet "$(node_kubelet_binary)" \
     --config="$NODE_DIR/kubelet.yaml" \
     --kubeconfig="$NODE_DIR/kubelet.kubeconfig" \
     --root-dir="$KUBELET_ROOT" \
@@ -632,6 +633,7 @@ up_node() {
   if port_in_use "$KUBELET_HEALTHZ_PORT"; then
     die "127.0.0.1:$KUBELET_HEALTHZ_PORT (kubelet healthz) is in use by a process this script did not start"
   fi
+  kep5322_kubelet_prepare
   prepare_host
   write_cni_config
   write_containerd_config
@@ -657,6 +659,11 @@ restart_kubelet() {
   node_running || die "the node is not running (hack/local-cluster.sh up --with-node)"
   local t0
   t0=$(date +%s)
+  if [[ -n ${GPU_DRA_KEP5322_KUBELET:-} ]]; then
+    # Set: switch kubelets (1: the KEP-5322 prototype, 0: upstream); unset: the same.
+    kep5322_kubelet_prepare
+    write_kubelet_config
+  fi
   stop_component kubelet
   start_kubelet
   wait_for 120 "kubelet healthy" kubelet kubelet_healthy
@@ -778,6 +785,9 @@ status_node() {
     fi
     printf '  %-24s %-22s log %s\n' "$c" "$state" "$LOG_DIR/$c.log"
   done
+  if kep5322_choice binary >/dev/null; then
+    printf '  %-24s %s (%s=%s)\n' "kubelet binary" "$(node_kubelet_binary)" "$KEP5322_GATE" "$(kep5322_choice gate)"
+  fi
   if node_ready; then
     printf '  %-24s Ready (InternalIP %s)\n' "node/$NODE_NAME" "$NODE_IP"
   else
