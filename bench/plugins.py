@@ -110,6 +110,14 @@ class OursPlugin(PluginUnderTest):
             extra=[f"--mock-fleet={gpus}"],
         )
 
+    def handler_seconds(self) -> tuple[float, float]:
+        """(sum, count) of the plugin's own `gpu_dra_prepare_seconds` histogram: the time
+        inside its NodePrepareResources handler, without the gRPC transport."""
+        return (
+            self.metric("gpu_dra_prepare_seconds_sum"),
+            self.metric("gpu_dra_prepare_seconds_count"),
+        )
+
     def metric(self, name: str, **labels: str) -> float:
         """The sum of the samples of metric `name` (a counter's `_total` sample too)
         whose labels include `labels`, from the plugin's /metrics."""

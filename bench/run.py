@@ -5,8 +5,9 @@ plays the kubelet towards each plugin's sockets. This driver always runs; the Go
 reference kubelet plugin (hack/build-reference.sh builds it) runs when its binary is
 given (`--reference` or `GPU_DRA_REFERENCE_PLUGIN`), unthrottled and as shipped. The
 drivers take turns, one repetition of every scenario each (A B C A B C ...), on the
-same node and cluster. Results: bench/results/<date>.json; `python -m bench.report`
-turns them into the tables of docs/benchmarks.md.
+same node and cluster. Results: bench/results/<date>.json (`<date>-2.json`, ... for a
+later run of the same day); `python -m bench.report` turns them into the tables of
+docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -217,7 +218,11 @@ class Runner:
                 sc.prepare_single(kubelet, single, 5)  # warm-up
                 if self.want("prepare"):
                     self.log(f"{kind}: 1 claim x {a.iterations}")
+                    before = plugin.handler_seconds() if isinstance(plugin, OursPlugin) else None
                     out["prepare_1"] = sc.prepare_single(kubelet, single, a.iterations)
+                    if isinstance(plugin, OursPlugin) and before is not None:
+                        (s0, n0), (s1, n1) = before, plugin.handler_seconds()
+                        out["prepare_1"]["handler_mean_ms"] = round((s1 - s0) / (n1 - n0) * 1e3, 3)
                 if self.want("batch"):
                     if not self._batch:
                         self._batch = [self.claim(f"batch-{i}", f"gpu-{i}") for i in range(64)]
@@ -283,7 +288,9 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="skip the reference with its default client rate limit",
     )
-    p.add_argument("--out", type=Path, default=RESULTS, help="directory of <date>.json")
+    p.add_argument(
+        "--out", type=Path, default=RESULTS, help="directory of <date>.json (never overwritten)"
+    )
     p.add_argument("--plot", type=Path, help="write the prepare-latency PNG here")
     args = p.parse_args(argv)
 
@@ -357,8 +364,7 @@ def main(argv: list[str] | None = None) -> int:
     results["load"]["end"] = sc.load_average()
     results["finished"] = dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"{started:%Y-%m-%d}.json"
+    path = new_results_path(args.out, started)
     path.write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
     print(markdown(results))
     print(f"results: {path}")
@@ -368,6 +374,18 @@ def main(argv: list[str] | None = None) -> int:
         plot(results, args.plot)
         print(f"plot: {args.plot}")
     return 0
+
+
+def new_results_path(directory: Path, started: dt.datetime) -> Path:
+    """`<date>.json` in `directory`, or `<date>-2.json`, `-3`, ... when a run of the same
+    day is there already: committed results are never overwritten."""
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"{started:%Y-%m-%d}.json"
+    suffix = 2
+    while path.exists():
+        path = directory / f"{started:%Y-%m-%d}-{suffix}.json"
+        suffix += 1
+    return path
 
 
 def reference_build(binary: str) -> dict[str, Any]:

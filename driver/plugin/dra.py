@@ -111,6 +111,16 @@ def _claim_refs(claims: Sequence[Any], context: grpc.ServicerContext) -> list[Cl
     return refs
 
 
+class _ClaimNames:
+    """`namespace/name, ...` of the claims, formatted only when a log line is written."""
+
+    def __init__(self, refs: Sequence[ClaimRef]) -> None:
+        self._refs = refs
+
+    def __str__(self) -> str:
+        return ", ".join(f"{r.namespace}/{r.name}" for r in self._refs)
+
+
 def _outcome(error: DriverError | None) -> str:
     if error is None:
         return "ok"
@@ -130,7 +140,7 @@ class DraService:
         ):
             started = time.monotonic()
             refs = _claim_refs(request.claims, context)
-            log.info("NodePrepareResources: %s", ", ".join(f"{r.namespace}/{r.name}" for r in refs))
+            log.info("NodePrepareResources: %s", _ClaimNames(refs))
             results = self._state.prepare(refs)
             response = pb.NodePrepareResourcesResponse()
             for ref in refs:
@@ -161,9 +171,7 @@ class DraService:
             metrics.REQUESTS_IN_FLIGHT.labels("unprepare").track_inprogress(),
         ):
             refs = _claim_refs(request.claims, context)
-            log.info(
-                "NodeUnprepareResources: %s", ", ".join(f"{r.namespace}/{r.name}" for r in refs)
-            )
+            log.info("NodeUnprepareResources: %s", _ClaimNames(refs))
             results = self._state.unprepare(refs)
             response = pb.NodeUnprepareResourcesResponse()
             for ref in refs:

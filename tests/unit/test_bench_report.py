@@ -90,3 +90,14 @@ def test_replace_region_keeps_the_text_around_the_markers() -> None:
     assert out == f"intro\n{BEGIN}\nnew table\n{END}\noutro\n"
     with pytest.raises(ValueError, match="markers"):
         replace_region("no markers", "x")
+
+
+def test_the_handler_time_is_one_value_per_repetition_of_this_driver() -> None:
+    results = _results()
+    for run, mean_ms in zip(results["runs"][::2], (4.0, 6.0), strict=True):
+        run["results"]["prepare_1"]["handler_mean_ms"] = mean_ms
+    row = next(r for rs in REPORT_ROWS.values() for r in rs if "handler_mean_ms" in r.path)
+    stats = pooled(results, "ours", row)
+    assert stats is not None and (stats.n, stats.p50, stats.max) == (2, 5.0, 6.0)
+    line = next(x for x in tables(results).splitlines() if "inside the plugin's handler" in x)
+    assert "2: 5 / 5.98 / 6 ms | - |" in line  # the reference has no such figure
