@@ -250,7 +250,11 @@ def main(argv: list[str] | None = None) -> int:
         "--nodes", type=_int_list, default=list(DEFAULT_NODES), help="node counts, e.g. 10,100,500"
     )
     parser.add_argument(
-        "--layouts", type=_layout_list, default=list(obj.LAYOUTS), help="mig,mig3,whole,partitions4"
+        "--layouts",
+        type=_layout_list,
+        default=list(obj.DEFAULT_LAYOUTS),
+        help=f"comma-separated, of {','.join(obj.LAYOUTS)} "
+        f"(default {','.join(obj.DEFAULT_LAYOUTS)})",
     )
     parser.add_argument(
         "--repetitions", type=int, default=3, help="timed bursts per point (default 3)"
@@ -273,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--section",
         default="",
-        help="with --doc: the section's name (markers <!-- scale:NAME:begin/end -->; "
+        help="with --report: the section's name (markers <!-- scale:NAME:begin/end -->; "
         "default: the main one)",
     )
     args = parser.parse_args(argv)
@@ -283,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
             doc = scale_report.replace_section(args.doc.read_text(), results, args.section)
             args.doc.write_text(doc)
         else:
-            sys.stdout.write(scale_report.section(results) + "\n")
+            sys.stdout.write(scale_report.section(results, args.section) + "\n")
         return 0
     if args.repetitions < 1:
         parser.error("--repetitions must be >= 1")

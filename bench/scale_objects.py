@@ -1,15 +1,18 @@
 """The objects of the scheduler-scale benchmark (pure): layouts, nodes, slices, claims, pods.
 
 Each fake node's ResourceSlices come from the driver's own path: the mock NVML's
-inventory of 8 H100-80GB for that node name -> `build_pool` -> `build_slice_documents`,
-exactly what the plugin's slice publisher sends. Three layouts of the same GPUs:
+inventory of 8 H100-80GB for that node name -> `build_pool` -> `build_slice_specs`,
+exactly what the plugin's slice publisher sends. Layouts of the same GPUs:
 
 - `mig`: MIG mode on, driver-managed: every (profile, placement) of every GPU is a
   device (26 per GPU with the whole GPU), consuming the GPU's counter set; a pod asks
   for one 1g.10gb MIG device;
+- `mig3`: the same with `--mig-profiles 1g.10gb,3g.40gb,7g.80gb` (11 devices per GPU);
 - `whole`: MIG mode off: one device per GPU; a pod asks for a whole GPU;
 - `partitions4`: MIG mode off, `--gpu-partitions 4` (the reference's layout): four
-  partitions and a full device per GPU, sharing a counter set; a pod asks for a partition.
+  partitions and a full device per GPU, sharing a counter set; a pod asks for a partition;
+- `mig3-<variant>`: `mig3`'s slices reshaped in one respect (bench/scale_layouts.py):
+  the slice layout's own share of the scheduler's per-node cost.
 """
 
 from __future__ import annotations
@@ -17,8 +20,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from bench import scale_layouts
 from driver.devices.model import PoolOptions, build_pool
-from driver.devices.slices import build_slice_documents
+from driver.devices.slices import build_slice_specs, slice_documents
 from driver.nvml.backend import NvmlBackend
 from driver.nvml.mock.fleet import Fleet, parse_fleet
 from driver.nvml.mock.nvml import MockNvml
@@ -45,11 +49,21 @@ class Layout:
     selector: str | None  # CEL the claim's request adds to its class, if any
     description: str
     mig_profiles: tuple[str, ...] = ()  # --mig-profiles, as labels (empty: every profile)
+    reshape: str = ""  # a bench/scale_layouts.py variant of the driver's slices ("": none)
 
     def fleet(self) -> Fleet:
         group = {"model": GPU_MODEL, "count": GPUS_PER_NODE, "migMode": self.mig_mode}
         return parse_fleet({"gpus": [group]}, source=f"scale layout {self.name}")
 
+
+MIG3_PROFILES = ("1g10gb", "3g40gb", "7g80gb")
+MIG3_VARIANTS = {
+    "all-counters": "every MIG dimension counted, as before the driver dropped those that "
+    "cannot refuse an allocation",
+    "gpu-slices": "one device slice per GPU",
+    "set-slices": "one counter-set slice per GPU",
+    "few-attributes": "devices with only the attributes selectors read (profile, parentUUID)",
+}
 
 LAYOUTS: dict[str, Layout] = {
     layout.name: layout
@@ -70,7 +84,20 @@ LAYOUTS: dict[str, Layout] = {
             f"{_ATTRS}.profile == '1g.10gb'",
             "dynamic MIG with --mig-profiles 1g.10gb,3g.40gb,7g.80gb; a pod asks for a "
             "1g.10gb MIG device",
-            mig_profiles=("1g10gb", "3g40gb", "7g80gb"),
+            mig_profiles=MIG3_PROFILES,
+        ),
+        *(
+            Layout(
+                f"mig3-{variant}",
+                "enabled",
+                0,
+                MIG_CLASS,
+                f"{_ATTRS}.profile == '1g.10gb'",
+                f"mig3 with its slices reshaped: {what}",
+                mig_profiles=MIG3_PROFILES,
+                reshape=variant,
+            )
+            for variant, what in MIG3_VARIANTS.items()
         ),
         Layout("whole", "disabled", 0, WHOLE_CLASS, None, "whole GPUs; a pod asks for one"),
         Layout(
@@ -85,6 +112,10 @@ LAYOUTS: dict[str, Layout] = {
 }
 
 
+# `make bench-scale` without --layouts: the driver's layouts; the mig3 variants on demand.
+DEFAULT_LAYOUTS = ("mig", "mig3", "whole", "partitions4")
+
+
 def node_name(index: int) -> str:
     return f"scale-node-{index:04d}"
 
@@ -95,8 +126,9 @@ def node_slices(layout: Layout, name: str, uid: str, fleet: Fleet | None = None)
     options = PoolOptions(
         driver_name=DRIVER, gpu_partitions=layout.gpu_partitions, mig_profiles=layout.mig_profiles
     )
-    pool = build_pool(inventory, options)
-    return build_slice_documents(pool, driver=DRIVER, node_name=name, node_uid=uid)
+    specs = build_slice_specs(build_pool(inventory, options), driver=DRIVER, node_name=name)
+    specs = scale_layouts.reshape(layout.reshape, specs)
+    return slice_documents(specs, driver=DRIVER, node_name=name, node_uid=uid)
 
 
 def slice_device_count(docs: list[Any]) -> int:

@@ -14,7 +14,16 @@ from typing import Any
 
 BEGIN = "<!-- scale:begin -->"
 END = "<!-- scale:end -->"
-LAYOUT_ORDER = ("mig", "mig3", "whole", "partitions4")
+LAYOUT_ORDER = (
+    "mig",
+    "mig3",
+    "mig3-all-counters",
+    "mig3-gpu-slices",
+    "mig3-set-slices",
+    "mig3-few-attributes",
+    "whole",
+    "partitions4",
+)
 SCHEDULER_ORDER = ("default", "unthrottled")
 
 

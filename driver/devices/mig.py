@@ -1,11 +1,13 @@
 """The devices of one GPU in MIG mode (pure): dynamic or static (docs/mig.md).
 
-Per GPU one counter set `gpu-<minor>-counter-set` (memory, multiprocessors, engine
-counters and one `memory-slice-<i>` counter per memory slice). Every partition is a
-device `gpu-<minor>-mig-<profile label>-<placement start>` consuming its profile's
-share and its memory slices, so the scheduler never hands out overlapping
-partitions, or a GPU together with one of its partitions; it carries `isolated: true`
-(its own memory, SMs and engines, unlike a `--gpu-partitions` partition).
+Per GPU one counter set `gpu-<minor>-counter-set`: one `memory-slice-<i>` counter per
+memory slice, and those of the memory, multiprocessor and engine counters that some
+published partitions at disjoint placements could exceed (`counted`). Every partition
+is a device `gpu-<minor>-mig-<profile label>-<placement start>` consuming its memory
+slices and its profile's share of those counters, so the scheduler never hands out
+overlapping partitions, or a GPU together with one of its partitions; it carries
+`isolated: true` (its own memory, SMs and engines, unlike a `--gpu-partitions`
+partition).
 
 - dynamic: every (profile, placement) NVML reports, and the whole GPU `gpu-<minor>`
   consuming all counters. CUDA cannot use a GPU in MIG mode without a MIG device, so
@@ -20,7 +22,8 @@ partitions, or a GPU together with one of its partitions; it carries `isolated: 
 
 from __future__ import annotations
 
-from collections.abc import Sequence, Set
+import dataclasses
+from collections.abc import Collection, Sequence, Set
 from typing import Any
 
 from driver.devices.documents import (
@@ -68,10 +71,73 @@ def _counter_values(gpu: GpuInfo) -> dict[str, int]:
 
 
 def counter_set(gpu: GpuInfo) -> dict[str, Any]:
+    """Every counter of the GPU; `counted` keeps those that can refuse something."""
     return {
         "name": counter_set_name(gpu),
         "counters": counters(_counter_values(gpu), skip_zero=False),
     }
+
+
+def _most_at_disjoint_placements(
+    slices: int, weighted: Sequence[tuple[tuple[int, int], int]]
+) -> int:
+    """The largest total weight of placements ((start, size), weight) that share no
+    memory slice: best[end] is the most within slices [0, end)."""
+    best = [0] * (slices + 1)
+    for end in range(1, slices + 1):
+        best[end] = max(
+            [best[end - 1]]
+            + [best[start] + w for (start, size), w in weighted if start + size == end]
+        )
+    return best[slices]
+
+
+def binding_dimensions(gpu: GpuInfo, partitions: Sequence[PublishedDevice]) -> set[str]:
+    """The MIG dimension counters (memory, multiprocessors, engines) some of these
+    partitions at pairwise disjoint placements would exceed together. Overlapping
+    placements are refused by the memory-slice counters already, and the whole GPU
+    spans every slice, so a dimension no disjoint placements can exceed never refuses
+    an allocation. Without memory slices every dimension counts."""
+    dimensions = {counter for _, counter, _ in MIG_DIMENSIONS}
+    slices = gpu.memory_slices
+    placed = [(p.mig, p.placement) for p in partitions if p.mig is not None and p.placement]
+    if slices < 1 or any(start < 0 or start + size > slices for _, (start, size) in placed):
+        return dimensions
+    profiles = {p.profile_id: p for p in gpu.partition_profiles}
+    most = _counter_values(gpu)
+    binding = set()
+    for _, counter, field in MIG_DIMENSIONS:
+        weighted = [
+            (placement, getattr(profiles[mig.profile_id], field)) for mig, placement in placed
+        ]
+        if _most_at_disjoint_placements(slices, weighted) > most[counter]:
+            binding.add(counter)
+    return binding
+
+
+def _consuming_only(device: PublishedDevice, kept: Collection[str]) -> PublishedDevice:
+    if not device.document.get("consumesCounters"):
+        return device
+    document = dict(device.document)
+    document["consumesCounters"] = [
+        {**c, "counters": {k: v for k, v in c["counters"].items() if k in kept}}
+        for c in device.document.get("consumesCounters", [])
+    ]
+    return dataclasses.replace(device, document=document)
+
+
+def counted(
+    gpu: GpuInfo, devices: Sequence[PublishedDevice]
+) -> tuple[list[PublishedDevice], dict[str, Any]]:
+    """The GPU's counter set with its memory slices and binding dimensions only, and
+    its devices consuming only those (docs/mig.md, "Slice layout"): the scheduler's
+    allocator reads every consumed counter of every device of a node for every pod,
+    and the allocations it allows stay the same."""
+    dimensions = {counter for _, counter, _ in MIG_DIMENSIONS}
+    dropped = dimensions - binding_dimensions(gpu, [d for d in devices if d.is_partition])
+    full = counter_set(gpu)
+    kept = {k: v for k, v in full["counters"].items() if k not in dropped}
+    return [_consuming_only(d, kept) for d in devices], {**full, "counters": kept}
 
 
 def full_size_profile(gpu: GpuInfo) -> PartitionProfile | None:

@@ -317,8 +317,9 @@ def build_pool(
             counter_sets.append(cs)
         elif gpu.mig_enabled and gpu.partition_profiles:
             devs, mode, why = _mig_gpu(gpu, attrs, options, owned_mig)
+            devs, gpu_counters = mig.counted(gpu, devs)
             devices += devs
-            counter_sets.append(mig.counter_set(gpu))
+            counter_sets.append(gpu_counters)
             modes[gpu.uuid] = mode
             notes += why
         else:

@@ -137,6 +137,13 @@ def build_slice_documents(
     specs = build_slice_specs(
         pool, driver=driver, node_name=node_name, taints=taints, generation=generation
     )
+    return slice_documents(specs, driver=driver, node_name=node_name, node_uid=node_uid)
+
+
+def slice_documents(
+    specs: Sequence[dict[str, Any]], *, driver: str, node_name: str, node_uid: str | None = None
+) -> list[dict[str, Any]]:
+    """The ResourceSlice objects of one pool's ordered specs."""
     docs = []
     for i, spec in enumerate(specs):
         metadata: dict[str, Any] = {

@@ -4,13 +4,17 @@ percentile and throughput math, the report table and the doc section it rewrites
 from __future__ import annotations
 
 import argparse
+import json
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+from bench import scale_layouts
 from bench import scale_objects as obj
 from bench import scale_report as report
 from bench.scale import _int_list, _layout_list
+from bench.scale import main as scale_main
 from bench.scale_scheduler import UNTHROTTLED_SCHEDULER, parse_totals
 from driver.devices.slices import (
     MAX_DEVICES_PER_SLICE_WITH_COUNTERS_OR_TAINTS,
@@ -32,6 +36,10 @@ def _slices(layout: str, node: str = "scale-node-0000") -> list[dict[str, Any]]:
         ("whole", 8, 1),
         # 8 GPUs x (4 partitions + full); 1 counter-set slice + 1 device slice.
         ("partitions4", 8 * 5, 2),
+        ("mig3-all-counters", 8 * 11, 3),
+        ("mig3-gpu-slices", 8 * 11, 1 + 8),  # a device slice per GPU
+        ("mig3-set-slices", 8 * 11, 8 + 2),  # a counter-set slice per GPU
+        ("mig3-few-attributes", 8 * 11, 3),
     ],
 )
 def test_each_layout_publishes_the_driver_slices_of_8_h100(
@@ -51,6 +59,75 @@ def test_each_layout_publishes_the_driver_slices_of_8_h100(
         }
         assert doc["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
         assert len(spec.get("devices", [])) <= MAX_DEVICES_PER_SLICE_WITH_COUNTERS_OR_TAINTS
+
+
+def _devices(docs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    return {d["name"]: d for doc in docs for d in doc["spec"].get("devices", [])}
+
+
+@pytest.mark.parametrize("variant", obj.MIG3_VARIANTS)
+def test_mig3_variants_publish_the_same_devices(variant: str) -> None:
+    mig3, reshaped = _devices(_slices("mig3")), _devices(_slices(f"mig3-{variant}"))
+    assert list(reshaped) == list(mig3)
+    assert all(d["capacity"] == mig3[name]["capacity"] for name, d in reshaped.items())
+    # The chart's DeviceClasses and the claims' selector read `profile`.
+    assert all(
+        d["attributes"].get("profile") == mig3[name]["attributes"].get("profile")
+        for name, d in reshaped.items()
+    )
+
+
+def test_mig3_counts_memory_slices_and_all_counters_every_dimension() -> None:
+    """`mig3-all-counters` is the layout the driver published before it dropped the
+    counters no disjoint placements can exceed (values of the mock's H100)."""
+    sets = [
+        cs for doc in _slices("mig3-all-counters") for cs in doc["spec"].get("sharedCounters", [])
+    ]
+    slices = {f"memory-slice-{i}": {"value": "1"} for i in range(8)}
+    assert sets[0] == {
+        "name": "gpu-0-counter-set",
+        "counters": {
+            "memory": {"value": "81152Mi"},
+            "multiprocessors": {"value": "132"},
+            "copy-engines": {"value": "8"},
+            "decoders": {"value": "7"},
+            "encoders": {"value": "0"},
+            "jpeg-engines": {"value": "7"},
+            "ofa-engines": {"value": "1"},
+            **slices,
+        },
+    }
+    every, slim = _devices(_slices("mig3-all-counters")), _devices(_slices("mig3"))
+    assert every["gpu-0-mig-1g10gb-0"]["consumesCounters"] == [
+        {
+            "counterSet": "gpu-0-counter-set",
+            "counters": {
+                "memory": {"value": "9984Mi"},
+                "multiprocessors": {"value": "16"},
+                "copy-engines": {"value": "1"},
+                "decoders": {"value": "1"},
+                "jpeg-engines": {"value": "1"},
+                "memory-slice-0": {"value": "1"},
+            },
+        }
+    ]
+    assert slim["gpu-0-mig-1g10gb-0"]["consumesCounters"][0]["counters"] == {
+        "memory-slice-0": {"value": "1"}
+    }
+    whole = every["gpu-0"]["consumesCounters"][0]["counters"]
+    assert whole == {k: v for k, v in sets[0]["counters"].items() if k != "encoders"}
+    assert slim["gpu-0"]["consumesCounters"][0]["counters"] == slices
+
+
+def test_few_attributes_keeps_what_selectors_read() -> None:
+    devices = _devices(_slices("mig3-few-attributes"))
+    assert set(devices["gpu-0-mig-1g10gb-0"]["attributes"]) == {"profile", "parentUUID"}
+    assert set(devices["gpu-0"]["attributes"]) == {"parentUUID"}  # a whole GPU: no profile
+
+
+def test_an_unknown_reshape_is_named() -> None:
+    with pytest.raises(scale_layouts.LayoutError, match="unknown slice layout 'x'"):
+        scale_layouts.reshape("x", [d["spec"] for d in _slices("mig3")])
 
 
 def test_mig_layout_has_every_1g10gb_placement_per_gpu() -> None:
@@ -213,6 +290,15 @@ def test_a_named_section_is_rewritten_and_the_main_one_kept() -> None:
         f"{report.BEGIN}\nmain\n{report.END}\n<!-- scale:profiles:begin -->\nRun "
     )
     assert "old" not in new and new.endswith("<!-- scale:profiles:end -->\n")
+
+
+def test_report_prints_a_named_section(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    results = tmp_path / "scale.json"
+    results.write_text(json.dumps(_results([_point("mig3", 10, [[1.0]])])))
+    assert scale_main(["--report", str(results), "--section", "layouts"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("<!-- scale:layouts:begin -->\nRun 2026-01-01T00:00:00Z")
+    assert out.endswith("<!-- scale:layouts:end -->\n")
 
 
 def test_scheduler_histograms_are_summed_over_their_series() -> None:

@@ -38,9 +38,21 @@ def test_a_selection_publishes_its_profiles_placements_and_the_whole_gpu() -> No
     assert len(selected.devices) == 8 * 11 < len(every.devices) == 8 * 26
     specs = sl.build_slice_specs(selected, driver="gpu.example.com", node_name="n1")
     assert sl.validate_slice_specs(specs) == []
-    # The selected devices are the same documents as without a selection.
+    # The selected devices are the same documents as without a selection but for the
+    # counters they consume: no two selected placements need the one OFA engine, so
+    # only the memory slices are counted (docs/mig.md, "Slice layout").
     documents = {d.name: d.document for d in every.devices}
-    assert all(documents[d.name] == d.document for d in selected.devices)
+    for device in selected.devices:
+        consumption = device.document["consumesCounters"][0]["counters"]
+        assert {**device.document, "consumesCounters": None} == {
+            **documents[device.name],
+            "consumesCounters": None,
+        }
+        assert consumption == {
+            k: v
+            for k, v in documents[device.name]["consumesCounters"][0]["counters"].items()
+            if k.startswith("memory-slice-")
+        }
 
 
 def test_a_profile_the_gpu_does_not_offer_is_one_line_naming_its_profiles() -> None:

@@ -1,0 +1,185 @@
+"""The counters of a MIG GPU (docs/mig.md, "Slice layout"): its counter set counts the
+memory slices, plus only those MIG dimensions (memory, multiprocessors, engines) that
+some partitions at disjoint placements could exceed. The scheduler's allocator checks
+every consumed counter of every device of a node for every pod, so a counter that can
+never refuse anything is pure cost; the published layout must still admit exactly the
+combinations that counting every dimension admits."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterator, Sequence
+from fractions import Fraction
+from typing import Any
+
+import pytest
+
+from driver.devices import model as dm
+from driver.devices.documents import MIG_DIMENSIONS
+from driver.devices.slices import build_slice_specs, validate_slice_specs
+from driver.nvml.backend import NvmlBackend
+from driver.nvml.mock.fleet import parse_fleet
+from driver.nvml.mock.nvml import MockNvml
+from driver.nvml.types import GpuInfo, Inventory, MigInstance
+from tests.unit.test_device_model import fits, qty
+
+THREE = ("1g10gb", "3g40gb", "7g80gb")
+SLICES_OF_8 = {f"memory-slice-{i}" for i in range(8)}
+
+
+def inventory(model: str = "H100-80GB", count: int = 2, **group: Any) -> Inventory:
+    fleet = parse_fleet({"gpus": [{"model": model, "count": count, "migMode": "enabled", **group}]})
+    return NvmlBackend(MockNvml(fleet, "node-a")).discover()
+
+
+def consumed(pool: dm.PoolDevices, name: str) -> dict[str, Any]:
+    (consumption,) = pool.device(name).document["consumesCounters"]
+    return dict(consumption["counters"])
+
+
+def test_three_profiles_count_only_memory_slices() -> None:
+    """1g.10gb x7, 3g.40gb x2, 7g.80gb: no disjoint placements exceed any dimension."""
+    pool = dm.build_pool(inventory(), dm.PoolOptions(mig_profiles=THREE))
+    assert {cs["name"]: set(cs["counters"]) for cs in pool.counter_sets} == {
+        "gpu-0-counter-set": SLICES_OF_8,
+        "gpu-1-counter-set": SLICES_OF_8,
+    }
+    assert consumed(pool, "gpu-0-mig-1g10gb-5") == {"memory-slice-5": {"value": "1"}}
+    assert set(consumed(pool, "gpu-1-mig-3g40gb-4")) == {f"memory-slice-{i}" for i in range(4, 8)}
+    assert set(consumed(pool, "gpu-0")) == set(consumed(pool, "gpu-0-mig-7g80gb-0")) == SLICES_OF_8
+    # What the container gets is still published as capacity.
+    capacity = pool.device("gpu-0-mig-1g10gb-5").document["capacity"]
+    assert capacity["memory"] == {"value": "9984Mi"} and capacity["multiprocessors"] == {
+        "value": "16"
+    }
+    specs = build_slice_specs(pool, driver="gpu.example.com", node_name="node-a")
+    assert validate_slice_specs(specs) == []
+
+
+def test_a_dimension_disjoint_placements_can_exceed_stays_counted() -> None:
+    """Every H100 profile: two 1g.10gb+me at disjoint placements would need two OFA
+    engines, the GPU has one, so `ofa-engines` stays; the other dimensions go."""
+    pool = dm.build_pool(inventory())
+    assert set(pool.counter_sets[0]["counters"]) == SLICES_OF_8 | {"ofa-engines"}
+    assert consumed(pool, "gpu-0-mig-1g10gb-me-3") == {
+        "memory-slice-3": {"value": "1"},
+        "ofa-engines": {"value": "1"},
+    }
+    assert consumed(pool, "gpu-0-mig-1g10gb-3") == {"memory-slice-3": {"value": "1"}}
+    assert set(consumed(pool, "gpu-0")) == SLICES_OF_8 | {"ofa-engines"}
+    assert not fits(pool, ["gpu-0-mig-1g10gb-me-0", "gpu-0-mig-1g10gb-me-4"])
+
+
+def test_static_mig_devices_count_only_their_memory_slices() -> None:
+    """MIG devices that exist side by side exceed nothing together."""
+    inv = inventory(count=1)
+    gpu = inv.gpus[0]
+    by_name = {p.name: p for p in gpu.partition_profiles}
+    existing = (
+        MigInstance(gpu.uuid, 1, by_name["1g.10gb+me"].profile_id, (0, 1), ci_id=0, uuid="MIG-a"),
+        MigInstance(gpu.uuid, 2, by_name["1g.10gb"].profile_id, (1, 1), ci_id=0, uuid="MIG-b"),
+    )
+    static = dataclasses.replace(inv, gpus=(dataclasses.replace(gpu, mig_instances=existing),))
+    pool = dm.build_pool(static, dm.PoolOptions(mig_strategy=dm.MigStrategy.STATIC))
+    assert set(pool.counter_sets[0]["counters"]) == SLICES_OF_8
+    assert {d.placement: set(consumed(pool, d.name)) for d in pool.devices} == {
+        (0, 1): {"memory-slice-0"},
+        (1, 1): {"memory-slice-1"},
+    }
+
+
+def test_without_memory_slices_every_dimension_is_counted() -> None:
+    """No memory slices, nothing forbids overlapping placements but the dimensions."""
+    inv = inventory(count=1)
+    gpu = dataclasses.replace(inv.gpus[0], memory_slices=0)
+    pool = dm.build_pool(dataclasses.replace(inv, gpus=(gpu,)), dm.PoolOptions(mig_profiles=THREE))
+    names = {counter for _, counter, _ in MIG_DIMENSIONS}
+    assert set(pool.counter_sets[0]["counters"]) == names
+
+
+# ----------------------------------------------------------------- same decisions
+
+
+def _all_dimensions_allow(gpu: GpuInfo, devices: Sequence[dm.PublishedDevice]) -> bool:
+    """The rule the counters encode, from NVML's profiles alone: placements pairwise
+    disjoint (the whole GPU spans them all) and no dimension over the GPU's most."""
+    profiles = {p.profile_id: p for p in gpu.partition_profiles}
+    taken: set[int] = set()
+    for device in devices:
+        start, size = device.placement or (0, gpu.memory_slices)
+        span = set(range(start, start + size))
+        if span & taken:
+            return False
+        taken |= span
+    for _, _, field in MIG_DIMENSIONS:
+        most = max(getattr(p, field) for p in gpu.partition_profiles)
+        used = sum(
+            getattr(profiles[d.mig.profile_id], field) if d.is_partition else most
+            for d in devices
+            if d.mig is not None
+        )
+        if used > most:
+            return False
+    return True
+
+
+def _published_allow(pool: dm.PoolDevices) -> Callable[[Sequence[dm.PublishedDevice]], bool]:
+    """The scheduler's counter rule over the published documents: per counter of a
+    set, what the devices consume together stays within it."""
+    available = {
+        (cs["name"], name): qty(c["value"])
+        for cs in pool.counter_sets
+        for name, c in cs["counters"].items()
+    }
+    needs = {
+        d.name: [
+            ((c["counterSet"], name), qty(v["value"]))
+            for c in d.document.get("consumesCounters", [])
+            for name, v in c["counters"].items()
+        ]
+        for d in pool.devices
+    }
+
+    def allow(devices: Sequence[dm.PublishedDevice]) -> bool:
+        used: dict[tuple[str, str], Fraction] = {}
+        for device in devices:
+            for key, amount in needs[device.name]:
+                used[key] = used.get(key, Fraction(0)) + amount
+        return all(amount <= available[key] for key, amount in used.items())
+
+    return allow
+
+
+def _extensions(
+    gpu: GpuInfo, devices: Sequence[dm.PublishedDevice]
+) -> Iterator[tuple[list[dm.PublishedDevice], bool]]:
+    """Every allowed set and each one-device extension of it (in index order), with
+    whether it is allowed: two downward-closed families that agree on all of these
+    are the same family."""
+    stack: list[tuple[list[dm.PublishedDevice], int]] = [([], 0)]
+    while stack:
+        chosen, next_index = stack.pop()
+        for i in range(next_index, len(devices)):
+            candidate = [*chosen, devices[i]]
+            allowed = _all_dimensions_allow(gpu, candidate)
+            yield candidate, allowed
+            if allowed:
+                stack.append((candidate, i + 1))
+
+
+@pytest.mark.parametrize(
+    ("model", "profiles"),
+    [(m, ()) for m in ("A100-40GB", "A100-80GB", "H100-80GB", "H200-141GB")]
+    + [(m, THREE) for m in ("A100-80GB", "H100-80GB")],
+)
+def test_counters_admit_exactly_what_every_dimension_admits(
+    model: str, profiles: tuple[str, ...]
+) -> None:
+    inv = inventory(model, count=1)
+    pool = dm.build_pool(inv, dm.PoolOptions(mig_profiles=profiles))
+    published_allow = _published_allow(pool)
+    checked = 0
+    for chosen, allowed in _extensions(inv.gpus[0], pool.devices):
+        assert published_allow(chosen) == allowed, [d.name for d in chosen]
+        checked += 1
+    assert checked > len(pool.devices)
