@@ -1,15 +1,20 @@
 """`gpu-dra journal show|quarantine`: the kubelet plugin's prepare journal
-(`<state dir>/checkpoint.json`, docs/state.md).
+(`<state dir>/checkpoint.json` and the log of the stores since, `checkpoint.log`;
+docs/state.md).
 
-`show` (read only, safe while the plugin runs: the plugin replaces the file
-atomically) lists the prepared claims, their devices and MIG records, what the
-plugin does with each entry, whether each claim's CDI spec is in place, and whether
-the file is corrupt (then why, and the entries as stored, unverified, where the
-file still parses). Permanent prepare verdicts are not in the journal: the plugin
-keeps them in memory only.
+`show` (read only, safe while the plugin runs: the plugin replaces the snapshot
+atomically and appends whole records to the log, and a record being appended is not
+shown yet) lists the prepared claims as the snapshot and the log's records give them,
+their devices and MIG records, what the plugin does with each entry, whether each
+claim's CDI spec is in place, how many log records are pending (folded into the
+snapshot at the plugin's next clean stop or start), and whether the journal is
+corrupt (then why, and the entries as stored, unverified, where the files still
+parse). Permanent prepare verdicts are not in the journal: the plugin keeps them in
+memory only.
 
 `quarantine` moves a corrupt journal aside to `checkpoint.json.corrupt-<UTC time>`
-(never deletes it) so the plugin can prepare again, starting from an empty journal.
+and `checkpoint.log.corrupt-<UTC time>` (never deletes them) so the plugin can
+prepare again, starting from an empty journal.
 When the corrupt file's readable entries own MIG devices the driver created, it
 refuses until `--owned-mig` says what becomes of them: `adopt` (carried into the new
 journal: their claims keep them, their unprepare destroys them), `destroy` (the
@@ -74,7 +79,7 @@ On its next start the kubelet plugin:
   - {mig}
   - cannot protect the devices of those claims against a second local prepare
     until they are unprepared (the scheduler still sees them allocated).
-The corrupt file stays next to the journal for inspection.
+The corrupt files stay next to the journal for inspection.
 """
 MIG_FATE = {
     OwnedMig.FOREIGN: """does not know the MIG devices it created for those claims as its own:
@@ -147,18 +152,32 @@ def read_journal(state_dir: Path, cdi_root: Path | None, driver: str) -> dict[st
     checkpoint = Checkpoint(state_dir)
     report: dict[str, Any] = {
         "path": str(checkpoint.path),
+        "logPath": str(checkpoint.log_path),
         "status": "ok",
         "problem": None,
+        "problemPath": None,
         "verified": True,
+        "schemaVersion": None,
+        "pendingLogRecords": 0,
+        "tornLogBytes": 0,
         "entries": [],
         "corruptCopies": [str(p) for p in checkpoint.corrupt_copies()],
     }
+    entries: dict[str, ClaimEntry]
     try:
-        entries = checkpoint.load()
+        view = checkpoint.inspect()
+        entries = dict(view.entries)
+        report.update(
+            schemaVersion=view.schema_version or None,
+            pendingLogRecords=view.log_records,
+            tornLogBytes=view.torn_bytes,
+        )
         if not os.path.lexists(checkpoint.path):
             report["status"] = "absent"
     except CheckpointCorruptError as err:
-        report.update(status="corrupt", problem=err.reason, verified=False)
+        report.update(
+            status="corrupt", problem=err.reason, problemPath=str(err.path), verified=False
+        )
         entries = salvage_entries(checkpoint.path)
     except DriverError as err:
         report.update(status="unreadable", problem=str(err), verified=False)
@@ -240,11 +259,13 @@ def render_table(report: dict[str, Any]) -> str:
     status = report["status"]
     if status == "ok":
         lines.append(f"journal {report['path']}: valid, {len(rows)} claim(s)")
+        lines.append(_log_text(report))
     elif status == "absent":
         lines.append(f"journal {report['path']}: absent (no claim prepared)")
     else:
         shown = f"; {len(rows)} entr(ies) shown as stored, UNVERIFIED" if rows else ""
-        lines.append(f"journal {report['path']}: {status.upper()}: {report['problem']}{shown}")
+        where = report["problemPath"] or report["path"]
+        lines.append(f"journal {where}: {status.upper()}: {report['problem']}{shown}")
         lines.append(
             "prepare is refused until it is repaired or moved aside: gpu-dra journal quarantine"
         )
@@ -253,6 +274,18 @@ def render_table(report: dict[str, Any]) -> str:
     for copy in report["corruptCopies"]:
         lines.append(f"moved aside earlier: {copy}")
     return "\n".join(lines) + "\n"
+
+
+def _log_text(report: dict[str, Any]) -> str:
+    if report["schemaVersion"] == 1:
+        return f"log {report['logPath']}: none pending (compacted into the snapshot)"
+    text = (
+        f"log {report['logPath']}: {report['pendingLogRecords']} record(s) pending "
+        "(replayed over the snapshot; folded into it at the plugin's next clean stop or start)"
+    )
+    if report["tornLogBytes"]:
+        text += f"; a torn last record of {report['tornLogBytes']} bytes is ignored"
+    return text
 
 
 # -- quarantine ------------------------------------------------------------------------
@@ -326,8 +359,9 @@ def run_quarantine(
             owned_mig = _owned_mig_choice(args.owned_mig, owning)
             out.write(
                 f"{checkpoint.path} is corrupt ({reason}).\n"
-                f"It will be renamed to {checkpoint.path.name}.corrupt-<UTC time> in "
-                f"{state_dir} (kept, never deleted).\n"
+                f"It will be renamed to {checkpoint.path.name}.corrupt-<UTC time>, and "
+                f"{checkpoint.log_path.name} to {checkpoint.log_path.name}.corrupt-<UTC "
+                f"time>, in {state_dir} (kept, never deleted).\n"
             )
             for uid, entry in sorted(owning.items()):
                 out.write(f"  claim {entry.namespace}/{entry.name} ({uid}) owns MIG devices\n")

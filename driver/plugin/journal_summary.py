@@ -1,8 +1,10 @@
 """What the prepare journal holds, counted for /status and the prepared-claims metrics.
 
-Read from the file, without the node lock: the plugin replaces the journal atomically,
-so a read sees one whole version. The file is parsed again only when it changed
-(inode, size, modification time), so a scrape every few seconds costs one `stat`.
+Read from the files, without the node lock: the plugin replaces the snapshot
+atomically and appends whole records to the log (a record still being appended is
+ignored), so a read sees one whole version. The files are parsed again only when one
+changed (inode, size, modification time), so a scrape every few seconds costs two
+`stat`s.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import os
 import threading
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from driver.errors import DriverError
@@ -53,23 +56,30 @@ def summarise(checkpoint: Checkpoint) -> JournalSummary:
     )
 
 
+FileKey = tuple[int, int, int] | None  # (inode, size, mtime ns); None: absent or unreadable
+
+
+def _file_key(path: Path) -> FileKey:
+    try:
+        st = os.stat(path, follow_symlinks=False)
+    except OSError:
+        return None  # summarise says which
+    return (st.st_ino, st.st_size, st.st_mtime_ns)
+
+
 class JournalReader:
-    """`summary()` of one journal file, re-read only when the file changed."""
+    """`summary()` of one journal (snapshot and log), re-read only when a file changed."""
 
     def __init__(self, checkpoint: Checkpoint) -> None:
         self.checkpoint = checkpoint
         self._lock = threading.Lock()
-        self._key: tuple[int, int, int] | None = None
+        self._key: tuple[FileKey, FileKey] | None = None
         self._summary: JournalSummary | None = None
 
     def summary(self) -> JournalSummary:
-        try:
-            st = os.stat(self.checkpoint.path, follow_symlinks=False)
-            key: tuple[int, int, int] | None = (st.st_ino, st.st_size, st.st_mtime_ns)
-        except OSError:
-            key = None  # absent or unreadable: summarise says which
+        key = (_file_key(self.checkpoint.path), _file_key(self.checkpoint.log_path))
         with self._lock:
-            if self._summary is None or key is None or key != self._key:
+            if self._summary is None or key[0] is None or key != self._key:
                 self._summary = summarise(self.checkpoint)
                 self._key = key
             return self._summary

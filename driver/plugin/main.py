@@ -50,6 +50,7 @@ from driver.state.cdi_hook import HOOK_NAME, cdi_hook_path, install_cdi_hook
 from driver.state.driver_edits import DriverRoot
 from driver.state.fileio import remove_durably, sweep_temp_files
 from driver.state.prepare import DeviceState
+from driver.state.recovery import compact_journal
 from driver.state.verdicts import parse_permanent_errors
 
 log = logging.getLogger("gpu-kubelet-plugin")
@@ -227,6 +228,9 @@ class Plugin:
             )
         running.callback(publisher.stop)  # slices stay: a restart must not lose them
         running.callback(monitor.stop)
+        # Runs after the service socket stopped (callbacks run in reverse): the journal's
+        # log folded into a snapshot every release reads (docs/state.md, "The log").
+        running.callback(compact_journal, state)
 
         paths = socket_paths(o.driver_name, o.registrar_dir, o.data_dir, o.pod_uid or None)
 

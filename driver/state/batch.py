@@ -114,12 +114,12 @@ def plan_batch(
     failpoint("prepare-before-started")
     if any(_changes_the_node(w) for w in work):
         try:
-            # The intent, before MIG devices are created or GPU intervals set. No
-            # directory fsync: a crash of the process keeps the rename (page cache),
-            # and a power loss, which could lose it, also resets every MIG device and
+            # The intent, before MIG devices are created or GPU intervals set. Not
+            # synced: a crash of the process keeps the record (page cache), and a
+            # power loss, which could lose it, also resets every MIG device and
             # interval.
             state.checkpoint.store(
-                journal, before_rename="prepare-started-before-rename", sync_dir=False
+                journal, before_commit="prepare-started-before-commit", sync=False
             )
         except DriverError as err:
             abort(state, work, journal, results, err)

@@ -1,289 +1,114 @@
-"""The prepare journal (`<data dir>/checkpoint.json`); the node-wide lock that
-serialises its writers is in driver/state/locking.py.
+"""The prepare journal: the snapshot `<data dir>/checkpoint.json` and the log
+`<data dir>/checkpoint.log` of the stores since (driver/state/journal_log.py); the
+entries' format is in driver/state/journal_entries.py, the node-wide lock that
+serialises writers in driver/state/locking.py.
 
-File format (docs/state.md)::
+Snapshot format (docs/state.md)::
 
     {
-      "schemaVersion": 1,
+      "schemaVersion": 1 | 2,
       "checksum": "sha256:<hex over canonical(entries)>",
-      "entries": {
-        "<claim uid>": {
-          "state": "PrepareStarted" | "PrepareCompleted",
-          "namespace": "...", "name": "...",
-          "devices": [{"pool": ..., "device": ..., "requestNames": [...],
-                       "cdiDeviceIds": [...], "shareID": null | "...", "adminAccess": false,
-                       "consumedCapacity": {"memory": "16Gi", ...},     # shares only
-                       "timeSlice": {"gpu": ..., "interval": "Long", "seq": 3},  # set
-                       "hardware": {"gpu": ..., "multiAllocatable": false,
-                                    "slices" | "partition": [a, b]}}],  # this release
-          "cdiSpec": {"devices": [<CDI device>...], "deviceNodes": [...]},  # PrepareCompleted
-          "unpreparing": "<boot id>"   # an unprepare of a claim with MIG devices began
-        }
-      }
+      "entries": {"<claim uid>": <entry>, ...}
     }
 
-`canonical(entries)` is the UTF-8 JSON of the *stored* `entries` value with sorted keys
-and no whitespace. The checksum is verified against the parsed stored value, never
-against a re-encoding through this module's types, so a newer driver that adds a
-field does not invalidate older files (the upgrade hazard NVIDIA's driver hit).
-Keys of an entry or a device that this reader does not know (written by a newer
-release) are kept and written back when it stores the journal; releases before this
-one dropped them. Unknown keys inside a nested record (`mig`, `timeSlice`,
-`hardware`, `cdiSpec`) and beside `entries` are not kept.
+schemaVersion 1: the snapshot is the whole journal; a log beside it is stale (a
+compaction a crash cut short, or a log an older release ignored) and is ignored, and
+emptied before the next append. schemaVersion 2, the same format: the journal is the
+snapshot with the log's records replayed over it. Releases before the log refuse
+version 2 ("unknown schemaVersion 2 ... written by a newer driver?"), so none of them
+reads a journal without the log's records (their prepares fail transiently during a
+rolling update's overlap; nothing is double-booked).
 
-A file that does not parse, has an unknown schema version, a wrong checksum or
-malformed entries is *corrupt*, and so is a symlink (or anything but a regular file)
-at the journal's path, which is never followed (O_NOFOLLOW): `load()` raises
+A store appends one record, the claims it changed, with one `fdatasync`; the first
+store on a version 1 snapshot (or none) instead empties the log and writes the entries
+as a version 2 snapshot (`atomic_write`). After `LOG_COMPACT_RECORDS` records or
+`LOG_COMPACT_BYTES`, a store first folds the log into a version 2 snapshot and empties
+the log; `compact()` (at start and at a clean stop) folds it into a version 1 snapshot,
+so a stopped node's journal is readable by every release.
+
+A snapshot that does not parse, has an unknown schema version, a wrong checksum or
+malformed entries is *corrupt*, and so is a bad log line that is not the last, a
+version 2 snapshot without its log, and a symlink (or anything but a regular file) at
+either path, which is never followed (O_NOFOLLOW): `load()` raises
 `CheckpointCorruptError` (transient, names the file and the reason). It is never
-discarded automatically; an operator moves it aside with `gpu-dra journal quarantine`
-(`driver.state.quarantine.quarantine_checkpoint()`: renamed
-`checkpoint.json.corrupt-<ts>`).
+discarded automatically; an operator moves both files aside with
+`gpu-dra journal quarantine` (driver/state/quarantine.py).
 """
 
 from __future__ import annotations
 
-import enum
 import errno
-import hashlib
 import json
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final, TypeGuard
+from typing import Final
 
-from driver.errors import DriverError, ErrorClass, transient
-from driver.state.cdi import ClaimSpec
+from driver.errors import transient
+from driver.state.failpoints import failpoint
 from driver.state.fileio import (
     DATA_DIR_MODE,
     UnsafeFileError,
     atomic_write,
-    read_file_nofollow,
+    read_regular_file,
     sweep_temp_files,
 )
 from driver.state.hardware_record import HardwareRecord, MigRecord
-from driver.state.timeslice_record import TimeSliceRecord
-
-__all__ = ["HardwareRecord", "MigRecord"]  # re-exported: the device records' module
-
-SCHEMA_VERSION: Final = 1
-CHECKPOINT_FILE: Final = "checkpoint.json"
-CORRUPT_SUFFIX: Final = ".corrupt-"
-CHECKSUM_PREFIX: Final = "sha256:"
-
-
-class ClaimState(enum.StrEnum):
-    PREPARE_STARTED = "PrepareStarted"
-    PREPARE_COMPLETED = "PrepareCompleted"
-
-
-Extra = tuple[tuple[str, str], ...]  # unknown keys: (key, canonical JSON of the value)
-
-
-def _extra(doc: Mapping[str, Any], known: frozenset[str]) -> Extra:
-    """The keys of `doc` this release does not know, to be written back unchanged."""
-    return tuple(sorted((str(k), canonical(v).decode()) for k, v in doc.items() if k not in known))
-
-
-def _with_extra(doc: dict[str, Any], extra: Extra) -> dict[str, Any]:
-    for key, value in extra:
-        doc[key] = json.loads(value)
-    return doc
-
-
-_DEVICE_KEYS: Final = frozenset(
-    {"pool", "device", "requestNames", "cdiDeviceIds", "shareID", "adminAccess", "mig"}
-    | {"consumedCapacity", "timeSlice", "hardware"}
+from driver.state.journal_entries import (
+    CORRUPT_SUFFIX,
+    CheckpointCorruptError,
+    ClaimEntry,
+    ClaimState,
+    PreparedDevice,
+    canonical,
+    checksum,
 )
-_ENTRY_KEYS: Final = frozenset({"state", "namespace", "name", "devices", "cdiSpec", "unpreparing"})
+from driver.state.journal_log import LOG_FILE, append, empty, encode_record, open_log, replay, scan
+
+__all__ = [  # re-exported: the journal's entries, from their own module
+    "CORRUPT_SUFFIX",
+    "CheckpointCorruptError",
+    "ClaimEntry",
+    "ClaimState",
+    "HardwareRecord",
+    "MigRecord",
+    "PreparedDevice",
+    "checksum",
+]
+
+SCHEMA_VERSION: Final = 1  # the snapshot is the whole journal
+SCHEMA_WITH_LOG: Final = 2  # the snapshot, then checkpoint.log's records
+CHECKPOINT_FILE: Final = "checkpoint.json"
+LOG_COMPACT_RECORDS: Final = 256
+LOG_COMPACT_BYTES: Final = 1 << 20
+_READ_ATTEMPTS: Final = 3
+
+Identity = tuple[int, int, int]  # a file's (inode, size, modification time in ns)
 
 
-@dataclass(frozen=True)
-class PreparedDevice:
-    """One device handed to the kubelet for a claim (also what the journal stores)."""
-
-    pool_name: str
-    device_name: str
-    request_names: tuple[str, ...]
-    cdi_device_ids: tuple[str, ...]
-    share_id: str | None = None
-    admin_access: bool = False
-    mig: MigRecord | None = None
-    # A share of a multi-allocatable device: the allocation's `consumedCapacity`
-    # (capacity name -> quantity string), what the double-booking guard sums per
-    # device. Stored only when present, so other entries keep their bytes.
-    consumed_capacity: tuple[tuple[str, str], ...] = ()
-    # The time-slice interval the driver sets on the device's GPU (driver/state/
-    # timeslice.py). Stored only when present; an older driver ignores the key.
-    time_slice: TimeSliceRecord | None = None
-    # The hardware the device occupies, recorded at planning (driver/state/
-    # hardware_record.py); None in entries of earlier releases.
-    hardware: HardwareRecord | None = None
-    # Keys a newer release wrote that this one does not know, kept on rewrite.
-    extra: Extra = ()
-
-    def to_json(self) -> dict[str, Any]:
-        doc: dict[str, Any] = {
-            "pool": self.pool_name,
-            "device": self.device_name,
-            "requestNames": list(self.request_names),
-            "cdiDeviceIds": list(self.cdi_device_ids),
-            "shareID": self.share_id,
-            "adminAccess": self.admin_access,
-        }
-        if self.mig is not None:
-            doc["mig"] = self.mig.to_json()
-        if self.consumed_capacity:
-            doc["consumedCapacity"] = dict(self.consumed_capacity)
-        if self.time_slice is not None:
-            doc["timeSlice"] = self.time_slice.to_json()
-        if self.hardware is not None:
-            doc["hardware"] = self.hardware.to_json()
-        return _with_extra(doc, self.extra)
-
-    @classmethod
-    def from_json(cls, doc: object) -> PreparedDevice:
-        if not isinstance(doc, Mapping):
-            raise ValueError("device must be an object")
-        pool, device = doc.get("pool"), doc.get("device")
-        requests, ids = doc.get("requestNames"), doc.get("cdiDeviceIds")
-        share, admin = doc.get("shareID"), doc.get("adminAccess", False)
-        if not isinstance(pool, str) or not isinstance(device, str):
-            raise ValueError("device needs string pool and device")
-        if not _str_list(requests):
-            raise ValueError(f"device {device}: requestNames must be a list of strings")
-        if not _str_list(ids):
-            raise ValueError(f"device {device}: cdiDeviceIds must be a list of strings")
-        if share is not None and not isinstance(share, str):
-            raise ValueError(f"device {device}: shareID must be a string or null")
-        if not isinstance(admin, bool):
-            raise ValueError(f"device {device}: adminAccess must be a boolean")
-        mig = doc.get("mig")
-        try:
-            record = MigRecord.from_json(mig) if mig is not None else None
-        except ValueError as err:
-            raise ValueError(f"device {device}: {err}") from err
-        consumed = doc.get("consumedCapacity", {})
-        if not isinstance(consumed, Mapping) or not all(
-            isinstance(k, str) and isinstance(v, str) for k, v in consumed.items()
-        ):
-            raise ValueError(f"device {device}: consumedCapacity must map names to strings")
-        time_slice, hardware = doc.get("timeSlice"), doc.get("hardware")
-        try:
-            ts = TimeSliceRecord.from_json(time_slice) if time_slice is not None else None
-            hw = HardwareRecord.from_json(hardware) if hardware is not None else None
-        except ValueError as err:
-            raise ValueError(f"device {device}: {err}") from err
-        return cls(
-            pool,
-            device,
-            tuple(requests),
-            tuple(ids),
-            share,
-            admin,
-            record,
-            tuple(sorted(consumed.items())),
-            ts,
-            hw,
-            _extra(doc, _DEVICE_KEYS),
-        )
+def _identity(status: os.stat_result) -> Identity:
+    return (status.st_ino, status.st_size, status.st_mtime_ns)
 
 
-def _str_list(value: object) -> TypeGuard[list[str]]:
-    return isinstance(value, list) and all(isinstance(v, str) for v in value)
+def _stat(path: Path) -> Identity | None:
+    try:
+        return _identity(os.stat(path, follow_symlinks=False))
+    except FileNotFoundError:
+        return None
 
 
-@dataclass(frozen=True)
-class ClaimEntry:
-    """The journal entry of one claim."""
-
-    state: ClaimState
-    namespace: str
-    name: str
-    devices: tuple[PreparedDevice, ...] = field(default=())
-    # The claim's CDI spec content, kept so a spec lost with the CDI root (a tmpfs
-    # emptied by a reboot) is recreated at start without the API server. Absent in
-    # entries written before it existed.
-    cdi_spec: ClaimSpec | None = None
-    # The boot id when an unprepare of a claim holding MIG devices the driver created
-    # began (key `unpreparing`, only when set): a restart finishes the teardown rather
-    # than recreate them (driver/state/teardown.py, `unprepare_begun`; docs/state.md).
-    unpreparing: str | None = None
-    extra: Extra = ()  # keys a newer release wrote, kept on rewrite
-
-    def to_json(self) -> dict[str, Any]:
-        doc: dict[str, Any] = {
-            "state": self.state.value,
-            "namespace": self.namespace,
-            "name": self.name,
-            "devices": [d.to_json() for d in self.devices],
-        }
-        if self.cdi_spec is not None:
-            doc["cdiSpec"] = self.cdi_spec.to_json()
-        if self.unpreparing is not None:
-            doc["unpreparing"] = self.unpreparing
-        return _with_extra(doc, self.extra)
-
-    @classmethod
-    def from_json(cls, doc: object) -> ClaimEntry:
-        if not isinstance(doc, Mapping):
-            raise ValueError("entry must be an object")
-        state = doc.get("state")
-        if state not in ClaimState.__members__.values():
-            raise ValueError(f"unknown state {state!r}")
-        namespace, name, devices = doc.get("namespace"), doc.get("name"), doc.get("devices")
-        if not isinstance(namespace, str) or not isinstance(name, str):
-            raise ValueError("namespace and name must be strings")
-        if not isinstance(devices, list):
-            raise ValueError("devices must be a list")
-        parsed = tuple(PreparedDevice.from_json(d) for d in devices)
-        spec, unpreparing = doc.get("cdiSpec"), doc.get("unpreparing")
-        if unpreparing is not None and not isinstance(unpreparing, str):
-            raise ValueError("unpreparing must be a boot id (a string)")
-        return cls(
-            ClaimState(str(state)),
-            namespace,
-            name,
-            parsed,
-            ClaimSpec.from_json(spec) if spec is not None else None,
-            unpreparing=unpreparing,
-            extra=_extra(doc, _ENTRY_KEYS),
-        )
-
-
-class CheckpointCorruptError(DriverError):
-    """The journal cannot be trusted. Transient for the kubelet (prepare is refused and
-    retried); needs an operator to repair or quarantine the file."""
-
-    def __init__(self, path: Path, reason: str) -> None:
-        self.path = path
-        self.reason = reason
-        super().__init__(
-            ErrorClass.TRANSIENT,
-            f"checkpoint {path} is corrupt ({reason}); refusing to prepare until an operator "
-            f"repairs it or moves it aside (`gpu-dra journal quarantine` with the plugin "
-            f"stopped on this node renames it to {path.name}{CORRUPT_SUFFIX}<timestamp>)",
-        )
-
-
-def canonical(entries: object) -> bytes:
-    return json.dumps(entries, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
-
-
-def checksum(entries: object) -> str:
-    return CHECKSUM_PREFIX + hashlib.sha256(canonical(entries)).hexdigest()
-
-
-def encode(entries: Mapping[str, ClaimEntry]) -> bytes:
+def encode(entries: Mapping[str, ClaimEntry], version: int = SCHEMA_VERSION) -> bytes:
     raw = {uid: entries[uid].to_json() for uid in sorted(entries)}
-    doc = {"schemaVersion": SCHEMA_VERSION, "checksum": checksum(raw), "entries": raw}
+    doc = {"schemaVersion": version, "checksum": checksum(raw), "entries": raw}
     # Compact: json's C encoder (indent= falls back to the pure-Python one, which cost
     # about half a millisecond per prepare/unprepare). `gpu-dra journal show` prints it.
     return canonical(doc) + b"\n"
 
 
-def decode(data: bytes, path: Path) -> dict[str, ClaimEntry]:
-    """Parse and verify a checkpoint; raise CheckpointCorruptError naming `path`."""
+def decode(data: bytes, path: Path) -> tuple[int, dict[str, ClaimEntry]]:
+    """Parse and verify a snapshot: its schema version and entries. Raises
+    CheckpointCorruptError naming `path`."""
     try:
         doc = json.loads(data)
     except (ValueError, RecursionError) as err:
@@ -293,11 +118,11 @@ def decode(data: bytes, path: Path) -> dict[str, ClaimEntry]:
     version = doc.get("schemaVersion")
     if type(version) is not int:
         raise CheckpointCorruptError(path, f"missing or invalid schemaVersion {version!r}")
-    if version != SCHEMA_VERSION:
+    if version not in (SCHEMA_VERSION, SCHEMA_WITH_LOG):
         raise CheckpointCorruptError(
             path,
-            f"unknown schemaVersion {version} (this driver reads {SCHEMA_VERSION}; "
-            "written by a newer driver?)",
+            f"unknown schemaVersion {version} (this driver reads {SCHEMA_VERSION} and "
+            f"{SCHEMA_WITH_LOG}; written by a newer driver?)",
         )
     raw = doc.get("entries")
     if not isinstance(raw, dict):
@@ -314,56 +139,227 @@ def decode(data: bytes, path: Path) -> dict[str, ClaimEntry]:
             entries[uid] = ClaimEntry.from_json(entry)
         except ValueError as err:
             raise CheckpointCorruptError(path, f"entry {uid}: {err}") from err
-    return entries
+    return version, entries
+
+
+@dataclass(frozen=True)
+class JournalView:
+    """The journal as a `Checkpoint` last read or wrote it."""
+
+    entries: Mapping[str, ClaimEntry]
+    schema_version: int  # of the snapshot; 0: none
+    log_records: int  # replayed over the snapshot (schemaVersion 2)
+    log_size: int  # bytes of those records
+    torn_bytes: int  # a torn tail after them, cut off by the next append
+    snapshot_id: Identity | None
+    log_id: Identity | None
+    log_synced: bool = False  # every byte of the log is known to be on disk
 
 
 class Checkpoint:
-    """The journal file of one plugin data directory. Not locked by itself: callers
-    hold `SerializeLock` around each read-modify-write."""
+    """The journal of one plugin data directory. Not locked by itself: writers hold
+    `SerializeLock` around each read-modify-write. Reads need no lock."""
 
     def __init__(self, data_dir: Path | str) -> None:
         self.data_dir = Path(data_dir)
         self.path = self.data_dir / CHECKPOINT_FILE
+        self.log_path = self.data_dir / LOG_FILE
+        self._view: JournalView | None = None
 
     def load(self) -> dict[str, ClaimEntry]:
-        """The entries; `{}` if the file does not exist. Raises CheckpointCorruptError
-        (also for a symlink at the path: never followed), or a transient DriverError if
-        the file cannot be read."""
+        """The entries; `{}` if there is no journal. Raises CheckpointCorruptError (also
+        for a symlink at either path: never followed), or a transient DriverError if a
+        file cannot be read."""
+        return dict(self.inspect().entries)
+
+    def inspect(self) -> JournalView:
+        """The journal, read again only when a file changed since this object last
+        read or wrote it (a `stat` of each file otherwise)."""
+        view = self._view
         try:
-            data = read_file_nofollow(self.path)
-        except FileNotFoundError:
-            return {}
-        except UnsafeFileError as err:
-            code = errno.errorcode.get(err.errno or 0, str(err.errno))
-            raise CheckpointCorruptError(self.path, f"{err.strerror} ({code})") from err
+            if view is None or (view.snapshot_id, view.log_id) != (
+                _stat(self.path),
+                _stat(self.log_path),
+            ):
+                view = self._read()
+                self._view = view
         except OSError as err:
             raise transient(f"cannot read checkpoint {self.path}: {err}") from err
-        return decode(data, self.path)
+        return view
 
     def store(
         self,
         entries: Mapping[str, ClaimEntry],
         *,
-        before_rename: str | None = None,
-        sync_dir: bool = True,
+        before_commit: str | None = None,
+        sync: bool = True,
     ) -> None:
-        """Atomically replace the journal. Raises a transient DriverError on I/O errors.
-        `sync_dir=False`: the new content is complete on disk but the rename becomes
-        durable only with the next store that syncs (see `atomic_write`)."""
+        """Make `entries` the journal: one record appended to the log (see the module
+        doc). Raises a transient DriverError on I/O errors (the journal keeps its
+        content), CheckpointCorruptError if the journal is corrupt (never overwritten).
+        `before_commit`: a failpoint passed once the new content is complete and none of
+        it is visible (before the append, or before the snapshot's rename).
+        `sync=False`: no `fdatasync` of the record, which the next store's covers (a
+        process crash keeps it; a power loss may lose it whole or tear it, never an
+        earlier record: a store after an unsynced one always syncs)."""
+        view = self.inspect()
         try:
-            self.data_dir.mkdir(parents=True, exist_ok=True, mode=DATA_DIR_MODE)
-            atomic_write(self.path, encode(entries), before_rename=before_rename, sync_dir=sync_dir)
+            self._view = None  # unknown until the store ends
+            self._view = self._store(view, entries, before_commit, sync=sync)
         except OSError as err:
             raise transient(f"cannot write checkpoint {self.path}: {err}") from err
+
+    def compact(self) -> bool:
+        """Fold the log into a schemaVersion 1 snapshot and empty it, so that any
+        release can read the journal; False if it was one already. Under the node lock,
+        with nothing to prepare meanwhile (at start, at a clean stop)."""
+        view = self.inspect()
+        if view.schema_version != SCHEMA_WITH_LOG:
+            return False
+        try:
+            self._view = None
+            self._view = self._compact(view, SCHEMA_VERSION)
+        except OSError as err:
+            raise transient(f"cannot compact checkpoint {self.path}: {err}") from err
+        return True
 
     def sweep_temp_files(self) -> list[Path]:
         return sweep_temp_files(self.data_dir, CHECKPOINT_FILE)
 
     def corrupt_copies(self) -> list[Path]:
-        """Files previously moved aside by `quarantine_checkpoint`."""
+        """Snapshots previously moved aside by `quarantine_checkpoint`."""
         try:
             names = os.listdir(self.data_dir)
         except FileNotFoundError:
             return []
         prefix = CHECKPOINT_FILE + CORRUPT_SUFFIX
         return sorted(self.data_dir / n for n in names if n.startswith(prefix))
+
+    def _read(self) -> JournalView:
+        for _ in range(_READ_ATTEMPTS):
+            view = self._read_once()
+            if view is not None:
+                return view
+        raise transient(f"checkpoint {self.path} kept changing while it was read")
+
+    def _read_once(self) -> JournalView | None:
+        """The journal; None if the snapshot was replaced while the log was read (by a
+        writer, this reader not holding the node lock): the log may be a later one."""
+        try:
+            data, status = read_regular_file(self.path)
+        except FileNotFoundError:
+            return JournalView({}, 0, 0, 0, 0, None, _stat(self.log_path))
+        except UnsafeFileError as err:
+            raise _unsafe(self.path, err) from err
+        snapshot_id = _identity(status)
+        version, entries = decode(data, self.path)
+        if version == SCHEMA_VERSION:
+            return JournalView(entries, version, 0, 0, 0, snapshot_id, _stat(self.log_path))
+        problem: CheckpointCorruptError | None = None
+        try:
+            log, log_status = read_regular_file(self.log_path)
+            found = scan(log, self.log_path)
+            replay(entries, found.records, self.log_path)
+        except FileNotFoundError:
+            problem = CheckpointCorruptError(
+                self.path, f"schemaVersion {version} but {LOG_FILE} is missing"
+            )
+        except UnsafeFileError as err:
+            problem = _unsafe(self.log_path, err)
+        except CheckpointCorruptError as err:
+            problem = err
+        if _stat(self.path) != snapshot_id:
+            return None
+        if problem is not None:
+            raise problem
+        return JournalView(
+            entries,
+            version,
+            len(found.records),
+            found.valid_size,
+            found.torn_bytes,
+            snapshot_id,
+            _identity(log_status),
+        )
+
+    def _store(
+        self,
+        view: JournalView,
+        entries: Mapping[str, ClaimEntry],
+        before_commit: str | None,
+        *,
+        sync: bool,
+    ) -> JournalView:
+        if view.schema_version != SCHEMA_WITH_LOG:
+            return self._begin_log(entries, before_commit)
+        old = view.entries
+        changed = {uid: e.to_json() for uid, e in entries.items() if not _same(old.get(uid), e)}
+        deleted = [uid for uid in old if uid not in entries]
+        if not changed and not deleted and (view.log_synced or not sync):
+            return view
+        if view.log_records >= LOG_COMPACT_RECORDS or view.log_size >= LOG_COMPACT_BYTES:
+            view = self._compact(view, SCHEMA_WITH_LOG)
+        record = encode_record(changed, deleted) if changed or deleted else b""
+        # Never append after an unsynced record: a torn record is then always the last.
+        synced = sync or not view.log_synced or view.torn_bytes > 0
+        if before_commit is not None:
+            failpoint(before_commit)
+        fd = open_log(self.log_path)
+        try:
+            append(fd, record, keep=view.log_size, sync=synced)
+            status = os.fstat(fd)
+        finally:
+            os.close(fd)
+        return JournalView(
+            dict(entries),
+            SCHEMA_WITH_LOG,
+            view.log_records + (1 if record else 0),
+            view.log_size + len(record),
+            0,
+            view.snapshot_id,
+            _identity(status),
+            log_synced=synced,
+        )
+
+    def _begin_log(
+        self, entries: Mapping[str, ClaimEntry], before_commit: str | None
+    ) -> JournalView:
+        """The first store on a schemaVersion 1 snapshot (or none): an empty log, then
+        the entries as a version 2 snapshot."""
+        self.data_dir.mkdir(parents=True, exist_ok=True, mode=DATA_DIR_MODE)
+        fd = open_log(self.log_path, create=True)
+        try:
+            if os.fstat(fd).st_size:
+                empty(fd)  # stale: emptied before a snapshot would replay it
+            status = os.fstat(fd)
+        finally:
+            os.close(fd)
+        # The rename's directory fsync also makes a newly created log's name durable.
+        atomic_write(self.path, encode(entries, SCHEMA_WITH_LOG), before_rename=before_commit)
+        return JournalView(
+            dict(entries), SCHEMA_WITH_LOG, 0, 0, 0, _stat(self.path), _identity(status), True
+        )
+
+    def _compact(self, view: JournalView, version: int) -> JournalView:
+        """The entries as a snapshot of `version`, durably, then the log emptied. A
+        crash in between leaves the log's records over a snapshot that contains them:
+        replaying them changes nothing (version 2), or they are ignored (version 1)."""
+        atomic_write(self.path, encode(view.entries, version))
+        fd = open_log(self.log_path)
+        try:
+            empty(fd)
+            status = os.fstat(fd)
+        finally:
+            os.close(fd)
+        return JournalView(
+            view.entries, version, 0, 0, 0, _stat(self.path), _identity(status), True
+        )
+
+
+def _same(old: ClaimEntry | None, new: ClaimEntry) -> bool:
+    return old is new or old == new
+
+
+def _unsafe(path: Path, err: UnsafeFileError) -> CheckpointCorruptError:
+    code = errno.errorcode.get(err.errno or 0, str(err.errno))
+    return CheckpointCorruptError(path, f"{err.strerror} ({code})")

@@ -84,7 +84,7 @@ def complete_batch(
     for w in work:
         journal[w.ref.uid] = w.entry(ClaimState.PREPARE_COMPLETED)
     try:
-        state.checkpoint.store(journal, before_rename="prepare-completed-before-rename")
+        state.checkpoint.store(journal, before_commit="prepare-completed-before-commit")
     except DriverError as err:
         abort(state, work, journal, results, err)
         return

@@ -28,9 +28,11 @@ PREPARE_FAILPOINTS: Final[tuple[str, ...]] = (
     "prepare-rollback-after-cdi-removed",
     # all claims checked and planned, nothing written yet
     "prepare-before-started",
-    # checkpoint temp file with the batch's PrepareStarted entries written + fsynced,
-    # not renamed (only a batch that creates MIG devices or sets intervals journals one)
-    "prepare-started-before-rename",
+    # the journal store of the batch's PrepareStarted entries is encoded, not yet
+    # committed: nothing of it appended to the log (nor the snapshot renamed, for a
+    # store that writes one); only a batch that creates MIG devices or sets intervals
+    # journals one
+    "prepare-started-before-commit",
     # the PrepareStarted entries are durable, no CDI spec yet (idem)
     "prepare-after-started",
     # a MIG device of the batch is about to be created (its intent is journaled)
@@ -43,9 +45,8 @@ PREPARE_FAILPOINTS: Final[tuple[str, ...]] = (
     # every CDI spec in place (not fsynced: derived from the journal), the checkpoint
     # says PrepareStarted, or nothing for a batch without an intent
     "prepare-after-cdi",
-    # checkpoint temp file with the PrepareCompleted entries written + fsynced, not
-    # renamed
-    "prepare-completed-before-rename",
+    # the journal store of the PrepareCompleted entries is encoded, not yet committed
+    "prepare-completed-before-commit",
     # PrepareCompleted is durable, the answer has not reached the kubelet
     "prepare-after-completed",
 )
@@ -60,8 +61,8 @@ UNPREPARE_FAILPOINTS: Final[tuple[str, ...]] = (
     "unprepare-before-mig-destroy",
     # the batch's first owned MIG device is destroyed, entries present
     "unprepare-after-mig-destroy",
-    # checkpoint temp file without the batch's entries written + fsynced, not renamed
-    "unprepare-entry-before-rename",
+    # the journal store without the batch's entries is encoded, not yet committed
+    "unprepare-entry-before-commit",
     # entries removed durably, the answer has not reached the kubelet
     "unprepare-after-entry-removed",
 )

@@ -129,17 +129,31 @@ def read_file_nofollow(path: Path) -> bytes:
     regular file is refused (`UnsafeFileError`, EINVAL). Raises FileNotFoundError if
     nothing is there. (Directories above `path` are resolved as usual: an operator
     may mount or link the CDI root or the data directory anywhere.)"""
+    return read_regular_file(path)[0]
+
+
+def read_regular_file(path: Path) -> tuple[bytes, os.stat_result]:
+    """`read_file_nofollow`, with the file's status taken before it was read: a writer
+    that changes the file during the read leaves a status that differs from the
+    file's next one."""
+    fd = open_nofollow(path, os.O_RDONLY | os.O_NONBLOCK)
+    with os.fdopen(fd, "rb") as f:
+        status = os.fstat(fd)
+        return f.read(), status
+
+
+def open_nofollow(path: Path, flags: int, mode: int = 0o600) -> int:
+    """`os.open(path, flags | O_NOFOLLOW | O_CLOEXEC)` of a regular file; a symlink
+    or anything but a regular file at `path` is refused (`UnsafeFileError`)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
     except OSError as err:
         if err.errno == errno.ELOOP:
             raise UnsafeFileError(
                 errno.ELOOP, "is a symbolic link; refusing to follow it", str(path)
             ) from err
         raise
-    with os.fdopen(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-            raise UnsafeFileError(
-                errno.EINVAL, "is not a regular file; refusing to read it", str(path)
-            )
-        return f.read()
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise UnsafeFileError(errno.EINVAL, "is not a regular file; refusing to read it", str(path))
+    return fd

@@ -1,7 +1,8 @@
 """Moving a corrupt journal aside, and what becomes of the MIG devices it owned.
 
-`quarantine_checkpoint` renames a corrupt `checkpoint.json` to
-`checkpoint.json.corrupt-<UTC time>` (kept for inspection) so the plugin prepares
+`quarantine_checkpoint` renames a corrupt journal, `checkpoint.json` and
+`checkpoint.log`, to `checkpoint.json.corrupt-<UTC time>` and
+`checkpoint.log.corrupt-<UTC time>` (kept for inspection) so the plugin prepares
 again from a new journal. The MIG devices the driver created for claims of the old
 journal are then nobody's, unless the operator says otherwise (`OwnedMig`):
 
@@ -17,9 +18,10 @@ journal are then nobody's, unless the operator says otherwise (`OwnedMig`):
   ids (only if the instance under an id still has the recorded profile and placement)
   and removing the claim's CDI spec. Pods using them lose their devices.
 
-Entries are read from the corrupt file without verifying its checksum
+Entries are read from the corrupt files without verifying checksums
 (`salvage_entries`), as `gpu-dra journal show` lists them: the operator chooses after
-reading them. A file that does not parse carries nothing over.
+reading them. A snapshot that does not parse carries over only what its log's lines
+that parse set.
 """
 
 from __future__ import annotations
@@ -35,12 +37,14 @@ from pathlib import Path
 from driver.state.checkpoint import (
     CHECKPOINT_FILE,
     CORRUPT_SUFFIX,
+    SCHEMA_VERSION,
     Checkpoint,
     CheckpointCorruptError,
     ClaimEntry,
     ClaimState,
 )
 from driver.state.fileio import fsync_dir, read_file_nofollow
+from driver.state.journal_log import LOG_FILE
 from driver.state.locking import SerializeLock
 
 
@@ -53,20 +57,55 @@ class OwnedMig(enum.Enum):
 
 
 def salvage_entries(path: Path) -> dict[str, ClaimEntry]:
-    """The entries of a corrupt journal that still parse (checksum not verified); no
-    symlink followed, no FIFO waited on."""
-    try:
-        doc = json.loads(read_file_nofollow(path))
-    except (OSError, ValueError, RecursionError):
-        return {}
+    """The entries of a corrupt journal that still parse (checksums not verified): the
+    snapshot at `path`, then the lines of its log (`checkpoint.log` beside
+    `checkpoint.json`, or the log moved aside with the snapshot) unless the snapshot
+    says schemaVersion 1. No symlink followed, no FIFO waited on."""
+    doc = _parsed(path)
     raw = doc.get("entries") if isinstance(doc, dict) else None
-    if not isinstance(raw, dict):
-        return {}
     entries: dict[str, ClaimEntry] = {}
-    for uid, entry in raw.items():
-        with contextlib.suppress(ValueError, TypeError, KeyError, AttributeError):
-            entries[str(uid)] = ClaimEntry.from_json(entry)
+    for uid, entry in raw.items() if isinstance(raw, dict) else ():
+        _salvage(entries, uid, entry)
+    if isinstance(doc, dict) and doc.get("schemaVersion") == SCHEMA_VERSION:
+        return entries  # a log beside it is stale
+    try:
+        lines = read_file_nofollow(_log_of(path)).splitlines()
+    except OSError:
+        return entries
+    for line in lines:
+        record = _parsed_line(line)
+        changed, deleted = record.get("set"), record.get("delete")
+        for uid, entry in changed.items() if isinstance(changed, dict) else ():
+            _salvage(entries, uid, entry)
+        for uid in deleted if isinstance(deleted, list) else ():
+            entries.pop(str(uid), None)
     return entries
+
+
+def _parsed(path: Path) -> object:
+    try:
+        return json.loads(read_file_nofollow(path))
+    except (OSError, ValueError, RecursionError):
+        return None
+
+
+def _parsed_line(line: bytes) -> dict[str, object]:
+    try:
+        doc = json.loads(line)
+    except (ValueError, RecursionError):
+        return {}
+    return doc if isinstance(doc, dict) else {}
+
+
+def _salvage(entries: dict[str, ClaimEntry], uid: object, entry: object) -> None:
+    with contextlib.suppress(ValueError, TypeError, KeyError, AttributeError):
+        entries[str(uid)] = ClaimEntry.from_json(entry)
+
+
+def _log_of(snapshot: Path) -> Path:
+    """The log of a snapshot: `checkpoint.log<suffix>` beside `checkpoint.json<suffix>`."""
+    suffix = snapshot.name.removeprefix(CHECKPOINT_FILE)
+    return snapshot.with_name(LOG_FILE + suffix)
 
 
 def owning_mig(entries: dict[str, ClaimEntry]) -> dict[str, ClaimEntry]:
@@ -98,9 +137,10 @@ def quarantine_checkpoint(
     now: datetime | None = None,
     owned_mig: OwnedMig = OwnedMig.FOREIGN,
 ) -> Path | None:
-    """Operator action: move a corrupt checkpoint aside so the driver prepares again.
-    Renames it to `checkpoint.json.corrupt-<UTC timestamp>` and returns the new path;
-    None if there is no checkpoint. With `owned_mig` adopt or destroy, the new journal
+    """Operator action: move a corrupt journal aside so the driver prepares again.
+    Renames `checkpoint.json` to `checkpoint.json.corrupt-<UTC timestamp>` (returned)
+    and `checkpoint.log`, if any, to `checkpoint.log.corrupt-<UTC timestamp>`; None if
+    there is no checkpoint.json. With `owned_mig` adopt or destroy, the new journal
     is written with the entries `carried_entries` gives; otherwise there is none.
 
     Refuses (ValueError) to move a checkpoint that is valid unless `force` is set.
@@ -119,6 +159,10 @@ def quarantine_checkpoint(
                 raise ValueError(f"checkpoint {cp.path} is valid; not moving it (use force)")
         stamp = (now or datetime.now(UTC)).strftime("%Y%m%dT%H%M%S.%fZ")
         target = cp.path.with_name(f"{CHECKPOINT_FILE}{CORRUPT_SUFFIX}{stamp}")
+        # The log first: a crash in between leaves the snapshot without its log (still
+        # corrupt: run it again), never the corrupt log where a next store empties it.
+        with contextlib.suppress(FileNotFoundError):
+            os.rename(cp.log_path, _log_of(target))
         os.rename(cp.path, target)
         fsync_dir(cp.data_dir)
         carried = carried_entries(salvage_entries(target), owned_mig)

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from driver.errors import transient
+from driver.errors import DriverError, transient
 from driver.state.checkpoint import CheckpointCorruptError, ClaimEntry, ClaimState
 from driver.state.context import StepContext
 from driver.state.failpoints import failpoint
@@ -104,6 +104,7 @@ def recover(state: StepContext) -> RecoveryReport:
             and not _spec_current(state, uid, entry, uid in specs)
         ]
         recreated, missing = _recreate_specs(state, stale, journal, problems)
+        _compact_journal(state)
     for uid in orphans:
         log.warning(
             "CDI spec of claim %s has no journal entry but a quarantined journal knew the "
@@ -157,6 +158,26 @@ def _sweep_orphan_specs(
     if gone:
         log.warning("removed %d CDI spec(s) no journal entry owns: %s", len(gone), sorted(gone))
     return kept, tuple(sorted(gone))
+
+
+def compact_journal(state: StepContext) -> None:
+    """At a clean stop, once nothing is served: the journal's log folded into its
+    snapshot (schemaVersion 1), so that any release, an older one after a downgrade
+    too, reads it (docs/state.md, "The log")."""
+    try:
+        with state.lock.hold():
+            _compact_journal(state)
+    except DriverError as err:
+        log.warning("could not compact the journal: %s", err)
+
+
+def _compact_journal(state: StepContext) -> None:
+    """Under the node lock; at start, the fallback for a stop that did not compact. A
+    failure only leaves the log to be replayed."""
+    try:
+        state.checkpoint.compact()
+    except DriverError as err:
+        log.warning("could not compact the journal: %s", err)
 
 
 def _problem(problems: list[str], uid: str, what: str, err: Exception) -> None:

@@ -210,7 +210,7 @@ def _end(
         dropped = [uid for uid in done if journal.pop(uid, None) is not None]
         if dropped:
             try:
-                state.checkpoint.store(journal, before_rename="unprepare-entry-before-rename")
+                state.checkpoint.store(journal, before_commit="unprepare-entry-before-commit")
             except DriverError as err:
                 for uid in dropped:
                     results[uid] = err
@@ -252,8 +252,8 @@ def _mark_unpreparing(
     results: dict[str, DriverError | None],
 ) -> list[str]:
     """Before anything is removed, the completed claims holding MIG devices the driver
-    created are marked `unpreparing` with this boot's id (one journal store, no
-    directory fsync: a power loss that undoes it also took the MIG devices, and a
+    created are marked `unpreparing` with this boot's id (one journal store, not
+    synced: a power loss that undoes it also took the MIG devices, and a
     restart without the mark restores them as before). A restart then finishes their
     teardown instead of creating their MIG devices again. A failed store fails those
     claims, nothing removed; the others go on. Returns the claims to unprepare."""
@@ -274,7 +274,7 @@ def _mark_unpreparing(
     for uid in marks:
         journal[uid] = replace(found[uid], unpreparing=boot)
     try:
-        state.checkpoint.store(journal, sync_dir=False)
+        state.checkpoint.store(journal, sync=False)
     except DriverError as err:
         journal.update(found)
         for uid in marks:

@@ -155,7 +155,13 @@ def test_deleted_registration_socket_the_real_kubelet_registers_the_plugin_again
         e.delete_file(TEMPLATE)
 
 
-JOURNAL = Path("/var/lib/kubelet/plugins") / DRIVER / "checkpoint.json"
+PLUGIN_DIR = Path("/var/lib/kubelet/plugins") / DRIVER
+# The prepare journal: its snapshot and the log of the stores since (docs/state.md).
+JOURNAL_FILES = (PLUGIN_DIR / "checkpoint.json", PLUGIN_DIR / "checkpoint.log")
+
+
+def _journal_bytes() -> tuple[bytes, ...]:
+    return tuple(path.read_bytes() if path.exists() else b"" for path in JOURNAL_FILES)
 
 
 def _restarts(e: E2E, namespace: str) -> dict[str, int]:
@@ -172,7 +178,7 @@ def test_kubelet_restart_registers_again_and_prepares_nothing_twice(e2e: E2E) ->
     e.apply_file(TEMPLATE)
     try:
         e.wait_pods_ready(namespace, "app=gpu-demo", 2, timeout=180)
-        journal = JOURNAL.read_bytes()
+        journal = _journal_bytes()
         restarts = _restarts(e, namespace)
 
         restarted = e.script("restart-kubelet", timeout=300)
@@ -185,9 +191,10 @@ def test_kubelet_restart_registers_again_and_prepares_nothing_twice(e2e: E2E) ->
         )
         e.wait_pods_ready(namespace, "app=gpu-demo", 2, timeout=120)
         # Running pods kept their containers and their claims' local state: the
-        # journal (with any MIG device ids and UUIDs) is byte for byte the same.
+        # journal (with any MIG device ids and UUIDs), snapshot and log, is byte for
+        # byte the same.
         assert _restarts(e, namespace) == restarts
-        assert JOURNAL.read_bytes() == journal
+        assert _journal_bytes() == journal
     finally:
         e.delete_file(TEMPLATE)
     # And the node still prepares new claims through the new kubelet.

@@ -6,6 +6,7 @@ tier exists); claims are allocated by the real scheduler.
 
 from __future__ import annotations
 
+import json
 import signal
 import time
 import uuid
@@ -418,6 +419,10 @@ def test_reboot_empties_cdi_root_specs_are_back_before_registration(
 ) -> None:
     ref = crash_claim
     plugin = _prepare_and_stop(cluster, node, plugin_root, ref)
+    # The clean stop folded the journal's log into a snapshot every release reads.
+    snapshot = json.loads((plugin.data_dir / "checkpoint.json").read_bytes())
+    assert snapshot["schemaVersion"] == 1 and ref[1] in snapshot["entries"]
+    assert (plugin.data_dir / "checkpoint.log").read_bytes() == b""
     specs = CdiSpecs(plugin.cdi_root, DRIVER)
     before = specs.claim_spec_path(ref[1]).read_bytes()
     for path in plugin.cdi_root.iterdir():  # the CDI root is a tmpfs: a reboot empties it

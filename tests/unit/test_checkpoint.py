@@ -19,6 +19,7 @@ import pytest
 from driver.errors import DriverError
 from driver.state.checkpoint import (
     SCHEMA_VERSION,
+    SCHEMA_WITH_LOG,
     Checkpoint,
     CheckpointCorruptError,
     ClaimEntry,
@@ -61,6 +62,10 @@ def test_missing_file_is_empty(cp: Checkpoint) -> None:
 def test_round_trip_and_format(cp: Checkpoint) -> None:
     cp.store(ENTRIES)
     assert cp.load() == ENTRIES
+    # The first store writes the snapshot, marked as one a log follows; a clean stop
+    # folds the log back into a snapshot every release reads.
+    assert json.loads(cp.path.read_bytes())["schemaVersion"] == SCHEMA_WITH_LOG == 2
+    assert cp.compact()
     doc = json.loads(cp.path.read_bytes())
     assert doc["schemaVersion"] == SCHEMA_VERSION == 1
     assert doc["checksum"].startswith("sha256:")
@@ -81,7 +86,9 @@ def test_round_trip_and_format(cp: Checkpoint) -> None:
         ],
     }
     assert doc["entries"]["uid-b"]["devices"][0]["shareID"] == "s-1"
-    assert sorted(os.listdir(cp.data_dir)) == ["checkpoint.json"]  # no temp files left
+    # no temp files left; the log stays, empty
+    assert sorted(os.listdir(cp.data_dir)) == ["checkpoint.json", "checkpoint.log"]
+    assert cp.log_path.read_bytes() == b"" and Checkpoint(cp.data_dir).load() == ENTRIES
 
 
 def _assert_corrupt(cp: Checkpoint, reason: str) -> None:
@@ -118,9 +125,9 @@ def test_checksum_mismatch_is_corrupt(cp: Checkpoint) -> None:
 def test_unknown_schema_is_corrupt(cp: Checkpoint) -> None:
     cp.store(ENTRIES)
     doc = json.loads(cp.path.read_bytes())
-    doc["schemaVersion"] = 2
+    doc["schemaVersion"] = 3
     cp.path.write_text(json.dumps(doc))
-    _assert_corrupt(cp, "unknown schemaVersion 2")
+    _assert_corrupt(cp, "unknown schemaVersion 3")
 
 
 def test_malformed_entry_with_valid_checksum_is_corrupt(cp: Checkpoint) -> None:
@@ -192,6 +199,8 @@ def test_unknown_keys_of_entries_and_devices_are_kept_on_rewrite(cp: Checkpoint)
     journal["uid-a"] = replace(journal["uid-a"], state=ClaimState.PREPARE_STARTED)
     del journal["uid-b"]
     cp.store(journal)
+    assert b"futureDeviceField" in cp.log_path.read_bytes()  # in the store's record
+    cp.compact()
     doc = json.loads(cp.path.read_bytes())
     assert doc["checksum"] == checksum(doc["entries"])
     entry = doc["entries"]["uid-a"]
@@ -200,6 +209,7 @@ def test_unknown_keys_of_entries_and_devices_are_kept_on_rewrite(cp: Checkpoint)
     assert entry["state"] == "PrepareStarted"
     assert cp.load() == journal  # and again on the next rewrite
     cp.store(cp.load())
+    cp.compact()
     assert json.loads(cp.path.read_bytes()) == doc
 
 
@@ -265,21 +275,31 @@ def test_quarantine_refuses_a_valid_file_unless_forced(cp: Checkpoint) -> None:
     assert moved is not None and moved.exists() and not cp.path.exists()
 
 
+@pytest.mark.parametrize("broken", ["replace", "fdatasync", "write"])
 def test_store_failure_is_transient_and_keeps_old_file(
-    cp: Checkpoint, monkeypatch: pytest.MonkeyPatch
+    cp: Checkpoint, monkeypatch: pytest.MonkeyPatch, broken: str
 ) -> None:
-    cp.store(ENTRIES)
+    """The first store renames a snapshot; a later one appends to the log. Either
+    failing leaves the journal as it was, for this reader and a fresh one."""
+    if broken != "replace":
+        cp.store(ENTRIES)
+    before = {p.name: p.read_bytes() for p in cp.data_dir.iterdir()} if broken != "replace" else {}
+    real = getattr(os, broken)
 
-    def broken_replace(src: object, dst: object) -> None:
+    def failing(*args: Any) -> Any:
+        if broken == "write" and real(args[0], bytes(args[1])[:10]) != 10:
+            raise AssertionError("short write")  # the first bytes reach the file
         raise OSError(5, "I/O error")
 
-    monkeypatch.setattr(os, "replace", broken_replace)
+    monkeypatch.setattr(os, broken, failing)
     with pytest.raises(DriverError) as info:
-        cp.store({})
+        cp.store({} if broken != "replace" else ENTRIES)
     assert not info.value.permanent and str(cp.path) in str(info.value)
     monkeypatch.undo()
-    assert cp.load() == ENTRIES
-    assert sorted(os.listdir(cp.data_dir)) == ["checkpoint.json"]
+    assert cp.load() == Checkpoint(cp.data_dir).load() == ({} if broken == "replace" else ENTRIES)
+    assert {p.name: p.read_bytes() for p in cp.data_dir.iterdir()} == before or (
+        broken == "replace" and sorted(os.listdir(cp.data_dir)) == ["checkpoint.log"]
+    )
 
 
 def test_sweep_temp_files(cp: Checkpoint) -> None:

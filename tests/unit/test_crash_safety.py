@@ -230,7 +230,7 @@ RECOVERED_SHARES = {
     "prepare-after-completed": "prepared",
     "unprepare-before-cdi-removed": "prepared",
     "unprepare-after-cdi-removed": "entry-without-spec",
-    "unprepare-entry-before-rename": "entry-without-spec",
+    "unprepare-entry-before-commit": "entry-without-spec",
 }
 # The same for claim-a (and claim-c), which hold MIG devices the driver created: their
 # unprepare marks the entries `unpreparing` before it removes anything, and a restart
@@ -241,7 +241,13 @@ RECOVERED = {
     "unprepare-before-cdi-removed": "prepared",  # nothing removed yet: the kubelet repeats
     **{name: "torn-down" for name in UNPREPARE_FAILPOINTS[1:-1]},
 }
-BEFORE_RENAME = {name for name in FAILPOINTS if name.endswith("-before-rename")}
+# A journal store killed before its commit (the append, or the snapshot's rename)
+# shows nothing of it: the claim-a entries' states as the step before left them.
+BEFORE_COMMIT = {
+    "prepare-started-before-commit": set(),
+    "prepare-completed-before-commit": {ClaimState.PREPARE_STARTED},
+    "unprepare-entry-before-commit": {ClaimState.PREPARE_COMPLETED},
+}
 
 
 def _root(tmp_path: Path, name: str) -> Path:
@@ -375,12 +381,13 @@ def test_kill_at_failpoint_then_restart(
         if scenario == "prepare-retry":
             _crash(root, "prepare", "prepare-after-cdi")  # leaves a half-done prepare
         _crash(root, "prepare", failpoint)
-    if failpoint in BEFORE_RENAME:
-        assert _temp_files(root) != [], "the crash should have left a temp file"
 
     # Whatever the crash left, claim-a's devices are never handed to claim-b while
     # claim-a has any state on the node.
     journal_after_crash = Checkpoint(root / "plugin").load()
+    if failpoint in BEFORE_COMMIT:
+        states = {e.state for e in journal_after_crash.values()}
+        assert states == BEFORE_COMMIT[failpoint], "the store's content became visible"
     if UID_A in journal_after_crash:
         blocked = _state(_copy(root, tmp_path / "b")).prepare([claim_b])[UID_B]
         assert blocked.error is not None and UID_A in str(blocked.error)
@@ -541,7 +548,7 @@ def _share_state(root: Path, uid: str) -> tuple[dict[str, bytes], Any]:
 # its prepare journals no intent (straight to PrepareCompleted), so neither the MIG
 # failpoints nor the intent's nor a found intent's rollback are on its path.
 NOT_ON_A_SHARES_PATH = frozenset(
-    {"prepare-started-before-rename", "prepare-after-started", "prepare-rollback-after-cdi-removed"}
+    {"prepare-started-before-commit", "prepare-after-started", "prepare-rollback-after-cdi-removed"}
 )
 SHARE_FAILPOINTS = [
     name for name in FAILPOINTS if "-mig-" not in name and name not in NOT_ON_A_SHARES_PATH

@@ -193,3 +193,40 @@ def test_quarantine_refuses_while_a_plugin_runs(data_dir: Path) -> None:
 def test_missing_state_dir(tmp_path: Path, action: list[str]) -> None:
     code, _, err = gpu_dra(["journal", *action, "--state-dir", str(tmp_path / "nope")])
     assert code == 1 and "no plugin data directory" in err
+
+
+def test_show_replays_the_log_and_counts_its_pending_records(data_dir: Path) -> None:
+    journal = Checkpoint(data_dir)
+    journal.store({UID_A: ENTRIES[UID_A]})
+    journal.store(ENTRIES)  # appended: claim-b is only in the log
+    journal.store({UID_B: ENTRIES[UID_B]})  # claim-a's entry dropped in the log
+    code, report, _ = show(data_dir)
+    assert code == 0 and report["status"] == "ok"
+    assert [e["uid"] for e in report["entries"]] == [UID_B]
+    assert (report["schemaVersion"], report["pendingLogRecords"]) == (2, 2)
+    code, out, _ = gpu_dra(["journal", "show", "--state-dir", str(data_dir)])
+    assert "valid, 1 claim(s)" in out and "2 record(s) pending" in out
+    journal.compact()
+    code, report, _ = show(data_dir)
+    assert (report["schemaVersion"], report["pendingLogRecords"]) == (1, 0)
+    assert [e["uid"] for e in report["entries"]] == [UID_B]
+
+
+def test_a_corrupt_log_is_shown_with_its_line_and_moved_aside_with_the_snapshot(
+    data_dir: Path,
+) -> None:
+    journal = Checkpoint(data_dir)
+    journal.store({UID_B: ENTRIES[UID_B]})
+    journal.store(ENTRIES)
+    journal.store({UID_A: ENTRIES[UID_A]})
+    log = data_dir / "checkpoint.log"
+    log.write_bytes(log.read_bytes().replace(b"claim-a", b"claim-x", 1))
+    code, report, err = show(data_dir)
+    assert code == 1 and report["status"] == "corrupt" and "line 1:" in report["problem"]
+    assert report["problemPath"] == str(log)
+    assert {e["name"] for e in report["entries"]} == {"claim-x"}  # as stored, replayed
+    code, out, err = quarantine(data_dir, "--yes")
+    assert (code, err) == (0, "")
+    assert "checkpoint.log to checkpoint.log.corrupt-" in out
+    assert not log.exists() and len(list(data_dir.glob("checkpoint.log.corrupt-*"))) == 1
+    assert Checkpoint(data_dir).load() == {}

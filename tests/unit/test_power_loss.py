@@ -4,10 +4,13 @@ is lost (docs/state.md, "Durability").
 The journal is the source of truth and claim specs are derived from it: a claim spec
 is written and removed without a fsync, a whole-GPU or share claim journals no intent,
 and start-up rewrites a spec a power loss took or garbled and removes one no entry
-owns. `Disk` records what reached the disk: each fsync of a file makes that inode's
-content durable, each fsync of a directory its listing. A power loss is modelled at
-both extremes a file system allows: every rename and unlink since a directory's last
-fsync undone (`lost`), or all of them kept with only the fsynced contents (`kept`).
+owns. `Disk` records what reached the disk: each fsync or fdatasync of a file makes
+that inode's content durable, each fsync of a directory its listing. A power loss is
+modelled at both extremes a file system allows: every rename and unlink since a
+directory's last fsync undone (`lost`), or all of them kept with only the fsynced
+contents (`kept`). The journal's log, the one file appended to in place, keeps what
+was synced and of the bytes appended since nothing (`lost`), all (`kept`) or a part
+cut at any byte (`torn`).
 After every step of a kubelet's sequence the node loses power, restarts (`recover()`)
 and must hold exactly the claims the kubelet was told are prepared, each with the spec
 its journal entry stores, and no other spec.
@@ -15,6 +18,7 @@ its journal entry stores, and no other spec.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import stat
@@ -24,10 +28,12 @@ from pathlib import Path
 import pytest
 
 from driver.state.cdi import ClaimSpec
-from driver.state.checkpoint import Checkpoint, ClaimState
+from driver.state.checkpoint import Checkpoint, ClaimEntry, ClaimState, PreparedDevice
 from driver.state.claims import ClaimRef
 from driver.state.quarantine import quarantine_checkpoint
 from tests.unit.test_mig_prepare import Node, make_node
+
+LOG_FILE = "checkpoint.log"  # the journal's log, appended to in place
 
 # MIG off: whole GPUs and shares, the claims whose prepare journals no intent.
 FLEET = {"gpus": [{"model": "H100-80GB", "count": 3, "migMode": "disabled"}]}
@@ -47,9 +53,11 @@ class Disk:
             for listing in self._listing(directory).values():
                 self.durable_content[listing[0]] = listing[1]
             self.synced[directory] = self._listing(directory)
-        real = os.fsync
+        for name in ("fsync", "fdatasync"):
+            monkeypatch.setattr(os, name, self._recording(getattr(os, name)))
 
-        def recording_fsync(fd: int) -> None:
+    def _recording(self, real: Callable[[int], None]) -> Callable[[int], None]:
+        def recording(fd: int) -> None:
             real(fd)
             path = Path(os.readlink(f"/proc/self/fd/{fd}"))
             if stat.S_ISDIR(os.fstat(fd).st_mode):
@@ -58,7 +66,7 @@ class Disk:
             elif path.parent in self.synced:
                 self.durable_content[os.fstat(fd).st_ino] = path.read_bytes()
 
-        monkeypatch.setattr(os, "fsync", recording_fsync)
+        return recording
 
     @staticmethod
     def _listing(directory: Path) -> Listing:
@@ -68,17 +76,35 @@ class Disk:
             if p.is_file() and not p.is_symlink()
         }
 
-    def after_power_loss(self, renames: str) -> dict[Path, dict[str, bytes]]:
+    def after_power_loss(
+        self, renames: str, appended: str = "lost", cut: int | None = None
+    ) -> dict[Path, dict[str, bytes]]:
         """Each directory as a restart finds it: names from the last fsync of the
         directory (`lost`) or as they are now (`kept`); contents as last fsynced (a
-        file never fsynced comes back empty)."""
+        file never fsynced comes back empty), but for the journal's log: of what was
+        `appended` since its last sync, nothing (`lost`), all (`kept`), or the first
+        `cut` bytes, half by default (`torn`)."""
         out: dict[Path, dict[str, bytes]] = {}
+        now = {d: self._listing(d) for d in self.directories}
         for directory in self.directories:
-            names = self.synced[directory] if renames == "lost" else self._listing(directory)
+            names = self.synced[directory] if renames == "lost" else now[directory]
+            current = {inode: data for inode, data in now[directory].values()}
             out[directory] = {
-                name: self.durable_content.get(inode, b"") for name, (inode, _) in names.items()
+                name: self._content(inode, current.get(inode), appended, cut)
+                if name == LOG_FILE
+                else self.durable_content.get(inode, b"")
+                for name, (inode, _) in names.items()
             }
         return out
+
+    def _content(self, inode: int, current: bytes | None, appended: str, cut: int | None) -> bytes:
+        durable = self.durable_content.get(inode, b"")
+        if current is None or not current.startswith(durable) or appended == "lost":
+            return durable
+        unsynced = current[len(durable) :]
+        if appended == "torn":
+            unsynced = unsynced[: len(unsynced) // 2 if cut is None else cut]
+        return durable + unsynced
 
 
 def _restore(files: dict[Path, dict[str, bytes]], root: Path, into: Path) -> None:
@@ -94,10 +120,10 @@ def _claim(node: Node, uid: str, device: str) -> ClaimRef:
 
 
 def _check_restart(
-    node: Node, disk: Disk, prepared: set[str], tmp_path: Path, renames: str
+    node: Node, disk: Disk, prepared: set[str], tmp_path: Path, renames: str, appended: str
 ) -> None:
     """Power lost now: a restart holds exactly `prepared`, each spec as its entry says."""
-    files = disk.after_power_loss(renames)
+    files = disk.after_power_loss(renames, appended)
     into = tmp_path / f"restart-{len(list(tmp_path.iterdir()))}"
     _restore(files, node.root, into)
     shutil.copytree(node.root / "driver-root", into / "driver-root")
@@ -144,9 +170,10 @@ def _steps() -> list[tuple[str, Step, set[str]]]:
     ]
 
 
+@pytest.mark.parametrize("appended", ["lost", "torn", "kept"])
 @pytest.mark.parametrize("renames", ["lost", "kept"])
 def test_a_power_loss_after_any_answer_loses_nothing_owed(
-    renames: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    renames: str, appended: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     node = make_node(tmp_path / "node", FLEET)
     disk = Disk([node.root / "cdi", node.root / "plugin"], monkeypatch)
@@ -154,7 +181,44 @@ def test_a_power_loss_after_any_answer_loses_nothing_owed(
     restarts.mkdir()
     for _, step, prepared in _steps():
         step(node)
-        _check_restart(node, disk, prepared, restarts, renames)
+        _check_restart(node, disk, prepared, restarts, renames, appended)
+    assert json.loads(Checkpoint(node.root / "plugin").path.read_bytes())["schemaVersion"] == 2
+    assert (node.root / "plugin" / LOG_FILE).read_bytes().count(b"\n") >= 4  # appended
+
+
+def _entry(name: str) -> ClaimEntry:
+    device = PreparedDevice("node-a", f"gpu-{name}", ("gpu",), (f"k8s.x/gpu={name}",))
+    return ClaimEntry(ClaimState.PREPARE_COMPLETED, "default", f"claim-{name}", (device,))
+
+
+def test_a_torn_append_after_acknowledged_stores_loses_nothing_acknowledged(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An unsynced store (an intent) torn by a power loss at any byte: the restart reads
+    the acknowledged journal, or the whole new store, never an error; and appends after
+    the torn record as if it had never been written."""
+    data_dir = tmp_path / "plugin"
+    data_dir.mkdir()
+    disk = Disk([data_dir], monkeypatch)
+    cp = Checkpoint(data_dir)
+    acknowledged = {"a": _entry("a"), "b": _entry("b")}
+    cp.store({"a": _entry("a")})
+    cp.store(acknowledged)
+    cp.store({"b": _entry("b"), "c": _entry("c")}, sync=False)
+    durable = disk.durable_content[(data_dir / LOG_FILE).stat().st_ino]
+    unsynced = len((data_dir / LOG_FILE).read_bytes()) - len(durable)
+    assert unsynced > 0
+    for cut in range(unsynced + 1):
+        files = disk.after_power_loss("lost", "torn", cut)
+        restart = tmp_path / f"restart-{cut}"
+        _restore(files, tmp_path, restart)
+        again = Checkpoint(restart / "plugin")
+        whole = cut == unsynced
+        assert again.load() == ({"b": _entry("b"), "c": _entry("c")} if whole else acknowledged)
+        again.store({**again.load(), "d": _entry("d")})
+        assert set(Checkpoint(restart / "plugin").load()) == (
+            {"b", "c", "d"} if whole else {"a", "b", "d"}
+        )
 
 
 def test_the_model_loses_what_was_not_fsynced(
