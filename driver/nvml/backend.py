@@ -51,6 +51,7 @@ class NvmlBackend:
         self._events = HealthEventSet(self._nvml)
         self._recovery = RecoveryActionReader(self._nvml)
         self._timeslice: NvidiaSmiTimeSlice | MockTimeSlice | None = None
+        self._mig = MigManager(self._nvml)
 
     @property
     def module(self) -> Any:
@@ -62,8 +63,9 @@ class NvmlBackend:
         return self._mock
 
     def mig(self) -> MigManager:
-        """The MIG lifecycle on this backend's GPUs (calls are counted like all others)."""
-        return MigManager(self._nvml)
+        """The MIG lifecycle on this backend's GPUs (calls are counted like all others):
+        one manager, so its per-GPU serialisation holds for every caller."""
+        return self._mig
 
     def timeslice(self, driver_root: Path | str) -> NvidiaSmiTimeSlice | MockTimeSlice:
         """GPU time-slice intervals on this backend's GPUs: `nvidia-smi` from

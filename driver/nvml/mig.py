@@ -119,6 +119,9 @@ class MigManager:
         self._nvml = module
         self._gpu_locks: dict[str, threading.Lock] = {}
         self._gpu_locks_guard = threading.Lock()
+        # GPU UUID -> {GPU-instance profile id: its instanceCount}: fixed while the
+        # GPU is in MIG mode (a mode change needs a GPU reset and a plugin restart).
+        self._profile_limits: dict[str, dict[int, int]] = {}
 
     def _changing(self, gpu_uuid: str) -> threading.Lock:
         """The lock of the GPU's MIG layout in this process."""
@@ -218,8 +221,33 @@ class MigManager:
             except nvml.NVMLError as err:
                 raise self._fail(err, f"listing the MIG devices of {gpu_uuid}") from err
 
-    def _list(self, nvml: Any, handle: Any, gpu_uuid: str) -> list[MigInstance]:
-        found: list[MigInstance] = []
+    def instance_ids_at(
+        self, gpu_uuid: str, profile_id: int, placement: tuple[int, int]
+    ) -> tuple[int, ...]:
+        """The ids of the GPU instances of the profile at the placement: that
+        profile's instances only, a few calls where `instances` describes every
+        instance of the GPU. Raises MigError."""
+        with self._session() as nvml:
+            handle = self._lookup(nvml, gpu_uuid)
+            try:
+                limit = self._limits(nvml, handle, gpu_uuid).get(profile_id, 0)
+                ids = []
+                for gi in self._gpu_instances(nvml, handle, profile_id, limit):
+                    info = nvml.nvmlGpuInstanceGetInfo(gi)
+                    if (int(info.placement.start), int(info.placement.size)) == placement:
+                        ids.append(int(info.id))
+            except nvml.NVMLError as err:
+                raise self._fail(err, f"listing the GPU instances of {gpu_uuid}") from err
+            return tuple(sorted(ids))
+
+    def _limits(self, nvml: Any, handle: Any, gpu_uuid: str) -> dict[int, int]:
+        """Profile id -> how many instances of it the GPU can hold, read once per GPU
+        (NVML needs the count to size the buffer of a listing)."""
+        with self._gpu_locks_guard:
+            known = self._profile_limits.get(gpu_uuid)
+        if known is not None:
+            return known
+        limits: dict[int, int] = {}
         for slot in range(int(nvml.NVML_GPU_INSTANCE_PROFILE_COUNT)):
             try:
                 info = nvml.nvmlDeviceGetGpuInstanceProfileInfo(handle, slot)
@@ -227,7 +255,16 @@ class MigManager:
                 if self._unsupported(err):
                     continue
                 raise
-            for gi in self._gpu_instances(nvml, handle, int(info.id), int(info.instanceCount)):
+            limits[int(info.id)] = int(info.instanceCount)
+        if limits:  # none: MIG mode off (for now)
+            with self._gpu_locks_guard:
+                self._profile_limits[gpu_uuid] = limits
+        return limits
+
+    def _list(self, nvml: Any, handle: Any, gpu_uuid: str) -> list[MigInstance]:
+        found: list[MigInstance] = []
+        for profile_id, limit in self._limits(nvml, handle, gpu_uuid).items():
+            for gi in self._gpu_instances(nvml, handle, profile_id, limit):
                 found.append(self._describe(nvml, handle, gpu_uuid, gi))
         return sorted(found, key=lambda m: (m.placement, m.gi_id))
 

@@ -19,14 +19,13 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from driver.errors import DriverError, transient
-from driver.nvml.types import MigInstance
 from driver.state.booking import HeldError, refuse_double_booking, refuse_over_capacity
 from driver.state.cdi import ClaimSpec
 from driver.state.checkpoint import ClaimEntry, ClaimState, PreparedDevice
 from driver.state.claims import ClaimRef, PrepareResult
 from driver.state.context import StepContext
 from driver.state.failpoints import failpoint
-from driver.state.instances import other_entries, owns_mig
+from driver.state.instances import Place, other_entries, owns_mig
 from driver.state.locking import ClaimHolds
 from driver.state.planning import CdiContext, PlannedDevice, for_batch, plan_claim
 from driver.state.teardown import unprepare_begun
@@ -275,7 +274,7 @@ def _note_occupants(
     (driver/state/instances.py). After `_roll_back_found`, whose destroys free ids a
     create may reuse. A claim whose GPU cannot be read fails; its found entry, rolled
     back, goes with it."""
-    seen: dict[str, list[MigInstance]] = {}
+    seen: dict[Place, tuple[int, ...]] = {}
     for w in work:
         try:
             w.planned = state.instances.note_occupants(w.planned, seen)

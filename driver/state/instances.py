@@ -51,6 +51,9 @@ class MigOps(Protocol):
         self, gpu_uuid: str, gi_id: int, recorded: RecordedInstance | None = None
     ) -> bool: ...
     def instances(self, gpu_uuid: str) -> list[MigInstance]: ...
+    def instance_ids_at(
+        self, gpu_uuid: str, profile_id: int, placement: tuple[int, int]
+    ) -> tuple[int, ...]: ...
 
 
 def _target(record: MigRecord) -> MigTarget:
@@ -64,6 +67,7 @@ def _record(record: MigRecord, instance: MigInstance) -> MigRecord:
 
 
 Held = frozenset[tuple[str, int]]  # (GPU UUID, GPU-instance id)
+Place = tuple[str, int, tuple[int, int]]  # (GPU UUID, profile id, placement)
 
 
 def held(devices: Iterable[Sequence[PreparedDevice]]) -> Held:
@@ -158,11 +162,11 @@ class ClaimInstances:
     # -- prepare -----------------------------------------------------------------------
 
     def note_occupants(
-        self, planned: Sequence[PlannedDevice], seen: dict[str, list[MigInstance]]
+        self, planned: Sequence[PlannedDevice], seen: dict[Place, tuple[int, ...]]
     ) -> tuple[PlannedDevice, ...]:
         """The claim's owned MIG intents with `before` set: the ids of the instances of
-        their profile at their placement now (`seen` caches each GPU's instances for
-        the batch). Before the `PrepareStarted` store, after the rollback of found
+        their profile at their placement now (`seen` caches them per place for the
+        batch). Before the `PrepareStarted` store, after the rollback of found
         entries. Raises a transient error naming the device."""
         out: list[PlannedDevice] = []
         for p in planned:
@@ -170,14 +174,13 @@ class ClaimInstances:
             if record is None or not record.owned or record.gi_id is not None:
                 out.append(p)
                 continue
-            if record.gpu_uuid not in seen:
+            place = (record.gpu_uuid, record.profile_id, record.placement)
+            if place not in seen:
                 try:
-                    live = self._need_ops(p.prepared.device_name).instances(record.gpu_uuid)
+                    seen[place] = self._need_ops(p.prepared.device_name).instance_ids_at(*place)
                 except MigError as err:
                     raise _refusal(p.prepared.device_name, err) from err
-                seen[record.gpu_uuid] = live
-            there = tuple(m.gi_id for m in seen[record.gpu_uuid] if _same_place(m, record))
-            out.append(with_mig(p, replace(record, before=there)))
+            out.append(with_mig(p, replace(record, before=seen[place])))
         return tuple(out)
 
     def create(self, planned: Sequence[PlannedDevice]) -> list[PlannedDevice]:

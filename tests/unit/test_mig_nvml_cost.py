@@ -52,3 +52,36 @@ def test_unprepare_leaves_an_instance_that_took_over_the_recorded_id(tmp_path: P
     Checkpoint(node.root / "plugin").store(journal)
     assert node.state.unprepare([node.claims.add("u")]) == {"u": None}
     assert node.live() == [mine]
+
+
+def _prepare_cost(node: Node, uid: str, device: str) -> int:
+    before = _calls(node)
+    assert node.state.prepare([node.claims.add(uid, device)])[uid].ok
+    return _calls(node) - before
+
+
+# The check of what sits at the placement before the create: nvmlInit, GetHandleByUUID,
+# GetGpuInstances of the profile, GpuInstanceGetInfo of each, nvmlShutdown. The create:
+# nvmlInit, GetHandleByUUID, CreateGpuInstanceWithPlacement, GpuInstanceGetInfo, a
+# compute-instance profile per slice count tried, CreateComputeInstance,
+# ComputeInstanceGetInfo, GetMaxMigDeviceCount, the MIG devices walked to the new one
+# (MigDeviceHandleByIndex, GetGpuInstanceId, GetComputeInstanceId each), GetUUID,
+# nvmlShutdown.
+def _prepare_bound(instances_of_profile: int, mig_devices: int) -> int:
+    return 5 + instances_of_profile + 10 + 3 * (mig_devices + 1)
+
+
+def test_prepare_of_a_mig_device_reads_only_its_profile_not_the_whole_gpu(
+    tmp_path: Path,
+) -> None:
+    """Before the create, prepare records what sits at the placement (the crash-safety
+    `before` ids). That takes the instances of the device's own profile, not every
+    instance of every profile with its compute instances and MIG devices (before: 41
+    calls on an empty GPU, more with every device the GPU held)."""
+    node = make_node(tmp_path, H100)
+    node.live()  # as discovery at start: the GPU's profiles are read once
+    assert _prepare_cost(node, "first", ONE_G[0]) <= _prepare_bound(0, 0)
+    for i in range(1, 6):
+        assert node.state.prepare([node.claims.add(f"c{i}", ONE_G[i])])[f"c{i}"].ok
+    assert _prepare_cost(node, "last", ONE_G[6]) <= _prepare_bound(6, 6)
+    assert len(node.live()) == 7
