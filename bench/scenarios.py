@@ -85,14 +85,17 @@ class SliceWatcher:
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
-                listing = self.api.kube.request("GET", SLICES, query=self._query())
+                listing = self.api.kube.request("GET", SLICES, query=self._query(), strict=False)
                 with self._cond:
                     self.slices = {s["metadata"]["name"]: s for s in listing["items"]}
                     self.changed_at = time.perf_counter()
                     self._cond.notify_all()
                 rv = listing["metadata"]["resourceVersion"]
                 for kind, obj in self.api.kube.watch(
-                    SLICES, query={**self._query(), "resourceVersion": rv}, timeout_seconds=60
+                    SLICES,
+                    query={**self._query(), "resourceVersion": rv},
+                    timeout_seconds=60,
+                    strict=False,  # a 64-device slice: ~1 ms to parse instead of ~6 ms
                 ):
                     now = time.perf_counter()
                     if self._stop.is_set():

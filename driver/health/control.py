@@ -12,7 +12,10 @@ channel first served only the mock backend's `gpu-dra mock ...`).
 - The CLI (`deliver`) refuses to write a request unless `ACTIVE` is fresh and lists
   the action, then writes `req-<id>.json` atomically (a dot-prefixed temp file
   renamed into place) and waits for the plugin's answer `res-<id>.json`, which it
-  removes. A request the plugin did not answer in time is withdrawn.
+  removes. A request the plugin did not answer in time is withdrawn. Requests and
+  answers are not fsynced: a plugin drops what the spool holds when it starts, so
+  after a crash there is nothing to recover, and an fsync would only delay a
+  `gpu-dra mock xid` on its way to the event wait.
 - Actions: `clear` (`gpu-dra health clear`, every backend), and with the mock backend
   only `xid`, `lost`, `reset` (`gpu-dra mock ...`). An `ACTIVE` without `actions` is
   from a plugin that predates the list: it served the mock actions only.
@@ -153,7 +156,10 @@ class ControlChannel:
                 os.unlink(self.dir / name)
             try:
                 atomic_write(
-                    self.dir / f"res-{match.group(1)}.json", json.dumps(answer).encode(), mode=0o600
+                    self.dir / f"res-{match.group(1)}.json",
+                    json.dumps(answer).encode(),
+                    mode=0o600,
+                    durable=False,
                 )
             except OSError as err:
                 log.error("control channel: cannot answer %s: %s", name, err)
@@ -320,7 +326,7 @@ def deliver(
     req = directory / f"req-{ident}.json"
     res = directory / f"res-{ident}.json"
     try:
-        atomic_write(req, json.dumps(request).encode(), mode=0o600)
+        atomic_write(req, json.dumps(request).encode(), mode=0o600, durable=False)
     except PermissionError:
         raise ControlError(f"permission denied on {directory}: run as root") from None
     except OSError as err:

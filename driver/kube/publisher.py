@@ -5,6 +5,14 @@ node triggers a reconcile, so slices deleted by someone else (the kubelet wipes 
 node's slices when it starts) come back by themselves. A reconcile that finds nothing
 to change writes nothing.
 
+A reconcile compares against the watch's copy of the slices (`driver.kube.slice_watch`)
+and, where the change is updates in place (a taint), writes them without listing the
+slices first. The periodic resync, a reconcile without a running watch, one that
+creates, deletes or starts a new generation, and one whose write met a slice changed
+meanwhile list the slices first. Slices are parsed with the plain JSON decoder
+(`KubeApi.request(strict=False)`): they hold no free-form fields, and parsing them was
+most of the plugin's own work on the path from an Xid to its taint.
+
 Every write is compared with the API server's answer: a field a feature gate keeps
 that the server dropped fails the publish, naming the gate (`feature_gates`). Before
 the first write of the process, the slices go through a server-side dry run, so a
@@ -15,20 +23,17 @@ server is unreachable, both loops back off and the outage is logged once a minut
 
 from __future__ import annotations
 
-import copy
-import json
 import logging
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from decimal import Decimal
-from typing import Any
 
-from driver.devices.documents import parse_quantity
 from driver.kube.api import JSON, ApiError, KubeApi, segment
 from driver.kube.feature_gates import DroppedFieldsError, dropped_fields
+from driver.kube.slice_compare import comparable_spec, layout, slice_index
+from driver.kube.slice_watch import SliceWatch
 from driver.observability.logs import RetryLog
 
 log = logging.getLogger(__name__)
@@ -40,50 +45,7 @@ RETRY_SECONDS = 0.5  # first retry of a failed reconcile; doubles up to MAX_RETR
 MAX_RETRY_SECONDS = 10.0
 # A server without a feature gate keeps failing until an operator turns it on.
 DROPPED_FIELDS_RETRY_SECONDS = 60.0
-WATCH_RETRY_SECONDS = 1.0  # doubles while the watch keeps failing, up to the maximum
-MAX_WATCH_RETRY_SECONDS = 30.0
 DRY_RUN = {"dryRun": "All"}
-
-
-def slice_index(name: str) -> int | None:
-    """The position encoded in a slice name `<hex index>-<driver>-<node>-<suffix>`."""
-    head, _, _ = name.partition("-")
-    try:
-        return int(head, 16)
-    except ValueError:
-        return None
-
-
-def comparable_spec(spec: JSON) -> JSON:
-    """A spec with server defaults and quantity spelling removed, for equality checks."""
-    out = copy.deepcopy(spec)
-    out.pop("pool", None)
-    for device in out.get("devices") or []:
-        for capacity in (device.get("capacity") or {}).values():
-            _normalise_quantity(capacity)
-        for consumption in device.get("consumesCounters") or []:
-            for counter in (consumption.get("counters") or {}).values():
-                _normalise_quantity(counter)
-        for taint in device.get("taints") or []:
-            taint.pop("timeAdded", None)
-    for counter_set in out.get("sharedCounters") or []:
-        for counter in (counter_set.get("counters") or {}).values():
-            _normalise_quantity(counter)
-    return out
-
-
-def _layout(spec: JSON) -> tuple[list[str], list[str]]:
-    """Which devices and counter sets a slice holds."""
-    return (
-        [d["name"] for d in spec.get("devices") or []],
-        [c["name"] for c in spec.get("sharedCounters") or []],
-    )
-
-
-def _normalise_quantity(holder: dict[str, Any]) -> None:
-    if "value" in holder:
-        value: Decimal = parse_quantity(holder["value"])
-        holder["value"] = str(value.normalize())
 
 
 @dataclass
@@ -119,12 +81,16 @@ class SlicePublisher:
         self._synced = threading.Condition()
         self._generation_synced = 0
         self._requested = 0
-        # Slice name -> (resourceVersion, canonical JSON of the spec we wrote or verified):
-        # a slice nobody touched since is compared by string, not re-normalised.
-        self._known: dict[str, tuple[str, str]] = {}
+        # Slice name -> (resourceVersion, the desired spec we wrote or verified): a slice
+        # nobody touched since is compared with the new desired spec as it is, not
+        # re-normalised. (Python equality: the spec builder gives each field one type.)
+        self._known: dict[str, tuple[str, JSON]] = {}
+        self._watch = SliceWatch(
+            api, SLICES_PATH, self._selector(), on_change=self.trigger, stopped=self._stopped
+        )
+        self._cache = self._watch.cache
         self._dry_run_passed = False
         self._retries = RetryLog(log, "publishing ResourceSlices")
-        self._watch_retries = RetryLog(log, "watching ResourceSlices")
         self.stats = PublisherStats()
 
     # -- public API --------------------------------------------------------------------
@@ -132,7 +98,7 @@ class SlicePublisher:
     def start(self) -> None:
         for target, name in (
             (self._reconcile_loop, "slice-reconcile"),
-            (self._watch_loop, "slice-watch"),
+            (self._watch.run, "slice-watch"),
         ):
             threading.Thread(target=target, name=name, daemon=True).start()
         self.trigger()
@@ -162,10 +128,36 @@ class SlicePublisher:
             return True
 
     def reconcile(self) -> None:
-        """One full reconcile pass (normally run by the background thread)."""
+        """One full reconcile pass, listing the slices (the background thread compares
+        against the watch's copy instead, where it has one)."""
         desired = self._desired()
         existing = self._list()
         self._apply(desired, existing)
+        self._reconciled()
+
+    def _reconcile_changes(self) -> None:
+        """A reconcile against the watch's copy of the slices, which writes only
+        updates in place (each guarded by the resourceVersion it was based on); a full
+        one without a copy, for any other change, or when the API server refused a
+        write the copy was stale for."""
+        cached = self._cache.items()
+        if cached is None:
+            self.reconcile()
+            return
+        desired = self._desired()
+        try:
+            applied = self._apply(desired, cached, in_place_only=True)
+        except ApiError as err:
+            if not (err.conflict or err.not_found):
+                raise
+            log.debug("ResourceSlices changed meanwhile (%s): listing them", err)
+            applied = False
+        if not applied:
+            self.reconcile()
+            return
+        self._reconciled()
+
+    def _reconciled(self) -> None:
         self.stats.reconciles += 1
         self.stats.last_synced = time.time()
 
@@ -175,15 +167,19 @@ class SlicePublisher:
         backoff = RETRY_SECONDS
         while not self._stopped.is_set():
             with self._wake:
+                resync = False
                 while not self._pending and not self._stopped.is_set():
                     if not self._wake.wait(RESYNC_SECONDS):
-                        self._pending = True
+                        self._pending = resync = True
                 if self._stopped.is_set():
                     return
                 self._pending = False
                 ticket = self._requested
             try:
-                self.reconcile()
+                if resync:
+                    self.reconcile()
+                else:
+                    self._reconcile_changes()
             except Exception as err:  # the API server may be down: retry, never die
                 wait = backoff
                 if isinstance(err, DroppedFieldsError):
@@ -207,14 +203,18 @@ class SlicePublisher:
                 self._synced.notify_all()
 
     def _list(self) -> list[JSON]:
-        result = self._api.request("GET", SLICES_PATH, query=self._selector())
+        result = self._api.request("GET", SLICES_PATH, query=self._selector(), strict=False)
         items: list[JSON] = result.get("items", [])
         return items
 
     def _selector(self) -> dict[str, str]:
         return {"fieldSelector": f"spec.driver={self._driver},spec.nodeName={self._node}"}
 
-    def _apply(self, desired: list[JSON], existing: list[JSON]) -> None:
+    def _apply(
+        self, desired: list[JSON], existing: list[JSON], in_place_only: bool = False
+    ) -> bool:
+        """Writes what differs; False (nothing written) where `in_place_only` and the
+        change needs more than updates in place."""
         by_index: dict[int, JSON] = {}
         obsolete: list[JSON] = []
         for item in sorted(existing, key=lambda s: s["metadata"]["creationTimestamp"]):
@@ -225,19 +225,18 @@ class SlicePublisher:
                 by_index[index] = item
 
         generation = max((s["spec"]["pool"]["generation"] for s in existing), default=0)
-        canonical = [json.dumps(spec, sort_keys=True) for spec in desired]
         changed = [
             i
             for i, spec in enumerate(desired)
             if i not in by_index
             or by_index[i]["spec"]["pool"]["resourceSliceCount"] != len(desired)
-            or not self._matches(by_index[i], spec, canonical[i])
+            or not self._matches(by_index[i], spec)
         ]
         stale_generation = any(
             s["spec"]["pool"]["generation"] != generation for s in by_index.values()
         )
         if not changed and not obsolete and not stale_generation:
-            return
+            return True
 
         # Updates that leave every device and counter set in the slice it was in are
         # written in place at the same generation: each write is atomic, and a reader
@@ -250,10 +249,12 @@ class SlicePublisher:
             and all(
                 i in by_index
                 and by_index[i]["spec"]["pool"]["resourceSliceCount"] == len(desired)
-                and _layout(by_index[i]["spec"]) == _layout(desired[i])
+                and layout(by_index[i]["spec"]) == layout(desired[i])
                 for i in changed
             )
         )
+        if not in_place and in_place_only:
+            return False
         if not in_place:
             generation += 1
             changed = list(range(len(desired)))
@@ -277,23 +278,28 @@ class SlicePublisher:
                 stored = self._create(index, spec)
             self._known[stored["metadata"]["name"]] = (
                 stored["metadata"]["resourceVersion"],
-                canonical[index],
+                desired[index],
             )
+            self._cache.wrote(stored)
 
+        if len(changed) == 1:
+            write(changed[0])
+            return True
         # Slices are independent objects: writing them concurrently is what makes a
         # taint on a GPU whose devices span two slices visible in one round trip.
         with ThreadPoolExecutor(max_workers=PARALLEL_WRITES) as pool:
             for future in [pool.submit(write, index) for index in changed]:
                 future.result()
+        return True
 
-    def _matches(self, existing: JSON, spec: JSON, canonical: str) -> bool:
+    def _matches(self, existing: JSON, spec: JSON) -> bool:
         meta = existing["metadata"]
         known = self._known.get(meta["name"])
         if known is not None and known[0] == meta["resourceVersion"]:
-            return known[1] == canonical
+            return known[1] == spec
         if comparable_spec(existing["spec"]) != comparable_spec(spec):
             return False
-        self._known[meta["name"]] = (meta["resourceVersion"], canonical)
+        self._known[meta["name"]] = (meta["resourceVersion"], spec)
         return True
 
     def _dry_run(self, specs: list[JSON]) -> None:
@@ -307,7 +313,7 @@ class SlicePublisher:
 
     def _dry_run_create(self, spec: JSON) -> None:
         body = self._create_body(0, spec)
-        answer = self._api.request("POST", SLICES_PATH, query=DRY_RUN, body=body)
+        answer = self._api.request("POST", SLICES_PATH, query=DRY_RUN, body=body, strict=False)
         self._check_dropped(spec, answer["spec"], f"{body['metadata']['generateName']}* (dry run)")
 
     def _create_body(self, index: int, spec: JSON) -> JSON:
@@ -330,7 +336,9 @@ class SlicePublisher:
         }
 
     def _create(self, index: int, spec: JSON) -> JSON:
-        created = self._api.request("POST", SLICES_PATH, body=self._create_body(index, spec))
+        created = self._api.request(
+            "POST", SLICES_PATH, body=self._create_body(index, spec), strict=False
+        )
         self.stats.creates += 1
         self._check_dropped(spec, created["spec"], created["metadata"]["name"])
         return created
@@ -338,7 +346,9 @@ class SlicePublisher:
     def _update(self, current: JSON, spec: JSON) -> JSON:
         body = {**current, "spec": spec}
         name = current["metadata"]["name"]
-        updated = self._api.request("PUT", f"{SLICES_PATH}/{segment(name)}", body=body)
+        updated = self._api.request(
+            "PUT", f"{SLICES_PATH}/{segment(name)}", body=body, strict=False
+        )
         self.stats.updates += 1
         self._check_dropped(spec, updated["spec"], name)
         return updated
@@ -356,6 +366,9 @@ class SlicePublisher:
         except ApiError as err:
             if not (err.not_found or err.conflict):
                 raise
+            if err.conflict:
+                return
+        self._cache.deleted(meta["name"])
 
     @staticmethod
     def _check_dropped(sent: JSON, stored: JSON, name: str) -> None:
@@ -369,32 +382,3 @@ class SlicePublisher:
             node = self._api.request("GET", f"/api/v1/nodes/{segment(self._node)}")
             self._node_uid = str(node["metadata"]["uid"])
         return self._node_uid
-
-    # -- watch -------------------------------------------------------------------------
-
-    def _watch_loop(self) -> None:
-        retry = WATCH_RETRY_SECONDS
-        while not self._stopped.is_set():
-            try:
-                listing = self._api.request("GET", SLICES_PATH, query=self._selector())
-                retry = WATCH_RETRY_SECONDS
-                self._watch_retries.succeeded()
-                version = listing["metadata"]["resourceVersion"]
-                for kind, obj in self._api.watch(
-                    SLICES_PATH, query={**self._selector(), "resourceVersion": version}
-                ):
-                    if self._stopped.is_set():
-                        return
-                    if kind == "ERROR":
-                        break
-                    if kind == "DELETED" or kind == "MODIFIED":
-                        log.info(
-                            "ResourceSlice %s %s: reconciling",
-                            obj["metadata"]["name"],
-                            kind.lower(),
-                        )
-                        self.trigger()
-            except Exception as err:
-                self._watch_retries.failed(err, retry)
-                self._stopped.wait(retry)
-                retry = min(retry * 2, MAX_WATCH_RETRY_SECONDS)

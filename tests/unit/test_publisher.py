@@ -10,7 +10,8 @@ import pytest
 
 from driver.kube.api import ApiError
 from driver.kube.feature_gates import DroppedFieldsError
-from driver.kube.publisher import SLICES_PATH, SlicePublisher, comparable_spec, slice_index
+from driver.kube.publisher import SLICES_PATH, SlicePublisher
+from driver.kube.slice_compare import comparable_spec, slice_index
 
 NODE = "node-a"
 DRIVER = "gpu.example.com"
@@ -38,7 +39,9 @@ class FakeApi:
                 obj["spec"].pop(name, None)
         return obj
 
-    def request(self, method: str, path: str, *, query: Any = None, body: Any = None, **_: Any):
+    def request(
+        self, method: str, path: str, *, query: Any = None, body: Any = None, **_: Any
+    ) -> Any:
         if method == "GET" and path == f"/api/v1/nodes/{NODE}":
             return {"metadata": {"name": NODE, "uid": "node-uid"}}
         if method == "GET":
@@ -151,7 +154,7 @@ def test_deleted_slice_is_recreated_in_a_new_generation(api: FakeApi) -> None:
     pub.reconcile()
     assert len(api.slices) == 2
     assert {o["spec"]["pool"]["generation"] for o in api.slices.values()} == {2}
-    assert sorted(slice_index(n) for n in api.slices) == [0, 1]
+    assert [slice_index(n) for n in sorted(api.slices)] == [0, 1]
 
 
 def test_one_changed_slice_is_updated_in_place_at_the_same_generation(api: FakeApi) -> None:
@@ -200,11 +203,11 @@ def test_slices_with_foreign_names_are_replaced(api: FakeApi) -> None:
 
 
 def test_comparable_spec_ignores_pool_and_normalises_counters() -> None:
-    a = {
+    a: dict[str, Any] = {
         "pool": {"generation": 1},
         "sharedCounters": [{"name": "s", "counters": {"memory": {"value": "1Gi"}}}],
     }
-    b = {
+    b: dict[str, Any] = {
         "pool": {"generation": 7},
         "sharedCounters": [{"name": "s", "counters": {"memory": {"value": "1073741824"}}}],
     }
@@ -225,7 +228,7 @@ def test_background_loop_signals_sync_and_retries_after_api_errors(api: FakeApi)
 
     api.request = flaky  # type: ignore[method-assign]
     pub = publisher(api, [spec(device("gpu-0"))])
-    pub._watch_loop = lambda: None  # type: ignore[method-assign]
+    pub._watch.run = lambda: None  # type: ignore[method-assign]
     pub.start()
     try:
         assert pub.wait_synced(pub.trigger(), timeout=10)
@@ -333,7 +336,7 @@ def test_a_default_false_allow_multiple_allocations_may_be_dropped() -> None:
 def test_the_background_loop_reports_the_gate_until_it_is_on() -> None:
     api = FakeApi(drops=("sharedCounters", "devices[].consumesCounters"))
     pub = publisher(api, partitioned_pool())
-    pub._watch_loop = lambda: None  # type: ignore[method-assign]
+    pub._watch.run = lambda: None  # type: ignore[method-assign]
     pub.start()
     try:
         assert not pub.wait_synced(pub.trigger(), timeout=1)
