@@ -76,7 +76,7 @@ class GpuFailure:
         taint = {"key": f"{driver}/{self.kind}", "effect": effect}
         if self.value is not None:
             taint["value"] = self.value
-        return taint
+        return taint | time_added(self.since)
 
 
 Devices = Iterable[HealthDevice] | Mapping[str, HealthDevice]
@@ -109,8 +109,23 @@ def overlaps(a: Placement | None, b: Placement) -> bool:
     return a[0] < b[0] + b[1] and b[0] < a[0] + a[1]
 
 
+RFC3339_UTC = "%Y-%m-%dT%H:%M:%SZ"
+
+
 def now_rfc3339() -> str:
-    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return datetime.now(UTC).strftime(RFC3339_UTC)
+
+
+def time_added(since: str) -> dict[str, str]:
+    """A taint's `timeAdded`: when its failure was recorded. Without it the API server
+    stamps the taint at every write of its slice, and NoExecute's `tolerationSeconds`
+    would count again from each (another device of the slice failing, a restart's
+    republish). Nothing for a time that does not parse (a record of an older release)."""
+    try:
+        datetime.strptime(since, RFC3339_UTC)
+    except ValueError:
+        return {}
+    return {"timeAdded": since}
 
 
 def precedence(failure: GpuFailure) -> tuple[int, bool, Placement]:

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 from driver.errors import transient
 from driver.health.clear import Publisher
-from driver.health.failures import Devices, device_list, now_rfc3339
+from driver.health.failures import Devices, device_list, now_rfc3339, time_added
 from driver.health.node_events import REASON_CLEARED, REASON_TAINTED, device_names_text
 from driver.kube.events import NodeEvent
 from driver.nvml.recovery import ACTION_NONE, RecoveryReading, action_name
@@ -128,7 +128,7 @@ class RecoveryFailure:
             "key": f"{driver}/{KIND_RECOVERY_ACTION}",
             "value": self.name,
             "effect": self.effect,
-        }
+        } | time_added(self.since)
 
 
 @dataclass(frozen=True)

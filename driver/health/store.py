@@ -398,8 +398,8 @@ class HealthStore:
         """Taints per device name: a GPU's failure taints every device of that GPU, a
         GPU instance's every device on its memory slices. Devices without a failure
         are absent; while the file is corrupt, none is (`UnknownHealth`, whose taint
-        is NoSchedule where `effect` is NoExecute). `timeAdded` is left to the API
-        server."""
+        is NoSchedule where `effect` is NoExecute). `timeAdded` is when the failure was
+        recorded (`time_added`)."""
         driver = driver or self.driver
         unknown_effect = UNKNOWN_EFFECT_FOR_NO_EXECUTE if effect == "NoExecute" else effect
         return {

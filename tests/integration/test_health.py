@@ -467,3 +467,36 @@ def test_a_taint_and_its_clear_are_events_on_the_node(
         assert "cleared by an operator (gpu-dra health clear)" in event["message"]
         assert f"taint removed from {count} device(s)" in event["message"]
         assert plugin.metric("gpu_dra_gpu_healthy", labels) == 1
+
+
+def _slice_of(cluster: Cluster, node: str, device: str) -> str:
+    pool = complete_pool(cluster, node) or []
+    return next(
+        s["metadata"]["name"]
+        for s in pool
+        if any(d["name"] == device for d in s["spec"].get("devices") or [])
+    )
+
+
+def test_a_taint_keeps_its_time_when_its_slice_is_written_again(
+    cluster: Cluster, node: FakeNode, root: Path, pool: list[dict[str, Any]]
+) -> None:
+    """The API server stamps a taint without `timeAdded` at every create or update of
+    its slice. The taint of a GPU that failed first must keep its time when the slice is
+    written for a second GPU's failure: NoExecute's `tolerationSeconds` count from it."""
+    with running_plugin(kubeconfig=cluster.kubeconfig, node_name=node.name, root=root) as plugin:
+        inject(plugin, "xid", "--device", "gpu-1", "--xid", "79")
+        first = cluster.wait_for(
+            lambda: taints(cluster, node.name).get("gpu-1"), timeout=10, what="gpu-1 taint"
+        )
+        assert _slice_of(cluster, node.name, "gpu-1") == _slice_of(cluster, node.name, "gpu-2")
+        time.sleep(1.1)  # timeAdded has a resolution of seconds
+        inject(plugin, "xid", "--device", "gpu-2", "--xid", "79")
+        cluster.wait_for(
+            lambda: taints(cluster, node.name).get("gpu-2"), timeout=10, what="gpu-2 taint"
+        )
+        assert taints(cluster, node.name)["gpu-1"] == first
+        inject(plugin, "reset", "--all")
+        cluster.wait_for(
+            lambda: not taints(cluster, node.name), timeout=10, what="taints removed by reset"
+        )

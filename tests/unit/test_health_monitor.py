@@ -22,6 +22,7 @@ from driver.nvml.mock.fleet import Fleet, default_fleet, parse_fleet
 from driver.nvml.mock.nvml import MockNvml
 from driver.nvml.types import HealthEvent, MigInstance
 from driver.observability.metrics import REGISTRY
+from tests.taints import untimed
 
 DRIVER = "gpu.example.com"
 
@@ -60,7 +61,9 @@ class Rig:
         return next(d.gpu_uuid for d in self.pool.devices if d.name == f"gpu-{minor}")
 
     def taints(self) -> dict[str, list[dict[str, str]]]:
-        return self.store.device_taints(self.pool.devices, driver=DRIVER, effect="NoSchedule")
+        return untimed(
+            self.store.device_taints(self.pool.devices, driver=DRIVER, effect="NoSchedule")
+        )
 
     def names_of(self, minor: int) -> set[str]:
         return {d.name for d in self.pool.devices_of_gpu(self.uuid(minor))}

@@ -14,6 +14,7 @@ import pytest
 
 from driver.health.store import HealthStore
 from driver.observability import metrics
+from tests.taints import untimed
 
 GPU0 = "GPU-00000000-0000-4000-8000-000000000000"
 GPU1 = "GPU-11111111-1111-4111-8111-111111111111"
@@ -38,7 +39,7 @@ DEVICES = [
 def test_fatal_xid_taints_every_device_of_the_gpu(tmp_path: Path) -> None:
     store = HealthStore(tmp_path / "health.json")
     assert store.record_xid(GPU0, 79)
-    taints = store.device_taints(DEVICES, driver="gpu.example.com", effect="NoSchedule")
+    taints = untimed(store.device_taints(DEVICES, driver="gpu.example.com", effect="NoSchedule"))
     expected = [{"key": "gpu.example.com/xid", "value": "79", "effect": "NoSchedule"}]
     assert taints == {
         "gpu-0": expected,
@@ -51,7 +52,7 @@ def test_fatal_xid_taints_every_device_of_the_gpu(tmp_path: Path) -> None:
 def test_effect_and_driver_come_from_the_caller(tmp_path: Path) -> None:
     store = HealthStore(tmp_path / "health.json")
     store.record_lost(GPU1)
-    taints = store.device_taints(DEVICES, driver="other.example.org", effect="NoExecute")
+    taints = untimed(store.device_taints(DEVICES, driver="other.example.org", effect="NoExecute"))
     assert taints["gpu-1"] == [{"key": "other.example.org/gpu-lost", "effect": "NoExecute"}]
     assert set(taints) == {"gpu-1", "gpu-1-mig-1g10gb-0"}
 
@@ -108,7 +109,7 @@ def test_clear(tmp_path: Path) -> None:
     store.record_lost(GPU0)
     assert store.clear(GPU0)
     assert not store.clear(GPU0)
-    assert store.device_taints(DEVICES, effect="NoSchedule") == {}
+    assert untimed(store.device_taints(DEVICES, effect="NoSchedule")) == {}
     assert HealthStore(path).failed_gpus() == {}
 
 
@@ -135,7 +136,7 @@ def test_corrupt_file_keeps_every_gpu_failed(tmp_path: Path) -> None:
     path.write_text("{not json")
     store = HealthStore(path)
     assert store.problem is not None and f"health store {path} is corrupt" in store.problem
-    assert store.device_taints(DEVICES) == {d.name: [UNKNOWN_TAINT] for d in DEVICES}
+    assert untimed(store.device_taints(DEVICES)) == {d.name: [UNKNOWN_TAINT] for d in DEVICES}
     store.set_devices(DEVICES)
     assert store.failure("gpu-1") == store.device_failures(DEVICES)["gpu-1"].message()
     assert "every GPU is kept failed" in (store.failure("gpu-1") or "")
@@ -144,7 +145,7 @@ def test_corrupt_file_keeps_every_gpu_failed(tmp_path: Path) -> None:
 
     # A new failure is published with its own taint, but never written over the file.
     assert store.record_xid(GPU0, 79)
-    taints = store.device_taints(DEVICES)
+    taints = untimed(store.device_taints(DEVICES))
     assert taints["gpu-0"] == [
         {"key": "gpu.example.com/xid", "value": "79", "effect": "NoSchedule"}
     ]
@@ -153,7 +154,9 @@ def test_corrupt_file_keeps_every_gpu_failed(tmp_path: Path) -> None:
     assert path.read_text() == "{not json"
 
     # A restart finds the same file: still every GPU failed.
-    assert HealthStore(path).device_taints(DEVICES) == {d.name: [UNKNOWN_TAINT] for d in DEVICES}
+    assert untimed(HealthStore(path).device_taints(DEVICES)) == {
+        d.name: [UNKNOWN_TAINT] for d in DEVICES
+    }
 
 
 def test_corrupt_store_never_evicts_with_no_execute(tmp_path: Path) -> None:
@@ -161,10 +164,10 @@ def test_corrupt_store_never_evicts_with_no_execute(tmp_path: Path) -> None:
     path.write_text('{"gpus": []}')
     store = HealthStore(path)
     store.record_lost(GPU1)
-    taints = store.device_taints(DEVICES, effect="NoExecute")
+    taints = untimed(store.device_taints(DEVICES, effect="NoExecute"))
     assert taints["gpu-0"] == [UNKNOWN_TAINT]  # unknown health: kept off, not evicted
     assert taints["gpu-1"] == [{"key": "gpu.example.com/gpu-lost", "effect": "NoExecute"}]
-    assert store.device_taints(DEVICES, effect="None")["gpu-0"][0]["effect"] == "None"
+    assert untimed(store.device_taints(DEVICES, effect="None"))["gpu-0"][0]["effect"] == "None"
 
 
 def test_repaired_store_is_trusted_after_a_restart(tmp_path: Path) -> None:
@@ -256,7 +259,9 @@ MIG_DEVICES = [
 def test_instance_failure_taints_devices_on_its_slices(tmp_path: Path) -> None:
     store = HealthStore(tmp_path / "health.json")
     assert store.record_instance_xid(GPU2, (3, 1), 94, gpu_instance_id=9, compute_instance_id=0)
-    taints = store.device_taints(MIG_DEVICES, driver="gpu.example.com", effect="NoSchedule")
+    taints = untimed(
+        store.device_taints(MIG_DEVICES, driver="gpu.example.com", effect="NoSchedule")
+    )
     expected = [{"key": "gpu.example.com/xid", "value": "94", "effect": "NoSchedule"}]
     # The partition, the larger one containing slice 3 and the whole GPU; not the
     # partitions on other slices.
@@ -283,7 +288,7 @@ def test_whole_gpu_failure_still_taints_every_partition(tmp_path: Path) -> None:
     store = HealthStore(tmp_path / "health.json")
     store.record_instance_xid(GPU2, (3, 1), 94, gpu_instance_id=9)
     assert store.record_xid(GPU2, 79)
-    taints = store.device_taints(MIG_DEVICES, effect="NoSchedule")
+    taints = untimed(store.device_taints(MIG_DEVICES, effect="NoSchedule"))
     assert set(taints) == {d.name for d in MIG_DEVICES if d.gpu_uuid == GPU2}
     # The whole GPU's failure is the stronger one where both apply.
     assert {t[0]["value"] for t in taints.values()} == {"79"}
@@ -361,7 +366,9 @@ def test_file_without_instances_still_loads(tmp_path: Path) -> None:
     }
     path.write_text(json.dumps(old))
     store = HealthStore(path)
-    assert set(store.device_taints(DEVICES)) == {d.name for d in DEVICES if d.gpu_uuid == GPU0}
+    assert set(untimed(store.device_taints(DEVICES))) == {
+        d.name for d in DEVICES if d.gpu_uuid == GPU0
+    }
     assert store.failed_instances() == {}
     store.record_lost(GPU1)  # files without instance failures keep the old shape
     assert set(json.loads(path.read_text())) == {"version", "gpus"}
@@ -374,5 +381,23 @@ def test_malformed_instance_record_keeps_every_gpu_failed(tmp_path: Path) -> Non
     store = HealthStore(path)
     assert store.failed_instances() == {}
     assert store.problem is not None and "KeyError: 'size'" in store.problem
-    assert set(store.device_taints(DEVICES)) == {d.name for d in DEVICES}
+    assert set(untimed(store.device_taints(DEVICES))) == {d.name for d in DEVICES}
     assert [p.name for p in tmp_path.iterdir()] == ["health.json"]
+
+
+def test_a_taint_carries_the_time_its_failure_was_recorded(tmp_path: Path) -> None:
+    """The API server would stamp a taint without `timeAdded` at every write of its
+    slice, restarting NoExecute's `tolerationSeconds`: the taint keeps the failure's."""
+    path = tmp_path / "health.json"
+    store = HealthStore(path)
+    assert store.record_xid(GPU0, 79)
+    (since,) = {f["since"] for f in json.loads(path.read_text())["gpus"].values()}
+    taints = store.device_taints(DEVICES, driver="gpu.example.com", effect="NoExecute")
+    assert {t["timeAdded"] for listed in taints.values() for t in listed} == {since}
+    assert HealthStore(path).device_taints(DEVICES) == store.device_taints(DEVICES)
+    record = json.loads(path.read_text())
+    record["gpus"][GPU0]["since"] = "yesterday"  # an unreadable time: the server stamps it
+    path.write_text(json.dumps(record))
+    assert all(
+        "timeAdded" not in t for ts in HealthStore(path).device_taints(DEVICES).values() for t in ts
+    )

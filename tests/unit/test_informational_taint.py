@@ -9,6 +9,7 @@ import pytest
 from driver.errors import ErrorClass
 from driver.health.prepare_health import KubeDeviceHealth
 from driver.health.store import HealthStore
+from tests.taints import untimed
 from tests.unit.test_prepare import DEVICES, DRIVER, Env, env, make_claim, result
 
 __all__ = ["env"]  # the fixture
@@ -44,7 +45,7 @@ def test_a_gpu_with_an_informational_taint_is_prepared(env: Env) -> None:
     assert prepared.ok, prepared.error
     assert publisher.triggers == 0  # nothing to wait for: the claim is not refused
     # The health is still published: an informational taint the scheduler ignores.
-    taints = store.device_taints(DEVICES, driver=DRIVER, effect="None")
+    taints = untimed(store.device_taints(DEVICES, driver=DRIVER, effect="None"))
     assert taints["gpu-1"] == [{"key": f"{DRIVER}/xid", "value": "79", "effect": "None"}]
 
 

@@ -34,6 +34,7 @@ from driver.observability.metrics import REGISTRY
 from driver.plugin.health import HealthSource
 from driver.state.claims import ClaimRef
 from driver.state.planning import check_health
+from tests.taints import untimed
 
 DRIVER = "gpu.example.com"
 KEY = f"{DRIVER}/recovery-action"
@@ -127,8 +128,10 @@ class Node:
 
     def taints(self) -> dict[str, list[dict[str, str]]]:
         """What the plugin publishes: the store's taints and the recovery actions'."""
-        return self.recovery.add_taints(
-            self.store.device_taints(self.pool.devices, driver=DRIVER, effect="NoSchedule")
+        return untimed(
+            self.recovery.add_taints(
+                self.store.device_taints(self.pool.devices, driver=DRIVER, effect="NoSchedule")
+            )
         )
 
     def recovery_taints(self) -> dict[str, list[dict[str, str]]]:
