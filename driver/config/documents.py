@@ -5,8 +5,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Final
 
+from driver.config.decode import gpu_config_errors
 from driver.config.errors import FieldError
-from driver.config.gpu import GROUP, KIND, GpuConfig, gpu_config_errors
+from driver.config.gpu import GROUP, KIND, GpuConfig
 from driver.config.loader import join_path
 
 RESOURCE_GROUP: Final = "resource.k8s.io"

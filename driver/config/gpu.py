@@ -1,4 +1,5 @@
-"""The opaque `GpuConfig` API: strict decoding, defaults, static and device rules.
+"""The opaque `GpuConfig` API: its values, defaults and device rules (the strict
+decoding and static rules are in `driver.config.decode`).
 
 Wire format (identical to the reference driver's)::
 
@@ -11,9 +12,9 @@ Wire format (identical to the reference driver's)::
       spacePartitioningConfig:     # optional, only with SpacePartitioning
         partitionCount: 1          # int, 1..64 (MAX_PARTITION_COUNT) (optional)
 
-Decoding is strict: unknown fields, duplicate fields, wrong JSON types (no
-coercion: `"2"` is not an integer, `true` is not an integer) are errors. A `null`
-optional field is treated as absent.
+The values are frozen dataclasses. Decoding is strict: unknown fields, duplicate
+fields, wrong JSON types (no coercion: `"2"` is not an integer, `true` is not an
+integer) are errors. A `null` optional field is treated as absent.
 
 Defaults, applied by `decode_gpu_config` before validation, in the webhook, the
 CLI and the plugin alike:
@@ -37,19 +38,13 @@ makes at most 7 instances); a device's own `maxPartitions` stays the tighter lim
 
 from __future__ import annotations
 
+import dataclasses
 import enum
+from dataclasses import dataclass
 from typing import Any, Final
 
-from pydantic import BaseModel, ConfigDict, ValidationError
-
-from driver.config.errors import ConfigError, FieldError
-from driver.config.loader import (
-    LoadError,
-    exceeds_values,
-    find_raw_problems,
-    join_path,
-    loads_json_or_yaml,
-)
+from driver.config.errors import ConfigError
+from driver.config.loader import join_path
 
 GROUP: Final = "gpu.resource.example.com"
 API_VERSION: Final = f"{GROUP}/v1alpha1"
@@ -76,35 +71,29 @@ MAX_PARTITION_COUNT: Final = 64
 #: config of thousands costs a worker of the webhook seconds.
 MAX_CONFIG_VALUES: Final = 256
 
-_MODEL_CONFIG = ConfigDict(strict=True, extra="forbid", frozen=True)
 
-
-class TimeSlicingConfig(BaseModel):
-    model_config = _MODEL_CONFIG
-
+@dataclass(frozen=True)
+class TimeSlicingConfig:
     interval: str | None = None
 
 
-class SpacePartitioningConfig(BaseModel):
-    model_config = _MODEL_CONFIG
-
+@dataclass(frozen=True)
+class SpacePartitioningConfig:
     partitionCount: int | None = None
 
 
-class Sharing(BaseModel):
-    model_config = _MODEL_CONFIG
-
+@dataclass(frozen=True)
+class Sharing:
     strategy: str
     timeSlicingConfig: TimeSlicingConfig | None = None
     spacePartitioningConfig: SpacePartitioningConfig | None = None
 
 
-class GpuConfig(BaseModel):
+@dataclass(frozen=True)
+class GpuConfig:
     """A GpuConfig. Values returned by `decode_gpu_config` / `default_gpu_config` are
     defaulted and valid: `sharing` is set and exactly the strategy's sub-config is
     present with its value filled in. Frozen and hashable (usable as a dict key)."""
-
-    model_config = _MODEL_CONFIG
 
     apiVersion: str
     kind: str
@@ -143,7 +132,11 @@ class GpuConfig(BaseModel):
 
     def to_dict(self) -> dict[str, Any]:
         """The wire form (JSON-compatible, absent fields omitted)."""
-        return self.model_dump(exclude_none=True)
+        return dataclasses.asdict(self, dict_factory=_without_none)
+
+
+def _without_none(items: list[tuple[str, Any]]) -> dict[str, Any]:
+    return {key: value for key, value in items if value is not None}
 
 
 def default_gpu_config() -> GpuConfig:
@@ -158,178 +151,11 @@ def default_gpu_config() -> GpuConfig:
     )
 
 
-_TYPE_MESSAGES: Final = {
-    "int_type": "must be an integer",
-    "int_from_float": "must be an integer",
-    "string_type": "must be a string",
-    "model_type": "must be an object",
-    "dict_type": "must be an object",
-    "model_attributes_type": "must be an object",
-    "missing": "required field missing",
-    "extra_forbidden": "unknown field",
-    "invalid_key": "field names must be strings",
-}
-
-
-def _pydantic_errors(err: ValidationError, path: str) -> list[FieldError]:
-    out: list[FieldError] = []
-    for item in err.errors(include_url=False):
-        where = path
-        for part in item["loc"]:
-            where = join_path(where, part if isinstance(part, int) else str(part))
-        message = _TYPE_MESSAGES.get(item["type"], item["msg"])
-        out.append(FieldError(where, message))
-    return out
-
-
-def _normalize(config: GpuConfig) -> GpuConfig:
-    """Fill in defaults. Never adds a sub-config next to an existing one, so a config
-    with the wrong sub-config is reported as such instead of as "both"."""
-    sharing = config.sharing
-    if sharing is None:
-        return config.model_copy(update={"sharing": default_gpu_config().sharing})
-    tsc, spc = sharing.timeSlicingConfig, sharing.spacePartitioningConfig
-    if tsc is None and spc is None:
-        if sharing.strategy == Strategy.TIME_SLICING:
-            tsc = TimeSlicingConfig()
-        elif sharing.strategy == Strategy.SPACE_PARTITIONING:
-            spc = SpacePartitioningConfig()
-    if tsc is not None and tsc.interval is None:
-        tsc = TimeSlicingConfig(interval=Interval.DEFAULT.value)
-    if spc is not None and spc.partitionCount is None:
-        spc = SpacePartitioningConfig(partitionCount=DEFAULT_PARTITION_COUNT)
-    return config.model_copy(
-        update={
-            "sharing": Sharing(
-                strategy=sharing.strategy, timeSlicingConfig=tsc, spacePartitioningConfig=spc
-            )
-        }
-    )
-
-
-def _int(value: int) -> str:
+def int_text(value: int) -> str:
     """An integer for a message; a huge one (which `str` may refuse) described instead."""
     if abs(value) < 10**30:
         return str(value)
     return f"{'-' if value < 0 else ''}a number of {value.bit_length()} bits"
-
-
-def _one_of(values: type[enum.StrEnum]) -> str:
-    return ", ".join(v.value for v in values)
-
-
-def _static_errors(config: GpuConfig, path: str) -> list[FieldError]:
-    errors: list[FieldError] = []
-    if config.apiVersion != API_VERSION:
-        errors.append(
-            FieldError(
-                join_path(path, "apiVersion"),
-                f"unsupported apiVersion {config.apiVersion!r}, expected {API_VERSION!r}",
-            )
-        )
-    if config.kind != KIND:
-        errors.append(
-            FieldError(
-                join_path(path, "kind"), f"unsupported kind {config.kind!r}, expected {KIND!r}"
-            )
-        )
-    sharing = config.sharing
-    if sharing is None:  # not reachable after _normalize; kept for direct callers
-        return errors
-    sharing_path = join_path(path, "sharing")
-    tsc, spc = sharing.timeSlicingConfig, sharing.spacePartitioningConfig
-    tsc_path = join_path(sharing_path, "timeSlicingConfig")
-    spc_path = join_path(sharing_path, "spacePartitioningConfig")
-    known = sharing.strategy in Strategy.__members__.values()
-    if not known:
-        errors.append(
-            FieldError(
-                join_path(sharing_path, "strategy"),
-                f"unknown GPU sharing strategy: {sharing.strategy!r} "
-                f"(must be one of {_one_of(Strategy)})",
-            )
-        )
-    if tsc is not None and tsc.interval not in Interval.__members__.values():
-        errors.append(
-            FieldError(
-                join_path(tsc_path, "interval"),
-                f"unknown time-slice interval: {tsc.interval!r} "
-                f"(must be one of {_one_of(Interval)})",
-            )
-        )
-    count = spc.partitionCount if spc is not None else None
-    if count is not None and count < 1:
-        errors.append(
-            FieldError(join_path(spc_path, "partitionCount"), f"must be >= 1, got {_int(count)}")
-        )
-    elif count is not None and count > MAX_PARTITION_COUNT:
-        errors.append(
-            FieldError(
-                join_path(spc_path, "partitionCount"),
-                f"must be <= {MAX_PARTITION_COUNT}, got {_int(count)}",
-            )
-        )
-    if tsc is not None and spc is not None:
-        errors.append(
-            FieldError(
-                sharing_path,
-                "timeSlicingConfig and spacePartitioningConfig are mutually exclusive",
-            )
-        )
-    elif known and tsc is not None and sharing.strategy != Strategy.TIME_SLICING:
-        errors.append(FieldError(tsc_path, f"not allowed with strategy {sharing.strategy}"))
-    elif known and spc is not None and sharing.strategy != Strategy.SPACE_PARTITIONING:
-        errors.append(FieldError(spc_path, f"not allowed with strategy {sharing.strategy}"))
-    return errors
-
-
-def gpu_config_errors(
-    parameters: object, path: str = ""
-) -> tuple[GpuConfig | None, list[FieldError]]:
-    """Decode, default and statically validate; return (config, []) or (None, errors).
-
-    `parameters` is an already-parsed JSON value (ideally loaded with
-    `driver.config.loader`, so duplicate keys are known) or raw JSON/YAML text
-    (str/bytes). `path` prefixes every error path, e.g.
-    `spec.devices.config[0].opaque.parameters`. Never raises for any input.
-    """
-    if isinstance(parameters, str | bytes | bytearray):
-        try:
-            parameters = loads_json_or_yaml(parameters)
-        except LoadError as err:
-            return None, [FieldError(path, str(err))]
-    if not isinstance(parameters, dict):
-        return None, [FieldError(path, "must be an object")]
-    if exceeds_values(parameters, MAX_CONFIG_VALUES):
-        return None, [FieldError(path, f"too large: more than {MAX_CONFIG_VALUES} values")]
-    errors = find_raw_problems(parameters, path)
-    try:
-        raw = GpuConfig.model_validate(parameters)
-    except ValidationError as err:
-        errors.extend(_pydantic_errors(err, path))
-        return None, _dedupe(errors)
-    except RecursionError:
-        return None, [*errors, FieldError(path, "too deeply nested")]
-    if errors:
-        return None, _dedupe(errors)
-    config = _normalize(raw)
-    errors = _static_errors(config, path)
-    if errors:
-        return None, errors
-    return config, []
-
-
-def _dedupe(errors: list[FieldError]) -> list[FieldError]:
-    return list(dict.fromkeys(errors))
-
-
-def decode_gpu_config(parameters: object, path: str = "") -> GpuConfig:
-    """Decode, default and statically validate one GpuConfig; raise `ConfigError`
-    (permanent invalid-config) naming every bad field. See `gpu_config_errors`."""
-    config, errors = gpu_config_errors(parameters, path)
-    if config is None:
-        raise ConfigError(errors)
-    return config
 
 
 def validate_for_device(
@@ -388,7 +214,7 @@ def validate_for_device(
                 (
                     field,
                     f"impossible partition count: device {device_name} supports at most "
-                    f"{limit} partitions, config requests {_int(count)}",
+                    f"{limit} partitions, config requests {int_text(count)}",
                 )
             ]
         )

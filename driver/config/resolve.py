@@ -10,7 +10,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Final
 
-from driver.config.documents import opaque_parameters_errors
 from driver.config.errors import ConfigError, FieldError
 from driver.config.gpu import GpuConfig, default_gpu_config
 from driver.config.loader import join_path
@@ -105,6 +104,10 @@ def resolve_configs(
         if "parameters" not in opaque:
             errors.append(FieldError(params_path, "required field missing"))
             continue
+        # Here only: the strict decoder (pydantic) loads for a claim that carries this
+        # driver's opaque config, never at the plugin's start or for a plain claim.
+        from driver.config.documents import opaque_parameters_errors
+
         config, problems = opaque_parameters_errors(opaque["parameters"], params_path)
         if config is None:
             errors.extend(problems)

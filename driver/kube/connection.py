@@ -31,7 +31,6 @@ from pathlib import Path
 from typing import Any
 
 import urllib3
-import yaml
 
 IN_CLUSTER_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 TOKEN_REFRESH_SECONDS = 60.0  # as the official client re-reads a rotated token
@@ -181,6 +180,9 @@ def in_cluster_settings(env: Mapping[str, str], secrets_dir: Path) -> Connection
 
 def read_kubeconfig(path: Path) -> ConnectionSettings | None:
     """The current context's settings, or None where they need the official loader."""
+    # Here only: an in-cluster plugin (no kubeconfig file) never loads PyYAML.
+    import yaml
+
     try:
         doc = yaml.load(path.read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
     except OSError as err:

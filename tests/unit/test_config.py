@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import random
 from typing import Any
@@ -372,12 +373,11 @@ def test_impossible_partition_count() -> None:
 def test_partition_count_built_in_code_is_bounded_on_devices_without_a_limit() -> None:
     config = decode_gpu_config(gpu({"strategy": "SpacePartitioning"}))
     assert config.sharing is not None
-    huge = config.model_copy(
-        update={
-            "sharing": config.sharing.model_copy(
-                update={"spacePartitioningConfig": SpacePartitioningConfig(partitionCount=10**30)}
-            )
-        }
+    huge = dataclasses.replace(
+        config,
+        sharing=dataclasses.replace(
+            config.sharing, spacePartitioningConfig=SpacePartitioningConfig(partitionCount=10**30)
+        ),
     )
     with pytest.raises(ConfigError) as info:
         validate_for_device(huge, device_name="gpu-0", is_partition=False, max_partitions=None)

@@ -565,7 +565,7 @@ def test_in_memory_mode_writes_no_files(tmp_path: Path, monkeypatch: pytest.Monk
         ),
         (
             {"model": "H100-80GB", "migInstances": [{"profile": "1g.10gb", "start": -1}]},
-            "gpus[0].migInstances[0].start: Input should be greater than or equal to 0",
+            "gpus[0].migInstances[0].start: Expected `int` >= 0",
         ),
         (
             {"model": "H100-80GB", "migInstances": [{"profile": "1g.10gb", "placement": 0}]},

@@ -27,24 +27,16 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import re
 import uuid as uuidlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
+import msgspec
 import yaml
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-    StrictBool,
-    StrictInt,
-    StrictStr,
-    ValidationError,
-    model_validator,
-)
 
 from driver.nvml.mock import gorand
 
@@ -69,28 +61,29 @@ class FleetError(ValueError):
 # --------------------------------------------------------------------------- models
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+class _Strict(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Decoded strictly (`msgspec.convert(..., strict=True)`): no coercion, no unknown
+    fields."""
 
 
-class MigProfileSpec(_Strict):
-    name: StrictStr
-    slot: StrictStr  # NVML_GPU_INSTANCE_PROFILE_<slot>
-    id: StrictInt = Field(ge=0)
-    sliceCount: StrictInt = Field(ge=1)
-    instanceCount: StrictInt = Field(ge=1)
-    memoryMiB: StrictInt = Field(ge=1)
-    multiprocessors: StrictInt = Field(ge=1)
-    copyEngines: StrictInt = Field(ge=0)
-    decoders: StrictInt = Field(ge=0)
-    encoders: StrictInt = Field(ge=0)
-    jpegEngines: StrictInt = Field(ge=0)
-    ofaEngines: StrictInt = Field(ge=0)
-    placements: tuple[tuple[StrictInt, StrictInt], ...] = Field(min_length=1)
+class MigProfileSpec(_Strict, frozen=True):
+    name: str
+    slot: str  # NVML_GPU_INSTANCE_PROFILE_<slot>
+    id: Annotated[int, msgspec.Meta(ge=0)]
+    sliceCount: Annotated[int, msgspec.Meta(ge=1)]
+    instanceCount: Annotated[int, msgspec.Meta(ge=1)]
+    memoryMiB: Annotated[int, msgspec.Meta(ge=1)]
+    multiprocessors: Annotated[int, msgspec.Meta(ge=1)]
+    copyEngines: Annotated[int, msgspec.Meta(ge=0)]
+    decoders: Annotated[int, msgspec.Meta(ge=0)]
+    encoders: Annotated[int, msgspec.Meta(ge=0)]
+    jpegEngines: Annotated[int, msgspec.Meta(ge=0)]
+    ofaEngines: Annotated[int, msgspec.Meta(ge=0)]
+    placements: Annotated[tuple[tuple[int, int], ...], msgspec.Meta(min_length=1)]
 
 
-class MigSpec(_Strict):
-    profiles: tuple[MigProfileSpec, ...] = Field(min_length=1)
+class MigSpec(_Strict, frozen=True):
+    profiles: Annotated[tuple[MigProfileSpec, ...], msgspec.Meta(min_length=1)]
 
     @property
     def compute_slices(self) -> int:
@@ -135,60 +128,41 @@ def mig_conflict(mig: MigSpec, placed: Sequence[MigPlacement], new: MigPlacement
     return None
 
 
-class ModelProfile(_Strict):
-    productName: StrictStr
-    architecture: StrictStr | None = None  # ampere | hopper | ... (NVML_DEVICE_ARCH_<upper>)
-    brand: StrictStr | None = None  # nvidia | tesla | ... (NVML_BRAND_<upper>)
-    cudaComputeCapability: StrictStr | None = None
-    memoryMiB: StrictInt = Field(ge=1)
-    pciDeviceId: StrictInt = 0x000010DE
+class ModelProfile(_Strict, frozen=True):
+    productName: str
+    memoryMiB: Annotated[int, msgspec.Meta(ge=1)]
+    architecture: str | None = None  # ampere | hopper | ... (NVML_DEVICE_ARCH_<upper>)
+    brand: str | None = None  # nvidia | tesla | ... (NVML_BRAND_<upper>)
+    cudaComputeCapability: str | None = None
+    pciDeviceId: int = 0x000010DE
     mig: MigSpec | None = None
-    referenceExample: StrictBool = False
+    referenceExample: bool = False
 
     @property
     def mig_capable(self) -> bool:
         return self.mig is not None
 
 
-class _ModelTable(_Strict):
-    models: dict[StrictStr, ModelProfile]
+class _ModelTable(_Strict, frozen=True):
+    models: dict[str, ModelProfile]
 
 
-class MigInstanceSpec(_Strict):
-    profile: StrictStr
-    start: StrictInt = Field(ge=0)
+class MigInstanceSpec(_Strict, frozen=True):
+    profile: str
+    start: Annotated[int, msgspec.Meta(ge=0)]
 
 
-class FleetGpus(_Strict):
-    model: StrictStr
-    count: StrictInt = Field(default=1, ge=1, le=MAX_GPUS)
+class FleetGpus(_Strict, frozen=True):
+    model: str
+    count: Annotated[int, msgspec.Meta(ge=1, le=MAX_GPUS)] = 1
     migMode: Literal["enabled", "disabled"] | None = None
     migInstances: tuple[MigInstanceSpec, ...] = ()
 
 
-class Fleet(_Strict):
+class Fleet(_Strict, frozen=True):
     gpus: tuple[FleetGpus, ...]
-    driverVersion: StrictStr | None = Field(default=None, min_length=1)
-    cudaDriverVersion: StrictStr | None = Field(default=None, pattern=r"^\d+\.\d+$")
-
-    @model_validator(mode="after")
-    def _check(self) -> Fleet:
-        table = model_profiles()
-        if not self.gpus:
-            raise ValueError("gpus: at least one GPU group is required")
-        total = 0
-        for i, group in enumerate(self.gpus):
-            profile = table.get(group.model)
-            if profile is None:
-                known = ", ".join(sorted(table))
-                raise ValueError(f"gpus[{i}].model: unknown model {group.model!r} (known: {known})")
-            if group.migMode == "enabled" and not profile.mig_capable:
-                raise ValueError(f"gpus[{i}].migMode: model {group.model} is not MIG-capable")
-            static_mig_placements(group, profile, f"gpus[{i}]")
-            total += group.count
-        if total > MAX_GPUS:
-            raise ValueError(f"gpus: {total} GPUs exceed the maximum of {MAX_GPUS}")
-        return self
+    driverVersion: Annotated[str, msgspec.Meta(min_length=1)] | None = None
+    cudaDriverVersion: Annotated[str, msgspec.Meta(pattern=r"^\d+\.\d+$")] | None = None
 
     @property
     def resolved_driver_version(self) -> str:
@@ -237,20 +211,49 @@ def static_mig_placements(group: FleetGpus, model: ModelProfile, path: str) -> l
 # --------------------------------------------------------------------------- loading
 
 
-def _format_validation_error(err: ValidationError) -> str:
-    parts = []
-    for e in err.errors():
-        loc = ""
-        for item in e["loc"]:
-            loc += f"[{item}]" if isinstance(item, int) else (f".{item}" if loc else str(item))
-        msg = "unknown field" if e["type"] == "extra_forbidden" else e["msg"]
-        if e["type"] == "value_error":
-            # Our own validators already name the field path.
-            msg = str(e["msg"]).removeprefix("Value error, ")
-            parts.append(msg)
-            continue
-        parts.append(f"{loc}: {msg}" if loc else msg)
-    return "; ".join(parts)
+def _check_fleet(fleet: Fleet) -> None:
+    """The rules across fields: known models, MIG modes and instances, the GPU count."""
+    table = model_profiles()
+    if not fleet.gpus:
+        raise ValueError("gpus: at least one GPU group is required")
+    total = 0
+    for i, group in enumerate(fleet.gpus):
+        profile = table.get(group.model)
+        if profile is None:
+            known = ", ".join(sorted(table))
+            raise ValueError(f"gpus[{i}].model: unknown model {group.model!r} (known: {known})")
+        if group.migMode == "enabled" and not profile.mig_capable:
+            raise ValueError(f"gpus[{i}].migMode: model {group.model} is not MIG-capable")
+        static_mig_placements(group, profile, f"gpus[{i}]")
+        total += group.count
+    if total > MAX_GPUS:
+        raise ValueError(f"gpus: {total} GPUs exceed the maximum of {MAX_GPUS}")
+
+
+_MESSAGE = re.compile(r"^(?P<what>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", re.DOTALL)
+_FIELD = re.compile(r"^Object (?P<kind>contains unknown|missing required) field `(?P<name>[^`]*)`$")
+
+_T = TypeVar("_T")
+
+
+def _decode(cls: type[_T], data: object) -> _T:
+    """`data` as `cls`, strictly; ValueError `<field path>: <problem>` (the first one
+    msgspec finds)."""
+    try:
+        return msgspec.convert(data, type=cls, strict=True)
+    except msgspec.ValidationError as err:
+        raise ValueError(_problem(str(err))) from err
+
+
+def _problem(message: str) -> str:
+    """msgspec's `<problem> - at `$.gpus[0]`` as `gpus[0].<field>: <problem>`."""
+    match = _MESSAGE.match(message)
+    what, path = (match["what"], (match["path"] or "").lstrip(".")) if match else (message, "")
+    field = _FIELD.match(what)
+    if field:
+        path = f"{path}.{field['name']}" if path else field["name"]
+        what = "unknown field" if field["kind"] == "contains unknown" else "missing required field"
+    return f"{path}: {what}" if path else what
 
 
 @functools.cache
@@ -258,9 +261,9 @@ def model_profiles() -> dict[str, ModelProfile]:
     """The built-in model profiles, keyed by model name."""
     text = resources.files("driver.nvml.mock").joinpath("profiles/models.yaml").read_text()
     try:
-        table = _ModelTable.model_validate(yaml.load(text, Loader=SAFE_LOADER))
-    except ValidationError as err:
-        raise FleetError(f"built-in models.yaml: {_format_validation_error(err)}") from err
+        table = _decode(_ModelTable, yaml.load(text, Loader=SAFE_LOADER))
+    except ValueError as err:
+        raise FleetError(f"built-in models.yaml: {err}") from err
     return dict(table.models)
 
 
@@ -269,9 +272,11 @@ def parse_fleet(data: Any, *, source: str = "fleet") -> Fleet:
     if not isinstance(data, dict):
         raise FleetError(f"{source}: expected a mapping with a `gpus` list")
     try:
-        return Fleet.model_validate(data)
-    except ValidationError as err:
-        raise FleetError(f"{source}: {_format_validation_error(err)}") from err
+        fleet = _decode(Fleet, data)
+        _check_fleet(fleet)
+    except ValueError as err:  # a field's problem or a rule across fields, each naming its path
+        raise FleetError(f"{source}: {err}") from err
+    return fleet
 
 
 def load_fleet(path: str | Path) -> Fleet:

@@ -2,9 +2,10 @@
 
 `MigFunctions` is mixed into `MockNvml`; its `nvml*` methods carry pynvml's names and
 signatures and raise NVML's codes. Instances live in a `MigStore`: in memory, or, with
-a driver root, in `<root>/run/nvidia-mock/mig-state.json` (JSON, read-modify-written
-under `fcntl.flock` on `mig-state.lock`, written atomically), so a restarted plugin or
-a CLI sees the instances a plugin created, as on a real GPU. `mock_reboot()` drops the
+a driver root, in `<root>/run/nvidia-mock/mig-state.json` (`driver.nvml.mock.mig_store`:
+changed under `fcntl.flock` on `mig-state.lock` and written atomically, read without
+the lock), so a restarted plugin or a CLI sees the instances a plugin created, as on
+a real GPU. `mock_reboot()` drops the
 dynamic instances and re-creates the fleet's `migInstances` (GPU instances do not
 survive a reboot; mig-parted re-creates them at boot). With a driver root the driver's
 capability files follow the instances (see `mig_minor`).
@@ -67,7 +68,6 @@ from driver.nvml.mock.mig_state import (
     GiRecord,
     GpuInstanceInfo,
     MigDevice,
-    MigStore,
     MockComputeInstance,
     MockGpuInstance,
     MockMigDeviceHandle,
@@ -78,6 +78,7 @@ from driver.nvml.mock.mig_state import (
     create_gi,
     mig_uuid,
 )
+from driver.nvml.mock.mig_store import MigStore
 
 _CI_COUNT = NVML_COMPUTE_INSTANCE_PROFILE_COUNT
 
@@ -210,8 +211,8 @@ class MigFunctions:
             ref[i] = ctypes.cast(ctypes.c_void_p(id(h)), ref._type_) if array else h
 
     def _mig_device(self, handle: Any) -> MigDevice:
-        with self.mig_store.open() as st:
-            gpu, gi, ci = self._ci_of(st, handle, MockMigDeviceHandle)
+        st = self.mig_store.read()
+        gpu, gi, ci = self._ci_of(st, handle, MockMigDeviceHandle)
         mig = cast(MigSpec, gpu.profile.mig)
         profile = cast(MigProfileSpec, mig.by_id(gi.profile))
         name = ci_profiles(mig, profile)[ci.profile].name
@@ -219,16 +220,16 @@ class MigFunctions:
 
     def _mig_handle_by_uuid(self, uuid: str) -> MockMigDeviceHandle | None:
         """`MIG-<uuid>`, or the legacy `MIG-GPU-<uuid>/<gi>/<ci>`, to its handle."""
-        with self.mig_store.open() as st:
-            for gpu in self.gpus:
-                for gi in st.gpus.get(gpu.uuid, []):
-                    for ci in gi.cis:
-                        names = (
-                            mig_uuid(gpu.uuid, gi.id, ci.id),
-                            f"MIG-{gpu.uuid}/{gi.id}/{ci.id}",
-                        )
-                        if uuid in names:
-                            return self._ci_handle(MockMigDeviceHandle, gpu, gi, ci)
+        st = self.mig_store.read()
+        for gpu in self.gpus:
+            for gi in st.gpus.get(gpu.uuid, []):
+                for ci in gi.cis:
+                    names = (
+                        mig_uuid(gpu.uuid, gi.id, ci.id),
+                        f"MIG-{gpu.uuid}/{gi.id}/{ci.id}",
+                    )
+                    if uuid in names:
+                        return self._ci_handle(MockMigDeviceHandle, gpu, gi, ci)
         return None
 
     # ------------------------------------------------------------ GPU instances
@@ -261,8 +262,8 @@ class MigFunctions:
     @nvml_call
     def nvmlDeviceGetGpuInstanceById(self, device: Any, gpuInstanceId: int) -> MockGpuInstance:
         gpu = self._mig_capable_gpu(device)
-        with self.mig_store.open() as st:
-            gi = _find_gi(st, gpu, gpuInstanceId)
+        st = self.mig_store.read()
+        gi = _find_gi(st, gpu, gpuInstanceId)
         if gi is None:
             raise MigError(NVML_ERROR_NOT_FOUND)
         return self._gi_handle(gpu, gi)
@@ -273,15 +274,15 @@ class MigFunctions:
     ) -> int:
         gpu = self._mig_capable_gpu(device)
         self._gi_profile(gpu, profileId)
-        with self.mig_store.open() as st:
-            gis = [gi for gi in st.gpus.get(gpu.uuid, []) if gi.profile == profileId]
+        st = self.mig_store.read()
+        gis = [gi for gi in st.gpus.get(gpu.uuid, []) if gi.profile == profileId]
         self._fill(gpuInstancesRef, [self._gi_handle(gpu, gi) for gi in gis], countRef)
         return NVML_SUCCESS
 
     @nvml_call
     def nvmlGpuInstanceGetInfo(self, gpuInstance: Any) -> GpuInstanceInfo:
-        with self.mig_store.open() as st:
-            gpu, gi = self._gi_of(st, gpuInstance)
+        st = self.mig_store.read()
+        gpu, gi = self._gi_of(st, gpuInstance)
         placement = Placement(gi.start, gi.size)
         return GpuInstanceInfo(self._handles[gpu.index], gi.id, gi.profile, placement)
 
@@ -303,8 +304,8 @@ class MigFunctions:
     ) -> ComputeInstanceProfileInfo:
         if version not in (1, 2):
             raise MigError(NVML_ERROR_FUNCTION_NOT_FOUND)
-        with self.mig_store.open() as st:
-            gpu, gi = self._gi_of(st, device)
+        st = self.mig_store.read()
+        gpu, gi = self._gi_of(st, device)
         if engProfile != NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED:
             raise MigError(NVML_ERROR_INVALID_ARGUMENT)
         ci = self._ci_profile(gpu, gi, profile)
@@ -336,8 +337,8 @@ class MigFunctions:
     def nvmlGpuInstanceGetComputeInstanceById(
         self, gpuInstance: Any, computeInstanceId: int
     ) -> MockComputeInstance:
-        with self.mig_store.open() as st:
-            gpu, gi = self._gi_of(st, gpuInstance)
+        st = self.mig_store.read()
+        gpu, gi = self._gi_of(st, gpuInstance)
         ci = next((c for c in gi.cis if c.id == computeInstanceId), None)
         if ci is None:
             raise MigError(NVML_ERROR_NOT_FOUND)
@@ -347,8 +348,8 @@ class MigFunctions:
     def nvmlGpuInstanceGetComputeInstances(
         self, gpuInstance: Any, profileId: int, computeInstancesRef: Any, countRef: Any
     ) -> int:
-        with self.mig_store.open() as st:
-            gpu, gi = self._gi_of(st, gpuInstance)
+        st = self.mig_store.read()
+        gpu, gi = self._gi_of(st, gpuInstance)
         self._ci_profile(gpu, gi, profileId)
         cis = [self._ci_handle(MockComputeInstance, gpu, gi, c) for c in gi.cis]
         self._fill(
@@ -360,8 +361,8 @@ class MigFunctions:
 
     @nvml_call
     def nvmlComputeInstanceGetInfo_v2(self, computeInstance: Any) -> ComputeInstanceInfo:
-        with self.mig_store.open() as st:
-            gpu, gi, ci = self._ci_of(st, computeInstance, MockComputeInstance)
+        st = self.mig_store.read()
+        gpu, gi, ci = self._ci_of(st, computeInstance, MockComputeInstance)
         return ComputeInstanceInfo(
             device=self._handles[gpu.index],
             gpuInstance=self._gi_handle(gpu, gi),
@@ -396,8 +397,8 @@ class MigFunctions:
             or not 0 <= index < cast(MigSpec, gpu.profile.mig).compute_slices
         ):
             raise MigError(NVML_ERROR_INVALID_ARGUMENT)
-        with self.mig_store.open() as st:
-            devices = [(gi, ci) for gi in st.gpus.get(gpu.uuid, []) for ci in gi.cis]
+        st = self.mig_store.read()
+        devices = [(gi, ci) for gi in st.gpus.get(gpu.uuid, []) for ci in gi.cis]
         if index >= len(devices):
             raise MigError(NVML_ERROR_NOT_FOUND)
         return self._ci_handle(MockMigDeviceHandle, gpu, *devices[index])
@@ -416,10 +417,10 @@ class MigFunctions:
 
     @nvml_call
     def nvmlDeviceGetGpuInstanceId(self, device: Any) -> int:
-        with self.mig_store.open() as st:
-            return self._ci_of(st, device, MockMigDeviceHandle)[1].id
+        st = self.mig_store.read()
+        return self._ci_of(st, device, MockMigDeviceHandle)[1].id
 
     @nvml_call
     def nvmlDeviceGetComputeInstanceId(self, device: Any) -> int:
-        with self.mig_store.open() as st:
-            return self._ci_of(st, device, MockMigDeviceHandle)[2].id
+        st = self.mig_store.read()
+        return self._ci_of(st, device, MockMigDeviceHandle)[2].id

@@ -1,41 +1,13 @@
-"""The model behind the mock NVML's MIG devices: instance records, placement, IDs, store.
-
-A `MigStore` keeps the MIG instances of one mock node: in memory, or, with a driver
-root, in `<root>/run/nvidia-mock/mig-state.json`, so that two processes on the same
-driver root (a plugin and a restarted plugin, or a CLI) see the same instances, as
-they would on a real GPU. Every access is a read-modify-write under an exclusive
-`fcntl.flock` on `mig-state.lock`; writes are atomic (temporary file, fsync, rename).
-
-State file (version 1): `{"version": 1, "serial": N, "gpus": {"<GPU UUID>": [GI...]}}`
-with GI `{"id", "profile", "start", "size", "serial", "cis": [CI...]}` and CI
-`{"id", "profile", "start", "size", "serial"}`: `profile` is the GI/CI profile ID,
-`start`/`size` the placement (memory slices of the GPU for a GI, compute slices of
-the GI for a CI), `serial` a number never reused, so a handle to a destroyed instance
-stays invalid even when the ID is taken again.
-
-With a driver root, every change also rewrites the capability files the NVIDIA driver
-exposes for MIG (NVIDIA/open-gpu-kernel-modules: nv-caps.c, arch/nvalloc/unix/src/os.c):
-`proc/driver/nvidia/capabilities/gpu<GPU minor>/mig/gi<GI>/access` and
-`.../gi<GI>/ci<CI>/access`, three lines each: `DeviceFileMinor: <nvidia-cap minor>`,
-`DeviceFileMode: 292` (0444 in decimal), `DeviceFileModify: 1`; the driver's
-`capabilities/mig/config` (minor 1, mode 256) and `mig/monitor` (minor 2, mode 292);
-and, once, `proc/driver/nvidia-caps/mig-minors` (see `mig_minor`).
+"""The model behind the mock NVML's MIG devices: instance records, placement, IDs, and
+the numbering of the capability files (`mig_minor`). `driver.nvml.mock.mig_store`
+keeps the records of a node.
 """
 
 from __future__ import annotations
 
-import contextlib
-import copy
 import ctypes
-import dataclasses
-import fcntl
-import json
-import os
-import shutil
-import tempfile
-import threading
 import uuid as uuidlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
@@ -53,8 +25,8 @@ MIG_MINORS_FILE = Path("proc/driver/nvidia-caps/mig-minors")
 
 CI_SLOT = {1: 0x0, 2: 0x1, 3: 0x2, 4: 0x3, 7: 0x4, 8: 0x5, 6: 0x6}  # slices -> CI profile
 MAX_CIS = 8  # compute instances per GPU instance (capabilities ci0..ci7)
-_CAP_GPUS, _CAP_GIS, _CAP_FIRST = 32, 15, 3  # nv-caps.c tables: gpu0-31, gi0-14
-_MODE_RUGO, _MODE_RUSR = 0o444, 0o400
+CAP_GPUS, _CAP_GIS, _CAP_FIRST = 32, 15, 3  # nv-caps.c tables: gpu0-31, gi0-14
+_MODE_RUGO, MODE_RUSR = 0o444, 0o400
 _MIG_UUID_NAMESPACE = uuidlib.UUID("0b5a3c55-7d7e-4f5e-9a6c-2f4e8d1c3b7a")
 
 
@@ -292,7 +264,7 @@ def mig_minor(gpu_minor: int, gi: int, ci: int | None = None) -> int:
     The kernel numbers its capability tables in order: nvlink fabric-mgmt 0, MIG
     config 1 and monitor 2, then for gpu0..31, gi0..14: the GI's access, then ci0..7.
     """
-    if not (0 <= gpu_minor < _CAP_GPUS and 0 <= gi < _CAP_GIS and ci in (None, *range(8))):
+    if not (0 <= gpu_minor < CAP_GPUS and 0 <= gi < _CAP_GIS and ci in (None, *range(8))):
         raise ValueError(f"no MIG capability for gpu{gpu_minor}/gi{gi}/ci{ci}")
     base = _CAP_FIRST + (gpu_minor * _CAP_GIS + gi) * (1 + MAX_CIS)
     return base if ci is None else base + 1 + ci
@@ -301,7 +273,7 @@ def mig_minor(gpu_minor: int, gi: int, ci: int | None = None) -> int:
 def mig_minors_text() -> str:
     """The content of /proc/driver/nvidia-caps/mig-minors."""
     lines = ["config 1", "monitor 2"]
-    for g in range(_CAP_GPUS):
+    for g in range(CAP_GPUS):
         for i in range(_CAP_GIS):
             lines.append(f"gpu{g}/gi{i}/access {mig_minor(g, i)}")
             lines += [f"gpu{g}/gi{i}/ci{c}/access {mig_minor(g, i, c)}" for c in range(MAX_CIS)]
@@ -311,111 +283,3 @@ def mig_minors_text() -> str:
 def access_text(minor: int, mode: int = _MODE_RUGO) -> str:
     """A capability `access` file: minor, mode (decimal, 0444 = 292), modify flag."""
     return f"DeviceFileMinor: {minor}\nDeviceFileMode: {mode}\nDeviceFileModify: 1\n"
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile(
-        "w", dir=path.parent, prefix=f".{path.name}.", delete=False
-    ) as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(f.name, path)
-    fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _ensure(path: Path, text: str) -> None:
-    if not path.exists() or path.read_text() != text:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
-
-
-def _prune(directory: Path, keep: set[str]) -> None:
-    for d in directory.iterdir():
-        if d.is_dir() and d.name not in keep:
-            shutil.rmtree(d)
-
-
-# --------------------------------------------------------------------------- store
-
-
-class MigStore:
-    """The MIG instances of one node: in memory, or a JSON file under a driver root."""
-
-    def __init__(self, gpus: Sequence[MockGpu], driver_root: Path | None) -> None:
-        self.gpus = gpus
-        self.root = driver_root
-        self._lock = threading.Lock()
-        self._memory: State | None = None
-
-    def boot(self, serial: int = 0) -> State:
-        """The state after a boot: the fleet's static instances, one CI covering each."""
-        st = State(serial)
-        for gpu in self.gpus:
-            if gpu.mig_enabled and gpu.profile.mig is not None:
-                for p in gpu.static_mig:
-                    gi = create_gi(st, gpu, p.profile, (p.start, p.size))
-                    full = CI_SLOT[p.profile.sliceCount]
-                    create_ci(st, gi, ci_profiles(gpu.profile.mig, p.profile)[full])
-        return st
-
-    @contextlib.contextmanager
-    def open(self) -> Iterator[State]:
-        """The state, saved when the block ends without an exception."""
-        with self._lock:
-            if self.root is None:
-                st = copy.deepcopy(self._memory) if self._memory else self.boot()
-                yield st
-                self._memory = st
-                return
-            path = self.root / STATE_FILE
-            path.parent.mkdir(parents=True, exist_ok=True)
-            with open(path.with_suffix(".lock"), "a") as lock:
-                fcntl.flock(lock, fcntl.LOCK_EX)
-                before = path.read_text() if path.exists() else None
-                st = _load(before) if before is not None else self.boot()
-                yield st
-                after = _dump(st)
-                if after != before:
-                    _atomic_write(path, after)
-                    self._sync_capabilities(st)
-
-    def _sync_capabilities(self, st: State) -> None:
-        root = cast(Path, self.root)
-        if not (root / MIG_MINORS_FILE).exists():
-            _atomic_write(root / MIG_MINORS_FILE, mig_minors_text())
-        caps = root / CAPABILITIES_DIR
-        _ensure(caps / "mig/config", access_text(1, _MODE_RUSR))
-        _ensure(caps / "mig/monitor", access_text(2))
-        for gpu in self.gpus:
-            if gpu.minor >= _CAP_GPUS:
-                continue  # the driver has capability minors for gpu0..31 only
-            mig_dir = caps / f"gpu{gpu.minor}/mig"
-            mig_dir.mkdir(parents=True, exist_ok=True)
-            gis = st.gpus.get(gpu.uuid, [])
-            _prune(mig_dir, {f"gi{gi.id}" for gi in gis})
-            for gi in gis:
-                _ensure(mig_dir / f"gi{gi.id}/access", access_text(mig_minor(gpu.minor, gi.id)))
-                _prune(mig_dir / f"gi{gi.id}", {f"ci{ci.id}" for ci in gi.cis})
-                for ci in gi.cis:
-                    text = access_text(mig_minor(gpu.minor, gi.id, ci.id))
-                    _ensure(mig_dir / f"gi{gi.id}/ci{ci.id}/access", text)
-
-
-def _dump(st: State) -> str:
-    gpus = {u: [dataclasses.asdict(gi) for gi in gis] for u, gis in st.gpus.items() if gis}
-    return json.dumps({"version": 1, "serial": st.serial, "gpus": gpus}, indent=1) + "\n"
-
-
-def _load(text: str) -> State:
-    data = json.loads(text)
-    gpus = {
-        u: [GiRecord(**{**gi, "cis": [CiRecord(**ci) for ci in gi["cis"]]}) for gi in gis]
-        for u, gis in data["gpus"].items()
-    }
-    return State(int(data["serial"]), gpus)
