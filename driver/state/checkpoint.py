@@ -82,6 +82,9 @@ SCHEMA_WITH_LOG: Final = 2  # the snapshot, then checkpoint.log's records
 CHECKPOINT_FILE: Final = "checkpoint.json"
 LOG_COMPACT_RECORDS: Final = 256
 LOG_COMPACT_BYTES: Final = 1 << 20
+# Free space a store that adds or changes entries leaves for the record that rolls
+# them back (a 64-claim batch's is a few KiB).
+ROLLBACK_RESERVE: Final = 64 << 10
 _READ_ATTEMPTS: Final = 3
 
 Identity = tuple[int, int, int]  # a file's (inode, size, modification time in ns)
@@ -306,7 +309,8 @@ class Checkpoint:
             failpoint(before_commit)
         fd = open_log(self.log_path)
         try:
-            append(fd, record, keep=view.log_size, sync=synced)
+            reserve = ROLLBACK_RESERVE if changed else 0
+            append(fd, record, keep=view.log_size, sync=synced, reserve=reserve)
             status = os.fstat(fd)
         finally:
             os.close(fd)

@@ -24,6 +24,7 @@ append it has not synced (`Checkpoint.store`).
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -144,10 +145,22 @@ def open_log(path: Path, *, create: bool = False) -> int:
     return open_nofollow(path, flags)
 
 
-def append(fd: int, record: bytes, *, keep: int, sync: bool) -> None:
+def append(fd: int, record: bytes, *, keep: int, sync: bool, reserve: int = 0) -> None:
     """Append `record` to the log open at `fd`, after cutting it to its first `keep`
     bytes (a torn tail; the cut is then synced with the record, whatever `sync`
-    says). On error the log is cut back to `keep` bytes, as far as it can be."""
+    says). On error the log is cut back to `keep` bytes, as far as it can be.
+
+    `reserve`: bytes the file system must have free beyond the record, or ENOSPC
+    before anything is written. An append can fit in the log's last block on a full
+    disk; the record that would roll it back might then not."""
+    if reserve:
+        st = os.fstatvfs(fd)
+        if st.f_bavail * st.f_frsize < len(record) + reserve:
+            raise OSError(
+                errno.ENOSPC,
+                f"{os.strerror(errno.ENOSPC)} (a journal record that adds claims keeps "
+                f"{reserve // 1024} KiB free to roll them back)",
+            )
     torn = os.fstat(fd).st_size > keep
     if torn:
         os.ftruncate(fd, keep)

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from driver.errors import DriverError
 from driver.state import checkpoint as checkpoint_module
 from driver.state.checkpoint import (
     Checkpoint,
@@ -340,3 +341,33 @@ def test_start_and_clean_stop_leave_a_journal_every_release_reads(tmp_path: Path
     assert _older_release_reads(state.checkpoint) is None
     assert make_node(tmp_path, fleet).state.checkpoint.inspect().schema_version == 1  # start
     assert set(_older_release_reads(state.checkpoint) or {}) == {"a", "b", "x", "y"}
+
+
+def _disk_with_free_bytes(monkeypatch: pytest.MonkeyPatch, free: int) -> None:
+    real = os.fstatvfs
+
+    def reporting(fd: int) -> os.statvfs_result:
+        st = real(fd)
+        fields = list(st)
+        fields[4] = fields[3] = free // st.f_frsize  # f_bfree, f_bavail
+        return os.statvfs_result(fields)
+
+    monkeypatch.setattr(os, "fstatvfs", reporting)
+
+
+def test_a_store_that_adds_entries_keeps_room_to_roll_them_back(
+    cp: Checkpoint, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An append may fit in the log's last block when the disk is full, and then the
+    record that rolls it back may not: a store that sets entries is refused unless the
+    disk has room for it and its rollback. A store that only removes entries is not
+    (it frees what the claim held)."""
+    cp.store({"a": A})
+    cp.store({"a": A, "b": B})
+    before = _files(cp)
+    _disk_with_free_bytes(monkeypatch, 4096)
+    with pytest.raises(DriverError, match="No space left on device"):
+        cp.store({"a": A, "b": B, "c": C})
+    assert _files(cp) == before and Checkpoint(cp.data_dir).load() == {"a": A, "b": B}
+    cp.store({"a": A})
+    assert Checkpoint(cp.data_dir).load() == {"a": A}
