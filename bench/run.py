@@ -376,14 +376,14 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def new_results_path(directory: Path, started: dt.datetime) -> Path:
-    """`<date>.json` in `directory`, or `<date>-2.json`, `-3`, ... when a run of the same
-    day is there already: committed results are never overwritten."""
+def new_results_path(directory: Path, started: dt.datetime, prefix: str = "") -> Path:
+    """`<prefix><date>.json` in `directory`, or `<prefix><date>-2.json`, `-3`, ... when a
+    run of the same day is there already: committed results are never overwritten."""
     directory.mkdir(parents=True, exist_ok=True)
-    path = directory / f"{started:%Y-%m-%d}.json"
+    path = directory / f"{prefix}{started:%Y-%m-%d}.json"
     suffix = 2
     while path.exists():
-        path = directory / f"{started:%Y-%m-%d}-{suffix}.json"
+        path = directory / f"{prefix}{started:%Y-%m-%d}-{suffix}.json"
         suffix += 1
     return path
 

@@ -21,3 +21,10 @@ def test_a_later_run_of_the_same_day_gets_a_suffix(tmp_path: Path) -> None:
     (tmp_path / "2026-11-26-2.json").write_text("{}")
     assert new_results_path(tmp_path, STARTED) == tmp_path / "2026-11-26-3.json"
     assert (tmp_path / "2026-11-26.json").read_text() == "{}"
+
+
+def test_a_prefix_names_another_benchmark_s_results_apart(tmp_path: Path) -> None:
+    (tmp_path / "2026-11-26.json").write_text("{}")
+    assert new_results_path(tmp_path, STARTED, "allocator-") == (
+        tmp_path / "allocator-2026-11-26.json"
+    )
