@@ -36,24 +36,15 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+from driver.nvml.calls import is_nvml_error, nvml_text
+from driver.nvml.mig_errors import MigError, mig_error
 from driver.nvml.types import MigInstance
 
 log = logging.getLogger(__name__)
 
+__all__ = ["MigError", "MigInstance", "MigManager", "MigTarget", "RecordedInstance"]
+
 _REV1 = "NVML_COMPUTE_INSTANCE_PROFILE_1_SLICE_REV1"  # NVIDIA's driver skips it too
-
-
-class MigError(RuntimeError):
-    """A MIG operation NVML refused. `code` is the NVML return code name (e.g.
-    `NVML_ERROR_INSUFFICIENT_RESOURCES`); `retryable` says whether the same call can
-    succeed later without a change by an administrator; `gpu_gone`: the parent GPU
-    is lost (fell off the bus) or no longer on this node, and so are its MIG devices."""
-
-    def __init__(self, message: str, *, code: str, retryable: bool, gpu_gone: bool = False) -> None:
-        super().__init__(message)
-        self.code = code
-        self.retryable = retryable
-        self.gpu_gone = gpu_gone
 
 
 @dataclass(frozen=True)
@@ -67,35 +58,6 @@ class MigTarget:
 
     def describe(self) -> str:
         return f"profile {self.profile_id} at {self.placement[0]}+{self.placement[1]}"
-
-
-# NVML return codes that no retry fixes without someone changing the GPU's setup.
-_NOT_RETRYABLE = frozenset(
-    {
-        "NVML_ERROR_NOT_SUPPORTED",  # MIG mode off, or profile unsupported
-        "NVML_ERROR_INVALID_ARGUMENT",  # placement not possible for the profile
-        "NVML_ERROR_NO_PERMISSION",  # the plugin lacks the MIG capability
-    }
-)
-
-
-_KNOWN_ERRORS = (
-    "NVML_ERROR_INSUFFICIENT_RESOURCES",
-    "NVML_ERROR_NOT_SUPPORTED",
-    "NVML_ERROR_INVALID_ARGUMENT",
-    "NVML_ERROR_NO_PERMISSION",
-    "NVML_ERROR_NOT_FOUND",
-    "NVML_ERROR_IN_USE",
-    "NVML_ERROR_GPU_IS_LOST",
-    "NVML_ERROR_UNINITIALIZED",
-    "NVML_ERROR_DRIVER_NOT_LOADED",
-    "NVML_ERROR_LIBRARY_NOT_FOUND",
-    "NVML_ERROR_LIB_RM_VERSION_MISMATCH",
-    "NVML_ERROR_IRQ_ISSUE",
-    "NVML_ERROR_INSUFFICIENT_POWER",
-    "NVML_ERROR_TIMEOUT",
-    "NVML_ERROR_UNKNOWN",
-)
 
 
 @dataclass(frozen=True)
@@ -130,27 +92,11 @@ class MigManager:
 
     # ------------------------------------------------------------ helpers
 
-    def _code(self, err: BaseException) -> str:
-        value = getattr(err, "value", None)
-        for name in _KNOWN_ERRORS:
-            if getattr(self._nvml, name, None) == value:
-                return name
-        return f"NVML error {value}"
-
     def _fail(self, err: BaseException, what: str, *, lookup: bool = False) -> MigError:
-        """`err` as a MigError. `lookup`: from finding the GPU itself, where NOT_FOUND
-        means the GPU is not on this node (elsewhere it names an instance)."""
-        code = self._code(err)
-        gone = code == "NVML_ERROR_GPU_IS_LOST" or (lookup and code == "NVML_ERROR_NOT_FOUND")
-        return MigError(
-            f"{what}: {err} ({code})",
-            code=code,
-            retryable=code not in _NOT_RETRYABLE,
-            gpu_gone=gone,
-        )
+        return mig_error(self._nvml, err, what, lookup=lookup)
 
     def _is(self, err: BaseException, name: str) -> bool:
-        return getattr(err, "value", None) == getattr(self._nvml, name, object())
+        return is_nvml_error(self._nvml, err, name)
 
     @contextmanager
     def _session(self) -> Iterator[Any]:
@@ -195,7 +141,7 @@ class MigManager:
         for index in range(int(nvml.nvmlDeviceGetCount())):
             try:
                 handle = nvml.nvmlDeviceGetHandleByIndex(index)
-                if _text(nvml.nvmlDeviceGetUUID(handle)) == gpu_uuid:
+                if nvml_text(nvml.nvmlDeviceGetUUID(handle)) == gpu_uuid:
                     return handle
             except nvml.NVMLError as err:
                 log.debug("GPU at NVML index %d does not answer: %s", index, err)
@@ -293,7 +239,7 @@ class MigManager:
                 int(nvml.nvmlDeviceGetGpuInstanceId(mig)) == gi_id
                 and int(nvml.nvmlDeviceGetComputeInstanceId(mig)) == ci_id
             ):
-                return _text(nvml.nvmlDeviceGetUUID(mig))
+                return nvml_text(nvml.nvmlDeviceGetUUID(mig))
         return None
 
     def _describe(self, nvml: Any, handle: Any, gpu_uuid: str, gi: Any) -> MigInstance:
@@ -476,7 +422,3 @@ class MigManager:
         for ci in self._compute_instances(nvml, gi):
             nvml.nvmlComputeInstanceDestroy(ci)
         nvml.nvmlGpuInstanceDestroy(gi)
-
-
-def _text(value: str | bytes) -> str:
-    return value.decode() if isinstance(value, bytes) else value
