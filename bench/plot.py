@@ -18,6 +18,7 @@ def plot(results: dict[str, Any], out: Path) -> None:
         "ours": "this driver",
         "reference": "Go reference (defaults: 5 QPS)",
         "reference_unthrottled": "Go reference (QPS 1000)",
+        "nvidia": "NVIDIA gpu-kubelet-plugin (QPS 1000)",
     }
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     for ax, key, title in (

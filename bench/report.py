@@ -24,6 +24,7 @@ NAMES = {
     "ours": "this driver",
     "reference_unthrottled": "reference, QPS 1000",
     "reference": "reference as shipped",
+    "nvidia": "NVIDIA's plugin, QPS 1000",
 }
 
 
@@ -315,6 +316,7 @@ def header(results: dict[str, Any]) -> str:
     else:
         ref_text = ref.get("note", "not available")
     order = ", ".join(f"{NAMES[r['driver']]} #{r['repetition']}" for r in results["runs"])
+    nvidia = ["", nvidia_text(results)] if "nvidia" in results else []
     return "\n".join(
         [
             f"Run {results['started']} to {results.get('finished', '?')}: "
@@ -327,11 +329,39 @@ def header(results: dict[str, Any]) -> str:
             f"per turn: {', '.join(str(r['load_start']['1m']) for r in results['runs'])}.",
             "",
             f"Reference: {ref_text}.",
+            *nvidia,
             "",
             "Cells: n: p50 / p99 / max, pooled over the repetitions (latency rows: every "
             "call; other rows: one value per repetition). Ratios: this driver / reference.",
         ]
     )
+
+
+def _commit(build: dict[str, Any]) -> str:
+    revision = build.get("vcs_revision", "?")[:12]
+    return f"{revision}{' + local changes' if build.get('vcs_modified') else ''}"
+
+
+def nvidia_text(results: dict[str, Any]) -> str:
+    """Which NVIDIA plugin and mock NVML ran, and what was skipped for them."""
+    nvidia = results["nvidia"]
+    if "plugin" not in nvidia:
+        return f"NVIDIA's plugin: {nvidia.get('note', 'not available')}."
+    plugin, nvml = nvidia["plugin"], nvidia["nvml"]
+    text = (
+        f"NVIDIA's plugin: `{plugin.get('package')}` at {_commit(plugin)} "
+        f"({plugin.get('go')}), {' '.join(nvidia.get('flags', []))}, over the mock NVML "
+        f"`{nvml.get('package')}` at {_commit(nvml)}. Ratios in its column: this driver / "
+        "NVIDIA's plugin."
+    )
+    skipped = dict(nvidia.get("skipped", {}))
+    for run in results["runs"]:
+        if run["driver"] == "nvidia":
+            for scenario, why in run["results"].get("skipped", {}).items():
+                skipped[f"{scenario} #{run['repetition']}"] = why
+    if skipped:
+        text += " Not run for it: " + "; ".join(f"{k} ({v})" for k, v in skipped.items()) + "."
+    return text
 
 
 def markdown(results: dict[str, Any]) -> str:

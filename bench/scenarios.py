@@ -1,13 +1,14 @@
 """The benchmark scenarios, run identically against either plugin.
 
 Everything is timed by the harness from the outside (wall clock around the kubelet's
-gRPC call, or from the action to the watch event that shows its effect), so both
-plugins are measured the same way.
+gRPC call, or from the action to the watch event that shows its effect), so every
+plugin is measured the same way. One plugin runs at a time, and each turn starts from a
+node without slices, so the node's slices are the running plugin's, whatever its
+driver name.
 """
 
 from __future__ import annotations
 
-import os
 import statistics
 import threading
 import time
@@ -24,7 +25,11 @@ SLICES = "/apis/resource.k8s.io/v1/resourceslices"
 NVML_CALLS = "gpu_dra_nvml_calls"
 STATE_WRITES = "gpu_dra_state_file_writes"
 NS = "gpu-dra-bench"
-DEVICE_CLASS = "bench-gpu.example.com"
+
+
+def device_class(driver: str) -> str:
+    """The bench's DeviceClass selecting `driver`'s devices (bench-gpu.example.com)."""
+    return f"bench-{driver}"
 
 
 def percentile(ordered: list[float], p: float) -> float:
@@ -60,8 +65,8 @@ def load_average() -> dict[str, float]:
 
 
 class SliceWatcher:
-    """Mirrors the node's ResourceSlices of the driver from a watch; waiters get the
-    arrival time of the event that made their predicate true."""
+    """Mirrors the node's ResourceSlices (of whichever plugin runs) from a watch;
+    waiters get the arrival time of the event that made their predicate true."""
 
     def __init__(self, api: Api, node: str) -> None:
         self.api = api
@@ -80,7 +85,7 @@ class SliceWatcher:
         self._stop.set()
 
     def _query(self) -> dict[str, str]:
-        return {"fieldSelector": f"spec.driver={DRIVER},spec.nodeName={self.node}"}
+        return {"fieldSelector": f"spec.nodeName={self.node}"}
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -145,7 +150,8 @@ def devices_of(slices: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 
 
 def delete_node_slices(api: Api, node: str) -> None:
-    api.delete(SLICES, fieldSelector=f"spec.nodeName={node},spec.driver={DRIVER}")
+    """Every slice of the node, whichever driver published it."""
+    api.delete(SLICES, fieldSelector=f"spec.nodeName={node}")
     wait_for(
         lambda: not api.get(SLICES, fieldSelector=f"spec.nodeName={node}")["items"],
         30,
@@ -156,7 +162,7 @@ def delete_node_slices(api: Api, node: str) -> None:
 # --------------------------------------------------------------------------- claims
 
 
-def setup_namespace(api: Api) -> None:
+def setup_namespace(api: Api, drivers: tuple[str, ...] = (DRIVER,)) -> None:
     try:
         api.post(
             "/api/v1/namespaces",
@@ -165,23 +171,28 @@ def setup_namespace(api: Api) -> None:
     except ApiError as err:
         if not err.conflict:
             raise
-    try:
-        api.post(
-            "/apis/resource.k8s.io/v1/deviceclasses",
-            {
-                "apiVersion": "resource.k8s.io/v1",
-                "kind": "DeviceClass",
-                "metadata": {"name": DEVICE_CLASS},
-                "spec": {"selectors": [{"cel": {"expression": f'device.driver == "{DRIVER}"'}}]},
-            },
-        )
-    except ApiError as err:
-        if not err.conflict:
-            raise
+    for driver in drivers:
+        try:
+            api.post(
+                "/apis/resource.k8s.io/v1/deviceclasses",
+                {
+                    "apiVersion": "resource.k8s.io/v1",
+                    "kind": "DeviceClass",
+                    "metadata": {"name": device_class(driver)},
+                    "spec": {
+                        "selectors": [{"cel": {"expression": f'device.driver == "{driver}"'}}]
+                    },
+                },
+            )
+        except ApiError as err:
+            if not err.conflict:
+                raise
 
 
-def allocated_claim(api: Api, node: str, name: str, device: str, config: Any = None) -> ClaimRef:
-    """A ResourceClaim allocated to `device` of this node's pool.
+def allocated_claim(
+    api: Api, node: str, name: str, device: str, config: Any = None, driver: str = DRIVER
+) -> ClaimRef:
+    """A ResourceClaim allocated to `device` of `driver`'s pool on this node.
 
     The allocation is written into the claim's status directly, as the scheduler would
     (the scheduler's own latency is not what is measured here, and 64 pods would only
@@ -192,11 +203,13 @@ def allocated_claim(api: Api, node: str, name: str, device: str, config: Any = N
     api.delete(f"{path}/{name}")
     wait_for(lambda: _absent(api, f"{path}/{name}"), 30, f"old claim {name} deleted")
     spec: dict[str, Any] = {
-        "devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": DEVICE_CLASS}}]}
+        "devices": {
+            "requests": [{"name": "gpu", "exactly": {"deviceClassName": device_class(driver)}}]
+        }
     }
     allocation: dict[str, Any] = {
         "devices": {
-            "results": [{"request": "gpu", "driver": DRIVER, "pool": node, "device": device}]
+            "results": [{"request": "gpu", "driver": driver, "pool": node, "device": device}]
         },
         "nodeSelector": {
             "nodeSelectorTerms": [
@@ -205,7 +218,7 @@ def allocated_claim(api: Api, node: str, name: str, device: str, config: Any = N
         },
     }
     if config is not None:
-        opaque = {"requests": ["gpu"], "opaque": {"driver": DRIVER, "parameters": config}}
+        opaque = {"requests": ["gpu"], "opaque": {"driver": driver, "parameters": config}}
         spec["devices"]["config"] = [opaque]
         allocation["devices"]["config"] = [{"source": "FromClaim", **opaque}]
     created = api.post(
@@ -241,7 +254,7 @@ def start_and_publish(
     writes_before = api.slice_writes()
     kubelet = KubeletStandin(plugin.registry_dir, poll_interval=0.005).start()
     plugin.start(gpus)
-    registered = kubelet.wait_for_plugin(DRIVER, timeout=120)
+    registered = kubelet.wait_for_plugin(plugin.driver, timeout=120)
     published_at = watcher.wait(
         lambda s: (p := complete_pool(s)) and devices_of(p), 180, f"{plugin.label}: pool published"
     )
@@ -258,29 +271,33 @@ def start_and_publish(
     return kubelet, result
 
 
-def prepare_single(kubelet: KubeletStandin, ref: ClaimRef, n: int) -> dict[str, Any]:
+def prepare_single(
+    kubelet: KubeletStandin, ref: ClaimRef, n: int, driver: str = DRIVER
+) -> dict[str, Any]:
     prep: list[float] = []
     unprep: list[float] = []
     for _ in range(n):
         t = time.perf_counter()
-        res = kubelet.prepare(DRIVER, [ref])[ref.uid]
+        res = kubelet.prepare(driver, [ref])[ref.uid]
         prep.append(time.perf_counter() - t)
         if res.error:
             raise BenchError(f"prepare failed: {res.error}")
         t = time.perf_counter()
-        ures = kubelet.unprepare(DRIVER, [ref])[ref.uid]
+        ures = kubelet.unprepare(driver, [ref])[ref.uid]
         unprep.append(time.perf_counter() - t)
         if ures.error:
             raise BenchError(f"unprepare failed: {ures.error}")
     return {"prepare": summary(prep), "unprepare": summary(unprep)}
 
 
-def prepare_batch(kubelet: KubeletStandin, refs: list[ClaimRef], rounds: int) -> dict[str, Any]:
+def prepare_batch(
+    kubelet: KubeletStandin, refs: list[ClaimRef], rounds: int, driver: str = DRIVER
+) -> dict[str, Any]:
     prep: list[float] = []
     unprep: list[float] = []
     for _ in range(rounds):
         t = time.perf_counter()
-        res = kubelet.prepare(DRIVER, refs, timeout=120)
+        res = kubelet.prepare(driver, refs, timeout=120)
         prep.append(time.perf_counter() - t)
         failed = {uid: r.error for uid, r in res.items() if r.error}
         if failed:
@@ -288,7 +305,7 @@ def prepare_batch(kubelet: KubeletStandin, refs: list[ClaimRef], rounds: int) ->
                 f"batch prepare failed for {len(failed)} claims: {next(iter(failed.values()))}"
             )
         t = time.perf_counter()
-        ures = kubelet.unprepare(DRIVER, refs, timeout=120)
+        ures = kubelet.unprepare(driver, refs, timeout=120)
         unprep.append(time.perf_counter() - t)
         if any(r.error for r in ures.values()):
             raise BenchError("batch unprepare failed")
@@ -398,13 +415,13 @@ def restart_writes(
 ) -> tuple[KubeletStandin, dict[str, Any]]:
     """Restart with the slices already published: time to registered, writes made."""
     plugin.stop()
-    kubelet.wait_for_deregistration(DRIVER, timeout=30)
+    kubelet.wait_for_deregistration(plugin.driver, timeout=30)
     kubelet.stop()
     writes_before = api.slice_writes()
     new_kubelet = KubeletStandin(plugin.registry_dir, poll_interval=0.005).start()
     plugin.start(gpus)
     registered = (
-        new_kubelet.wait_for_plugin(DRIVER, timeout=120).registered_at - plugin.spawned_mono
+        new_kubelet.wait_for_plugin(plugin.driver, timeout=120).registered_at - plugin.spawned_mono
     )
     time.sleep(4.0)
     plugin.check_alive()
@@ -412,34 +429,3 @@ def restart_writes(
         "registered_s": round(registered, 4),
         "slice_writes": api.slice_writes() - writes_before,
     }
-
-
-def fsync_floor(directory: Path, n: int = 200) -> dict[str, Any]:
-    """The disk's floor for the prepare path: fsync of a small file, and one complete
-    atomic write (temp file, write, fsync, rename, directory fsync)."""
-    directory.mkdir(parents=True, exist_ok=True)
-    target = directory / "bench-fsync.json"
-    payload = b'{"bench": "' + b"x" * 200 + b'"}\n'
-    fsyncs: list[float] = []
-    atomic: list[float] = []
-    for _ in range(n):
-        fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        os.write(fd, payload)
-        t = time.perf_counter()
-        os.fsync(fd)
-        fsyncs.append(time.perf_counter() - t)
-        os.close(fd)
-    tmp = directory / ".bench-fsync.tmp"
-    for _ in range(n):
-        t = time.perf_counter()
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        os.write(fd, payload)
-        os.fsync(fd)
-        os.close(fd)
-        os.rename(tmp, target)
-        dfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-        os.fsync(dfd)
-        os.close(dfd)
-        atomic.append(time.perf_counter() - t)
-    target.unlink(missing_ok=True)
-    return {"fsync": summary(fsyncs), "atomic_write": summary(atomic)}

@@ -101,3 +101,51 @@ def test_the_handler_time_is_one_value_per_repetition_of_this_driver() -> None:
     assert stats is not None and (stats.n, stats.p50, stats.max) == (2, 5.0, 6.0)
     line = next(x for x in tables(results).splitlines() if "inside the plugin's handler" in x)
     assert "2: 5 / 5.98 / 6 ms | - |" in line  # the reference has no such figure
+
+
+def _with_nvidia() -> dict[str, Any]:
+    results = _results()
+    results["runs"].insert(2, _run("nvidia", 1, [0.020, 0.026], 1.5))
+    results["runs"][2]["results"]["skipped"] = {"batch": "8 devices published, not 64"}
+    build = {"package": "sigs.k8s.io/dra-driver-nvidia-gpu/cmd/gpu-kubelet-plugin", "go": "go1"}
+    results["nvidia"] = {
+        "plugin": {**build, "vcs_revision": "95932046683719c4", "vcs_modified": False},
+        "nvml": {
+            "package": "github.com/NVIDIA/k8s-test-infra/pkg/gpu/mocknvml/bridge",
+            "vcs_revision": "3b2b865d91b1844b",
+            "vcs_modified": True,
+        },
+        "flags": ["--kube-api-qps=1000", "--kube-api-burst=1000"],
+        "skipped": {"xid": "this driver only"},
+    }
+    return results
+
+
+def test_nvidia_gets_a_column_and_a_ratio_when_it_ran() -> None:
+    text = tables(_with_nvidia())
+    head = next(x for x in text.splitlines() if x.startswith("| scenario |"))
+    assert head.endswith("| NVIDIA's plugin, QPS 1000 | ratio p50 / p99 |")
+    line = next(x for x in text.splitlines() if x.startswith("| prepare, 1 claim |"))
+    assert "2: 23 / 25.9 / 26 ms | 0.57x" in line  # p50 13 / 23
+
+
+def test_the_header_names_nvidias_commits_and_what_it_did_not_run() -> None:
+    text = markdown(_with_nvidia())
+    assert "NVIDIA's plugin: `sigs.k8s.io/dra-driver-nvidia-gpu/cmd/gpu-kubelet-plugin`" in text
+    assert "at 959320466837 (go1), --kube-api-qps=1000 --kube-api-burst=1000, over" in text
+    assert "mocknvml/bridge` at 3b2b865d91b1 + local changes" in text
+    assert "xid (this driver only); batch #1 (8 devices published, not 64)" in text
+
+
+def test_a_run_that_could_not_start_nvidia_says_why() -> None:
+    results = _results()
+    results["nvidia"] = {"note": "not available (give --nvidia-plugin PATH)"}
+    assert "NVIDIA's plugin: not available (give --nvidia-plugin PATH)." in markdown(results)
+
+
+def test_results_from_before_nvidia_render_without_it() -> None:
+    results = _results()
+    text = markdown(results)
+    assert "NVIDIA" not in text
+    head = next(x for x in text.splitlines() if x.startswith("| scenario |"))
+    assert head == "| scenario | this driver | reference, QPS 1000 | ratio p50 / p99 |"
