@@ -13,6 +13,7 @@ import (
 	"fmt"
 	"os"
 	"runtime"
+	"runtime/pprof"
 	"slices"
 	"time"
 
@@ -64,14 +65,25 @@ func (l classLister) Get(name string) (*resourceapi.DeviceClass, error) {
 func main() {
 	file := flag.String("in", "", "input JSON written by bench/allocator.py")
 	rounds := flag.Int("rounds", 40, "rounds over every node")
+	cpuProfile := flag.String("cpuprofile", "", "write a CPU profile of the timed rounds to this file")
+	memProfile := flag.String("memprofile", "", "write an allocation profile (every allocation sampled) to this file")
 	flag.Parse()
-	if err := run(*file, *rounds); err != nil {
+	if *memProfile != "" {
+		runtime.MemProfileRate = 1
+	}
+	if err := run(*file, *rounds, profiles{cpu: *cpuProfile, mem: *memProfile}); err != nil {
 		fmt.Fprintln(os.Stderr, "allocator:", err)
 		os.Exit(1)
 	}
 }
 
-func run(file string, rounds int) error {
+// profiles names the pprof files to write ("": none). The CPU profile covers the
+// timed rounds only (NewAllocator and Allocate), not reading the input.
+type profiles struct {
+	cpu, mem string
+}
+
+func run(file string, rounds int, prof profiles) error {
 	if rounds < 1 {
 		return fmt.Errorf("-rounds: %d, at least 1", rounds)
 	}
@@ -118,6 +130,16 @@ func run(file string, rounds int) error {
 	perNode := make([]float64, 0, rounds)
 	var before, after runtime.MemStats
 	var newAllocator time.Duration
+	if prof.cpu != "" {
+		f, err := os.Create(prof.cpu)
+		if err != nil {
+			return err
+		}
+		defer f.Close()
+		if err := pprof.StartCPUProfile(f); err != nil {
+			return err
+		}
+	}
 	for r := 0; r < rounds; r++ {
 		started := time.Now()
 		alloc, err := structured.NewAllocator(ctx, features, state, classes, pool, cache)
@@ -137,6 +159,14 @@ func run(file string, rounds int) error {
 		perNode = append(perNode, float64(cpuNanos()-cpu)/float64(len(nodes))/1000)
 		runtime.ReadMemStats(&after)
 	}
+	if prof.cpu != "" {
+		pprof.StopCPUProfile()
+	}
+	if prof.mem != "" {
+		if err := writeHeapProfile(prof.mem); err != nil {
+			return err
+		}
+	}
 	slices.Sort(perNode)
 	out.MedianMicros = perNode[len(perNode)/2]
 	out.FastestMicros = perNode[0]
@@ -144,6 +174,19 @@ func run(file string, rounds int) error {
 	out.KiBPerNode = float64(after.TotalAlloc-before.TotalAlloc) / float64(len(nodes)) / 1024
 	out.MallocsPerNode = (after.Mallocs - before.Mallocs) / uint64(len(nodes))
 	return json.NewEncoder(os.Stdout).Encode(out)
+}
+
+// writeHeapProfile writes every allocation since the start (input decoding too:
+// `go tool pprof -focus=Allocate` keeps the allocator's). The profile reflects the
+// last completed GC, hence one first.
+func writeHeapProfile(path string) error {
+	runtime.GC()
+	f, err := os.Create(path)
+	if err != nil {
+		return err
+	}
+	defer f.Close()
+	return pprof.Lookup("allocs").WriteTo(f, 0)
 }
 
 // cpuNanos is the process's CPU time (the GC's workers included): steadier than the

@@ -4,7 +4,10 @@ percentile and throughput math, the report table and the doc section it rewrites
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
+from collections.abc import Callable, Iterable
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +19,7 @@ from bench import scale_report as report
 from bench.scale import _int_list, _layout_list
 from bench.scale import main as scale_main
 from bench.scale_scheduler import UNTHROTTLED_SCHEDULER, parse_totals
+from driver.devices.documents import parse_quantity
 from driver.devices.slices import (
     MAX_DEVICES_PER_SLICE_WITH_COUNTERS_OR_TAINTS,
     validate_slice_specs,
@@ -123,6 +127,93 @@ def test_few_attributes_keeps_what_selectors_read() -> None:
     devices = _devices(_slices("mig3-few-attributes"))
     assert set(devices["gpu-0-mig-1g10gb-0"]["attributes"]) == {"profile", "parentUUID"}
     assert set(devices["gpu-0"]["attributes"]) == {"parentUUID"}  # a whole GPU: no profile
+
+
+def _mig3_specs() -> list[dict[str, Any]]:
+    return [d["spec"] for d in _slices("mig3")]
+
+
+def _admits(specs: list[dict[str, Any]]) -> Callable[[Iterable[str]], bool]:
+    """The scheduler's counter rule over specs: what devices consume together fits."""
+    available = {
+        (cs["name"], k): parse_quantity(v["value"])
+        for s in specs
+        for cs in s.get("sharedCounters") or []
+        for k, v in cs["counters"].items()
+    }
+    needs = {
+        d["name"]: [
+            ((c["counterSet"], k), parse_quantity(v["value"]))
+            for c in d.get("consumesCounters") or []
+            for k, v in c["counters"].items()
+        ]
+        for s in specs
+        for d in s.get("devices") or []
+    }
+
+    def admits(names: Iterable[str]) -> bool:
+        used: dict[tuple[str, str], Decimal] = {}
+        for name in names:
+            for key, amount in needs[name]:
+                used[key] = used.get(key, Decimal(0)) + amount
+        return all(amount <= available[key] for key, amount in used.items())
+
+    return admits
+
+
+@pytest.mark.parametrize("variant", scale_layouts.RESHAPES)
+def test_every_slice_layout_admits_exactly_the_sets_mig3_admits(variant: str) -> None:
+    """Every subset of two GPUs' devices (a GPU's 11 and pairs across them)."""
+    mig3 = _mig3_specs()
+    reshaped = scale_layouts.reshape(variant, mig3)
+    before, after = _devices([{"spec": s} for s in mig3]), _devices([{"spec": s} for s in reshaped])
+    assert sorted(after) == sorted(before)
+    assert all(d["capacity"] == before[name]["capacity"] for name, d in after.items())
+    old, new = _admits(mig3), _admits(reshaped)
+    gpu0 = [n for n in before if n == "gpu-0" or n.startswith("gpu-0-")]
+    for size in range(len(gpu0) + 1):
+        for chosen in itertools.combinations(gpu0, size):
+            assert new(chosen) == old(chosen), chosen
+    gpu1 = [n for n in before if n == "gpu-1" or n.startswith("gpu-1-")]
+    for pair in itertools.product(gpu0, gpu1):
+        assert new(pair) and old(pair)
+
+
+def test_memory_blocks_merge_slices_no_span_splits() -> None:
+    """H100 with 1g.10gb x7, 3g.40gb at 0 and 4, 7g.80gb and the whole GPU."""
+    spans = [frozenset({i}) for i in range(7)] + [
+        frozenset(range(0, 4)),
+        frozenset(range(4, 8)),
+        frozenset(range(8)),
+    ]
+    assert scale_layouts.memory_blocks(8, spans) == [range(0, 4), range(4, 8)]
+    # Two profiles at slice 0 (1g.10gb and 1g.10gb+me) must still exclude each other.
+    assert scale_layouts.memory_blocks(8, [*spans, frozenset({0})]) == [
+        range(0, 1),
+        range(1, 2),
+        range(2, 3),
+        range(3, 4),
+        range(4, 8),
+    ]
+    with pytest.raises(scale_layouts.LayoutError, match="not contiguous"):
+        scale_layouts.memory_blocks(8, [frozenset({0, 2})])
+
+
+def test_memory_blocks_count_two_blocks_per_h100() -> None:
+    sets = [
+        cs
+        for s in scale_layouts.reshape("memory-blocks", _mig3_specs())
+        for cs in s.get("sharedCounters") or []
+    ]
+    assert sets[0]["counters"] == {
+        "memory-slices-0-3": {"value": "4"},
+        "memory-slices-4-7": {"value": "4"},
+    }
+
+
+def test_mig_first_puts_each_gpus_whole_device_after_its_partitions() -> None:
+    names = list(_devices([{"spec": s} for s in scale_layouts.reshape("mig-first", _mig3_specs())]))
+    assert names[9:12] == ["gpu-0-mig-7g80gb-0", "gpu-0", "gpu-1-mig-1g10gb-0"]
 
 
 def test_an_unknown_reshape_is_named() -> None:
