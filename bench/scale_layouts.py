@@ -11,21 +11,18 @@ devices under the same names, which a driver could publish instead:
   and the benchmark's selector read (`profile`) and its parent (`parentUUID`);
 - `all-counters`: every MIG dimension (memory, multiprocessors, engines) counted, as
   the driver published before it dropped those no disjoint placements can exceed;
-- `memory-blocks`: a GPU's memory-slice counters merged into one counter per block of
-  slices where that admits the same sets (`memory_blocks`): `1g.10gb,3g.40gb,7g.80gb`
-  on an H100 needs 2 counters (slices 0-3, 4-7) instead of 8;
-- `blocks-one-set`: `memory-blocks` with every GPU's counters in one counter set;
+- `slice-counters`: one counter per memory slice, as the driver published before it
+  counted blocks of slices (`driver.devices.mig.memory_blocks`: 2 counters instead of
+  8 per H100 with `1g.10gb,3g.40gb,7g.80gb`);
+- `one-set`: every GPU's counters in one counter set;
 - `mig-first`: each GPU's MIG devices before its whole GPU (the allocator walks a
-  pool's devices in order and evaluates selectors on each until one fits);
-- `blocks-mig-first`: `memory-blocks` and `mig-first` together.
+  pool's devices in order and evaluates selectors on each until one fits).
 """
 
 from __future__ import annotations
 
-import itertools
 import re
-from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from driver.devices.documents import MIG_DIMENSIONS, parse_quantity
@@ -38,7 +35,7 @@ from driver.devices.slices import (
 Spec = dict[str, Any]
 FEW_ATTRIBUTES = ("profile", "parentUUID")
 _GPU = re.compile(r"^gpu-(\d+)")
-_MEMORY_SLICE = re.compile(r"^memory-slice-(\d+)$")
+_MEMORY_BLOCK = re.compile(r"^memory-slices?-(\d+)(?:-(\d+))?$")
 
 
 class LayoutError(ValueError):
@@ -132,71 +129,56 @@ def all_counters(specs: Sequence[Spec]) -> list[Spec]:
     return _respec(specs, _set_bodies(sets, MAX_COUNTER_SETS_PER_SLICE) + bodies)
 
 
-def memory_blocks(slices: int, spans: Iterable[frozenset[int]]) -> list[range]:
-    """Blocks of a GPU's memory slices, each countable as one counter (capacity: its
-    size; a device consumes its overlap) with the same sets admitted as one counter
-    per slice: every span (the slices of a device, contiguous) meets each block in
-    nothing, the whole block or one slice, and no two spans meet a block in the same
-    single slice. Edges are where spans of several slices start and end; a block
-    where two spans share a single slice falls back to one block per slice."""
-    spans = list(spans)
-    if any(max(s) - min(s) + 1 != len(s) for s in spans):
-        raise LayoutError("memory blocks: a device's memory slices are not contiguous")
-    wide = [s for s in spans if len(s) > 1]
-    edges = sorted({0, slices} | {min(s) for s in wide} | {max(s) + 1 for s in wide})
-    single = Counter(i for s in spans if len(s) == 1 for i in s)
-    blocks: list[range] = []
-    for start, end in itertools.pairwise(edges):
-        if any(single[i] > 1 for i in range(start, end)):
-            blocks += [range(i, i + 1) for i in range(start, end)]
-        else:
-            blocks.append(range(start, end))
-    return blocks
+def _span(device: dict[str, Any]) -> range | None:
+    """The memory slices a partition sits on (its placement attributes); None for a
+    whole GPU, which spans them all."""
+    attributes = device["attributes"]
+    if "placementStart" not in attributes:
+        return None
+    start = attributes["placementStart"]["int"]
+    return range(start, start + attributes["placementSize"]["int"])
 
 
-def _block_name(block: range) -> str:
-    if len(block) == 1:
-        return f"memory-slice-{block.start}"
-    return f"memory-slices-{block.start}-{block.stop - 1}"
-
-
-def _slices_consumed(counters: dict[str, Any]) -> frozenset[int]:
-    return frozenset(int(m.group(1)) for k in counters if (m := _MEMORY_SLICE.match(k)))
-
-
-def _blocked_set(
-    counter_set: dict[str, Any], consumptions: list[dict[str, Any]]
-) -> dict[str, range]:
-    """Each memory-slice counter of the set -> its block (memory_blocks)."""
-    slice_counters = {
-        int(m.group(1)): v
-        for k, v in counter_set["counters"].items()
-        if (m := _MEMORY_SLICE.match(k))
-    }
-    if sorted(slice_counters) != list(range(len(slice_counters))):
-        raise LayoutError(f"counter set {counter_set['name']}: memory slices not 0..n-1")
-    values = [v["value"] for v in slice_counters.values()] + [
-        v["value"] for c in consumptions for k, v in c["counters"].items() if _MEMORY_SLICE.match(k)
-    ]
-    if any(parse_quantity(v) != 1 for v in values):
-        raise LayoutError(f"counter set {counter_set['name']}: memory slices counted other than 1")
-    spans = [_slices_consumed(c["counters"]) for c in consumptions]
-    blocks = memory_blocks(len(slice_counters), [s for s in spans if s])
-    return {f"memory-slice-{i}": block for block in blocks for i in block}
-
-
-def _blocked(
-    counters: dict[str, Any], block_of: dict[str, range], *, capacity: bool
-) -> dict[str, Any]:
+def _slice_counters(counters: dict[str, Any], span: range | None) -> dict[str, Any]:
+    """`counters` with each memory-slice block counter turned back into one counter per
+    slice: the set's take all of the block's slices, a device's those of its span."""
     out: dict[str, Any] = {}
     for name, value in counters.items():
-        block = block_of.get(name)
-        if block is None:
+        match = _MEMORY_BLOCK.match(name)
+        if match is None:
             out[name] = value
-        elif capacity or _block_name(block) not in out:
-            taken = len(block) if capacity else len(_slices_consumed(counters) & set(block))
-            out[_block_name(block)] = {"value": str(taken)}
+            continue
+        first = int(match.group(1))
+        block = range(first, int(match.group(2) or first) + 1)
+        slices = (
+            block
+            if span is None
+            else range(max(block.start, span.start), min(block.stop, span.stop))
+        )
+        if span is not None and len(slices) != parse_quantity(value["value"]):
+            raise LayoutError(f"{name}: {value['value']} consumed, {len(slices)} slices placed")
+        out |= {f"memory-slice-{i}": {"value": "1"} for i in slices}
     return out
+
+
+def slice_counters(specs: Sequence[Spec]) -> list[Spec]:
+    """One counter per memory slice instead of per block of slices."""
+    devices = [
+        {
+            **d,
+            "consumesCounters": [
+                {**c, "counters": _slice_counters(c["counters"], _span(d))}
+                for c in d["consumesCounters"]
+            ],
+        }
+        if d.get("consumesCounters")
+        else d
+        for d in _device_list(specs)
+    ]
+    sets = [
+        {**cs, "counters": _slice_counters(cs["counters"], None)} for cs in _counter_sets(specs)
+    ]
+    return _respec(specs, _set_bodies(sets, MAX_COUNTER_SETS_PER_SLICE) + _device_chunks(devices))
 
 
 def _device_list(specs: Sequence[Spec]) -> list[dict[str, Any]]:
@@ -208,53 +190,13 @@ def _device_chunks(devices: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     return [{"devices": list(devices[i : i + size])} for i in range(0, len(devices), size)]
 
 
-def _with_memory_blocks(specs: Sequence[Spec]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """The pool's counter sets and devices with memory-slice counters merged into blocks."""
-    devices = _device_list(specs)
-    sets = []
-    block_of: dict[str, dict[str, range]] = {}
-    for cs in _counter_sets(specs):
-        consumptions = [
-            c
-            for d in devices
-            for c in d.get("consumesCounters") or []
-            if c["counterSet"] == cs["name"]
-        ]
-        block_of[cs["name"]] = _blocked_set(cs, consumptions)
-        sets.append(
-            {**cs, "counters": _blocked(cs["counters"], block_of[cs["name"]], capacity=True)}
-        )
-
-    def reduced(device: dict[str, Any]) -> dict[str, Any]:
-        consumptions = device.get("consumesCounters")
-        if not consumptions:
-            return device
-        return {
-            **device,
-            "consumesCounters": [
-                {
-                    **c,
-                    "counters": _blocked(c["counters"], block_of[c["counterSet"]], capacity=False),
-                }
-                for c in consumptions
-            ],
-        }
-
-    return sets, [reduced(d) for d in devices]
-
-
-def memory_blocks_layout(specs: Sequence[Spec]) -> list[Spec]:
-    sets, devices = _with_memory_blocks(specs)
-    return _respec(specs, _set_bodies(sets, MAX_COUNTER_SETS_PER_SLICE) + _device_chunks(devices))
-
-
 ONE_SET = "node-counter-set"
 
 
-def blocks_one_set(specs: Sequence[Spec]) -> list[Spec]:
-    """memory-blocks, every counter in one set `node-counter-set` as `<set>-<counter>`
+def one_set(specs: Sequence[Spec]) -> list[Spec]:
+    """Every counter in one set `node-counter-set` as `<set>-<counter>`
     (`gpu-0-counter-set` -> `gpu-0-...`)."""
-    sets, devices = _with_memory_blocks(specs)
+    sets, devices = _counter_sets(specs), _device_list(specs)
 
     def prefix(set_name: str) -> str:
         return set_name.removesuffix("-counter-set")
@@ -292,10 +234,9 @@ RESHAPES: dict[str, Callable[[Sequence[Spec]], list[Spec]]] = {
     "set-slices": set_slices,
     "few-attributes": few_attributes,
     "all-counters": all_counters,
-    "memory-blocks": memory_blocks_layout,
-    "blocks-one-set": blocks_one_set,
+    "slice-counters": slice_counters,
+    "one-set": one_set,
     "mig-first": mig_first,
-    "blocks-mig-first": lambda specs: mig_first(memory_blocks_layout(specs)),
 }
 
 

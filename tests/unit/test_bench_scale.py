@@ -81,13 +81,13 @@ def test_mig3_variants_publish_the_same_devices(variant: str) -> None:
     )
 
 
-def test_mig3_counts_memory_slices_and_all_counters_every_dimension() -> None:
-    """`mig3-all-counters` is the layout the driver published before it dropped the
-    counters no disjoint placements can exceed (values of the mock's H100)."""
+def test_mig3_counts_memory_blocks_and_all_counters_every_dimension() -> None:
+    """`mig3-all-counters` adds the counters the driver drops because no disjoint
+    placements can exceed them (values of the mock's H100)."""
     sets = [
         cs for doc in _slices("mig3-all-counters") for cs in doc["spec"].get("sharedCounters", [])
     ]
-    slices = {f"memory-slice-{i}": {"value": "1"} for i in range(8)}
+    blocks = {"memory-slices-0-3": {"value": "4"}, "memory-slices-4-7": {"value": "4"}}
     assert sets[0] == {
         "name": "gpu-0-counter-set",
         "counters": {
@@ -98,7 +98,7 @@ def test_mig3_counts_memory_slices_and_all_counters_every_dimension() -> None:
             "encoders": {"value": "0"},
             "jpeg-engines": {"value": "7"},
             "ofa-engines": {"value": "1"},
-            **slices,
+            **blocks,
         },
     }
     every, slim = _devices(_slices("mig3-all-counters")), _devices(_slices("mig3"))
@@ -111,16 +111,16 @@ def test_mig3_counts_memory_slices_and_all_counters_every_dimension() -> None:
                 "copy-engines": {"value": "1"},
                 "decoders": {"value": "1"},
                 "jpeg-engines": {"value": "1"},
-                "memory-slice-0": {"value": "1"},
+                "memory-slices-0-3": {"value": "1"},
             },
         }
     ]
     assert slim["gpu-0-mig-1g10gb-0"]["consumesCounters"][0]["counters"] == {
-        "memory-slice-0": {"value": "1"}
+        "memory-slices-0-3": {"value": "1"}
     }
     whole = every["gpu-0"]["consumesCounters"][0]["counters"]
     assert whole == {k: v for k, v in sets[0]["counters"].items() if k != "encoders"}
-    assert slim["gpu-0"]["consumesCounters"][0]["counters"] == slices
+    assert slim["gpu-0"]["consumesCounters"][0]["counters"] == blocks
 
 
 def test_few_attributes_keeps_what_selectors_read() -> None:
@@ -179,36 +179,19 @@ def test_every_slice_layout_admits_exactly_the_sets_mig3_admits(variant: str) ->
         assert new(pair) and old(pair)
 
 
-def test_memory_blocks_merge_slices_no_span_splits() -> None:
-    """H100 with 1g.10gb x7, 3g.40gb at 0 and 4, 7g.80gb and the whole GPU."""
-    spans = [frozenset({i}) for i in range(7)] + [
-        frozenset(range(0, 4)),
-        frozenset(range(4, 8)),
-        frozenset(range(8)),
-    ]
-    assert scale_layouts.memory_blocks(8, spans) == [range(0, 4), range(4, 8)]
-    # Two profiles at slice 0 (1g.10gb and 1g.10gb+me) must still exclude each other.
-    assert scale_layouts.memory_blocks(8, [*spans, frozenset({0})]) == [
-        range(0, 1),
-        range(1, 2),
-        range(2, 3),
-        range(3, 4),
-        range(4, 8),
-    ]
-    with pytest.raises(scale_layouts.LayoutError, match="not contiguous"):
-        scale_layouts.memory_blocks(8, [frozenset({0, 2})])
+def test_slice_counters_count_each_memory_slice_a_device_sits_on() -> None:
+    """The layout before blocks: one counter per slice, in the set and per device."""
+    reshaped = scale_layouts.reshape("slice-counters", _mig3_specs())
+    sets = [cs for s in reshaped for cs in s.get("sharedCounters") or []]
+    assert sets[0]["counters"] == {f"memory-slice-{i}": {"value": "1"} for i in range(8)}
+    devices = _devices([{"spec": s} for s in reshaped])
 
+    def consumed(name: str) -> set[str]:
+        return set(devices[name]["consumesCounters"][0]["counters"])
 
-def test_memory_blocks_count_two_blocks_per_h100() -> None:
-    sets = [
-        cs
-        for s in scale_layouts.reshape("memory-blocks", _mig3_specs())
-        for cs in s.get("sharedCounters") or []
-    ]
-    assert sets[0]["counters"] == {
-        "memory-slices-0-3": {"value": "4"},
-        "memory-slices-4-7": {"value": "4"},
-    }
+    assert consumed("gpu-0-mig-1g10gb-5") == {"memory-slice-5"}
+    assert consumed("gpu-0-mig-3g40gb-4") == {f"memory-slice-{i}" for i in range(4, 8)}
+    assert consumed("gpu-0") == {f"memory-slice-{i}" for i in range(8)}
 
 
 def test_mig_first_puts_each_gpus_whole_device_after_its_partitions() -> None:

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from driver.devices import mig
 from driver.devices import model as dm
 from driver.devices.documents import MIG_DIMENSIONS
 from driver.devices.slices import build_slice_specs, validate_slice_specs
@@ -25,6 +26,7 @@ from tests.unit.test_device_model import fits, qty
 
 THREE = ("1g10gb", "3g40gb", "7g80gb")
 SLICES_OF_8 = {f"memory-slice-{i}" for i in range(8)}
+HALVES = {"memory-slices-0-3": {"value": "4"}, "memory-slices-4-7": {"value": "4"}}
 
 
 def inventory(model: str = "H100-80GB", count: int = 2, **group: Any) -> Inventory:
@@ -37,16 +39,18 @@ def consumed(pool: dm.PoolDevices, name: str) -> dict[str, Any]:
     return dict(consumption["counters"])
 
 
-def test_three_profiles_count_only_memory_slices() -> None:
-    """1g.10gb x7, 3g.40gb x2, 7g.80gb: no disjoint placements exceed any dimension."""
+def test_three_profiles_count_only_two_blocks_of_memory_slices() -> None:
+    """1g.10gb x7, 3g.40gb at 0 and 4, 7g.80gb: no disjoint placements exceed any
+    dimension, and no placement starts or ends inside slices 0-3 or 4-7, so each half
+    is one counter worth 4 (a 1g.10gb takes 1 of its half, a 3g.40gb all 4)."""
     pool = dm.build_pool(inventory(), dm.PoolOptions(mig_profiles=THREE))
-    assert {cs["name"]: set(cs["counters"]) for cs in pool.counter_sets} == {
-        "gpu-0-counter-set": SLICES_OF_8,
-        "gpu-1-counter-set": SLICES_OF_8,
+    assert {cs["name"]: cs["counters"] for cs in pool.counter_sets} == {
+        "gpu-0-counter-set": HALVES,
+        "gpu-1-counter-set": HALVES,
     }
-    assert consumed(pool, "gpu-0-mig-1g10gb-5") == {"memory-slice-5": {"value": "1"}}
-    assert set(consumed(pool, "gpu-1-mig-3g40gb-4")) == {f"memory-slice-{i}" for i in range(4, 8)}
-    assert set(consumed(pool, "gpu-0")) == set(consumed(pool, "gpu-0-mig-7g80gb-0")) == SLICES_OF_8
+    assert consumed(pool, "gpu-0-mig-1g10gb-5") == {"memory-slices-4-7": {"value": "1"}}
+    assert consumed(pool, "gpu-1-mig-3g40gb-4") == {"memory-slices-4-7": {"value": "4"}}
+    assert consumed(pool, "gpu-0") == consumed(pool, "gpu-0-mig-7g80gb-0") == HALVES
     # What the container gets is still published as capacity.
     capacity = pool.device("gpu-0-mig-1g10gb-5").document["capacity"]
     assert capacity["memory"] == {"value": "9984Mi"} and capacity["multiprocessors"] == {
@@ -81,11 +85,34 @@ def test_static_mig_devices_count_only_their_memory_slices() -> None:
     )
     static = dataclasses.replace(inv, gpus=(dataclasses.replace(gpu, mig_instances=existing),))
     pool = dm.build_pool(static, dm.PoolOptions(mig_strategy=dm.MigStrategy.STATIC))
-    assert set(pool.counter_sets[0]["counters"]) == SLICES_OF_8
-    assert {d.placement: set(consumed(pool, d.name)) for d in pool.devices} == {
-        (0, 1): {"memory-slice-0"},
-        (1, 1): {"memory-slice-1"},
+    assert pool.counter_sets[0]["counters"] == {"memory-slices-0-7": {"value": "8"}}
+    assert {d.placement: consumed(pool, d.name) for d in pool.devices} == {
+        (0, 1): {"memory-slices-0-7": {"value": "1"}},
+        (1, 1): {"memory-slices-0-7": {"value": "1"}},
     }
+
+
+def test_memory_blocks_end_where_a_wide_placement_starts_or_ends() -> None:
+    """H100 with 1g.10gb x7, 3g.40gb at 0 and 4, 7g.80gb and the whole GPU."""
+    spans = [(i, 1) for i in range(7)] + [(0, 4), (4, 4), (0, 8), (0, 8)]
+    assert mig.memory_blocks(8, spans) == [range(0, 4), range(4, 8)]
+    assert mig.memory_blocks(8, [*spans, (2, 2)]) == [range(0, 2), range(2, 4), range(4, 8)]
+    # Two devices at slice 0 (1g.10gb and 1g.10gb+me) would fit one block together.
+    assert mig.memory_blocks(8, [*spans, (0, 1)]) == [
+        range(0, 1),
+        range(1, 2),
+        range(2, 3),
+        range(3, 4),
+        range(4, 8),
+    ]
+    assert mig.memory_blocks(8, []) == [range(0, 8)]
+
+
+def test_every_h100_profile_keeps_one_counter_per_slice() -> None:
+    """1g.10gb and 1g.10gb+me share each slice 0-6, 2g.20gb and 4g.40gb split the
+    halves: every slice is a block of its own."""
+    pool = dm.build_pool(inventory())
+    assert {k for k in pool.counter_sets[0]["counters"] if "slice" in k} == SLICES_OF_8
 
 
 def test_without_memory_slices_every_dimension_is_counted() -> None:
