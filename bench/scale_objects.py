@@ -63,6 +63,9 @@ MIG3_VARIANTS = {
     "gpu-slices": "one device slice per GPU",
     "set-slices": "one counter-set slice per GPU",
     "few-attributes": "devices with only the attributes selectors read (profile, parentUUID)",
+    "slice-counters": "one counter per memory slice, as before the driver counted blocks",
+    "one-set": "every GPU's counters in one counter set",
+    "mig-first": "each GPU's MIG devices before its whole GPU",
 }
 
 LAYOUTS: dict[str, Layout] = {

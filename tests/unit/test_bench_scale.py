@@ -44,6 +44,9 @@ def _slices(layout: str, node: str = "scale-node-0000") -> list[dict[str, Any]]:
         ("mig3-gpu-slices", 8 * 11, 1 + 8),  # a device slice per GPU
         ("mig3-set-slices", 8 * 11, 8 + 2),  # a counter-set slice per GPU
         ("mig3-few-attributes", 8 * 11, 3),
+        ("mig3-slice-counters", 8 * 11, 3),
+        ("mig3-one-set", 8 * 11, 3),  # 1 counter-set slice + 2 device slices
+        ("mig3-mig-first", 8 * 11, 3),
     ],
 )
 def test_each_layout_publishes_the_driver_slices_of_8_h100(
@@ -72,7 +75,7 @@ def _devices(docs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 @pytest.mark.parametrize("variant", obj.MIG3_VARIANTS)
 def test_mig3_variants_publish_the_same_devices(variant: str) -> None:
     mig3, reshaped = _devices(_slices("mig3")), _devices(_slices(f"mig3-{variant}"))
-    assert list(reshaped) == list(mig3)
+    assert sorted(reshaped) == sorted(mig3)  # mig-first changes the order only
     assert all(d["capacity"] == mig3[name]["capacity"] for name, d in reshaped.items())
     # The chart's DeviceClasses and the claims' selector read `profile`.
     assert all(
