@@ -42,6 +42,17 @@ class PluginUnderTest:
     def command(self, gpus: str) -> list[str]:
         raise NotImplementedError
 
+    def kubelet_plugin_flags(self) -> list[str]:
+        """The node, API and directory flags of a Go kubelet plugin built on
+        k8s.io/dynamic-resource-allocation's kubeletplugin (the reference's and NVIDIA's)."""
+        return [
+            f"--node-name={self.node_name}",
+            f"--kubeconfig={self.kubeconfig}",
+            f"--kubelet-registrar-directory-path={self.registry_dir}",
+            f"--kubelet-plugins-directory-path={self.plugins_dir}",
+            f"--cdi-root={self.cdi_root}",
+        ]
+
     def command_env(self, gpus: str) -> dict[str, str]:
         """Environment the plugin needs for `gpus`, beyond the bench's own."""
         return {}
@@ -175,11 +186,7 @@ class ReferencePlugin(PluginUnderTest):
         """`gpus`: the number of GPUs (--num-devices)."""
         return [
             str(self.binary),
-            f"--node-name={self.node_name}",
-            f"--kubeconfig={self.kubeconfig}",
-            f"--kubelet-registrar-directory-path={self.registry_dir}",
-            f"--kubelet-plugins-directory-path={self.plugins_dir}",
-            f"--cdi-root={self.cdi_root}",
+            *self.kubelet_plugin_flags(),
             f"--num-devices={gpus}",
             "--device-profile=gpu",
             "--healthcheck-port=-1",
@@ -243,11 +250,7 @@ class NvidiaPlugin(PluginUnderTest):
         """`gpus`: the number of mock GPUs (the environment carries it to the mock)."""
         return [
             str(self.binary),
-            f"--node-name={self.node_name}",
-            f"--kubeconfig={self.kubeconfig}",
-            f"--kubelet-registrar-directory-path={self.registry_dir}",
-            f"--kubelet-plugins-directory-path={self.plugins_dir}",
-            f"--cdi-root={self.cdi_root}",
+            *self.kubelet_plugin_flags(),
             f"--nvidia-driver-root={self.driver_root}",
             f"--container-driver-root={self.driver_root}",
             f"--host-root={self.root / 'host-root'}",
