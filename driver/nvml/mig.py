@@ -8,7 +8,8 @@ does (docs/mig.md):
   the compute-instance profile whose slice count equals the GPU instance's ->
   `nvmlGpuInstanceCreateComputeInstance` -> `nvmlComputeInstanceGetInfo` -> the MIG
   device's UUID. A failure after the GPU instance exists destroys it again, so a
-  failed create leaves nothing. An occupied placement is NVML's
+  failed create leaves nothing (or, if that destroy fails too, its error names the
+  instance left, `MigError.left_gi_id`). An occupied placement is NVML's
   `INSUFFICIENT_RESOURCES` (NVML has no "already exists");
 - destroy: compute instance, then GPU instance; an instance that is already gone is
   success (destroy is what unprepare and crash recovery repeat);
@@ -310,6 +311,7 @@ class MigManager:
                 raise self._fail(
                     err, f"creating a GPU instance ({target.describe()}) on {target.gpu_uuid}"
                 ) from err
+            gi_id: int | None = None
             try:
                 gi_id = int(nvml.nvmlGpuInstanceGetInfo(gi).id)
                 ci = nvml.nvmlGpuInstanceCreateComputeInstance(
@@ -325,13 +327,20 @@ class MigManager:
                         retryable=True,
                     )
             except (nvml.NVMLError, MigError) as err:
-                self._undo(nvml, gi, target)
-                if isinstance(err, MigError):
+                failed = (
+                    err
+                    if isinstance(err, MigError)
+                    else self._fail(
+                        err,
+                        f"creating the compute instance of {target.describe()} "
+                        f"on {target.gpu_uuid}",
+                    )
+                )
+                if not self._undo(nvml, gi, target):
+                    failed.left_gi_id = gi_id
+                if failed is err:
                     raise
-                raise self._fail(
-                    err,
-                    f"creating the compute instance of {target.describe()} on {target.gpu_uuid}",
-                ) from err
+                raise failed from err
             return MigInstance(
                 gpu_uuid=target.gpu_uuid,
                 gi_id=gi_id,
@@ -351,11 +360,15 @@ class MigManager:
             retryable=False,
         )
 
-    def _undo(self, nvml: Any, gi: Any, target: MigTarget) -> None:
+    def _undo(self, nvml: Any, gi: Any, target: MigTarget) -> bool:
+        """Destroy the half-created GPU instance; False if it is still there (the
+        caller records its id, `MigError.left_gi_id`, and destroys it by that)."""
         try:
             self._destroy_instance(nvml, gi, None)
-        except nvml.NVMLError as err:  # recovery at start finds it by its placement
+        except nvml.NVMLError as err:
             log.error("undoing the half-created %s failed: %s", target.describe(), err)
+            return False
+        return True
 
     # ------------------------------------------------------------ destroy
 

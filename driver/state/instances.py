@@ -183,38 +183,32 @@ class ClaimInstances:
             out.append(with_mig(p, replace(record, before=seen[place])))
         return tuple(out)
 
-    def create(self, planned: Sequence[PlannedDevice]) -> list[PlannedDevice]:
-        """Create the claim's owned MIG devices. On a failure the ones created for the
-        claim are destroyed again and a transient error names the device."""
-        done: list[PlannedDevice] = []
-        created: list[MigRecord] = []
-        try:
-            for p in planned:
-                record = p.prepared.mig
-                if record is None or not record.owned:
-                    done.append(p)
-                    continue
+    def create(
+        self, planned: Sequence[PlannedDevice]
+    ) -> tuple[tuple[PlannedDevice, ...], Exception | None]:
+        """Create the claim's owned MIG devices in order until one fails. Returns the
+        devices, each one created with its ids (and a GPU instance a failed create
+        left behind with its id), and the failure (None when all were created): the
+        caller's undo destroys exactly the ids recorded here (`undo_created`), never
+        what sits at an intent's placement."""
+        done = list(planned)
+        for i, p in enumerate(planned):
+            record = p.prepared.mig
+            if record is None or not record.owned:
+                continue
+            try:
                 ops = self._need_ops(p.prepared.device_name)
                 failpoint("prepare-before-mig-create")
-                try:
-                    instance = ops.create(_target(record))
-                except MigError as err:
-                    raise _refusal(p.prepared.device_name, err) from err
-                filled = _record(record, instance)
-                created.append(filled)
-                failpoint("prepare-after-mig-create")
-                done.append(with_mig(p, filled))
-        except BaseException:
-            self._destroy_records(created)
-            raise
-        return done
-
-    def _destroy_records(self, records: Sequence[MigRecord]) -> None:
-        for record in records:
-            try:
-                self._destroy(record)
-            except DriverError as err:  # found by its placement at the next start
-                log.error("destroying MIG device %s failed: %s", record.uuid, err)
+                instance = ops.create(_target(record))
+            except MigError as err:
+                if err.left_gi_id is not None:
+                    done[i] = with_mig(p, replace(record, gi_id=err.left_gi_id, before=None))
+                return tuple(done), _refusal(p.prepared.device_name, err)
+            except Exception as exc:
+                return tuple(done), exc
+            done[i] = with_mig(p, _record(record, instance))
+            failpoint("prepare-after-mig-create")
+        return tuple(done), None
 
     # -- unprepare ---------------------------------------------------------------------
 
@@ -223,14 +217,38 @@ class ClaimInstances:
         devices: Sequence[PreparedDevice],
         others: Iterable[Sequence[PreparedDevice]] = (),
     ) -> None:
-        """Destroy the owned MIG devices of a prepared (or half-prepared) claim, never
-        an instance that `others` (the other journal entries, other claims of the
-        batch) record. Raises a transient error; what is gone stays gone, a repeat
+        """Destroy the owned MIG devices of a claim as the journal records them
+        (unprepare; the rollback of an entry an earlier attempt or process left):
+        never an instance that `others` (the other journal entries, other claims of
+        the batch) record. An intent without ids is looked for at its placement (see
+        the module doc). Raises a transient error; what is gone stays gone, a repeat
         finishes."""
+        self._destroy_each(devices, others, find_intents=True)
+
+    def undo_created(
+        self,
+        devices: Sequence[PreparedDevice],
+        others: Iterable[Sequence[PreparedDevice]] = (),
+    ) -> None:
+        """Destroy what this process's attempt created for the claim, by the ids it
+        recorded (`create`): an intent still without ids made nothing (a failed
+        create destroys its own half-made instance, or reports its id), so whatever
+        sits at its placement is someone else's and stays. Raises as `destroy`."""
+        self._destroy_each(devices, others, find_intents=False)
+
+    def _destroy_each(
+        self,
+        devices: Sequence[PreparedDevice],
+        others: Iterable[Sequence[PreparedDevice]],
+        *,
+        find_intents: bool,
+    ) -> None:
         keep: Held | None = None
         for device in devices:
             record = device.mig
             if record is None or not record.owned:
+                continue
+            if record.gi_id is None and not find_intents:
                 continue
             if keep is None:
                 keep = held(others)
