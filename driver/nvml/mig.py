@@ -39,13 +39,20 @@ from typing import Any
 
 from driver.nvml.calls import is_nvml_error, nvml_text
 from driver.nvml.mig_errors import MigError, mig_error
+from driver.nvml.mig_listing import (
+    ci_profiles,
+    compute_instances,
+    describe,
+    gpu_instances,
+    is_mig_device,
+    mig_uuid_of,
+    unsupported,
+)
 from driver.nvml.types import MigInstance
 
 log = logging.getLogger(__name__)
 
 __all__ = ["MigError", "MigInstance", "MigManager", "MigTarget", "RecordedInstance"]
-
-_REV1 = "NVML_COMPUTE_INSTANCE_PROFILE_1_SLICE_REV1"  # NVIDIA's driver skips it too
 
 
 @dataclass(frozen=True)
@@ -69,6 +76,7 @@ class RecordedInstance:
     profile_id: int
     placement: tuple[int, int]  # (start, size) in memory slices
     ci_id: int | None  # its compute instance, if the record has it
+    uuid: str | None = None  # its MIG device's UUID, if the record has it
 
 
 class MigManager:
@@ -179,7 +187,7 @@ class MigManager:
             try:
                 limit = self._limits(nvml, handle, gpu_uuid).get(profile_id, 0)
                 ids = []
-                for gi in self._gpu_instances(nvml, handle, profile_id, limit):
+                for gi in gpu_instances(nvml, handle, profile_id, limit):
                     info = nvml.nvmlGpuInstanceGetInfo(gi)
                     if (int(info.placement.start), int(info.placement.size)) == placement:
                         ids.append(int(info.id))
@@ -199,7 +207,7 @@ class MigManager:
             try:
                 info = nvml.nvmlDeviceGetGpuInstanceProfileInfo(handle, slot)
             except nvml.NVMLError as err:
-                if self._unsupported(err):
+                if unsupported(nvml, err):
                     continue
                 raise
             limits[int(info.id)] = int(info.instanceCount)
@@ -211,89 +219,9 @@ class MigManager:
     def _list(self, nvml: Any, handle: Any, gpu_uuid: str) -> list[MigInstance]:
         found: list[MigInstance] = []
         for profile_id, limit in self._limits(nvml, handle, gpu_uuid).items():
-            for gi in self._gpu_instances(nvml, handle, profile_id, limit):
-                found.append(self._describe(nvml, handle, gpu_uuid, gi))
+            for gi in gpu_instances(nvml, handle, profile_id, limit):
+                found.append(describe(nvml, handle, gpu_uuid, gi))
         return sorted(found, key=lambda m: (m.placement, m.gi_id))
-
-    def _gpu_instances(self, nvml: Any, handle: Any, profile_id: int, limit: int) -> list[Any]:
-        if limit <= 0:
-            return []
-        array = (nvml.c_nvmlGpuInstance_t * limit)()
-        count = ctypes.c_uint(limit)
-        nvml.nvmlDeviceGetGpuInstances(handle, profile_id, array, ctypes.byref(count))
-        return [array[i] for i in range(count.value)]
-
-    def _mig_uuid(self, nvml: Any, handle: Any, gi_id: int, ci_id: int) -> str | None:
-        """The UUID of the MIG device of (GPU instance, compute instance). The compute
-        instance's info names its parent GPU, not the MIG device (nvml.h), so the
-        parent's MIG device handles are searched."""
-        for index in range(int(nvml.nvmlDeviceGetMaxMigDeviceCount(handle))):
-            try:
-                mig = nvml.nvmlDeviceGetMigDeviceHandleByIndex(handle, index)
-            except nvml.NVMLError as err:
-                if self._is(err, "NVML_ERROR_NOT_FOUND") or self._is(
-                    err, "NVML_ERROR_INVALID_ARGUMENT"
-                ):
-                    continue
-                raise
-            if (
-                int(nvml.nvmlDeviceGetGpuInstanceId(mig)) == gi_id
-                and int(nvml.nvmlDeviceGetComputeInstanceId(mig)) == ci_id
-            ):
-                return nvml_text(nvml.nvmlDeviceGetUUID(mig))
-        return None
-
-    def _describe(self, nvml: Any, handle: Any, gpu_uuid: str, gi: Any) -> MigInstance:
-        info = nvml.nvmlGpuInstanceGetInfo(gi)
-        placement = (int(info.placement.start), int(info.placement.size))
-        ci_id: int | None = None
-        uuid: str | None = None
-        for ci in self._compute_instances(nvml, gi):
-            ci_id = int(nvml.nvmlComputeInstanceGetInfo(ci).id)
-            uuid = self._mig_uuid(nvml, handle, int(info.id), ci_id)
-            break  # the driver creates one; an administrator's extra ones share the GI
-        return MigInstance(
-            gpu_uuid=gpu_uuid,
-            gi_id=int(info.id),
-            profile_id=int(info.profileId),
-            placement=placement,
-            ci_id=ci_id,
-            uuid=uuid,
-        )
-
-    def _unsupported(self, err: BaseException) -> bool:
-        return self._is(err, "NVML_ERROR_NOT_SUPPORTED") or self._is(
-            err, "NVML_ERROR_INVALID_ARGUMENT"
-        )
-
-    def _ci_profiles(self, nvml: Any, gi: Any) -> Iterator[Any]:
-        """The compute-instance profiles the GPU instance supports (shared engines)."""
-        for slot in self._ci_profile_slots(nvml):
-            try:
-                yield nvml.nvmlGpuInstanceGetComputeInstanceProfileInfo(
-                    gi, slot, nvml.NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED
-                )
-            except nvml.NVMLError as err:
-                if not self._unsupported(err):
-                    raise
-
-    def _compute_instances(self, nvml: Any, gi: Any) -> list[Any]:
-        found: list[Any] = []
-        for info in self._ci_profiles(nvml, gi):
-            limit = int(info.instanceCount)
-            if limit <= 0:
-                continue
-            array = (nvml.c_nvmlComputeInstance_t * limit)()
-            count = ctypes.c_uint(limit)
-            nvml.nvmlGpuInstanceGetComputeInstances(gi, int(info.id), array, ctypes.byref(count))
-            found.extend(array[i] for i in range(count.value))
-        return found
-
-    def _ci_profile_slots(self, nvml: Any) -> list[int]:
-        rev1 = getattr(nvml, _REV1, None)
-        return [
-            slot for slot in range(int(nvml.NVML_COMPUTE_INSTANCE_PROFILE_COUNT)) if slot != rev1
-        ]
 
     # ------------------------------------------------------------ create
 
@@ -318,7 +246,7 @@ class MigManager:
                     gi, self._covering_ci_profile(nvml, gi, target.slice_count)
                 )
                 ci_id = int(nvml.nvmlComputeInstanceGetInfo(ci).id)
-                uuid = self._mig_uuid(nvml, handle, gi_id, ci_id)
+                uuid = mig_uuid_of(nvml, handle, gi_id, ci_id)
                 if uuid is None:
                     raise MigError(
                         f"the MIG device of GPU instance {gi_id} / compute instance {ci_id} "
@@ -351,7 +279,7 @@ class MigManager:
             )
 
     def _covering_ci_profile(self, nvml: Any, gi: Any, slice_count: int) -> int:
-        for info in self._ci_profiles(nvml, gi):
+        for info in ci_profiles(nvml, gi):
             if int(info.sliceCount) == slice_count:
                 return int(info.id)
         raise MigError(
@@ -375,11 +303,13 @@ class MigManager:
     def destroy(self, gpu_uuid: str, gi_id: int, recorded: RecordedInstance | None = None) -> bool:
         """Destroy the GPU instance and its compute instances, by id as NVIDIA's driver
         does. With `recorded`, only if the instance with that id still has the recorded
-        profile and placement (ids are reused: an id alone may name someone else's
-        device), its compute instance looked up by the recorded id: a few calls however
-        many devices the GPU holds. False when there is nothing of the record to
-        destroy: no such instance, another one under the id, or MIG mode off. Raises
-        MigError otherwise."""
+        profile and placement and, where the record has the MIG device's UUID, that
+        device is still the one of the recorded ids (an id follows the placement: a
+        device created again there by anyone has the recorded ids and another UUID),
+        its compute instance looked up by the recorded id: a few calls however many
+        devices the GPU holds. False when there is nothing of the record to destroy: no
+        such instance, another one under the id, or MIG mode off. Raises MigError
+        otherwise."""
         with self._changing(gpu_uuid), self._session() as nvml:
             handle = self._lookup(nvml, gpu_uuid)
             what = f"GPU instance {gi_id} on {gpu_uuid}"
@@ -392,25 +322,38 @@ class MigManager:
                     return False
                 raise self._fail(err, f"looking up {what}") from err
             try:
-                if recorded is not None and not self._is_recorded(nvml, gi, what, recorded):
+                if recorded is not None and not self._is_recorded(nvml, handle, gi, what, recorded):
                     return False
                 self._destroy_instance(nvml, gi, recorded.ci_id if recorded else None)
             except nvml.NVMLError as err:
                 raise self._fail(err, f"destroying {what}") from err
             return True
 
-    def _is_recorded(self, nvml: Any, gi: Any, what: str, recorded: RecordedInstance) -> bool:
+    def _is_recorded(
+        self, nvml: Any, handle: Any, gi: Any, what: str, recorded: RecordedInstance
+    ) -> bool:
         info = nvml.nvmlGpuInstanceGetInfo(gi)
         found = (int(info.profileId), (int(info.placement.start), int(info.placement.size)))
-        if found == (recorded.profile_id, recorded.placement):
+        if found != (recorded.profile_id, recorded.placement):
+            log.warning(
+                "%s is profile %d at placement %s, not the recorded profile %d at %s: left alone",
+                what,
+                found[0],
+                found[1],
+                recorded.profile_id,
+                recorded.placement,
+            )
+            return False
+        if recorded.uuid is None or recorded.ci_id is None:
+            return True
+        if is_mig_device(nvml, handle, int(info.id), recorded.ci_id, recorded.uuid):
             return True
         log.warning(
-            "%s is profile %d at placement %s, not the recorded profile %d at %s: left alone",
+            "%s / compute instance %d is no longer the recorded MIG device %s (created again "
+            "by someone else, or its compute instance destroyed): left alone",
             what,
-            found[0],
-            found[1],
-            recorded.profile_id,
-            recorded.placement,
+            recorded.ci_id,
+            recorded.uuid,
         )
         return False
 
@@ -432,6 +375,6 @@ class MigManager:
             except nvml.NVMLError as err:
                 if not self._is(err, "NVML_ERROR_IN_USE"):
                     raise
-        for ci in self._compute_instances(nvml, gi):
+        for ci in compute_instances(nvml, gi):
             nvml.nvmlComputeInstanceDestroy(ci)
         nvml.nvmlGpuInstanceDestroy(gi)

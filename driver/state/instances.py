@@ -82,13 +82,21 @@ def held(devices: Iterable[Sequence[PreparedDevice]]) -> Held:
 
 
 def owned_instances(journal: Mapping[str, ClaimEntry], live: Iterable[MigInstance]) -> Held:
-    """The live GPU instances the journal owns: each owned record's by its ids, and
-    for an intent (`PrepareStarted`, no ids yet) the one its attempt may have created,
-    found as a rollback finds it (the intent's profile at its placement, an id not in
-    `before` and not another entry's). A rollback or unprepare destroys exactly these,
-    so none of them may be published as a static device."""
+    """The live GPU instances the journal owns: each owned record's by its ids and,
+    where recorded, its MIG device's UUID (a device created again at the placement by
+    someone else has the same ids, not the UUID), and for an intent (`PrepareStarted`,
+    no ids yet) the one its attempt may have created, found as a rollback finds it
+    (the intent's profile at its placement, an id not in `before` and not another
+    entry's). A rollback or unprepare destroys exactly these, so none of them may be
+    published as a static device."""
+    live = list(live)
     records = [d.mig for e in journal.values() for d in e.devices if d.mig is not None]
-    owned = {(r.gpu_uuid, r.gi_id) for r in records if r.owned and r.gi_id is not None}
+    recorded = {(r.gpu_uuid, r.gi_id): r.uuid for r in records if r.owned and r.gi_id is not None}
+    owned = {
+        (m.gpu_uuid, m.gi_id)
+        for m in live
+        if (m.gpu_uuid, m.gi_id) in recorded and recorded[(m.gpu_uuid, m.gi_id)] in (None, m.uuid)
+    }
     others = held([[d for e in journal.values() for d in e.devices]]) - owned
     for r in records:
         if r.owned and r.gi_id is None and r.before is not None:
@@ -264,9 +272,19 @@ class ClaimInstances:
         MigError."""
         live = self._need_ops(device).instances(record.gpu_uuid)
         if record.gi_id is not None:
-            return next(
+            found = next(
                 (m for m in live if _same_place(m, record) and m.gi_id == record.gi_id), None
             )
+            if found is not None and record.uuid is not None and found.uuid != record.uuid:
+                raise transient(
+                    f"device {device}: the MIG device at its placement on {record.gpu_uuid} "
+                    f"(GPU instance {found.gi_id}, {found.uuid}) is not the claim's "
+                    f"({record.uuid}): created again by someone else (after a reboot, or "
+                    "behind the driver's back); not adopted, not destroyed. The claim's pods "
+                    "cannot use their device; an administrator removes that device, or the "
+                    "claim is unprepared"
+                )
+            return found
         there = [m for m in live if _same_place(m, record)]
         ours = [
             m
@@ -308,7 +326,9 @@ class ClaimInstances:
                 return
             # By id, checked against the record (gone already: a repeated unprepare,
             # a reboot; another device under the id: left alone).
-            recorded = RecordedInstance(record.profile_id, record.placement, record.ci_id)
+            recorded = RecordedInstance(
+                record.profile_id, record.placement, record.ci_id, record.uuid
+            )
             self._need_ops(name).destroy(record.gpu_uuid, gi_id, recorded)
         except MigError as err:
             if not err.gpu_gone:

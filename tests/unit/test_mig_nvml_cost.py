@@ -11,9 +11,10 @@ from driver.state.checkpoint import Checkpoint
 from tests.unit.test_mig_prepare import H100, Node, make_node
 
 ONE_G = [f"gpu-0-mig-1g10gb-{i}" for i in range(7)]
-# nvmlInit, GetHandleByUUID, GetGpuInstanceById, GpuInstanceGetInfo,
+# nvmlInit, GetHandleByUUID, GetGpuInstanceById, GpuInstanceGetInfo, the UUID check
+# (GetHandleByUUID of the MIG UUID, GetGpuInstanceId, GetComputeInstanceId),
 # GetComputeInstanceById, ComputeInstanceDestroy, GpuInstanceDestroy, nvmlShutdown
-DESTROY_BY_ID_CALLS = 8
+DESTROY_BY_ID_CALLS = 11
 
 
 def _calls(node: Node) -> int:
