@@ -46,6 +46,8 @@ from driver.nvml.mig_listing import (
     gpu_instances,
     is_mig_device,
     mig_uuid_of,
+    reading_listed,
+    retried,
     unsupported,
 )
 from driver.nvml.types import MigInstance
@@ -184,16 +186,25 @@ class MigManager:
         instance of the GPU. Raises MigError."""
         with self._session() as nvml:
             handle = self._lookup(nvml, gpu_uuid)
+            what = f"listing the GPU instances of {gpu_uuid}"
             try:
                 limit = self._limits(nvml, handle, gpu_uuid).get(profile_id, 0)
-                ids = []
-                for gi in gpu_instances(nvml, handle, profile_id, limit):
-                    info = nvml.nvmlGpuInstanceGetInfo(gi)
-                    if (int(info.placement.start), int(info.placement.size)) == placement:
-                        ids.append(int(info.id))
+                return retried(
+                    what, lambda: self._ids_at(nvml, handle, profile_id, limit, placement)
+                )
             except nvml.NVMLError as err:
-                raise self._fail(err, f"listing the GPU instances of {gpu_uuid}") from err
-            return tuple(sorted(ids))
+                raise self._fail(err, what) from err
+
+    def _ids_at(
+        self, nvml: Any, handle: Any, profile_id: int, limit: int, placement: tuple[int, int]
+    ) -> tuple[int, ...]:
+        ids = []
+        for gi in gpu_instances(nvml, handle, profile_id, limit):
+            with reading_listed(nvml):
+                info = nvml.nvmlGpuInstanceGetInfo(gi)
+            if (int(info.placement.start), int(info.placement.size)) == placement:
+                ids.append(int(info.id))
+        return tuple(sorted(ids))
 
     def _limits(self, nvml: Any, handle: Any, gpu_uuid: str) -> dict[int, int]:
         """Profile id -> how many instances of it the GPU can hold, read once per GPU
@@ -217,11 +228,17 @@ class MigManager:
         return limits
 
     def _list(self, nvml: Any, handle: Any, gpu_uuid: str) -> list[MigInstance]:
-        found: list[MigInstance] = []
-        for profile_id, limit in self._limits(nvml, handle, gpu_uuid).items():
-            for gi in gpu_instances(nvml, handle, profile_id, limit):
-                found.append(describe(nvml, handle, gpu_uuid, gi))
-        return sorted(found, key=lambda m: (m.placement, m.gi_id))
+        limits = self._limits(nvml, handle, gpu_uuid)
+
+        def listing() -> list[MigInstance]:
+            found = [
+                describe(nvml, handle, gpu_uuid, gi)
+                for profile_id, limit in limits.items()
+                for gi in gpu_instances(nvml, handle, profile_id, limit)
+            ]
+            return sorted(found, key=lambda m: (m.placement, m.gi_id))
+
+        return retried(f"listing the MIG devices of {gpu_uuid}", listing)
 
     # ------------------------------------------------------------ create
 
@@ -246,7 +263,10 @@ class MigManager:
                     gi, self._covering_ci_profile(nvml, gi, target.slice_count)
                 )
                 ci_id = int(nvml.nvmlComputeInstanceGetInfo(ci).id)
-                uuid = mig_uuid_of(nvml, handle, gi_id, ci_id)
+                uuid = retried(
+                    f"finding the MIG device of {target.describe()} on {target.gpu_uuid}",
+                    lambda: mig_uuid_of(nvml, handle, gi_id, ci_id),
+                )
                 if uuid is None:
                     raise MigError(
                         f"the MIG device of GPU instance {gi_id} / compute instance {ci_id} "

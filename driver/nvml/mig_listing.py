@@ -2,18 +2,72 @@
 a profile, each one's compute instances and MIG device UUID, and whether a recorded
 MIG UUID still names the MIG device of given ids. Read-only: `MigManager`
 (driver/nvml/mig.py) opens the NVML session and turns NVML's errors into MigErrors.
+
+A listing races the destroys other processes make (an unprepare, which runs outside
+the node lock; a rolling update's other instance; an administrator): an instance a
+listing returned may be gone when it is read, and NVML then refuses its stale handle
+(`INVALID_ARGUMENT`, or `NOT_FOUND`). Reads of listed handles raise
+`InstanceVanished` for those, and `retried` takes the whole listing again - a MIG
+device handle's index moves too when one before it goes - a few times before it
+gives up with a transient MigError.
 """
 
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Iterator
-from typing import Any
+import logging
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, TypeVar
 
 from driver.nvml.calls import is_nvml_error, nvml_text
+from driver.nvml.mig_errors import MigError, error_code
 from driver.nvml.types import MigInstance
 
+log = logging.getLogger(__name__)
+
 _REV1 = "NVML_COMPUTE_INSTANCE_PROFILE_1_SLICE_REV1"  # NVIDIA's driver skips it too
+LISTING_ATTEMPTS = 3
+_T = TypeVar("_T")
+
+
+class InstanceVanished(Exception):
+    """An instance a listing returned was destroyed before it was read."""
+
+    def __init__(self, code: str, detail: str) -> None:
+        super().__init__(f"{detail} ({code})")
+        self.code = code
+
+
+@contextmanager
+def reading_listed(nvml: Any) -> Iterator[None]:
+    """Around reads of handles a listing returned: NVML's answer for a stale handle
+    (the instance was destroyed since) becomes `InstanceVanished`."""
+    try:
+        yield
+    except nvml.NVMLError as err:
+        if is_nvml_error(nvml, err, "NVML_ERROR_INVALID_ARGUMENT") or is_nvml_error(
+            nvml, err, "NVML_ERROR_NOT_FOUND"
+        ):
+            raise InstanceVanished(error_code(nvml, err), str(err)) from err
+        raise
+
+
+def retried(what: str, read: Callable[[], _T]) -> _T:
+    """`read()`, taken again when an instance it listed vanished under it; after
+    LISTING_ATTEMPTS a MigError that says a retry succeeds (transient)."""
+    for attempt in range(1, LISTING_ATTEMPTS + 1):
+        try:
+            return read()
+        except InstanceVanished as gone:
+            log.info("%s: an instance vanished under listing %d, again: %s", what, attempt, gone)
+            last = gone
+    raise MigError(
+        f"{what}: MIG instances were destroyed under each of {LISTING_ATTEMPTS} listings "
+        f"({last}); the layout is changing, a retry succeeds once it settles",
+        code=last.code,
+        retryable=True,
+    )
 
 
 def unsupported(nvml: Any, err: BaseException) -> bool:
@@ -46,11 +100,12 @@ def mig_uuid_of(nvml: Any, handle: Any, gi_id: int, ci_id: int) -> str | None:
             ):
                 continue
             raise
-        if (
-            int(nvml.nvmlDeviceGetGpuInstanceId(mig)) == gi_id
-            and int(nvml.nvmlDeviceGetComputeInstanceId(mig)) == ci_id
-        ):
-            return nvml_text(nvml.nvmlDeviceGetUUID(mig))
+        with reading_listed(nvml):
+            if (
+                int(nvml.nvmlDeviceGetGpuInstanceId(mig)) == gi_id
+                and int(nvml.nvmlDeviceGetComputeInstanceId(mig)) == ci_id
+            ):
+                return nvml_text(nvml.nvmlDeviceGetUUID(mig))
     return None
 
 
@@ -66,23 +121,30 @@ def is_mig_device(nvml: Any, handle: Any, gi_id: int, ci_id: int, uuid: str) -> 
             return False
         if not is_nvml_error(nvml, err, "NVML_ERROR_GPU_IS_LOST"):
             raise
-        return mig_uuid_of(nvml, handle, gi_id, ci_id) == uuid
-    return (
-        int(nvml.nvmlDeviceGetGpuInstanceId(mig)) == gi_id
-        and int(nvml.nvmlDeviceGetComputeInstanceId(mig)) == ci_id
-    )
+        found = retried(f"MIG device {uuid}", lambda: mig_uuid_of(nvml, handle, gi_id, ci_id))
+        return found == uuid
+    try:
+        with reading_listed(nvml):
+            return (
+                int(nvml.nvmlDeviceGetGpuInstanceId(mig)) == gi_id
+                and int(nvml.nvmlDeviceGetComputeInstanceId(mig)) == ci_id
+            )
+    except InstanceVanished:
+        return False  # destroyed since it was found: not the device of those ids
 
 
 def describe(nvml: Any, handle: Any, gpu_uuid: str, gi: Any) -> MigInstance:
-    """The GPU instance with its (first) compute instance and MIG device UUID."""
-    info = nvml.nvmlGpuInstanceGetInfo(gi)
-    placement = (int(info.placement.start), int(info.placement.size))
-    ci_id: int | None = None
-    uuid: str | None = None
-    for ci in compute_instances(nvml, gi):
-        ci_id = int(nvml.nvmlComputeInstanceGetInfo(ci).id)
-        uuid = mig_uuid_of(nvml, handle, int(info.id), ci_id)
-        break  # the driver creates one; an administrator's extra ones share the GI
+    """The listed GPU instance with its (first) compute instance and MIG device UUID;
+    raises InstanceVanished if it is gone."""
+    with reading_listed(nvml):
+        info = nvml.nvmlGpuInstanceGetInfo(gi)
+        placement = (int(info.placement.start), int(info.placement.size))
+        ci_id: int | None = None
+        uuid: str | None = None
+        for ci in compute_instances(nvml, gi):
+            ci_id = int(nvml.nvmlComputeInstanceGetInfo(ci).id)
+            uuid = mig_uuid_of(nvml, handle, int(info.id), ci_id)
+            break  # the driver creates one; an administrator's extra ones share the GI
     return MigInstance(
         gpu_uuid=gpu_uuid,
         gi_id=int(info.id),
