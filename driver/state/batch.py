@@ -312,7 +312,7 @@ def _unmark(
     for uid, (_, _, entry) in unmarked.items():
         journal[uid] = replace(entry, unpreparing=None)
     try:
-        state.checkpoint.store(journal)
+        state.checkpoint.store(journal, rollback_reserve=False)  # nothing to roll back
     except DriverError as err:
         for uid, (ref, claim, entry) in unmarked.items():
             journal[uid] = entry

@@ -273,8 +273,8 @@ def _mark_unpreparing(
     found = {uid: journal[uid] for uid in marks}
     for uid in marks:
         journal[uid] = replace(found[uid], unpreparing=boot)
-    try:
-        state.checkpoint.store(journal, sync=False)
+    try:  # nothing rolls a mark back: no room kept for that (ROLLBACK_RESERVE)
+        state.checkpoint.store(journal, sync=False, rollback_reserve=False)
     except DriverError as err:
         journal.update(found)
         for uid in marks:
