@@ -160,15 +160,28 @@ def _sweep_orphan_specs(
     return kept, tuple(sorted(gone))
 
 
-def compact_journal(state: StepContext) -> None:
-    """At a clean stop, once nothing is served: the journal's log folded into its
+def compact_journal(state: StepContext, *, drain_seconds: float) -> None:
+    """At a clean stop, once nothing new is served: the prepares and unprepares in
+    flight finish (at most `drain_seconds`), then the journal's log is folded into its
     snapshot (schemaVersion 1), so that any release, an older one after a downgrade
-    too, reads it (docs/state.md, "The log")."""
+    too, reads it (docs/state.md, "The log"). Nothing is stored after that: a call
+    still in flight fails at its next journal step (its PrepareStarted entry, if any,
+    is rolled back at the next start; an unprepare begun is finished there)."""
+    if not state.in_flight.drain(drain_seconds):
+        log.warning(
+            "%d prepare/unprepare call(s) still in flight after %gs; they fail, and "
+            "store nothing after the journal's compaction",
+            state.in_flight.running,
+            drain_seconds,
+        )
+    stopping = "the plugin is stopping; the kubelet retries with the next plugin instance"
     try:
         with state.lock.hold():
             _compact_journal(state)
+            state.lock.close(stopping)
     except DriverError as err:
         log.warning("could not compact the journal: %s", err)
+    state.lock.close(stopping)
 
 
 def _compact_journal(state: StepContext) -> None:
