@@ -1,29 +1,23 @@
 """MIG devices of prepared claims: created at prepare, destroyed at unprepare, and
 reconciled with the journal at start (docs/mig.md, "Crash safety").
 
-The journal names each owned MIG device by its parent GPU, profile and placement
-before it is created (`PrepareStarted`), with the ids of the instances already there
-(`MigRecord.before`, normally none: the create needs the placement free), and adds
-the GPU/compute-instance ids and UUID once it exists (`PrepareCompleted`). A
-placement holds at most one GPU instance, so the placement finds a half-created
-device after a crash, even a GPU instance without its compute instance: the instance
-of the intent's profile there whose id is not in `before` and that no other journal
-entry records. Anything else at the placement (an administrator's device, another
-claim's) is never destroyed, and an intent that does not record `before` (an earlier
-release's) destroys nothing. Destroying by id first checks that the instance with
-that id still has the recorded profile and placement (a few NVML calls, as NVIDIA's
-driver destroys by id): ids are reused, and an id must never destroy another claim's
-device. Static (not owned) MIG devices are never created or
-destroyed here.
+The journal names each owned MIG device by GPU, profile and placement before it is
+created (`PrepareStarted`), with the ids of the instances already there
+(`MigRecord.before`, normally none) and the boot, and adds the GI/CI ids and UUID
+once it exists (`PrepareCompleted`). A crash's leftover, even a GI without its CI, is
+found at the placement: the instance of the intent's profile whose id is not in
+`before` and that no other entry records; an intent without `before` (an earlier
+release's) or of another boot destroys nothing, and the undo of a failed prepare in
+its own process destroys only the ids it recorded. Destroying by id first checks the
+recorded profile, placement and MIG UUID (an id follows the placement: a device
+created again there by anyone has the recorded ids, not the UUID). Static (not
+owned) MIG devices are never created or destroyed here.
 
 Every failure is a transient `DriverError` naming the device and NVML's code. A
-GPU that is lost (or no longer on the node) fails the prepare of its devices,
-transiently: the health monitor sees the same loss and taints the GPU, and the
-kubelet's retry then gets the permanent device-failed verdict from the health
-check, which waits for the taint first. For teardown (unprepare, rollback) the MIG
-device of such a GPU counts as destroyed: the GPU can only come back through a GPU
-reset or a reboot, and both destroy every GPU and compute instance on it
-(docs/mig.md, "A lost GPU").
+lost GPU (or one no longer on the node) fails the prepare of its devices,
+transiently (the health check then answers device-failed once the taint is in). For
+teardown its MIG device counts as destroyed: the GPU comes back only through a GPU
+reset or a reboot, and both destroy every instance on it (docs/mig.md, "A lost GPU").
 """
 
 from __future__ import annotations
@@ -36,6 +30,7 @@ from typing import Protocol
 from driver.errors import DriverError, transient
 from driver.nvml.mig import MigError, MigTarget, RecordedInstance
 from driver.nvml.types import MigInstance
+from driver.state.boot import boot_id
 from driver.state.checkpoint import ClaimEntry, MigRecord, PreparedDevice
 from driver.state.failpoints import failpoint
 from driver.state.planning import PlannedDevice, with_mig
@@ -62,8 +57,19 @@ def _target(record: MigRecord) -> MigTarget:
 
 def _record(record: MigRecord, instance: MigInstance) -> MigRecord:
     return replace(
-        record, gi_id=instance.gi_id, ci_id=instance.ci_id, uuid=instance.uuid, before=None
+        record,
+        gi_id=instance.gi_id,
+        ci_id=instance.ci_id,
+        uuid=instance.uuid,
+        before=None,
+        boot=None,  # the UUID tells this device from any other from now on
     )
+
+
+def _of_another_boot(record: MigRecord, boot: str) -> bool:
+    """A record without a UUID (an intent, a GPU instance a failed create left)
+    journaled in another boot: nothing its attempt made survived the reboot."""
+    return record.uuid is None and record.boot is not None and boot != "" and record.boot != boot
 
 
 Held = frozenset[tuple[str, int]]  # (GPU UUID, GPU-instance id)
@@ -90,7 +96,13 @@ def owned_instances(journal: Mapping[str, ClaimEntry], live: Iterable[MigInstanc
     entry's). A rollback or unprepare destroys exactly these, so none of them may be
     published as a static device."""
     live = list(live)
-    records = [d.mig for e in journal.values() for d in e.devices if d.mig is not None]
+    boot = boot_id()
+    records = [
+        d.mig
+        for e in journal.values()
+        for d in e.devices
+        if d.mig is not None and not _of_another_boot(d.mig, boot)
+    ]
     recorded = {(r.gpu_uuid, r.gi_id): r.uuid for r in records if r.owned and r.gi_id is not None}
     owned = {
         (m.gpu_uuid, m.gi_id)
@@ -188,7 +200,7 @@ class ClaimInstances:
                     seen[place] = self._need_ops(p.prepared.device_name).instance_ids_at(*place)
                 except MigError as err:
                     raise _refusal(p.prepared.device_name, err) from err
-            out.append(with_mig(p, replace(record, before=seen[place])))
+            out.append(with_mig(p, replace(record, before=seen[place], boot=boot_id() or None)))
         return tuple(out)
 
     def create(
@@ -308,6 +320,15 @@ class ClaimInstances:
 
     def _destroy(self, record: MigRecord, device: str = "", keep: Held = frozenset()) -> None:
         name = device or f"MIG {record.placement} on {record.gpu_uuid}"
+        if _of_another_boot(record, boot_id()):
+            log.info(
+                "device %s: its record is of an earlier boot (%s); the reboot destroyed "
+                "whatever its attempt created, and what is at %s now is not its",
+                name,
+                record.boot,
+                record.placement,
+            )
+            return
         try:
             gi_id = record.gi_id
             if gi_id is None:  # an intent: the instance its attempt created, if any

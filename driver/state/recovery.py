@@ -16,13 +16,14 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from driver.errors import DriverError, transient
+from driver.state.boot import boot_id
 from driver.state.checkpoint import CheckpointCorruptError, ClaimEntry, ClaimState
 from driver.state.context import StepContext
 from driver.state.failpoints import failpoint
 from driver.state.instances import other_entries
 from driver.state.planning import respec_restored
 from driver.state.quarantine import salvage_entries
-from driver.state.teardown import boot_id, claim_error, unprepare_begun
+from driver.state.teardown import claim_error, unprepare_begun
 
 log = logging.getLogger(__name__)
 

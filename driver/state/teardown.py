@@ -13,9 +13,9 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 
 from driver.errors import DriverError, transient
+from driver.state.boot import boot_id
 from driver.state.checkpoint import CheckpointCorruptError, ClaimEntry, ClaimState
 from driver.state.claims import ClaimRef, unique
 from driver.state.context import StepContext
@@ -220,17 +220,6 @@ def _end(
     for uid in done:
         results[uid] = None
     state.stats.unprepared += len(done)
-
-
-BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
-
-
-def boot_id() -> str:
-    """This boot of the node's kernel (the same in every container); "" if unknown."""
-    try:
-        return BOOT_ID.read_text().strip()
-    except OSError:
-        return ""
 
 
 def unprepare_begun(entry: ClaimEntry, spec_exists: bool, boot: str | None = None) -> bool:

@@ -12,8 +12,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from driver.nvml.types import MigInstance
-from driver.state.checkpoint import Checkpoint
-from tests.unit.test_mig_foreign import _target
+from driver.state.checkpoint import Checkpoint, ClaimEntry, ClaimState
+from tests.unit.test_mig_foreign import _intent, _target
 from tests.unit.test_mig_owned import _published_uuids
 from tests.unit.test_mig_prepare import H100, Node, make_node
 
@@ -59,3 +59,31 @@ def test_a_restart_after_a_reboot_never_adopts_the_boot_layouts_device(tmp_path:
     assert restarted.state.unprepare([restarted.claims.add("r")]) == {"r": None}
     assert restarted.live() == [boot_layout]
     assert Checkpoint(tmp_path / "plugin").load() == {}
+
+
+def test_an_intent_of_an_earlier_boot_destroys_nothing_at_its_placement(tmp_path: Path) -> None:
+    """A crash between the intent and the create, then a reboot whose boot-time layout
+    put a device at the intent's placement: that device did not exist when the intent
+    was journaled (its id is not in `before`), yet nothing an attempt of another boot
+    made survives a reboot. The intent records its boot; its rollback leaves the
+    device, and discovery does not count it as the journal's."""
+    node = make_node(tmp_path, H100)
+    mine = _prepared(node, "r")
+    cp = Checkpoint(tmp_path / "plugin")
+    (device,) = cp.load()["r"].devices
+    cp.store(
+        {
+            "r": ClaimEntry(
+                ClaimState.PREPARE_STARTED,
+                "default",
+                "claim-r",
+                (_intent(device, before=[], boot="an-earlier-boot"),),
+            )
+        }
+    )
+    node.mock.mock_reboot()
+    boot_layout = _created_again(node, mine)
+    restarted = make_node(tmp_path, H100)  # recover() rolls the intent back
+    assert restarted.live() == [boot_layout]
+    assert cp.load() == {}
+    assert boot_layout.uuid in _published_uuids(restarted)
