@@ -94,15 +94,26 @@ def _journal_or_none(state: StepContext) -> dict[str, ClaimEntry] | None:
 
 
 def settled_journal(state: StepContext) -> dict[str, ClaimEntry]:
-    """The journal (`load_journal`), with the unprepares owed from a time it was
-    unreadable finished first: each such claim is torn down as its unprepare would
-    have done (marked, MIG devices destroyed, GPU intervals restored, entry dropped).
-    A claim whose teardown fails, or whose claim lock a request in flight holds,
-    keeps its entry, and so its devices, and stays owed: the next call tries again."""
+    """The journal (`load_journal`), with the unprepares owed finished first: those of
+    a time it was unreadable, and those begun and not finished (`unprepare_begun`: an
+    unprepare of this boot removed the spec; one of this process that failed half
+    way, or another instance's that could not drop the entry - the release before the
+    log cannot write this journal). Each such claim is torn down as its unprepare
+    would have done (MIG devices destroyed, GPU intervals restored, entry dropped), so
+    its placement is free at once. A claim whose teardown fails, or whose claim lock
+    a request in flight holds, keeps its entry, and so its devices, and stays owed:
+    the next call tries again."""
     journal = state.load_journal()
+    boot = boot_id()
+    begun = {
+        uid
+        for uid, entry in journal.items()
+        if entry.unpreparing is not None
+        and unprepare_begun(entry, state.cdi.claim_spec_exists(uid), boot)
+    }
     owed = [
         ClaimRef(journal[uid].namespace, journal[uid].name, uid)
-        for uid in sorted(state.pending_removals)
+        for uid in sorted(state.pending_removals | begun)
         if uid in journal and not state.claim_locks.busy(uid)
     ]
     state.pending_removals.difference_update(ref.uid for ref in owed)

@@ -26,6 +26,7 @@ from driver.state.checkpoint import Checkpoint, ClaimState
 from driver.state.claims import ClaimRef
 from driver.state.failpoints import ENV_VAR, FAILPOINTS, PREPARE_FAILPOINTS, UNPREPARE_FAILPOINTS
 from driver.state.prepare import DeviceState
+from driver.state.teardown import unprepare_begun
 
 HARNESS = r"""
 import json
@@ -397,14 +398,21 @@ def test_kill_at_failpoint_then_restart(
         _crash(root, "prepare", failpoint)
 
     # Whatever the crash left, claim-a's devices are never handed to claim-b while
-    # claim-a has any state on the node.
+    # claim-a has any state on the node. An unprepare of claim-a that had begun (the
+    # kubelet asked; its spec is gone) is finished first, as a restart would.
     journal_after_crash = Checkpoint(root / "plugin").load()
     if failpoint in BEFORE_COMMIT:
         states = {e.state for e in journal_after_crash.values()}
         assert states == BEFORE_COMMIT[failpoint], "the store's content became visible"
     if UID_A in journal_after_crash:
-        blocked = _state(_copy(root, tmp_path / "b")).prepare([claim_b])[UID_B]
-        assert blocked.error is not None and UID_A in str(blocked.error)
+        other = _state(_copy(root, tmp_path / "b"))
+        spec_exists = other.cdi.claim_spec_exists(UID_A)
+        blocked = other.prepare([claim_b])[UID_B]
+        if unprepare_begun(journal_after_crash[UID_A], spec_exists):
+            assert blocked.ok, blocked.error
+            assert UID_A not in Checkpoint(tmp_path / "b" / "plugin").load()
+        else:
+            assert blocked.error is not None and UID_A in str(blocked.error)
 
     # The startup path: leftovers cleaned, no PrepareStarted survives.
     recovered = _copy(root, tmp_path / "recover")

@@ -233,3 +233,25 @@ def test_a_mig_unprepare_needs_no_rollback_reserve_on_a_nearly_full_disk(
     error = node.state.prepare([node.claims.add("v", "gpu-0-mig-1g10gb-1")])["v"].error
     assert error is not None and "keeps 64 KiB free" in str(error)
     assert "prepare" in str(error)
+
+
+def test_a_begun_unprepare_whose_device_is_gone_frees_its_placement_at_once(
+    tmp_path: Path,
+) -> None:
+    """A rolling update from the release before the log: the old instance unprepared
+    claim `old` (marked, spec removed, MIG device destroyed) and answered, but could
+    not drop the entry from a journal it cannot write. The running instance finishes
+    that teardown at its next request instead of holding the placement until a
+    restart."""
+    node = make_node(tmp_path, H100)
+    old = node.claims.add("old", "gpu-0-mig-1g10gb-0")
+    assert node.state.prepare([old])["old"].ok
+    (device,) = node.live()
+    cp = Checkpoint(tmp_path / "plugin")
+    cp.store({"old": replace(cp.load()["old"], unpreparing=teardown.boot_id())})
+    node.state.cdi.remove_claim_specs(["old"])
+    assert node.backend.mig().destroy(device.gpu_uuid, device.gi_id)
+    res = node.state.prepare([node.claims.add("new", "gpu-0-mig-1g10gb-0")])["new"]
+    assert res.ok, res.error
+    assert sorted(cp.load()) == ["new"]
+    assert node.state.unprepare([old]) == {"old": None}  # the kubelet's repeat, if any
