@@ -130,6 +130,35 @@ def carried_entries(entries: dict[str, ClaimEntry], owned_mig: OwnedMig) -> dict
     return {}
 
 
+def carried_fate(entry: ClaimEntry, owned_mig: OwnedMig, spec_in_place: bool) -> str:
+    """What the plugin's next start does with an entry that owns MIG devices, after a
+    quarantine with `owned_mig` (`carried_entries`); for a half-done prepare whose CDI
+    spec is in place, that the corruption may have taken its completion record."""
+    fate = _fate(entry, owned_mig)
+    if entry.state is ClaimState.PREPARE_STARTED and spec_in_place:
+        fate += (
+            "; its CDI spec is in place: the prepare may have completed (its completion "
+            "record unreadable) and a pod may be using the device"
+        )
+    return fate
+
+
+def _fate(entry: ClaimEntry, owned_mig: OwnedMig) -> str:
+    if owned_mig is OwnedMig.FOREIGN:
+        return "not carried: its MIG devices become foreign (an administrator's)"
+    if owned_mig is OwnedMig.DESTROY:
+        return (
+            "carried as a half-done prepare: its MIG devices are destroyed and its CDI spec "
+            "removed at the next start"
+        )
+    if entry.state is ClaimState.PREPARE_STARTED:
+        return (
+            "carried as it is, a half-done prepare: rolled back at the next start (the MIG "
+            "device its attempt created destroyed, its CDI spec removed)"
+        )
+    return "carried as prepared: it keeps its MIG devices; its unprepare destroys them"
+
+
 def quarantine_checkpoint(
     data_dir: Path | str,
     *,

@@ -7,9 +7,10 @@ claim's unprepare destroys them), `destroy` has the next start destroy them, and
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
-from driver.state.checkpoint import Checkpoint
+from driver.state.checkpoint import Checkpoint, ClaimState
 from tests.unit.test_journal_cli import gpu_dra
 from tests.unit.test_mig_prepare import H100, Node, make_node
 
@@ -80,3 +81,27 @@ def test_foreign_mig_device_is_left_to_the_administrator(tmp_path: Path) -> None
     assert node.live() == [device]
     assert Checkpoint(node.root / "plugin").load() == {}
     assert node.state.owned_mig() == frozenset()
+
+
+def test_the_preview_shows_each_carried_entrys_state_and_fate(tmp_path: Path) -> None:
+    """The corrupt line was claim u's completion record: salvage yields its intent.
+    Adopting carries that intent as it is, and the next start rolls it back (its
+    running pod loses the device): the preview says so before the operator confirms,
+    not 'adopt keeps it'."""
+    node = make_node(tmp_path, H100)
+    assert node.state.prepare([node.claims.add("u", DEVICE)])["u"].ok
+    cp = Checkpoint(node.root / "plugin")
+    entry = cp.load()["u"]
+    (device,) = entry.devices
+    assert device.mig is not None
+    intent = replace(device, mig=replace(device.mig, gi_id=None, ci_id=None, uuid=None, before=()))
+    cp.store({"u": replace(entry, state=ClaimState.PREPARE_STARTED, devices=(intent,))})
+    path = cp.path
+    doc = json.loads(path.read_bytes())
+    doc["checksum"] = "sha256:" + "0" * 64
+    path.write_text(json.dumps(doc))
+    code, out, err = _quarantine(node, "--owned-mig", "adopt", "--cdi-root", str(tmp_path / "cdi"))
+    assert code == 0, err
+    line = next(x for x in out.splitlines() if "claim default/claim-u (u)" in x)
+    assert "PrepareStarted" in line and "rolled back at the next start" in line
+    assert "CDI spec is in place" in line  # a pod may be running on it
