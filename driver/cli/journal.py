@@ -14,7 +14,8 @@ memory only.
 
 `quarantine` moves a corrupt journal aside to `checkpoint.json.corrupt-<UTC time>`
 and `checkpoint.log.corrupt-<UTC time>` (never deletes them) so the plugin can
-prepare again, starting from an empty journal.
+prepare again from an empty journal; a run killed or failed half way is finished, as
+confirmed, by the next run or the plugin's start.
 When the corrupt file's readable entries own MIG devices the driver created, it
 refuses until `--owned-mig` says what becomes of them: `adopt` (carried into the new
 journal: their claims keep them, their unprepare destroys them), `destroy` (the
@@ -62,6 +63,7 @@ from driver.state.quarantine import (
     OwnedMig,
     carried_fate,
     owning_mig,
+    pending_quarantine,
     quarantine_checkpoint,
     salvage_entries,
 )
@@ -352,6 +354,15 @@ def run_quarantine(
     checkpoint = Checkpoint(state_dir)
     try:
         with no_plugin_running(state_dir):
+            pending = pending_quarantine(state_dir)
+            if pending is not None:  # confirmed by the run it interrupted
+                out.write(
+                    f"a quarantine of {pending.stamp} (--owned-mig {pending.owned_mig.value})"
+                    " was interrupted: finishing it as it was confirmed\n"
+                )
+                target = quarantine_checkpoint(state_dir)
+                print(f"moved aside: {target}", file=out)
+                return 0
             if not os.path.lexists(checkpoint.path):
                 print(f"no journal at {checkpoint.path}: nothing to move aside", file=out)
                 return 0

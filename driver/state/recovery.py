@@ -22,7 +22,11 @@ from driver.state.context import StepContext
 from driver.state.failpoints import failpoint
 from driver.state.instances import other_entries
 from driver.state.planning import respec_restored
-from driver.state.quarantine import salvage_entries
+from driver.state.quarantine import (
+    finish_pending_quarantine,
+    orphan_log_copy,
+    salvage_entries,
+)
 from driver.state.teardown import claim_error, unprepare_begun
 
 log = logging.getLogger(__name__)
@@ -62,9 +66,19 @@ def recover(state: StepContext) -> RecoveryReport:
     with state.lock.hold():
         state.common.write()
         try:
+            quarantined = finish_pending_quarantine(state.checkpoint)
+            if quarantined is not None:
+                log.warning("finished the interrupted quarantine of the journal: %s", quarantined)
             journal = state.load_journal()
         except CheckpointCorruptError as err:
-            return RecoveryReport(checkpoint_problem=str(err))
+            problem = str(err)
+            orphan = orphan_log_copy(state.checkpoint.data_dir)
+            if orphan is not None and not state.checkpoint.log_path.exists():
+                problem += (
+                    f"; {orphan.name} is its log, moved aside by an interrupted quarantine: "
+                    "gpu-dra journal quarantine reads the two together"
+                )
+            return RecoveryReport(checkpoint_problem=problem)
         swept = tuple(state.last_swept)
         # Claims whose request another instance (a rolling update) has in flight:
         # their entries are not a crash's leftovers and are left to it.
