@@ -90,10 +90,9 @@ MIG_FATE = {
     devices, which a new claim may then get while a pod still uses them), with
     dynamic it refuses to start until they are destroyed; none is destroyed by the
     driver;""",
-    OwnedMig.ADOPT: """adopts the MIG devices of the readable entries listed above: their
-    entries are carried into the new journal as they were, each with the fate
-    listed (a prepared claim keeps its devices until its unprepare destroys them; a
-    half-done prepare is rolled back, its device destroyed);""",
+    OwnedMig.ADOPT: """carries the readable entries listed above into the new journal as
+    they were, each with the fate listed (a prepared claim keeps its MIG devices until
+    its unprepare destroys them; a half-done prepare is rolled back);""",
     OwnedMig.DESTROY: """destroys the MIG devices of the readable entries listed above at its
     next start (each only if the instance under its recorded id still has the
     recorded profile and placement) and removes those claims' CDI specs: pods using
