@@ -92,7 +92,7 @@ class NvmlBackend:
 
     def discover(self) -> Inventory:
         """Walk every GPU NVML reports; GPUs that are lost are skipped with a warning."""
-        inventory = discover_inventory(self._nvml, self.backend_name)
+        inventory = discover_inventory(self._nvml, self.backend_name, self._mig)
         if self._mock is not None:
             # The mock's `example` profile publishes the reference's model, not NVML's.
             inventory = self._mock.as_published(inventory)

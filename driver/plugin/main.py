@@ -56,6 +56,9 @@ from driver.state.verdicts import parse_permanent_errors
 log = logging.getLogger("gpu-kubelet-plugin")
 
 SHUTDOWN_GRACE_SECONDS = 5.0
+# How long a clean stop waits for prepares and unprepares still running (a MIG create
+# takes seconds) before it compacts the journal; within the chart's 30 s grace period.
+SHUTDOWN_DRAIN_SECONDS = 15.0
 # How often the main thread wakes while it waits to stop. A signal that the kernel
 # hands to another thread (grpc's, the publisher's) runs its Python handler only once
 # the main thread runs Python again: an endless wait would never see SIGTERM.
@@ -230,7 +233,7 @@ class Plugin:
         running.callback(monitor.stop)
         # Runs after the service socket stopped (callbacks run in reverse): the journal's
         # log folded into a snapshot every release reads (docs/state.md, "The log").
-        running.callback(compact_journal, state)
+        running.callback(compact_journal, state, drain_seconds=SHUTDOWN_DRAIN_SECONDS)
 
         paths = socket_paths(o.driver_name, o.registrar_dir, o.data_dir, o.pod_uid or None)
 
