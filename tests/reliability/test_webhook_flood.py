@@ -10,9 +10,9 @@ The flood here, against the real server on loopback: idle TCP connections that n
 start TLS, requests that announce a 3 MiB body and stall after a few bytes of it,
 reviews whose `opaque.parameters` is a string holding a YAML alias bomb (a few hundred
 bytes that expand to millions of paths), and complete reviews of a few MiB. Then
-legitimate reviews must be answered, each within the API server's deadline and all of
-them while the flood is still being served (not after it: counted in answers, not
-seconds, so a busy machine slows both alike), and the server must hold no thread per
+legitimate reviews must be answered, each within the API server's deadline, and all
+of them before the large reviews sent ahead of them are (the order of answers, not
+seconds: a busy machine slows both alike), and the server must hold no thread per
 connection. Bounded: the server is a process of its own, killed at the end (whatever
 the flood left it computing ends with it), and every client socket has a timeout.
 """
