@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import functools
 import logging
 import queue
 import selectors
@@ -89,6 +90,7 @@ class HttpStats:
     evicted: int = 0  # closed while sending, to make room (connections or bytes)
     refused: int = 0  # new ones closed at once: the limit was reached, none sending
     bad_requests: int = 0
+    failed: int = 0  # closed because handling them raised (a bug, never a client's fault)
 
 
 class _Phase(enum.Enum):
@@ -222,35 +224,53 @@ class BoundedHttpServer:
             while not self._stopping.is_set():
                 try:
                     self._once()
-                except Exception:  # never let one bad connection stop the server
+                except Exception:  # not one connection's: log it and serve on, never sleep
                     log.exception("%s server loop error", self._name)
-                    time.sleep(0.1)
         finally:
             self._loop_idle.set()
 
     def _once(self) -> None:
         now = time.monotonic()
         wait = min((c.deadline for c in self._conns), default=now + 1.0) - now
-        for key, _ in self._selector.select(max(0.0, min(wait, 1.0))):
-            if key.data == "accept":
-                self._accept()
-            elif key.data == "wake":
-                with contextlib.suppress(OSError):
-                    while self._wake_r.recv(4096):
-                        pass
-            elif isinstance(key.data, _Connection):
-                self._advance(key.data)
+        try:
+            for key, _ in self._selector.select(max(0.0, min(wait, 1.0))):
+                if key.data == "accept":
+                    self._accept()
+                elif key.data == "wake":
+                    with contextlib.suppress(OSError):
+                        while self._wake_r.recv(4096):
+                            pass
+                elif isinstance(key.data, _Connection):
+                    self._guarded(key.data, functools.partial(self._advance, key.data))
+            self._deliver_answers()
+        finally:
+            self._close_expired()
+
+    def _deliver_answers(self) -> None:
         while True:
             try:
                 job, response = self._done.get_nowait()
             except queue.Empty:
-                break
-            if not job.client.closed:
-                self._release(job.client)
-                self._answer(job.client, response, head_only=job.request.method == "HEAD")
+                return
+            conn, head_only = job.client, job.request.method == "HEAD"
+            if not conn.closed:
+                self._guarded(
+                    conn, functools.partial(self._answer, conn, response, head_only=head_only)
+                )
+
+    def _close_expired(self) -> None:
         now = time.monotonic()
         for conn in [c for c in self._conns if c.deadline <= now]:
             self.stats.timed_out += 1
+            self._close(conn)
+
+    def _guarded(self, conn: _Connection, step: Callable[[], None]) -> None:
+        """Runs `step` of `conn`'s handling; an exception closes `conn`, and only it."""
+        try:
+            step()
+        except Exception:
+            self.stats.failed += 1
+            log.exception("%s: closing a connection whose handling failed", self._name)
             self._close(conn)
 
     def _accept(self) -> None:

@@ -1,0 +1,135 @@
+"""Round four against the bounded HTTP server (issue 34, items 1 and 12): bytes that
+are not what the parser expects, and exceptions while one connection is handled, cost
+that connection only; the I/O thread keeps serving everyone else."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Callable, Iterator
+from http import HTTPStatus
+from typing import Any
+
+import pytest
+
+from driver.observability.bounded_http import BoundedHttpServer, Limits
+from driver.observability.http_messages import Request, Response, body_length, parse_head
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _head(content_length: bytes) -> bytes:
+    return b"POST / HTTP/1.1\r\nContent-Length: " + content_length + b"\r\n\r\n"
+
+
+@pytest.mark.parametrize(
+    "declared",
+    [b"\xb2", b"\xb3", b"\xb9", b"1\xb2", b"+5", b"-1", b" ", b"1_0", b"0x5", b"5 5", b"9" * 16],
+)
+def test_content_length_other_than_ascii_digits_is_refused(declared: bytes) -> None:
+    head = parse_head(_head(declared))
+    assert head is not None
+    refusal = body_length(head, max_body=1 << 20)
+    assert isinstance(refusal, Response)
+    assert refusal.status in (HTTPStatus.BAD_REQUEST, HTTPStatus.REQUEST_ENTITY_TOO_LARGE)
+
+
+def test_a_plain_content_length_is_still_read() -> None:
+    head = parse_head(_head(b"0012"))
+    assert head is not None and body_length(head, max_body=16) == 12
+
+
+def test_header_lines_split_only_at_line_feeds() -> None:
+    """Latin-1 NEL (0x85) and the other characters `str.splitlines` breaks at are not
+    line ends: a header value cannot smuggle a second header."""
+    head = parse_head(b"POST / HTTP/1.1\r\nX-A: a\x85Content-Length: 5\x1cz\r\n\r\n")
+    assert head is not None and "content-length" not in head.headers
+
+
+def test_duplicate_content_lengths_that_differ_are_refused() -> None:
+    head = parse_head(b"POST / HTTP/1.1\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\n")
+    assert head is not None
+    assert isinstance(body_length(head, max_body=16), Response)
+
+
+@pytest.fixture
+def serve() -> Iterator[Callable[..., BoundedHttpServer]]:
+    servers: list[BoundedHttpServer] = []
+
+    def _serve(handler: Callable[[Request], Response], **limits: Any) -> BoundedHttpServer:
+        server = BoundedHttpServer("127.0.0.1", 0, handler, Limits(**limits)).start()
+        servers.append(server)
+        return server
+
+    yield _serve
+    for server in servers:
+        server.shutdown()
+
+
+def _echo(request: Request) -> Response:
+    return Response(HTTPStatus.OK, request.body)
+
+
+def _connect(server: BoundedHttpServer) -> socket.socket:
+    return socket.create_connection(("127.0.0.1", server.port), timeout=10)
+
+
+def _answer(sock: socket.socket) -> bytes:
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(4096)
+        if not chunk:
+            break
+        data += chunk
+    return data
+
+
+def _closed(sock: socket.socket) -> bool:
+    sock.settimeout(5)
+    try:
+        while sock.recv(4096):
+            pass
+    except TimeoutError:
+        return False
+    except OSError:
+        return True
+    return True
+
+
+def test_a_superscript_content_length_is_answered_400_and_others_still_served(
+    serve: Callable[..., BoundedHttpServer],
+) -> None:
+    """Before: int('²') raised ValueError in the I/O thread at every byte."""
+    server = serve(_echo, max_body=16, timeout=30)
+    attacker = _connect(server)
+    attacker.sendall(_head(b"\xb2"))
+    assert _answer(attacker).startswith(b"HTTP/1.1 400 ")
+    for _ in range(3):
+        other = _connect(server)
+        other.sendall(b"POST / HTTP/1.1\r\nContent-Length: 2\r\n\r\nok")
+        assert _answer(other).startswith(b"HTTP/1.1 200 ")
+        other.close()
+    attacker.close()
+
+
+def test_an_exception_while_answering_closes_that_connection_only(
+    serve: Callable[..., BoundedHttpServer],
+) -> None:
+    """A handler's answer that cannot be rendered (a header outside latin-1) raises in
+    the I/O thread: that connection is closed and counted, at once, not at its
+    deadline, and the next request is served. One worker: the failing answer is handled
+    before the good one."""
+
+    def handler(request: Request) -> Response:
+        if request.target == "/bad":
+            return Response(HTTPStatus.OK, b"x", content_type="text/plain; charset=\u20ac")
+        return Response(HTTPStatus.OK, b"fine")
+
+    server = serve(handler, timeout=30, workers=1)
+    bad, good = _connect(server), _connect(server)
+    bad.sendall(b"GET /bad HTTP/1.1\r\n\r\n")
+    good.sendall(b"GET /good HTTP/1.1\r\n\r\n")
+    assert _answer(good).startswith(b"HTTP/1.1 200 ")
+    assert _closed(bad), "the connection whose answer failed is still open"
+    assert server.stats.failed == 1
+    bad.close()
+    good.close()
