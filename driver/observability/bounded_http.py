@@ -11,14 +11,14 @@ open a connection can reach; neither may be starved by a few cheap clients:
   the answer then has `timeout` seconds to be taken. Dribbling one byte at a time does
   not extend it (a deadline, not an idle timer).
 - At most `max_connections` are open. A connection beyond that closes, at once, the
-  oldest one still sending its request (idle ones included), so that a flood of slow
-  connections cannot lock out a client that sends its request as soon as it connects;
-  if none is sending, the new connection is closed instead.
+  oldest one still sending its request (idle ones included) or not taking its answer,
+  so that a flood of slow connections cannot lock out a client that sends its request
+  as soon as it connects; if there is none, the new connection is closed instead.
 - A request head of at most 8 KiB; a body of at most `max_body` bytes (413 beyond; with
   0, bodies are not read). At most `max_buffered` bytes of requests not yet answered
-  are held in all (those being answered may add a body per worker): past that, the
-  connection holding the most (still sending, or waiting for a worker) is closed, so
-  a small request is the last to go.
+  and of answers not yet taken are held in all (those being answered may add a body
+  per worker): past that, the connection holding the most (still sending, waiting for
+  a worker, or not reading its answer) is closed, so a small request is the last to go.
 - `workers` threads answer requests of up to `small_request` bytes, `large_workers`
   threads the larger ones; each picks the smallest waiting request first. So complete
   large requests, however many, never delay a small one by more than the GIL they
@@ -31,7 +31,6 @@ open a connection can reach; neither may be starved by a few cheap clients:
 from __future__ import annotations
 
 import contextlib
-import enum
 import functools
 import logging
 import queue
@@ -41,9 +40,10 @@ import ssl
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Final
 
+from driver.observability.http_connections import Connection, ConnectionTable, Phase
 from driver.observability.http_messages import (
     BadRequest,
     Request,
@@ -93,30 +93,6 @@ class HttpStats:
     failed: int = 0  # closed because handling them raised (a bug, never a client's fault)
 
 
-class _Phase(enum.Enum):
-    HANDSHAKE = "handshake"
-    READING = "reading"
-    WORKING = "working"
-    WRITING = "writing"
-
-
-@dataclass(eq=False)
-class _Connection:
-    sock: socket.socket
-    deadline: float
-    phase: _Phase
-    inbuf: bytearray = field(default_factory=bytearray)
-    held: int = 0  # request bytes counted against max_buffered
-    out: memoryview | None = None
-    close_after: bool = True
-    events: int = 0  # what the selector waits for; 0: not registered
-    closed: bool = False
-
-    @property
-    def sending(self) -> bool:
-        return self.phase in (_Phase.HANDSHAKE, _Phase.READING)
-
-
 class BoundedHttpServer:
     """Serves `handler` within `limits`; see the module docstring."""
 
@@ -144,9 +120,9 @@ class BoundedHttpServer:
         self._selector = selectors.DefaultSelector()
         self._selector.register(self._listener, selectors.EVENT_READ, "accept")
         self._selector.register(self._wake_r, selectors.EVENT_READ, "wake")
-        self._conns: dict[_Connection, None] = {}  # oldest first
+        self._conns = ConnectionTable(limits.max_connections)
         self._held = 0
-        self._done: queue.SimpleQueue[tuple[Job[_Connection], Response]] = queue.SimpleQueue()
+        self._done: queue.SimpleQueue[tuple[Job[Connection], Response]] = queue.SimpleQueue()
         self._small = self._lane(f"{name}-worker", limits.workers, handler)
         self._large = self._small
         if limits.max_body > limits.small_request:
@@ -162,6 +138,12 @@ class BoundedHttpServer:
     @property
     def open_connections(self) -> int:
         return len(self._conns)
+
+    @property
+    def buffered_bytes(self) -> int:
+        """Bytes counted against `max_buffered`: requests not yet answered, answers
+        not yet taken."""
+        return self._held
 
     def start(self) -> BoundedHttpServer:
         """Serves in background threads until `shutdown()`."""
@@ -184,7 +166,7 @@ class BoundedHttpServer:
         self._small.stop()
         if self._large is not self._small:
             self._large.stop()
-        for conn in list(self._conns):
+        for conn in self._conns:
             self._close(conn)
         with contextlib.suppress(KeyError, ValueError):
             self._selector.unregister(self._listener)
@@ -206,10 +188,10 @@ class BoundedHttpServer:
         self._large.start()
         self._loop_idle.clear()
 
-    def _lane(self, name: str, count: int, handler: Handler) -> WorkerLane[_Connection]:
+    def _lane(self, name: str, count: int, handler: Handler) -> WorkerLane[Connection]:
         return WorkerLane(name, count, handler, self._finished, lambda conn: conn.closed)
 
-    def _finished(self, job: Job[_Connection], response: Response) -> None:  # in a worker
+    def _finished(self, job: Job[Connection], response: Response) -> None:  # in a worker
         self._done.put((job, response))
         self._wake()
 
@@ -240,7 +222,7 @@ class BoundedHttpServer:
                     with contextlib.suppress(OSError):
                         while self._wake_r.recv(4096):
                             pass
-                elif isinstance(key.data, _Connection):
+                elif isinstance(key.data, Connection):
                     self._guarded(key.data, functools.partial(self._advance, key.data))
             self._deliver_answers()
         finally:
@@ -264,7 +246,7 @@ class BoundedHttpServer:
             self.stats.timed_out += 1
             self._close(conn)
 
-    def _guarded(self, conn: _Connection, step: Callable[[], None]) -> None:
+    def _guarded(self, conn: Connection, step: Callable[[], None]) -> None:
         """Runs `step` of `conn`'s handling; an exception closes `conn`, and only it."""
         try:
             step()
@@ -283,16 +265,16 @@ class BoundedHttpServer:
                 log.warning("%s accept failed: %s", self._name, err)
                 return
             self.stats.accepted += 1
-            if len(self._conns) >= self.limits.max_connections:
-                oldest = next((c for c in self._conns if c.sending), None)
-                if oldest is None:
-                    self.stats.refused += 1
-                    sock.close()
-                    continue
+            admit, make_room = self._conns.room_for_one_more()
+            if not admit:
+                self.stats.refused += 1
+                sock.close()
+                continue
+            if make_room is not None:
                 self.stats.evicted += 1
-                self._close(oldest)
+                self._close(make_room)
             sock.setblocking(False)
-            phase = _Phase.READING
+            phase = Phase.READING
             if self._tls is not None:
                 try:
                     sock = self._tls().wrap_socket(
@@ -301,24 +283,24 @@ class BoundedHttpServer:
                 except OSError:
                     sock.close()
                     continue
-                phase = _Phase.HANDSHAKE
-            conn = _Connection(sock, time.monotonic() + self.limits.timeout, phase)
-            self._conns[conn] = None
+                phase = Phase.HANDSHAKE
+            conn = Connection(sock, time.monotonic() + self.limits.timeout, phase)
+            self._conns.add(conn)
             self._listen(conn, selectors.EVENT_READ)
 
-    def _advance(self, conn: _Connection) -> None:
+    def _advance(self, conn: Connection) -> None:
         """Takes `conn` as far as it goes without blocking."""
         if conn.closed:
             return
         try:
-            if conn.phase is _Phase.HANDSHAKE:
+            if conn.phase is Phase.HANDSHAKE:
                 assert isinstance(conn.sock, ssl.SSLSocket)
                 conn.sock.do_handshake()
-                conn.phase = _Phase.READING
+                conn.phase = Phase.READING
                 self._listen(conn, selectors.EVENT_READ)
-            if conn.phase is _Phase.READING:
+            if conn.phase is Phase.READING:
                 self._read(conn)
-            elif conn.phase is _Phase.WRITING:
+            elif conn.phase is Phase.WRITING:
                 self._write(conn)
         except ssl.SSLWantReadError:
             self._listen(conn, selectors.EVENT_READ)
@@ -330,7 +312,7 @@ class BoundedHttpServer:
             log.debug("%s connection closed: %s", self._name, err)
             self._close(conn)
 
-    def _listen(self, conn: _Connection, events: int) -> None:
+    def _listen(self, conn: Connection, events: int) -> None:
         if conn.closed or conn.events == events:
             return
         if conn.events:
@@ -339,14 +321,14 @@ class BoundedHttpServer:
             self._selector.register(conn.sock, events, conn)
         conn.events = events
 
-    def _mute(self, conn: _Connection) -> None:
+    def _mute(self, conn: Connection) -> None:
         if conn.events:
             conn.events = 0
             with contextlib.suppress(KeyError, ValueError):
                 self._selector.unregister(conn.sock)
 
-    def _read(self, conn: _Connection) -> None:
-        while conn.phase is _Phase.READING and not conn.closed:
+    def _read(self, conn: Connection) -> None:
+        while conn.phase is Phase.READING and not conn.closed:
             data = conn.sock.recv(_READ_CHUNK)  # raises when it would block
             if not data:
                 self._close(conn)
@@ -356,7 +338,7 @@ class BoundedHttpServer:
             if not conn.closed:
                 self._dispatch(conn)
 
-    def _hold(self, conn: _Connection, size: int) -> None:
+    def _hold(self, conn: Connection, size: int) -> None:
         conn.held += size
         self._held += size
         while self._held > self.limits.max_buffered:
@@ -366,11 +348,11 @@ class BoundedHttpServer:
             self.stats.evicted += 1
             self._close(max(holding, key=lambda c: c.held))  # the oldest of the largest
 
-    def _release(self, conn: _Connection) -> None:
+    def _release(self, conn: Connection) -> None:
         self._held -= conn.held
         conn.held = 0
 
-    def _dispatch(self, conn: _Connection) -> None:
+    def _dispatch(self, conn: Connection) -> None:
         """Hands the request in `conn.inbuf` to a worker once it is complete."""
         try:
             head = parse_head(conn.inbuf)
@@ -392,47 +374,51 @@ class BoundedHttpServer:
         body = bytes(conn.inbuf[head.size : head.size + length])
         del conn.inbuf[: head.size + length]
         conn.close_after = not (self.limits.keep_alive and head.keep_alive)
-        conn.phase = _Phase.WORKING
+        conn.phase = Phase.WORKING
         self._mute(conn)
         job = Job(conn, Request(head.method, head.target, head.headers, body))
         lane = self._small if length <= self.limits.small_request else self._large
         lane.put(job)
 
     def _answer(
-        self, conn: _Connection, response: Response, *, close: bool = False, head_only: bool = False
+        self, conn: Connection, response: Response, *, close: bool = False, head_only: bool = False
     ) -> None:
         conn.close_after = conn.close_after or close
         conn.out = memoryview(render(response, close=conn.close_after, head_only=head_only))
-        conn.phase = _Phase.WRITING
+        conn.phase = Phase.WRITING
         conn.deadline = time.monotonic() + self.limits.timeout
+        self._release(conn)  # the request's bytes; `_write` holds the unsent answer's
         self._listen(conn, selectors.EVENT_WRITE)
         self._advance(conn)
 
-    def _write(self, conn: _Connection) -> None:
+    def _write(self, conn: Connection) -> None:
         assert conn.out is not None
-        while conn.out:
-            sent = conn.sock.send(conn.out)  # raises when it would block
-            conn.out = conn.out[sent:]
+        try:
+            while conn.out:
+                sent = conn.sock.send(conn.out)  # raises when it would block
+                conn.out = conn.out[sent:]
+        finally:
+            # What the client has not taken yet is held like a request: a client that
+            # does not read is the one closed when the budget runs out.
+            self._hold(conn, len(conn.out) - conn.held)
         self.stats.answered += 1
         if conn.close_after:
             self._close(conn)
             return
         # Kept alive: the next request gets a fresh deadline and counts as the newest.
-        self._release(conn)
-        conn.phase = _Phase.READING
+        conn.phase = Phase.READING
         conn.deadline = time.monotonic() + self.limits.timeout
-        del self._conns[conn]
-        self._conns[conn] = None
+        self._conns.renew(conn)
         self._listen(conn, selectors.EVENT_READ)
         if conn.inbuf:
             self._hold(conn, len(conn.inbuf))
         self._advance(conn)  # a pipelined request may be buffered already
 
-    def _close(self, conn: _Connection) -> None:
+    def _close(self, conn: Connection) -> None:
         if conn.closed:
             return
         self._mute(conn)
         conn.closed = True
         self._release(conn)
-        self._conns.pop(conn, None)
+        self._conns.remove(conn)
         conn.sock.close()

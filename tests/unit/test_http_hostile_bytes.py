@@ -133,3 +133,50 @@ def test_an_exception_while_answering_closes_that_connection_only(
     assert server.stats.failed == 1
     bad.close()
     good.close()
+
+
+def _never_reading(server: BoundedHttpServer, target: bytes) -> socket.socket:
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.settimeout(10)
+    sock.connect(("127.0.0.1", server.port))
+    sock.sendall(b"GET " + target + b" HTTP/1.1\r\n\r\n")
+    return sock
+
+
+def _large_answers(request: Request) -> Response:
+    size = 16 << 20 if request.target == "/large" else 2
+    return Response(HTTPStatus.OK, b"x" * size)
+
+
+def test_unsent_answers_count_in_the_buffered_budget(
+    serve: Callable[..., BoundedHttpServer],
+) -> None:
+    """Four answers of 16 MiB nobody reads against a 24 MiB budget: the unsent bytes are
+    held like request bytes, so clients that do not read are closed to make room."""
+    server = serve(_large_answers, timeout=30, max_buffered=24 << 20, workers=1)
+    readers = [_never_reading(server, b"/large") for _ in range(4)]
+    probe = _connect(server)
+    probe.sendall(b"GET /small HTTP/1.1\r\n\r\n")  # one worker: answered after the four
+    assert _answer(probe).startswith(b"HTTP/1.1 200 ")
+    assert server.stats.evicted >= 2
+    assert server.buffered_bytes <= 24 << 20
+    for sock in [*readers, probe]:
+        sock.close()
+
+
+def test_a_full_table_evicts_a_client_that_does_not_read(
+    serve: Callable[..., BoundedHttpServer],
+) -> None:
+    """Every slot holds an answer its client does not take: a new client evicts the
+    oldest of them instead of being refused."""
+    server = serve(_large_answers, timeout=30, max_connections=4, max_buffered=1 << 30)
+    readers = [_never_reading(server, b"/large") for _ in range(4)]
+    for sock in readers:  # each has its answer started: the first bytes arrived
+        assert sock.recv(1) == b"H"
+    probe = _connect(server)
+    probe.sendall(b"GET /small HTTP/1.1\r\n\r\n")
+    assert _answer(probe).startswith(b"HTTP/1.1 200 ")
+    assert server.stats.refused == 0 and server.stats.evicted >= 1
+    for sock in [*readers, probe]:
+        sock.close()

@@ -18,6 +18,7 @@ import pytest
 from test_webhook import Served, admission, claim, config, make_cert
 
 from driver.config import API_VERSION, KIND
+from driver.webhook.admission import BadReview, review
 from driver.webhook.server import VALIDATE_PATH, WebhookServer
 
 pytestmark = pytest.mark.timeout(60)
@@ -119,3 +120,19 @@ def test_a_superscript_content_length_dribbler_does_not_silence_the_webhook(
         stop.set()
         dribbler.join()
         attacker.close()
+
+
+@pytest.mark.parametrize(
+    "uid",
+    ["é" * 1_500_000, "a" * 129, "uid\nINFO forged line", "", "a b", "\u202e-reversed"],
+)
+def test_a_uid_that_is_not_a_uid_is_refused(uid: str) -> None:
+    """Before: echoed at any length (1.5 M `é` became a 9 MiB answer)."""
+    with pytest.raises(BadReview, match="uid"):
+        review(admission(claim([config(GOOD)]), "resourceclaims", uid=uid), DRIVER)
+
+
+@pytest.mark.parametrize("uid", ["705ab4f5-6393-11e8-b7cc-42010a800002", "uid-1", "legit"])
+def test_uids_as_the_api_server_sends_them_are_echoed(uid: str) -> None:
+    answer = review(admission(claim([config(GOOD)]), "resourceclaims", uid=uid), DRIVER)
+    assert answer["response"] == {"uid": uid, "allowed": True}
