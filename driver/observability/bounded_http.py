@@ -13,7 +13,9 @@ open a connection can reach; neither may be starved by a few cheap clients:
 - At most `max_connections` are open. A connection beyond that closes, at once, the
   oldest one still sending its request (idle ones included) or not taking its answer,
   so that a flood of slow connections cannot lock out a client that sends its request
-  as soon as it connects; if there is none, the new connection is closed instead.
+  as soon as it connects; if there is none, the new connection is closed instead. At
+  most `max_per_peer` are from one address: beyond, a new one makes room among that
+  address's own connections only.
 - A request head of at most 8 KiB; a body of at most `max_body` bytes (413 beyond; with
   0, bodies are not read). At most `max_buffered` bytes of requests not yet answered
   and of answers not yet taken are held in all (those being answered may add a body
@@ -22,8 +24,13 @@ open a connection can reach; neither may be starved by a few cheap clients:
 - `workers` threads answer requests of up to `small_request` bytes, `large_workers`
   threads the larger ones; each picks the smallest waiting request first. So complete
   large requests, however many, never delay a small one by more than the GIL they
-  share. The I/O thread writes the answers without blocking: a client that never
-  reads its answer holds no thread.
+  share. At most `max_queued` (`max_queued_large`) requests wait for a worker: beyond,
+  the largest of them is answered 503 at once, so requests waiting for a worker
+  (which cannot be evicted) never fill the table. `probes` (health paths) are answered
+  by the I/O thread itself. The I/O thread writes the answers without blocking: a
+  client that never reads its answer holds no thread.
+- An exception while one connection is handled closes that connection only (counted
+  in `stats.failed`); the I/O thread never pauses.
 - With `tls`, every connection is TLS: the I/O thread does the handshake without
   blocking, within the request's deadline; a plain-HTTP client is closed.
 """
@@ -33,25 +40,20 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import operator
 import queue
 import selectors
 import socket
 import ssl
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from http import HTTPStatus
 from typing import Final
 
 from driver.observability.http_connections import Connection, ConnectionTable, Phase
-from driver.observability.http_messages import (
-    BadRequest,
-    Request,
-    Response,
-    body_length,
-    parse_head,
-    render,
-)
+from driver.observability.http_limits import HttpStats, Limits
+from driver.observability.http_messages import BadRequest, Response, render, take_request
 from driver.observability.http_workers import Handler, Job, WorkerLane
 
 log = logging.getLogger(__name__)
@@ -60,37 +62,8 @@ _READ_CHUNK: Final = 65536
 _ACCEPTS_PER_WAKEUP: Final = 8  # well below max_connections: reads in between
 
 TlsContext = Callable[[], ssl.SSLContext]
-
-
-@dataclass(frozen=True)
-class Limits:
-    """The bounds described in the module docstring."""
-
-    timeout: float = 5.0
-    max_connections: int = 64
-    workers: int = 2
-    max_body: int = 0
-    max_buffered: int = 16 << 20
-    small_request: int = 64 << 10
-    large_workers: int = 1
-    keep_alive: bool = False
-
-    def __post_init__(self) -> None:
-        if self.timeout <= 0 or self.max_connections < 1 or self.workers < 1:
-            raise ValueError("timeout, max_connections and workers must be positive")
-        if self.max_body < 0 or self.max_buffered < 1 or self.large_workers < 1:
-            raise ValueError("max_body must be >= 0, max_buffered and large_workers positive")
-
-
-@dataclass
-class HttpStats:
-    accepted: int = 0
-    answered: int = 0
-    timed_out: int = 0  # closed at their deadline
-    evicted: int = 0  # closed while sending, to make room (connections or bytes)
-    refused: int = 0  # new ones closed at once: the limit was reached, none sending
-    bad_requests: int = 0
-    failed: int = 0  # closed because handling them raised (a bug, never a client's fault)
+Probe = Callable[[], Response]  # answered by the I/O thread itself: cheap, never blocking
+_BUSY: Final = Response(HTTPStatus.SERVICE_UNAVAILABLE, b"busy, retry later\n")
 
 
 class BoundedHttpServer:
@@ -105,8 +78,10 @@ class BoundedHttpServer:
         *,
         tls: TlsContext | None = None,
         name: str = "http",
+        probes: Mapping[str, Probe] | None = None,
     ) -> None:
         self.limits = limits
+        self._probes = dict(probes or {})
         self.stats = HttpStats()
         self._tls = tls
         self._name = name
@@ -120,13 +95,15 @@ class BoundedHttpServer:
         self._selector = selectors.DefaultSelector()
         self._selector.register(self._listener, selectors.EVENT_READ, "accept")
         self._selector.register(self._wake_r, selectors.EVENT_READ, "wake")
-        self._conns = ConnectionTable(limits.max_connections)
+        self._conns = ConnectionTable(limits.max_connections, limits.max_per_peer)
         self._held = 0
         self._done: queue.SimpleQueue[tuple[Job[Connection], Response]] = queue.SimpleQueue()
-        self._small = self._lane(f"{name}-worker", limits.workers, handler)
+        self._small = self._lane(f"{name}-worker", limits.workers, handler, limits.max_queued)
         self._large = self._small
         if limits.max_body > limits.small_request:
-            self._large = self._lane(f"{name}-large", limits.large_workers, handler)
+            self._large = self._lane(
+                f"{name}-large", limits.large_workers, handler, limits.max_queued_large
+            )
         self._stopping = threading.Event()
         self._loop_idle = threading.Event()
         self._loop_idle.set()
@@ -188,8 +165,11 @@ class BoundedHttpServer:
         self._large.start()
         self._loop_idle.clear()
 
-    def _lane(self, name: str, count: int, handler: Handler) -> WorkerLane[Connection]:
-        return WorkerLane(name, count, handler, self._finished, lambda conn: conn.closed)
+    def _lane(
+        self, name: str, count: int, handler: Handler, max_queued: int
+    ) -> WorkerLane[Connection]:
+        gone = operator.attrgetter("closed")
+        return WorkerLane(name, count, handler, self._finished, gone, max_queued)
 
     def _finished(self, job: Job[Connection], response: Response) -> None:  # in a worker
         self._done.put((job, response))
@@ -258,14 +238,15 @@ class BoundedHttpServer:
     def _accept(self) -> None:
         for _ in range(_ACCEPTS_PER_WAKEUP):
             try:
-                sock, _ = self._listener.accept()
+                sock, address = self._listener.accept()
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as err:  # e.g. EMFILE: leave the rest in the backlog
                 log.warning("%s accept failed: %s", self._name, err)
                 return
             self.stats.accepted += 1
-            admit, make_room = self._conns.room_for_one_more()
+            peer = str(address[0])
+            admit, make_room = self._conns.room_for(peer)
             if not admit:
                 self.stats.refused += 1
                 sock.close()
@@ -284,7 +265,7 @@ class BoundedHttpServer:
                     sock.close()
                     continue
                 phase = Phase.HANDSHAKE
-            conn = Connection(sock, time.monotonic() + self.limits.timeout, phase)
+            conn = Connection(sock, peer, time.monotonic() + self.limits.timeout, phase)
             self._conns.add(conn)
             self._listen(conn, selectors.EVENT_READ)
 
@@ -355,30 +336,37 @@ class BoundedHttpServer:
     def _dispatch(self, conn: Connection) -> None:
         """Hands the request in `conn.inbuf` to a worker once it is complete."""
         try:
-            head = parse_head(conn.inbuf)
+            taken = take_request(conn.inbuf, self.limits.max_body)
         except BadRequest:
             self.stats.bad_requests += 1
             self._close(conn)
             return
-        if head is None:
+        if taken is None:
             return
-        length = 0
-        if self.limits.max_body:
-            length_or_refusal = body_length(head, self.limits.max_body)
-            if isinstance(length_or_refusal, Response):
-                self._answer(conn, length_or_refusal, close=True)
-                return
-            length = length_or_refusal
-            if len(conn.inbuf) < head.size + length:
-                return  # more body to come
-        body = bytes(conn.inbuf[head.size : head.size + length])
-        del conn.inbuf[: head.size + length]
-        conn.close_after = not (self.limits.keep_alive and head.keep_alive)
+        if isinstance(taken, Response):
+            self._answer(conn, taken, close=True)
+            return
+        request, keep_alive = taken
+        conn.close_after = not (self.limits.keep_alive and keep_alive)
+        probe = self._probes.get(request.path) if request.method in ("GET", "HEAD") else None
+        if probe is not None:
+            self._answer(conn, self._probe_answer(probe), head_only=request.method == "HEAD")
+            return
         conn.phase = Phase.WORKING
         self._mute(conn)
-        job = Job(conn, Request(head.method, head.target, head.headers, body))
-        lane = self._small if length <= self.limits.small_request else self._large
-        lane.put(job)
+        lane = self._small if len(request.body) <= self.limits.small_request else self._large
+        left_out = lane.put(Job(conn, request))
+        if left_out is not None:
+            self.stats.busy += 1
+            busy = functools.partial(self._answer, left_out.client, _BUSY, close=True)
+            self._guarded(left_out.client, busy)
+
+    def _probe_answer(self, probe: Probe) -> Response:
+        try:
+            return probe()
+        except Exception:
+            log.exception("%s probe error", self._name)
+            return Response(HTTPStatus.INTERNAL_SERVER_ERROR, b"internal error\n")
 
     def _answer(
         self, conn: Connection, response: Response, *, close: bool = False, head_only: bool = False

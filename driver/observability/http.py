@@ -6,8 +6,10 @@ bounded against idle and slow clients (`driver.observability.bounded_http`): one
 thread for every connection, a deadline of `timeout` seconds (default 5) to deliver the
 request head and again to take the answer, at most `max_connections` (default 64) open
 (a new one closes the oldest still waiting for its request, so that a flood of idle
-connections cannot lock out the probe), `workers` threads (default 2) computing the
-answers (the health callback, `generate_latest`). One request per connection
+connections cannot lock out the probe; at most 32 from one address), `workers` threads
+(default 2) computing /metrics (`generate_latest`, rendered at most once a second) and
+/status, at most 16 of those waiting (503 beyond). /healthz is answered by the I/O
+thread itself, so busy workers never hold the liveness probe. One request per connection
 (`Connection: close`), a request head of at most 8 KiB, GET and HEAD only; request
 bodies are not read.
 """
@@ -15,19 +17,25 @@ bodies are not read.
 from __future__ import annotations
 
 import json
+import threading
+import time
 from collections.abc import Callable
 from http import HTTPStatus
 from typing import Any, Final
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from driver.observability.bounded_http import BoundedHttpServer, Limits
+from driver.observability.bounded_http import BoundedHttpServer
+from driver.observability.http_limits import Limits
 from driver.observability.http_messages import Request, Response
 from driver.observability.metrics import REGISTRY
 
 DEFAULT_TIMEOUT: Final = 5.0
 DEFAULT_MAX_CONNECTIONS: Final = 64
 DEFAULT_WORKERS: Final = 2
+# Prometheus scrapes every 15 s or more; rendering at most once a second bounds what
+# clients requesting /metrics in a loop cost.
+METRICS_MAX_AGE: Final = 1.0
 
 Healthy = Callable[[], tuple[bool, str]]
 Status = Callable[[], dict[str, Any]]
@@ -49,7 +57,8 @@ class HttpServer(BoundedHttpServer):
         self._healthy = healthy
         self._status: Status | None = None
         limits = Limits(timeout=timeout, max_connections=max_connections, workers=workers)
-        super().__init__(host, port, self._respond, limits)
+        self._metrics = CachedRender(lambda: generate_latest(REGISTRY), METRICS_MAX_AGE)
+        super().__init__(host, port, self._respond, limits, probes={"/healthz": self._health})
 
     @property
     def timeout(self) -> float:
@@ -71,15 +80,40 @@ class HttpServer(BoundedHttpServer):
         if request.method not in ("GET", "HEAD"):
             return Response(HTTPStatus.METHOD_NOT_ALLOWED, b"GET only\n", allow="GET, HEAD")
         if request.path == "/metrics":
-            return Response(HTTPStatus.OK, generate_latest(REGISTRY), CONTENT_TYPE_LATEST)
-        if request.path == "/healthz":
-            ok, detail = self._healthy()
-            status = HTTPStatus.OK if ok else HTTPStatus.SERVICE_UNAVAILABLE
-            return Response(status, detail.encode(), "text/plain; charset=utf-8")
+            return Response(HTTPStatus.OK, self._metrics(), CONTENT_TYPE_LATEST)
         if request.path == "/status" and self._status is not None:
             body = json.dumps(self._status(), indent=2).encode() + b"\n"
             return Response(HTTPStatus.OK, body, "application/json")
         return Response(HTTPStatus.NOT_FOUND, b"not found\n")
+
+    def _health(self) -> Response:  # in the I/O thread: `healthy` only reads flags
+        ok, detail = self._healthy()
+        status = HTTPStatus.OK if ok else HTTPStatus.SERVICE_UNAVAILABLE
+        return Response(status, detail.encode(), "text/plain; charset=utf-8")
+
+
+class CachedRender:
+    """`render()`'s bytes, rendered again only once they are `max_age` seconds old
+    (by `clock`); concurrent callers of a stale one wait for a single render."""
+
+    def __init__(
+        self,
+        render: Callable[[], bytes],
+        max_age: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._render = render
+        self._max_age = max_age
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._rendered: tuple[float, bytes] | None = None
+
+    def __call__(self) -> bytes:
+        with self._lock:
+            now = self._clock()
+            if self._rendered is None or now - self._rendered[0] >= self._max_age:
+                self._rendered = (now, self._render())
+            return self._rendered[1]
 
 
 def serve_http(port: int, healthy: Healthy, host: str = "") -> HttpServer:

@@ -19,6 +19,7 @@ class Phase(enum.Enum):
 @dataclass(eq=False)
 class Connection:
     sock: socket.socket
+    peer: str  # the client's address
     deadline: float
     phase: Phase
     inbuf: bytearray = field(default_factory=bytearray)
@@ -41,10 +42,12 @@ class Connection:
 
 
 class ConnectionTable:
-    """The open connections, oldest first (a kept-alive one counts from its last answer)."""
+    """The open connections, oldest first (a kept-alive one counts from its last answer),
+    at most `max_connections`, at most `max_per_peer` from one address."""
 
-    def __init__(self, max_connections: int) -> None:
+    def __init__(self, max_connections: int, max_per_peer: int) -> None:
         self.max_connections = max_connections
+        self.max_per_peer = max_per_peer
         self._conns: dict[Connection, None] = {}
 
     def __len__(self) -> int:
@@ -64,9 +67,14 @@ class ConnectionTable:
     def remove(self, conn: Connection) -> None:
         self._conns.pop(conn, None)
 
-    def room_for_one_more(self) -> tuple[bool, Connection | None]:
-        """(whether a new connection may open, the connection to close first for it)."""
-        if len(self._conns) < self.max_connections:
+    def room_for(self, peer: str) -> tuple[bool, Connection | None]:
+        """(whether a new connection from `peer` may open, the connection to close first
+        for it). A peer at its cap makes room among its own connections only, so one
+        client's flood of new connections cannot close another client's."""
+        candidates = list(self._conns)
+        if sum(c.peer == peer for c in candidates) >= self.max_per_peer:
+            candidates = [c for c in candidates if c.peer == peer]
+        elif len(candidates) < self.max_connections:
             return True, None
-        oldest = next((c for c in self._conns if c.evictable), None)
+        oldest = next((c for c in candidates if c.evictable), None)
         return oldest is not None, oldest

@@ -96,6 +96,27 @@ def body_length(head: RequestHead, max_body: int) -> int | Response:
     return int(declared)
 
 
+def take_request(buf: bytearray, max_body: int) -> tuple[Request, bool] | Response | None:
+    """Removes the first complete request from `buf` and returns it with whether the
+    client keeps the connection open after it; None while it is incomplete; the answer
+    that refuses it (the connection then closes). Bodies longer than `max_body` are
+    refused; with 0, none is read. Raises `BadRequest`."""
+    head = parse_head(buf)
+    if head is None:
+        return None
+    length = 0
+    if max_body:
+        length_or_refusal = body_length(head, max_body)
+        if isinstance(length_or_refusal, Response):
+            return length_or_refusal
+        length = length_or_refusal
+        if len(buf) < head.size + length:
+            return None  # more body to come
+    body = bytes(buf[head.size : head.size + length])
+    del buf[: head.size + length]
+    return Request(head.method, head.target, head.headers, body), head.keep_alive
+
+
 def render(response: Response, *, close: bool, head_only: bool = False) -> bytes:
     """The bytes of an HTTP/1.1 answer."""
     status = response.status

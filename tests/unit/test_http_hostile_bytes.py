@@ -11,7 +11,8 @@ from typing import Any
 
 import pytest
 
-from driver.observability.bounded_http import BoundedHttpServer, Limits
+from driver.observability.bounded_http import BoundedHttpServer
+from driver.observability.http_limits import Limits
 from driver.observability.http_messages import Request, Response, body_length, parse_head
 
 pytestmark = pytest.mark.timeout(60)

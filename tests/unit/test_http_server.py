@@ -14,13 +14,14 @@ from typing import Any
 
 import pytest
 
-from driver.observability.bounded_http import BoundedHttpServer, Limits
+from driver.observability.bounded_http import BoundedHttpServer
 from driver.observability.http import (
     DEFAULT_MAX_CONNECTIONS,
     DEFAULT_TIMEOUT,
     HttpServer,
     serve_http,
 )
+from driver.observability.http_limits import Limits
 from driver.observability.http_messages import Request, Response
 
 
