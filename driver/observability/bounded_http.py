@@ -14,8 +14,8 @@ open a connection can reach; neither may be starved by a few cheap clients:
   oldest one still sending its request (idle ones included) or not taking its answer,
   so that a flood of slow connections cannot lock out a client that sends its request
   as soon as it connects; if there is none, the new connection is closed instead. At
-  most `max_per_peer` are from one address: beyond, a new one makes room among that
-  address's own connections only.
+  most `max_per_peer` are from one address: beyond, a new one from it is closed at once
+  (it neither evicts another client's nor costs a TLS handshake).
 - A request head of at most 8 KiB; a body of at most `max_body` bytes (413 beyond; with
   0, bodies are not read). At most `max_buffered` bytes of requests not yet answered
   and of answers not yet taken are held in all (those being answered may add a body

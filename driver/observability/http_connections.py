@@ -69,12 +69,11 @@ class ConnectionTable:
 
     def room_for(self, peer: str) -> tuple[bool, Connection | None]:
         """(whether a new connection from `peer` may open, the connection to close first
-        for it). A peer at its cap makes room among its own connections only, so one
-        client's flood of new connections cannot close another client's."""
-        candidates = list(self._conns)
-        if sum(c.peer == peer for c in candidates) >= self.max_per_peer:
-            candidates = [c for c in candidates if c.peer == peer]
-        elif len(candidates) < self.max_connections:
+        for it). A peer at its cap is refused: its flood of new connections can neither
+        close another client's nor make the server pay a TLS handshake for each."""
+        if sum(c.peer == peer for c in self._conns) >= self.max_per_peer:
+            return False, None
+        if len(self._conns) < self.max_connections:
             return True, None
-        oldest = next((c for c in candidates if c.evictable), None)
+        oldest = next((c for c in self._conns if c.evictable), None)
         return oldest is not None, oldest

@@ -21,20 +21,26 @@ from driver.observability.http_messages import Request, Response
 pytestmark = pytest.mark.timeout(60)
 
 
-@pytest.fixture
-def release() -> Iterator[threading.Event]:
-    event = threading.Event()
-    yield event
-    event.set()
+class Blocker:
+    """A handler that holds requests for /block until `release` is set; `entered`
+    counts those that reached it."""
 
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.entered = 0
 
-def _blocking(release: threading.Event) -> Callable[[Request], Response]:
-    def handler(request: Request) -> Response:
+    def __call__(self, request: Request) -> Response:
         if request.path == "/block":
-            release.wait(30)
+            self.entered += 1
+            self.release.wait(30)
         return Response(HTTPStatus.OK, request.path.encode() + b":" + request.body)
 
-    return handler
+
+@pytest.fixture
+def blocker() -> Iterator[Blocker]:
+    handler = Blocker()
+    yield handler
+    handler.release.set()
 
 
 @pytest.fixture
@@ -57,6 +63,9 @@ def _send(port: int, data: bytes, source: str = "127.0.0.1") -> socket.socket:
     sock = socket.create_connection(("127.0.0.1", port), timeout=10, source_address=(source, 0))
     sock.sendall(data)
     return sock
+
+
+GET_BLOCK = b"GET /block HTTP/1.1\r\n\r\n"
 
 
 def _get(port: int, path: str, source: str = "127.0.0.1") -> socket.socket:
@@ -89,12 +98,12 @@ def _wait_for(predicate: Callable[[], bool]) -> None:
 
 
 def test_one_peer_cannot_take_every_connection(
-    serve: Callable[..., BoundedHttpServer], release: threading.Event
+    serve: Callable[..., BoundedHttpServer], blocker: Blocker
 ) -> None:
     """Eight requests from one address that keep their workers busy: at most four of
     them hold a connection, and a client from another address is answered. Before,
     all eight held the whole table and the other client was refused."""
-    server = serve(_blocking(release), max_connections=8, max_per_peer=4, workers=8)
+    server = serve(blocker, max_connections=8, max_per_peer=4, workers=8)
     busy = [_get(server.port, "/block") for _ in range(8)]
     _wait_for(lambda: server.stats.accepted == 8)
     other = _get(server.port, "/other", source="127.0.0.2")
@@ -105,16 +114,16 @@ def test_one_peer_cannot_take_every_connection(
 
 
 def test_a_full_queue_answers_503_instead_of_holding_the_connection(
-    serve: Callable[..., BoundedHttpServer], release: threading.Event
+    serve: Callable[..., BoundedHttpServer], blocker: Blocker
 ) -> None:
-    server = serve(_blocking(release), workers=1, max_queued=2)
+    server = serve(blocker, workers=1, max_queued=2)
     working = _get(server.port, "/block")
-    _wait_for(lambda: server.stats.accepted == 1)
+    _wait_for(lambda: server.stats.accepted == 1 and blocker.entered == 1)
     queued = [_get(server.port, "/block") for _ in range(2)]
-    _wait_for(lambda: server.stats.accepted == 3)
+    _wait_for(lambda: server.buffered_bytes == 3 * len(GET_BLOCK))  # all three read
     refused = _get(server.port, "/block")
     assert _answer(refused).startswith(b"HTTP/1.1 503 ")
-    release.set()
+    blocker.release.set()
     for sock in [working, *queued]:
         assert _answer(sock).startswith(b"HTTP/1.1 200 ")
         sock.close()
@@ -122,18 +131,19 @@ def test_a_full_queue_answers_503_instead_of_holding_the_connection(
 
 
 def test_a_smaller_request_takes_the_place_of_the_largest_queued_one(
-    serve: Callable[..., BoundedHttpServer], release: threading.Event
+    serve: Callable[..., BoundedHttpServer], blocker: Blocker
 ) -> None:
     """The queue is full of large requests: a small one still gets in; the newest of the
     largest is answered 503 instead, and the small one is answered first."""
-    server = serve(_blocking(release), workers=1, max_queued=2, max_body=1 << 16)
+    server = serve(blocker, workers=1, max_queued=2, max_body=1 << 16)
     working = _get(server.port, "/block")
-    _wait_for(lambda: server.stats.accepted == 1)
+    _wait_for(lambda: server.stats.accepted == 1 and blocker.entered == 1)
     large = [_post(server.port, b"L" * 4096) for _ in range(2)]
-    _wait_for(lambda: server.stats.accepted == 3)
+    read = len(GET_BLOCK) + 2 * (4096 + len(b"POST /q HTTP/1.1\r\nContent-Length: 4096\r\n\r\n"))
+    _wait_for(lambda: server.buffered_bytes == read)
     small = _post(server.port, b"s")
     assert _answer(large[1]).startswith(b"HTTP/1.1 503 ")
-    release.set()
+    blocker.release.set()
     assert _answer(small).endswith(b"/q:s")
     assert _answer(large[0]).endswith(b"L" * 4096)
     for sock in [working, *large, small]:
@@ -141,32 +151,30 @@ def test_a_smaller_request_takes_the_place_of_the_largest_queued_one(
 
 
 def test_probes_are_answered_while_every_worker_is_busy(
-    serve: Callable[..., BoundedHttpServer], release: threading.Event
+    serve: Callable[..., BoundedHttpServer], blocker: Blocker
 ) -> None:
     server = serve(
-        _blocking(release),
+        blocker,
         workers=1,
         probes={"/healthz": lambda: Response(HTTPStatus.OK, b"ok")},
     )
     busy = [_get(server.port, "/block") for _ in range(3)]
-    _wait_for(lambda: server.stats.accepted == 3)
+    _wait_for(lambda: blocker.entered == 1)
     probe = _get(server.port, "/healthz")
     assert _answer(probe).endswith(b"\r\n\r\nok")
     for sock in [*busy, probe]:
         sock.close()
 
 
-def test_the_plugin_answers_healthz_while_status_is_being_computed(
-    release: threading.Event,
-) -> None:
+def test_the_plugin_answers_healthz_while_status_is_being_computed(blocker: Blocker) -> None:
     """Before: /healthz waited for the worker that /status held."""
     server = HttpServer(0, lambda: (True, "fine\n"), "127.0.0.1", workers=1).start()
     try:
-        server.serve_status(lambda: {"done": release.wait(30)})
+        server.serve_status(lambda: {"done": blocker(Request("GET", "/block", {})).status == 200})
         status = _get(server.port, "/status")
-        _wait_for(lambda: server.stats.accepted == 1)
+        _wait_for(lambda: blocker.entered == 1)
         assert _answer(_get(server.port, "/healthz")).endswith(b"\r\n\r\nfine\n")
-        release.set()
+        blocker.release.set()
         assert b'"done": true' in _answer(status)
     finally:
         server.shutdown()
