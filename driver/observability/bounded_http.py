@@ -22,15 +22,14 @@ open a connection can reach; neither may be starved by a few cheap clients:
   per worker): past that, the connection holding the most (still sending, waiting for
   a worker, or not reading its answer) is closed, so a small request is the last to go.
 - `workers` threads answer requests of up to `small_request` bytes, `large_workers`
-  threads the larger ones; each picks the smallest waiting request first. So complete
-  large requests, however many, never delay a small one by more than the GIL they
-  share. At most `max_queued` (`max_queued_large`) requests wait for a worker: beyond,
-  the largest of them is answered 503 at once, so requests waiting for a worker
-  (which cannot be evicted) never fill the table. `probes` (health paths) are answered
-  by the I/O thread itself. The I/O thread writes the answers without blocking: a
-  client that never reads its answer holds no thread.
+  the larger ones, smallest first: large requests never delay a small one by more than
+  the GIL. At most `max_queued` (`max_queued_large`) wait: beyond, the largest is
+  answered 503 at once, so requests waiting for a worker (never evicted) cannot fill
+  the table. `probes` (health paths) are answered by the I/O thread itself, which
+  writes every answer without blocking: a client that does not read holds no thread.
 - An exception while one connection is handled closes that connection only (counted
-  in `stats.failed`); the I/O thread never pauses.
+  in `stats.failed`); the I/O thread never pauses. Pipelined requests are answered in
+  turn, at most `_ANSWERS_PER_TURN` before the other connections' turn.
 - With `tls`, every connection is TLS: the I/O thread does the handshake without
   blocking, within the request's deadline; a plain-HTTP client is closed.
 """
@@ -51,19 +50,26 @@ from collections.abc import Callable, Mapping
 from http import HTTPStatus
 from typing import Final
 
-from driver.observability.http_connections import Connection, ConnectionTable, Phase
+from driver.observability.http_connections import (
+    Connection,
+    ConnectionTable,
+    Phase,
+    TlsContext,
+    accepted,
+)
 from driver.observability.http_limits import HttpStats, Limits
 from driver.observability.http_messages import BadRequest, Response, render, take_request
-from driver.observability.http_workers import Handler, Job, WorkerLane
+from driver.observability.http_workers import Handler, Job, WorkerLane, respond
 
 log = logging.getLogger(__name__)
 
 _READ_CHUNK: Final = 65536
 _ACCEPTS_PER_WAKEUP: Final = 8  # well below max_connections: reads in between
+_ANSWERS_PER_TURN: Final = 8  # answers written to one connection before the others'
 
-TlsContext = Callable[[], ssl.SSLContext]
 Probe = Callable[[], Response]  # answered by the I/O thread itself: cheap, never blocking
 _BUSY: Final = Response(HTTPStatus.SERVICE_UNAVAILABLE, b"busy, retry later\n")
+_closed = operator.attrgetter("closed")
 
 
 class BoundedHttpServer:
@@ -95,8 +101,10 @@ class BoundedHttpServer:
         self._selector = selectors.DefaultSelector()
         self._selector.register(self._listener, selectors.EVENT_READ, "accept")
         self._selector.register(self._wake_r, selectors.EVENT_READ, "wake")
-        self._conns = ConnectionTable(limits.max_connections, limits.max_per_peer)
-        self._held = 0
+        self._conns = ConnectionTable(
+            limits.max_connections, limits.max_per_peer, limits.max_buffered
+        )
+        self._next_turn: set[Connection] = set()  # more requests buffered than one turn takes
         self._done: queue.SimpleQueue[tuple[Job[Connection], Response]] = queue.SimpleQueue()
         self._small = self._lane(f"{name}-worker", limits.workers, handler, limits.max_queued)
         self._large = self._small
@@ -120,7 +128,7 @@ class BoundedHttpServer:
     def buffered_bytes(self) -> int:
         """Bytes counted against `max_buffered`: requests not yet answered, answers
         not yet taken."""
-        return self._held
+        return self._conns.held
 
     def start(self) -> BoundedHttpServer:
         """Serves in background threads until `shutdown()`."""
@@ -166,10 +174,9 @@ class BoundedHttpServer:
         self._loop_idle.clear()
 
     def _lane(
-        self, name: str, count: int, handler: Handler, max_queued: int
+        self, name: str, workers: int, handler: Handler, queued: int
     ) -> WorkerLane[Connection]:
-        gone = operator.attrgetter("closed")
-        return WorkerLane(name, count, handler, self._finished, gone, max_queued)
+        return WorkerLane(name, workers, handler, self._finished, _closed, queued)
 
     def _finished(self, job: Job[Connection], response: Response) -> None:  # in a worker
         self._done.put((job, response))
@@ -194,8 +201,13 @@ class BoundedHttpServer:
     def _once(self) -> None:
         now = time.monotonic()
         wait = min((c.deadline for c in self._conns), default=now + 1.0) - now
+        postponed, self._next_turn = self._next_turn, set()
         try:
-            for key, _ in self._selector.select(max(0.0, min(wait, 1.0))):
+            for conn in postponed:  # their next request is buffered: no event will come
+                self._guarded(conn, functools.partial(self._advance, conn))
+            for key, _ in self._selector.select(
+                0.0 if self._next_turn else max(0.0, min(wait, 1.0))
+            ):
                 if key.data == "accept":
                     self._accept()
                 elif key.data == "wake":
@@ -217,7 +229,7 @@ class BoundedHttpServer:
             conn, head_only = job.client, job.request.method == "HEAD"
             if not conn.closed:
                 self._guarded(
-                    conn, functools.partial(self._answer, conn, response, head_only=head_only)
+                    conn, functools.partial(self._reply, conn, response, head_only=head_only)
                 )
 
     def _close_expired(self) -> None:
@@ -254,35 +266,32 @@ class BoundedHttpServer:
             if make_room is not None:
                 self.stats.evicted += 1
                 self._close(make_room)
-            sock.setblocking(False)
-            phase = Phase.READING
-            if self._tls is not None:
-                try:
-                    sock = self._tls().wrap_socket(
-                        sock, server_side=True, do_handshake_on_connect=False
-                    )
-                except OSError:
-                    sock.close()
-                    continue
-                phase = Phase.HANDSHAKE
-            conn = Connection(sock, peer, time.monotonic() + self.limits.timeout, phase)
-            self._conns.add(conn)
-            self._listen(conn, selectors.EVENT_READ)
+            conn = accepted(sock, peer, time.monotonic() + self.limits.timeout, self._tls)
+            if conn is not None:
+                self._conns.add(conn)
+                self._listen(conn, selectors.EVENT_READ)
 
     def _advance(self, conn: Connection) -> None:
-        """Takes `conn` as far as it goes without blocking."""
-        if conn.closed:
-            return
+        """Takes `conn` as far as it goes without blocking: the handshake, reading and
+        dispatching requests, writing answers; at most `_ANSWERS_PER_TURN` of them (a
+        kept-alive client pipelining probes), then the others' turn."""
+        answered = self.stats.answered
         try:
-            if conn.phase is Phase.HANDSHAKE:
-                assert isinstance(conn.sock, ssl.SSLSocket)
-                conn.sock.do_handshake()
-                conn.phase = Phase.READING
-                self._listen(conn, selectors.EVENT_READ)
-            if conn.phase is Phase.READING:
-                self._read(conn)
-            elif conn.phase is Phase.WRITING:
-                self._write(conn)
+            while not conn.closed:
+                if conn.phase is Phase.HANDSHAKE:
+                    assert isinstance(conn.sock, ssl.SSLSocket)
+                    conn.sock.do_handshake()
+                    conn.phase = Phase.READING
+                    self._listen(conn, selectors.EVENT_READ)
+                elif conn.phase is Phase.READING:
+                    if self.stats.answered - answered >= _ANSWERS_PER_TURN:
+                        self._next_turn.add(conn)
+                        return
+                    self._read(conn)
+                elif conn.phase is Phase.WRITING:
+                    self._write(conn)
+                else:
+                    return  # WORKING: a worker has its request
         except ssl.SSLWantReadError:
             self._listen(conn, selectors.EVENT_READ)
         except ssl.SSLWantWriteError:
@@ -309,29 +318,24 @@ class BoundedHttpServer:
                 self._selector.unregister(conn.sock)
 
     def _read(self, conn: Connection) -> None:
+        """Reads until a request is complete and dispatched; raises when it would block."""
         while conn.phase is Phase.READING and not conn.closed:
+            if conn.inbuf:  # a pipelined request may be complete already
+                self._dispatch(conn)
+                if conn.phase is not Phase.READING:
+                    return
             data = conn.sock.recv(_READ_CHUNK)  # raises when it would block
             if not data:
                 self._close(conn)
                 return
             conn.inbuf += data
             self._hold(conn, len(data))
-            if not conn.closed:
-                self._dispatch(conn)
 
     def _hold(self, conn: Connection, size: int) -> None:
-        conn.held += size
-        self._held += size
-        while self._held > self.limits.max_buffered:
-            holding = [c for c in self._conns if c.held]
-            if not holding:
-                return
+        while (largest := self._conns.hold(conn, size)) is not None:
             self.stats.evicted += 1
-            self._close(max(holding, key=lambda c: c.held))  # the oldest of the largest
-
-    def _release(self, conn: Connection) -> None:
-        self._held -= conn.held
-        conn.held = 0
+            self._close(largest)
+            size = 0
 
     def _dispatch(self, conn: Connection) -> None:
         """Hands the request in `conn.inbuf` to a worker once it is complete."""
@@ -350,7 +354,7 @@ class BoundedHttpServer:
         conn.close_after = not (self.limits.keep_alive and keep_alive)
         probe = self._probes.get(request.path) if request.method in ("GET", "HEAD") else None
         if probe is not None:
-            self._answer(conn, self._probe_answer(probe), head_only=request.method == "HEAD")
+            self._answer(conn, respond(probe), head_only=request.method == "HEAD")
             return
         conn.phase = Phase.WORKING
         self._mute(conn)
@@ -358,15 +362,8 @@ class BoundedHttpServer:
         left_out = lane.put(Job(conn, request))
         if left_out is not None:
             self.stats.busy += 1
-            busy = functools.partial(self._answer, left_out.client, _BUSY, close=True)
+            busy = functools.partial(self._reply, left_out.client, _BUSY, close=True)
             self._guarded(left_out.client, busy)
-
-    def _probe_answer(self, probe: Probe) -> Response:
-        try:
-            return probe()
-        except Exception:
-            log.exception("%s probe error", self._name)
-            return Response(HTTPStatus.INTERNAL_SERVER_ERROR, b"internal error\n")
 
     def _answer(
         self, conn: Connection, response: Response, *, close: bool = False, head_only: bool = False
@@ -375,8 +372,14 @@ class BoundedHttpServer:
         conn.out = memoryview(render(response, close=conn.close_after, head_only=head_only))
         conn.phase = Phase.WRITING
         conn.deadline = time.monotonic() + self.limits.timeout
-        self._release(conn)  # the request's bytes; `_write` holds the unsent answer's
+        self._conns.release(conn)  # the request's bytes; `_write` holds the unsent answer's
         self._listen(conn, selectors.EVENT_WRITE)
+
+    def _reply(
+        self, conn: Connection, response: Response, *, close: bool = False, head_only: bool = False
+    ) -> None:
+        """Answers a request that waited for a worker, and starts writing the answer."""
+        self._answer(conn, response, close=close, head_only=head_only)
         self._advance(conn)
 
     def _write(self, conn: Connection) -> None:
@@ -398,15 +401,13 @@ class BoundedHttpServer:
         conn.deadline = time.monotonic() + self.limits.timeout
         self._conns.renew(conn)
         self._listen(conn, selectors.EVENT_READ)
-        if conn.inbuf:
+        if conn.inbuf:  # pipelined: `_read` dispatches it before reading more
             self._hold(conn, len(conn.inbuf))
-        self._advance(conn)  # a pipelined request may be buffered already
 
     def _close(self, conn: Connection) -> None:
         if conn.closed:
             return
         self._mute(conn)
         conn.closed = True
-        self._release(conn)
         self._conns.remove(conn)
         conn.sock.close()

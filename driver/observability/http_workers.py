@@ -3,6 +3,7 @@ answer queued requests, the smallest first, from a queue of bounded length."""
 
 from __future__ import annotations
 
+import functools
 import heapq
 import itertools
 import logging
@@ -91,12 +92,16 @@ class WorkerLane(Generic[Client]):
                 _, _, job = heapq.heappop(self._waiting)
             if self._gone(job.client):
                 continue
-            try:
-                response = self._handler(job.request)
-            except Exception:
-                log.exception("HTTP handler error")
-                response = Response(HTTPStatus.INTERNAL_SERVER_ERROR, b"internal error\n")
-            self._finished(job, response)
+            self._finished(job, respond(functools.partial(self._handler, job.request)))
+
+
+def respond(handler: Callable[[], Response]) -> Response:
+    """`handler()`, or 500 where it raises."""
+    try:
+        return handler()
+    except Exception:
+        log.exception("HTTP handler error")
+        return Response(HTTPStatus.INTERNAL_SERVER_ERROR, b"internal error\n")
 
 
 def _size_then_order(entry: tuple[int, int, object]) -> tuple[int, int]:

@@ -57,7 +57,9 @@ def serve() -> Iterator[Callable[..., BoundedHttpServer]]:
     servers: list[BoundedHttpServer] = []
 
     def _serve(handler: Callable[[Request], Response], **limits: Any) -> BoundedHttpServer:
-        server = BoundedHttpServer("127.0.0.1", 0, handler, Limits(**limits)).start()
+        probes = limits.pop("probes", None)
+        server = BoundedHttpServer("127.0.0.1", 0, handler, Limits(**limits), probes=probes)
+        server.start()
         servers.append(server)
         return server
 
@@ -181,3 +183,41 @@ def test_a_full_table_evicts_a_client_that_does_not_read(
     assert server.stats.refused == 0 and server.stats.evicted >= 1
     for sock in [*readers, probe]:
         sock.close()
+
+
+def test_pipelined_requests_are_each_answered(serve: Callable[..., BoundedHttpServer]) -> None:
+    """Two requests in one send on a kept-alive connection. Before: the second was
+    answered only once more bytes came, or never (closed at the deadline)."""
+    server = serve(_echo, timeout=30, keep_alive=True, max_body=16)
+    sock = _connect(server)
+    one = b"POST / HTTP/1.1\r\nContent-Length: 3\r\n\r\none"
+    sock.sendall(one + b"POST / HTTP/1.1\r\nContent-Length: 3\r\n\r\ntwo")
+    answers = b""
+    while answers.count(b"HTTP/1.1 200 ") < 2 or not answers.endswith(b"two"):
+        chunk = sock.recv(4096)
+        assert chunk, f"closed after {answers!r}"
+        answers += chunk
+    assert answers.index(b"one") < answers.index(b"two")
+    sock.close()
+
+
+def test_many_pipelined_probes_are_answered_in_turns(
+    serve: Callable[..., BoundedHttpServer],
+) -> None:
+    """500 probes in one send, each answered by the I/O thread itself: all answered, in
+    turns (no recursion per request), and another client is served meanwhile."""
+    ok = Response(HTTPStatus.OK, b"ok")
+    server = serve(_echo, timeout=30, keep_alive=True, probes={"/healthz": lambda: ok})
+    sock = _connect(server)
+    sock.sendall(b"GET /healthz HTTP/1.1\r\n\r\n" * 500)
+    other = _connect(server)
+    other.sendall(b"GET /healthz HTTP/1.1\r\nConnection: close\r\n\r\n")
+    assert _answer(other).startswith(b"HTTP/1.1 200 ")
+    answers = b""
+    while answers.count(b"HTTP/1.1 200 ") < 500:
+        chunk = sock.recv(65536)
+        assert chunk, f"closed after {answers.count(b'HTTP/1.1 200 ')} answers"
+        answers += chunk
+    assert server.stats.failed == 0
+    sock.close()
+    other.close()
