@@ -130,6 +130,12 @@ class BoundedHttpServer:
         not yet taken."""
         return self._conns.held
 
+    @property
+    def waiting_requests(self) -> int:
+        """Requests waiting for a worker."""
+        large = self._large.waiting if self._large is not self._small else 0
+        return self._small.waiting + large
+
     def start(self) -> BoundedHttpServer:
         """Serves in background threads until `shutdown()`."""
         self._begin()

@@ -7,11 +7,11 @@ thread for every connection, a deadline of `timeout` seconds (default 5) to deli
 request head and again to take the answer, at most `max_connections` (default 64) open
 (a new one closes the oldest still waiting for its request, so that a flood of idle
 connections cannot lock out the probe; at most 32 from one address), `workers` threads
-(default 2) computing /metrics (`generate_latest`, rendered at most once a second) and
-/status, at most 16 of those waiting (503 beyond). /healthz is answered by the I/O
-thread itself, so busy workers never hold the liveness probe. One request per connection
-(`Connection: close`), a request head of at most 8 KiB, GET and HEAD only; request
-bodies are not read.
+(default 2) computing /metrics (`generate_latest`) and /status, at most 16 of those
+waiting (503 beyond; while some wait, each is rendered at most once a second). /healthz
+is answered by the I/O thread itself, so busy workers never hold the liveness probe.
+One request per connection (`Connection: close`), a request head of at most 8 KiB, GET
+and HEAD only; request bodies are not read.
 """
 
 from __future__ import annotations
@@ -33,9 +33,11 @@ from driver.observability.metrics import REGISTRY
 DEFAULT_TIMEOUT: Final = 5.0
 DEFAULT_MAX_CONNECTIONS: Final = 64
 DEFAULT_WORKERS: Final = 2
-# Prometheus scrapes every 15 s or more; rendering at most once a second bounds what
-# clients requesting /metrics in a loop cost.
-METRICS_MAX_AGE: Final = 1.0
+# While other requests wait for a worker, /metrics and /status answer with their last
+# render if it is younger than this: clients requesting them in a loop cost at most a
+# render a second each. An idle server renders every request afresh (a scrape, or the
+# CLI's /status, always sees the current values).
+RENDER_MAX_AGE: Final = 1.0
 
 Healthy = Callable[[], tuple[bool, str]]
 Status = Callable[[], dict[str, Any]]
@@ -55,9 +57,9 @@ class HttpServer(BoundedHttpServer):
         workers: int = DEFAULT_WORKERS,
     ) -> None:
         self._healthy = healthy
-        self._status: Status | None = None
         limits = Limits(timeout=timeout, max_connections=max_connections, workers=workers)
-        self._metrics = CachedRender(lambda: generate_latest(REGISTRY), METRICS_MAX_AGE)
+        self._metrics = CachedRender(lambda: generate_latest(REGISTRY), RENDER_MAX_AGE)
+        self._status_json: CachedRender | None = None
         super().__init__(host, port, self._respond, limits, probes={"/healthz": self._health})
 
     @property
@@ -70,7 +72,9 @@ class HttpServer(BoundedHttpServer):
 
     def serve_status(self, status: Status) -> None:
         """Answer /status with `status()` as JSON from now on (404 before)."""
-        self._status = status
+        self._status_json = CachedRender(
+            lambda: json.dumps(status(), indent=2).encode() + b"\n", RENDER_MAX_AGE
+        )
 
     def start(self) -> HttpServer:
         super().start()
@@ -79,11 +83,11 @@ class HttpServer(BoundedHttpServer):
     def _respond(self, request: Request) -> Response:
         if request.method not in ("GET", "HEAD"):
             return Response(HTTPStatus.METHOD_NOT_ALLOWED, b"GET only\n", allow="GET, HEAD")
+        busy = self.waiting_requests > 0  # then an answer up to a second old will do
         if request.path == "/metrics":
-            return Response(HTTPStatus.OK, self._metrics(), CONTENT_TYPE_LATEST)
-        if request.path == "/status" and self._status is not None:
-            body = json.dumps(self._status(), indent=2).encode() + b"\n"
-            return Response(HTTPStatus.OK, body, "application/json")
+            return Response(HTTPStatus.OK, self._metrics(reuse=busy), CONTENT_TYPE_LATEST)
+        if request.path == "/status" and self._status_json is not None:
+            return Response(HTTPStatus.OK, self._status_json(reuse=busy), "application/json")
         return Response(HTTPStatus.NOT_FOUND, b"not found\n")
 
     def _health(self) -> Response:  # in the I/O thread: `healthy` only reads flags
@@ -93,8 +97,9 @@ class HttpServer(BoundedHttpServer):
 
 
 class CachedRender:
-    """`render()`'s bytes, rendered again only once they are `max_age` seconds old
-    (by `clock`); concurrent callers of a stale one wait for a single render."""
+    """`render()`'s bytes, rendered afresh unless the caller says the last render will
+    do (`reuse`) and it is younger than `max_age` seconds (by `clock`). One render at a
+    time: callers of a stale one wait for it."""
 
     def __init__(
         self,
@@ -108,12 +113,13 @@ class CachedRender:
         self._lock = threading.Lock()
         self._rendered: tuple[float, bytes] | None = None
 
-    def __call__(self) -> bytes:
+    def __call__(self, *, reuse: bool) -> bytes:
         with self._lock:
             now = self._clock()
-            if self._rendered is None or now - self._rendered[0] >= self._max_age:
-                self._rendered = (now, self._render())
-            return self._rendered[1]
+            last = self._rendered
+            if not reuse or last is None or now - last[0] >= self._max_age:
+                last = self._rendered = (now, self._render())
+            return last[1]
 
 
 def serve_http(port: int, healthy: Healthy, host: str = "") -> HttpServer:

@@ -60,6 +60,11 @@ class WorkerLane(Generic[Client]):
             if not thread.is_alive():
                 thread.start()
 
+    @property
+    def waiting(self) -> int:
+        """Jobs queued, not yet taken by a worker."""
+        return len(self._waiting)
+
     def put(self, job: Job[Client]) -> Job[Client] | None:
         """Queues `job`; returns the job left out when `max_queued` already wait: the
         largest (of those, the newest) of the waiting ones and `job`."""

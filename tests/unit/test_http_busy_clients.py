@@ -180,7 +180,7 @@ def test_the_plugin_answers_healthz_while_status_is_being_computed(blocker: Bloc
         server.shutdown()
 
 
-def test_metrics_are_rendered_at_most_once_per_max_age() -> None:
+def test_a_render_is_reused_only_when_asked_and_younger_than_max_age() -> None:
     now = [100.0]
     renders: list[float] = []
 
@@ -189,9 +189,40 @@ def test_metrics_are_rendered_at_most_once_per_max_age() -> None:
         return f"metrics at {now[0]}".encode()
 
     cached = CachedRender(render, max_age=1.0, clock=lambda: now[0])
-    assert cached() == b"metrics at 100.0"
+    assert cached(reuse=True) == b"metrics at 100.0"
     now[0] = 100.9
-    assert cached() == b"metrics at 100.0"
-    now[0] = 101.0
-    assert cached() == b"metrics at 101.0"
-    assert renders == [100.0, 101.0]
+    assert cached(reuse=True) == b"metrics at 100.0"
+    assert cached(reuse=False) == b"metrics at 100.9"
+    now[0] = 101.9
+    assert cached(reuse=True) == b"metrics at 101.9"
+    assert renders == [100.0, 100.9, 101.9]
+
+
+def test_metrics_are_rendered_once_for_the_requests_that_waited(
+    blocker: Blocker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Four /metrics requests wait behind a blocked /status: the first renders, the
+    next two (others still waiting) reuse it, the last (none waiting) renders afresh,
+    as does every request to an idle server."""
+    renders: list[int] = []
+
+    def counting(registry: object) -> bytes:
+        renders.append(1)
+        return b"metrics %d\n" % len(renders)
+
+    monkeypatch.setattr("driver.observability.http.generate_latest", counting)
+    server = HttpServer(0, lambda: (True, "ok\n"), "127.0.0.1", workers=1).start()
+    try:
+        server.serve_status(lambda: {"done": blocker(Request("GET", "/block", {})).status == 200})
+        status = _get(server.port, "/status")
+        _wait_for(lambda: blocker.entered == 1)
+        waiting = [_get(server.port, "/metrics") for _ in range(4)]
+        _wait_for(lambda: server.waiting_requests == 4)
+        blocker.release.set()
+        _answer(status)
+        bodies = [_answer(s).rsplit(b"\r\n\r\n", 1)[1] for s in waiting]
+        assert bodies == [b"metrics 1\n"] * 3 + [b"metrics 2\n"]
+        for i in range(3, 5):  # idle: fresh
+            assert _answer(_get(server.port, "/metrics")).endswith(b"metrics %d\n" % i)
+    finally:
+        server.shutdown()
