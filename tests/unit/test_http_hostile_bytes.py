@@ -1,6 +1,8 @@
-"""Round four against the bounded HTTP server (issue 34, items 1 and 12): bytes that
-are not what the parser expects, and exceptions while one connection is handled, cost
-that connection only; the I/O thread keeps serving everyone else."""
+"""Round four against the bounded HTTP server (issue 34, items 1, 2 and 12): bytes
+that are not what the parser expects, and exceptions while one connection is handled,
+cost that connection only, the I/O thread serving everyone else; answers a client
+never reads count against the memory budget and make it evictable; pipelined requests
+are each answered."""
 
 from __future__ import annotations
 
