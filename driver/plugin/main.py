@@ -48,7 +48,7 @@ from driver.plugin.status import (
 from driver.proto.pluginregistration.v1 import api_pb2_grpc as registration_grpc
 from driver.state.cdi_hook import HOOK_NAME, cdi_hook_path, install_cdi_hook
 from driver.state.driver_edits import DriverRoot
-from driver.state.fileio import remove_durably, sweep_temp_files
+from driver.state.fileio import UnsafeFileError, remove_durably, sweep_temp_files
 from driver.state.prepare import DeviceState
 from driver.state.recovery import compact_journal
 from driver.state.verdicts import parse_permanent_errors
@@ -358,6 +358,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         signal.signal(sig, on_signal)
     try:
         return plugin.run()
+    except UnsafeFileError as err:
+        # A symlink or FIFO where the plugin keeps a file of its own (a claim lock in
+        # the data directory): it did not make it, and never follows or removes it.
+        print(
+            f"gpu-kubelet-plugin: {err.filename} {err.strerror}; the plugin did not create "
+            "it: find out how it got there, remove it and restart the plugin",
+            file=sys.stderr,
+        )
+        return 1
     except CONFIG_ERRORS as err:
         # A configuration problem: one clear line, no traceback.
         print(f"gpu-kubelet-plugin: {err}", file=sys.stderr)
