@@ -75,7 +75,6 @@ ensure_base() {
 
 # --- the pinned binaries ---------------------------------------------------------------
 ensure_binaries() {
-  GPU_DRA_WITH_NODE=1 "$HACK_DIR/local-cluster.sh" build
   local missing=() b
   for b in kubeadm kube-proxy; do have_binaries "$b" || missing+=("$b"); done
   if ((${#missing[@]})); then
@@ -87,6 +86,8 @@ ensure_binaries() {
     ((${#missing[@]} == 0)) || build_k8s "${missing[@]}"
     exec 9>&-
   fi
+  # The rest of the pinned binaries: control plane, kubelet, containerd, runc.
+  GPU_DRA_WITH_NODE=1 "$HACK_DIR/local-cluster.sh" build
   for b in "${K8S_NODE_BINARIES[@]}" "${K8S_IMAGE_BINARIES[@]}" etcd; do
     have_binaries "$b" || kind_die "$BIN_DIR/$b missing after the build"
   done

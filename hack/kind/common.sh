@@ -20,6 +20,8 @@ MOCK_VALUES=$CHART_DIR/values-mock.yaml
 
 KIND_CLUSTER_NAME=${KIND_CLUSTER_NAME:-gpu-dra-driver}
 KIND_K8S_TAG=${KIND_K8S_TAG:-v$K8S_VERSION}
+# The stock node image (KIND_NODE_SOURCE=registry).
+KIND_IMAGE=${KIND_IMAGE:-kindest/node:$KIND_K8S_TAG}
 # The node image built here without a registry (hack/kind/build-node-image.sh), and the
 # repository its control-plane, etcd, kube-proxy images are named under (kubeadm's
 # imageRepository; they exist only inside the nodes' containerd).
