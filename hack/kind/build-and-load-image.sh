@@ -47,10 +47,19 @@ load_archive() { # <archive> <image name>
   "$KIND" load image-archive "$1" --name "$KIND_CLUSTER_NAME" >/dev/null
   local node
   for node in "${nodes[@]}"; do
-    "$CONTAINER_TOOL" exec "$node" ctr -n k8s.io images ls -q | grep -qxF "$2" ||
+    "$CONTAINER_TOOL" exec "$node" ctr -n k8s.io images ls -q 2>/dev/null | grep -qxF "$2" ||
       kind_die "$2 is not in $node's containerd after kind load image-archive $1"
   done
   kind_progress "  loaded in $(( $(date +%s) - t0 ))s"
+}
+
+wait_or_timeout() { # <pid> <seconds>: true once pid has exited
+  local i
+  for ((i = 0; i < $2; i++)); do
+    kill -0 "$1" 2>/dev/null || return 0
+    sleep 1
+  done
+  return 1
 }
 
 # The demo's busybox, from Debian's busybox-static (hack/lib/images.sh).
@@ -81,8 +90,15 @@ fi
 if [[ $mode == offline ]]; then
   [[ $(normalize_image_name "$DRIVER_IMAGE_TAG") == "$DRIVER_IMAGE" ]] ||
     kind_die "KIND_IMAGE_BUILD=offline builds $DRIVER_IMAGE_TAG ($(normalize_image_name "$DRIVER_IMAGE_TAG")); DRIVER_IMAGE is $DRIVER_IMAGE (set GPU_DRA_DRIVER_IMAGE too)"
-  build_driver_image # cached per source hash; hack/build-image.sh (debootstrap, pip --require-hashes)
-  load_archive "$DRIVER_IMAGE_ARCHIVE" "$DRIVER_IMAGE"
+  # Cached per source hash; hack/build-image.sh (debootstrap, pip --require-hashes), whose
+  # log says where it is: its last line every 30 s.
+  build_driver_image &
+  pid=$!
+  while ! wait_or_timeout "$pid" 30; do
+    kind_progress "driver image: $(tail -n 1 "$CACHE_ROOT/build-driver-image.log" 2>/dev/null | cut -c1-160)"
+  done
+  wait "$pid"
+  load_archive "$IMAGES_DIR/driver-$(driver_source_hash).oci.tar" "$DRIVER_IMAGE"
   load_busybox
   exit 0
 fi

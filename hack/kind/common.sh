@@ -79,8 +79,16 @@ need() {
 # The pinned helm (HELM_VERSION): built by hack/install-helm.sh when missing and a Go
 # toolchain is there, else a helm on PATH.
 find_helm() {
-  local pinned
+  local pinned log
   pinned=$("$HACK_DIR/install-helm.sh" path)
+  # Another hack/install-helm.sh is building it (its .partial directory, its log still
+  # growing): a second one would delete that directory under it. Wait for it instead.
+  log=$(dirname "$(dirname "$pinned")")/build-helm-v$HELM_VERSION.log
+  while [[ ! -x $pinned && -d $(dirname "$pinned")/.partial && -f $log ]] &&
+        (( $(date +%s) - $(stat -c %Y "$log") < 300 )); do
+    kind_progress "helm v$HELM_VERSION is being built by another hack/install-helm.sh; waiting: $(tail -n 1 "$log")" >&2
+    sleep 15
+  done
   if [[ -x $pinned ]]; then printf '%s\n' "$pinned"
   elif command -v go >/dev/null; then "$HACK_DIR/install-helm.sh" >&2 && printf '%s\n' "$pinned"
   elif command -v helm >/dev/null; then command -v helm
