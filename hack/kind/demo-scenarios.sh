@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Steps 2-4 of hack/kind/demo.sh (see there): the ValidatingAdmissionPolicy refusal, a
-# permanent error, an Xid that evicts a pod. Exits non-zero when one does not happen;
-# deletes the scenario namespaces and clears the mock Xid on the way out, whatever happened.
+# Steps 2-5 of hack/kind/demo.sh (see there): the ValidatingAdmissionPolicy refusal, the
+# webhook refusing an invalid GpuConfig, a permanent error, an Xid that evicts a pod.
+# Exits non-zero when one does not happen; deletes the scenario namespaces and clears
+# the mock Xid on the way out, whatever happened.
 set -euo pipefail
 # shellcheck source=hack/kind/common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
@@ -39,7 +40,35 @@ else
   kind_progress "2. (the ValidatingAdmissionPolicy check needs two workers: KIND_WORKERS=2)"
 fi
 
-kind_progress "3. permanent error: a claim asks for 64 partitions of a GPU (demo/scenarios/permanent-error.yaml)"
+kind_progress "3. the admission webhook: a claim with an invalid GpuConfig (server-side dry run)"
+if k -n "$DRIVER_NAMESPACE" get deployment -l app.kubernetes.io/component=webhook -o name 2>/dev/null | grep -q .; then
+  refusal=$(k apply --dry-run=server -f - 2>&1 <<YAML || true
+apiVersion: resource.k8s.io/v1
+kind: ResourceClaim
+metadata: {name: invalid-config, namespace: default}
+spec:
+  devices:
+    requests:
+    - name: gpu
+      exactly: {deviceClassName: $DRIVER_NAME}
+    config:
+    - requests: [gpu]
+      opaque:
+        driver: $DRIVER_NAME
+        parameters:
+          apiVersion: gpu.resource.example.com/v1alpha1
+          kind: GpuConfig
+          sharing: {strategy: TimeSlicing, timeSlicingConfig: {interval: Sometimes}}
+YAML
+)
+  [[ $refusal == *"denied the request"*"unknown time-slice interval: 'Sometimes'"* ]] ||
+    kind_die "the webhook did not refuse an invalid GpuConfig: $refusal"
+  kind_progress "refused: ${refusal#*: admission webhook }"
+else
+  kind_progress "(no webhook installed: webhook.enabled=false)"
+fi
+
+kind_progress "4. permanent error: a claim asks for 64 partitions of a GPU (demo/scenarios/permanent-error.yaml)"
 k apply -f "$SCENARIOS/permanent-error.yaml" >/dev/null
 msg=
 for _ in $(seq 120); do
@@ -53,7 +82,7 @@ done
 kind_progress "pod0 event FailedPrepareDynamicResources: $msg"
 k -n gpu-demo-permanent-error get pod pod0 -o wide
 
-kind_progress "4. Xid 79 on the GPU of a running Deployment pod (demo/scenarios/xid-eviction.yaml; xidTaintEffect NoExecute)"
+kind_progress "5. Xid 79 on the GPU of a running Deployment pod (demo/scenarios/xid-eviction.yaml; xidTaintEffect NoExecute)"
 k apply -f "$SCENARIOS/xid-eviction.yaml" >/dev/null
 k -n gpu-demo-xid rollout status deployment/trainer --timeout=180s >/dev/null
 old_pod=$(k -n gpu-demo-xid get pods -l app=gpu-demo-xid -o jsonpath='{.items[0].metadata.name}')
@@ -94,6 +123,6 @@ kind_progress "replacement $new_pod runs on $new_node, $new_gpu (was $xid_node, 
 [[ "$new_node/$new_gpu" != "$xid_node/$gpu" ]] || kind_die "the replacement got the failed GPU $gpu of $xid_node"
 k -n gpu-demo-xid get pods -o wide
 kind_progress "clearing the mock Xid: gpu-dra mock reset --all (in $plugin)"
-k -n "$DRIVER_NAMESPACE" exec "$plugin" -c plugin -- gpu-dra mock reset --all
+k -n "$DRIVER_NAMESPACE" exec "$plugin" -c plugin -- gpu-dra mock reset --all >/dev/null
 xid_node=
 kind_progress "demo done"

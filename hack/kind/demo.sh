@@ -6,8 +6,9 @@
 #      pods shared-0/1:    one claim with a GpuConfig (TimeSlicing, Long) shared by two pods
 #   2. the node-scoped ValidatingAdmissionPolicy refusing one worker's plugin a slice of
 #      the other worker (hack/kind/vap-check.sh; with two workers or more)
-#   3. a permanent error (demo/scenarios/permanent-error.yaml): its Event on the pod
-#   4. an Xid on the GPU of a Deployment's pod (demo/scenarios/xid-eviction.yaml): the
+#   3. the admission webhook refusing a claim with an invalid GpuConfig (dry run)
+#   4. a permanent error (demo/scenarios/permanent-error.yaml): its Event on the pod
+#   5. an Xid on the GPU of a Deployment's pod (demo/scenarios/xid-eviction.yaml): the
 #      device is tainted NoExecute, the pod evicted and replaced on a healthy GPU
 # Exits non-zero when any of these does not happen. The scenario namespaces are deleted
 # and the mock Xid cleared at the end; the pods of step 1 keep running.

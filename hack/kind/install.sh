@@ -13,7 +13,9 @@ source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 HELM=$(find_helm)
 DEMO_VALUES=$REPO_DIR/demo/values-demo.yaml
 values=(--values "$MOCK_VALUES")
-[[ ${KIND_DEMO_VALUES:-1} == 0 ]] || values+=(--values "$DEMO_VALUES")
+# values-demo.yaml turns the admission webhook off for the local cluster, which has no
+# kube-proxy; kind has one, so the API server reaches the webhook's Service: back on.
+[[ ${KIND_DEMO_VALUES:-1} == 0 ]] || values+=(--values "$DEMO_VALUES" --set webhook.enabled=true)
 kubectl() { "$KUBECTL" "$@"; }
 repo=${DRIVER_IMAGE%:*}
 tag=${DRIVER_IMAGE##*:}
@@ -24,7 +26,7 @@ kubectl --context "$KUBE_CONTEXT" create namespace "$DRIVER_NAMESPACE" --dry-run
 kubectl --context "$KUBE_CONTEXT" label namespace "$DRIVER_NAMESPACE" --overwrite \
   pod-security.kubernetes.io/enforce=privileged >/dev/null
 
-kind_progress "installing release $HELM_RELEASE ($CHART_DIR, ${values[*]//--values /}, image $repo:$tag) in namespace $DRIVER_NAMESPACE"
+kind_progress "installing release $HELM_RELEASE ($CHART_DIR, $(printf '%s ' "${values[@]}" | sed 's/--values //g; s/--set //g'), image $repo:$tag) in namespace $DRIVER_NAMESPACE"
 "$HELM" upgrade --install "$HELM_RELEASE" "$CHART_DIR" \
   --kube-context "$KUBE_CONTEXT" \
   --namespace "$DRIVER_NAMESPACE" --create-namespace \

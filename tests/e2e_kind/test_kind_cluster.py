@@ -77,7 +77,11 @@ def test_demo_gpus_permanent_error_and_xid_eviction(kind: Kind) -> None:
         # One claim, two pods: the same device, with the claim's GpuConfig.
         assert gpus["shared-0"] == gpus["shared-1"], gpus
         assert "TIMESLICE_INTERVAL=Long" in out.split("environment of shared-0", 1)[1]
-        assert "FailedPrepareDynamicResources: permanent (invalid-config)" in out, out
+        assert re.search(
+            r"refused: \S+ denied the request: .*unknown time-slice interval: 'Sometimes'", out
+        ), out
+        assert "FailedPrepareDynamicResources: Failed to prepare dynamic resources" in out, out
+        assert re.search(r"NodePrepareResources failed .*: permanent \(invalid-config\)", out), out
         assert re.search(r"taints: gpu\.example\.com/xid=79:NoExecute", out), out
         moved = re.search(r"replacement \S+ runs on (\S+), (gpu-\d+) \(was (\S+), (gpu-\d+)\)", out)
         assert moved and (moved[1], moved[2]) != (moved[3], moved[4]), out
