@@ -86,8 +86,11 @@ ensure_binaries() {
     ((${#missing[@]} == 0)) || build_k8s "${missing[@]}"
     exec 9>&-
   fi
-  # The rest of the pinned binaries: control plane, kubelet, containerd, runc.
-  GPU_DRA_WITH_NODE=1 "$HACK_DIR/local-cluster.sh" build
+  # The rest of the pinned binaries: control plane, kubelet, containerd, runc (the build
+  # takes the cache's build lock even when nothing is missing: only when something is).
+  if ! have_binaries "${K8S_NODE_BINARIES[@]}" "${K8S_IMAGE_BINARIES[@]}" etcd || ! have_runtime_binaries; then
+    GPU_DRA_WITH_NODE=1 "$HACK_DIR/local-cluster.sh" build
+  fi
   for b in "${K8S_NODE_BINARIES[@]}" "${K8S_IMAGE_BINARIES[@]}" etcd; do
     have_binaries "$b" || kind_die "$BIN_DIR/$b missing after the build"
   done
