@@ -166,7 +166,8 @@ assemble() {
 }
 
 load_into_engine() {
-  local key=$1 size
+  local key=$1 size old
+  old=$("$CONTAINER_TOOL" image inspect --format '{{.Id}}' "$KIND_OFFLINE_IMAGE" 2>/dev/null || true)
   size=$(du -sm --exclude=./proc "$ROOT" | cut -f1)
   kind_progress "$CONTAINER_TOOL import: ${size} MiB root as $KIND_OFFLINE_IMAGE (2 cores: ~1 min per GiB)"
   tar -C "$ROOT" --numeric-owner --xattrs --exclude=./dev/'*' --exclude=./proc/'*' --exclude=./sys/'*' \
@@ -178,6 +179,8 @@ load_into_engine() {
       --change "LABEL gpu-dra.node-image-key=$key" \
       - "$KIND_OFFLINE_IMAGE" >/dev/null
   engine_has_image "$key" || kind_die "$KIND_OFFLINE_IMAGE is not in $CONTAINER_TOOL after the import"
+  # The image this one replaces (now untagged), unless a node still runs it.
+  if [[ -n $old ]]; then "$CONTAINER_TOOL" image rm "$old" >/dev/null 2>&1 || true; fi
 }
 
 mkdir -p "$NODE_CACHE"
