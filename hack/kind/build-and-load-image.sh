@@ -36,7 +36,7 @@ case $KIND_IMAGE_BUILD in auto|engine|offline) ;;
   *) kind_die "KIND_IMAGE_BUILD must be auto, engine or offline, not '$KIND_IMAGE_BUILD'" ;;
 esac
 
-"$KIND" get clusters 2>/dev/null | grep -qx "$KIND_CLUSTER_NAME" ||
+"$KIND" get clusters 2>/dev/null | has_line "$KIND_CLUSTER_NAME" ||
   kind_die "no kind cluster $KIND_CLUSTER_NAME: run make kind-up (hack/kind/create-cluster.sh) first"
 mapfile -t nodes < <("$KIND" get nodes --name "$KIND_CLUSTER_NAME")
 
@@ -47,7 +47,7 @@ load_archive() { # <archive> <image name>
   "$KIND" load image-archive "$1" --name "$KIND_CLUSTER_NAME" >/dev/null
   local node
   for node in "${nodes[@]}"; do
-    "$CONTAINER_TOOL" exec "$node" ctr -n k8s.io images ls -q 2>/dev/null | grep -qxF "$2" ||
+    "$CONTAINER_TOOL" exec "$node" ctr -n k8s.io images ls -q 2>/dev/null | has_line "$2" ||
       kind_die "$2 is not in $node's containerd after kind load image-archive $1"
   done
   kind_progress "  loaded in $(( $(date +%s) - t0 ))s"

@@ -67,6 +67,13 @@ KIND=${KIND:-$CACHE_ROOT/bin/kind-v$KIND_VERSION/kind}
 KUBECTL=${KUBECTL:-$BIN_DIR/kubectl}
 [[ -x $KUBECTL ]] || KUBECTL=$(command -v kubectl || printf 'kubectl')
 
+# `cmd | has_line LINE`: true when cmd printed LINE. Reads all of cmd's output first: with
+# pipefail, `cmd | grep -q` fails when grep exits early and cmd dies of SIGPIPE.
+has_line() {
+  local text
+  text=$(cat)
+  grep -qxF -- "$1" <<<"$text"
+}
 kind_progress() { printf '[kind %s] %s\n' "$(date +%H:%M:%S)" "$*"; }
 kind_die() { printf '%s: %s\n' "$(basename "$0")" "$*" >&2; exit 1; }
 need() {

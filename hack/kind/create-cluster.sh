@@ -106,7 +106,7 @@ fi
 "$KIND_DIR/tools.sh" ensure
 KIND=$("$KIND_DIR/tools.sh" kind)
 if [[ $CONTAINER_TOOL == podman ]]; then export CONTAINERS_CONF=$PODMAN_CONF; fi
-if "$KIND" get clusters 2>/dev/null | grep -qx "$KIND_CLUSTER_NAME"; then
+if "$KIND" get clusters 2>/dev/null | has_line "$KIND_CLUSTER_NAME"; then
   kind_progress "cluster $KIND_CLUSTER_NAME exists already (make kind-down deletes it)"
   exit 0
 fi

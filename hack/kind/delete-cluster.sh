@@ -11,7 +11,7 @@ source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 command -v "$CONTAINER_TOOL" >/dev/null || { kind_progress "no $CONTAINER_TOOL: nothing to delete"; exit 0; }
 [[ -x $KIND ]] || command -v "$KIND" >/dev/null || kind_die "kind not found (make kind-up installs it)"
 t0=$(date +%s)
-if "$KIND" get clusters 2>/dev/null | grep -qx "$KIND_CLUSTER_NAME"; then
+if "$KIND" get clusters 2>/dev/null | has_line "$KIND_CLUSTER_NAME"; then
   "$KIND" delete cluster --name "$KIND_CLUSTER_NAME"
 else
   kind_progress "no kind cluster $KIND_CLUSTER_NAME"

@@ -41,7 +41,8 @@ else
 fi
 
 kind_progress "3. the admission webhook: a claim with an invalid GpuConfig (server-side dry run)"
-if k -n "$DRIVER_NAMESPACE" get deployment -l app.kubernetes.io/component=webhook -o name 2>/dev/null | grep -q .; then
+webhooks=$(k -n "$DRIVER_NAMESPACE" get deployment -l app.kubernetes.io/component=webhook -o name 2>/dev/null || true)
+if [[ -n $webhooks ]]; then
   refusal=$(k apply --dry-run=server -f - 2>&1 <<YAML || true
 apiVersion: resource.k8s.io/v1
 kind: ResourceClaim
