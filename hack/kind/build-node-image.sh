@@ -105,7 +105,7 @@ ensure_binaries() {
 image_key() {
   {
     printf '%s\n' "$base_key" "$K8S_VERSION" "$ETCD_VERSION" "$CONTAINERD_VERSION" "$RUNC_VERSION" "$KIND_VERSION"
-    sha256sum "${BASH_SOURCE[0]}" "$KIND_DIR/node-files.sh"
+    cat "${BASH_SOURCE[0]}" "$KIND_DIR/node-files.sh" # contents only: not where the checkout is
   } | sha256sum | cut -c1-16
 }
 
