@@ -112,10 +112,11 @@ image:
 	hack/build-image.sh
 
 # kind: a cluster of containers (Podman here, Docker where its daemon runs) with the same
-# gates and chart values, 1 control plane + KIND_WORKERS (2) workers. Without a registry
-# the node image and the driver image are built here (hack/kind/README.md).
+# gates and chart values, 1 control plane + KIND_WORKERS workers (2 here; the script
+# alone: 1). Without a registry the node image and the driver image are built here
+# (hack/kind/README.md).
 kind-up:
-	hack/kind/create-cluster.sh
+	KIND_WORKERS=$${KIND_WORKERS:-2} hack/kind/create-cluster.sh
 kind-install:
 	hack/kind/build-and-load-image.sh && hack/kind/install.sh
 kind-demo:

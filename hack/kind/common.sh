@@ -27,9 +27,9 @@ KIND_IMAGE=${KIND_IMAGE:-kindest/node:$KIND_K8S_TAG}
 # imageRepository; they exist only inside the nodes' containerd).
 KIND_OFFLINE_IMAGE=${KIND_OFFLINE_IMAGE:-localhost/gpu-dra/kind-node:$KIND_K8S_TAG}
 KIND_COMPONENT_REPO=localhost/gpu-dra/k8s
-# Two workers: one plugin pod each, each publishing its own pool (and the
-# ValidatingAdmissionPolicy's node scoping can be shown).
-KIND_WORKERS=${KIND_WORKERS:-2}
+# `make kind-up` asks for two (one plugin pod and one pool each; the demo shows the
+# ValidatingAdmissionPolicy's node scoping with them).
+KIND_WORKERS=${KIND_WORKERS:-1}
 # values-mock.yaml's image (gpu-dra-driver:dev) as the kubelet (CRI) normalizes it, so
 # that a plain `helm install -f values-mock.yaml` finds the image loaded here. Fully
 # qualified: Podman would store an unqualified build as localhost/<name>, which the

@@ -31,6 +31,10 @@ cleanup() {
   fi
 }
 trap cleanup EXIT
+# A previous run's scenario namespaces may still be terminating.
+for ns in gpu-demo-permanent-error gpu-demo-xid; do
+  k wait --for=delete "namespace/$ns" --timeout=180s >/dev/null 2>&1 || true
+done
 
 workers=$(k get nodes -l '!node-role.kubernetes.io/control-plane' -o name | wc -l)
 if ((workers >= 2)); then

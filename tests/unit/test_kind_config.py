@@ -62,7 +62,7 @@ def test_registry_config_keeps_kinds_own_network_and_dns() -> None:
     assert doc["name"] == "gpu-dra-driver"
     assert "networking" not in doc  # kindnetd and kube-proxy's default mode
     assert "ClusterConfiguration" not in patches(doc)
-    assert [n["role"] for n in doc["nodes"]] == ["control-plane", "worker", "worker"]
+    assert [n["role"] for n in doc["nodes"]] == ["control-plane", "worker"]
     assert any("enable_cdi = true" in p for p in doc["containerdConfigPatches"])
     # The local cluster's gates, to every component.
     common = (REPO / "hack" / "lib" / "common.sh").read_text()
@@ -90,6 +90,12 @@ def test_host_facts_reach_the_kubelet_and_containerd(source: str) -> None:
     assert kubelet.get("oomScoreAdj") == (0 if lacks_sys_resource() else None)
     restricted = any("restrict_oom_score_adj = true" in p for p in doc["containerdConfigPatches"])
     assert restricted == lacks_sys_resource()
+
+
+def test_make_kind_up_asks_for_two_workers() -> None:
+    makefile = (REPO / "Makefile").read_text()
+    recipe = makefile.split("\nkind-up:\n", 1)[1].split("\n\n", 1)[0]
+    assert "KIND_WORKERS=$${KIND_WORKERS:-2} hack/kind/create-cluster.sh" in recipe
 
 
 def test_workers_and_name_from_the_environment() -> None:
