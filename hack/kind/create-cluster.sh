@@ -138,8 +138,8 @@ cleanup() {
   local rc=$?
   rm -f "$config"
   if ((rc != 0)) && $created && [[ ${KIND_RETAIN:-0} != 1 ]]; then
-    kind_progress "creation failed: deleting cluster $KIND_CLUSTER_NAME (KIND_RETAIN=1 keeps it)"
-    "$KIND" delete cluster --name "$KIND_CLUSTER_NAME" >/dev/null 2>&1 || true
+    kind_progress "creation failed: deleting cluster $KIND_CLUSTER_NAME, its volumes and network (KIND_RETAIN=1 keeps them)"
+    "$KIND_DIR/delete-cluster.sh" >&2 || true
   fi
 }
 trap cleanup EXIT
