@@ -6,7 +6,7 @@ PYTEST_ARGS ?=
 
 .PHONY: venv lock proto proto-check lint typecheck unit integration e2e test test-gpu test-reliability \
         cluster-build cluster-up cluster-down cluster-status demo bench bench-scale clean helm image \
-        kind-up kind-install kind-demo kind-down nvidia-tools kubelet-kep5322 e2e-kep5322
+        kind-up kind-install kind-demo kind-down e2e-kind nvidia-tools kubelet-kep5322 e2e-kep5322
 
 venv: $(VENV)/.installed
 
@@ -111,15 +111,22 @@ test-gpu: venv
 image:
 	hack/build-image.sh
 
-# The path for users with Docker: a kind cluster with the same gates and chart values.
+# kind: a cluster of containers (Podman here, Docker where its daemon runs) with the same
+# gates and chart values, 1 control plane + KIND_WORKERS workers (2 here; the script
+# alone: 1). Without a registry the node image and the driver image are built here
+# (hack/kind/README.md).
 kind-up:
-	hack/kind/create-cluster.sh
+	KIND_WORKERS=$${KIND_WORKERS:-2} hack/kind/create-cluster.sh
 kind-install:
 	hack/kind/build-and-load-image.sh && hack/kind/install.sh
 kind-demo:
 	hack/kind/demo.sh
 kind-down:
 	hack/kind/delete-cluster.sh
+
+# The kind tier: its own cluster (gpu-dra-e2e-kind, 2 workers), deleted at the end.
+e2e-kind: venv
+	GPU_DRA_E2E_KIND=1 $(VENV)/bin/pytest tests/e2e_kind $(PYTEST_ARGS)
 
 # The reliability suite alone (make test runs it too): fault injection against the
 # local control plane; prints its figures at the end.

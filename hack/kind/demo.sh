@@ -1,23 +1,34 @@
 #!/usr/bin/env bash
 # Runs demo workloads against the driver installed by install.sh (mock GPUs) and
 # prints what each container received:
-#   - pod gpu-pod:        one whole GPU (DeviceClass <driver>)
-#   - pod mig-pod:        one GPU partition (DeviceClass mig.<driver>)
-#   - pods shared-0/1:    one claim with a GpuConfig (TimeSlicing, Long) shared by two pods
+#   1. pod gpu-pod:        one whole GPU (DeviceClass <driver>)
+#      pod mig-pod:        one GPU partition (DeviceClass mig.<driver>)
+#      pods shared-0/1:    one claim with a GpuConfig (TimeSlicing, Long) shared by two pods
+#   2. the node-scoped ValidatingAdmissionPolicy refusing one worker's plugin a slice of
+#      the other worker (hack/kind/vap-check.sh; with two workers or more)
+#   3. the admission webhook refusing a claim with an invalid GpuConfig (dry run)
+#   4. a permanent error (demo/scenarios/permanent-error.yaml): its Event on the pod
+#   5. an Xid on the GPU of a Deployment's pod (demo/scenarios/xid-eviction.yaml): the
+#      device is tainted NoExecute, the pod evicted and replaced on a healthy GPU
+# Exits non-zero when any of these does not happen. The scenario namespaces are deleted
+# and the mock Xid cleared at the end; the pods of step 1 keep running.
 #
-#   hack/kind/demo.sh             apply, wait, print env and allocations
+#   hack/kind/demo.sh             run it
 #   hack/kind/demo.sh --cleanup   delete the demo namespace
 set -euo pipefail
 # shellcheck source=hack/kind/common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
 DEMO_NAMESPACE=${DEMO_NAMESPACE:-gpu-dra-demo}
-DEMO_IMAGE=${DEMO_IMAGE:-busybox:1.36}
-KUBECTL=(kubectl --context "$KUBE_CONTEXT")
+# Loaded into the nodes by build-and-load-image.sh; never pulled.
+DEMO_IMAGE=${DEMO_IMAGE:-localhost/gpu-dra/busybox:1.35}
+SCENARIOS=$REPO_DIR/demo/scenarios
+KUBECTL=("$KUBECTL" --context "$KUBE_CONTEXT")
+k() { "${KUBECTL[@]}" "$@"; }
 
-need kubectl
 if [[ ${1:-} == --cleanup ]]; then
-  "${KUBECTL[@]}" delete namespace "$DEMO_NAMESPACE" --ignore-not-found --wait
+  [[ $# -eq 1 ]] || kind_die "usage: $0 [--cleanup]"
+  k delete namespace "$DEMO_NAMESPACE" gpu-demo-permanent-error gpu-demo-xid --ignore-not-found --wait
   exit 0
 fi
 [[ $# -eq 0 ]] || kind_die "usage: $0 [--cleanup]"
@@ -35,6 +46,7 @@ spec:
   containers:
     - name: ctr
       image: $DEMO_IMAGE
+      imagePullPolicy: IfNotPresent
       command: ["sh", "-c", "env | grep -E '^(GPU_DEVICE|NVIDIA|DRA)' | sort; trap 'exit 0' TERM; sleep 9999 & wait"]
       resources:
         claims:
@@ -45,7 +57,7 @@ spec:
 YAML
 }
 
-kind_progress "applying the demo in namespace $DEMO_NAMESPACE"
+kind_progress "1. applying the demo in namespace $DEMO_NAMESPACE"
 {
   cat <<YAML
 apiVersion: v1
@@ -120,4 +132,5 @@ for p in gpu-pod mig-pod shared-0 shared-1; do
   "${KUBECTL[@]}" -n "$DEMO_NAMESPACE" logs "$p"
 done
 echo
-kind_progress "shared-0 and shared-1 show the same GPU with TIMESLICE_INTERVAL=Long; clean up with: $0 --cleanup"
+kind_progress "shared-0 and shared-1 show the same GPU with TIMESLICE_INTERVAL=Long"
+"$KIND_DIR/demo-scenarios.sh"

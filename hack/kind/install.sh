@@ -1,13 +1,22 @@
 #!/usr/bin/env bash
 # Installs (or upgrades) the chart into the kind cluster with the mock NVML backend:
-# deployments/helm/gpu-dra-driver/values-mock.yaml - the same values file the
-# integration tests use. Extra arguments go to helm, e.g. --set webhook.enabled=false.
+# deployments/helm/gpu-dra-driver/values-mock.yaml (the values file the integration
+# tests use) and demo/values-demo.yaml on top (the mock fleet `make demo` runs its
+# examples on: 22 GPUs per node; Xid taints with effect NoExecute), so that every
+# demo/ example runs unchanged. KIND_DEMO_VALUES=0 leaves values-demo.yaml out. Extra
+# arguments go to helm, e.g. --set webhook.enabled=false. Waits until every node's
+# plugin has published its own pool.
 set -euo pipefail
 # shellcheck source=hack/kind/common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
-need kubectl
 HELM=$(find_helm)
+DEMO_VALUES=$REPO_DIR/demo/values-demo.yaml
+values=(--values "$MOCK_VALUES")
+# values-demo.yaml turns the admission webhook off for the local cluster, which has no
+# kube-proxy; kind has one, so the API server reaches the webhook's Service: back on.
+[[ ${KIND_DEMO_VALUES:-1} == 0 ]] || values+=(--values "$DEMO_VALUES" --set webhook.enabled=true)
+kubectl() { "$KUBECTL" "$@"; }
 repo=${DRIVER_IMAGE%:*}
 tag=${DRIVER_IMAGE##*:}
 
@@ -17,24 +26,32 @@ kubectl --context "$KUBE_CONTEXT" create namespace "$DRIVER_NAMESPACE" --dry-run
 kubectl --context "$KUBE_CONTEXT" label namespace "$DRIVER_NAMESPACE" --overwrite \
   pod-security.kubernetes.io/enforce=privileged >/dev/null
 
-kind_progress "installing release $HELM_RELEASE ($CHART_DIR, values-mock.yaml, image $repo:$tag) in namespace $DRIVER_NAMESPACE"
+kind_progress "installing release $HELM_RELEASE ($CHART_DIR, $(printf '%s ' "${values[@]}" | sed 's/--values //g; s/--set //g'), image $repo:$tag) in namespace $DRIVER_NAMESPACE"
 "$HELM" upgrade --install "$HELM_RELEASE" "$CHART_DIR" \
   --kube-context "$KUBE_CONTEXT" \
   --namespace "$DRIVER_NAMESPACE" --create-namespace \
-  --values "$MOCK_VALUES" \
+  "${values[@]}" \
   --set-string image.repository="$repo" --set-string image.tag="$tag" \
   --wait --timeout 5m "$@"
 
-kind_progress "waiting for ResourceSlices of driver $DRIVER_NAME"
-for _ in $(seq 60); do
+# The plugin runs on every worker (the chart does not tolerate the control plane's taint).
+nodes=$(kubectl --context "$KUBE_CONTEXT" get nodes -l '!node-role.kubernetes.io/control-plane' \
+  -o jsonpath='{range .items[*]}{.metadata.name}{"\n"}{end}')
+[[ -n $nodes ]] || kind_die "the cluster has no worker node for the plugin (KIND_WORKERS=0?)"
+kind_progress "waiting for the ResourceSlices of driver $DRIVER_NAME: one pool per worker ($(wc -l <<<"$nodes") workers)"
+pools=
+for _ in $(seq 90); do
   # Only this driver's slices count (another DRA driver's slices would pass a bare check).
-  if kubectl --context "$KUBE_CONTEXT" get resourceslices \
-       -o jsonpath='{range .items[*]}{.spec.driver}{"\n"}{end}' 2>/dev/null | grep -qxF "$DRIVER_NAME"; then
-    kubectl --context "$KUBE_CONTEXT" get resourceslices
-    kind_progress "installed; next: hack/kind/demo.sh"
+  pools=$(kubectl --context "$KUBE_CONTEXT" get resourceslices --field-selector "spec.driver=$DRIVER_NAME" \
+    -o jsonpath='{range .items[*]}{.spec.nodeName}{"\n"}{end}' 2>/dev/null | sort -u)
+  if [[ $pools == "$(sort -u <<<"$nodes")" ]]; then
+    kubectl --context "$KUBE_CONTEXT" -n "$DRIVER_NAMESPACE" get pods -o wide
+    kind_progress "slices per node: $(kubectl --context "$KUBE_CONTEXT" get resourceslices --field-selector "spec.driver=$DRIVER_NAME" \
+      -o jsonpath='{range .items[*]}{.spec.nodeName}{"\n"}{end}' | sort | uniq -c | awk '{printf "%s=%s ", $2, $1}')"
+    kind_progress "installed; next: make kind-demo"
     exit 0
   fi
   sleep 2
 done
 kubectl --context "$KUBE_CONTEXT" -n "$DRIVER_NAMESPACE" get pods -o wide >&2
-kind_die "no ResourceSlices of $DRIVER_NAME after 120 s; see: kubectl -n $DRIVER_NAMESPACE logs -l app.kubernetes.io/component=kubeletplugin"
+kind_die "after 180 s, slices of $DRIVER_NAME for nodes: ${pools:-none} (want every worker: $(tr '\n' ' ' <<<"$nodes")); see: kubectl -n $DRIVER_NAMESPACE logs -l app.kubernetes.io/component=kubeletplugin"
