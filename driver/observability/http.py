@@ -1,5 +1,7 @@
 """The plugin's HTTP endpoint: /metrics for Prometheus, /healthz for the liveness probe,
-/status for `gpu-dra status` (JSON, once `serve_status` named its source).
+/readyz for the readiness probe (503 "starting" until `serve_readiness` named its
+source: driver.plugin.readiness), /status for `gpu-dra status` (JSON, once
+`serve_status` named its source).
 
 The port is reachable from every pod that may talk to the plugin pod, so the server is
 bounded against idle and slow clients (`driver.observability.bounded_http`): one I/O
@@ -48,6 +50,7 @@ class HttpServer(BoundedHttpServer):
     ) -> None:
         self._healthy = healthy
         self._status: Status | None = None
+        self._ready: Healthy = _starting
         limits = Limits(timeout=timeout, max_connections=max_connections, workers=workers)
         super().__init__(host, port, self._respond, limits)
 
@@ -63,6 +66,10 @@ class HttpServer(BoundedHttpServer):
         """Answer /status with `status()` as JSON from now on (404 before)."""
         self._status = status
 
+    def serve_readiness(self, ready: Healthy) -> None:
+        """Answer /readyz from `ready()` from now on (503 "starting" before)."""
+        self._ready = ready
+
     def start(self) -> HttpServer:
         super().start()
         return self
@@ -72,14 +79,18 @@ class HttpServer(BoundedHttpServer):
             return Response(HTTPStatus.METHOD_NOT_ALLOWED, b"GET only\n", allow="GET, HEAD")
         if request.path == "/metrics":
             return Response(HTTPStatus.OK, generate_latest(REGISTRY), CONTENT_TYPE_LATEST)
-        if request.path == "/healthz":
-            ok, detail = self._healthy()
+        if request.path in ("/healthz", "/readyz"):
+            ok, detail = (self._healthy if request.path == "/healthz" else self._ready)()
             status = HTTPStatus.OK if ok else HTTPStatus.SERVICE_UNAVAILABLE
             return Response(status, detail.encode(), "text/plain; charset=utf-8")
         if request.path == "/status" and self._status is not None:
             body = json.dumps(self._status(), indent=2).encode() + b"\n"
             return Response(HTTPStatus.OK, body, "application/json")
         return Response(HTTPStatus.NOT_FOUND, b"not found\n")
+
+
+def _starting() -> tuple[bool, str]:
+    return False, "not ready: starting\n"
 
 
 def serve_http(port: int, healthy: Healthy, host: str = "") -> HttpServer:

@@ -36,6 +36,7 @@ from driver.plugin.health import add_health_services
 from driver.plugin.instances import InstanceLock
 from driver.plugin.node_overrides import NodeLabelRead
 from driver.plugin.node_status import PluginStatus, export_gpus, export_journal
+from driver.plugin.readiness import Readiness
 from driver.plugin.registration import DRA_SERVICES, HEALTH_SERVICES, RegistrationServicer
 from driver.plugin.serving import BuiltServer, SocketServer, SocketWatcher, new_server
 from driver.plugin.sockets import socket_paths
@@ -296,6 +297,7 @@ class Plugin:
                 journal=journal,
             )
             http.serve_status(status.document)
+            http.serve_readiness(Readiness(registration, paths))
             http.start()
 
         def remove_common_spec() -> None:
