@@ -293,6 +293,7 @@ class Plugin:
                 registration=registration.registered,
                 publisher=publisher,
                 store=store,
+                recovery=recovery,
                 state=state,
                 journal=journal,
             )

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, Protocol
@@ -19,6 +19,8 @@ from typing import Any, Protocol
 from driver.devices.gpu_view import GpuView, MigMode
 from driver.health.clear import record_json
 from driver.health.failures import HealthDevice
+from driver.health.gpu_metrics import tainted_device_names
+from driver.health.recovery import RecoveryActions
 from driver.health.store import HealthStore
 from driver.kube.publisher import RESYNC_SECONDS, PublisherStats
 from driver.observability import metrics
@@ -87,6 +89,7 @@ class PluginStatus:
     registration: Registration
     publisher: SyncStats
     store: HealthStore
+    recovery: RecoveryActions
     state: JournalState
     journal: JournalReader
     started: float = field(default_factory=time.time)
@@ -115,7 +118,7 @@ class PluginStatus:
                 "taintEffect": self.taint_effect,
                 "storeProblem": self.store.problem,
                 "failedGPUs": sum(g["health"] != "healthy" for g in gpus),
-                "taintedDevices": self.store.tainted_device_count(self.devices),
+                "taintedDevices": len(self._tainted(self.devices.values())),
             },
             "journal": {**journal.to_json(), "prepareRefused": self.state.checkpoint_problem},
             "problems": problems,
@@ -134,10 +137,19 @@ class PluginStatus:
             "lastError": stats.errors[-1] if stats.errors else None,
         }
 
+    def _tainted(self, devices: Iterable[HealthDevice]) -> set[str]:
+        return tainted_device_names(self.store, list(devices), self.recovery)
+
     def _gpu(self, gpu: GpuView) -> dict[str, Any]:
+        """The GPU with its failures: what the health store recorded (on it or its
+        GPU instances) and a recovery action that taints it, as gpu_dra_gpu_healthy
+        and the kubelet's health stream count them."""
         records = [self.store.gpu_failure(gpu.uuid)]
         records += [f for _, f in sorted(self.store.failed_instances().get(gpu.uuid, {}).items())]
         failures = [record_json(gpu.uuid, f) for f in records if f is not None]
+        recovery = self.recovery.tainting(gpu.uuid)
+        if recovery is not None:
+            failures.append(recovery.to_json(self.driver))
         if self.store.problem is not None:
             health = "unknown"
         else:
@@ -147,7 +159,7 @@ class PluginStatus:
             **gpu.to_json(),
             "health": health,
             "failures": failures,
-            "taintedDevices": self.store.tainted_device_count(own),
+            "taintedDevices": len(self._tainted(own)),
         }
 
     def _problems(

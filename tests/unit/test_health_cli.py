@@ -4,6 +4,7 @@ channel (mock and real NVML backends)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import io
 import json
 import os
@@ -16,7 +17,7 @@ from typing import Any
 import pytest
 
 from driver.cli import build_parser
-from driver.cli.health import build_report
+from driver.cli.health import PluginRecovery, build_report
 from driver.cli.published import PublishedView, devices_of
 from driver.cli.state_dir import read_health
 from driver.devices.model import PoolDevices, build_pool
@@ -24,11 +25,13 @@ from driver.health.clear import ClearAction
 from driver.health.control import ACTIVE_NAME, ControlError, spool_dir
 from driver.health.mock_control import MockRequest, submit
 from driver.health.monitor import HealthMonitor
+from driver.health.recovery import RecoveryActions
 from driver.health.store import HealthStore
 from driver.health.xid import XidPolicy
 from driver.nvml.backend import NvmlBackend
 from driver.nvml.mock.fleet import default_fleet
 from driver.nvml.mock.nvml import MockNvml
+from driver.nvml.recovery import RecoveryReading
 
 DRIVER = "gpu.example.com"
 
@@ -328,11 +331,11 @@ def test_show_table_says_where_each_line_comes_from(plugin: Plugin, tmp_path: Pa
     assert "slices: not read" in out and "plugin: not found" in out
 
 
-def test_without_slices_devices_are_named_by_the_running_plugin(
-    plugin: Plugin, tmp_path: Path
-) -> None:
-    """The API server is out of reach: the store's lines name each GPU as the plugin
-    on this node does (its /status), not by UUID."""
+@contextlib.contextmanager
+def plugin_status_served(
+    plugin: Plugin, tmp_path: Path, recovery: RecoveryActions | None = None
+) -> Iterator[str]:
+    """The plugin's own /status over `plugin`'s GPUs and store; yields its URL."""
     from test_status_cli import FakePublisher, FakeState
 
     from driver.devices.gpu_view import gpu_views
@@ -341,8 +344,6 @@ def test_without_slices_devices_are_named_by_the_running_plugin(
     from driver.plugin.node_status import PluginStatus
     from driver.state.checkpoint import Checkpoint
 
-    plugin.store.record_xid(plugin.uuid(3), 79)
-    plugin.store.record_instance_xid(plugin.uuid(5), (3, 1), 94, gpu_instance_id=9)
     inventory = NvmlBackend(plugin.mock).discover()
     state = FakeState(Checkpoint(tmp_path))
     status = PluginStatus(
@@ -355,16 +356,27 @@ def test_without_slices_devices_are_named_by_the_running_plugin(
         registration=threading.Event(),
         publisher=FakePublisher(),
         store=plugin.store,
+        recovery=recovery or RecoveryActions(plugin.pool.devices, driver=DRIVER),
         state=state,
         journal=JournalReader(state.checkpoint),
     )
     server = HttpServer(0, lambda: (True, "ok\n"), "127.0.0.1").start()
     server.serve_status(status.document)
     try:
-        url = f"http://127.0.0.1:{server.port}"
-        code, out, _ = gpu_dra(["health", "--state-dir", str(tmp_path), "--plugin-url", url])
+        yield f"http://127.0.0.1:{server.port}"
     finally:
         server.shutdown()
+
+
+def test_without_slices_devices_are_named_by_the_running_plugin(
+    plugin: Plugin, tmp_path: Path
+) -> None:
+    """The API server is out of reach: the store's lines name each GPU as the plugin
+    on this node does (its /status), not by UUID."""
+    plugin.store.record_xid(plugin.uuid(3), 79)
+    plugin.store.record_instance_xid(plugin.uuid(5), (3, 1), 94, gpu_instance_id=9)
+    with plugin_status_served(plugin, tmp_path) as url:
+        code, out, _ = gpu_dra(["health", "--state-dir", str(tmp_path), "--plugin-url", url])
     assert code == 0
     rows = [line.split() for line in out.splitlines()[1:3]]
     assert [row[:2] for row in rows] == [["store", "gpu-3"], ["store", "gpu-5"]]
@@ -421,6 +433,63 @@ def test_show_compares_the_store_with_the_published_taints(tmp_path: Path) -> No
     assert "gpu-5: Xid 48" in notes and "no taint is published" in notes
     assert "gpu-6: a taint is published but no failure is recorded" in notes
     assert "gpu-3" not in notes
+
+
+def test_recovery_actions_are_shown_with_their_reason(plugin: Plugin, tmp_path: Path) -> None:
+    """A recovery-action taint is the running plugin's (NVML, kept in memory), not the
+    store's: `gpu-dra health` shows it from the plugin's /status with its reason, and
+    its slice taint with that reason, beside an Xid's taint of the same device."""
+    uuid5, uuid6 = plugin.uuid(5), plugin.uuid(6)
+    plugin.store.record_xid(uuid5, 48)
+    recovery = RecoveryActions(plugin.pool.devices, driver=DRIVER)
+    recovery.apply(RecoveryReading(uuid5, 1))  # gpu-reset
+    recovery.apply(RecoveryReading(uuid6, 2))  # node-reboot
+    reboot = f"{DRIVER}/recovery-action=node-reboot:NoSchedule"
+    with plugin_status_served(plugin, tmp_path, recovery) as url:
+        code, out, _ = gpu_dra(["health", "--state-dir", str(tmp_path), "--plugin-url", url])
+        assert code == 0
+        assert ["plugin", "gpu-6", reboot] in [line.split()[:3] for line in out.splitlines()]
+        assert "NVML recovery action node-reboot: the node needs a reboot" in out
+        assert "recovery: 2 NVML recovery action(s) that taint GPUs" in out
+
+        def slice_taint(key: str, value: str) -> dict[str, Any]:
+            return {"key": f"{DRIVER}/{key}", "value": value, "effect": "NoSchedule"}
+
+        slice_doc = {
+            "metadata": {"name": "node-1-gpu.example.com-0"},
+            "spec": {
+                "pool": {"generation": 1},
+                "devices": [
+                    {
+                        "name": "gpu-5",
+                        "attributes": {"uuid": {"string": uuid5}},
+                        "taints": [
+                            slice_taint("xid", "48"),
+                            slice_taint("recovery-action", "gpu-reset"),
+                        ],
+                    },
+                    {
+                        "name": "gpu-6",
+                        "attributes": {"uuid": {"string": uuid6}},
+                        "taints": [slice_taint("recovery-action", "node-reboot")],
+                    },
+                ],
+            },
+        }
+        report = build_report(
+            "node-1",
+            DRIVER,
+            tmp_path,
+            read_health(tmp_path),
+            PublishedView("test", devices=devices_of([slice_doc])),
+            recovery=PluginRecovery.read(url),
+        )
+    reasons = {(t["device"], t["value"]): t["reason"] for t in report["slices"]["taints"]}
+    assert reasons[("gpu-5", "48")].startswith("Xid 48")
+    assert reasons[("gpu-5", "gpu-reset")].startswith("NVML recovery action gpu-reset")
+    assert reasons[("gpu-6", "node-reboot")].startswith("NVML recovery action node-reboot")
+    assert [a["device"] for a in report["recovery"]["actions"]] == ["gpu-5", "gpu-6"]
+    assert report["consistent"] is True  # the action's taints are where they belong
 
 
 def test_show_fails_when_nothing_can_be_read(tmp_path: Path) -> None:

@@ -18,9 +18,11 @@ import pytest
 from driver.cli import build_parser
 from driver.devices.gpu_view import gpu_views
 from driver.devices.model import PoolOptions, build_pool
+from driver.health.recovery import RecoveryActions
 from driver.health.store import HealthStore
 from driver.kube.publisher import PublisherStats
 from driver.nvml.backend import select_backend
+from driver.nvml.recovery import RecoveryReading
 from driver.observability import metrics
 from driver.observability.http import HttpServer
 from driver.plugin.journal_summary import JournalReader
@@ -69,6 +71,7 @@ class Node:
         self.devices = {d.name: d for d in self.pool.devices}
         self.gpus = gpu_views(self.inventory, self.pool.mig_modes)
         self.store = HealthStore(root / "health.json")
+        self.recovery = RecoveryActions(self.devices, driver="gpu.example.com")
         self.registered = threading.Event()
         self.publisher = FakePublisher()
         self.state = FakeState(Checkpoint(root))
@@ -83,6 +86,7 @@ class Node:
             registration=self.registered,
             publisher=self.publisher,
             store=self.store,
+            recovery=self.recovery,
             state=self.state,
             journal=JournalReader(self.state.checkpoint),
             started=self.now - 90,
@@ -184,6 +188,36 @@ def test_every_problem_is_listed_and_fails_the_check(node: Node, served: str) ->
     )
     assert "prepare journal corrupt" in problems
     assert report["journal"]["preparedClaims"] is None
+
+
+def test_a_recovery_action_that_taints_the_gpu_is_unhealthy(node: Node, served: str) -> None:
+    """A GPU whose NVML recovery action taints its devices (NoSchedule on every one) is
+    as unhealthy in `gpu-dra status` as in gpu_dra_gpu_healthy and the health stream."""
+    node.healthy()
+    uuid = node.inventory.gpus[1].uuid
+    node.recovery.apply(RecoveryReading(uuid, 2))  # node-reboot
+    code, out = status("--plugin-url", served, "--fail-on-unhealthy")
+    assert code == 1, out
+    first = out.splitlines()[0]
+    assert first.startswith(
+        f"UNHEALTHY: gpu-1 ({uuid}) failed: NVML recovery action node-reboot: the node "
+        "needs a reboot"
+    ), first
+    family = [d for d in node.devices.values() if d.gpu_uuid == uuid]
+    assert f"1 GPU(s) failed, {len(family)} device(s) tainted" in out
+    gpu_row = next(line for line in out.splitlines() if line.startswith("gpu-1 "))
+    assert "failed: NVML recovery action node-reboot" in gpu_row
+
+    report = status_json("--plugin-url", served)[1]
+    (failure,) = report["gpus"][1]["failures"]
+    assert failure["key"] == "gpu.example.com/recovery-action"
+    assert (failure["value"], failure["effect"]) == ("node-reboot", "NoSchedule")
+    assert report["gpus"][1]["taintedDevices"] == len(family)
+
+    # An action that taints nothing (an IMEX-domain recovery) leaves the GPU healthy,
+    # as it leaves the metric and the health stream.
+    node.recovery.apply(RecoveryReading(uuid, 5))
+    assert status("--plugin-url", served, "--fail-on-unhealthy")[0] == 0
 
 
 def test_without_the_plugin_the_nodes_files_are_shown(node: Node, tmp_path: Path) -> None:
