@@ -154,6 +154,7 @@ class HealthMonitor:
                 driver=self._driver,
                 effect=taint_effect,
                 gpu_names=self._gpu_metrics.gpu_names,
+                recovery=recovery,
             )
         )
         self._wait_ms = wait_timeout_ms
@@ -169,6 +170,7 @@ class HealthMonitor:
                 publisher,
                 on_change=self._update_gauge,
                 taint_events=self._taint_events,
+                recovery=recovery,
             ).register_on(self.control)
             mock_module = getattr(backend, "mock_module", None)
             if mock_module is not None:

@@ -28,6 +28,7 @@ from driver.health.monitor import HealthMonitor
 from driver.health.recovery import RecoveryActions
 from driver.health.store import HealthStore
 from driver.health.xid import XidPolicy
+from driver.kube.events import NodeEvent
 from driver.nvml.backend import NvmlBackend
 from driver.nvml.mock.fleet import default_fleet
 from driver.nvml.mock.nvml import MockNvml
@@ -59,6 +60,20 @@ class RealNvmlStandIn:
         return getattr(self._mock, name)
 
 
+class Events:
+    def __init__(self) -> None:
+        self.posted: list[NodeEvent] = []
+
+    def post(self, event: NodeEvent) -> None:
+        self.posted.append(event)
+
+    def start(self) -> None:
+        pass
+
+    def stop(self, timeout: float = 5.0) -> None:
+        pass
+
+
 class Plugin:
     def __init__(self, state_dir: Path, *, real: bool = False, synced: bool = True) -> None:
         self.mock = MockNvml(default_fleet(), "node-1")
@@ -66,6 +81,8 @@ class Plugin:
         self.pool: PoolDevices = build_pool(backend.discover())
         self.store = HealthStore(state_dir / "health.json")
         self.publisher = FakePublisher(synced)
+        self.recovery = RecoveryActions(self.pool.devices, driver=DRIVER)
+        self.events = Events()
         self.monitor = HealthMonitor(
             backend,
             self.store,
@@ -74,6 +91,8 @@ class Plugin:
             self.pool.devices,
             data_dir=state_dir,
             node_name="node-1",
+            node_events=self.events,
+            recovery=self.recovery,
         )
 
     def uuid(self, minor: int) -> str:
@@ -136,6 +155,35 @@ def test_clear_a_gpu_with_yes(plugin: Plugin, tmp_path: Path) -> None:
     assert list(on_disk["gpus"]) == [plugin.uuid(4)]
 
 
+def test_clear_says_which_taint_stays(plugin: Plugin, tmp_path: Path) -> None:
+    """Xid 48 needs a GPU reset: clearing gpu-5 forgets the Xid, but every device of it
+    keeps NVML's gpu-reset taint until NVML reports no action. The preview, the answer
+    and the GpuTaintCleared Event say what goes and what stays."""
+    uuid = plugin.uuid(5)
+    plugin.store.record_xid(uuid, 48)
+    plugin.recovery.apply(RecoveryReading(uuid, 1))  # gpu-reset, as the driver sets it
+    devices = len(plugin.pool.devices_of_gpu(uuid))
+    plugin.monitor.start()
+    code, out, err = clear(tmp_path, "gpu-5", "--yes")
+    assert (code, err) == (0, "")
+    kept = f"{DRIVER}/recovery-action=gpu-reset:NoSchedule"
+    assert f"stay tainted afterwards: all {devices} device(s) keep {kept}" in out
+    assert "NVML recovery action gpu-reset: the GPU needs a reset" in out
+    assert "gpu-dra health clear does not remove it" in out
+    assert "without the taint" not in out
+    assert f"the API server accepted this node's ResourceSlices without {DRIVER}/xid=48" in out
+    assert f"{devices} device(s) still carry {kept}" in out
+    (event,) = [e for e in plugin.events.posted if e.reason == "GpuTaintCleared"]
+    assert f"taint removed from {devices} device(s)" in event.message
+    assert f"they keep {kept} (NVML recovery action gpu-reset" in event.message
+
+    # Nothing recorded any more: the answer names the taint that is left, and why.
+    code, out, _ = clear(tmp_path, "gpu-5", "--yes")
+    assert code == 0
+    assert "gpu-5 has no recorded failure: nothing to clear" in out
+    assert f"its devices keep {kept}" in out
+
+
 def test_clear_refuses_without_a_terminal_and_without_yes(plugin: Plugin, tmp_path: Path) -> None:
     plugin.store.record_xid(plugin.uuid(1), 79)
     plugin.monitor.start()
@@ -175,7 +223,7 @@ def test_clear_a_partition_clears_its_gpu_instance_only(plugin: Plugin, tmp_path
     plugin.monitor.start()
     code, out, err = clear(tmp_path, "gpu-0-mig-1g10gb-3", "--yes")
     assert (code, err) == (0, "")
-    assert "gpu-0-mig-1g10gb-3" in out.split("without the taint on:")[1].splitlines()[0]
+    assert "gpu-0-mig-1g10gb-3" in out.split(f"without {DRIVER}/xid=94 on:")[1].splitlines()[0]
     assert "still tainted afterwards" in out and "gpu-0-mig-1g10gb-5" in out
     assert set(plugin.store.failed_instances()[uuid]) == {(5, 1)}
     taints = plugin.store.device_taints(plugin.pool.devices)
