@@ -3,7 +3,9 @@
 # prints what each container received:
 #   - pod gpu-pod:        one whole GPU (DeviceClass <driver>)
 #   - pod mig-pod:        one GPU partition (DeviceClass mig.<driver>)
-#   - pods shared-0/1:    one claim with a GpuConfig (TimeSlicing, Long) shared by two pods
+#   - pods shared-0/1:    one claim with a GpuConfig (SpacePartitioning, 2 partitions:
+#                         advisory) shared by two pods. values-mock.yaml's GPUs are in
+#                         MIG mode, where no time-slice interval can be set (refused).
 #
 #   hack/kind/demo.sh             apply, wait, print env and allocations
 #   hack/kind/demo.sh --cleanup   delete the demo namespace
@@ -98,9 +100,9 @@ spec:
             apiVersion: gpu.resource.example.com/v1alpha1
             kind: GpuConfig
             sharing:
-              strategy: TimeSlicing
-              timeSlicingConfig:
-                interval: Long
+              strategy: SpacePartitioning
+              spacePartitioningConfig:
+                partitionCount: 2
 YAML
   pod gpu-pod "resourceClaimTemplateName: whole-gpu"
   pod mig-pod "resourceClaimTemplateName: gpu-partition"
@@ -120,4 +122,4 @@ for p in gpu-pod mig-pod shared-0 shared-1; do
   "${KUBECTL[@]}" -n "$DEMO_NAMESPACE" logs "$p"
 done
 echo
-kind_progress "shared-0 and shared-1 show the same GPU with TIMESLICE_INTERVAL=Long; clean up with: $0 --cleanup"
+kind_progress "shared-0 and shared-1 show the same GPU with PARTITION_COUNT=2; clean up with: $0 --cleanup"
