@@ -57,9 +57,14 @@ from driver.health.clear import record_json
 from driver.health.control import ControlError, check_active
 from driver.health.failures import DEFAULT_DRIVER_NAME, KIND_RANK, GpuFailure
 from driver.health.recovery import KIND_RECOVERY_ACTION
+from driver.health.unmonitored import KIND_UNMONITORED
 from driver.plugin.host_inputs import driver_name_argument
 
 HEADERS = ("SOURCE", "DEVICE", "TAINT", "SINCE", "REASON")
+UNMONITORED_REASON = (
+    "NVML does not report this GPU's health events: its failures go unseen "
+    "(informational; `gpu-dra status` says why)"
+)
 
 
 def add_common_arguments(parser: argparse.ArgumentParser) -> None:
@@ -218,6 +223,8 @@ def build_report(
         for taint in device.taints:
             if taint.get("key") == f"{driver}/{KIND_RECOVERY_ACTION}":
                 reason = action["message"] if action is not None else None
+            elif taint.get("key") == f"{driver}/{KIND_UNMONITORED}":
+                reason = UNMONITORED_REASON
             else:
                 reason = stored.message() if stored is not None else None
             taints.append(

@@ -20,6 +20,7 @@ from driver.health.monitor import HealthMonitor
 from driver.health.prepare_health import KubeDeviceHealth, NoDeviceHealth
 from driver.health.recovery import RecoveryActions, RecoveryAwareHealth, RecoveryPoller
 from driver.health.store import HealthStore
+from driver.health.unmonitored import UnmonitoredGpus
 from driver.health.xid import XidPolicy
 from driver.kube.api import KubeApi
 from driver.kube.claims import ApiClaimReader, ClaimFailureReporter
@@ -185,10 +186,11 @@ class Plugin:
         )
 
         recovery = RecoveryActions(devices, driver=o.driver_name)
+        unmonitored = UnmonitoredGpus(devices, driver=o.driver_name)
 
         def desired_slices() -> list[dict[str, object]]:
             taints = store.device_taints(devices, driver=o.driver_name, effect=o.xid_taint_effect)
-            taints = recovery.add_taints(taints)
+            taints = unmonitored.add_taints(recovery.add_taints(taints))
             return build_slice_specs(
                 pool, driver=o.driver_name, node_name=o.node_name, taints=taints
             )
@@ -215,6 +217,7 @@ class Plugin:
             driver=o.driver_name,
             taint_effect=o.xid_taint_effect,
             recovery=recovery,
+            unmonitored=unmonitored,
         )
         interval = o.recovery_action_poll_interval  # 0: off
         if interval:
@@ -294,6 +297,7 @@ class Plugin:
                 publisher=publisher,
                 store=store,
                 recovery=recovery,
+                unmonitored=unmonitored,
                 state=state,
                 journal=journal,
             )

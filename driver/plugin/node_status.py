@@ -4,7 +4,9 @@ the same sources: the node at a glance.
 The document: the plugin (version, node, driver, start), its registration with the
 kubelet, the last ResourceSlice sync, each GPU (name, NVML index, UUID, PCI bus id,
 MIG mode, health and failures), the health store, the prepare journal, and
-`problems`: each thing an operator must look at, in one line (empty: healthy).
+`problems`: each thing an operator must look at, in one line (empty: healthy);
+`notes`: what is not a problem but worth knowing (a GPU whose health events NVML does
+not report: its health is unknown, `driver.health.unmonitored`).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from driver.health.failures import HealthDevice
 from driver.health.gpu_metrics import tainted_device_names
 from driver.health.recovery import RecoveryActions
 from driver.health.store import HealthStore
+from driver.health.unmonitored import UnmonitoredGpus
 from driver.kube.publisher import RESYNC_SECONDS, PublisherStats
 from driver.observability import metrics
 from driver.plugin.journal_summary import JournalReader, JournalSummary
@@ -90,6 +93,7 @@ class PluginStatus:
     publisher: SyncStats
     store: HealthStore
     recovery: RecoveryActions
+    unmonitored: UnmonitoredGpus
     state: JournalState
     journal: JournalReader
     started: float = field(default_factory=time.time)
@@ -119,9 +123,16 @@ class PluginStatus:
                 "storeProblem": self.store.problem,
                 "failedGPUs": sum(g["health"] != "healthy" for g in gpus),
                 "taintedDevices": len(self._tainted(self.devices.values())),
+                "unmonitoredGPUs": sum(not g["monitored"] for g in gpus),
             },
             "journal": {**journal.to_json(), "prepareRefused": self.state.checkpoint_problem},
             "problems": problems,
+            "notes": [
+                f"{g['name']} ({g['uuid']}) is not monitored: {g['unmonitoredReason']}; its "
+                "failures go unseen"
+                for g in gpus
+                if not g["monitored"]
+            ],
             "healthy": not problems,
         }
 
@@ -155,11 +166,14 @@ class PluginStatus:
         else:
             health = "failed" if failures else "healthy"
         own = [d for d in self.devices.values() if d.gpu_uuid == gpu.uuid]
+        unmonitored = self.unmonitored.reasons().get(gpu.uuid)
         return {
             **gpu.to_json(),
             "health": health,
             "failures": failures,
             "taintedDevices": len(self._tainted(own)),
+            "monitored": unmonitored is None,
+            "unmonitoredReason": unmonitored,
         }
 
     def _problems(

@@ -27,6 +27,7 @@ from driver.health.mock_control import MockRequest, submit
 from driver.health.monitor import HealthMonitor
 from driver.health.recovery import RecoveryActions
 from driver.health.store import HealthStore
+from driver.health.unmonitored import UnmonitoredGpus
 from driver.health.xid import XidPolicy
 from driver.kube.events import NodeEvent
 from driver.nvml.backend import NvmlBackend
@@ -405,6 +406,7 @@ def plugin_status_served(
         publisher=FakePublisher(),
         store=plugin.store,
         recovery=recovery or RecoveryActions(plugin.pool.devices, driver=DRIVER),
+        unmonitored=UnmonitoredGpus(plugin.pool.devices, driver=DRIVER),
         state=state,
         journal=JournalReader(state.checkpoint),
     )

@@ -34,6 +34,7 @@ def test_no_metric_that_only_grows_is_a_gauge() -> None:
     gauges -= {name for name in gauges if name.endswith("_created")}
     assert gauges == {
         "gpu_dra_tainted_devices",
+        "gpu_dra_unmonitored_gpus",
         "gpu_dra_published_devices",
         "gpu_dra_checkpoint_corrupt",
         "gpu_dra_health_store_corrupt",

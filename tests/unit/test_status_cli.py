@@ -20,6 +20,7 @@ from driver.devices.gpu_view import gpu_views
 from driver.devices.model import PoolOptions, build_pool
 from driver.health.recovery import RecoveryActions
 from driver.health.store import HealthStore
+from driver.health.unmonitored import UnmonitoredGpus
 from driver.kube.publisher import PublisherStats
 from driver.nvml.backend import select_backend
 from driver.nvml.recovery import RecoveryReading
@@ -72,6 +73,7 @@ class Node:
         self.gpus = gpu_views(self.inventory, self.pool.mig_modes)
         self.store = HealthStore(root / "health.json")
         self.recovery = RecoveryActions(self.devices, driver="gpu.example.com")
+        self.unmonitored = UnmonitoredGpus(self.devices, driver="gpu.example.com")
         self.registered = threading.Event()
         self.publisher = FakePublisher()
         self.state = FakeState(Checkpoint(root))
@@ -87,6 +89,7 @@ class Node:
             publisher=self.publisher,
             store=self.store,
             recovery=self.recovery,
+            unmonitored=self.unmonitored,
             state=self.state,
             journal=JournalReader(self.state.checkpoint),
             started=self.now - 90,
@@ -218,6 +221,29 @@ def test_a_recovery_action_that_taints_the_gpu_is_unhealthy(node: Node, served: 
     # as it leaves the metric and the health stream.
     node.recovery.apply(RecoveryReading(uuid, 5))
     assert status("--plugin-url", served, "--fail-on-unhealthy")[0] == 0
+
+
+def test_an_unmonitored_gpu_is_named_but_not_unhealthy(node: Node, served: str) -> None:
+    """NVML registers no health events for gpu-2: its health is unknown, not bad. The
+    status names it (a note, with NVML's reason) and its row says so; the check
+    passes, as gpu_dra_gpu_healthy stays 1 (docs/health.md, "What unhealthy means")."""
+    node.healthy()
+    uuid = node.inventory.gpus[2].uuid
+    node.unmonitored.update({uuid: "NVML cannot register its health events: Not Supported"})
+    code, out = status("--plugin-url", served, "--fail-on-unhealthy")
+    assert code == 0, out
+    assert out.splitlines()[0].startswith("OK: ")
+    assert "1 GPU(s) NOT MONITORED" in out
+    assert (
+        f"note: gpu-2 ({uuid}) is not monitored: NVML cannot register its health events: "
+        "Not Supported; its failures go unseen" in out
+    )
+    gpu_row = next(line for line in out.splitlines() if line.startswith("gpu-2 "))
+    assert gpu_row.endswith("healthy (unmonitored)")
+    report = status_json("--plugin-url", served)[1]
+    assert report["gpus"][2]["monitored"] is False
+    assert report["health"]["unmonitoredGPUs"] == 1
+    assert [g["monitored"] for g in report["gpus"]] == [True, True, False, True]
 
 
 def test_without_the_plugin_the_nodes_files_are_shown(node: Node, tmp_path: Path) -> None:
