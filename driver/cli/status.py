@@ -171,8 +171,12 @@ def render(report: dict[str, Any]) -> str:
             f"plugin        version {plugin['version']} (pid {plugin['pid']}), node "
             f"{plugin['node']}, driver {plugin['driver']}, up {plugin['uptimeSeconds']}s"
         )
-        registered = report["registration"]["registered"]
-        lines.append(f"registration  {'registered' if registered else 'NOT registered'}")
+        registration = report["registration"]
+        if registration.get("error"):
+            shown = f"REFUSED: {registration['error']}"
+        else:
+            shown = "registered" if registration["registered"] else "NOT registered"
+        lines.append(f"registration  {shown}")
         if slices["lastSynced"] is None:
             synced = "not published yet"
         else:

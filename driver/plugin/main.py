@@ -293,7 +293,7 @@ class Plugin:
                 taint_effect=o.xid_taint_effect,
                 gpus=gpus,
                 devices=devices,
-                registration=registration.registered,
+                registration=registration,
                 publisher=publisher,
                 store=store,
                 recovery=recovery,

@@ -45,8 +45,18 @@ class JournalState(Protocol):
     def checkpoint(self) -> Checkpoint: ...
 
 
-class Registration(Protocol):
+class RegisteredFlag(Protocol):
     def is_set(self) -> bool: ...
+
+
+class Registration(Protocol):
+    """What /status needs of `driver.plugin.registration.RegistrationServicer`."""
+
+    @property
+    def registered(self) -> RegisteredFlag: ...
+
+    @property
+    def last_error(self) -> str: ...
 
 
 class SyncStats(Protocol):
@@ -101,11 +111,12 @@ class PluginStatus:
 
     def document(self) -> dict[str, Any]:
         now = self.clock()
-        registered = self.registration.is_set()
+        registered = self.registration.registered.is_set()
+        refusal = None if registered else self.registration.last_error or None
         slices = self._slices(now)
         gpus = [self._gpu(gpu) for gpu in self.gpus]
         journal = self.journal.summary()
-        problems = self._problems(registered, slices, gpus, journal)
+        problems = self._problems(registered, refusal, slices, gpus, journal)
         return {
             "plugin": {
                 "version": self.version,
@@ -115,7 +126,7 @@ class PluginStatus:
                 "startedAt": _rfc3339(self.started),
                 "uptimeSeconds": round(now - self.started),
             },
-            "registration": {"registered": registered},
+            "registration": {"registered": registered, "error": refusal},
             "slices": slices,
             "gpus": gpus,
             "health": {
@@ -179,12 +190,15 @@ class PluginStatus:
     def _problems(
         self,
         registered: bool,
+        refusal: str | None,
         slices: dict[str, Any],
         gpus: list[dict[str, Any]],
         journal: JournalSummary,
     ) -> list[str]:
         problems = []
-        if not registered:
+        if refusal is not None:
+            problems.append(f"the kubelet refused the registration: {refusal}")
+        elif not registered:
             problems.append("the kubelet has not registered the plugin (yet)")
         if slices["lastSynced"] is None:
             problems.append("ResourceSlices not published yet")

@@ -34,6 +34,7 @@ from driver.nvml.backend import NvmlBackend
 from driver.nvml.mock.fleet import default_fleet
 from driver.nvml.mock.nvml import MockNvml
 from driver.nvml.recovery import RecoveryReading
+from driver.plugin.registration import RegistrationServicer
 
 DRIVER = "gpu.example.com"
 
@@ -402,7 +403,7 @@ def plugin_status_served(
         taint_effect="NoSchedule",
         gpus=gpu_views(inventory, plugin.pool.mig_modes),
         devices={d.name: d for d in plugin.pool.devices},
-        registration=threading.Event(),
+        registration=RegistrationServicer(DRIVER, "/plugins/dra.sock", ()),
         publisher=FakePublisher(),
         store=plugin.store,
         recovery=recovery or RecoveryActions(plugin.pool.devices, driver=DRIVER),

@@ -7,7 +7,6 @@ from __future__ import annotations
 import io
 import json
 import math
-import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +27,7 @@ from driver.observability import metrics
 from driver.observability.http import HttpServer
 from driver.plugin.journal_summary import JournalReader
 from driver.plugin.node_status import PluginStatus, export_gpus, export_journal
+from driver.plugin.registration import RegistrationServicer
 from driver.state.checkpoint import (
     CHECKPOINT_FILE,
     Checkpoint,
@@ -74,7 +74,8 @@ class Node:
         self.store = HealthStore(root / "health.json")
         self.recovery = RecoveryActions(self.devices, driver="gpu.example.com")
         self.unmonitored = UnmonitoredGpus(self.devices, driver="gpu.example.com")
-        self.registered = threading.Event()
+        self.registration = RegistrationServicer("gpu.example.com", "/plugins/dra.sock", ())
+        self.registered = self.registration.registered
         self.publisher = FakePublisher()
         self.state = FakeState(Checkpoint(root))
         self.now = 1_000_000.0
@@ -85,7 +86,7 @@ class Node:
             taint_effect="NoExecute",
             gpus=self.gpus,
             devices=self.devices,
-            registration=self.registered,
+            registration=self.registration,
             publisher=self.publisher,
             store=self.store,
             recovery=self.recovery,
@@ -244,6 +245,20 @@ def test_an_unmonitored_gpu_is_named_but_not_unhealthy(node: Node, served: str) 
     assert report["gpus"][2]["monitored"] is False
     assert report["health"]["unmonitoredGPUs"] == 1
     assert [g["monitored"] for g in report["gpus"]] == [True, True, False, True]
+
+
+def test_a_refused_registration_is_the_problem_it_says(node: Node, served: str) -> None:
+    """The kubelet refused the plugin: status says so with the kubelet's words, as
+    /readyz does, not that the kubelet has not registered it yet."""
+    node.healthy()
+    node.registered.clear()
+    node.registration.last_error = "none of services supported by the plugin are supported"
+    code, out = status("--plugin-url", served, "--fail-on-unhealthy")
+    assert code == 1
+    refused = "the kubelet refused the registration: none of services supported by the plugin"
+    assert out.splitlines()[0].startswith(f"UNHEALTHY: {refused}"), out
+    assert f"registration  REFUSED: {refused.split(': ', 1)[1]}" in out
+    assert status_json("--plugin-url", served)[1]["registration"]["error"].startswith("none of")
 
 
 def test_without_the_plugin_the_nodes_files_are_shown(node: Node, tmp_path: Path) -> None:
