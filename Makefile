@@ -84,7 +84,7 @@ e2e: venv cluster-build nvidia-tools
 
 # KEP-5322 (docs/kep-5322.md): build the prototype kubelet (hack/patches/) and run the
 # e2e checks on it with DRAHandlePermanentDriverFailures on, then with it off.
-kubelet-kep5322:
+kubelet-kep5322: venv
 	hack/build-kubelet-kep5322.sh
 
 e2e-kep5322: venv cluster-build nvidia-tools kubelet-kep5322
@@ -94,7 +94,7 @@ e2e-kep5322: venv cluster-build nvidia-tools kubelet-kep5322
 
 # One command on a fresh machine: build what is missing, start the cluster with its
 # node, install the driver, run every demo/ example and the failure scenarios.
-demo:
+demo: venv
 	demo/demo.sh
 
 # Everything CI runs: static checks, generated code up to date, every test tier.

@@ -12,7 +12,7 @@ devices under the same names, which a driver could publish instead:
 - `all-counters`: every MIG dimension (memory, multiprocessors, engines) counted, as
   the driver published before it dropped those no disjoint placements can exceed;
 - `slice-counters`: one counter per memory slice, as the driver published before it
-  counted blocks of slices (`driver.devices.mig.memory_blocks`: 2 counters instead of
+  counted blocks of slices (`driver.devices.mig_counters.memory_blocks`: 2 counters instead of
   8 per H100 with `1g.10gb,3g.40gb,7g.80gb`);
 - `one-set`: every GPU's counters in one counter set;
 - `mig-first`: each GPU's MIG devices before its whole GPU (the allocator walks a

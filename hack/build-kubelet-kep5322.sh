@@ -23,7 +23,7 @@
 # module cache.)
 # A patched api.proto gets its api.pb.go regenerated with the protoc-gen-go version
 # named in the upstream file's header (from the Go module proxy) and the protoc of
-# the Python grpcio-tools in .venv (make venv); the generator is checked first by
+# the Python grpcio-tools in .venv (made first when missing: hack/lib/venv.sh); the generator is checked first by
 # regenerating the unpatched file.
 set -euo pipefail
 
@@ -33,6 +33,8 @@ REPO=$(dirname "$HACK_DIR")
 source "$HACK_DIR/lib/common.sh"
 # shellcheck source=hack/lib/build.sh
 source "$HACK_DIR/lib/build.sh"
+# shellcheck source=hack/lib/venv.sh
+source "$HACK_DIR/lib/venv.sh"
 progress() { printf '[kubelet-kep5322 %4ss] %s\n' "$(elapsed)" "$*" >&2; }
 die() {
   printf 'build-kubelet-kep5322: %s\n' "$*" >&2
@@ -40,7 +42,6 @@ die() {
 }
 
 PATCH_DIR=${GPU_DRA_KEP5322_PATCHES:-$HACK_DIR/patches}
-PYTHON=${PYTHON:-$REPO/.venv/bin/python}
 GATE=DRAHandlePermanentDriverFailures
 
 shopt -s nullglob
@@ -219,6 +220,7 @@ main() {
   fi
   command -v go >/dev/null || die "go (>= 1.26) is required to build the prototype kubelet"
   command -v patch >/dev/null || die "patch is required (apt-get install patch)"
+  PYTHON=$(project_python "$REPO") # its grpcio-tools' protoc regenerates a patched api.pb.go
   mkdir -p "$CACHE_ROOT" "$SRC_DIR"
   : >"$PREP_LOG"
   # The upstream builds share the Go build cache and the wrapper module; one at a time.

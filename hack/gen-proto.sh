@@ -6,7 +6,9 @@
 # modules import each other as driver.proto.<...> without rewriting.
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-PYTHON=${PYTHON:-$ROOT/.venv/bin/python}
+# shellcheck source=hack/lib/venv.sh
+source "$ROOT/hack/lib/venv.sh"
+PYTHON=$(project_python "$ROOT")
 OUT=$ROOT/driver/proto
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT

@@ -6,11 +6,13 @@
 #   hack/gpu-tier-bundle.sh pack DIR        wheels + tools into DIR (needs network)
 #   hack/gpu-tier-bundle.sh run DIR [ARGS]  install DIR's wheels, run pytest tests/gpu ARGS
 #
-# pack: the runtime and test packages of requirements.lock as wheels for the GPU
-# host's CPython (GPU_PYTHON_VERSION, default 3.12; pip checks every file against the
-# lock's sha256), and a tar of the tools the container test needs: nvidia-cdi-hook,
-# nvidia-ctk and gpu-dra-cdi-common (hack/build-nvidia-tools.sh) and runc with the
-# libseccomp it links (make cluster-build). About 30 MB.
+# pack: the packages the tier needs (hack/bundle_requirements.py derives them from the
+# lock, pyproject.toml and what driver/ and tests/gpu/ import; it runs in the project's
+# venv, which pack makes first) as wheels for the GPU host's CPython
+# (GPU_PYTHON_VERSION, default 3.12; pip checks every file against the lock's sha256),
+# and a tar of the tools the container test needs: nvidia-cdi-hook, nvidia-ctk and
+# gpu-dra-cdi-common (hack/build-nvidia-tools.sh) and runc with the libseccomp it links
+# (make cluster-build).
 # run: pip installs the wheels into a directory of their own (--no-index: nothing is
 # fetched), unpacks the tools into a cache laid out as the builds lay theirs out
 # (GPU_DRA_CACHE), prints what the host has (driver, GPUs and MIG modes, device nodes,
@@ -24,36 +26,18 @@ source "$REPO_DIR/hack/versions.env"
 CACHE_ROOT=${GPU_DRA_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/gpu-dra-driver}
 TOOLKIT_DIR=bin/nvidia-toolkit-$NVIDIA_CTK_VERSION
 RUNC_DIR=bin/containerd-$CONTAINERD_VERSION-runc-$RUNC_VERSION
-# What the driver and the tier import, and pytest; the lock's other packages are
-# development tools (lint, type checks, plots, code generation).
-RUNTIME_PACKAGES=(
-  annotated-types certifi charset-normalizer durationpy grpcio idna iniconfig kubernetes
-  nvidia-ml-py oauthlib packaging pluggy prometheus-client protobuf pydantic pydantic-core
-  pygments pytest pytest-timeout python-dateutil pyyaml requests requests-oauthlib
-  typing-extensions typing-inspection urllib3 websocket-client
-)
-
 die() {
   printf 'gpu-tier-bundle: %s\n' "$*" >&2
   exit 1
 }
 
-# The lock's blocks (a `name==version \` line and its `--hash` lines) of the packages
-# named, as a requirements file pip reads with --require-hashes.
-locked_requirements() {
-  awk -v names=" ${RUNTIME_PACKAGES[*]} " '
-    /^[a-z0-9]/ { split($1, nv, "=="); keep = index(names, " " nv[1] " ") > 0 }
-    /^[a-z0-9]/ || /^ *--hash/ { if (keep) print }
-  ' "$REPO_DIR/requirements.lock"
-}
-
 pack() {
   local dir=$1 python_version=${GPU_PYTHON_VERSION:-3.12} tools stage
   mkdir -p "$dir/wheels"
-  locked_requirements >"$dir/requirements.txt"
-  local found
-  found=$(grep -c '^[a-z0-9]' "$dir/requirements.txt")
-  printf 'gpu-tier-bundle: %s of %s packages are in the lock\n' "$found" "${#RUNTIME_PACKAGES[@]}"
+  make -C "$REPO_DIR" --no-print-directory venv >&2
+  "$REPO_DIR/.venv/bin/python" "$REPO_DIR/hack/bundle_requirements.py" >"$dir/requirements.txt"
+  printf 'gpu-tier-bundle: %s packages from requirements.lock (hack/bundle_requirements.py --why)\n' \
+    "$(grep -c '^[a-z0-9]' "$dir/requirements.txt")"
   python3 -m pip download --quiet --no-deps --require-hashes --only-binary=:all: \
     --implementation cp --python-version "$python_version" \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \

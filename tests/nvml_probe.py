@@ -29,6 +29,23 @@ def _type(value: Any) -> str:
     return type(value).__name__
 
 
+def _profile_row(info: Any) -> list[int]:
+    """A GPU-instance profile as the MIG table has it: id, slices, instances, memory
+    (MiB), SMs, copy engines, decoders, encoders, JPEG and OFA engines."""
+    return [
+        int(info.id),
+        int(info.sliceCount),
+        int(info.instanceCount),
+        int(info.memorySizeMB),
+        int(info.multiprocessorCount),
+        int(info.copyEngineCount),
+        int(info.decoderCount),
+        int(info.encoderCount),
+        int(info.jpegCount),
+        int(info.ofaCount),
+    ]
+
+
 def probe(nvml: Any) -> dict[str, Answer]:
     """Each call's answer on the first GPU, keyed by what it asks."""
     answers: dict[str, Answer] = {}
@@ -77,6 +94,14 @@ def probe(nvml: Any) -> dict[str, Answer]:
         show=lambda v: [v.id, v.sliceCount, v.instanceCount, v.memorySizeMB],
     )
     ask("gi_profile_info_bad", nvml.nvmlDeviceGetGpuInstanceProfileInfo, handle, NOT_A_PROFILE)
+    for slot in range(int(nvml.NVML_GPU_INSTANCE_PROFILE_COUNT)):  # the whole MIG table
+        ask(
+            f"gi_profile_{slot}",
+            nvml.nvmlDeviceGetGpuInstanceProfileInfo,
+            handle,
+            slot,
+            show=_profile_row,
+        )
     placements = ctypes.c_uint(0)
     ask(
         "gi_placements_count",

@@ -65,6 +65,7 @@ from driver.errors import DriverError
 from driver.nvml.backend import select_backend
 from driver.nvml.library import NvmlUnavailableError
 from driver.nvml.types import Inventory
+from driver.observability.logs import stderr_handler
 from driver.plugin.settings import (
     NODE_NAME,
     NODE_SETTINGS,
@@ -153,7 +154,8 @@ def owned_mig_devices(state_dir: Path, inventory: Inventory) -> Held:
 
 def run(args: argparse.Namespace) -> int:
     if not logging.getLogger().handlers:
-        logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+        handler = stderr_handler("%(levelname)s %(name)s: %(message)s")
+        logging.basicConfig(level=logging.WARNING, handlers=[handler])
     try:
         settings = read_inventory_settings(args)
     except SettingError as err:

@@ -14,7 +14,8 @@ memory only.
 
 `quarantine` moves a corrupt journal aside to `checkpoint.json.corrupt-<UTC time>`
 and `checkpoint.log.corrupt-<UTC time>` (never deletes them) so the plugin can
-prepare again, starting from an empty journal.
+prepare again from an empty journal; a run killed or failed half way is finished, as
+confirmed, by the next run or the plugin's start.
 When the corrupt file's readable entries own MIG devices the driver created, it
 refuses until `--owned-mig` says what becomes of them: `adopt` (carried into the new
 journal: their claims keep them, their unprepare destroys them), `destroy` (the
@@ -60,7 +61,9 @@ from driver.state.checkpoint import (
 from driver.state.locking import open_lock_file
 from driver.state.quarantine import (
     OwnedMig,
+    carried_fate,
     owning_mig,
+    pending_quarantine,
     quarantine_checkpoint,
     salvage_entries,
 )
@@ -87,9 +90,9 @@ MIG_FATE = {
     devices, which a new claim may then get while a pod still uses them), with
     dynamic it refuses to start until they are destroyed; none is destroyed by the
     driver;""",
-    OwnedMig.ADOPT: """adopts the MIG devices of the readable entries listed above: their
-    entries are carried into the new journal as they were; each is destroyed by
-    its claim's unprepare;""",
+    OwnedMig.ADOPT: """carries the readable entries listed above into the new journal as
+    they were, each with the fate listed (a prepared claim keeps its MIG devices until
+    its unprepare destroys them; a half-done prepare is rolled back);""",
     OwnedMig.DESTROY: """destroys the MIG devices of the readable entries listed above at its
     next start (each only if the instance under its recorded id still has the
     recorded profile and placement) and removes those claims' CDI specs: pods using
@@ -107,11 +110,7 @@ def add_parser(subcommands: Any) -> None:
     actions = parser.add_subparsers(dest="journal_action", required=True, metavar="ACTION")
     show = actions.add_parser("show", help="prepared claims, devices, MIG records, corruption")
     _common(show)
-    show.add_argument(
-        "--cdi-root",
-        default=os.environ.get("CDI_ROOT") or "/var/run/cdi",
-        help="CDI spec directory, to check each claim's spec ($CDI_ROOT; default %(default)s)",
-    )
+    _cdi_root_argument(show)
     show.add_argument(
         "-o", "--output", choices=("table", "json", "yaml"), default="table", help="output format"
     )
@@ -120,6 +119,7 @@ def add_parser(subcommands: Any) -> None:
         "quarantine", help="move a corrupt journal aside (timestamped, never deleted)"
     )
     _common(quarantine)
+    _cdi_root_argument(quarantine)
     quarantine.add_argument(
         "--owned-mig",
         choices=[m.value for m in OwnedMig],
@@ -128,6 +128,14 @@ def add_parser(subcommands: Any) -> None:
     )
     add_yes_argument(quarantine)
     quarantine.set_defaults(run=run_quarantine)
+
+
+def _cdi_root_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--cdi-root",
+        default=os.environ.get("CDI_ROOT") or "/var/run/cdi",
+        help="CDI spec directory, to check each claim's spec ($CDI_ROOT; default %(default)s)",
+    )
 
 
 def _common(parser: argparse.ArgumentParser) -> None:
@@ -345,6 +353,15 @@ def run_quarantine(
     checkpoint = Checkpoint(state_dir)
     try:
         with no_plugin_running(state_dir):
+            pending = pending_quarantine(state_dir)
+            if pending is not None:  # confirmed by the run it interrupted
+                out.write(
+                    f"a quarantine of {pending.stamp} (--owned-mig {pending.owned_mig.value})"
+                    " was interrupted: finishing it as it was confirmed\n"
+                )
+                target = quarantine_checkpoint(state_dir)
+                print(f"moved aside: {target}", file=out)
+                return 0
             if not os.path.lexists(checkpoint.path):
                 print(f"no journal at {checkpoint.path}: nothing to move aside", file=out)
                 return 0
@@ -363,8 +380,13 @@ def run_quarantine(
                 f"{checkpoint.log_path.name} to {checkpoint.log_path.name}.corrupt-<UTC "
                 f"time>, in {state_dir} (kept, never deleted).\n"
             )
+            specs = CdiSpecs(Path(args.cdi_root), args.driver_name)
             for uid, entry in sorted(owning.items()):
-                out.write(f"  claim {entry.namespace}/{entry.name} ({uid}) owns MIG devices\n")
+                out.write(
+                    f"  claim {entry.namespace}/{entry.name} ({uid}) owns MIG devices "
+                    f"({entry.state.value}): "
+                    f"{carried_fate(entry, owned_mig, specs.claim_spec_exists(uid))}\n"
+                )
             out.write(AFTER_QUARANTINE.format(mig=MIG_FATE[owned_mig]))
             confirm("Move it aside?", yes=args.yes, stdin=stdin, out=out)
             target = quarantine_checkpoint(state_dir, owned_mig=owned_mig)

@@ -66,6 +66,7 @@ from driver.config import validate_claim_document as check_document
 from driver.config.documents import CONFIG_LIST_PATHS, config_list_of
 from driver.config.errors import FieldError
 from driver.config.loader import join_path
+from driver.observability.logs import escaped
 
 DEFAULT_DRIVER_NAME = "gpu.example.com"
 DIRECTORY_SUFFIXES = (".yaml", ".yml", ".json")
@@ -352,10 +353,10 @@ def run(
                 result.problems.append(f"{filename}: {label}: items: must be a list")
             else:
                 _check_document(result, filename, doc, label, checks)
-    for line in result.notes:
-        print(line, file=out)
+    for line in result.notes:  # they quote the files' strings: escaped for the terminal
+        print(escaped(line), file=out)
     for line in result.problems:
-        print(line, file=err)
+        print(escaped(line), file=err)
     code, summary = _summary(result, args.driver_name)
     print(summary, file=out if code == 0 else err)
     return code

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import logging
 
-from driver.observability.logs import VERBOSITY_HELP, apply_verbosity
+from driver.observability.logs import VERBOSITY_HELP, apply_verbosity, stderr_handler
 from driver.plugin.flags import non_negative_int
 
 LOG_FORMAT = "%(levelname)s %(name)s: %(message)s"
@@ -43,5 +43,5 @@ def _subparsers(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser
 def configure_logging(verbosity: int) -> None:
     """Log records to stderr at the level `verbosity` asks for; stdout stays the
     command's output."""
-    logging.basicConfig(format=LOG_FORMAT)
+    logging.basicConfig(handlers=[stderr_handler(LOG_FORMAT)])
     apply_verbosity(verbosity)

@@ -22,7 +22,7 @@ from collections.abc import Set
 from dataclasses import dataclass, field
 from typing import Any
 
-from driver.devices import mig
+from driver.devices import mig, mig_counters
 from driver.devices.documents import (
     binary_quantity,
     bool_attr,
@@ -317,7 +317,7 @@ def build_pool(
             counter_sets.append(cs)
         elif gpu.mig_enabled and gpu.partition_profiles:
             devs, mode, why = _mig_gpu(gpu, attrs, options, owned_mig)
-            devs, gpu_counters = mig.counted(gpu, devs)
+            devs, gpu_counters = mig_counters.counted(gpu, devs)
             devices += devs
             counter_sets.append(gpu_counters)
             modes[gpu.uuid] = mode

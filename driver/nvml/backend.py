@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -21,13 +22,15 @@ from driver.nvml.discovery import discover_inventory
 from driver.nvml.events import HealthEventSet
 from driver.nvml.library import NvmlUnavailableError, load_library_from_driver_root
 from driver.nvml.mig import MigManager
-from driver.nvml.mock.timeslice import MockTimeSlice
 from driver.nvml.recovery import RecoveryActionReader, RecoveryReading
 from driver.nvml.timeslice import NvidiaSmiTimeSlice
 from driver.nvml.types import HealthEvent, Inventory
 
 if TYPE_CHECKING:
     from driver.nvml.mock.nvml import MockNvml
+    from driver.nvml.mock.timeslice import MockTimeSlice
+
+_MOCK_MODULE = "driver.nvml.mock.nvml"
 
 log = logging.getLogger(__name__)
 
@@ -38,13 +41,11 @@ class NvmlBackend:
     def __init__(
         self, module: Any, *, backend_name: str | None = None, kernel_root: Path = Path("/")
     ) -> None:
-        from driver.nvml.mock.nvml import MockNvml
-
         self._nvml = CountingModule(module)
         # Where the kernel's /proc of these GPUs is (device majors, MIG capabilities):
         # the host's, or the mock driver root the mock writes its own into.
         self.kernel_root = kernel_root
-        self._mock = module if isinstance(module, MockNvml) else None
+        self._mock = module if _is_mock(module) else None
         if backend_name is None:
             backend_name = "nvml" if self._mock is None else "mock"
         self.backend_name = backend_name
@@ -73,6 +74,8 @@ class NvmlBackend:
         settings kept under the mock's own driver root (`driver_root` is unused)."""
         if self._timeslice is None:
             if self._mock is not None:
+                from driver.nvml.mock.timeslice import MockTimeSlice
+
                 uuids = [gpu.uuid for gpu in self._mock.gpus]
                 self._timeslice = MockTimeSlice(
                     self._mock.mig_store.root, uuids, is_lost=self._mock.is_lost
@@ -89,7 +92,7 @@ class NvmlBackend:
 
     def discover(self) -> Inventory:
         """Walk every GPU NVML reports; GPUs that are lost are skipped with a warning."""
-        inventory = discover_inventory(self._nvml, self.backend_name)
+        inventory = discover_inventory(self._nvml, self.backend_name, self._mig)
         if self._mock is not None:
             # The mock's `example` profile publishes the reference's model, not NVML's.
             inventory = self._mock.as_published(inventory)
@@ -119,6 +122,13 @@ class NvmlBackend:
         """The next health event, or None when `timeout_ms` passes without one
         (`HealthEventSet.wait` says how NVML events map to HealthEvents)."""
         return self._events.wait(timeout_ms)
+
+
+def _is_mock(module: Any) -> bool:
+    """Whether `module` is a MockNvml, without importing the mock on the real path: a
+    MockNvml instance can only exist once its module has been imported."""
+    mock_module = sys.modules.get(_MOCK_MODULE)
+    return mock_module is not None and isinstance(module, mock_module.MockNvml)
 
 
 def check_mock_fleet(fleet_path: str | Path | None) -> None:

@@ -63,8 +63,10 @@ def format_cuda_driver_version(version: int) -> str:
     return f"{version // 1000}.{(version % 1000) // 10}"
 
 
-def discover_inventory(nvml: CountingModule, backend_name: str) -> Inventory:
-    """Walk every GPU NVML reports; GPUs that are lost are skipped with a warning."""
+def discover_inventory(nvml: CountingModule, backend_name: str, mig: MigManager) -> Inventory:
+    """Walk every GPU NVML reports; GPUs that are lost are skipped with a warning. `mig`
+    lists the MIG devices (and keeps what it learns of each GPU's profiles for the
+    prepares to come)."""
     init_nvml(nvml)
     try:
         driver_version = nvml_text(nvml.nvmlSystemGetDriverVersion())
@@ -73,7 +75,7 @@ def discover_inventory(nvml: CountingModule, backend_name: str) -> Inventory:
         for index in range(nvml.nvmlDeviceGetCount()):
             try:
                 handle = nvml.nvmlDeviceGetHandleByIndex(index)
-                gpus.append(_gpu_info(nvml, index, handle))
+                gpus.append(_gpu_info(nvml, mig, index, handle))
             except nvml.NVMLError as err:
                 if not is_nvml_error(nvml, err, "NVML_ERROR_GPU_IS_LOST"):
                     raise
@@ -88,7 +90,7 @@ def discover_inventory(nvml: CountingModule, backend_name: str) -> Inventory:
         nvml.nvmlShutdown()
 
 
-def _gpu_info(nvml: CountingModule, index: int, handle: Any) -> GpuInfo:
+def _gpu_info(nvml: CountingModule, mig: MigManager, index: int, handle: Any) -> GpuInfo:
     minor = int(nvml.nvmlDeviceGetMinorNumber(handle))
     uuid = nvml_text(nvml.nvmlDeviceGetUUID(handle))
     product_name = nvml_text(nvml.nvmlDeviceGetName(handle))
@@ -101,11 +103,7 @@ def _gpu_info(nvml: CountingModule, index: int, handle: Any) -> GpuInfo:
     mig_capable = mig_mode is not None
     mig_enabled = mig_mode is not None and int(mig_mode[0]) == nvml.NVML_DEVICE_MIG_ENABLE
     profiles = _partition_profiles(nvml, handle, uuid) if mig_capable else ()
-    instances = (
-        tuple(MigManager(nvml).instances(uuid, initialised=True))
-        if mig_enabled and profiles
-        else ()
-    )
+    instances = tuple(mig.instances(uuid, initialised=True)) if mig_enabled and profiles else ()
     return GpuInfo(
         index=index,
         minor=minor,

@@ -8,7 +8,8 @@ does (docs/mig.md):
   the compute-instance profile whose slice count equals the GPU instance's ->
   `nvmlGpuInstanceCreateComputeInstance` -> `nvmlComputeInstanceGetInfo` -> the MIG
   device's UUID. A failure after the GPU instance exists destroys it again, so a
-  failed create leaves nothing. An occupied placement is NVML's
+  failed create leaves nothing (or, if that destroy fails too, its error names the
+  instance left, `MigError.left_gi_id`). An occupied placement is NVML's
   `INSUFFICIENT_RESOURCES` (NVML has no "already exists");
 - destroy: compute instance, then GPU instance; an instance that is already gone is
   success (destroy is what unprepare and crash recovery repeat);
@@ -38,13 +39,22 @@ from typing import Any
 
 from driver.nvml.calls import is_nvml_error, nvml_text
 from driver.nvml.mig_errors import MigError, mig_error
+from driver.nvml.mig_listing import (
+    ci_profiles,
+    compute_instances,
+    describe,
+    gpu_instances,
+    is_mig_device,
+    mig_uuid_of,
+    reading_listed,
+    retried,
+    unsupported,
+)
 from driver.nvml.types import MigInstance
 
 log = logging.getLogger(__name__)
 
 __all__ = ["MigError", "MigInstance", "MigManager", "MigTarget", "RecordedInstance"]
-
-_REV1 = "NVML_COMPUTE_INSTANCE_PROFILE_1_SLICE_REV1"  # NVIDIA's driver skips it too
 
 
 @dataclass(frozen=True)
@@ -68,6 +78,7 @@ class RecordedInstance:
     profile_id: int
     placement: tuple[int, int]  # (start, size) in memory slices
     ci_id: int | None  # its compute instance, if the record has it
+    uuid: str | None = None  # its MIG device's UUID, if the record has it
 
 
 class MigManager:
@@ -175,16 +186,25 @@ class MigManager:
         instance of the GPU. Raises MigError."""
         with self._session() as nvml:
             handle = self._lookup(nvml, gpu_uuid)
+            what = f"listing the GPU instances of {gpu_uuid}"
             try:
                 limit = self._limits(nvml, handle, gpu_uuid).get(profile_id, 0)
-                ids = []
-                for gi in self._gpu_instances(nvml, handle, profile_id, limit):
-                    info = nvml.nvmlGpuInstanceGetInfo(gi)
-                    if (int(info.placement.start), int(info.placement.size)) == placement:
-                        ids.append(int(info.id))
+                return retried(
+                    what, lambda: self._ids_at(nvml, handle, profile_id, limit, placement)
+                )
             except nvml.NVMLError as err:
-                raise self._fail(err, f"listing the GPU instances of {gpu_uuid}") from err
-            return tuple(sorted(ids))
+                raise self._fail(err, what) from err
+
+    def _ids_at(
+        self, nvml: Any, handle: Any, profile_id: int, limit: int, placement: tuple[int, int]
+    ) -> tuple[int, ...]:
+        ids = []
+        for gi in gpu_instances(nvml, handle, profile_id, limit):
+            with reading_listed(nvml):
+                info = nvml.nvmlGpuInstanceGetInfo(gi)
+            if (int(info.placement.start), int(info.placement.size)) == placement:
+                ids.append(int(info.id))
+        return tuple(sorted(ids))
 
     def _limits(self, nvml: Any, handle: Any, gpu_uuid: str) -> dict[int, int]:
         """Profile id -> how many instances of it the GPU can hold, read once per GPU
@@ -198,7 +218,7 @@ class MigManager:
             try:
                 info = nvml.nvmlDeviceGetGpuInstanceProfileInfo(handle, slot)
             except nvml.NVMLError as err:
-                if self._unsupported(err):
+                if unsupported(nvml, err):
                     continue
                 raise
             limits[int(info.id)] = int(info.instanceCount)
@@ -208,91 +228,17 @@ class MigManager:
         return limits
 
     def _list(self, nvml: Any, handle: Any, gpu_uuid: str) -> list[MigInstance]:
-        found: list[MigInstance] = []
-        for profile_id, limit in self._limits(nvml, handle, gpu_uuid).items():
-            for gi in self._gpu_instances(nvml, handle, profile_id, limit):
-                found.append(self._describe(nvml, handle, gpu_uuid, gi))
-        return sorted(found, key=lambda m: (m.placement, m.gi_id))
+        limits = self._limits(nvml, handle, gpu_uuid)
 
-    def _gpu_instances(self, nvml: Any, handle: Any, profile_id: int, limit: int) -> list[Any]:
-        if limit <= 0:
-            return []
-        array = (nvml.c_nvmlGpuInstance_t * limit)()
-        count = ctypes.c_uint(limit)
-        nvml.nvmlDeviceGetGpuInstances(handle, profile_id, array, ctypes.byref(count))
-        return [array[i] for i in range(count.value)]
+        def listing() -> list[MigInstance]:
+            found = [
+                describe(nvml, handle, gpu_uuid, gi)
+                for profile_id, limit in limits.items()
+                for gi in gpu_instances(nvml, handle, profile_id, limit)
+            ]
+            return sorted(found, key=lambda m: (m.placement, m.gi_id))
 
-    def _mig_uuid(self, nvml: Any, handle: Any, gi_id: int, ci_id: int) -> str | None:
-        """The UUID of the MIG device of (GPU instance, compute instance). The compute
-        instance's info names its parent GPU, not the MIG device (nvml.h), so the
-        parent's MIG device handles are searched."""
-        for index in range(int(nvml.nvmlDeviceGetMaxMigDeviceCount(handle))):
-            try:
-                mig = nvml.nvmlDeviceGetMigDeviceHandleByIndex(handle, index)
-            except nvml.NVMLError as err:
-                if self._is(err, "NVML_ERROR_NOT_FOUND") or self._is(
-                    err, "NVML_ERROR_INVALID_ARGUMENT"
-                ):
-                    continue
-                raise
-            if (
-                int(nvml.nvmlDeviceGetGpuInstanceId(mig)) == gi_id
-                and int(nvml.nvmlDeviceGetComputeInstanceId(mig)) == ci_id
-            ):
-                return nvml_text(nvml.nvmlDeviceGetUUID(mig))
-        return None
-
-    def _describe(self, nvml: Any, handle: Any, gpu_uuid: str, gi: Any) -> MigInstance:
-        info = nvml.nvmlGpuInstanceGetInfo(gi)
-        placement = (int(info.placement.start), int(info.placement.size))
-        ci_id: int | None = None
-        uuid: str | None = None
-        for ci in self._compute_instances(nvml, gi):
-            ci_id = int(nvml.nvmlComputeInstanceGetInfo(ci).id)
-            uuid = self._mig_uuid(nvml, handle, int(info.id), ci_id)
-            break  # the driver creates one; an administrator's extra ones share the GI
-        return MigInstance(
-            gpu_uuid=gpu_uuid,
-            gi_id=int(info.id),
-            profile_id=int(info.profileId),
-            placement=placement,
-            ci_id=ci_id,
-            uuid=uuid,
-        )
-
-    def _unsupported(self, err: BaseException) -> bool:
-        return self._is(err, "NVML_ERROR_NOT_SUPPORTED") or self._is(
-            err, "NVML_ERROR_INVALID_ARGUMENT"
-        )
-
-    def _ci_profiles(self, nvml: Any, gi: Any) -> Iterator[Any]:
-        """The compute-instance profiles the GPU instance supports (shared engines)."""
-        for slot in self._ci_profile_slots(nvml):
-            try:
-                yield nvml.nvmlGpuInstanceGetComputeInstanceProfileInfo(
-                    gi, slot, nvml.NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED
-                )
-            except nvml.NVMLError as err:
-                if not self._unsupported(err):
-                    raise
-
-    def _compute_instances(self, nvml: Any, gi: Any) -> list[Any]:
-        found: list[Any] = []
-        for info in self._ci_profiles(nvml, gi):
-            limit = int(info.instanceCount)
-            if limit <= 0:
-                continue
-            array = (nvml.c_nvmlComputeInstance_t * limit)()
-            count = ctypes.c_uint(limit)
-            nvml.nvmlGpuInstanceGetComputeInstances(gi, int(info.id), array, ctypes.byref(count))
-            found.extend(array[i] for i in range(count.value))
-        return found
-
-    def _ci_profile_slots(self, nvml: Any) -> list[int]:
-        rev1 = getattr(nvml, _REV1, None)
-        return [
-            slot for slot in range(int(nvml.NVML_COMPUTE_INSTANCE_PROFILE_COUNT)) if slot != rev1
-        ]
+        return retried(f"listing the MIG devices of {gpu_uuid}", listing)
 
     # ------------------------------------------------------------ create
 
@@ -310,13 +256,17 @@ class MigManager:
                 raise self._fail(
                     err, f"creating a GPU instance ({target.describe()}) on {target.gpu_uuid}"
                 ) from err
+            gi_id: int | None = None
             try:
                 gi_id = int(nvml.nvmlGpuInstanceGetInfo(gi).id)
                 ci = nvml.nvmlGpuInstanceCreateComputeInstance(
                     gi, self._covering_ci_profile(nvml, gi, target.slice_count)
                 )
                 ci_id = int(nvml.nvmlComputeInstanceGetInfo(ci).id)
-                uuid = self._mig_uuid(nvml, handle, gi_id, ci_id)
+                uuid = retried(
+                    f"finding the MIG device of {target.describe()} on {target.gpu_uuid}",
+                    lambda: mig_uuid_of(nvml, handle, gi_id, ci_id),
+                )
                 if uuid is None:
                     raise MigError(
                         f"the MIG device of GPU instance {gi_id} / compute instance {ci_id} "
@@ -325,13 +275,20 @@ class MigManager:
                         retryable=True,
                     )
             except (nvml.NVMLError, MigError) as err:
-                self._undo(nvml, gi, target)
-                if isinstance(err, MigError):
+                failed = (
+                    err
+                    if isinstance(err, MigError)
+                    else self._fail(
+                        err,
+                        f"creating the compute instance of {target.describe()} "
+                        f"on {target.gpu_uuid}",
+                    )
+                )
+                if not self._undo(nvml, gi, target):
+                    failed.left_gi_id = gi_id
+                if failed is err:
                     raise
-                raise self._fail(
-                    err,
-                    f"creating the compute instance of {target.describe()} on {target.gpu_uuid}",
-                ) from err
+                raise failed from err
             return MigInstance(
                 gpu_uuid=target.gpu_uuid,
                 gi_id=gi_id,
@@ -342,7 +299,7 @@ class MigManager:
             )
 
     def _covering_ci_profile(self, nvml: Any, gi: Any, slice_count: int) -> int:
-        for info in self._ci_profiles(nvml, gi):
+        for info in ci_profiles(nvml, gi):
             if int(info.sliceCount) == slice_count:
                 return int(info.id)
         raise MigError(
@@ -351,22 +308,28 @@ class MigManager:
             retryable=False,
         )
 
-    def _undo(self, nvml: Any, gi: Any, target: MigTarget) -> None:
+    def _undo(self, nvml: Any, gi: Any, target: MigTarget) -> bool:
+        """Destroy the half-created GPU instance; False if it is still there (the
+        caller records its id, `MigError.left_gi_id`, and destroys it by that)."""
         try:
             self._destroy_instance(nvml, gi, None)
-        except nvml.NVMLError as err:  # recovery at start finds it by its placement
+        except nvml.NVMLError as err:
             log.error("undoing the half-created %s failed: %s", target.describe(), err)
+            return False
+        return True
 
     # ------------------------------------------------------------ destroy
 
     def destroy(self, gpu_uuid: str, gi_id: int, recorded: RecordedInstance | None = None) -> bool:
         """Destroy the GPU instance and its compute instances, by id as NVIDIA's driver
         does. With `recorded`, only if the instance with that id still has the recorded
-        profile and placement (ids are reused: an id alone may name someone else's
-        device), its compute instance looked up by the recorded id: a few calls however
-        many devices the GPU holds. False when there is nothing of the record to
-        destroy: no such instance, another one under the id, or MIG mode off. Raises
-        MigError otherwise."""
+        profile and placement and, where the record has the MIG device's UUID, that
+        device is still the one of the recorded ids (an id follows the placement: a
+        device created again there by anyone has the recorded ids and another UUID),
+        its compute instance looked up by the recorded id: a few calls however many
+        devices the GPU holds. False when there is nothing of the record to destroy: no
+        such instance, another one under the id, or MIG mode off. Raises MigError
+        otherwise."""
         with self._changing(gpu_uuid), self._session() as nvml:
             handle = self._lookup(nvml, gpu_uuid)
             what = f"GPU instance {gi_id} on {gpu_uuid}"
@@ -379,25 +342,38 @@ class MigManager:
                     return False
                 raise self._fail(err, f"looking up {what}") from err
             try:
-                if recorded is not None and not self._is_recorded(nvml, gi, what, recorded):
+                if recorded is not None and not self._is_recorded(nvml, handle, gi, what, recorded):
                     return False
                 self._destroy_instance(nvml, gi, recorded.ci_id if recorded else None)
             except nvml.NVMLError as err:
                 raise self._fail(err, f"destroying {what}") from err
             return True
 
-    def _is_recorded(self, nvml: Any, gi: Any, what: str, recorded: RecordedInstance) -> bool:
+    def _is_recorded(
+        self, nvml: Any, handle: Any, gi: Any, what: str, recorded: RecordedInstance
+    ) -> bool:
         info = nvml.nvmlGpuInstanceGetInfo(gi)
         found = (int(info.profileId), (int(info.placement.start), int(info.placement.size)))
-        if found == (recorded.profile_id, recorded.placement):
+        if found != (recorded.profile_id, recorded.placement):
+            log.warning(
+                "%s is profile %d at placement %s, not the recorded profile %d at %s: left alone",
+                what,
+                found[0],
+                found[1],
+                recorded.profile_id,
+                recorded.placement,
+            )
+            return False
+        if recorded.uuid is None or recorded.ci_id is None:
+            return True
+        if is_mig_device(nvml, handle, int(info.id), recorded.ci_id, recorded.uuid):
             return True
         log.warning(
-            "%s is profile %d at placement %s, not the recorded profile %d at %s: left alone",
+            "%s / compute instance %d is no longer the recorded MIG device %s (created again "
+            "by someone else, or its compute instance destroyed): left alone",
             what,
-            found[0],
-            found[1],
-            recorded.profile_id,
-            recorded.placement,
+            recorded.ci_id,
+            recorded.uuid,
         )
         return False
 
@@ -419,6 +395,6 @@ class MigManager:
             except nvml.NVMLError as err:
                 if not self._is(err, "NVML_ERROR_IN_USE"):
                     raise
-        for ci in self._compute_instances(nvml, gi):
+        for ci in compute_instances(nvml, gi):
             nvml.nvmlComputeInstanceDestroy(ci)
         nvml.nvmlGpuInstanceDestroy(gi)

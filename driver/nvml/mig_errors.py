@@ -10,13 +10,24 @@ class MigError(RuntimeError):
     """A MIG operation NVML refused. `code` is the NVML return code name (e.g.
     `NVML_ERROR_INSUFFICIENT_RESOURCES`); `retryable` says whether the same call can
     succeed later without a change by an administrator; `gpu_gone`: the parent GPU
-    is lost (fell off the bus) or no longer on this node, and so are its MIG devices."""
+    is lost (fell off the bus) or no longer on this node, and so are its MIG devices.
+    `left_gi_id`: a failed create made this GPU instance and could not destroy it
+    again; whoever records the attempt destroys it by that id."""
 
-    def __init__(self, message: str, *, code: str, retryable: bool, gpu_gone: bool = False) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        code: str,
+        retryable: bool,
+        gpu_gone: bool = False,
+        left_gi_id: int | None = None,
+    ) -> None:
         super().__init__(message)
         self.code = code
         self.retryable = retryable
         self.gpu_gone = gpu_gone
+        self.left_gi_id = left_gi_id
 
 
 # NVML return codes that no retry fixes without someone changing the GPU's setup.

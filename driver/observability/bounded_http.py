@@ -11,19 +11,25 @@ open a connection can reach; neither may be starved by a few cheap clients:
   the answer then has `timeout` seconds to be taken. Dribbling one byte at a time does
   not extend it (a deadline, not an idle timer).
 - At most `max_connections` are open. A connection beyond that closes, at once, the
-  oldest one still sending its request (idle ones included), so that a flood of slow
-  connections cannot lock out a client that sends its request as soon as it connects;
-  if none is sending, the new connection is closed instead.
+  oldest one still sending its request (idle ones included) or not taking its answer,
+  so that a flood of slow connections cannot lock out a client that sends its request
+  as soon as it connects; if there is none, the new connection is closed instead. At
+  most `max_per_peer` are from one address: beyond, a new one from it is closed at once
+  (it neither evicts another client's nor costs a TLS handshake).
 - A request head of at most 8 KiB; a body of at most `max_body` bytes (413 beyond; with
   0, bodies are not read). At most `max_buffered` bytes of requests not yet answered
-  are held in all (those being answered may add a body per worker): past that, the
-  connection holding the most (still sending, or waiting for a worker) is closed, so
-  a small request is the last to go.
+  and of answers not yet taken are held in all (those being answered may add a body
+  per worker): past that, the connection holding the most (still sending, waiting for
+  a worker, or not reading its answer) is closed, so a small request is the last to go.
 - `workers` threads answer requests of up to `small_request` bytes, `large_workers`
-  threads the larger ones; each picks the smallest waiting request first. So complete
-  large requests, however many, never delay a small one by more than the GIL they
-  share. The I/O thread writes the answers without blocking: a client that never
-  reads its answer holds no thread.
+  the larger ones, smallest first: large requests never delay a small one by more than
+  the GIL. At most `max_queued` (`max_queued_large`) wait: beyond, the largest is
+  answered 503 at once, so requests waiting for a worker (never evicted) cannot fill
+  the table. `probes` (health paths) are answered by the I/O thread itself, which
+  writes every answer without blocking: a client that does not read holds no thread.
+- An exception while one connection is handled closes that connection only (counted
+  in `stats.failed`); the I/O thread never pauses. Pipelined requests are answered in
+  turn, at most `_ANSWERS_PER_TURN` before the other connections' turn.
 - With `tls`, every connection is TLS: the I/O thread does the handshake without
   blocking, within the request's deadline; a plain-HTTP client is closed.
 """
@@ -31,88 +37,39 @@ open a connection can reach; neither may be starved by a few cheap clients:
 from __future__ import annotations
 
 import contextlib
-import enum
+import functools
 import logging
+import operator
 import queue
 import selectors
 import socket
 import ssl
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
+from http import HTTPStatus
 from typing import Final
 
-from driver.observability.http_messages import (
-    BadRequest,
-    Request,
-    Response,
-    body_length,
-    parse_head,
-    render,
+from driver.observability.http_connections import (
+    Connection,
+    ConnectionTable,
+    Phase,
+    TlsContext,
+    accepted,
 )
-from driver.observability.http_workers import Handler, Job, WorkerLane
+from driver.observability.http_limits import HttpStats, Limits
+from driver.observability.http_messages import BadRequest, Response, render, take_request
+from driver.observability.http_workers import Handler, Job, WorkerLane, respond
 
 log = logging.getLogger(__name__)
 
 _READ_CHUNK: Final = 65536
 _ACCEPTS_PER_WAKEUP: Final = 8  # well below max_connections: reads in between
+_ANSWERS_PER_TURN: Final = 8  # answers written to one connection before the others'
 
-TlsContext = Callable[[], ssl.SSLContext]
-
-
-@dataclass(frozen=True)
-class Limits:
-    """The bounds described in the module docstring."""
-
-    timeout: float = 5.0
-    max_connections: int = 64
-    workers: int = 2
-    max_body: int = 0
-    max_buffered: int = 16 << 20
-    small_request: int = 64 << 10
-    large_workers: int = 1
-    keep_alive: bool = False
-
-    def __post_init__(self) -> None:
-        if self.timeout <= 0 or self.max_connections < 1 or self.workers < 1:
-            raise ValueError("timeout, max_connections and workers must be positive")
-        if self.max_body < 0 or self.max_buffered < 1 or self.large_workers < 1:
-            raise ValueError("max_body must be >= 0, max_buffered and large_workers positive")
-
-
-@dataclass
-class HttpStats:
-    accepted: int = 0
-    answered: int = 0
-    timed_out: int = 0  # closed at their deadline
-    evicted: int = 0  # closed while sending, to make room (connections or bytes)
-    refused: int = 0  # new ones closed at once: the limit was reached, none sending
-    bad_requests: int = 0
-
-
-class _Phase(enum.Enum):
-    HANDSHAKE = "handshake"
-    READING = "reading"
-    WORKING = "working"
-    WRITING = "writing"
-
-
-@dataclass(eq=False)
-class _Connection:
-    sock: socket.socket
-    deadline: float
-    phase: _Phase
-    inbuf: bytearray = field(default_factory=bytearray)
-    held: int = 0  # request bytes counted against max_buffered
-    out: memoryview | None = None
-    close_after: bool = True
-    events: int = 0  # what the selector waits for; 0: not registered
-    closed: bool = False
-
-    @property
-    def sending(self) -> bool:
-        return self.phase in (_Phase.HANDSHAKE, _Phase.READING)
+Probe = Callable[[], Response]  # answered by the I/O thread itself: cheap, never blocking
+_BUSY: Final = Response(HTTPStatus.SERVICE_UNAVAILABLE, b"busy, retry later\n")
+_closed = operator.attrgetter("closed")
 
 
 class BoundedHttpServer:
@@ -127,8 +84,10 @@ class BoundedHttpServer:
         *,
         tls: TlsContext | None = None,
         name: str = "http",
+        probes: Mapping[str, Probe] | None = None,
     ) -> None:
         self.limits = limits
+        self._probes = dict(probes or {})
         self.stats = HttpStats()
         self._tls = tls
         self._name = name
@@ -142,13 +101,17 @@ class BoundedHttpServer:
         self._selector = selectors.DefaultSelector()
         self._selector.register(self._listener, selectors.EVENT_READ, "accept")
         self._selector.register(self._wake_r, selectors.EVENT_READ, "wake")
-        self._conns: dict[_Connection, None] = {}  # oldest first
-        self._held = 0
-        self._done: queue.SimpleQueue[tuple[Job[_Connection], Response]] = queue.SimpleQueue()
-        self._small = self._lane(f"{name}-worker", limits.workers, handler)
+        self._conns = ConnectionTable(
+            limits.max_connections, limits.max_per_peer, limits.max_buffered
+        )
+        self._next_turn: set[Connection] = set()  # more requests buffered than one turn takes
+        self._done: queue.SimpleQueue[tuple[Job[Connection], Response]] = queue.SimpleQueue()
+        self._small = self._lane(f"{name}-worker", limits.workers, handler, limits.max_queued)
         self._large = self._small
         if limits.max_body > limits.small_request:
-            self._large = self._lane(f"{name}-large", limits.large_workers, handler)
+            self._large = self._lane(
+                f"{name}-large", limits.large_workers, handler, limits.max_queued_large
+            )
         self._stopping = threading.Event()
         self._loop_idle = threading.Event()
         self._loop_idle.set()
@@ -160,6 +123,18 @@ class BoundedHttpServer:
     @property
     def open_connections(self) -> int:
         return len(self._conns)
+
+    @property
+    def buffered_bytes(self) -> int:
+        """Bytes counted against `max_buffered`: requests not yet answered, answers
+        not yet taken."""
+        return self._conns.held
+
+    @property
+    def waiting_requests(self) -> int:
+        """Requests waiting for a worker."""
+        large = self._large.waiting if self._large is not self._small else 0
+        return self._small.waiting + large
 
     def start(self) -> BoundedHttpServer:
         """Serves in background threads until `shutdown()`."""
@@ -182,7 +157,7 @@ class BoundedHttpServer:
         self._small.stop()
         if self._large is not self._small:
             self._large.stop()
-        for conn in list(self._conns):
+        for conn in self._conns:
             self._close(conn)
         with contextlib.suppress(KeyError, ValueError):
             self._selector.unregister(self._listener)
@@ -204,10 +179,12 @@ class BoundedHttpServer:
         self._large.start()
         self._loop_idle.clear()
 
-    def _lane(self, name: str, count: int, handler: Handler) -> WorkerLane[_Connection]:
-        return WorkerLane(name, count, handler, self._finished, lambda conn: conn.closed)
+    def _lane(
+        self, name: str, workers: int, handler: Handler, queued: int
+    ) -> WorkerLane[Connection]:
+        return WorkerLane(name, workers, handler, self._finished, _closed, queued)
 
-    def _finished(self, job: Job[_Connection], response: Response) -> None:  # in a worker
+    def _finished(self, job: Job[Connection], response: Response) -> None:  # in a worker
         self._done.put((job, response))
         self._wake()
 
@@ -222,84 +199,105 @@ class BoundedHttpServer:
             while not self._stopping.is_set():
                 try:
                     self._once()
-                except Exception:  # never let one bad connection stop the server
+                except Exception:  # not one connection's: log it and serve on, never sleep
                     log.exception("%s server loop error", self._name)
-                    time.sleep(0.1)
         finally:
             self._loop_idle.set()
 
     def _once(self) -> None:
         now = time.monotonic()
         wait = min((c.deadline for c in self._conns), default=now + 1.0) - now
-        for key, _ in self._selector.select(max(0.0, min(wait, 1.0))):
-            if key.data == "accept":
-                self._accept()
-            elif key.data == "wake":
-                with contextlib.suppress(OSError):
-                    while self._wake_r.recv(4096):
-                        pass
-            elif isinstance(key.data, _Connection):
-                self._advance(key.data)
+        postponed, self._next_turn = self._next_turn, set()
+        try:
+            for conn in postponed:  # their next request is buffered: no event will come
+                self._guarded(conn, functools.partial(self._advance, conn))
+            for key, _ in self._selector.select(
+                0.0 if self._next_turn else max(0.0, min(wait, 1.0))
+            ):
+                if key.data == "accept":
+                    self._accept()
+                elif key.data == "wake":
+                    with contextlib.suppress(OSError):
+                        while self._wake_r.recv(4096):
+                            pass
+                elif isinstance(key.data, Connection):
+                    self._guarded(key.data, functools.partial(self._advance, key.data))
+            self._deliver_answers()
+        finally:
+            self._close_expired()
+
+    def _deliver_answers(self) -> None:
         while True:
             try:
                 job, response = self._done.get_nowait()
             except queue.Empty:
-                break
-            if not job.client.closed:
-                self._release(job.client)
-                self._answer(job.client, response, head_only=job.request.method == "HEAD")
+                return
+            conn, head_only = job.client, job.request.method == "HEAD"
+            if not conn.closed:
+                self._guarded(
+                    conn, functools.partial(self._reply, conn, response, head_only=head_only)
+                )
+
+    def _close_expired(self) -> None:
         now = time.monotonic()
         for conn in [c for c in self._conns if c.deadline <= now]:
             self.stats.timed_out += 1
             self._close(conn)
 
+    def _guarded(self, conn: Connection, step: Callable[[], None]) -> None:
+        """Runs `step` of `conn`'s handling; an exception closes `conn`, and only it."""
+        try:
+            step()
+        except Exception:
+            self.stats.failed += 1
+            log.exception("%s: closing a connection whose handling failed", self._name)
+            self._close(conn)
+
     def _accept(self) -> None:
         for _ in range(_ACCEPTS_PER_WAKEUP):
             try:
-                sock, _ = self._listener.accept()
+                sock, address = self._listener.accept()
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as err:  # e.g. EMFILE: leave the rest in the backlog
                 log.warning("%s accept failed: %s", self._name, err)
                 return
             self.stats.accepted += 1
-            if len(self._conns) >= self.limits.max_connections:
-                oldest = next((c for c in self._conns if c.sending), None)
-                if oldest is None:
-                    self.stats.refused += 1
-                    sock.close()
-                    continue
+            peer = str(address[0])
+            admit, make_room = self._conns.room_for(peer)
+            if not admit:
+                self.stats.refused += 1
+                sock.close()
+                continue
+            if make_room is not None:
                 self.stats.evicted += 1
-                self._close(oldest)
-            sock.setblocking(False)
-            phase = _Phase.READING
-            if self._tls is not None:
-                try:
-                    sock = self._tls().wrap_socket(
-                        sock, server_side=True, do_handshake_on_connect=False
-                    )
-                except OSError:
-                    sock.close()
-                    continue
-                phase = _Phase.HANDSHAKE
-            conn = _Connection(sock, time.monotonic() + self.limits.timeout, phase)
-            self._conns[conn] = None
-            self._listen(conn, selectors.EVENT_READ)
-
-    def _advance(self, conn: _Connection) -> None:
-        """Takes `conn` as far as it goes without blocking."""
-        if conn.closed:
-            return
-        try:
-            if conn.phase is _Phase.HANDSHAKE:
-                assert isinstance(conn.sock, ssl.SSLSocket)
-                conn.sock.do_handshake()
-                conn.phase = _Phase.READING
+                self._close(make_room)
+            conn = accepted(sock, peer, time.monotonic() + self.limits.timeout, self._tls)
+            if conn is not None:
+                self._conns.add(conn)
                 self._listen(conn, selectors.EVENT_READ)
-            if conn.phase is _Phase.READING:
-                self._read(conn)
-            elif conn.phase is _Phase.WRITING:
-                self._write(conn)
+
+    def _advance(self, conn: Connection) -> None:
+        """Takes `conn` as far as it goes without blocking: the handshake, reading and
+        dispatching requests, writing answers; at most `_ANSWERS_PER_TURN` of them (a
+        kept-alive client pipelining probes), then the others' turn."""
+        answered = self.stats.answered
+        try:
+            while not conn.closed:
+                if conn.phase is Phase.HANDSHAKE:
+                    assert isinstance(conn.sock, ssl.SSLSocket)
+                    conn.sock.do_handshake()
+                    conn.phase = Phase.READING
+                    self._listen(conn, selectors.EVENT_READ)
+                elif conn.phase is Phase.READING:
+                    if self.stats.answered - answered >= _ANSWERS_PER_TURN:
+                        self._next_turn.add(conn)
+                        return
+                    self._read(conn)
+                elif conn.phase is Phase.WRITING:
+                    self._write(conn)
+                else:
+                    return  # WORKING: a worker has its request
         except ssl.SSLWantReadError:
             self._listen(conn, selectors.EVENT_READ)
         except ssl.SSLWantWriteError:
@@ -310,7 +308,7 @@ class BoundedHttpServer:
             log.debug("%s connection closed: %s", self._name, err)
             self._close(conn)
 
-    def _listen(self, conn: _Connection, events: int) -> None:
+    def _listen(self, conn: Connection, events: int) -> None:
         if conn.closed or conn.events == events:
             return
         if conn.events:
@@ -319,100 +317,103 @@ class BoundedHttpServer:
             self._selector.register(conn.sock, events, conn)
         conn.events = events
 
-    def _mute(self, conn: _Connection) -> None:
+    def _mute(self, conn: Connection) -> None:
         if conn.events:
             conn.events = 0
             with contextlib.suppress(KeyError, ValueError):
                 self._selector.unregister(conn.sock)
 
-    def _read(self, conn: _Connection) -> None:
-        while conn.phase is _Phase.READING and not conn.closed:
+    def _read(self, conn: Connection) -> None:
+        """Reads until a request is complete and dispatched; raises when it would block."""
+        while conn.phase is Phase.READING and not conn.closed:
+            if conn.inbuf:  # a pipelined request may be complete already
+                self._dispatch(conn)
+                if conn.phase is not Phase.READING:
+                    return
             data = conn.sock.recv(_READ_CHUNK)  # raises when it would block
             if not data:
                 self._close(conn)
                 return
             conn.inbuf += data
             self._hold(conn, len(data))
-            if not conn.closed:
-                self._dispatch(conn)
 
-    def _hold(self, conn: _Connection, size: int) -> None:
-        conn.held += size
-        self._held += size
-        while self._held > self.limits.max_buffered:
-            holding = [c for c in self._conns if c.held]
-            if not holding:
-                return
+    def _hold(self, conn: Connection, size: int) -> None:
+        while (largest := self._conns.hold(conn, size)) is not None:
             self.stats.evicted += 1
-            self._close(max(holding, key=lambda c: c.held))  # the oldest of the largest
+            self._close(largest)
+            size = 0
 
-    def _release(self, conn: _Connection) -> None:
-        self._held -= conn.held
-        conn.held = 0
-
-    def _dispatch(self, conn: _Connection) -> None:
+    def _dispatch(self, conn: Connection) -> None:
         """Hands the request in `conn.inbuf` to a worker once it is complete."""
         try:
-            head = parse_head(conn.inbuf)
+            taken = take_request(conn.inbuf, self.limits.max_body)
         except BadRequest:
             self.stats.bad_requests += 1
             self._close(conn)
             return
-        if head is None:
+        if taken is None:
             return
-        length = 0
-        if self.limits.max_body:
-            length_or_refusal = body_length(head, self.limits.max_body)
-            if isinstance(length_or_refusal, Response):
-                self._answer(conn, length_or_refusal, close=True)
-                return
-            length = length_or_refusal
-            if len(conn.inbuf) < head.size + length:
-                return  # more body to come
-        body = bytes(conn.inbuf[head.size : head.size + length])
-        del conn.inbuf[: head.size + length]
-        conn.close_after = not (self.limits.keep_alive and head.keep_alive)
-        conn.phase = _Phase.WORKING
+        if isinstance(taken, Response):
+            self._answer(conn, taken, close=True)
+            return
+        request, keep_alive = taken
+        conn.close_after = not (self.limits.keep_alive and keep_alive)
+        probe = self._probes.get(request.path) if request.method in ("GET", "HEAD") else None
+        if probe is not None:
+            self._answer(conn, respond(probe), head_only=request.method == "HEAD")
+            return
+        conn.phase = Phase.WORKING
         self._mute(conn)
-        job = Job(conn, Request(head.method, head.target, head.headers, body))
-        lane = self._small if length <= self.limits.small_request else self._large
-        lane.put(job)
+        lane = self._small if len(request.body) <= self.limits.small_request else self._large
+        left_out = lane.put(Job(conn, request))
+        if left_out is not None:
+            self.stats.busy += 1
+            busy = functools.partial(self._reply, left_out.client, _BUSY, close=True)
+            self._guarded(left_out.client, busy)
 
     def _answer(
-        self, conn: _Connection, response: Response, *, close: bool = False, head_only: bool = False
+        self, conn: Connection, response: Response, *, close: bool = False, head_only: bool = False
     ) -> None:
         conn.close_after = conn.close_after or close
         conn.out = memoryview(render(response, close=conn.close_after, head_only=head_only))
-        conn.phase = _Phase.WRITING
+        conn.phase = Phase.WRITING
         conn.deadline = time.monotonic() + self.limits.timeout
+        self._conns.release(conn)  # the request's bytes; `_write` holds the unsent answer's
         self._listen(conn, selectors.EVENT_WRITE)
+
+    def _reply(
+        self, conn: Connection, response: Response, *, close: bool = False, head_only: bool = False
+    ) -> None:
+        """Answers a request that waited for a worker, and starts writing the answer."""
+        self._answer(conn, response, close=close, head_only=head_only)
         self._advance(conn)
 
-    def _write(self, conn: _Connection) -> None:
+    def _write(self, conn: Connection) -> None:
         assert conn.out is not None
-        while conn.out:
-            sent = conn.sock.send(conn.out)  # raises when it would block
-            conn.out = conn.out[sent:]
+        try:
+            while conn.out:
+                sent = conn.sock.send(conn.out)  # raises when it would block
+                conn.out = conn.out[sent:]
+        finally:
+            # What the client has not taken yet is held like a request: a client that
+            # does not read is the one closed when the budget runs out.
+            self._hold(conn, len(conn.out) - conn.held)
         self.stats.answered += 1
         if conn.close_after:
             self._close(conn)
             return
         # Kept alive: the next request gets a fresh deadline and counts as the newest.
-        self._release(conn)
-        conn.phase = _Phase.READING
+        conn.phase = Phase.READING
         conn.deadline = time.monotonic() + self.limits.timeout
-        del self._conns[conn]
-        self._conns[conn] = None
+        self._conns.renew(conn)
         self._listen(conn, selectors.EVENT_READ)
-        if conn.inbuf:
+        if conn.inbuf:  # pipelined: `_read` dispatches it before reading more
             self._hold(conn, len(conn.inbuf))
-        self._advance(conn)  # a pipelined request may be buffered already
 
-    def _close(self, conn: _Connection) -> None:
+    def _close(self, conn: Connection) -> None:
         if conn.closed:
             return
         self._mute(conn)
         conn.closed = True
-        self._release(conn)
-        self._conns.pop(conn, None)
+        self._conns.remove(conn)
         conn.sock.close()

@@ -8,28 +8,39 @@ bounded against idle and slow clients (`driver.observability.bounded_http`): one
 thread for every connection, a deadline of `timeout` seconds (default 5) to deliver the
 request head and again to take the answer, at most `max_connections` (default 64) open
 (a new one closes the oldest still waiting for its request, so that a flood of idle
-connections cannot lock out the probe), `workers` threads (default 2) computing the
-answers (the health callback, `generate_latest`). One request per connection
-(`Connection: close`), a request head of at most 8 KiB, GET and HEAD only; request
-bodies are not read.
+connections cannot lock out the probe; at most 32 from one address), `workers` threads
+(default 2) computing /metrics (`generate_latest`) and /status, at most 16 of those
+waiting (503 beyond; while some wait, each is rendered at most once a second), and
+/readyz (it dials the plugin's sockets, up to 2 s each). /healthz is answered by the I/O
+thread itself, so busy workers never hold the liveness probe.
+One request per connection (`Connection: close`), a request head of at most 8 KiB, GET
+and HEAD only; request bodies are not read.
 """
 
 from __future__ import annotations
 
 import json
+import threading
+import time
 from collections.abc import Callable
 from http import HTTPStatus
 from typing import Any, Final
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from driver.observability.bounded_http import BoundedHttpServer, Limits
+from driver.observability.bounded_http import BoundedHttpServer
+from driver.observability.http_limits import Limits
 from driver.observability.http_messages import Request, Response
 from driver.observability.metrics import REGISTRY
 
 DEFAULT_TIMEOUT: Final = 5.0
 DEFAULT_MAX_CONNECTIONS: Final = 64
 DEFAULT_WORKERS: Final = 2
+# While other requests wait for a worker, /metrics and /status answer with their last
+# render if it is younger than this: clients requesting them in a loop cost at most a
+# render a second each. An idle server renders every request afresh (a scrape, or the
+# CLI's /status, always sees the current values).
+RENDER_MAX_AGE: Final = 1.0
 
 Healthy = Callable[[], tuple[bool, str]]
 Status = Callable[[], dict[str, Any]]
@@ -49,10 +60,11 @@ class HttpServer(BoundedHttpServer):
         workers: int = DEFAULT_WORKERS,
     ) -> None:
         self._healthy = healthy
-        self._status: Status | None = None
         self._ready: Healthy = _starting
         limits = Limits(timeout=timeout, max_connections=max_connections, workers=workers)
-        super().__init__(host, port, self._respond, limits)
+        self._metrics = CachedRender(lambda: generate_latest(REGISTRY), RENDER_MAX_AGE)
+        self._status_json: CachedRender | None = None
+        super().__init__(host, port, self._respond, limits, probes={"/healthz": self._health})
 
     @property
     def timeout(self) -> float:
@@ -64,7 +76,9 @@ class HttpServer(BoundedHttpServer):
 
     def serve_status(self, status: Status) -> None:
         """Answer /status with `status()` as JSON from now on (404 before)."""
-        self._status = status
+        self._status_json = CachedRender(
+            lambda: json.dumps(status(), indent=2).encode() + b"\n", RENDER_MAX_AGE
+        )
 
     def serve_readiness(self, ready: Healthy) -> None:
         """Answer /readyz from `ready()` from now on (503 "starting" before)."""
@@ -77,16 +91,47 @@ class HttpServer(BoundedHttpServer):
     def _respond(self, request: Request) -> Response:
         if request.method not in ("GET", "HEAD"):
             return Response(HTTPStatus.METHOD_NOT_ALLOWED, b"GET only\n", allow="GET, HEAD")
+        busy = self.waiting_requests > 0  # then an answer up to a second old will do
         if request.path == "/metrics":
-            return Response(HTTPStatus.OK, generate_latest(REGISTRY), CONTENT_TYPE_LATEST)
-        if request.path in ("/healthz", "/readyz"):
-            ok, detail = (self._healthy if request.path == "/healthz" else self._ready)()
+            return Response(HTTPStatus.OK, self._metrics(reuse=busy), CONTENT_TYPE_LATEST)
+        if request.path == "/status" and self._status_json is not None:
+            return Response(HTTPStatus.OK, self._status_json(reuse=busy), "application/json")
+        if request.path == "/readyz":  # in a worker: `ready` dials the plugin's sockets
+            ok, detail = self._ready()
             status = HTTPStatus.OK if ok else HTTPStatus.SERVICE_UNAVAILABLE
             return Response(status, detail.encode(), "text/plain; charset=utf-8")
-        if request.path == "/status" and self._status is not None:
-            body = json.dumps(self._status(), indent=2).encode() + b"\n"
-            return Response(HTTPStatus.OK, body, "application/json")
         return Response(HTTPStatus.NOT_FOUND, b"not found\n")
+
+    def _health(self) -> Response:  # in the I/O thread: `healthy` only reads flags
+        ok, detail = self._healthy()
+        status = HTTPStatus.OK if ok else HTTPStatus.SERVICE_UNAVAILABLE
+        return Response(status, detail.encode(), "text/plain; charset=utf-8")
+
+
+class CachedRender:
+    """`render()`'s bytes, rendered afresh unless the caller says the last render will
+    do (`reuse`) and it is younger than `max_age` seconds (by `clock`). One render at a
+    time: callers of a stale one wait for it."""
+
+    def __init__(
+        self,
+        render: Callable[[], bytes],
+        max_age: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._render = render
+        self._max_age = max_age
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._rendered: tuple[float, bytes] | None = None
+
+    def __call__(self, *, reuse: bool) -> bytes:
+        with self._lock:
+            now = self._clock()
+            last = self._rendered
+            if not reuse or last is None or now - last[0] >= self._max_age:
+                last = self._rendered = (now, self._render())
+            return last[1]
 
 
 def _starting() -> tuple[bool, str]:

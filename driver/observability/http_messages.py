@@ -9,6 +9,7 @@ from http import HTTPStatus
 from typing import Final
 
 MAX_REQUEST_HEAD: Final = 8192
+MAX_CONTENT_LENGTH_DIGITS: Final = 15
 BODY_METHODS: Final = frozenset({"POST", "PUT", "PATCH"})
 
 
@@ -62,15 +63,20 @@ def parse_head(buf: bytes | bytearray) -> RequestHead | None:
         return None
     if end > MAX_REQUEST_HEAD:
         raise BadRequest("request head too long")
-    lines = bytes(buf[:end]).decode("latin-1").splitlines()
-    parts = lines[0].split() if lines else []
+    # Lines end at LF only (CR LF included): `str.splitlines` would also break at
+    # latin-1 NEL and the other separators a header value may carry.
+    lines = [line.removesuffix(b"\r").decode("latin-1") for line in bytes(buf[:end]).split(b"\n")]
+    parts = lines[0].split()
     if len(parts) != 3 or not parts[2].startswith("HTTP/"):
         raise BadRequest("malformed request line")
     headers: dict[str, str] = {}
     for line in lines[1:]:
         name, colon, value = line.partition(":")
         if colon:
-            headers[name.strip().lower()] = value.strip()
+            name, value = name.strip().lower(), value.strip()
+            # A repeated header is one list (RFC 9110 5.3): two Content-Lengths are
+            # then not a number, and refused.
+            headers[name] = f"{headers[name]}, {value}" if name in headers else value
     return RequestHead(parts[0], parts[1], parts[2], headers, end + separator)
 
 
@@ -81,11 +87,34 @@ def body_length(head: RequestHead, max_body: int) -> int | Response:
         return Response(HTTPStatus.LENGTH_REQUIRED, b"Content-Length required")
     if declared is None:
         return 0
-    if not declared.isdigit():
+    # ASCII digits only: str.isdigit() also accepts the '²' that latin-1 makes of 0xB2,
+    # which int() refuses.
+    if not (declared.isascii() and declared.isdigit()):
         return Response(HTTPStatus.BAD_REQUEST, b"bad Content-Length")
-    if len(declared) > 15 or int(declared) > max_body:
+    if len(declared) > MAX_CONTENT_LENGTH_DIGITS or int(declared) > max_body:
         return Response(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, b"request body too large")
     return int(declared)
+
+
+def take_request(buf: bytearray, max_body: int) -> tuple[Request, bool] | Response | None:
+    """Removes the first complete request from `buf` and returns it with whether the
+    client keeps the connection open after it; None while it is incomplete; the answer
+    that refuses it (the connection then closes). Bodies longer than `max_body` are
+    refused; with 0, none is read. Raises `BadRequest`."""
+    head = parse_head(buf)
+    if head is None:
+        return None
+    length = 0
+    if max_body:
+        length_or_refusal = body_length(head, max_body)
+        if isinstance(length_or_refusal, Response):
+            return length_or_refusal
+        length = length_or_refusal
+        if len(buf) < head.size + length:
+            return None  # more body to come
+    body = bytes(buf[head.size : head.size + length])
+    del buf[: head.size + length]
+    return Request(head.method, head.target, head.headers, body), head.keep_alive
 
 
 def render(response: Response, *, close: bool, head_only: bool = False) -> bytes:

@@ -42,6 +42,8 @@ HTTP_CLIENT_LOGGER: Final = "urllib3"
 # Logs request headers and bodies (bearer tokens) at debug: never below WARNING.
 KUBERNETES_CLIENT_LOGGER: Final = "kubernetes"
 RETRY_LOG_INTERVAL: Final = 60.0
+# A message longer than this is cut (a forged review once made a 3 MB log line).
+MAX_LOGGED_CHARS: Final = 16384
 
 request_id: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="-")
 
@@ -81,6 +83,36 @@ class _RequestIdFilter(logging.Filter):
         return True
 
 
+def escaped(text: str, limit: int | None = None) -> str:
+    """`text` with each non-printable character (line breaks, tabs, terminal escape
+    sequences, bidirectional controls) written as its Python escape (`\\n`, `\\x1b`,
+    `\\u202e`), cut after `limit` characters: a string a tenant or a client chose can
+    then neither forge a log line nor drive the terminal it is printed on."""
+    cut = max(0, len(text) - limit) if limit is not None else 0
+    shown = text[: len(text) - cut]
+    if not shown.isprintable():
+        shown = "".join(
+            c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in shown
+        )
+    return f"{shown}... ({cut} more characters)" if cut else shown
+
+
+class EscapingFormatter(logging.Formatter):
+    """A text formatter whose messages are `escaped` and cut at `MAX_LOGGED_CHARS` (an
+    exception's traceback keeps its lines)."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        record.message = escaped(record.message, MAX_LOGGED_CHARS)
+        return super().formatMessage(record)
+
+
+def stderr_handler(fmt: str) -> logging.Handler:
+    """A stderr handler formatting with `fmt`, messages escaped."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(EscapingFormatter(fmt))
+    return handler
+
+
 class JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         entry = {
@@ -88,7 +120,7 @@ class JsonFormatter(logging.Formatter):
             + f".{int(record.msecs):03d}Z",
             "level": record.levelname.lower(),
             "logger": record.name,
-            "msg": record.getMessage(),
+            "msg": escaped(record.getMessage(), MAX_LOGGED_CHARS),
             "requestID": getattr(record, "request_id", "-"),
         }
         if record.exc_info:
@@ -103,7 +135,7 @@ def setup_logging(fmt: str, verbosity: int) -> None:
     """The daemons' logging: text or JSON lines on stderr at `verbosity`."""
     handler = logging.StreamHandler(sys.stderr)
     handler.addFilter(_RequestIdFilter())
-    handler.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter(TEXT_FORMAT))
+    handler.setFormatter(JsonFormatter() if fmt == "json" else EscapingFormatter(TEXT_FORMAT))
     logging.getLogger().handlers[:] = [handler]
     apply_verbosity(verbosity)
 

@@ -50,7 +50,7 @@ from driver.plugin.status import (
 from driver.proto.pluginregistration.v1 import api_pb2_grpc as registration_grpc
 from driver.state.cdi_hook import HOOK_NAME, cdi_hook_path, install_cdi_hook
 from driver.state.driver_edits import DriverRoot
-from driver.state.fileio import remove_durably, sweep_temp_files
+from driver.state.fileio import UnsafeFileError, remove_durably, sweep_temp_files
 from driver.state.prepare import DeviceState
 from driver.state.recovery import compact_journal
 from driver.state.verdicts import parse_permanent_errors
@@ -58,6 +58,9 @@ from driver.state.verdicts import parse_permanent_errors
 log = logging.getLogger("gpu-kubelet-plugin")
 
 SHUTDOWN_GRACE_SECONDS = 5.0
+# How long a clean stop waits for prepares and unprepares still running (a MIG create
+# takes seconds) before it compacts the journal; within the chart's 30 s grace period.
+SHUTDOWN_DRAIN_SECONDS = 15.0
 # How often the main thread wakes while it waits to stop. A signal that the kernel
 # hands to another thread (grpc's, the publisher's) runs its Python handler only once
 # the main thread runs Python again: an endless wait would never see SIGTERM.
@@ -234,7 +237,7 @@ class Plugin:
         running.callback(monitor.stop)
         # Runs after the service socket stopped (callbacks run in reverse): the journal's
         # log folded into a snapshot every release reads (docs/state.md, "The log").
-        running.callback(compact_journal, state)
+        running.callback(compact_journal, state, drain_seconds=SHUTDOWN_DRAIN_SECONDS)
 
         paths = socket_paths(o.driver_name, o.registrar_dir, o.data_dir, o.pod_uid or None)
 
@@ -362,6 +365,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         signal.signal(sig, on_signal)
     try:
         return plugin.run()
+    except UnsafeFileError as err:
+        # A symlink or FIFO where the plugin keeps a file of its own (a claim lock in
+        # the data directory): it did not make it, and never follows or removes it.
+        print(
+            f"gpu-kubelet-plugin: {err.filename} {err.strerror}; the plugin did not create "
+            "it: find out how it got there, remove it and restart the plugin",
+            file=sys.stderr,
+        )
+        return 1
     except CONFIG_ERRORS as err:
         # A configuration problem: one clear line, no traceback.
         print(f"gpu-kubelet-plugin: {err}", file=sys.stderr)

@@ -312,7 +312,7 @@ def _unmark(
     for uid, (_, _, entry) in unmarked.items():
         journal[uid] = replace(entry, unpreparing=None)
     try:
-        state.checkpoint.store(journal)
+        state.checkpoint.store(journal, rollback_reserve=False)  # nothing to roll back
     except DriverError as err:
         for uid, (ref, claim, entry) in unmarked.items():
             journal[uid] = entry
@@ -338,8 +338,10 @@ def undo(
     journal: dict[str, ClaimEntry],
     batch: Sequence[Work] = (),
 ) -> set[str]:
-    """Remove the claims' specs and MIG devices (never one that another entry or
-    another claim of the `batch` records); drop the entries of those fully undone.
+    """Remove the claims' specs and the MIG devices this process's attempt created,
+    by the ids it recorded (never one that another entry or another claim of the
+    `batch` records; never what merely sits at an intent's placement: a failed
+    create made nothing there); drop the entries of those fully undone.
     The others stay `PrepareStarted`: the retry or recover() finishes."""
     _, errors = state.cdi.remove_claim_specs([w.ref.uid for w in work])
     undone: set[str] = set()
@@ -349,7 +351,7 @@ def undo(
             if uid in errors:
                 raise transient(str(errors[uid]))
             batch_others = (devices_of(o) for o in batch if o is not w)
-            state.instances.destroy(
+            state.instances.undo_created(
                 devices_of(w), itertools.chain(other_entries(uid, journal), batch_others)
             )
             state.timeslices.restore(uid, devices_of(w), journal)

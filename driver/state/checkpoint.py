@@ -83,7 +83,7 @@ CHECKPOINT_FILE: Final = "checkpoint.json"
 LOG_COMPACT_RECORDS: Final = 256
 LOG_COMPACT_BYTES: Final = 1 << 20
 # Free space a store that adds or changes entries leaves for the record that rolls
-# them back (a 64-claim batch's is a few KiB).
+# them back (a 64-claim batch's is a few KiB); not for a store no failure rolls back.
 ROLLBACK_RESERVE: Final = 64 << 10
 _READ_ATTEMPTS: Final = 3
 
@@ -196,6 +196,7 @@ class Checkpoint:
         *,
         before_commit: str | None = None,
         sync: bool = True,
+        rollback_reserve: bool = True,
     ) -> None:
         """Make `entries` the journal: one record appended to the log (see the module
         doc). Raises a transient DriverError on I/O errors (the journal keeps its
@@ -204,11 +205,16 @@ class Checkpoint:
         it is visible (before the append, or before the snapshot's rename).
         `sync=False`: no `fdatasync` of the record, which the next store's covers (a
         process crash keeps it; a power loss may lose it whole or tear it, never an
-        earlier record: a store after an unsynced one always syncs)."""
+        earlier record: a store after an unsynced one always syncs).
+        `rollback_reserve=False`: a store that adds or changes entries without leaving
+        anything a failure rolls back (an unprepare's `unpreparing` mark, its removal)
+        needs no `ROLLBACK_RESERVE` free beyond its record."""
         view = self.inspect()
         try:
             self._view = None  # unknown until the store ends
-            self._view = self._store(view, entries, before_commit, sync=sync)
+            self._view = self._store(
+                view, entries, before_commit, sync=sync, rollback_reserve=rollback_reserve
+            )
         except OSError as err:
             raise transient(f"cannot write checkpoint {self.path}: {err}") from err
 
@@ -292,6 +298,7 @@ class Checkpoint:
         before_commit: str | None,
         *,
         sync: bool,
+        rollback_reserve: bool,
     ) -> JournalView:
         if view.schema_version != SCHEMA_WITH_LOG:
             return self._begin_log(entries, before_commit)
@@ -309,7 +316,7 @@ class Checkpoint:
             failpoint(before_commit)
         fd = open_log(self.log_path)
         try:
-            reserve = ROLLBACK_RESERVE if changed else 0
+            reserve = ROLLBACK_RESERVE if changed and rollback_reserve else 0
             append(fd, record, keep=view.log_size, sync=synced, reserve=reserve)
             status = os.fstat(fd)
         finally:

@@ -44,7 +44,9 @@ def create_devices(state: StepContext, batch: Batch) -> None:
     error for `complete_batch` (a failed create destroys what it created)."""
     for w in batch.work:
         try:
-            w.planned = tuple(state.instances.create(w.planned))
+            w.planned, failure = state.instances.create(w.planned)
+            if failure is not None:
+                raise failure
             w.spec = render_spec(w.planned, batch.context)
         except Exception as exc:
             w.error = claim_failure(exc, w.ref.uid)
@@ -148,7 +150,7 @@ def _abandon(
     for w in work:
         batch_others = (devices_of(o) for o in batch if o is not w)
         try:
-            state.instances.destroy(devices_of(w), itertools.chain(held, batch_others))
+            state.instances.undo_created(devices_of(w), itertools.chain(held, batch_others))
         except DriverError as err:  # found by its placement at the retry or the next start
             log.error("destroying the MIG devices of claim %s failed: %s", w.ref.uid, err)
         w.error = error

@@ -30,6 +30,7 @@ from driver.state.claims import (
     PrepareResult,
 )
 from driver.state.common_spec import CommonSpec
+from driver.state.draining import InFlight
 from driver.state.driver_edits import DriverRoot
 from driver.state.instances import ClaimInstances, MigOps
 from driver.state.locking import ClaimLocks, SerializeLock
@@ -106,6 +107,7 @@ class StepContext:
         self.stats = StateStats()
         self.verdicts = VerdictMemory(ttl=verdict_ttl, limit=verdict_limit, clock=clock)
         self.lock = SerializeLock(data_dir, timeout=lock_timeout)
+        self.in_flight = InFlight()  # prepare/unprepare calls, drained at a clean stop
         self.claim_locks = ClaimLocks(data_dir)  # requests in flight outside `lock`
         self._claims = claims
         self.health = health  # replaced by the plugin once discovery ran

@@ -100,7 +100,12 @@ class MigRecord:
     rollback of the intent destroys only an instance there whose id is not among them
     (and that no other entry records): the attempt's own. None (an intent written by an
     earlier release, or a record with ids): unknown, so an intent destroys nothing
-    (docs/mig.md, "Crash safety")."""
+    (docs/mig.md, "Crash safety").
+
+    `boot` (JSON `boot`, on a record without a UUID only: an intent, or a GPU instance
+    a failed create left): the node's boot id when it was journaled. What an attempt
+    of another boot made did not survive the reboot, so such a record destroys
+    nothing; None: unknown (an earlier release's, or no boot id to read)."""
 
     gpu_uuid: str
     profile_id: int
@@ -111,6 +116,7 @@ class MigRecord:
     ci_id: int | None = None
     uuid: str | None = None
     before: tuple[int, ...] | None = None
+    boot: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         doc: dict[str, Any] = {
@@ -125,6 +131,8 @@ class MigRecord:
         }
         if self.before is not None:  # absent otherwise: other records keep their bytes
             doc["before"] = sorted(self.before)
+        if self.boot is not None:
+            doc["boot"] = self.boot
         return doc
 
     @classmethod
@@ -154,6 +162,9 @@ class MigRecord:
             isinstance(before, list) and all(_is_int(v) for v in before)
         ):
             raise ValueError("mig.before must be a list of integers")
+        boot = doc.get("boot")
+        if boot is not None and not isinstance(boot, str):
+            raise ValueError("mig.boot must be a string")
         return cls(
             gpu,
             profile_id,
@@ -164,4 +175,5 @@ class MigRecord:
             ci_id,
             uuid,
             None if before is None else tuple(before),
+            boot,
         )

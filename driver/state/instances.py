@@ -1,29 +1,23 @@
 """MIG devices of prepared claims: created at prepare, destroyed at unprepare, and
 reconciled with the journal at start (docs/mig.md, "Crash safety").
 
-The journal names each owned MIG device by its parent GPU, profile and placement
-before it is created (`PrepareStarted`), with the ids of the instances already there
-(`MigRecord.before`, normally none: the create needs the placement free), and adds
-the GPU/compute-instance ids and UUID once it exists (`PrepareCompleted`). A
-placement holds at most one GPU instance, so the placement finds a half-created
-device after a crash, even a GPU instance without its compute instance: the instance
-of the intent's profile there whose id is not in `before` and that no other journal
-entry records. Anything else at the placement (an administrator's device, another
-claim's) is never destroyed, and an intent that does not record `before` (an earlier
-release's) destroys nothing. Destroying by id first checks that the instance with
-that id still has the recorded profile and placement (a few NVML calls, as NVIDIA's
-driver destroys by id): ids are reused, and an id must never destroy another claim's
-device. Static (not owned) MIG devices are never created or
-destroyed here.
+The journal names each owned MIG device by GPU, profile and placement before it is
+created (`PrepareStarted`), with the ids of the instances already there
+(`MigRecord.before`, normally none) and the boot, and adds the GI/CI ids and UUID
+once it exists (`PrepareCompleted`). A crash's leftover, even a GI without its CI, is
+found at the placement: the instance of the intent's profile whose id is not in
+`before` and that no other entry records; an intent without `before` (an earlier
+release's) or of another boot destroys nothing, and the undo of a failed prepare in
+its own process destroys only the ids it recorded. Destroying by id first checks the
+recorded profile, placement and MIG UUID (an id follows the placement: a device
+created again there by anyone has the recorded ids, not the UUID). Static (not
+owned) MIG devices are never created or destroyed here.
 
 Every failure is a transient `DriverError` naming the device and NVML's code. A
-GPU that is lost (or no longer on the node) fails the prepare of its devices,
-transiently: the health monitor sees the same loss and taints the GPU, and the
-kubelet's retry then gets the permanent device-failed verdict from the health
-check, which waits for the taint first. For teardown (unprepare, rollback) the MIG
-device of such a GPU counts as destroyed: the GPU can only come back through a GPU
-reset or a reboot, and both destroy every GPU and compute instance on it
-(docs/mig.md, "A lost GPU").
+lost GPU (or one no longer on the node) fails the prepare of its devices,
+transiently (the health check then answers device-failed once the taint is in). For
+teardown its MIG device counts as destroyed: the GPU comes back only through a GPU
+reset or a reboot, and both destroy every instance on it (docs/mig.md, "A lost GPU").
 """
 
 from __future__ import annotations
@@ -36,6 +30,7 @@ from typing import Protocol
 from driver.errors import DriverError, transient
 from driver.nvml.mig import MigError, MigTarget, RecordedInstance
 from driver.nvml.types import MigInstance
+from driver.state.boot import boot_id
 from driver.state.checkpoint import ClaimEntry, MigRecord, PreparedDevice
 from driver.state.failpoints import failpoint
 from driver.state.planning import PlannedDevice, with_mig
@@ -62,8 +57,19 @@ def _target(record: MigRecord) -> MigTarget:
 
 def _record(record: MigRecord, instance: MigInstance) -> MigRecord:
     return replace(
-        record, gi_id=instance.gi_id, ci_id=instance.ci_id, uuid=instance.uuid, before=None
+        record,
+        gi_id=instance.gi_id,
+        ci_id=instance.ci_id,
+        uuid=instance.uuid,
+        before=None,
+        boot=None,  # the UUID tells this device from any other from now on
     )
+
+
+def _of_another_boot(record: MigRecord, boot: str) -> bool:
+    """A record without a UUID (an intent, a GPU instance a failed create left)
+    journaled in another boot: nothing its attempt made survived the reboot."""
+    return record.uuid is None and record.boot is not None and boot != "" and record.boot != boot
 
 
 Held = frozenset[tuple[str, int]]  # (GPU UUID, GPU-instance id)
@@ -82,13 +88,27 @@ def held(devices: Iterable[Sequence[PreparedDevice]]) -> Held:
 
 
 def owned_instances(journal: Mapping[str, ClaimEntry], live: Iterable[MigInstance]) -> Held:
-    """The live GPU instances the journal owns: each owned record's by its ids, and
-    for an intent (`PrepareStarted`, no ids yet) the one its attempt may have created,
-    found as a rollback finds it (the intent's profile at its placement, an id not in
-    `before` and not another entry's). A rollback or unprepare destroys exactly these,
-    so none of them may be published as a static device."""
-    records = [d.mig for e in journal.values() for d in e.devices if d.mig is not None]
-    owned = {(r.gpu_uuid, r.gi_id) for r in records if r.owned and r.gi_id is not None}
+    """The live GPU instances the journal owns: each owned record's by its ids and,
+    where recorded, its MIG device's UUID (a device created again at the placement by
+    someone else has the same ids, not the UUID), and for an intent (`PrepareStarted`,
+    no ids yet) the one its attempt may have created, found as a rollback finds it
+    (the intent's profile at its placement, an id not in `before` and not another
+    entry's). A rollback or unprepare destroys exactly these, so none of them may be
+    published as a static device."""
+    live = list(live)
+    boot = boot_id()
+    records = [
+        d.mig
+        for e in journal.values()
+        for d in e.devices
+        if d.mig is not None and not _of_another_boot(d.mig, boot)
+    ]
+    recorded = {(r.gpu_uuid, r.gi_id): r.uuid for r in records if r.owned and r.gi_id is not None}
+    owned = {
+        (m.gpu_uuid, m.gi_id)
+        for m in live
+        if (m.gpu_uuid, m.gi_id) in recorded and recorded[(m.gpu_uuid, m.gi_id)] in (None, m.uuid)
+    }
     others = held([[d for e in journal.values() for d in e.devices]]) - owned
     for r in records:
         if r.owned and r.gi_id is None and r.before is not None:
@@ -180,41 +200,35 @@ class ClaimInstances:
                     seen[place] = self._need_ops(p.prepared.device_name).instance_ids_at(*place)
                 except MigError as err:
                     raise _refusal(p.prepared.device_name, err) from err
-            out.append(with_mig(p, replace(record, before=seen[place])))
+            out.append(with_mig(p, replace(record, before=seen[place], boot=boot_id() or None)))
         return tuple(out)
 
-    def create(self, planned: Sequence[PlannedDevice]) -> list[PlannedDevice]:
-        """Create the claim's owned MIG devices. On a failure the ones created for the
-        claim are destroyed again and a transient error names the device."""
-        done: list[PlannedDevice] = []
-        created: list[MigRecord] = []
-        try:
-            for p in planned:
-                record = p.prepared.mig
-                if record is None or not record.owned:
-                    done.append(p)
-                    continue
+    def create(
+        self, planned: Sequence[PlannedDevice]
+    ) -> tuple[tuple[PlannedDevice, ...], Exception | None]:
+        """Create the claim's owned MIG devices in order until one fails. Returns the
+        devices, each one created with its ids (and a GPU instance a failed create
+        left behind with its id), and the failure (None when all were created): the
+        caller's undo destroys exactly the ids recorded here (`undo_created`), never
+        what sits at an intent's placement."""
+        done = list(planned)
+        for i, p in enumerate(planned):
+            record = p.prepared.mig
+            if record is None or not record.owned:
+                continue
+            try:
                 ops = self._need_ops(p.prepared.device_name)
                 failpoint("prepare-before-mig-create")
-                try:
-                    instance = ops.create(_target(record))
-                except MigError as err:
-                    raise _refusal(p.prepared.device_name, err) from err
-                filled = _record(record, instance)
-                created.append(filled)
-                failpoint("prepare-after-mig-create")
-                done.append(with_mig(p, filled))
-        except BaseException:
-            self._destroy_records(created)
-            raise
-        return done
-
-    def _destroy_records(self, records: Sequence[MigRecord]) -> None:
-        for record in records:
-            try:
-                self._destroy(record)
-            except DriverError as err:  # found by its placement at the next start
-                log.error("destroying MIG device %s failed: %s", record.uuid, err)
+                instance = ops.create(_target(record))
+            except MigError as err:
+                if err.left_gi_id is not None:
+                    done[i] = with_mig(p, replace(record, gi_id=err.left_gi_id, before=None))
+                return tuple(done), _refusal(p.prepared.device_name, err)
+            except Exception as exc:
+                return tuple(done), exc
+            done[i] = with_mig(p, _record(record, instance))
+            failpoint("prepare-after-mig-create")
+        return tuple(done), None
 
     # -- unprepare ---------------------------------------------------------------------
 
@@ -223,14 +237,38 @@ class ClaimInstances:
         devices: Sequence[PreparedDevice],
         others: Iterable[Sequence[PreparedDevice]] = (),
     ) -> None:
-        """Destroy the owned MIG devices of a prepared (or half-prepared) claim, never
-        an instance that `others` (the other journal entries, other claims of the
-        batch) record. Raises a transient error; what is gone stays gone, a repeat
+        """Destroy the owned MIG devices of a claim as the journal records them
+        (unprepare; the rollback of an entry an earlier attempt or process left):
+        never an instance that `others` (the other journal entries, other claims of
+        the batch) record. An intent without ids is looked for at its placement (see
+        the module doc). Raises a transient error; what is gone stays gone, a repeat
         finishes."""
+        self._destroy_each(devices, others, find_intents=True)
+
+    def undo_created(
+        self,
+        devices: Sequence[PreparedDevice],
+        others: Iterable[Sequence[PreparedDevice]] = (),
+    ) -> None:
+        """Destroy what this process's attempt created for the claim, by the ids it
+        recorded (`create`): an intent still without ids made nothing (a failed
+        create destroys its own half-made instance, or reports its id), so whatever
+        sits at its placement is someone else's and stays. Raises as `destroy`."""
+        self._destroy_each(devices, others, find_intents=False)
+
+    def _destroy_each(
+        self,
+        devices: Sequence[PreparedDevice],
+        others: Iterable[Sequence[PreparedDevice]],
+        *,
+        find_intents: bool,
+    ) -> None:
         keep: Held | None = None
         for device in devices:
             record = device.mig
             if record is None or not record.owned:
+                continue
+            if record.gi_id is None and not find_intents:
                 continue
             if keep is None:
                 keep = held(others)
@@ -246,9 +284,19 @@ class ClaimInstances:
         MigError."""
         live = self._need_ops(device).instances(record.gpu_uuid)
         if record.gi_id is not None:
-            return next(
+            found = next(
                 (m for m in live if _same_place(m, record) and m.gi_id == record.gi_id), None
             )
+            if found is not None and record.uuid is not None and found.uuid != record.uuid:
+                raise transient(
+                    f"device {device}: the MIG device at its placement on {record.gpu_uuid} "
+                    f"(GPU instance {found.gi_id}, {found.uuid}) is not the claim's "
+                    f"({record.uuid}): created again by someone else (after a reboot, or "
+                    "behind the driver's back); not adopted, not destroyed. The claim's pods "
+                    "cannot use their device; an administrator removes that device, or the "
+                    "claim is unprepared"
+                )
+            return found
         there = [m for m in live if _same_place(m, record)]
         ours = [
             m
@@ -272,6 +320,15 @@ class ClaimInstances:
 
     def _destroy(self, record: MigRecord, device: str = "", keep: Held = frozenset()) -> None:
         name = device or f"MIG {record.placement} on {record.gpu_uuid}"
+        if _of_another_boot(record, boot_id()):
+            log.info(
+                "device %s: its record is of an earlier boot (%s); the reboot destroyed "
+                "whatever its attempt created, and what is at %s now is not its",
+                name,
+                record.boot,
+                record.placement,
+            )
+            return
         try:
             gi_id = record.gi_id
             if gi_id is None:  # an intent: the instance its attempt created, if any
@@ -290,7 +347,9 @@ class ClaimInstances:
                 return
             # By id, checked against the record (gone already: a repeated unprepare,
             # a reboot; another device under the id: left alone).
-            recorded = RecordedInstance(record.profile_id, record.placement, record.ci_id)
+            recorded = RecordedInstance(
+                record.profile_id, record.placement, record.ci_id, record.uuid
+            )
             self._need_ops(name).destroy(record.gpu_uuid, gi_id, recorded)
         except MigError as err:
             if not err.gpu_gone:

@@ -158,8 +158,9 @@ def append(fd: int, record: bytes, *, keep: int, sync: bool, reserve: int = 0) -
         if st.f_bavail * st.f_frsize < len(record) + reserve:
             raise OSError(
                 errno.ENOSPC,
-                f"{os.strerror(errno.ENOSPC)} (a journal record that adds claims keeps "
-                f"{reserve // 1024} KiB free to roll them back)",
+                f"{os.strerror(errno.ENOSPC)} (a journal record that prepares claims "
+                f"keeps {reserve // 1024} KiB free for the record that rolls them back "
+                "if the prepare fails; unprepares need no such room)",
             )
     torn = os.fstat(fd).st_size > keep
     if torn:

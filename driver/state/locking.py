@@ -65,14 +65,25 @@ class SerializeLock:
         self.timeout = timeout
         self.poll_interval = poll_interval
         self._thread_lock = _process_lock(self.path)
+        self._closed: str | None = None  # why no hold is granted any more
+
+    def close(self, reason: str) -> None:
+        """Grant no hold from now on: each later `hold()` (one waiting for the lock
+        too) raises a transient DriverError saying `reason`. The plugin's clean stop
+        closes it, holding it, once the journal is compacted: a call still in flight
+        then stores nothing after that."""
+        self._closed = reason
 
     @contextlib.contextmanager
     def hold(self) -> Iterator[None]:
-        """Hold both locks for the duration of the block; transient DriverError on timeout."""
+        """Hold both locks for the duration of the block; transient DriverError on
+        timeout, or once the lock is closed."""
         deadline = time.monotonic() + self.timeout
         if not self._thread_lock.acquire(timeout=max(self.timeout, 0.0)):
             raise transient(f"timed out after {self.timeout}s waiting for the in-process lock")
         try:
+            if self._closed is not None:
+                raise transient(self._closed)
             fd = self._lock_file(deadline)
             try:
                 yield

@@ -82,6 +82,10 @@ class DeviceState(StepContext):
 
     def prepare(self, claims: Sequence[ClaimRef]) -> dict[str, PrepareResult]:
         """Prepare every claim; one result per UID, never raises for a claim's failure."""
+        with self.in_flight.call():
+            return self._prepare(claims)
+
+    def _prepare(self, claims: Sequence[ClaimRef]) -> dict[str, PrepareResult]:
         results: dict[str, PrepareResult] = {}
         todo: list[tuple[ClaimRef, dict[str, Any], list[dict[str, Any]]]] = []
         to_read: list[ClaimRef] = []
@@ -153,7 +157,8 @@ class DeviceState(StepContext):
 
     def unprepare(self, claims: Sequence[ClaimRef]) -> dict[str, DriverError | None]:
         """Remove each claim's local state. Never permanent; unknown claims succeed."""
-        return teardown.unprepare(self, claims)
+        with self.in_flight.call():
+            return teardown.unprepare(self, claims)
 
     def recover(self) -> RecoveryReport:
         """Start-up reconciliation of the journal, the CDI specs and the MIG devices."""

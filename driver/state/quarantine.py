@@ -30,7 +30,7 @@ import contextlib
 import enum
 import json
 import os
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -43,9 +43,12 @@ from driver.state.checkpoint import (
     ClaimEntry,
     ClaimState,
 )
-from driver.state.fileio import fsync_dir, read_file_nofollow
+from driver.state.fileio import atomic_write, fsync_dir, read_file_nofollow
 from driver.state.journal_log import LOG_FILE
 from driver.state.locking import SerializeLock
+
+# A quarantine begun and not finished: {"stamp", "ownedMig"} (`PendingQuarantine`).
+INTENT_FILE = "quarantine-intent.json"
 
 
 class OwnedMig(enum.Enum):
@@ -68,8 +71,11 @@ def salvage_entries(path: Path) -> dict[str, ClaimEntry]:
         _salvage(entries, uid, entry)
     if isinstance(doc, dict) and doc.get("schemaVersion") == SCHEMA_VERSION:
         return entries  # a log beside it is stale
+    log = _log_of(path)
+    if path.name == CHECKPOINT_FILE and not os.path.lexists(log):
+        log = orphan_log_copy(path.parent) or log
     try:
-        lines = read_file_nofollow(_log_of(path)).splitlines()
+        lines = read_file_nofollow(log).splitlines()
     except OSError:
         return entries
     for line in lines:
@@ -102,6 +108,23 @@ def _salvage(entries: dict[str, ClaimEntry], uid: object, entry: object) -> None
         entries[str(uid)] = ClaimEntry.from_json(entry)
 
 
+def orphan_log_copy(data_dir: Path) -> Path | None:
+    """The newest `checkpoint.log.corrupt-<stamp>` without its snapshot's copy: a
+    quarantine of an earlier release (which kept no record) killed between its two
+    renames moved the live snapshot's log aside. None if there is none."""
+    try:
+        names = os.listdir(data_dir)
+    except OSError:
+        return None
+    prefix = LOG_FILE + CORRUPT_SUFFIX
+    orphans = [
+        name
+        for name in names
+        if name.startswith(prefix) and CHECKPOINT_FILE + name.removeprefix(LOG_FILE) not in names
+    ]
+    return data_dir / max(orphans) if orphans else None
+
+
 def _log_of(snapshot: Path) -> Path:
     """The log of a snapshot: `checkpoint.log<suffix>` beside `checkpoint.json<suffix>`."""
     suffix = snapshot.name.removeprefix(CHECKPOINT_FILE)
@@ -130,6 +153,56 @@ def carried_entries(entries: dict[str, ClaimEntry], owned_mig: OwnedMig) -> dict
     return {}
 
 
+def carried_fate(entry: ClaimEntry, owned_mig: OwnedMig, spec_in_place: bool) -> str:
+    """What the plugin's next start does with an entry that owns MIG devices, after a
+    quarantine with `owned_mig` (`carried_entries`); for a half-done prepare whose CDI
+    spec is in place, that the corruption may have taken its completion record."""
+    fate = _fate(entry, owned_mig)
+    if entry.state is ClaimState.PREPARE_STARTED and spec_in_place:
+        fate += (
+            "; its CDI spec is in place: the prepare may have completed (its completion "
+            "record unreadable) and a pod may be using the device"
+        )
+    return fate
+
+
+def _fate(entry: ClaimEntry, owned_mig: OwnedMig) -> str:
+    if owned_mig is OwnedMig.FOREIGN:
+        return "not carried: its MIG devices become foreign (an administrator's)"
+    if owned_mig is OwnedMig.DESTROY:
+        return (
+            "carried as a half-done prepare: its MIG devices are destroyed and its CDI spec "
+            "removed at the next start"
+        )
+    if entry.state is ClaimState.PREPARE_STARTED:
+        return (
+            "carried as it is, a half-done prepare: rolled back at the next start (the MIG "
+            "device its attempt created destroyed, its CDI spec removed)"
+        )
+    return "carried as prepared: it keeps its MIG devices; its unprepare destroys them"
+
+
+@dataclass(frozen=True)
+class PendingQuarantine:
+    """A quarantine begun and not finished (`INTENT_FILE`): the stamp of the copies and
+    the operator's choice, written durably before the first rename."""
+
+    stamp: str
+    owned_mig: OwnedMig
+
+
+def pending_quarantine(data_dir: Path | str) -> PendingQuarantine | None:
+    """The quarantine a killed or failed run left unfinished; None if none (or if its
+    record is unreadable: then nothing was renamed yet, see `quarantine_checkpoint`)."""
+    doc = _parsed(Path(data_dir) / INTENT_FILE)
+    if not isinstance(doc, dict):
+        return None
+    stamp, choice = doc.get("stamp"), doc.get("ownedMig")
+    if not isinstance(stamp, str) or choice not in {m.value for m in OwnedMig}:
+        return None
+    return PendingQuarantine(stamp, OwnedMig(choice))
+
+
 def quarantine_checkpoint(
     data_dir: Path | str,
     *,
@@ -143,11 +216,19 @@ def quarantine_checkpoint(
     there is no checkpoint.json. With `owned_mig` adopt or destroy, the new journal
     is written with the entries `carried_entries` gives; otherwise there is none.
 
+    Resumable: the stamp and the choice are recorded (`INTENT_FILE`, durable) before
+    the first rename and removed once the new journal is stored. A run that finds the
+    record finishes that quarantine, with the choice recorded there, whatever it was
+    asked; so does the plugin's start (`finish_pending_quarantine`).
+
     Refuses (ValueError) to move a checkpoint that is valid unless `force` is set.
     Takes the serialize lock, so it is safe while a plugin is running.
     """
     cp = Checkpoint(data_dir)
     with SerializeLock(cp.data_dir).hold():
+        pending = pending_quarantine(cp.data_dir)
+        if pending is not None:
+            return _finish(cp, pending)
         if not os.path.lexists(cp.path):  # a symlink, even a dangling one, is moved aside
             return None
         if not force:
@@ -158,14 +239,43 @@ def quarantine_checkpoint(
             else:
                 raise ValueError(f"checkpoint {cp.path} is valid; not moving it (use force)")
         stamp = (now or datetime.now(UTC)).strftime("%Y%m%dT%H%M%S.%fZ")
-        target = cp.path.with_name(f"{CHECKPOINT_FILE}{CORRUPT_SUFFIX}{stamp}")
-        # The log first: a crash in between leaves the snapshot without its log (still
-        # corrupt: run it again), never the corrupt log where a next store empties it.
-        with contextlib.suppress(FileNotFoundError):
-            os.rename(cp.log_path, _log_of(target))
-        os.rename(cp.path, target)
-        fsync_dir(cp.data_dir)
-        carried = carried_entries(salvage_entries(target), owned_mig)
-        if carried:
-            cp.store(carried)
-        return target
+        pending = PendingQuarantine(stamp, owned_mig)
+        doc = {"stamp": stamp, "ownedMig": owned_mig.value}
+        atomic_write(cp.data_dir / INTENT_FILE, json.dumps(doc).encode())
+        return _finish(cp, pending)
+
+
+def finish_pending_quarantine(checkpoint: Checkpoint) -> Path | None:
+    """At the plugin's start, under the node lock: finish a quarantine a killed or
+    failed run left (the copies named by its stamp, the carried entries stored);
+    returns the snapshot's copy, or None when there was none to finish."""
+    pending = pending_quarantine(checkpoint.data_dir)
+    return None if pending is None else _finish(checkpoint, pending)
+
+
+def _finish(cp: Checkpoint, pending: PendingQuarantine) -> Path:
+    """Move what is still in place aside under the pending stamp (a copy already there
+    means that file was moved, and what sits at the journal's path now is the new
+    journal), store the carried entries the new journal lacks, drop the record.
+    Every step can be repeated."""
+    target = cp.path.with_name(f"{CHECKPOINT_FILE}{CORRUPT_SUFFIX}{pending.stamp}")
+    # The log first: a crash in between leaves the snapshot without its log, which
+    # the record's stamp then moves after it, never the corrupt log where a next
+    # store empties it.
+    log = cp.log_path
+    if not os.path.lexists(log):  # an earlier release's interrupted quarantine moved it
+        log = orphan_log_copy(cp.data_dir) or log
+    for source, copy in ((log, _log_of(target)), (cp.path, target)):
+        if not os.path.lexists(copy):
+            with contextlib.suppress(FileNotFoundError):
+                os.rename(source, copy)
+    fsync_dir(cp.data_dir)
+    carried = carried_entries(salvage_entries(target), pending.owned_mig)
+    journal = cp.load()  # the new journal: empty, or what an earlier run stored
+    missing = {uid: entry for uid, entry in carried.items() if uid not in journal}
+    if missing:
+        cp.store({**journal, **missing})
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(cp.data_dir / INTENT_FILE)
+    fsync_dir(cp.data_dir)
+    return target

@@ -16,13 +16,18 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from driver.errors import DriverError, transient
+from driver.state.boot import boot_id
 from driver.state.checkpoint import CheckpointCorruptError, ClaimEntry, ClaimState
 from driver.state.context import StepContext
 from driver.state.failpoints import failpoint
 from driver.state.instances import other_entries
 from driver.state.planning import respec_restored
-from driver.state.quarantine import salvage_entries
-from driver.state.teardown import boot_id, claim_error, unprepare_begun
+from driver.state.quarantine import (
+    finish_pending_quarantine,
+    orphan_log_copy,
+    salvage_entries,
+)
+from driver.state.teardown import claim_error, unprepare_begun
 
 log = logging.getLogger(__name__)
 
@@ -61,9 +66,19 @@ def recover(state: StepContext) -> RecoveryReport:
     with state.lock.hold():
         state.common.write()
         try:
+            quarantined = finish_pending_quarantine(state.checkpoint)
+            if quarantined is not None:
+                log.warning("finished the interrupted quarantine of the journal: %s", quarantined)
             journal = state.load_journal()
         except CheckpointCorruptError as err:
-            return RecoveryReport(checkpoint_problem=str(err))
+            problem = str(err)
+            orphan = orphan_log_copy(state.checkpoint.data_dir)
+            if orphan is not None and not state.checkpoint.log_path.exists():
+                problem += (
+                    f"; {orphan.name} is its log, moved aside by an interrupted quarantine: "
+                    "gpu-dra journal quarantine reads the two together"
+                )
+            return RecoveryReport(checkpoint_problem=problem)
         swept = tuple(state.last_swept)
         # Claims whose request another instance (a rolling update) has in flight:
         # their entries are not a crash's leftovers and are left to it.
@@ -160,15 +175,28 @@ def _sweep_orphan_specs(
     return kept, tuple(sorted(gone))
 
 
-def compact_journal(state: StepContext) -> None:
-    """At a clean stop, once nothing is served: the journal's log folded into its
+def compact_journal(state: StepContext, *, drain_seconds: float) -> None:
+    """At a clean stop, once nothing new is served: the prepares and unprepares in
+    flight finish (at most `drain_seconds`), then the journal's log is folded into its
     snapshot (schemaVersion 1), so that any release, an older one after a downgrade
-    too, reads it (docs/state.md, "The log")."""
+    too, reads it (docs/state.md, "The log"). Nothing is stored after that: a call
+    still in flight fails at its next journal step (its PrepareStarted entry, if any,
+    is rolled back at the next start; an unprepare begun is finished there)."""
+    if not state.in_flight.drain(drain_seconds):
+        log.warning(
+            "%d prepare/unprepare call(s) still in flight after %gs; they fail, and "
+            "store nothing after the journal's compaction",
+            state.in_flight.running,
+            drain_seconds,
+        )
+    stopping = "the plugin is stopping; the kubelet retries with the next plugin instance"
     try:
         with state.lock.hold():
             _compact_journal(state)
+            state.lock.close(stopping)
     except DriverError as err:
         log.warning("could not compact the journal: %s", err)
+    state.lock.close(stopping)
 
 
 def _compact_journal(state: StepContext) -> None:

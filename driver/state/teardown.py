@@ -13,9 +13,9 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 
 from driver.errors import DriverError, transient
+from driver.state.boot import boot_id
 from driver.state.checkpoint import CheckpointCorruptError, ClaimEntry, ClaimState
 from driver.state.claims import ClaimRef, unique
 from driver.state.context import StepContext
@@ -94,15 +94,26 @@ def _journal_or_none(state: StepContext) -> dict[str, ClaimEntry] | None:
 
 
 def settled_journal(state: StepContext) -> dict[str, ClaimEntry]:
-    """The journal (`load_journal`), with the unprepares owed from a time it was
-    unreadable finished first: each such claim is torn down as its unprepare would
-    have done (marked, MIG devices destroyed, GPU intervals restored, entry dropped).
-    A claim whose teardown fails, or whose claim lock a request in flight holds,
-    keeps its entry, and so its devices, and stays owed: the next call tries again."""
+    """The journal (`load_journal`), with the unprepares owed finished first: those of
+    a time it was unreadable, and those begun and not finished (`unprepare_begun`: an
+    unprepare of this boot removed the spec; one of this process that failed half
+    way, or another instance's that could not drop the entry - the release before the
+    log cannot write this journal). Each such claim is torn down as its unprepare
+    would have done (MIG devices destroyed, GPU intervals restored, entry dropped), so
+    its placement is free at once. A claim whose teardown fails, or whose claim lock
+    a request in flight holds, keeps its entry, and so its devices, and stays owed:
+    the next call tries again."""
     journal = state.load_journal()
+    boot = boot_id()
+    begun = {
+        uid
+        for uid, entry in journal.items()
+        if entry.unpreparing is not None
+        and unprepare_begun(entry, state.cdi.claim_spec_exists(uid), boot)
+    }
     owed = [
         ClaimRef(journal[uid].namespace, journal[uid].name, uid)
-        for uid in sorted(state.pending_removals)
+        for uid in sorted(state.pending_removals | begun)
         if uid in journal and not state.claim_locks.busy(uid)
     ]
     state.pending_removals.difference_update(ref.uid for ref in owed)
@@ -222,17 +233,6 @@ def _end(
     state.stats.unprepared += len(done)
 
 
-BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
-
-
-def boot_id() -> str:
-    """This boot of the node's kernel (the same in every container); "" if unknown."""
-    try:
-        return BOOT_ID.read_text().strip()
-    except OSError:
-        return ""
-
-
 def unprepare_begun(entry: ClaimEntry, spec_exists: bool, boot: str | None = None) -> bool:
     """Had an unprepare of the completed claim begun removing things? Its entry is
     marked in this boot and its spec is gone (an unprepare removes the spec before any
@@ -273,8 +273,8 @@ def _mark_unpreparing(
     found = {uid: journal[uid] for uid in marks}
     for uid in marks:
         journal[uid] = replace(found[uid], unpreparing=boot)
-    try:
-        state.checkpoint.store(journal, sync=False)
+    try:  # nothing rolls a mark back: no room kept for that (ROLLBACK_RESERVE)
+        state.checkpoint.store(journal, sync=False, rollback_reserve=False)
     except DriverError as err:
         journal.update(found)
         for uid in marks:

@@ -10,6 +10,7 @@ reference webhook, which validated without defaults).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Any, Final
 
@@ -19,6 +20,10 @@ ADMISSION_API_VERSION: Final = "admission.k8s.io/v1"
 RESOURCE_GROUP: Final = "resource.k8s.io"
 VERSIONS: Final = ("v1", "v1beta1", "v1beta2")
 MAX_REPORTED_ERRORS: Final = 20
+# The API server sends a UUID. The uid is echoed into the answer and the log, so nothing
+# but a short identifier is: a 1.5 M-character uid of `é` made a 9 MiB answer.
+MAX_UID_LENGTH: Final = 128
+UID_PATTERN: Final = re.compile(rf"[A-Za-z0-9][A-Za-z0-9._:-]{{0,{MAX_UID_LENGTH - 1}}}")
 #: plural resource -> kind, for the resources this webhook validates
 RESOURCES: Final = {
     "resourceclaims": "ResourceClaim",
@@ -98,5 +103,10 @@ def review(body: object, driver_name: str) -> dict[str, Any]:
     uid = request.get("uid")
     if not isinstance(uid, str) or not uid:
         raise BadReview("AdmissionReview request has no uid")
+    if not UID_PATTERN.fullmatch(uid):
+        raise BadReview(
+            f"AdmissionReview request.uid is not a UID: at most {MAX_UID_LENGTH} ASCII "
+            "letters, digits, '.', '_', ':' and '-', starting with a letter or digit"
+        )
     response = {"uid": uid, **admit(request, driver_name)}
     return {"apiVersion": ADMISSION_API_VERSION, "kind": "AdmissionReview", "response": response}

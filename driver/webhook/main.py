@@ -16,6 +16,7 @@ from driver.observability.logs import (
     DAEMON_VERBOSITY,
     VERBOSITY_HELP,
     apply_verbosity,
+    stderr_handler,
 )
 from driver.plugin.flags import (
     add_version_flag,
@@ -30,6 +31,7 @@ log = logging.getLogger("gpu-dra-webhook")
 
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"  # messages escaped
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -94,7 +96,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def configure_logging(args: argparse.Namespace) -> None:
     """The verbosity scale of every binary (`driver.observability.logs`); an explicit
     --log-level (LOG_LEVEL) sets the webhook's own level instead."""
-    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        handlers=[stderr_handler("%(asctime)s %(levelname)s %(name)s: %(message)s")]
+    )
     apply_verbosity(args.verbosity)
     if args.log_level is not None:
         logging.getLogger().setLevel(args.log_level)

@@ -12,9 +12,11 @@ Any pod that can open a connection to the webhook can POST to it, and with
 claim; so the server is bounded (`driver.observability.bounded_http`): no thread per
 connection, `REQUEST_TIMEOUT` to deliver a request (handshake, head and body) and again
 to take the answer, at most `MAX_CONNECTIONS` open (a new one closes the oldest still
-sending), bodies of at most `MAX_BODY_BYTES` and `MAX_BUFFERED_BYTES` of requests held
-in all, `WORKERS` threads for reviews of up to 64 KiB (every real one) and one for
-larger ones, each answering the smallest first. docs/security.md has the threat model.
+sending or not reading its answer; at most 32 from one address), bodies of at most
+`MAX_BODY_BYTES` and `MAX_BUFFERED_BYTES` of requests and unsent answers held in all,
+`WORKERS` threads for reviews of up to 64 KiB (every real one) and one for larger ones,
+each answering the smallest first, at most 16 (4) waiting (503 beyond); the health
+paths are answered without a worker. docs/security.md has the threat model.
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ from http import HTTPStatus
 from typing import Final
 
 from driver.config import LoadError, loads_json
-from driver.observability.bounded_http import BoundedHttpServer, Limits
+from driver.observability.bounded_http import BoundedHttpServer
+from driver.observability.http_limits import Limits
 from driver.observability.http_messages import Request, Response
 from driver.webhook.admission import BadReview, review
 
@@ -108,12 +111,13 @@ class WebhookServer(BoundedHttpServer):
     ) -> None:
         self.tls = TLSFiles(cert_file, key_file)
         self.driver_name = driver_name
-        super().__init__(host, port, self._respond, limits, tls=self.tls.context, name="webhook")
+        probes = dict.fromkeys(HEALTH_PATHS, lambda: Response(HTTPStatus.OK, b"ok"))
+        super().__init__(
+            host, port, self._respond, limits, tls=self.tls.context, name="webhook", probes=probes
+        )
 
     def _respond(self, request: Request) -> Response:
         if request.method in ("GET", "HEAD"):
-            if request.path in HEALTH_PATHS:
-                return Response(HTTPStatus.OK, b"ok")
             return Response(HTTPStatus.NOT_FOUND, b"not found")
         if request.method != "POST":
             return Response(

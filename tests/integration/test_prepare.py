@@ -259,7 +259,10 @@ def test_valid_config_yields_cdi_env_and_calls_are_idempotent(
     assert kubelet.unprepare(DRIVER, [("ns", ghost, "ghost")])[ghost].error == ""
 
 
-SOCKET_BOUND_SECONDS = 3.0  # the plugin checks its sockets every second
+# Seconds to wait for a deleted socket to be back. The plugin checks its sockets every
+# second and rebuilds one at the next check (tests/unit/test_serving.py counts the
+# checks); the wait only has to outlast a busy machine.
+SOCKET_WAIT = 30.0
 
 
 @pytest.mark.parametrize("socket", ["registration", "service"])
@@ -270,10 +273,10 @@ def test_deleted_socket_is_recreated_and_the_plugin_serves_again(
     pool: list[dict[str, Any]],
     socket: str,
 ) -> None:
-    """Either socket deleted: the plugin serves it again within SOCKET_BOUND_SECONDS and
-    renews its registration (a lost service socket rebuilds the registration socket
-    too), and the kubelet stand-in registers it anew through the new registration
-    socket: GetInfo and NotifyRegistrationStatus(registered) after the deletion."""
+    """Either socket deleted: the plugin serves it again and renews its registration (a
+    lost service socket rebuilds the registration socket too), and the kubelet stand-in
+    registers it anew through the new registration socket: GetInfo and
+    NotifyRegistrationStatus(registered) after the deletion."""
     name = f"socket-loss-{socket}"
     ref = allocated_claim(cluster, name, "gpu-4" if socket == "service" else "gpu-5", pool)
     registration = plugin.registry_dir / f"{DRIVER}-reg.sock"
@@ -285,9 +288,9 @@ def test_deleted_socket_is_recreated_and_the_plugin_serves_again(
     deleted = time.monotonic()
     cluster.wait_for(
         lambda: plugin.metric("gpu_dra_socket_recreations_total", labels) > before,
-        timeout=SOCKET_BOUND_SECONDS,
+        timeout=SOCKET_WAIT,
         interval=0.05,
-        what=f"{socket} socket recreated within {SOCKET_BOUND_SECONDS}s",
+        what=f"{socket} socket recreated",
     )
     elapsed = time.monotonic() - deleted
     assert path.is_socket()

@@ -25,7 +25,7 @@ from driver.kube.api import KubeApi
 from driver.proto.dra.v1 import api_pb2
 from tests.conftest import SCRIPT, Cluster, FakeNode
 from tests.integration.helpers import complete_pool, published_devices
-from tests.integration.kubelet_standin import ClaimRef
+from tests.integration.kubelet_standin import PREPARE_TIMEOUT, ClaimRef
 from tests.integration.plugin_process import DRIVER
 from tests.reliability.support import (
     allocated_claim,
@@ -95,15 +95,15 @@ def test_api_server_down_and_back_under_load(
         def load() -> None:
             while not stop.is_set():
                 for ref in refs:
-                    t = time.monotonic()
-                    res = inst.kubelet.prepare(DRIVER, [ref], timeout=45)[ref.uid]
-                    calls["slow" if time.monotonic() - t > 40 else "calls"] += 1
+                    # answered within the kubelet's own call timeout, or this raises
+                    res = inst.kubelet.prepare(DRIVER, [ref], timeout=PREPARE_TIMEOUT)[ref.uid]
+                    calls["calls"] += 1
                     if res.error:
                         errors.append((ref, res.error))
                         assert res.error_type != api_pb2.Permanent, res.error
                     # Unprepare is local (journal and CDI spec): it succeeds even while
                     # the API server is down.
-                    gone = inst.kubelet.unprepare(DRIVER, [ref], timeout=45)[ref.uid]
+                    gone = inst.kubelet.unprepare(DRIVER, [ref], timeout=PREPARE_TIMEOUT)[ref.uid]
                     assert gone.error == "", f"unprepare of {ref.name}: {gone.error}"
                     calls["unprepares"] += 1
                 time.sleep(0.05)
@@ -153,7 +153,6 @@ def test_api_server_down_and_back_under_load(
         stop.set()
         worker.join(timeout=60)
         assert not failures, failures[0]
-        assert not calls["slow"], "a prepare took more than 40 s"
         figures["api restart: prepare calls under load"] += calls["calls"]
         figures["api restart: clear transient errors while down"] += len(errors)
         figures["api restart: unprepare answers checked"] += calls["unprepares"]

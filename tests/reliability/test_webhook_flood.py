@@ -9,10 +9,14 @@ opaque config for this driver, cluster-wide.
 The flood here, against the real server on loopback: idle TCP connections that never
 start TLS, requests that announce a 3 MiB body and stall after a few bytes of it,
 reviews whose `opaque.parameters` is a string holding a YAML alias bomb (a few hundred
-bytes that expand to millions of paths), and complete reviews of a few MiB. Then a
-legitimate review must be answered within 1 s, and the server must hold no thread per
-connection. Bounded: the server is a process of its own, killed at the end (whatever
-the flood left it computing ends with it), and every client socket has a timeout.
+bytes that expand to millions of paths), and complete reviews of a few MiB, from eight
+loopback addresses (the webhook holds each address to 32 connections). Then
+legitimate reviews, from an address of their own as the API server's, must be
+answered, each within the API server's deadline, and all of them before the large
+reviews sent ahead of them are (the order of answers, not seconds: a busy machine
+slows both alike), and the server must hold no thread per connection. Bounded: the
+server is a process of its own, killed at the end (whatever the flood left it
+computing ends with it), and every client socket has a timeout.
 """
 
 from __future__ import annotations
@@ -36,11 +40,11 @@ from typing import Any
 import pytest
 
 from driver.config import API_VERSION, KIND
-from driver.webhook.server import VALIDATE_PATH
+from driver.webhook.server import REQUEST_TIMEOUT, VALIDATE_PATH
 from tests.unit.test_webhook import make_cert
 
 DRIVER = "gpu.example.com"
-LEGIT_DEADLINE = 1.0  # seconds: well inside the API server's 10 s default
+LEGIT_REVIEWS = 3  # sent one after another while the bombs still arrive
 IDLE = 150  # TCP connections that never send a byte
 STALLED = 40  # TLS connections that announce a 3 MiB body and stop sending
 BOMBS = 120  # complete reviews with an alias-bomb string as parameters
@@ -48,6 +52,12 @@ LARGE = 8  # complete reviews of about 2.8 MiB, each about a second to parse
 BOMB_DEPTH = 20  # 2**20 paths: seconds of CPU each where the walk expands them
 MAX_SERVER_THREADS = 8  # the main thread, the I/O thread, the workers
 SENDER_TIMEOUT = 10.0  # seconds, for each step of a flood request
+FLOOD_SOURCES = [f"127.0.1.{i}" for i in range(1, 9)]  # the flooding pods' addresses
+API_SERVER = "127.0.0.2"
+
+
+def flood_source(i: int) -> str:
+    return FLOOD_SOURCES[i % len(FLOOD_SOURCES)]
 
 
 @dataclass
@@ -56,8 +66,9 @@ class Served:
     port: int
     context: ssl.SSLContext
 
-    def tls(self, timeout: float) -> ssl.SSLSocket:
-        raw = socket.create_connection(("127.0.0.1", self.port), timeout=timeout)
+    def tls(self, timeout: float, source: str) -> ssl.SSLSocket:
+        address = ("127.0.0.1", self.port)
+        raw = socket.create_connection(address, timeout=timeout, source_address=(source, 0))
         return self.context.wrap_socket(raw, server_hostname="localhost")
 
     def threads(self) -> int:
@@ -153,12 +164,16 @@ def post_head(length: int) -> bytes:
     ).encode()
 
 
-def legit_review_seconds(served: Served) -> float:
-    """Time to a complete answer of a valid review over a fresh connection (as the API
-    server opens them); fails if any step takes longer than LEGIT_DEADLINE."""
-    began = time.monotonic()
+def answer_legit_review(served: Served) -> None:
+    """A valid review over a fresh connection (as the API server opens them) is
+    admitted; fails if any step takes longer than the API server waits for the
+    webhook (its default timeoutSeconds, the server's REQUEST_TIMEOUT)."""
     conn = http.client.HTTPSConnection(
-        "127.0.0.1", served.port, context=served.context, timeout=LEGIT_DEADLINE
+        "127.0.0.1",
+        served.port,
+        context=served.context,
+        timeout=REQUEST_TIMEOUT,
+        source_address=(API_SERVER, 0),
     )
     try:
         good = {"apiVersion": API_VERSION, "kind": KIND, "sharing": {"strategy": "TimeSlicing"}}
@@ -171,12 +186,11 @@ def legit_review_seconds(served: Served) -> float:
         response = conn.getresponse()
         answer = json.loads(response.read())
     except (TimeoutError, OSError, http.client.HTTPException) as err:
-        pytest.fail(f"the legitimate review got no answer within {LEGIT_DEADLINE} s: {err!r}")
+        pytest.fail(f"the legitimate review got no answer within {REQUEST_TIMEOUT} s: {err!r}")
     finally:
         conn.close()
     assert response.status == 200
     assert answer["response"] == {"uid": "legit", "allowed": True}
-    return time.monotonic() - began
 
 
 def read_answer(sock: ssl.SSLSocket) -> dict[str, Any]:
@@ -204,7 +218,7 @@ class Flood:
 
     sockets: list[socket.socket] = field(default_factory=list)
     answers: dict[str, object] = field(default_factory=dict)
-    sent: int = 0
+    sent: set[str] = field(default_factory=set)  # whose whole request went out
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def hold(self, sock: socket.socket) -> socket.socket:
@@ -212,13 +226,13 @@ class Flood:
             self.sockets.append(sock)
         return sock
 
-    def send(self, served: Served, body: bytes, uid: str) -> None:
+    def send(self, served: Served, body: bytes, uid: str, source: str) -> None:
         """One complete request; its answer (or why there is none) goes to `answers`."""
         try:
-            sock = self.hold(served.tls(timeout=SENDER_TIMEOUT))
+            sock = self.hold(served.tls(SENDER_TIMEOUT, source))
             sock.sendall(post_head(len(body)) + body)
             with self.lock:
-                self.sent += 1
+                self.sent.add(uid)
             self.answers[uid] = read_answer(sock)["response"]
         except (OSError, AssertionError, ValueError) as err:
             self.answers[uid] = repr(err)
@@ -232,31 +246,40 @@ class Flood:
 
 
 @pytest.mark.timeout(120)
-def test_legitimate_review_is_answered_within_a_second_under_a_flood(served: Served) -> None:
+def test_legitimate_reviews_are_answered_while_a_flood_is_served(served: Served) -> None:
     flood = Flood()
     senders = concurrent.futures.ThreadPoolExecutor(max_workers=16)
     try:
-        for _ in range(IDLE):  # connecting in the background: not held up by a backlog
+        for i in range(IDLE):  # connecting in the background: not held up by a backlog
             idle = flood.hold(socket.socket())
+            idle.bind((flood_source(i), 0))
             idle.setblocking(False)
             idle.connect_ex(("127.0.0.1", served.port))
-        for _ in range(STALLED):
-            stalled = flood.hold(served.tls(timeout=10))
+        for i in range(STALLED):
+            stalled = flood.hold(served.tls(10, flood_source(i)))
             stalled.sendall(post_head(3 * 1024 * 1024) + b'{"apiVersion": ')
         # another driver's configs: many small objects, parsed whole, then skipped
         other = [opaque({"a": [{"b": i} for i in range(30)]}, "other.example.com")]
         large = review(other * 7000, "large")
-        sent = [senders.submit(flood.send, served, large, f"large-{i}") for i in range(LARGE)]
+        larges = {f"large-{i}" for i in range(LARGE)}
+        sent = [
+            senders.submit(flood.send, served, large, f"large-{i}", flood_source(i))
+            for i in range(LARGE)
+        ]
         bombs = [f"bomb-{i}" for i in range(BOMBS)]
-        for uid in bombs:
+        for i, uid in enumerate(bombs):
             body = review([opaque(alias_bomb(BOMB_DEPTH))], uid)
-            sent.append(senders.submit(flood.send, served, body, uid))
-        deadline = time.monotonic() + 10
-        while flood.sent < BOMBS // 4 and time.monotonic() < deadline:
+            sent.append(senders.submit(flood.send, served, body, uid, flood_source(i)))
+        deadline = time.monotonic() + 30
+        while not larges <= flood.sent | flood.answers.keys() and time.monotonic() < deadline:
             time.sleep(0.01)  # the legitimate reviews go in while the bombs still arrive
 
-        timings = [legit_review_seconds(served) for _ in range(3)]
-        assert max(timings) < LEGIT_DEADLINE, timings
+        with flood.lock:
+            ahead = flood.sent - flood.answers.keys()  # sent, not answered yet
+        for _ in range(LEGIT_REVIEWS):
+            answer_legit_review(served)
+        # answered before large reviews sent ahead of them: not queued behind those
+        assert (ahead - flood.answers.keys()) & larges, f"answered after all of {sorted(ahead)}"
         # no thread per connection: a couple of hundred open connections cost none
         assert served.threads() <= MAX_SERVER_THREADS
 
@@ -271,10 +294,13 @@ def test_legitimate_review_is_answered_within_a_second_under_a_flood(served: Ser
                 ".parameters: must be a JSON object, got a string",
             },
         }
-        # each bomb is refused at once, without being expanded
-        assert {uid: flood.answers.get(uid) for uid in bombs} == {
-            uid: {"uid": uid, **refused} for uid in bombs
-        }
+        # each bomb is refused at once, without being expanded (or, where the small
+        # reviews' queue was full, answered 503 before it was parsed)
+        answers = {uid: flood.answers.get(uid) for uid in bombs}
+        denied = [uid for uid, got in answers.items() if got == {"uid": uid, **refused}]
+        busy = [uid for uid, got in answers.items() if "HTTP/1.1 503 " in str(got)]
+        assert len(denied) + len(busy) == BOMBS, answers
+        assert len(denied) >= BOMBS // 2, answers
     finally:
         flood.close()
         senders.shutdown(wait=False, cancel_futures=True)  # they end with the server

@@ -25,26 +25,29 @@ from driver.observability.metrics import REGISTRY
 from tests.taints import untimed
 
 DRIVER = "gpu.example.com"
+# Seconds to wait for the monitor thread to act on an event: it acts at once, so only
+# a regression waits this long; a busy machine never does.
+EVENT_WAIT = 30.0
 
 
 class FakePublisher:
     def __init__(self, synced: bool = True) -> None:
         self.synced = synced
-        self.triggers: list[float] = []
+        self.triggers = 0
         self._cond = threading.Condition()
 
     def trigger(self) -> int:
         with self._cond:
-            self.triggers.append(time.monotonic())
+            self.triggers += 1
             self._cond.notify_all()
-            return len(self.triggers)
+            return self.triggers
 
     def wait_synced(self, ticket: int, timeout: float) -> bool:
         return self.synced
 
-    def wait_triggers(self, count: int, timeout: float = 2.0) -> bool:
+    def wait_triggers(self, count: int, timeout: float = EVENT_WAIT) -> bool:
         with self._cond:
-            return self._cond.wait_for(lambda: len(self.triggers) >= count, timeout)
+            return self._cond.wait_for(lambda: self.triggers >= count, timeout)
 
 
 @dataclass
@@ -68,7 +71,7 @@ class Rig:
     def names_of(self, minor: int) -> set[str]:
         return {d.name for d in self.pool.devices_of_gpu(self.uuid(minor))}
 
-    def wait_handled(self, count: int, timeout: float = 2.0) -> None:
+    def wait_handled(self, count: int, timeout: float = EVENT_WAIT) -> None:
         deadline = time.monotonic() + timeout
         while self.monitor.events_handled < count:
             assert time.monotonic() < deadline, f"only {self.monitor.events_handled} handled"
@@ -98,13 +101,13 @@ def xid_count(xid: str, verdict: str) -> float:
     return value or 0.0
 
 
-def test_fatal_xid_taints_gpu_and_all_partitions_quickly(rig: Rig) -> None:
+def test_fatal_xid_taints_gpu_and_all_partitions(rig: Rig) -> None:
+    """The event itself triggers the publish (how fast, Xid -> taint visible in the
+    API, is measured by `make bench`, not asserted here)."""
     before = xid_count("79", "fatal")
-    start = time.monotonic()
     rig.mock.inject_xid(rig.uuid(3), 79)
     assert rig.publisher.wait_triggers(1)
-    latency = rig.publisher.triggers[0] - start
-    assert latency < 0.5
+    assert rig.monitor.events_handled == 1
     taints = rig.taints()
     names = rig.names_of(3)
     assert len(names) > 1  # the GPU and its MIG partitions
@@ -123,7 +126,7 @@ def test_application_xid_changes_nothing(rig: Rig) -> None:
     rig.mock.inject_xid(rig.uuid(2), 13)
     rig.wait_handled(1)
     assert rig.taints() == {}
-    assert rig.publisher.triggers == []
+    assert rig.publisher.triggers == 0
     assert xid_count("13", "ignored") == before + 1
 
 
@@ -134,7 +137,7 @@ def test_ignored_xid_never_weakens_a_taint(rig: Rig) -> None:
     taints = rig.taints()
     assert set(taints) == rig.names_of(1)
     assert taints["gpu-1"][0]["value"] == "79"
-    assert len(rig.publisher.triggers) == 1
+    assert rig.publisher.triggers == 1
 
 
 def test_gpu_lost_then_xid_keeps_gpu_lost(rig: Rig) -> None:

@@ -218,12 +218,14 @@ def test_wait_changed_wakes_on_change(tmp_path: Path) -> None:
     version = store.version
     start = time.monotonic()
     assert store.wait_changed(version, 0.05) == version
-    assert time.monotonic() - start >= 0.05
+    assert time.monotonic() - start >= 0.05  # a timeout is never cut short
     timer = threading.Timer(0.05, store.record_lost, args=(GPU0,))
     timer.start()
     start = time.monotonic()
-    assert store.wait_changed(version, 5.0) == version + 1
-    assert time.monotonic() - start < 2.0
+    timeout = 60.0  # no busy machine delays the change this long
+    assert store.wait_changed(version, timeout) == version + 1
+    # woken by the change, not at the timeout, however slow the machine
+    assert time.monotonic() - start < timeout / 2
     timer.join()
 
 

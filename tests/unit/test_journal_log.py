@@ -332,10 +332,12 @@ def test_start_and_clean_stop_leave_a_journal_every_release_reads(tmp_path: Path
     for uid, device in (("a", "gpu-0"), ("b", "gpu-1")):
         assert state.prepare([node.claims.add(uid, device)])[uid].ok
     assert _older_release_reads(state.checkpoint) is None  # the log holds a record
-    compact_journal(state)  # the plugin's clean stop
+    compact_journal(state, drain_seconds=0)  # the plugin's clean stop
     assert set(_older_release_reads(state.checkpoint) or {}) == {"a", "b"}
     assert _log(state.checkpoint) == b""
-    assert state.prepare([node.claims.add("c", "gpu-0")])["c"].error is not None  # held
+    error = state.prepare([node.claims.add("c", "gpu-1")])["c"].error
+    assert error is not None and "stopping" in str(error)  # nothing stored after it
+    assert _log(state.checkpoint) == b""
     state.checkpoint.store({**state.checkpoint.load(), "x": A})  # a stop without compaction
     state.checkpoint.store({**state.checkpoint.load(), "y": B})
     assert _older_release_reads(state.checkpoint) is None

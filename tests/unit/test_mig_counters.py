@@ -8,13 +8,14 @@ combinations that counting every dimension admits."""
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from fractions import Fraction
 from typing import Any
 
 import pytest
 
-from driver.devices import mig
+from driver.devices import mig_counters
 from driver.devices import model as dm
 from driver.devices.documents import MIG_DIMENSIONS
 from driver.devices.slices import build_slice_specs, validate_slice_specs
@@ -95,17 +96,21 @@ def test_static_mig_devices_count_only_their_memory_slices() -> None:
 def test_memory_blocks_end_where_a_wide_placement_starts_or_ends() -> None:
     """H100 with 1g.10gb x7, 3g.40gb at 0 and 4, 7g.80gb and the whole GPU."""
     spans = [(i, 1) for i in range(7)] + [(0, 4), (4, 4), (0, 8), (0, 8)]
-    assert mig.memory_blocks(8, spans) == [range(0, 4), range(4, 8)]
-    assert mig.memory_blocks(8, [*spans, (2, 2)]) == [range(0, 2), range(2, 4), range(4, 8)]
+    assert mig_counters.memory_blocks(8, spans) == [range(0, 4), range(4, 8)]
+    assert mig_counters.memory_blocks(8, [*spans, (2, 2)]) == [
+        range(0, 2),
+        range(2, 4),
+        range(4, 8),
+    ]
     # Two devices at slice 0 (1g.10gb and 1g.10gb+me) would fit one block together.
-    assert mig.memory_blocks(8, [*spans, (0, 1)]) == [
+    assert mig_counters.memory_blocks(8, [*spans, (0, 1)]) == [
         range(0, 1),
         range(1, 2),
         range(2, 3),
         range(3, 4),
         range(4, 8),
     ]
-    assert mig.memory_blocks(8, []) == [range(0, 8)]
+    assert mig_counters.memory_blocks(8, []) == [range(0, 8)]
 
 
 def test_every_h100_profile_keeps_one_counter_per_slice() -> None:
@@ -127,9 +132,10 @@ def test_without_memory_slices_every_dimension_is_counted() -> None:
 # ----------------------------------------------------------------- same decisions
 
 
-def _all_dimensions_allow(gpu: GpuInfo, devices: Sequence[dm.PublishedDevice]) -> bool:
-    """The rule the counters encode, from NVML's profiles alone: placements pairwise
-    disjoint (the whole GPU spans them all) and no dimension over the GPU's most."""
+def _nvml_allows(gpu: GpuInfo, devices: Sequence[dm.PublishedDevice]) -> bool:
+    """The rule the counters encode, NVML's for its profiles: placements pairwise
+    disjoint (the whole GPU spans them all) and each profile at most its
+    `instanceCount` times (one 1g.10gb+me on an H100)."""
     profiles = {p.profile_id: p for p in gpu.partition_profiles}
     taken: set[int] = set()
     for device in devices:
@@ -138,16 +144,8 @@ def _all_dimensions_allow(gpu: GpuInfo, devices: Sequence[dm.PublishedDevice]) -
         if span & taken:
             return False
         taken |= span
-    for _, _, field in MIG_DIMENSIONS:
-        most = max(getattr(p, field) for p in gpu.partition_profiles)
-        used = sum(
-            getattr(profiles[d.mig.profile_id], field) if d.is_partition else most
-            for d in devices
-            if d.mig is not None
-        )
-        if used > most:
-            return False
-    return True
+    count = Counter(d.mig.profile_id for d in devices if d.is_partition and d.mig is not None)
+    return all(n <= profiles[profile_id].instance_count for profile_id, n in count.items())
 
 
 def _published_allow(pool: dm.PoolDevices) -> Callable[[Sequence[dm.PublishedDevice]], bool]:
@@ -188,21 +186,38 @@ def _extensions(
         chosen, next_index = stack.pop()
         for i in range(next_index, len(devices)):
             candidate = [*chosen, devices[i]]
-            allowed = _all_dimensions_allow(gpu, candidate)
+            allowed = _nvml_allows(gpu, candidate)
             yield candidate, allowed
             if allowed:
                 stack.append((candidate, i + 1))
 
 
+def _go_nvml_h100() -> Inventory:
+    """The mock H100 with the table NVIDIA's own mock (go-nvml) has: 7g.80gb with 5
+    decoders and 5 JPEG engines (copied from the A100), so the full-size profile no
+    longer bounds the disjoint splits: seven 1g.10gb take 7 decoders."""
+    inv = inventory("H100-80GB", count=1)
+    gpu = inv.gpus[0]
+    table = tuple(
+        dataclasses.replace(p, decoders=5, jpeg_engines=5) if p.name == "7g.80gb" else p
+        for p in gpu.partition_profiles
+    )
+    return dataclasses.replace(inv, gpus=(dataclasses.replace(gpu, partition_profiles=table),))
+
+
+def test_a_table_the_full_size_profile_does_not_bound_refuses_no_split_nvml_allows() -> None:
+    pool = dm.build_pool(_go_nvml_h100())
+    assert fits(pool, [f"gpu-0-mig-1g10gb-{i}" for i in range(7)])
+    assert not fits(pool, ["gpu-0-mig-1g10gb-me-0", "gpu-0-mig-1g10gb-me-4"])
+
+
 @pytest.mark.parametrize(
     ("model", "profiles"),
-    [(m, ()) for m in ("A100-40GB", "A100-80GB", "H100-80GB", "H200-141GB")]
+    [(m, ()) for m in ("A100-40GB", "A100-80GB", "H100-80GB", "H200-141GB", "go-nvml-H100")]
     + [(m, THREE) for m in ("A100-80GB", "H100-80GB")],
 )
-def test_counters_admit_exactly_what_every_dimension_admits(
-    model: str, profiles: tuple[str, ...]
-) -> None:
-    inv = inventory(model, count=1)
+def test_counters_admit_exactly_what_nvml_admits(model: str, profiles: tuple[str, ...]) -> None:
+    inv = _go_nvml_h100() if model == "go-nvml-H100" else inventory(model, count=1)
     pool = dm.build_pool(inv, dm.PoolOptions(mig_profiles=profiles))
     published_allow = _published_allow(pool)
     checked = 0

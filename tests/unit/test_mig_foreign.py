@@ -161,3 +161,57 @@ def test_an_intent_without_a_record_of_what_was_there_destroys_nothing(
     assert destroyed == []
     assert node.live() == [live]
     assert cp.load() == {}
+
+
+def test_a_device_created_in_the_create_window_survives_the_failed_create(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The intent's `before` is read under the node lock; the create runs later,
+    outside it, after the GPU's earlier MIG operations. An administrator who creates a
+    device at the placement in between makes the create fail; the in-process undo
+    destroys only what this attempt recorded by id, so that device stays."""
+    node = make_node(tmp_path, H100)
+    real = MigManager.create
+    admin: list[MigInstance] = []
+
+    def administrator_first(self: MigManager, target: MigTarget) -> MigInstance:
+        if not admin:  # nvidia-smi mig -cgi ... in the window, after the snapshot
+            admin.append(real(self, target))
+        return real(self, target)
+
+    monkeypatch.setattr(MigManager, "create", administrator_first)
+    ref = node.claims.add("late", "gpu-0-mig-2g20gb-2")
+    error = node.state.prepare([ref])["late"].error
+    assert error is not None and "occupied" in str(error)
+    assert node.live() == admin  # the administrator's device is untouched
+    assert Checkpoint(tmp_path / "plugin").load() == {}
+
+
+def test_a_half_made_instance_the_create_cannot_destroy_is_undone_by_its_id(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The compute instance cannot be created and the GPU instance's destroy fails
+    once too: the create names the instance it left, and the claim's undo destroys it
+    by that id, not by a search of the placement."""
+    node = make_node(tmp_path, H100)
+    mock = node.mock
+    mock.nvmlGpuInstanceCreateComputeInstance = _refuse(mock, "NVML_ERROR_UNKNOWN")  # type: ignore[method-assign]
+    real_destroy = mock.nvmlGpuInstanceDestroy
+    refusals = [_refuse(mock, "NVML_ERROR_IN_USE")]
+
+    def destroy_fails_once(gi: Any) -> int:
+        return (refusals.pop() if refusals else real_destroy)(gi)  # type: ignore[no-any-return]
+
+    mock.nvmlGpuInstanceDestroy = destroy_fails_once  # type: ignore[method-assign]
+    ref = node.claims.add("half", "gpu-0-mig-1g10gb-3")
+    assert node.state.prepare([ref])["half"].error is not None
+    assert refusals == []
+    assert node.live() == []
+    assert Checkpoint(tmp_path / "plugin").load() == {}
+
+
+def _refuse(mock: Any, code: str) -> Any:
+    def refuse(*_: Any) -> Any:
+        raise mock.NVMLError(getattr(mock, code))
+
+    return refuse

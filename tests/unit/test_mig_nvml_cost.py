@@ -11,9 +11,10 @@ from driver.state.checkpoint import Checkpoint
 from tests.unit.test_mig_prepare import H100, Node, make_node
 
 ONE_G = [f"gpu-0-mig-1g10gb-{i}" for i in range(7)]
-# nvmlInit, GetHandleByUUID, GetGpuInstanceById, GpuInstanceGetInfo,
+# nvmlInit, GetHandleByUUID, GetGpuInstanceById, GpuInstanceGetInfo, the UUID check
+# (GetHandleByUUID of the MIG UUID, GetGpuInstanceId, GetComputeInstanceId),
 # GetComputeInstanceById, ComputeInstanceDestroy, GpuInstanceDestroy, nvmlShutdown
-DESTROY_BY_ID_CALLS = 8
+DESTROY_BY_ID_CALLS = 11
 
 
 def _calls(node: Node) -> int:
@@ -78,8 +79,7 @@ def test_prepare_of_a_mig_device_reads_only_its_profile_not_the_whole_gpu(
     `before` ids). That takes the instances of the device's own profile, not every
     instance of every profile with its compute instances and MIG devices (before: 41
     calls on an empty GPU, more with every device the GPU held)."""
-    node = make_node(tmp_path, H100)
-    node.live()  # as discovery at start: the GPU's profiles are read once
+    node = make_node(tmp_path, H100)  # discovery reads the GPU's profiles, once
     assert _prepare_cost(node, "first", ONE_G[0]) <= _prepare_bound(0, 0)
     for i in range(1, 6):
         assert node.state.prepare([node.claims.add(f"c{i}", ONE_G[i])])[f"c{i}"].ok

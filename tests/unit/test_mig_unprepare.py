@@ -15,6 +15,7 @@ from driver.nvml.mig import MigError, MigManager, RecordedInstance
 from driver.state import recovery, teardown
 from driver.state.checkpoint import Checkpoint, ClaimEntry, ClaimState
 from driver.state.claims import ClaimRef
+from tests.unit.test_journal_log import _disk_with_free_bytes
 from tests.unit.test_mig_prepare import H100, Node, make_node, uuids_in
 
 TWO = ("gpu-0-mig-1g10gb-0", "gpu-0-mig-1g10gb-1")
@@ -215,3 +216,42 @@ def test_owed_unprepare_keeps_its_entry_while_the_destroy_fails(
     assert Checkpoint(node.root / "plugin").load() == {}
     assert node.live() == []
     assert not node.state.cdi.claim_spec_exists(ref.uid)
+
+
+def test_a_mig_unprepare_needs_no_rollback_reserve_on_a_nearly_full_disk(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The `unpreparing` mark is no record a failure rolls back: under the 64 KiB
+    kept free for rollbacks it is stored all the same, and every retry does not fail.
+    A prepare that adds a claim is still refused there, and says why."""
+    node = make_node(tmp_path, H100)
+    ref = node.claims.add("u", "gpu-0-mig-1g10gb-0")
+    assert node.state.prepare([ref])["u"].ok
+    _disk_with_free_bytes(monkeypatch, 32 << 10)
+    assert node.state.unprepare([ref]) == {"u": None}
+    assert node.live() == [] and Checkpoint(tmp_path / "plugin").load() == {}
+    error = node.state.prepare([node.claims.add("v", "gpu-0-mig-1g10gb-1")])["v"].error
+    assert error is not None and "keeps 64 KiB free" in str(error)
+    assert "prepare" in str(error)
+
+
+def test_a_begun_unprepare_whose_device_is_gone_frees_its_placement_at_once(
+    tmp_path: Path,
+) -> None:
+    """A rolling update from the release before the log: the old instance unprepared
+    claim `old` (marked, spec removed, MIG device destroyed) and answered, but could
+    not drop the entry from a journal it cannot write. The running instance finishes
+    that teardown at its next request instead of holding the placement until a
+    restart."""
+    node = make_node(tmp_path, H100)
+    old = node.claims.add("old", "gpu-0-mig-1g10gb-0")
+    assert node.state.prepare([old])["old"].ok
+    (device,) = node.live()
+    cp = Checkpoint(tmp_path / "plugin")
+    cp.store({"old": replace(cp.load()["old"], unpreparing=teardown.boot_id())})
+    node.state.cdi.remove_claim_specs(["old"])
+    assert node.backend.mig().destroy(device.gpu_uuid, device.gi_id)
+    res = node.state.prepare([node.claims.add("new", "gpu-0-mig-1g10gb-0")])["new"]
+    assert res.ok, res.error
+    assert sorted(cp.load()) == ["new"]
+    assert node.state.unprepare([old]) == {"old": None}  # the kubelet's repeat, if any

@@ -390,6 +390,28 @@ def test_static_instances_exist_from_the_first_call() -> None:
     assert _mig_handles(nvml, 2) == []  # other groups have none
 
 
+def test_a_device_created_again_at_a_placement_has_the_same_ids_and_a_new_uuid(
+    nvml: MockNvml,
+) -> None:
+    """A GPU instance's id follows its placement and the first compute instance is 0,
+    so only the MIG device's UUID tells a device re-created there from the first."""
+    first = _full_ci(nvml, _gi_at(nvml, 0, 14, 2, 2), m.NVML_COMPUTE_INSTANCE_PROFILE_2_SLICE)
+    [mig] = _mig_handles(nvml, 0)
+    uuid = nvml.nvmlDeviceGetUUID(mig)
+    gi = nvml.nvmlComputeInstanceGetInfo(first).gpuInstance
+    nvml.nvmlComputeInstanceDestroy(first)
+    nvml.nvmlGpuInstanceDestroy(gi)
+    assert _code(lambda: nvml.nvmlDeviceGetHandleByUUID(uuid)) == m.NVML_ERROR_NOT_FOUND
+    _full_ci(nvml, _gi_at(nvml, 0, 14, 2, 2), m.NVML_COMPUTE_INSTANCE_PROFILE_2_SLICE)
+    [again] = _mig_handles(nvml, 0)
+    assert (nvml.nvmlDeviceGetGpuInstanceId(again), nvml.nvmlDeviceGetComputeInstanceId(again)) == (
+        4,
+        0,
+    )
+    assert nvml.nvmlDeviceGetUUID(again) != uuid
+    assert MIG_UUID.fullmatch(nvml.nvmlDeviceGetUUID(again))
+
+
 def test_reboot_clears_dynamic_and_restores_static() -> None:
     nvml = _nvml(migInstances=STATIC)
     before = [nvml.nvmlDeviceGetUUID(h) for h in _mig_handles(nvml, 0)]
@@ -402,7 +424,10 @@ def test_reboot_clears_dynamic_and_restores_static() -> None:
     a100_gi = nvml.nvmlDeviceCreateGpuInstance(nvml.nvmlDeviceGetHandleByIndex(2), 0)
     assert [nvml.nvmlDeviceGetGpuInstanceId(h) for h in _mig_handles(nvml, 0)] == [2, 4]
     nvml.mock_reboot()
-    assert [nvml.nvmlDeviceGetUUID(h) for h in _mig_handles(nvml, 0)] == before
+    # mig-parted re-creates the layout at boot: the same ids, new MIG devices
+    after = _mig_handles(nvml, 0)
+    assert [nvml.nvmlDeviceGetGpuInstanceId(h) for h in after] == [2, 7]
+    assert not {nvml.nvmlDeviceGetUUID(h) for h in after} & set(before)
     assert _code(lambda: nvml.nvmlGpuInstanceGetInfo(a100_gi)) == m.NVML_ERROR_INVALID_ARGUMENT
     a100 = nvml.nvmlDeviceGetHandleByIndex(2)
     assert _code(lambda: nvml.nvmlDeviceGetGpuInstanceById(a100, 0)) == m.NVML_ERROR_NOT_FOUND
@@ -426,7 +451,9 @@ def test_state_is_shared_between_two_mocks_on_one_driver_root(tmp_path: Path) ->
     assert len(_mig_handles(plugin, 0)) == 2
     assert _code(lambda: _gi_at(plugin, 0, 19, 4, 1)) == m.NVML_ERROR_INSUFFICIENT_RESOURCES
     restarted.mock_reboot()  # a reboot is seen by every process on the root
-    assert [plugin.nvmlDeviceGetUUID(h) for h in _mig_handles(plugin, 0)] == [uuids[0], uuids[2]]
+    rebooted = _mig_handles(plugin, 0)
+    assert [plugin.nvmlDeviceGetGpuInstanceId(h) for h in rebooted] == [2, 7]
+    assert not {plugin.nvmlDeviceGetUUID(h) for h in rebooted} & set(uuids)  # created anew
     state = json.loads((tmp_path / ms.STATE_FILE).read_text())
     assert state["version"] == 1
     gpu0 = state["gpus"][plugin.gpus[0].uuid]

@@ -241,3 +241,33 @@ def test_healthz_before_the_first_sync_says_so() -> None:
 
     ok, text = health_report(registered=False, last_synced=0.0, checkpoint_problem=None)
     assert ok and text == "ok: not registered, slices not synced yet\n"
+
+
+@pytest.mark.parametrize("planted", ["symlink", "fifo"])
+def test_a_planted_claim_lock_stops_the_start_with_one_line_naming_it(
+    tmp_path: Path, planted: str
+) -> None:
+    """Before: a symlink or FIFO named inflight-<uid>.lock in the data directory ended
+    every start in a traceback (issue 34, item 10)."""
+    data_dir = tmp_path / "host" / "plugins" / "gpu.example.com"
+    data_dir.mkdir(parents=True)
+    lock = data_dir / "inflight-0b1c.lock"
+    if planted == "symlink":
+        lock.symlink_to(tmp_path / "elsewhere")
+    else:
+        os.mkfifo(lock)
+    kubeconfig = write_kubeconfig(tmp_path / "kubeconfig")
+    argv = plugin_args(tmp_path, "--http-port=-1", f"--kubeconfig={kubeconfig}")
+    env = {k: v for k, v in os.environ.items() if k not in PLUGIN_ENV}
+    proc = subprocess.run(
+        [sys.executable, "-m", "driver.plugin.main", *argv],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+        check=False,
+    )
+    assert proc.returncode == 1, proc.stderr
+    line = one_line_error(proc.stderr)
+    assert str(lock) in line and "remove it" in line, line
+    assert not (tmp_path / "elsewhere").exists()

@@ -41,6 +41,12 @@ from driver.webhook.server import LIMITS, VALIDATE_PATH, WebhookServer
 
 # Where today's fixes are missing, several of these would run for hours: fail instead.
 pytestmark = pytest.mark.timeout(30)
+# CPU seconds of the test's thread that refusing or walking a bomb may take: it takes
+# milliseconds; expanding it, hours. CPU time, not wall-clock time: a busy machine
+# delays the thread but does not make it use more CPU.
+CPU_BUDGET = 1.0
+# Seconds to wait for what the server does at once: only a regression waits this long.
+EVENT_WAIT = 20.0
 
 DRIVER = "gpu.example.com"
 P = "spec.devices.config[0].opaque.parameters"
@@ -77,9 +83,9 @@ def answer(parameters: object) -> dict[str, Any]:
     ids=["json-text", "alias-bomb", "array", "number", "boolean", "null"],
 )
 def test_non_object_parameters_are_denied_naming_the_field(parameters: object, got: str) -> None:
-    began = time.monotonic()
+    began = time.thread_time()
     response = answer(parameters)
-    assert time.monotonic() - began < 1.0
+    assert time.thread_time() - began < CPU_BUDGET
     assert response["allowed"] is False
     assert response["status"]["code"] == 422
     assert response["status"]["message"] == (
@@ -117,10 +123,10 @@ def test_plugin_and_cli_refuse_text_parameters_like_the_webhook() -> None:
 
 
 def test_alias_bomb_in_a_file_is_refused_at_load() -> None:
-    began = time.monotonic()
+    began = time.thread_time()
     with pytest.raises(LoadError) as info:
         load_yaml_documents(alias_bomb(60))
-    assert time.monotonic() - began < 1.0
+    assert time.thread_time() - began < CPU_BUDGET
     assert str(info.value) == (
         f"invalid YAML: aliases expand the document by more than {MAX_ALIAS_EXPANSION} nodes"
     )
@@ -166,16 +172,16 @@ def test_raw_problem_walk_visits_shared_values_once() -> None:
     duplicate["a"] = 1
     duplicate.duplicates.append("a")
     value = {"x": _shared(60, duplicate)}  # 2**61 paths to the one dict
-    began = time.monotonic()
+    began = time.thread_time()
     problems = find_raw_problems(value, "p")
-    assert time.monotonic() - began < 1.0
+    assert time.thread_time() - began < CPU_BUDGET
     assert problems == [FieldError("p.x[0][0]" + "[0]" * 59 + ".a", "duplicate field")]
 
 
 def test_config_of_shared_values_is_decoded_in_linear_time() -> None:
-    began = time.monotonic()
+    began = time.thread_time()
     config, errors = gpu_config_errors({**GOOD, "x": _shared(60, {"k": 1})}, P)
-    assert time.monotonic() - began < 1.0
+    assert time.thread_time() - began < CPU_BUDGET
     assert config is None and errors == [FieldError(f"{P}.x", "unknown field")]
 
 
@@ -249,28 +255,28 @@ def post_head(length: int) -> bytes:
 
 
 def legit(served: Served) -> None:
-    began = time.monotonic()
+    """A review is admitted, within the client's 10 s, by a server whose connections
+    time out after 30 s: with none timed out, whatever it had to make room for it
+    was closed at once."""
     assert served.admit(admission(claim([config(GOOD)]), "resourceclaims"))["allowed"] is True
-    assert time.monotonic() - began < 1.0
+    assert served.server.stats.timed_out == 0
 
 
 def test_a_dribbling_client_gets_no_more_than_the_request_deadline(
     start: Callable[..., Served],
 ) -> None:
+    """One byte every 0.1 s, never idle for the 0.6 s deadline: closed part way
+    through the 20 s the whole request takes to dribble (bytes counted, not seconds)."""
     served = start(timeout=0.6)
     sock = tls(served)
-    began = time.monotonic()
-    closed = False
-    try:
-        for byte in post_head(100) + b"{" * 100:  # one byte every 0.1 s: never idle long
+    request = post_head(100) + b"{" * 100
+    sent = 0
+    with contextlib.suppress(OSError):  # closed by the server
+        for byte in request:
             sock.send(bytes([byte]))
+            sent += 1
             time.sleep(0.1)
-            if time.monotonic() - began > 3:
-                break
-    except OSError:
-        closed = True
-    assert closed or closed_within(sock, 1)
-    assert time.monotonic() - began < 2.5
+    assert sent < len(request), "the dribbling client was never closed"
     assert served.server.stats.timed_out == 1
     sock.close()
 
@@ -298,7 +304,11 @@ def test_buffered_bytes_are_bounded_and_the_largest_sender_goes_first(
         for sock in stalled:  # 600 KiB each of announced 3 MiB bodies, then nothing
             with contextlib.suppress(OSError):  # closed while sending
                 sock.sendall(post_head(3 << 20) + b" " * (600 << 10))
-        assert sum(closed_within(sock, 0.5) for sock in stalled) >= 1
+        deadline = time.monotonic() + EVENT_WAIT
+        while served.server.stats.evicted < 1:  # the server closes one at once
+            assert time.monotonic() < deadline, "no sender was closed"
+            time.sleep(0.01)
+        assert sum(closed_within(sock, 0.5) for sock in stalled) >= 1  # closed by now
         legit(served)
         assert served.server.stats.evicted >= 1
     finally:

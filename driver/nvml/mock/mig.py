@@ -23,7 +23,9 @@ NVML behaviour modelled, and where it comes from:
   and the lowest free aligned compute-slice placement; CI profiles are the c-slice
   ones (c = 1, 2, 3, 4 below the GI's size) plus the one covering the GI.
 - MIG UUIDs are `MIG-` + a name-based SHA-1 (version 5) UUID, like RM's
-  nvGenerateSmcUuid, here over (GPU UUID, GI ID, CI ID): deterministic per MIG device.
+  nvGenerateSmcUuid, here over (GPU UUID, the compute instance's serial): new for
+  every device created, also one created again at the same placement (which gets
+  the same GI and CI ids), deterministic for a node's sequence of creates.
 - `device` in nvmlGpuInstanceInfo_t / nvmlComputeInstanceInfo_t is the *parent* GPU
   handle (nvml.h: "Parent device"); a MIG device handle comes from
   nvmlDeviceGetMigDeviceHandleByIndex, whose indices are dense, ordered by (GI, CI).
@@ -216,7 +218,7 @@ class MigFunctions:
         mig = cast(MigSpec, gpu.profile.mig)
         profile = cast(MigProfileSpec, mig.by_id(gi.profile))
         name = ci_profiles(mig, profile)[ci.profile].name
-        return MigDevice(gpu, mig_uuid(gpu.uuid, gi.id, ci.id), profile, name)
+        return MigDevice(gpu, mig_uuid(gpu.uuid, ci), profile, name)
 
     def _mig_handle_by_uuid(self, uuid: str) -> MockMigDeviceHandle | None:
         """`MIG-<uuid>`, or the legacy `MIG-GPU-<uuid>/<gi>/<ci>`, to its handle."""
@@ -225,7 +227,7 @@ class MigFunctions:
             for gi in st.gpus.get(gpu.uuid, []):
                 for ci in gi.cis:
                     names = (
-                        mig_uuid(gpu.uuid, gi.id, ci.id),
+                        mig_uuid(gpu.uuid, ci),
                         f"MIG-{gpu.uuid}/{gi.id}/{ci.id}",
                     )
                     if uuid in names:

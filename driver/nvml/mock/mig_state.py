@@ -250,9 +250,11 @@ def create_ci(st: State, gi: GiRecord, prof: CiProfile) -> CiRecord:
     return ci
 
 
-def mig_uuid(gpu_uuid: str, gi: int, ci: int) -> str:
-    """The MIG device's UUID: `MIG-` + 8-4-4-4-12 lowercase hex (UUID version 5)."""
-    return f"MIG-{uuidlib.uuid5(_MIG_UUID_NAMESPACE, f'{gpu_uuid}/{gi}/{ci}')}"
+def mig_uuid(gpu_uuid: str, ci: CiRecord) -> str:
+    """The MIG device's UUID: `MIG-` + 8-4-4-4-12 lowercase hex (UUID version 5). New
+    for every compute instance created (its serial), as on a GPU: a device created
+    again at a placement gets the same GI and CI ids but another UUID."""
+    return f"MIG-{uuidlib.uuid5(_MIG_UUID_NAMESPACE, f'{gpu_uuid}/{ci.serial}')}"
 
 
 # --------------------------------------------------------------------------- capabilities

@@ -1,0 +1,240 @@
+"""The counter set of a GPU in MIG mode (pure; docs/mig.md, "Slice layout").
+
+One set `gpu-<minor>-counter-set` per GPU: its memory slices, counted in blocks where
+that admits the same sets (`memory_blocks`), and those of the memory, multiprocessor
+and engine counters that some published partitions at disjoint placements could take
+beyond what the GPU offers (`capacities`: the most that partitions NVML lets exist
+together take). A partition consumes its memory slices and its profile's share of
+those counters, the whole GPU all of them, so the scheduler never hands out
+overlapping partitions, a GPU together with one of its partitions, or a set NVML
+would refuse - and refuses no set NVML allows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+from collections import Counter
+from collections.abc import Collection, Sequence
+from typing import Any
+
+from driver.devices.documents import MIG_DIMENSIONS, counters, quantity
+from driver.devices.types import PublishedDevice
+from driver.nvml.types import GpuInfo, PartitionProfile
+
+MEMORY_SLICE_PREFIX = "memory-slice-"
+
+
+def counter_set_name(gpu: GpuInfo) -> str:
+    return f"gpu-{gpu.minor}-counter-set"
+
+
+def counter_values(gpu: GpuInfo) -> dict[str, int]:
+    """Counter capacities of a GPU's set before its partitions are known: per-dimension
+    max over profiles + memory slices (`counted` raises a dimension to what `capacities`
+    finds)."""
+    values: dict[str, int] = {}
+    for _, counter, attr in MIG_DIMENSIONS:
+        values[counter] = max(getattr(p, attr) for p in gpu.partition_profiles)
+    for i in range(gpu.memory_slices):
+        values[f"{MEMORY_SLICE_PREFIX}{i}"] = 1
+    return values
+
+
+Placed = tuple[tuple[PartitionProfile, tuple[int, int]], ...]  # sorted by placement
+
+
+@functools.lru_cache(maxsize=64)
+def _most_together(placed: Placed) -> dict[str, int]:
+    """Per MIG dimension counter, the most that placed partitions NVML lets exist
+    together take: placements pairwise disjoint, each profile at most its
+    `instanceCount` times. Every such set is walked (2319 with every H100 profile);
+    GPUs of one model share the answer."""
+    best = {counter: 0 for _, counter, _ in MIG_DIMENSIONS}
+    fields = [(counter, attr) for _, counter, attr in MIG_DIMENSIONS]
+
+    def walk(first: int, end: int, used: Counter[int], totals: tuple[int, ...]) -> None:
+        for (counter, _), total in zip(fields, totals, strict=True):
+            best[counter] = max(best[counter], total)
+        for i in range(first, len(placed)):
+            profile, (start, size) = placed[i]
+            if start < end or used[profile.profile_id] >= profile.instance_count:
+                continue
+            used[profile.profile_id] += 1
+            shares = [getattr(profile, attr) for _, attr in fields]
+            walk(
+                i + 1,
+                start + size,
+                used,
+                tuple(t + v for t, v in zip(totals, shares, strict=True)),
+            )
+            used[profile.profile_id] -= 1
+
+    walk(0, 0, Counter(), tuple(0 for _ in fields))
+    return best
+
+
+def capacities(gpu: GpuInfo, partitions: Sequence[PublishedDevice]) -> dict[str, int]:
+    """Per MIG dimension counter, what the GPU offers: the most that partitions NVML
+    lets exist together take, and no less than any profile's share. On NVIDIA's
+    tables the full-size profile's share bounds every such set; on one where it does
+    not (go-nvml's mock H100: 7g.80gb has 5 decoders, seven 1g.10gb take 7) the sets
+    decide, so that the scheduler refuses none of them."""
+    values = {k: v for k, v in counter_values(gpu).items() if not k.startswith(MEMORY_SLICE_PREFIX)}
+    profiles = {p.profile_id: p for p in gpu.partition_profiles}
+    placed = sorted(
+        (
+            (profiles[p.mig.profile_id], p.placement)
+            for p in partitions
+            if p.mig is not None and p.placement and p.mig.profile_id in profiles
+        ),
+        key=lambda item: (item[1], item[0].profile_id),
+    )
+    for counter, most in _most_together(tuple(placed)).items():
+        values[counter] = max(values[counter], most)
+    return values
+
+
+def _most_at_disjoint_placements(
+    slices: int, weighted: Sequence[tuple[tuple[int, int], int]]
+) -> int:
+    """The largest total weight of placements ((start, size), weight) that share no
+    memory slice: best[end] is the most within slices [0, end)."""
+    best = [0] * (slices + 1)
+    for end in range(1, slices + 1):
+        best[end] = max(
+            [best[end - 1]]
+            + [best[start] + w for (start, size), w in weighted if start + size == end]
+        )
+    return best[slices]
+
+
+def counter_set(gpu: GpuInfo, most: dict[str, int]) -> dict[str, Any]:
+    """Every counter of the GPU, its dimensions at `most` (`capacities`); `counted`
+    keeps those that can refuse something."""
+    return {
+        "name": counter_set_name(gpu),
+        "counters": counters({**counter_values(gpu), **most}, skip_zero=False),
+    }
+
+
+def binding_dimensions(
+    gpu: GpuInfo, partitions: Sequence[PublishedDevice], most: dict[str, int]
+) -> set[str]:
+    """The MIG dimension counters (memory, multiprocessors, engines) some of these
+    partitions at pairwise disjoint placements would take beyond `most` (the GPU's
+    `capacities`) together. Overlapping placements are refused by the memory-slice
+    counters already, and the whole GPU spans every slice, so a dimension no disjoint
+    placements can exceed never refuses an allocation. Without memory slices every
+    dimension counts."""
+    dimensions = {counter for _, counter, _ in MIG_DIMENSIONS}
+    slices = gpu.memory_slices
+    placed = [(p.mig, p.placement) for p in partitions if p.mig is not None and p.placement]
+    if slices < 1 or any(start < 0 or start + size > slices for _, (start, size) in placed):
+        return dimensions
+    profiles = {p.profile_id: p for p in gpu.partition_profiles}
+    binding = set()
+    for _, counter, field in MIG_DIMENSIONS:
+        weighted = [
+            (placement, getattr(profiles[mig.profile_id], field)) for mig, placement in placed
+        ]
+        if _most_at_disjoint_placements(slices, weighted) > most[counter]:
+            binding.add(counter)
+    return binding
+
+
+def memory_blocks(slices: int, spans: Collection[tuple[int, int]]) -> list[range]:
+    """A GPU's memory slices cut into blocks, each counted as one counter worth its size
+    and consumed by a device as much as its placement ((start, size)) overlaps it: the
+    sets of devices this admits are exactly those one counter per slice admits.
+
+    Blocks end wherever a placement of several slices starts or ends, so such a
+    placement takes whole blocks, and it shares a block with nothing else it could
+    overlap. A one-slice placement takes one unit of its block: one-slice placements
+    at different slices fit side by side, as they do slice by slice. Two devices at
+    the same single slice (1g.10gb and 1g.10gb+me at slice 3) would fit in a block
+    together though they overlap, so a block holding such a slice is cut into single
+    slices."""
+    wide = [(start, size) for start, size in spans if size > 1]
+    edges = sorted({0, slices} | {start for start, _ in wide} | {s + n for s, n in wide})
+    singles = Counter(start for start, size in spans if size == 1)
+    blocks: list[range] = []
+    for start, end in itertools.pairwise(edges):
+        if any(singles[i] > 1 for i in range(start, end)):
+            blocks += [range(i, i + 1) for i in range(start, end)]
+        else:
+            blocks.append(range(start, end))
+    return blocks
+
+
+def memory_counter_name(block: range) -> str:
+    if len(block) == 1:
+        return f"memory-slice-{block.start}"
+    return f"memory-slices-{block.start}-{block.stop - 1}"
+
+
+def _blocked_counters(counter_values: dict[str, Any], blocks: Sequence[range]) -> dict[str, Any]:
+    """`counter_values` with its `memory-slice-<i>` entries (each worth 1) replaced by
+    the blocks they fall in, each worth the number of those slices."""
+    taken = Counter(
+        block
+        for name in counter_values
+        if name.startswith(MEMORY_SLICE_PREFIX)
+        for block in blocks
+        if int(name.removeprefix(MEMORY_SLICE_PREFIX)) in block
+    )
+    out = {k: v for k, v in counter_values.items() if not k.startswith(MEMORY_SLICE_PREFIX)}
+    for block in blocks:
+        if taken[block]:
+            out[memory_counter_name(block)] = quantity(str(taken[block]))
+    return out
+
+
+def _recounted(
+    device: PublishedDevice, kept: dict[str, Any], blocks: Sequence[range]
+) -> PublishedDevice:
+    """The device consuming only the `kept` counters (the set's, with their values),
+    its memory slices in `blocks`; the whole GPU takes each kept dimension whole."""
+    if not device.document.get("consumesCounters"):
+        return device
+    document = dict(device.document)
+    whole = not device.is_partition
+    document["consumesCounters"] = [
+        {
+            **c,
+            "counters": _blocked_counters(
+                {
+                    k: kept[k] if whole and not k.startswith(MEMORY_SLICE_PREFIX) else v
+                    for k, v in c["counters"].items()
+                    if k in kept
+                },
+                blocks,
+            ),
+        }
+        for c in device.document["consumesCounters"]
+    ]
+    return dataclasses.replace(device, document=document)
+
+
+def counted(
+    gpu: GpuInfo, devices: Sequence[PublishedDevice]
+) -> tuple[list[PublishedDevice], dict[str, Any]]:
+    """The GPU's counter set with its memory slices in blocks (`memory_blocks`) and its
+    binding dimensions only, and its devices consuming only those (docs/mig.md, "Slice
+    layout"): the scheduler's allocator reads every consumed counter of every device of
+    a node for every pod, and the allocations it allows stay the same."""
+    partitions = [d for d in devices if d.is_partition]
+    most = capacities(gpu, partitions)
+    dimensions = {counter for _, counter, _ in MIG_DIMENSIONS}
+    dropped = dimensions - binding_dimensions(gpu, partitions, most)
+    full = counter_set(gpu, most)
+    kept = {k: v for k, v in full["counters"].items() if k not in dropped}
+    spans = [d.mig.placement for d in devices if d.mig is not None]
+    slices = gpu.memory_slices
+    if all(start >= 0 and size > 0 and start + size <= slices for start, size in spans):
+        blocks = memory_blocks(slices, spans)
+    else:  # placements NVML should not report: count slice by slice
+        blocks = [range(i, i + 1) for i in range(slices)]
+    counted_set = {**full, "counters": _blocked_counters(kept, blocks)}
+    return [_recounted(d, kept, blocks) for d in devices], counted_set

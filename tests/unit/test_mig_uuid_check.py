@@ -1,0 +1,89 @@
+"""A MIG device is the claim's only while it has the UUID the journal recorded.
+
+On the NVIDIA driver a GPU instance's id follows its placement and the first compute
+instance is 0, so a device created again at the claim's profile and placement by
+anyone (an administrator in this boot, mig-parted's boot-time layout after a reboot)
+has the recorded ids; only its UUID differs. Such a device is reported, never
+destroyed by the claim's unprepare and never adopted by the restart (docs/mig.md,
+"Crash safety")."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from driver.nvml.types import MigInstance
+from driver.state.checkpoint import Checkpoint, ClaimEntry, ClaimState
+from tests.unit.test_mig_foreign import _intent, _target
+from tests.unit.test_mig_owned import _published_uuids
+from tests.unit.test_mig_prepare import H100, Node, make_node
+
+DEVICE = "gpu-0-mig-2g20gb-2"
+
+
+def _prepared(node: Node, uid: str) -> MigInstance:
+    assert node.state.prepare([node.claims.add(uid, DEVICE)])[uid].ok
+    (mine,) = node.live()
+    return mine
+
+
+def _created_again(node: Node, mine: MigInstance) -> MigInstance:
+    again = node.backend.mig().create(_target(node, DEVICE))
+    assert (again.gi_id, again.ci_id, again.placement) == (mine.gi_id, mine.ci_id, mine.placement)
+    assert again.uuid != mine.uuid
+    return again
+
+
+def test_unprepare_leaves_a_device_created_again_at_the_claims_placement(tmp_path: Path) -> None:
+    node = make_node(tmp_path, H100)
+    mine = _prepared(node, "u")
+    assert node.backend.mig().destroy(mine.gpu_uuid, mine.gi_id)  # nvidia-smi, a GPU reset
+    admin = _created_again(node, mine)
+    assert node.state.unprepare([node.claims.add("u")]) == {"u": None}
+    assert node.live() == [admin]
+    assert Checkpoint(tmp_path / "plugin").load() == {}
+
+
+def test_a_restart_after_a_reboot_never_adopts_the_boot_layouts_device(tmp_path: Path) -> None:
+    node = make_node(tmp_path, H100)
+    mine = _prepared(node, "r")
+    journal = Checkpoint(tmp_path / "plugin").load()
+    node.mock.mock_reboot()
+    boot_layout = _created_again(node, mine)
+
+    restarted = make_node(tmp_path, H100)
+    report = restarted.state.recover()
+    assert [p.split(":")[0] for p in report.problems] == ["r"]
+    assert boot_layout.uuid is not None and boot_layout.uuid in report.problems[0]
+    assert Checkpoint(tmp_path / "plugin").load() == journal  # the recorded UUID kept
+    assert boot_layout.uuid in _published_uuids(restarted)  # foreign: a static device
+    assert restarted.state.unprepare([restarted.claims.add("r")]) == {"r": None}
+    assert restarted.live() == [boot_layout]
+    assert Checkpoint(tmp_path / "plugin").load() == {}
+
+
+def test_an_intent_of_an_earlier_boot_destroys_nothing_at_its_placement(tmp_path: Path) -> None:
+    """A crash between the intent and the create, then a reboot whose boot-time layout
+    put a device at the intent's placement: that device did not exist when the intent
+    was journaled (its id is not in `before`), yet nothing an attempt of another boot
+    made survives a reboot. The intent records its boot; its rollback leaves the
+    device, and discovery does not count it as the journal's."""
+    node = make_node(tmp_path, H100)
+    mine = _prepared(node, "r")
+    cp = Checkpoint(tmp_path / "plugin")
+    (device,) = cp.load()["r"].devices
+    cp.store(
+        {
+            "r": ClaimEntry(
+                ClaimState.PREPARE_STARTED,
+                "default",
+                "claim-r",
+                (_intent(device, before=[], boot="an-earlier-boot"),),
+            )
+        }
+    )
+    node.mock.mock_reboot()
+    boot_layout = _created_again(node, mine)
+    restarted = make_node(tmp_path, H100)  # recover() rolls the intent back
+    assert restarted.live() == [boot_layout]
+    assert cp.load() == {}
+    assert boot_layout.uuid in _published_uuids(restarted)
