@@ -180,7 +180,8 @@ check_node_owner() {
 #                           container of our containerd and not named in its metadata
 #   $HOST_CONTAINERD_DIR    a containerd.sock, or mounts under it (ours has neither)
 #   ports                   $KUBELET_HEALTHZ_PORT, $KUBELET_PORT listening, not our kubelet
-#   processes               named $KUBELET_PROCESS_NAME, not our kubelet
+#   processes               named $KUBELET_PROCESS_NAME, not our kubelet, in our mount
+#                           or network namespace (a kind node's kubelet is neither)
 #   the marker              names another run dir whose kubelet still runs
 
 NODE_FOREIGN=()
@@ -363,6 +364,14 @@ guard_containerd() {
   ((n == 0)) || node_foreign "path $HOST_CONTAINERD_DIR: $n mounts under it (e.g. $(head -n 1 <<<"$mounts")); our containerd never mounts there"
 }
 
+# A process in mount and network namespaces other than ours (a kind or other
+# container node) sees its own /var/lib/kubelet and ports, not this host's.
+in_other_node_namespaces() { # <proc dir>
+  local mnt net
+  mnt=$(readlink "$1/ns/mnt" 2>/dev/null) && net=$(readlink "$1/ns/net" 2>/dev/null) || return 1
+  [[ $mnt != "$(readlink /proc/self/ns/mnt)" && $net != "$(readlink /proc/self/ns/net)" ]]
+}
+
 guard_kubelet_processes() {
   local p pid comm argv0 kpid="" mpid=""
   kpid=$(our_kubelet_pid) || kpid=""
@@ -373,6 +382,7 @@ guard_kubelet_processes() {
     { IFS= read -r -d '' argv0 <"$p/cmdline"; } 2>/dev/null || true
     [[ $comm == "$KUBELET_PROCESS_NAME" || ${argv0##*/} == "$KUBELET_PROCESS_NAME" ]] || continue
     [[ $pid == "$kpid" ]] && continue
+    in_other_node_namespaces "$p" && continue
     if [[ -z $mpid ]]; then mpid=$(marker_kubelet_pid) || mpid=-; fi
     [[ $pid == "$mpid" ]] && continue # reported by guard_marker
     local cmd

@@ -363,6 +363,41 @@ def test_kubelet_process_is_refused(host: Host) -> None:
         proc.wait()
 
 
+def _kubelet_named_process(host: Host, *unshare: str) -> subprocess.Popen[bytes]:
+    """A process named like the kubelet, in new namespaces of the kinds `unshare` names."""
+    command = f"exec -a {host.process_name} sleep 60"
+    proc = subprocess.Popen(["unshare", *unshare, "bash", "-c", command])
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:  # until the exec happened
+        if Path(f"/proc/{proc.pid}/cmdline").read_bytes().startswith(host.process_name.encode()):
+            return proc
+        time.sleep(0.05)
+    proc.kill()
+    raise AssertionError("the kubelet-named process never started")
+
+
+def test_a_kubelet_in_a_container_node_is_not_this_hosts(host: Host) -> None:
+    """A kind node's kubelet lives in its container's mount and network namespaces: it
+    has its own /var/lib/kubelet and ports, so a local node beside it is not refused."""
+    proc = _kubelet_named_process(host, "--mount", "--net")
+    try:
+        result = preflight(host)
+        assert result.returncode == 0, result.stderr
+        assert "no foreign node state" in result.stdout
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_kubelet_sharing_this_hosts_network_is_refused(host: Host) -> None:
+    proc = _kubelet_named_process(host, "--mount")
+    try:
+        assert_refused(preflight(host), f"process {proc.pid} ({host.process_name})")
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 def test_marker_recording_another_kubelet_root_does_not_cover_this_one(host: Host) -> None:
     host.plant_foreign_kubelet_tree()
     host.marker.parent.mkdir(parents=True)
