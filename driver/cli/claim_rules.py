@@ -17,6 +17,8 @@ the API server, or failing at every prepare, while each GpuConfig in it is valid
   (`DeviceClasses.offered`) must take it at prepare (`driver.config.validate_for_device`:
   a whole GPU not shared by capacity whose `maxPartitions`, if published, is at least
   `partitionCount`).
+- Time-slice intervals. A non-Default `timeSlicingConfig.interval` must not apply to a
+  request of `mig.<driver>`: a MIG device has no interval, and prepare refuses it.
 """
 
 from __future__ import annotations
@@ -33,7 +35,14 @@ from driver.cli.claim_requests import (
     request_names,
 )
 from driver.cli.slice_devices import GPU_PARTITION_ATTRIBUTE, MIG_ATTRIBUTE, OfferedDevice
-from driver.config import CONFIG_LIST_PATHS, ConfigError, GpuConfig, Strategy, request_matches
+from driver.config import (
+    CONFIG_LIST_PATHS,
+    ConfigError,
+    GpuConfig,
+    Interval,
+    Strategy,
+    request_matches,
+)
 from driver.config import validate_for_device as device_rule
 from driver.config.documents import config_list_of, opaque_parameters_errors
 from driver.config.errors import FieldError
@@ -84,6 +93,10 @@ class DeviceClasses:
     def gives_partitions(self, name: object) -> bool:
         """Whether `name` is a chart class of partitions only (MIG or --gpu-partitions)."""
         return chart_classes(self.driver).get(str(name)) is not None
+
+    def gives_mig(self, name: object) -> bool:
+        """Whether `name` is the chart's class of MIG devices."""
+        return chart_classes(self.driver).get(str(name)) == MIG_ATTRIBUTE
 
     def offered(self, name: object, devices: list[OfferedDevice]) -> list[OfferedDevice]:
         """The devices a request of class `name` may get: for the chart's classes those
@@ -145,7 +158,7 @@ def claim_problems(
     problems = list(_class_problems(requests, classes, for_driver))
     if for_driver:
         problems += _request_name_problems(requests, claim_configs(doc))
-        problems += _space_partitioning_problems(doc, requests, classes, devices)
+        problems += _sharing_problems(doc, requests, classes, devices)
     return problems
 
 
@@ -206,17 +219,25 @@ def _effective_configs(
             yield request, *applying[-1]
 
 
-def _space_partitioning_problems(
+def _sharing_problems(
     doc: object,
     requests: list[DeviceRequest],
     classes: DeviceClasses,
     devices: list[OfferedDevice] | None,
 ) -> Iterator[FieldError]:
     for request, config, gpu_config in _effective_configs(doc, requests, classes.driver):
-        if gpu_config.strategy != Strategy.SPACE_PARTITIONING:
-            continue
         parameters = f"{config.path}.opaque.parameters"
         device_class = request.device_class
+        interval = gpu_config.interval
+        if interval not in (None, Interval.DEFAULT) and classes.gives_mig(device_class):
+            yield FieldError(
+                f"{parameters}.sharing.timeSlicingConfig.interval",
+                f"{interval} fails at prepare for request '{request.name}': class "
+                f"{device_class} gives MIG devices, which have no time-slice interval; use a "
+                "GPU with MIG mode off, or no interval",
+            )
+        if gpu_config.strategy != Strategy.SPACE_PARTITIONING:
+            continue
         if classes.gives_partitions(device_class):
             yield FieldError(
                 f"{parameters}.sharing.strategy",

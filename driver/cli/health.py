@@ -1,6 +1,6 @@
 """`gpu-dra health`: this node's GPU health and taints, with their reasons and sources.
 
-Two sources, each line says which:
+Three sources, each line says which:
 
 - `store`: the failures the kubelet plugin recorded in its health store
   (`<state dir>/health.json`, read only): why a GPU or a MIG GPU instance is unhealthy
@@ -10,6 +10,10 @@ Two sources, each line says which:
   in-cluster service account, ~/.kube/config). A difference between the two is
   shown as a note: the plugin republishes within seconds, so a lasting difference
   means it is not running or cannot write.
+- `plugin`: the NVML recovery actions that taint a GPU (a reset, a reboot, a drain
+  it needs), which only the running plugin knows (it reads NVML and keeps them in
+  memory): from its /status (`--plugin-url`). Such a GPU is unhealthy as one with a
+  recorded failure is; its taint goes by itself once NVML answers no action.
 
 Devices are named as the slices publish them; when the slices cannot be read, as
 the running plugin names them (its /status, `--plugin-url`), else by NVML on this
@@ -32,6 +36,7 @@ import json
 import os
 import socket
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -40,15 +45,26 @@ import yaml
 from driver.cli import health_clear
 from driver.cli.gpu_names import local_gpu_names
 from driver.cli.output import format_table
-from driver.cli.plugin_endpoint import add_plugin_url_argument
+from driver.cli.plugin_endpoint import (
+    PluginUnreachable,
+    add_plugin_url_argument,
+    fetch_status,
+    recovery_failures,
+)
 from driver.cli.published import PublishedView, SliceDevice, read_published
 from driver.cli.state_dir import HealthView, add_state_dir_argument, default_state_dir, read_health
 from driver.health.clear import record_json
 from driver.health.control import ControlError, check_active
 from driver.health.failures import DEFAULT_DRIVER_NAME, KIND_RANK, GpuFailure
+from driver.health.recovery import KIND_RECOVERY_ACTION
+from driver.health.unmonitored import KIND_UNMONITORED
 from driver.plugin.host_inputs import driver_name_argument
 
 HEADERS = ("SOURCE", "DEVICE", "TAINT", "SINCE", "REASON")
+UNMONITORED_REASON = (
+    "NVML does not report this GPU's health events: its failures go unseen "
+    "(informational; `gpu-dra status` says why)"
+)
 
 
 def add_common_arguments(parser: argparse.ArgumentParser) -> None:
@@ -95,6 +111,24 @@ def add_parser(subcommands: Any) -> None:
     health_clear.add_parser(actions, add_common_arguments)
 
 
+@dataclass(frozen=True)
+class PluginRecovery:
+    """The running plugin's recovery actions that taint GPUs, or why they are unknown."""
+
+    failures: dict[str, dict[str, Any]]  # GPU UUID -> RecoveryFailure.to_json()
+    problem: str | None = None
+
+    @classmethod
+    def read(cls, url: str | None) -> PluginRecovery:
+        try:
+            return cls(recovery_failures(fetch_status(url)))
+        except PluginUnreachable as err:
+            return cls({}, f"the plugin does not answer: {err}")
+
+
+NOT_READ = PluginRecovery({}, "not read")
+
+
 def state_dir_of(args: argparse.Namespace) -> Path:
     return Path(args.state_dir) if args.state_dir else default_state_dir(args.driver_name)
 
@@ -117,7 +151,13 @@ def run(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None 
     if names is None and view.store is not None:
         names = local_gpu_names(args.plugin_url).names
     report = build_report(
-        args.node_name, args.driver_name, state_dir, view, published, gpu_names=names
+        args.node_name,
+        args.driver_name,
+        state_dir,
+        view,
+        published,
+        gpu_names=names,
+        recovery=PluginRecovery.read(args.plugin_url),
     )
     if args.output == "json":
         print(json.dumps(report, indent=2), file=out)
@@ -155,6 +195,7 @@ def build_report(
     published: PublishedView,
     *,
     gpu_names: dict[str, str] | None = None,
+    recovery: PluginRecovery = NOT_READ,
 ) -> dict[str, Any]:
     """The JSON document `-o json` prints (the table shows the same). `gpu_names`:
     GPU UUID -> device name (default: the published whole-GPU devices')."""
@@ -166,13 +207,26 @@ def build_report(
         for uuid, by_placement in sorted(view.store.failed_instances().items()):
             for _, failure in sorted(by_placement.items()):
                 failures.append(_store_line(uuid, failure, names))
+    actions = sorted(
+        ({**failure, "device": names.get(uuid)} for uuid, failure in recovery.failures.items()),
+        key=lambda a: (
+            a["device"] is None,
+            len(a["device"] or ""),
+            a["device"] or "",
+            a["gpuUUID"],
+        ),
+    )
     taints: list[dict[str, Any]] = []
     for device in published.devices:
-        reason = None
-        if view.store is not None:
-            shown = view.store.device_failure(device)
-            reason = shown.message() if shown is not None else None
+        stored = view.store.device_failure(device) if view.store is not None else None
+        action = recovery.failures.get(device.gpu_uuid)
         for taint in device.taints:
+            if taint.get("key") == f"{driver}/{KIND_RECOVERY_ACTION}":
+                reason = action["message"] if action is not None else None
+            elif taint.get("key") == f"{driver}/{KIND_UNMONITORED}":
+                reason = UNMONITORED_REASON
+            else:
+                reason = stored.message() if stored is not None else None
             taints.append(
                 {
                     "device": device.name,
@@ -195,6 +249,11 @@ def build_report(
             "readable": view.store is not None,
             "problem": view.unknown,
             "failures": failures,
+        },
+        "recovery": {
+            "read": recovery.problem is None,
+            "problem": recovery.problem,
+            "actions": actions,
         },
         "slices": {
             "read": published.problem is None,
@@ -262,6 +321,9 @@ def render_table(report: dict[str, Any]) -> str:
             gi = line["gpuInstanceId"]
             device += f" (GPU instance {gi if gi is not None else '?'}, slices {start}+{size})"
         rows.append(("store", device, _taint(line), line["since"], line["reason"]))
+    for action in report["recovery"]["actions"]:
+        device = action["device"] or action["gpuUUID"]
+        rows.append(("plugin", device, _taint(action), action["since"], action["reason"]))
     for taint in report["slices"]["taints"]:
         rows.append(
             (
@@ -281,6 +343,14 @@ def render_table(report: dict[str, Any]) -> str:
         lines.append(f"store: {count} recorded failure(s) in {store['path']}")
     else:
         lines.append(f"store: unknown: {store['problem']}")
+    recovery = report["recovery"]
+    if recovery["read"]:
+        lines.append(
+            f"recovery: {len(recovery['actions'])} NVML recovery action(s) that taint GPUs "
+            "(the running plugin's)"
+        )
+    else:
+        lines.append(f"recovery: unknown: {recovery['problem']}")
     if slices["read"]:
         lines.append(
             f"slices: {len(slices['taints'])} published taint(s) on node {report['node']} "

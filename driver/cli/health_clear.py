@@ -11,7 +11,9 @@ changed meanwhile), republishes and says whether the API server accepted the sli
 DEVICE: `gpu-<n>` or a GPU UUID (the GPU and all its GPU instances, as NVML's
 recovery event does), or a MIG partition (the failures of GPU instances on its memory
 slices; refused when the whole GPU failed). If the fault persists, the next NVML
-event taints the device again.
+event taints the device again. A taint of NVML's recovery action (a reset, a reboot)
+is not a recorded failure: it stays until NVML reports no action, and the command
+says so.
 
 Exit codes: 0 cleared (and the slices accepted) or nothing to clear; 1 refused, not
 confirmed, no plugin accepts `clear`, no answer within --timeout, or cleared but the
@@ -100,8 +102,24 @@ def run(
         )
         return 1
     if published:
-        print("the API server accepted this node's ResourceSlices without the taint", file=out)
+        print(
+            f"the API server accepted this node's ResourceSlices without {_removed(plan)}", file=out
+        )
+    if plan.get("keptTaint"):
+        print(
+            f"{plan['gpuDevices']} device(s) still carry {plan['keptTaint']}: it goes by "
+            "itself once NVML reports no recovery action",
+            file=out,
+        )
     return 0
+
+
+def _removed(plan: dict[str, Any]) -> str:
+    """`<key>=<value>, ...`: the taints of the records the clear forgets."""
+    names = (
+        f"{r['key']}={r['value']}" if r.get("value") else str(r["key"]) for r in plan["records"]
+    )
+    return ", ".join(dict.fromkeys(names))
 
 
 def _ask(state_dir: Path, request: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
@@ -124,11 +142,19 @@ def describe(plan: dict[str, Any], *, pid: int | None, node: str) -> str:
     ]
     lines += [f"  - {record['message']}" for record in plan["records"]]
     untainted = ", ".join(plan["untaintedDevices"]) or "none"
-    lines.append(f"and republish this node's ResourceSlices without the taint on: {untainted}")
+    lines.append(
+        f"and republish this node's ResourceSlices without {_removed(plan)} on: {untainted}"
+    )
     if plan["stillTaintedDevices"]:
         lines.append(
             "still tainted afterwards (other failures of the GPU): "
             + ", ".join(plan["stillTaintedDevices"])
+        )
+    if plan.get("keptTaint"):
+        lines.append(
+            f"stay tainted afterwards: all {plan['gpuDevices']} device(s) keep "
+            f"{plan['keptTaint']}: NVML's recovery action, which goes by itself once NVML "
+            "reports none; gpu-dra health clear does not remove it"
         )
     lines.append(
         "The scheduler may then allocate these devices again. If the fault persists, the "

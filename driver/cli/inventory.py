@@ -18,7 +18,10 @@ The table's HEALTH column comes from the health store of the plugin on this node
 else the plugin's data dir <KUBELET_PLUGINS_DIRECTORY_PATH>/<driver name> if it
 exists. Without one, HEALTH says `unknown`: inventory never claims a GPU is healthy
 without reading what the plugin recorded. Taints show the plugin's effect
-(`--xid-taint-effect`, default $XID_TAINT_EFFECT as in the plugin's pod).
+(`--xid-taint-effect`, default $XID_TAINT_EFFECT as in the plugin's pod). The NVML
+recovery actions that taint a GPU (every device of it) come from the running plugin,
+which alone knows them (its /status, `--plugin-url`); without an answer the last line
+says they are unknown. The rule is docs/health.md's "What unhealthy means".
 
 The table has one row per GPU, also for a GPU of which nothing is published (DEVICE
 `-`), and with --partitions one per partition after its GPU. INDEX and PCI BUS ID are
@@ -46,6 +49,13 @@ from typing import Any
 import yaml
 
 from driver.cli.output import format_table
+from driver.cli.plugin_endpoint import (
+    PluginUnreachable,
+    add_plugin_url_argument,
+    default_url,
+    fetch_status,
+    recovery_failures,
+)
 from driver.cli.state_dir import STATE_DIR_ENV, HealthView, add_state_dir_argument, read_health
 from driver.devices.gpu_view import GpuView
 from driver.devices.model import PoolDevices, PoolError, PublishedDevice, build_pool
@@ -99,6 +109,7 @@ def add_parser(subcommands: Any) -> None:
         help="output format (default: %(default)s)",
     )
     add_state_dir_argument(parser, default=None)
+    add_plugin_url_argument(parser)
     parser.set_defaults(run=run)
 
 
@@ -186,11 +197,13 @@ def run(args: argparse.Namespace) -> int:
         health = _health_view(args, state_dir, settings.driver_name)
         if health is None:
             return 1
+        recovery, recovery_source = _recovery_actions(args.plugin_url)
         sys.stdout.write(
             _table(
                 inventory,
                 pool,
                 health,
+                recovery,
                 driver=settings.driver_name,
                 effect=settings.xid_taint_effect,
                 partitions=args.partitions,
@@ -205,6 +218,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"health unknown: {health.unknown} (give --state-dir)")
         else:
             print(f"health from {health.path}")
+        print(recovery_source)
     elif args.output == "json":
         print(json.dumps({"apiVersion": "v1", "kind": "List", "items": docs}, indent=2))
     else:
@@ -231,21 +245,39 @@ def _health_view(args: argparse.Namespace, state_dir: Path, driver: str) -> Heal
     return read_health(state_dir, driver)
 
 
+def _recovery_actions(url: str | None) -> tuple[dict[str, dict[str, Any]], str]:
+    """The running plugin's recovery actions by GPU UUID, and where they came from (or
+    why they are unknown) for the table's last line."""
+    try:
+        found = recovery_failures(fetch_status(url))
+    except PluginUnreachable as err:
+        return {}, f"recovery actions unknown: the plugin does not answer: {err}"
+    return found, f"recovery actions from the plugin at {url or default_url()}"
+
+
 def _table(
     inventory: Inventory,
     pool: PoolDevices,
     health: HealthView,
+    recovery: dict[str, dict[str, Any]],
     *,
     driver: str,
     effect: str,
     partitions: bool,
 ) -> str:
+    """`recovery`: GPU UUID -> the recovery action that taints every device of it
+    (`recovery_failures`)."""
     store = health.store
 
     def health_text(device: PublishedDevice | GpuView) -> str:
         if store is None:
             return "unknown"
-        taints = store.device_taints([device], driver=driver, effect=effect)
-        return taint_text(taints.get(device.name, ()))
+        taints = list(
+            store.device_taints([device], driver=driver, effect=effect).get(device.name, ())
+        )
+        action = recovery.get(device.gpu_uuid)
+        if action is not None:
+            taints.append(action)
+        return taint_text(taints)
 
     return format_table(HEADERS, device_rows(inventory, pool, health_text, partitions=partitions))

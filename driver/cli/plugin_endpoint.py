@@ -1,4 +1,5 @@
-"""The running plugin's /status, over its HTTP port (`gpu-dra status`, `gpu-dra health`).
+"""The running plugin's /status, over its HTTP port (`gpu-dra status`, `gpu-dra health`,
+`gpu-dra inventory`).
 
 Where: `--plugin-url`, else `http://127.0.0.1:$HTTP_PORT` (the chart sets HTTP_PORT in
 the plugin's pod, so `kubectl exec <plugin pod> -- gpu-dra status` needs no flag),
@@ -14,6 +15,8 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from typing import Any
+
+from driver.health.recovery import KIND_RECOVERY_ACTION
 
 PORT_ENV = "HTTP_PORT"
 DEFAULT_PORT = 8080
@@ -65,3 +68,15 @@ def fetch_status(url: str | None, timeout: float = DEFAULT_TIMEOUT) -> dict[str,
     if not isinstance(document, dict):
         raise PluginUnreachable(f"{target}: not a status document")
     return document
+
+
+def recovery_failures(document: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """GPU UUID -> the NVML recovery action that taints it (`gpus[].failures` of a
+    /status document; `driver.health.recovery.RecoveryFailure.to_json`). Only the
+    running plugin knows them: it reads NVML, and keeps them in memory."""
+    found: dict[str, dict[str, Any]] = {}
+    for gpu in document.get("gpus") or []:
+        for failure in gpu.get("failures") or []:
+            if str(failure.get("key", "")).endswith(f"/{KIND_RECOVERY_ACTION}"):
+                found[str(gpu.get("uuid"))] = failure
+    return found

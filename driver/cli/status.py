@@ -140,9 +140,10 @@ def _journal_line(journal: dict[str, Any]) -> str:
 
 
 def _gpu_health(gpu: dict[str, Any]) -> str:
+    unmonitored = "" if gpu.get("monitored", True) else " (unmonitored)"
     if gpu["health"] != "failed":
-        return str(gpu["health"])
-    return "failed: " + "; ".join(f["message"] for f in gpu["failures"])
+        return f"{gpu['health']}{unmonitored}"
+    return "failed: " + "; ".join(f["message"] for f in gpu["failures"]) + unmonitored
 
 
 def _gpu_row(gpu: dict[str, Any]) -> tuple[str, ...]:
@@ -170,8 +171,12 @@ def render(report: dict[str, Any]) -> str:
             f"plugin        version {plugin['version']} (pid {plugin['pid']}), node "
             f"{plugin['node']}, driver {plugin['driver']}, up {plugin['uptimeSeconds']}s"
         )
-        registered = report["registration"]["registered"]
-        lines.append(f"registration  {'registered' if registered else 'NOT registered'}")
+        registration = report["registration"]
+        if registration.get("error"):
+            shown = f"REFUSED: {registration['error']}"
+        else:
+            shown = "registered" if registration["registered"] else "NOT registered"
+        lines.append(f"registration  {shown}")
         if slices["lastSynced"] is None:
             synced = "not published yet"
         else:
@@ -182,12 +187,18 @@ def render(report: dict[str, Any]) -> str:
             f"health        {health['failedGPUs']} GPU(s) failed, {health['taintedDevices']} "
             f"device(s) tainted (effect {health['taintEffect']})"
             + (f"; STORE CORRUPT: {health['storeProblem']}" if health["storeProblem"] else "")
+            + (
+                f"; {health['unmonitoredGPUs']} GPU(s) NOT MONITORED"
+                if health.get("unmonitoredGPUs")
+                else ""
+            )
         )
         lines.append(f"journal       {_journal_line(report['journal'])}")
         rows = [_gpu_row(g) for g in report["gpus"]]
         if rows:
             lines += ["", format_table(GPU_HEADERS, rows).rstrip("\n")]
-    if report["problems"]:
+    if report["problems"] or report.get("notes"):
         lines.append("")
         lines += [f"problem: {p}" for p in report["problems"]]
+        lines += [f"note: {n}" for n in report.get("notes") or []]
     return "\n".join(lines) + "\n"

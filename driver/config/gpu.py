@@ -166,9 +166,14 @@ def validate_for_device(
     max_partitions: int | None,
     path: str = "",
     share: bool = False,
+    no_time_slice: str | None = None,
 ) -> None:
     """Device rules, checked at prepare for each allocated device.
 
+    - A non-Default time-slice interval needs a device whose GPU's interval this
+      driver sets (docs/sharing.md, "Time-slice intervals"): `no_time_slice` says why
+      the device has none ("a MIG device: ...", "with admin access"), and then the
+      interval is refused rather than passed to the container as if it were applied.
     - SpacePartitioning is not possible on a share of a multi-allocatable device
       (`share`: the allocation has a shareID; docs/sharing.md): the share is a slice
       of a time-sliced GPU, not a GPU to split. TimeSlicing is allowed on a share.
@@ -181,6 +186,19 @@ def validate_for_device(
     Raises `ConfigError` (permanent invalid-config, "impossible partition count")
     whose message names the device and the numbers. `path` prefixes the field path.
     """
+    interval = config.interval
+    if no_time_slice is not None and interval not in (None, Interval.DEFAULT):
+        field = join_path(join_path(join_path(path, "sharing"), "timeSlicingConfig"), "interval")
+        raise ConfigError(
+            [
+                (
+                    field,
+                    f"cannot set the time-slice interval {interval} of device {device_name} "
+                    f"({no_time_slice}); nothing would apply it. Use a GPU with MIG mode "
+                    "off, or no interval (Default)",
+                )
+            ]
+        )
     count = config.partition_count
     if share and config.strategy == Strategy.SPACE_PARTITIONING:
         raise ConfigError(

@@ -16,6 +16,10 @@ Request: `{"action": "clear", "device": "<name or GPU UUID>", "dryRun": bool,
   devices that would lose their taint. `expect`: the records a preview showed; the
   clear is refused when they changed meanwhile (a new Xid since the preview).
 
+A clear forgets only the health store's failures: a taint of NVML's recovery action
+(`driver.health.recovery`) stays on every device of the GPU until NVML reports no
+action. The plan names it (`keptTaint`), and so do the answers and the Event.
+
 After a clear the slices are republished and the answer says whether the API server
 accepted them (`published`) within `publish_timeout`. If the fault persists, the next
 NVML event records it (and taints the device) again. With `taint_events`, a clear
@@ -40,7 +44,7 @@ from driver.health.failures import (
     device_placement,
     overlaps,
 )
-from driver.health.node_events import TaintEvents
+from driver.health.node_events import RecoveryTaints, TaintEvents, kept_taint
 from driver.health.store import HealthStore
 from driver.observability import metrics
 
@@ -103,6 +107,8 @@ class ClearPlan:
     records: tuple[GpuFailure, ...]
     untainted: tuple[str, ...]  # devices whose taint goes
     still_tainted: tuple[str, ...]  # devices of the GPU that keep a taint
+    kept_taint: str | None = None  # `kept_taint`: NVML's, on every device of the GPU
+    gpu_devices: int = 0  # how many devices the GPU has
 
     def records_json(self) -> list[dict[str, Any]]:
         return [record_json(self.gpu_uuid, f) for f in self.records]
@@ -116,6 +122,8 @@ class ClearPlan:
             "records": self.records_json(),
             "untaintedDevices": list(self.untainted),
             "stillTaintedDevices": list(self.still_tainted),
+            "keptTaint": self.kept_taint,
+            "gpuDevices": self.gpu_devices,
         }
 
 
@@ -132,8 +140,10 @@ class ClearAction:
         on_change: Callable[[], None] = lambda: None,
         publish_timeout: float = DEFAULT_PUBLISH_TIMEOUT,
         taint_events: TaintEvents | None = None,
+        recovery: RecoveryTaints | None = None,
     ) -> None:
         self._store = store
+        self._recovery = recovery
         self._devices = device_list(devices)
         self._by_name: dict[str, HealthDevice] = {d.name: d for d in self._devices}
         self._publisher = publisher
@@ -218,7 +228,14 @@ class ClearAction:
             )
             (still if covered else untainted).append(device.name)
         return ClearPlan(
-            target, gpu_uuid, placement, tuple(records), tuple(untainted), tuple(still)
+            target,
+            gpu_uuid,
+            placement,
+            tuple(records),
+            tuple(untainted),
+            tuple(still),
+            kept_taint(self._recovery, gpu_uuid),
+            len(gpu_devices),
         )
 
     def _resolve(self, target: str) -> tuple[str, Placement | None]:
@@ -262,5 +279,10 @@ def _describe(records: tuple[GpuFailure, ...]) -> str:
 
 def _preview(plan: ClearPlan) -> str:
     if not plan.records:
-        return f"{plan.target} has no recorded failure: nothing to clear"
+        kept = (
+            f"; its devices keep {plan.kept_taint} until NVML reports no recovery action"
+            if plan.kept_taint
+            else ""
+        )
+        return f"{plan.target} has no recorded failure: nothing to clear{kept}"
     return f"would clear {plan.target}: {_describe(plan.records)}"

@@ -50,6 +50,7 @@ from driver.health.mock_control import MockActions
 from driver.health.node_events import EventSink, TaintEvents
 from driver.health.recovery import RecoveryActions, RecoveryChange, recovery_event
 from driver.health.store import Devices, HealthStore, Placement, device_list
+from driver.health.unmonitored import UnmonitoredGpus
 from driver.health.xid import (
     Verdict,
     XidPolicy,
@@ -73,6 +74,9 @@ class EventSource(Protocol):
     def open_event_set(self) -> None: ...
     def wait_event(self, timeout_ms: int) -> HealthEvent | None: ...
     def close_event_set(self) -> None: ...
+
+    @property
+    def unmonitored(self) -> dict[str, str]: ...
 
 
 MigInstances = Callable[[str], Iterable[MigInstance]]  # GPU UUID -> its live GPU instances
@@ -126,6 +130,7 @@ class HealthMonitor:
         driver: str | None = None,
         taint_effect: str = "NoSchedule",
         recovery: RecoveryActions | None = None,
+        unmonitored: UnmonitoredGpus | None = None,
     ) -> None:
         if not 0 < wait_timeout_ms <= 1000:
             raise ValueError("wait_timeout_ms must be in 1..1000")
@@ -142,6 +147,7 @@ class HealthMonitor:
             gpu_names if gpu_names is not None else published_gpu_names(self._devices)
         )
         self._recovery = recovery
+        self._unmonitored = unmonitored
         self._driver = driver or store.driver
         self._node_events = node_events
         self._taint_events = (
@@ -154,6 +160,7 @@ class HealthMonitor:
                 driver=self._driver,
                 effect=taint_effect,
                 gpu_names=self._gpu_metrics.gpu_names,
+                recovery=recovery,
             )
         )
         self._wait_ms = wait_timeout_ms
@@ -169,6 +176,7 @@ class HealthMonitor:
                 publisher,
                 on_change=self._update_gauge,
                 taint_events=self._taint_events,
+                recovery=recovery,
             ).register_on(self.control)
             mock_module = getattr(backend, "mock_module", None)
             if mock_module is not None:
@@ -259,6 +267,10 @@ class HealthMonitor:
         if not self._opened:
             self._backend.open_event_set()
             self._opened = True
+            unmonitored = self._unmonitored
+            changed = unmonitored is not None and unmonitored.update(self._backend.unmonitored)
+            if changed and self._publisher is not None:
+                self._publisher.trigger()
         event = self._backend.wait_event(self._wait_ms)
         if event is not None:
             self.handle(event)

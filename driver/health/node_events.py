@@ -9,7 +9,9 @@ compares which devices of the GPU show which failure before and after, and posts
 - `GpuTaintCleared` (Normal) when devices lost their taint: which GPU, the cause
   (NVML's recovery event, `gpu-dra health clear`), what was recorded.
 
-A change that moves no taint (a repeated Xid) posts nothing.
+A change that moves no taint (a repeated Xid) posts nothing. When the GPU's devices
+keep a taint the store does not hold (NVML's recovery action, `kept_taint`), the
+`GpuTaintCleared` message says so: the devices are not free for pods yet.
 """
 
 from __future__ import annotations
@@ -25,6 +27,34 @@ from driver.kube.events import NodeEvent
 REASON_TAINTED = "GpuTainted"
 REASON_CLEARED = "GpuTaintCleared"
 NAMES_SHOWN = 5
+
+
+class TaintingAction(Protocol):
+    """What the health code needs of `driver.health.recovery.RecoveryFailure`."""
+
+    def taint(self, driver: str) -> dict[str, str] | None: ...
+    def message(self) -> str: ...
+
+
+class RecoveryTaints(Protocol):
+    """What the health code needs of `driver.health.recovery.RecoveryActions`."""
+
+    @property
+    def driver(self) -> str: ...
+
+    def tainting(self, gpu_uuid: str) -> TaintingAction | None: ...
+
+
+def kept_taint(recovery: RecoveryTaints | None, gpu_uuid: str) -> str | None:
+    """`<key>=<value>:<effect> (<why>)` of the taint that NVML's recovery action keeps
+    on every device of the GPU whatever the health store says; None if none."""
+    if recovery is None:
+        return None
+    action = recovery.tainting(gpu_uuid)
+    taint = action.taint(recovery.driver) if action is not None else None
+    if action is None or taint is None:
+        return None
+    return f"{taint['key']}={taint['value']}:{taint['effect']} ({action.message()})"
 
 
 class EventSink(Protocol):
@@ -55,8 +85,10 @@ class TaintEvents:
         driver: str,
         effect: str,
         gpu_names: Mapping[str, str] | None = None,
+        recovery: RecoveryTaints | None = None,
     ) -> None:
         self._sink = sink
+        self._recovery = recovery
         self._store = store
         self._devices: list[HealthDevice] = device_list(devices)
         self._driver = driver
@@ -90,11 +122,13 @@ class TaintEvents:
         untainted = [d.name for d in gpu_devices if d.name in before and d.name not in after]
         if untainted:
             was = "; ".join(dict.fromkeys(before[n].message() for n in untainted))
+            kept = kept_taint(self._recovery, gpu_uuid)
             self._sink.post(
                 NodeEvent(
                     REASON_CLEARED,
                     f"{gpu}: {cause}; taint removed from {len(untainted)} device(s): "
-                    f"{device_names_text(untainted)} (was: {was})",
+                    f"{device_names_text(untainted)} (was: {was})"
+                    + (f"; they keep {kept}" if kept else ""),
                     "Normal",
                 )
             )

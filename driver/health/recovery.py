@@ -36,6 +36,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from driver.errors import transient
 from driver.health.clear import Publisher
@@ -120,6 +121,22 @@ class RecoveryFailure:
 
     def message(self) -> str:
         return f"{self.reason()} (since {self.since})"
+
+    def to_json(self, driver: str) -> dict[str, Any]:
+        """As /status lists a GPU's failures (`driver.health.clear.record_json`'s keys,
+        with the taint's effect: the action's own, not --xid-taint-effect)."""
+        return {
+            "gpuUUID": self.gpu_uuid,
+            "placement": None,
+            "gpuInstanceId": None,
+            "computeInstanceId": None,
+            "key": f"{driver}/{KIND_RECOVERY_ACTION}",
+            "value": self.name,
+            "effect": self.effect,
+            "reason": self.reason(),
+            "since": self.since,
+            "message": self.message(),
+        }
 
     def taint(self, driver: str) -> dict[str, str] | None:
         if self.effect is None:
@@ -220,11 +237,16 @@ class RecoveryActions:
         """The published devices of the GPU, in published order."""
         return [name for name, uuid in self._gpu_of.items() if uuid == gpu_uuid]
 
+    def tainting(self, gpu_uuid: str) -> RecoveryFailure | None:
+        """The GPU's recovery action if it taints the GPU's devices (not one that is
+        only logged): the GPU is unhealthy while there is one."""
+        failure = self.failure(gpu_uuid)
+        return failure if failure is not None and failure.effect is not None else None
+
     def device_failure(self, device_name: str) -> RecoveryFailure | None:
         """The recovery action that taints this device (not one that is only logged)."""
         uuid = self._gpu_of.get(device_name)
-        failure = self.failure(uuid) if uuid is not None else None
-        return failure if failure is not None and failure.effect is not None else None
+        return self.tainting(uuid) if uuid is not None else None
 
     def add_taints(self, taints: Taints) -> dict[str, list[dict[str, str]]]:
         """`taints` (the health store's, by device name) with the recovery-action

@@ -109,6 +109,11 @@ class NvmlBackend:
     def monitored_uuids(self) -> tuple[str, ...]:
         return self._events.monitored_uuids
 
+    @property
+    def unmonitored(self) -> dict[str, str]:
+        """GPU UUID -> why its health events are not watched (`HealthEventSet`)."""
+        return self._events.unmonitored
+
     def recovery_actions(self, uuids: Iterable[str]) -> list[RecoveryReading]:
         """NVML's recovery action of each GPU (`driver.nvml.recovery`)."""
         return self._recovery.read(uuids)

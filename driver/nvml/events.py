@@ -1,5 +1,9 @@
 """Health events: an NVML event set over every GPU, waited on and translated into
-HealthEvents (Xid, double-bit ECC, GPU lost, recovered)."""
+HealthEvents (Xid, double-bit ECC, GPU lost, recovered).
+
+A GPU whose events NVML will not register (no supported health event, or
+`nvmlDeviceRegisterEvents` refused: an old driver, a vGPU) is left out of the set and
+named in `unmonitored` with the reason; the other GPUs are watched as before."""
 
 from __future__ import annotations
 
@@ -48,6 +52,7 @@ class HealthEventSet:
         self._handles_by_uuid: dict[str, Any] = {}
         self._lost: set[str] = set()
         self._pending: deque[HealthEvent] = deque()
+        self._unmonitored: dict[str, str] = {}  # GPU UUID -> why its events are not watched
 
     def _is(self, err: BaseException, name: str) -> bool:
         return is_nvml_error(self._nvml, err, name)
@@ -60,6 +65,7 @@ class HealthEventSet:
             self._event_set = nvml.nvmlEventSetCreate()
             self._event_handles.clear()
             self._handles_by_uuid.clear()
+            self._unmonitored.clear()
             for index in range(nvml.nvmlDeviceGetCount()):
                 try:
                     handle = nvml.nvmlDeviceGetHandleByIndex(index)
@@ -71,17 +77,36 @@ class HealthEventSet:
                     continue
                 self._event_handles[_handle_key(handle)] = uuid
                 self._handles_by_uuid[uuid] = handle
-                supported = optional_query(
-                    nvml,
-                    functools.partial(nvml.nvmlDeviceGetSupportedEventTypes, handle),
-                    "events",
-                    uuid,
-                )
-                mask = int(supported or 0) & HEALTH_EVENT_MASK
-                if mask:
-                    nvml.nvmlDeviceRegisterEvents(handle, mask, self._event_set)
-                else:
-                    log.warning("GPU %s supports no health events", uuid)
+                problem = self._register(handle, uuid)
+                if problem is not None:
+                    self._unmonitored[uuid] = problem
+                    log.error("GPU %s is not monitored: %s", uuid, problem)
+
+    def _register(self, handle: Any, uuid: str) -> str | None:
+        """Register the GPU's health events in the set; why not, if it cannot be."""
+        nvml = self._nvml
+        try:
+            supported = optional_query(
+                nvml,
+                functools.partial(nvml.nvmlDeviceGetSupportedEventTypes, handle),
+                "events",
+                uuid,
+            )
+            mask = int(supported or 0) & HEALTH_EVENT_MASK
+            if not mask:
+                return "NVML reports no health event type it supports for this GPU"
+            nvml.nvmlDeviceRegisterEvents(handle, mask, self._event_set)
+        except nvml.NVMLError as err:
+            if self._is(err, "NVML_ERROR_GPU_IS_LOST"):
+                raise  # as any query of a lost GPU: the open fails and is retried
+            return f"NVML cannot register its health events: {err}"
+        return None
+
+    @property
+    def unmonitored(self) -> dict[str, str]:
+        """GPU UUID -> why NVML does not report its health events (since `open`)."""
+        with self._lock:
+            return dict(self._unmonitored)
 
     def close(self) -> None:
         with self._lock:

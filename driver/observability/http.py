@@ -1,5 +1,7 @@
 """The plugin's HTTP endpoint: /metrics for Prometheus, /healthz for the liveness probe,
-/status for `gpu-dra status` (JSON, once `serve_status` named its source).
+/readyz for the readiness probe (503 "starting" until `serve_readiness` named its
+source: driver.plugin.readiness), /status for `gpu-dra status` (JSON, once
+`serve_status` named its source).
 
 The port is reachable from every pod that may talk to the plugin pod, so the server is
 bounded against idle and slow clients (`driver.observability.bounded_http`): one I/O
@@ -8,8 +10,9 @@ request head and again to take the answer, at most `max_connections` (default 64
 (a new one closes the oldest still waiting for its request, so that a flood of idle
 connections cannot lock out the probe; at most 32 from one address), `workers` threads
 (default 2) computing /metrics (`generate_latest`) and /status, at most 16 of those
-waiting (503 beyond; while some wait, each is rendered at most once a second). /healthz
-is answered by the I/O thread itself, so busy workers never hold the liveness probe.
+waiting (503 beyond; while some wait, each is rendered at most once a second), and
+/readyz (it dials the plugin's sockets, up to 2 s each). /healthz is answered by the I/O
+thread itself, so busy workers never hold the liveness probe.
 One request per connection (`Connection: close`), a request head of at most 8 KiB, GET
 and HEAD only; request bodies are not read.
 """
@@ -57,6 +60,7 @@ class HttpServer(BoundedHttpServer):
         workers: int = DEFAULT_WORKERS,
     ) -> None:
         self._healthy = healthy
+        self._ready: Healthy = _starting
         limits = Limits(timeout=timeout, max_connections=max_connections, workers=workers)
         self._metrics = CachedRender(lambda: generate_latest(REGISTRY), RENDER_MAX_AGE)
         self._status_json: CachedRender | None = None
@@ -76,6 +80,10 @@ class HttpServer(BoundedHttpServer):
             lambda: json.dumps(status(), indent=2).encode() + b"\n", RENDER_MAX_AGE
         )
 
+    def serve_readiness(self, ready: Healthy) -> None:
+        """Answer /readyz from `ready()` from now on (503 "starting" before)."""
+        self._ready = ready
+
     def start(self) -> HttpServer:
         super().start()
         return self
@@ -88,6 +96,10 @@ class HttpServer(BoundedHttpServer):
             return Response(HTTPStatus.OK, self._metrics(reuse=busy), CONTENT_TYPE_LATEST)
         if request.path == "/status" and self._status_json is not None:
             return Response(HTTPStatus.OK, self._status_json(reuse=busy), "application/json")
+        if request.path == "/readyz":  # in a worker: `ready` dials the plugin's sockets
+            ok, detail = self._ready()
+            status = HTTPStatus.OK if ok else HTTPStatus.SERVICE_UNAVAILABLE
+            return Response(status, detail.encode(), "text/plain; charset=utf-8")
         return Response(HTTPStatus.NOT_FOUND, b"not found\n")
 
     def _health(self) -> Response:  # in the I/O thread: `healthy` only reads flags
@@ -120,6 +132,10 @@ class CachedRender:
             if not reuse or last is None or now - last[0] >= self._max_age:
                 last = self._rendered = (now, self._render())
             return last[1]
+
+
+def _starting() -> tuple[bool, str]:
+    return False, "not ready: starting\n"
 
 
 def serve_http(port: int, healthy: Healthy, host: str = "") -> HttpServer:

@@ -98,6 +98,11 @@ TAINTED_DEVICES = Gauge(
     "Published devices that carry a health taint.",
     registry=REGISTRY,
 )
+UNMONITORED_GPUS = Gauge(
+    "gpu_dra_unmonitored_gpus",
+    "GPUs whose NVML health events cannot be registered: their failures go unseen.",
+    registry=REGISTRY,
+)
 PUBLISHED_DEVICES = Gauge(
     "gpu_dra_published_devices",
     "Devices in this node's ResourceSlices.",

@@ -134,6 +134,8 @@ class DraService:
         self._state = state
 
     def prepare(self, request: Any, context: grpc.ServicerContext, pb: Any) -> Any:
+        if not request.claims:  # the readiness probe's (driver.plugin.readiness)
+            return pb.NodePrepareResourcesResponse()
         with (
             request_scope("prepare"),
             metrics.REQUESTS_IN_FLIGHT.labels("prepare").track_inprogress(),

@@ -20,6 +20,7 @@ from driver.health.monitor import HealthMonitor
 from driver.health.prepare_health import KubeDeviceHealth, NoDeviceHealth
 from driver.health.recovery import RecoveryActions, RecoveryAwareHealth, RecoveryPoller
 from driver.health.store import HealthStore
+from driver.health.unmonitored import UnmonitoredGpus
 from driver.health.xid import XidPolicy
 from driver.kube.api import KubeApi
 from driver.kube.claims import ApiClaimReader, ClaimFailureReporter
@@ -36,6 +37,7 @@ from driver.plugin.health import add_health_services
 from driver.plugin.instances import InstanceLock
 from driver.plugin.node_overrides import NodeLabelRead
 from driver.plugin.node_status import PluginStatus, export_gpus, export_journal
+from driver.plugin.readiness import Readiness
 from driver.plugin.registration import DRA_SERVICES, HEALTH_SERVICES, RegistrationServicer
 from driver.plugin.serving import BuiltServer, SocketServer, SocketWatcher, new_server
 from driver.plugin.sockets import socket_paths
@@ -187,10 +189,11 @@ class Plugin:
         )
 
         recovery = RecoveryActions(devices, driver=o.driver_name)
+        unmonitored = UnmonitoredGpus(devices, driver=o.driver_name)
 
         def desired_slices() -> list[dict[str, object]]:
             taints = store.device_taints(devices, driver=o.driver_name, effect=o.xid_taint_effect)
-            taints = recovery.add_taints(taints)
+            taints = unmonitored.add_taints(recovery.add_taints(taints))
             return build_slice_specs(
                 pool, driver=o.driver_name, node_name=o.node_name, taints=taints
             )
@@ -217,6 +220,7 @@ class Plugin:
             driver=o.driver_name,
             taint_effect=o.xid_taint_effect,
             recovery=recovery,
+            unmonitored=unmonitored,
         )
         interval = o.recovery_action_poll_interval  # 0: off
         if interval:
@@ -292,13 +296,16 @@ class Plugin:
                 taint_effect=o.xid_taint_effect,
                 gpus=gpus,
                 devices=devices,
-                registration=registration.registered,
+                registration=registration,
                 publisher=publisher,
                 store=store,
+                recovery=recovery,
+                unmonitored=unmonitored,
                 state=state,
                 journal=journal,
             )
             http.serve_status(status.document)
+            http.serve_readiness(Readiness(registration, paths))
             http.start()
 
         def remove_common_spec() -> None:

@@ -4,14 +4,16 @@ the same sources: the node at a glance.
 The document: the plugin (version, node, driver, start), its registration with the
 kubelet, the last ResourceSlice sync, each GPU (name, NVML index, UUID, PCI bus id,
 MIG mode, health and failures), the health store, the prepare journal, and
-`problems`: each thing an operator must look at, in one line (empty: healthy).
+`problems`: each thing an operator must look at, in one line (empty: healthy);
+`notes`: what is not a problem but worth knowing (a GPU whose health events NVML does
+not report: its health is unknown, `driver.health.unmonitored`).
 """
 
 from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, Protocol
@@ -19,7 +21,10 @@ from typing import Any, Protocol
 from driver.devices.gpu_view import GpuView, MigMode
 from driver.health.clear import record_json
 from driver.health.failures import HealthDevice
+from driver.health.gpu_metrics import tainted_device_names
+from driver.health.recovery import RecoveryActions
 from driver.health.store import HealthStore
+from driver.health.unmonitored import UnmonitoredGpus
 from driver.kube.publisher import RESYNC_SECONDS, PublisherStats
 from driver.observability import metrics
 from driver.plugin.journal_summary import JournalReader, JournalSummary
@@ -40,8 +45,18 @@ class JournalState(Protocol):
     def checkpoint(self) -> Checkpoint: ...
 
 
-class Registration(Protocol):
+class RegisteredFlag(Protocol):
     def is_set(self) -> bool: ...
+
+
+class Registration(Protocol):
+    """What /status needs of `driver.plugin.registration.RegistrationServicer`."""
+
+    @property
+    def registered(self) -> RegisteredFlag: ...
+
+    @property
+    def last_error(self) -> str: ...
 
 
 class SyncStats(Protocol):
@@ -87,6 +102,8 @@ class PluginStatus:
     registration: Registration
     publisher: SyncStats
     store: HealthStore
+    recovery: RecoveryActions
+    unmonitored: UnmonitoredGpus
     state: JournalState
     journal: JournalReader
     started: float = field(default_factory=time.time)
@@ -94,11 +111,12 @@ class PluginStatus:
 
     def document(self) -> dict[str, Any]:
         now = self.clock()
-        registered = self.registration.is_set()
+        registered = self.registration.registered.is_set()
+        refusal = None if registered else self.registration.last_error or None
         slices = self._slices(now)
         gpus = [self._gpu(gpu) for gpu in self.gpus]
         journal = self.journal.summary()
-        problems = self._problems(registered, slices, gpus, journal)
+        problems = self._problems(registered, refusal, slices, gpus, journal)
         return {
             "plugin": {
                 "version": self.version,
@@ -108,17 +126,24 @@ class PluginStatus:
                 "startedAt": _rfc3339(self.started),
                 "uptimeSeconds": round(now - self.started),
             },
-            "registration": {"registered": registered},
+            "registration": {"registered": registered, "error": refusal},
             "slices": slices,
             "gpus": gpus,
             "health": {
                 "taintEffect": self.taint_effect,
                 "storeProblem": self.store.problem,
                 "failedGPUs": sum(g["health"] != "healthy" for g in gpus),
-                "taintedDevices": self.store.tainted_device_count(self.devices),
+                "taintedDevices": len(self._tainted(self.devices.values())),
+                "unmonitoredGPUs": sum(not g["monitored"] for g in gpus),
             },
             "journal": {**journal.to_json(), "prepareRefused": self.state.checkpoint_problem},
             "problems": problems,
+            "notes": [
+                f"{g['name']} ({g['uuid']}) is not monitored: {g['unmonitoredReason']}; its "
+                "failures go unseen"
+                for g in gpus
+                if not g["monitored"]
+            ],
             "healthy": not problems,
         }
 
@@ -134,31 +159,46 @@ class PluginStatus:
             "lastError": stats.errors[-1] if stats.errors else None,
         }
 
+    def _tainted(self, devices: Iterable[HealthDevice]) -> set[str]:
+        return tainted_device_names(self.store, list(devices), self.recovery)
+
     def _gpu(self, gpu: GpuView) -> dict[str, Any]:
+        """The GPU with its failures: what the health store recorded (on it or its
+        GPU instances) and a recovery action that taints it, as gpu_dra_gpu_healthy
+        and the kubelet's health stream count them."""
         records = [self.store.gpu_failure(gpu.uuid)]
         records += [f for _, f in sorted(self.store.failed_instances().get(gpu.uuid, {}).items())]
         failures = [record_json(gpu.uuid, f) for f in records if f is not None]
+        recovery = self.recovery.tainting(gpu.uuid)
+        if recovery is not None:
+            failures.append(recovery.to_json(self.driver))
         if self.store.problem is not None:
             health = "unknown"
         else:
             health = "failed" if failures else "healthy"
         own = [d for d in self.devices.values() if d.gpu_uuid == gpu.uuid]
+        unmonitored = self.unmonitored.reasons().get(gpu.uuid)
         return {
             **gpu.to_json(),
             "health": health,
             "failures": failures,
-            "taintedDevices": self.store.tainted_device_count(own),
+            "taintedDevices": len(self._tainted(own)),
+            "monitored": unmonitored is None,
+            "unmonitoredReason": unmonitored,
         }
 
     def _problems(
         self,
         registered: bool,
+        refusal: str | None,
         slices: dict[str, Any],
         gpus: list[dict[str, Any]],
         journal: JournalSummary,
     ) -> list[str]:
         problems = []
-        if not registered:
+        if refusal is not None:
+            problems.append(f"the kubelet refused the registration: {refusal}")
+        elif not registered:
             problems.append("the kubelet has not registered the plugin (yet)")
         if slices["lastSynced"] is None:
             problems.append("ResourceSlices not published yet")

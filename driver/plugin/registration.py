@@ -21,6 +21,7 @@ class RegistrationServicer(api_pb2_grpc.RegistrationServicer):
     """Answers GetInfo from memory (the kubelet allows 1 s) and records the verdict."""
 
     def __init__(self, driver_name: str, endpoint: str, supported_versions: tuple[str, ...]):
+        self.driver_name = driver_name
         self._info = api_pb2.PluginInfo(
             type=DRA_PLUGIN_TYPE,
             name=driver_name,

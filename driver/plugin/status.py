@@ -7,8 +7,9 @@ container's liveness probe, and a restart cannot repair the file: the new proces
 finds the same file, refuses prepare the same way, and every restart on the way to
 CrashLoopBackOff also interrupts what still works with a corrupt journal (unprepare,
 the health streams, ResourceSlice publishing) and makes the kubelet drop and
-re-register the plugin. A readiness probe would not help either: nothing routes to
-a kubelet plugin through a Service, so an unready plugin pod is used as before.
+re-register the plugin. Nor does it make the pod unready: readiness
+(`driver.plugin.readiness`) means registered with the kubelet and serving DRA, which
+the plugin still is, and a corrupt journal is no reason to keep an upgrade's old pod.
 So /healthz answers 200 and names the problem in its text, and
 `gpu_dra_checkpoint_corrupt` is 1 for alerting (docs/state.md, "Corrupt checkpoint").
 A corrupt health store (every GPU kept failed, `gpu_dra_health_store_corrupt`) is

@@ -118,12 +118,22 @@ def _mig_intent(device: PreparableDevice) -> MigRecord | None:
     )
 
 
+def _no_time_slice(device: PreparableDevice, admin: bool) -> str | None:
+    """Why no time-slice interval can be set for this device, or None: the setting is
+    the physical GPU's, so never through a MIG device (nor the whole GPU of a GPU in MIG
+    mode, delivered as a full-size MIG device) or an admin-access claim."""
+    if device.mig is not None:
+        return "a MIG device: its GPU is in MIG mode"
+    if admin:
+        return "with admin access, which observes a GPU other claims use"
+    return None
+
+
 def _time_slice(config: GpuConfig, device: PreparableDevice, admin: bool) -> TimeSliceRecord | None:
     """The interval to set on the device's GPU (driver/state/timeslice.py): TimeSlicing
-    with a non-Default interval, on a device that runs on a whole GPU (never a MIG
-    device: the setting is the physical GPU's), without admin access."""
+    with a non-Default interval, on a device that can take one (`_no_time_slice`)."""
     interval = config.interval
-    if interval is None or interval is Interval.DEFAULT or admin or device.mig is not None:
+    if interval is None or interval is Interval.DEFAULT or _no_time_slice(device, admin):
         return None
     return TimeSliceRecord(device.gpu_uuid, interval.value)
 
@@ -152,15 +162,16 @@ def plan_claim(
             )
         request = str(result.get("request"))
         config = configs[request]
+        admin = bool(result.get("adminAccess", False))
         validate_for_device(
             config,
             device_name=name,
             is_partition=device.is_partition,
             max_partitions=device.max_partitions,
             share=bool(result.get("shareID")),
+            no_time_slice=_no_time_slice(device, admin),
         )
         share_id = result.get("shareID") or None
-        admin = bool(result.get("adminAccess", False))
         consumed = result.get("consumedCapacity") or {}
         prepared = PreparedDevice(
             pool_name=str(result.get("pool")),

@@ -3,7 +3,9 @@
 # prints what each container received:
 #   1. pod gpu-pod:        one whole GPU (DeviceClass <driver>)
 #      pod mig-pod:        one GPU partition (DeviceClass mig.<driver>)
-#      pods shared-0/1:    one claim with a GpuConfig (TimeSlicing, Long) shared by two pods
+#      pods shared-0/1:    one claim with a GpuConfig (SpacePartitioning, 2 partitions:
+#                          advisory) shared by two pods. values-mock.yaml's GPUs are in
+#                          MIG mode, where no time-slice interval can be set (refused).
 #   2. the node-scoped ValidatingAdmissionPolicy refusing one worker's plugin a slice of
 #      the other worker (hack/kind/vap-check.sh; with two workers or more)
 #   3. the admission webhook refusing a claim with an invalid GpuConfig (dry run)
@@ -110,9 +112,9 @@ spec:
             apiVersion: gpu.resource.example.com/v1alpha1
             kind: GpuConfig
             sharing:
-              strategy: TimeSlicing
-              timeSlicingConfig:
-                interval: Long
+              strategy: SpacePartitioning
+              spacePartitioningConfig:
+                partitionCount: 2
 YAML
   pod gpu-pod "resourceClaimTemplateName: whole-gpu"
   pod mig-pod "resourceClaimTemplateName: gpu-partition"
@@ -132,5 +134,5 @@ for p in gpu-pod mig-pod shared-0 shared-1; do
   "${KUBECTL[@]}" -n "$DEMO_NAMESPACE" logs "$p"
 done
 echo
-kind_progress "shared-0 and shared-1 show the same GPU with TIMESLICE_INTERVAL=Long"
+kind_progress "shared-0 and shared-1 show the same GPU with PARTITION_COUNT=2"
 "$KIND_DIR/demo-scenarios.sh"

@@ -296,16 +296,14 @@ def mig_layout(devices: dict[str, dict[str, Any]]) -> bool:
     return len(devices) >= 400 and not any("-partition-" in name for name in devices)
 
 
-def install_chart(
-    e: E2E,
-    overlay: Path | None = None,
-    published: Callable[[dict[str, dict[str, Any]]], bool] = mig_layout,
-) -> None:
-    """helm upgrade --install with the mock and demo values (and `overlay` on top), then
-    wait until the published devices satisfy `published`."""
+def helm_upgrade(
+    e: E2E, overlay: Path | None = None, *args: str
+) -> subprocess.CompletedProcess[str]:
+    """helm upgrade --install with the mock and demo values, `overlay` on top, the driver
+    image of this session and `args` (e.g. --wait)."""
     if e.image_tag is None:
         e.image_tag = driver_image_tag(e)
-    proc = e.helm_cmd(
+    return e.helm_cmd(
         "upgrade",
         "--install",
         RELEASE,
@@ -321,10 +319,18 @@ def install_chart(
         # Never a stale gpu-dra-driver:dev: the image built from this tree.
         "--set-string",
         f"image.tag={e.image_tag}",
-        "--wait",
-        "--timeout",
-        "5m",
+        *args,
     )
+
+
+def install_chart(
+    e: E2E,
+    overlay: Path | None = None,
+    published: Callable[[dict[str, dict[str, Any]]], bool] = mig_layout,
+) -> None:
+    """helm upgrade --install with the mock and demo values (and `overlay` on top), then
+    wait until the published devices satisfy `published`."""
+    proc = helm_upgrade(e, overlay, "--wait", "--timeout", "5m")
     if proc.returncode != 0:
         pods = e.kubectl("get", "pods", "-n", NAMESPACE, "-o", "wide", check=False).stdout
         logs = e.kubectl(

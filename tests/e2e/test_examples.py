@@ -117,6 +117,7 @@ def test_opaque_config_time_slicing_and_space_partitioning(examples: E2E) -> Non
     for c in (ts0, ts1):
         assert c.props[x]["SHARING_STRATEGY"] == "TimeSlicing"
         assert c.props[x]["TIMESLICE_INTERVAL"] == "Long"
+        assert c.props[x]["MEMORY"] == "8Gi"  # a share of a GPU with MIG off
     for c in (sp0, sp1):
         assert c.props[y]["SHARING_STRATEGY"] == "SpacePartitioning"
         assert c.props[y]["PARTITION_COUNT"] == "4"

@@ -76,7 +76,7 @@ def test_demo_gpus_permanent_error_and_xid_eviction(kind: Kind) -> None:
         assert "-mig-" not in gpus["gpu-pod"] and "-mig-" in gpus["mig-pod"], gpus
         # One claim, two pods: the same device, with the claim's GpuConfig.
         assert gpus["shared-0"] == gpus["shared-1"], gpus
-        assert "TIMESLICE_INTERVAL=Long" in out.split("environment of shared-0", 1)[1]
+        assert "PARTITION_COUNT=2" in out.split("environment of shared-0", 1)[1]
         assert re.search(
             r"refused: \S+ denied the request: .*unknown time-slice interval: 'Sometimes'", out
         ), out

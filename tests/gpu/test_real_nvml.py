@@ -39,6 +39,10 @@ def test_discovery_reports_every_gpu_with_its_device_node(
 def test_event_wait_blocks_without_spinning(backend: NvmlBackend) -> None:
     backend.open_event_set()
     try:
+        # Every GPU of a supported driver registers its health events: none is published
+        # `unmonitored` (driver/health/unmonitored.py).
+        assert backend.unmonitored == {}, backend.unmonitored
+        assert backend.monitored_uuids
         cpu0, wall0 = resource.getrusage(resource.RUSAGE_SELF), time.monotonic()
         for _ in range(3):
             backend.wait_event(500)  # a healthy GPU: no event, the wait times out

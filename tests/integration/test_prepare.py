@@ -213,9 +213,13 @@ def test_valid_config_yields_cdi_env_and_calls_are_idempotent(
     config = {
         "apiVersion": "gpu.resource.example.com/v1alpha1",
         "kind": "GpuConfig",
-        "sharing": {"strategy": "TimeSlicing", "timeSlicingConfig": {"interval": "Long"}},
+        # Not a time-slice interval: gpu-2 is in MIG mode, where none can be set.
+        "sharing": {
+            "strategy": "SpacePartitioning",
+            "spacePartitioningConfig": {"partitionCount": 2},
+        },
     }
-    ref = allocated_claim(cluster, "time-sliced", "gpu-2", pool, config)
+    ref = allocated_claim(cluster, "space-partitioned", "gpu-2", pool, config)
     first = kubelet.prepare(DRIVER, [ref])[ref[1]]
     assert first.error == "", first.error
     (device,) = first.devices
@@ -236,8 +240,8 @@ def test_valid_config_yields_cdi_env_and_calls_are_idempotent(
         f"GPU_DEVICE_GPU_2_RESOURCE_CLAIM={ref[1]}",
         "DRA_ADMIN_ACCESS=false",
         "GPU_DEVICE_2=gpu-2",
-        "GPU_DEVICE_2_SHARING_STRATEGY=TimeSlicing",
-        "GPU_DEVICE_2_TIMESLICE_INTERVAL=Long",
+        "GPU_DEVICE_2_SHARING_STRATEGY=SpacePartitioning",
+        "GPU_DEVICE_2_PARTITION_COUNT=2",
         f"GPU_DEVICE_2_UUID={mig.uuid}",
         "NVIDIA_VISIBLE_DEVICES=void",
     ]

@@ -4,6 +4,7 @@ itself when the action is back to none; an Xid taint stays."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +12,7 @@ from typing import Any
 
 from tests.conftest import Cluster, FakeNode
 from tests.integration.helpers import complete_pool, gpu_uuid_of, published_devices
+from tests.integration.kubelet_standin import KubeletStandin
 from tests.integration.plugin_process import DRIVER, PluginProcess, running_plugin
 from tests.integration.test_health import node_events
 
@@ -131,3 +133,84 @@ def test_recovery_action_taints_and_clears_itself(
             timeout=15,
             what="every taint gone after the reset",
         )
+
+
+def gpu_dra(plugin: PluginProcess, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [GPU_DRA, *args, f"--plugin-url=http://127.0.0.1:{plugin.http_port}"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+def test_status_inventory_health_and_metric_agree_on_a_recovery_action(
+    cluster: Cluster, node: FakeNode, tmp_path: Path
+) -> None:
+    """`gpu-dra mock recovery-action --device gpu-6 --action node-reboot`: NoSchedule on
+    every device of gpu-6, and every command calls gpu-6 unhealthy, as the metric (and
+    so the GpuDraGpuUnhealthy alert) does."""
+    with (
+        running_plugin(
+            kubeconfig=cluster.kubeconfig,
+            node_name=node.name,
+            root=tmp_path,
+            args=["--recovery-action-poll-interval=1"],
+        ) as plugin,
+        KubeletStandin(plugin.registry_dir) as kubelet,  # registered: one problem only
+    ):
+        kubelet.wait_for_plugin(DRIVER)
+        pool = cluster.wait_for(lambda: complete_pool(cluster, node.name), timeout=60, what="pool")
+        gpu6 = family(pool, "gpu-6")
+        uuid = gpu_uuid_of(pool, "gpu-6")
+        reboot = (KEY, "node-reboot", "NoSchedule")
+        mock(plugin, "recovery-action", "--device", "gpu-6", "--action", "node-reboot")
+        cluster.wait_for(
+            lambda: all(reboot in taints_of(cluster, node.name)[d] for d in gpu6),
+            timeout=15,
+            what="the node-reboot taint on every device of gpu-6",
+        )
+        assert plugin.metric("gpu_dra_gpu_healthy", {"device": "gpu-6", "uuid": uuid}) == 0.0
+
+        status = gpu_dra(plugin, "status", "--fail-on-unhealthy")
+        assert status.returncode == 1, status.stdout + status.stderr
+        first = status.stdout.splitlines()[0]
+        assert first.startswith(
+            f"UNHEALTHY: gpu-6 ({uuid}) failed: NVML recovery action node-reboot"
+        )
+
+        data = f"--state-dir={plugin.data_dir}"
+        inventory = gpu_dra(plugin, "inventory", "--mock", "--node-name", node.name, data)
+        assert inventory.returncode == 0, inventory.stderr
+        row = next(line for line in inventory.stdout.splitlines() if line.startswith("gpu-6 "))
+        assert row.endswith(f"Unhealthy ({KEY}=node-reboot:NoSchedule)"), row
+        others = [line for line in inventory.stdout.splitlines() if line.startswith("gpu-5 ")]
+        assert others and others[0].endswith("Healthy")
+
+        health = gpu_dra(
+            plugin,
+            "health",
+            data,
+            "--node-name",
+            node.name,
+            f"--kubeconfig={cluster.kubeconfig}",
+            "-o",
+            "json",
+        )
+        assert health.returncode == 0, health.stderr
+        report = json.loads(health.stdout)
+        (action,) = report["recovery"]["actions"]
+        assert (action["device"], action["value"]) == ("gpu-6", "node-reboot")
+        slice_taints = [t for t in report["slices"]["taints"] if t["key"] == KEY]
+        assert {t["device"] for t in slice_taints} == gpu6
+        assert all(t["reason"] == action["message"] for t in slice_taints)
+        assert report["consistent"] is True
+
+        mock(plugin, "recovery-action", "--device", "gpu-6", "--action", "none")
+        cluster.wait_for(
+            lambda: gpu_dra(plugin, "status", "--fail-on-unhealthy").returncode == 0,
+            timeout=15,
+            what="gpu-dra status to call the node healthy once the action is none",
+        )
+        assert plugin.metric("gpu_dra_gpu_healthy", {"device": "gpu-6", "uuid": uuid}) == 1.0

@@ -172,6 +172,18 @@ def test_startup_probe_gives_discovery_time_before_liveness_counts() -> None:
     assert slower["startupProbe"]["failureThreshold"] == 120
 
 
+def test_readiness_probe_waits_for_the_kubelet_registration() -> None:
+    """A new plugin pod is Ready only once the kubelet registered it and its sockets
+    answer (/readyz): with maxUnavailable 0 the rolling update keeps the old pod until
+    then, so an upgrade that cannot register stalls instead of replacing a working one."""
+    container = plugin_container(render())
+    probe = container["readinessProbe"]
+    assert probe["httpGet"] == {"path": "/readyz", "port": "metrics"}
+    assert probe["periodSeconds"] <= 10
+    slower = plugin_container(render("--set", "kubeletPlugin.readinessProbe.periodSeconds=20"))
+    assert slower["readinessProbe"]["periodSeconds"] == 20
+
+
 # --- values written for the reference chart -------------------------------------------
 
 

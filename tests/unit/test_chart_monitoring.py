@@ -114,6 +114,15 @@ def test_the_gpu_alert_fires_per_gpu_not_per_device() -> None:
     assert "$value" not in summary
 
 
+def test_the_gpu_alert_names_every_cause_of_an_unhealthy_gpu() -> None:
+    """gpu_dra_gpu_healthy is 0 for a recorded failure and for a recovery action that
+    taints the GPU (docs/health.md, "What unhealthy means"): the page says both."""
+    rule = one(render("--set", f"{RULE}.enabled=true"), "PrometheusRule")
+    description = rule_alerts(rule)["GpuDraGpuUnhealthy"]["annotations"]["description"]
+    for cause in ("Xid", "ECC", "lost", "recovery action", "gpu-dra health clear"):
+        assert cause in description, (cause, description)
+
+
 def test_every_alert_links_its_runbook_section() -> None:
     anchors = github_anchors((REPO / "docs" / "operations.md").read_text())
     rule = one(render("--set", f"{RULE}.enabled=true"), "PrometheusRule")

@@ -187,7 +187,8 @@ CLAIMS = {
                 {"strategy": "SpacePartitioning", "spacePartitioningConfig": {"partitionCount": 2}},
                 ["train"],
             ),
-            _config({"strategy": "TimeSlicing", "timeSlicingConfig": {"interval": "Short"}}, []),
+            # No interval: these GPUs are in MIG mode, where none can be set (refused).
+            _config({"strategy": "TimeSlicing", "timeSlicingConfig": {"interval": "Default"}}, []),
         ],
     ),
     # Wants gpu-0 as well: must never be prepared while claim-a holds it.

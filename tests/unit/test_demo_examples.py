@@ -4,6 +4,7 @@ for the fleet of demo/values-demo.yaml. The e2e tier runs them on a real node.""
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 from decimal import Decimal
 from pathlib import Path
@@ -162,3 +163,20 @@ def test_init_container_share_fits_beside_the_two_shared_pods(tmp_path: Path) ->
     ((_, init_share),) = share_requests(DEMO / "13-init-container-shared-claim.yaml")
     limit = shareable(first_shareable(demo_devices(0, tmp_path), partitions=False))
     assert fits([pod_share, pod_share, init_share], limit), (pod_share, init_share, limit)
+
+
+def test_the_time_sliced_share_leaves_room_for_the_other_shares(tmp_path: Path) -> None:
+    """05's ts-gpu is a share (a GPU in MIG mode cannot take its interval), on the same
+    two A100 40GB that 10-device-taints leaves to 11's three pods and 13's init share:
+    whatever order the scheduler places them in, first fit puts every share."""
+    shares = [s for _, s in share_requests(DEMO / "05-opaque-config.yaml")]
+    shares += [s for _, s in share_requests(DEMO / "11-shared-gpu-capacity.yaml")] * 3
+    shares += [s for _, s in share_requests(DEMO / "13-init-container-shared-claim.yaml")]
+    assert len(shares) == 5
+    limit = shareable(first_shareable(demo_devices(0, tmp_path), partitions=False))
+    for order in itertools.permutations(shares):
+        gpus: list[list[dict[str, Decimal]]] = [[], []]
+        for share in order:
+            gpu = next((g for g in gpus if fits([*g, share], limit)), None)
+            assert gpu is not None, (order, limit)
+            gpu.append(share)

@@ -4,6 +4,7 @@ channel (mock and real NVML backends)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import io
 import json
 import os
@@ -16,7 +17,7 @@ from typing import Any
 import pytest
 
 from driver.cli import build_parser
-from driver.cli.health import build_report
+from driver.cli.health import PluginRecovery, build_report
 from driver.cli.health_clear import DEFAULT_TIMEOUT
 from driver.cli.published import PublishedView, devices_of
 from driver.cli.state_dir import read_health
@@ -25,11 +26,16 @@ from driver.health.clear import ClearAction
 from driver.health.control import ACTIVE_NAME, ControlError, spool_dir
 from driver.health.mock_control import MockRequest, submit
 from driver.health.monitor import HealthMonitor
+from driver.health.recovery import RecoveryActions
 from driver.health.store import HealthStore
+from driver.health.unmonitored import UnmonitoredGpus
 from driver.health.xid import XidPolicy
+from driver.kube.events import NodeEvent
 from driver.nvml.backend import NvmlBackend
 from driver.nvml.mock.fleet import default_fleet
 from driver.nvml.mock.nvml import MockNvml
+from driver.nvml.recovery import RecoveryReading
+from driver.plugin.registration import RegistrationServicer
 
 DRIVER = "gpu.example.com"
 
@@ -57,6 +63,20 @@ class RealNvmlStandIn:
         return getattr(self._mock, name)
 
 
+class Events:
+    def __init__(self) -> None:
+        self.posted: list[NodeEvent] = []
+
+    def post(self, event: NodeEvent) -> None:
+        self.posted.append(event)
+
+    def start(self) -> None:
+        pass
+
+    def stop(self, timeout: float = 5.0) -> None:
+        pass
+
+
 class Plugin:
     def __init__(self, state_dir: Path, *, real: bool = False, synced: bool = True) -> None:
         self.mock = MockNvml(default_fleet(), "node-1")
@@ -64,6 +84,8 @@ class Plugin:
         self.pool: PoolDevices = build_pool(backend.discover())
         self.store = HealthStore(state_dir / "health.json")
         self.publisher = FakePublisher(synced)
+        self.recovery = RecoveryActions(self.pool.devices, driver=DRIVER)
+        self.events = Events()
         self.monitor = HealthMonitor(
             backend,
             self.store,
@@ -72,6 +94,8 @@ class Plugin:
             self.pool.devices,
             data_dir=state_dir,
             node_name="node-1",
+            node_events=self.events,
+            recovery=self.recovery,
         )
 
     def uuid(self, minor: int) -> str:
@@ -134,6 +158,35 @@ def test_clear_a_gpu_with_yes(plugin: Plugin, tmp_path: Path) -> None:
     assert list(on_disk["gpus"]) == [plugin.uuid(4)]
 
 
+def test_clear_says_which_taint_stays(plugin: Plugin, tmp_path: Path) -> None:
+    """Xid 48 needs a GPU reset: clearing gpu-5 forgets the Xid, but every device of it
+    keeps NVML's gpu-reset taint until NVML reports no action. The preview, the answer
+    and the GpuTaintCleared Event say what goes and what stays."""
+    uuid = plugin.uuid(5)
+    plugin.store.record_xid(uuid, 48)
+    plugin.recovery.apply(RecoveryReading(uuid, 1))  # gpu-reset, as the driver sets it
+    devices = len(plugin.pool.devices_of_gpu(uuid))
+    plugin.monitor.start()
+    code, out, err = clear(tmp_path, "gpu-5", "--yes")
+    assert (code, err) == (0, "")
+    kept = f"{DRIVER}/recovery-action=gpu-reset:NoSchedule"
+    assert f"stay tainted afterwards: all {devices} device(s) keep {kept}" in out
+    assert "NVML recovery action gpu-reset: the GPU needs a reset" in out
+    assert "gpu-dra health clear does not remove it" in out
+    assert "without the taint" not in out
+    assert f"the API server accepted this node's ResourceSlices without {DRIVER}/xid=48" in out
+    assert f"{devices} device(s) still carry {kept}" in out
+    (event,) = [e for e in plugin.events.posted if e.reason == "GpuTaintCleared"]
+    assert f"taint removed from {devices} device(s)" in event.message
+    assert f"they keep {kept} (NVML recovery action gpu-reset" in event.message
+
+    # Nothing recorded any more: the answer names the taint that is left, and why.
+    code, out, _ = clear(tmp_path, "gpu-5", "--yes")
+    assert code == 0
+    assert "gpu-5 has no recorded failure: nothing to clear" in out
+    assert f"its devices keep {kept}" in out
+
+
 def test_clear_refuses_without_a_terminal_and_without_yes(plugin: Plugin, tmp_path: Path) -> None:
     plugin.store.record_xid(plugin.uuid(1), 79)
     plugin.monitor.start()
@@ -173,7 +226,7 @@ def test_clear_a_partition_clears_its_gpu_instance_only(plugin: Plugin, tmp_path
     plugin.monitor.start()
     code, out, err = clear(tmp_path, "gpu-0-mig-1g10gb-3", "--yes")
     assert (code, err) == (0, "")
-    assert "gpu-0-mig-1g10gb-3" in out.split("without the taint on:")[1].splitlines()[0]
+    assert "gpu-0-mig-1g10gb-3" in out.split(f"without {DRIVER}/xid=94 on:")[1].splitlines()[0]
     assert "still tainted afterwards" in out and "gpu-0-mig-1g10gb-5" in out
     assert set(plugin.store.failed_instances()[uuid]) == {(5, 1)}
     taints = plugin.store.device_taints(plugin.pool.devices)
@@ -330,11 +383,11 @@ def test_show_table_says_where_each_line_comes_from(plugin: Plugin, tmp_path: Pa
     assert "slices: not read" in out and "plugin: not found" in out
 
 
-def test_without_slices_devices_are_named_by_the_running_plugin(
-    plugin: Plugin, tmp_path: Path
-) -> None:
-    """The API server is out of reach: the store's lines name each GPU as the plugin
-    on this node does (its /status), not by UUID."""
+@contextlib.contextmanager
+def plugin_status_served(
+    plugin: Plugin, tmp_path: Path, recovery: RecoveryActions | None = None
+) -> Iterator[str]:
+    """The plugin's own /status over `plugin`'s GPUs and store; yields its URL."""
     from test_status_cli import FakePublisher, FakeState
 
     from driver.devices.gpu_view import gpu_views
@@ -343,8 +396,6 @@ def test_without_slices_devices_are_named_by_the_running_plugin(
     from driver.plugin.node_status import PluginStatus
     from driver.state.checkpoint import Checkpoint
 
-    plugin.store.record_xid(plugin.uuid(3), 79)
-    plugin.store.record_instance_xid(plugin.uuid(5), (3, 1), 94, gpu_instance_id=9)
     inventory = NvmlBackend(plugin.mock).discover()
     state = FakeState(Checkpoint(tmp_path))
     status = PluginStatus(
@@ -354,19 +405,31 @@ def test_without_slices_devices_are_named_by_the_running_plugin(
         taint_effect="NoSchedule",
         gpus=gpu_views(inventory, plugin.pool.mig_modes),
         devices={d.name: d for d in plugin.pool.devices},
-        registration=threading.Event(),
+        registration=RegistrationServicer(DRIVER, "/plugins/dra.sock", ()),
         publisher=FakePublisher(),
         store=plugin.store,
+        recovery=recovery or RecoveryActions(plugin.pool.devices, driver=DRIVER),
+        unmonitored=UnmonitoredGpus(plugin.pool.devices, driver=DRIVER),
         state=state,
         journal=JournalReader(state.checkpoint),
     )
     server = HttpServer(0, lambda: (True, "ok\n"), "127.0.0.1").start()
     server.serve_status(status.document)
     try:
-        url = f"http://127.0.0.1:{server.port}"
-        code, out, _ = gpu_dra(["health", "--state-dir", str(tmp_path), "--plugin-url", url])
+        yield f"http://127.0.0.1:{server.port}"
     finally:
         server.shutdown()
+
+
+def test_without_slices_devices_are_named_by_the_running_plugin(
+    plugin: Plugin, tmp_path: Path
+) -> None:
+    """The API server is out of reach: the store's lines name each GPU as the plugin
+    on this node does (its /status), not by UUID."""
+    plugin.store.record_xid(plugin.uuid(3), 79)
+    plugin.store.record_instance_xid(plugin.uuid(5), (3, 1), 94, gpu_instance_id=9)
+    with plugin_status_served(plugin, tmp_path) as url:
+        code, out, _ = gpu_dra(["health", "--state-dir", str(tmp_path), "--plugin-url", url])
     assert code == 0
     rows = [line.split() for line in out.splitlines()[1:3]]
     assert [row[:2] for row in rows] == [["store", "gpu-3"], ["store", "gpu-5"]]
@@ -423,6 +486,63 @@ def test_show_compares_the_store_with_the_published_taints(tmp_path: Path) -> No
     assert "gpu-5: Xid 48" in notes and "no taint is published" in notes
     assert "gpu-6: a taint is published but no failure is recorded" in notes
     assert "gpu-3" not in notes
+
+
+def test_recovery_actions_are_shown_with_their_reason(plugin: Plugin, tmp_path: Path) -> None:
+    """A recovery-action taint is the running plugin's (NVML, kept in memory), not the
+    store's: `gpu-dra health` shows it from the plugin's /status with its reason, and
+    its slice taint with that reason, beside an Xid's taint of the same device."""
+    uuid5, uuid6 = plugin.uuid(5), plugin.uuid(6)
+    plugin.store.record_xid(uuid5, 48)
+    recovery = RecoveryActions(plugin.pool.devices, driver=DRIVER)
+    recovery.apply(RecoveryReading(uuid5, 1))  # gpu-reset
+    recovery.apply(RecoveryReading(uuid6, 2))  # node-reboot
+    reboot = f"{DRIVER}/recovery-action=node-reboot:NoSchedule"
+    with plugin_status_served(plugin, tmp_path, recovery) as url:
+        code, out, _ = gpu_dra(["health", "--state-dir", str(tmp_path), "--plugin-url", url])
+        assert code == 0
+        assert ["plugin", "gpu-6", reboot] in [line.split()[:3] for line in out.splitlines()]
+        assert "NVML recovery action node-reboot: the node needs a reboot" in out
+        assert "recovery: 2 NVML recovery action(s) that taint GPUs" in out
+
+        def slice_taint(key: str, value: str) -> dict[str, Any]:
+            return {"key": f"{DRIVER}/{key}", "value": value, "effect": "NoSchedule"}
+
+        slice_doc = {
+            "metadata": {"name": "node-1-gpu.example.com-0"},
+            "spec": {
+                "pool": {"generation": 1},
+                "devices": [
+                    {
+                        "name": "gpu-5",
+                        "attributes": {"uuid": {"string": uuid5}},
+                        "taints": [
+                            slice_taint("xid", "48"),
+                            slice_taint("recovery-action", "gpu-reset"),
+                        ],
+                    },
+                    {
+                        "name": "gpu-6",
+                        "attributes": {"uuid": {"string": uuid6}},
+                        "taints": [slice_taint("recovery-action", "node-reboot")],
+                    },
+                ],
+            },
+        }
+        report = build_report(
+            "node-1",
+            DRIVER,
+            tmp_path,
+            read_health(tmp_path),
+            PublishedView("test", devices=devices_of([slice_doc])),
+            recovery=PluginRecovery.read(url),
+        )
+    reasons = {(t["device"], t["value"]): t["reason"] for t in report["slices"]["taints"]}
+    assert reasons[("gpu-5", "48")].startswith("Xid 48")
+    assert reasons[("gpu-5", "gpu-reset")].startswith("NVML recovery action gpu-reset")
+    assert reasons[("gpu-6", "node-reboot")].startswith("NVML recovery action node-reboot")
+    assert [a["device"] for a in report["recovery"]["actions"]] == ["gpu-5", "gpu-6"]
+    assert report["consistent"] is True  # the action's taints are where they belong
 
 
 def test_show_fails_when_nothing_can_be_read(tmp_path: Path) -> None:

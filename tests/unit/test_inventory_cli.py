@@ -21,8 +21,10 @@ LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 @pytest.fixture(autouse=True)
 def no_plugin_here(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    """No plugin data dir unless a test gives one: health is unknown."""
+    """No plugin data dir unless a test gives one: health is unknown. No plugin
+    answers /status either (port 1: refused)."""
     monkeypatch.setenv("GPU_DRA_STATE_DIR", str(tmp_path / "no-plugin-here"))
+    monkeypatch.setenv("HTTP_PORT", "1")
 
 
 def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
@@ -153,6 +155,46 @@ def test_table_health_from_the_plugins_store(
     assert (state / "health.json").read_text() == "{not json"
     assert sorted(p.name for p in state.iterdir()) == ["health.json"]
     assert before
+
+
+def test_table_health_has_the_recovery_actions_of_the_running_plugin(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """A recovery action that taints a GPU (NoSchedule on every device of it) is known
+    only to the running plugin: inventory asks its /status, as `gpu-dra status` does,
+    and shows the GPU unhealthy as status, the metric and the health stream do."""
+    from driver.health.recovery import RecoveryFailure
+    from driver.nvml.backend import select_backend
+    from driver.observability.http import HttpServer
+
+    gpus = select_backend(mock=True, node_name="n1").discover().gpus
+    failure = RecoveryFailure(gpus[6].uuid, 2, "2026-01-01T00:00:00Z")  # node-reboot
+    document = {
+        "gpus": [
+            {"uuid": g.uuid, "failures": [failure.to_json("gpu.example.com")] if i == 6 else []}
+            for i, g in enumerate(gpus)
+        ]
+    }
+    server = HttpServer(0, lambda: (True, "ok\n"), "127.0.0.1").start()
+    server.serve_status(lambda: document)
+    url = f"http://127.0.0.1:{server.port}"
+    argv = ("--mock", "--node-name", "n1", "--state-dir", str(tmp_path))
+    try:
+        code, out, _ = run(capsys, *argv, "--plugin-url", url, "--partitions")
+    finally:
+        server.shutdown()
+    assert code == 0
+    unhealthy = "Unhealthy (gpu.example.com/recovery-action=node-reboot:NoSchedule)"
+    rows = {r["DEVICE"]: r["HEALTH"] for r in table(out)}
+    family = [name for name in rows if name == "gpu-6" or name.startswith("gpu-6-")]
+    assert len(family) > 1 and all(rows[name] == unhealthy for name in family)
+    assert all(h == "Healthy" for name, h in rows.items() if name not in family)
+    assert f"recovery actions from the plugin at {url}" in out
+
+    # Without the plugin, the recovery actions are not known, and inventory says so.
+    code, out, _ = run(capsys, *argv)
+    assert code == 0
+    assert "recovery actions unknown: the plugin does not answer" in out
 
 
 def test_table_health_shows_the_effect_the_plugin_publishes(

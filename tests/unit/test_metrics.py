@@ -34,6 +34,7 @@ def test_no_metric_that_only_grows_is_a_gauge() -> None:
     gauges -= {name for name in gauges if name.endswith("_created")}
     assert gauges == {
         "gpu_dra_tainted_devices",
+        "gpu_dra_unmonitored_gpus",
         "gpu_dra_published_devices",
         "gpu_dra_checkpoint_corrupt",
         "gpu_dra_health_store_corrupt",
@@ -88,7 +89,9 @@ def test_requests_in_flight_while_a_prepare_runs() -> None:
             "gpu_dra_requests_in_flight", {"method": "prepare"}
         )
 
-    request = v1.NodePrepareResourcesRequest()
+    # One claim: an empty request (the readiness probe's) is answered without counting.
+    claim = v1.Claim(namespace="ns", uid="8f5a2c1e-1d2b-4c3d-9e4f-5a6b7c8d9e0f", name="c")
+    request = v1.NodePrepareResourcesRequest(claims=[claim])
     worker = threading.Thread(
         target=DraService(SlowState()).prepare, args=(request, None, v1), daemon=True
     )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import uuid
 from collections.abc import Iterator, Sequence
 from concurrent import futures
@@ -11,6 +12,7 @@ import grpc
 import pytest
 
 from driver.errors import DriverError, device_failed, invalid_config, transient
+from driver.observability import metrics
 from driver.plugin.dra import add_dra_services
 from driver.plugin.registration import DRA_SERVICES, HEALTH_SERVICES, RegistrationServicer
 from driver.plugin.sockets import SUN_PATH_MAX, socket_paths
@@ -241,6 +243,23 @@ def test_empty_request_gets_empty_answer(served: tuple[FakeState, grpc.Channel])
         v1.NodeUnprepareResourcesRequest()
     )
     assert dict(response.claims) == {}
+
+
+def test_an_empty_prepare_is_answered_without_a_log_line_or_a_latency_sample(
+    served: tuple[FakeState, grpc.Channel], caplog: pytest.LogCaptureFixture
+) -> None:
+    """The readiness probe's call (driver.plugin.readiness) every few seconds: neither
+    the log nor gpu_dra_prepare_seconds may fill with it."""
+    state, channel = served
+    samples = metrics.REGISTRY.get_sample_value("gpu_dra_prepare_seconds_count")
+    with caplog.at_level(logging.DEBUG):
+        response = v1_grpc.DRAPluginStub(channel).NodePrepareResources(
+            v1.NodePrepareResourcesRequest()
+        )
+    assert dict(response.claims) == {}
+    assert state.calls == []
+    assert not [r for r in caplog.records if "NodePrepareResources" in r.getMessage()]
+    assert metrics.REGISTRY.get_sample_value("gpu_dra_prepare_seconds_count") == samples
 
 
 def test_registration_handshake(tmp_path: Path) -> None:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import io
 import json
 import math
-import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,13 +17,17 @@ import pytest
 from driver.cli import build_parser
 from driver.devices.gpu_view import gpu_views
 from driver.devices.model import PoolOptions, build_pool
+from driver.health.recovery import RecoveryActions
 from driver.health.store import HealthStore
+from driver.health.unmonitored import UnmonitoredGpus
 from driver.kube.publisher import PublisherStats
 from driver.nvml.backend import select_backend
+from driver.nvml.recovery import RecoveryReading
 from driver.observability import metrics
 from driver.observability.http import HttpServer
 from driver.plugin.journal_summary import JournalReader
 from driver.plugin.node_status import PluginStatus, export_gpus, export_journal
+from driver.plugin.registration import RegistrationServicer
 from driver.state.checkpoint import (
     CHECKPOINT_FILE,
     Checkpoint,
@@ -69,7 +72,10 @@ class Node:
         self.devices = {d.name: d for d in self.pool.devices}
         self.gpus = gpu_views(self.inventory, self.pool.mig_modes)
         self.store = HealthStore(root / "health.json")
-        self.registered = threading.Event()
+        self.recovery = RecoveryActions(self.devices, driver="gpu.example.com")
+        self.unmonitored = UnmonitoredGpus(self.devices, driver="gpu.example.com")
+        self.registration = RegistrationServicer("gpu.example.com", "/plugins/dra.sock", ())
+        self.registered = self.registration.registered
         self.publisher = FakePublisher()
         self.state = FakeState(Checkpoint(root))
         self.now = 1_000_000.0
@@ -80,9 +86,11 @@ class Node:
             taint_effect="NoExecute",
             gpus=self.gpus,
             devices=self.devices,
-            registration=self.registered,
+            registration=self.registration,
             publisher=self.publisher,
             store=self.store,
+            recovery=self.recovery,
+            unmonitored=self.unmonitored,
             state=self.state,
             journal=JournalReader(self.state.checkpoint),
             started=self.now - 90,
@@ -184,6 +192,73 @@ def test_every_problem_is_listed_and_fails_the_check(node: Node, served: str) ->
     )
     assert "prepare journal corrupt" in problems
     assert report["journal"]["preparedClaims"] is None
+
+
+def test_a_recovery_action_that_taints_the_gpu_is_unhealthy(node: Node, served: str) -> None:
+    """A GPU whose NVML recovery action taints its devices (NoSchedule on every one) is
+    as unhealthy in `gpu-dra status` as in gpu_dra_gpu_healthy and the health stream."""
+    node.healthy()
+    uuid = node.inventory.gpus[1].uuid
+    node.recovery.apply(RecoveryReading(uuid, 2))  # node-reboot
+    code, out = status("--plugin-url", served, "--fail-on-unhealthy")
+    assert code == 1, out
+    first = out.splitlines()[0]
+    assert first.startswith(
+        f"UNHEALTHY: gpu-1 ({uuid}) failed: NVML recovery action node-reboot: the node "
+        "needs a reboot"
+    ), first
+    family = [d for d in node.devices.values() if d.gpu_uuid == uuid]
+    assert f"1 GPU(s) failed, {len(family)} device(s) tainted" in out
+    gpu_row = next(line for line in out.splitlines() if line.startswith("gpu-1 "))
+    assert "failed: NVML recovery action node-reboot" in gpu_row
+
+    report = status_json("--plugin-url", served)[1]
+    (failure,) = report["gpus"][1]["failures"]
+    assert failure["key"] == "gpu.example.com/recovery-action"
+    assert (failure["value"], failure["effect"]) == ("node-reboot", "NoSchedule")
+    assert report["gpus"][1]["taintedDevices"] == len(family)
+
+    # An action that taints nothing (an IMEX-domain recovery) leaves the GPU healthy,
+    # as it leaves the metric and the health stream.
+    node.recovery.apply(RecoveryReading(uuid, 5))
+    assert status("--plugin-url", served, "--fail-on-unhealthy")[0] == 0
+
+
+def test_an_unmonitored_gpu_is_named_but_not_unhealthy(node: Node, served: str) -> None:
+    """NVML registers no health events for gpu-2: its health is unknown, not bad. The
+    status names it (a note, with NVML's reason) and its row says so; the check
+    passes, as gpu_dra_gpu_healthy stays 1 (docs/health.md, "What unhealthy means")."""
+    node.healthy()
+    uuid = node.inventory.gpus[2].uuid
+    node.unmonitored.update({uuid: "NVML cannot register its health events: Not Supported"})
+    code, out = status("--plugin-url", served, "--fail-on-unhealthy")
+    assert code == 0, out
+    assert out.splitlines()[0].startswith("OK: ")
+    assert "1 GPU(s) NOT MONITORED" in out
+    assert (
+        f"note: gpu-2 ({uuid}) is not monitored: NVML cannot register its health events: "
+        "Not Supported; its failures go unseen" in out
+    )
+    gpu_row = next(line for line in out.splitlines() if line.startswith("gpu-2 "))
+    assert gpu_row.endswith("healthy (unmonitored)")
+    report = status_json("--plugin-url", served)[1]
+    assert report["gpus"][2]["monitored"] is False
+    assert report["health"]["unmonitoredGPUs"] == 1
+    assert [g["monitored"] for g in report["gpus"]] == [True, True, False, True]
+
+
+def test_a_refused_registration_is_the_problem_it_says(node: Node, served: str) -> None:
+    """The kubelet refused the plugin: status says so with the kubelet's words, as
+    /readyz does, not that the kubelet has not registered it yet."""
+    node.healthy()
+    node.registered.clear()
+    node.registration.last_error = "none of services supported by the plugin are supported"
+    code, out = status("--plugin-url", served, "--fail-on-unhealthy")
+    assert code == 1
+    refused = "the kubelet refused the registration: none of services supported by the plugin"
+    assert out.splitlines()[0].startswith(f"UNHEALTHY: {refused}"), out
+    assert f"registration  REFUSED: {refused.split(': ', 1)[1]}" in out
+    assert status_json("--plugin-url", served)[1]["registration"]["error"].startswith("none of")
 
 
 def test_without_the_plugin_the_nodes_files_are_shown(node: Node, tmp_path: Path) -> None:

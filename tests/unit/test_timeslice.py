@@ -222,14 +222,41 @@ def test_recover_reapplies_after_a_reboot_and_leaves_other_gpus_alone(node: Node
     assert node.ts.settings() == {node.uuid(0): "Long", node.uuid(1): "Medium"}
 
 
+def test_an_interval_that_cannot_be_set_is_refused_not_claimed(node: Node) -> None:
+    """A MIG device (gpu-2 is in MIG mode: its whole GPU is delivered as a full-size MIG
+    device too) has no time-slice setting, and an admin-access claim only observes a
+    GPU: no interval can be applied, so a non-Default one is a permanent invalid-config
+    error, never a GPU_DEVICE_<n>_TIMESLICE_INTERVAL that claims what did not happen."""
+    state = node.state()
+    cases = {
+        "whole-mig": ("gpu-2", "a MIG device: its GPU is in MIG mode"),
+        "mig": ("gpu-2-mig-1g10gb-0", "a MIG device: its GPU is in MIG mode"),
+        "admin": ("gpu-1", "with admin access"),
+    }
+    for uid, (device, why) in cases.items():
+        admin = uid == "admin"
+        ref = node.claims.add(uid, device, interval="Long", admin=admin)
+        error = state.prepare([ref])[uid].error
+        assert error is not None and error.permanent, (uid, error)
+        text = str(error)
+        assert text.startswith("permanent (invalid-config): "), text
+        assert "sharing.timeSlicingConfig.interval" in text and why in text, text
+        assert f"cannot set the time-slice interval Long of device {device}" in text, text
+    assert node.ts.settings() == {}
+    assert Checkpoint(node.root / "plugin").load() == {}
+    assert not state.cdi.list_claim_specs()
+    # Default asks for nothing: accepted on the same devices.
+    ok(state, node.claims.add("mig-default", "gpu-2", interval="Default"))
+
+
 def test_default_mig_and_admin_access_touch_nothing(node: Node) -> None:
     node.ts.set(node.uuid(0), "Medium")  # the administrator's
     state = node.state()
     refs = [
         node.claims.add("default", "gpu-0", interval="Default", share=True),
         node.claims.add("none", "gpu-0", interval=None, share=True),
-        node.claims.add("mig", "gpu-2-mig-1g10gb-0", interval="Long"),
-        node.claims.add("admin", "gpu-1", interval="Long", admin=True),
+        node.claims.add("mig", "gpu-2-mig-1g10gb-0", interval=None),
+        node.claims.add("admin", "gpu-1", interval="Default", admin=True),
     ]
     ok(state, *refs)
     assert node.ts.settings() == {node.uuid(0): "Medium"}

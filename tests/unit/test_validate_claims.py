@@ -258,6 +258,38 @@ def test_space_partitioning_on_a_partition_class_is_reported(
     ]
 
 
+def test_a_time_slice_interval_on_mig_devices_is_reported(tmp_path: Path) -> None:
+    """A MIG device has no time-slice interval: prepare refuses a non-Default one."""
+
+    def interval(value: str) -> Doc:
+        return {
+            "requests": ["part"],
+            "opaque": {
+                "driver": DRIVER,
+                "parameters": {
+                    "apiVersion": "gpu.resource.example.com/v1alpha1",
+                    "kind": "GpuConfig",
+                    "sharing": {
+                        "strategy": "TimeSlicing",
+                        "timeSlicingConfig": {"interval": value},
+                    },
+                },
+            },
+        }
+
+    requests = [request("whole"), request("part", f"mig.{DRIVER}")]
+    claim = write(tmp_path, template(requests, [interval("Long")]))
+    code, _, err = run_cli(str(claim))
+    assert code == 1
+    assert problems(err) == [
+        f"{claim}: ResourceClaimTemplate/t: spec.spec.devices.config[0].opaque.parameters"
+        f".sharing.timeSlicingConfig.interval: Long fails at prepare for request 'part': "
+        f"class mig.{DRIVER} gives MIG devices, which have no time-slice interval; use a "
+        "GPU with MIG mode off, or no interval"
+    ]
+    assert run_cli(str(write(tmp_path, template(requests, [interval("Default")]))))[0] == 0
+
+
 def test_a_later_config_for_the_partition_request_overrides(tmp_path: Path) -> None:
     """The last matching config wins as a whole, as at prepare."""
     time_slicing = {
