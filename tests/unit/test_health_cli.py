@@ -30,12 +30,12 @@ from driver.health.recovery import RecoveryActions
 from driver.health.store import HealthStore
 from driver.health.unmonitored import UnmonitoredGpus
 from driver.health.xid import XidPolicy
-from driver.kube.events import NodeEvent
 from driver.nvml.backend import NvmlBackend
 from driver.nvml.mock.fleet import default_fleet
 from driver.nvml.mock.nvml import MockNvml
 from driver.nvml.recovery import RecoveryReading
 from driver.plugin.registration import RegistrationServicer
+from tests.node_events import RecordedNodeEvents
 
 DRIVER = "gpu.example.com"
 
@@ -63,20 +63,6 @@ class RealNvmlStandIn:
         return getattr(self._mock, name)
 
 
-class Events:
-    def __init__(self) -> None:
-        self.posted: list[NodeEvent] = []
-
-    def post(self, event: NodeEvent) -> None:
-        self.posted.append(event)
-
-    def start(self) -> None:
-        pass
-
-    def stop(self, timeout: float = 5.0) -> None:
-        pass
-
-
 class Plugin:
     def __init__(self, state_dir: Path, *, real: bool = False, synced: bool = True) -> None:
         self.mock = MockNvml(default_fleet(), "node-1")
@@ -85,7 +71,7 @@ class Plugin:
         self.store = HealthStore(state_dir / "health.json")
         self.publisher = FakePublisher(synced)
         self.recovery = RecoveryActions(self.pool.devices, driver=DRIVER)
-        self.events = Events()
+        self.events = RecordedNodeEvents()
         self.monitor = HealthMonitor(
             backend,
             self.store,

@@ -55,6 +55,22 @@ def created(tmp_path: Path) -> list[str]:
     return sorted(str(p.relative_to(host)) for p in host.rglob("*")) if host.exists() else []
 
 
+def run_plugin_to_exit(tmp_path: Path, *flags: str) -> subprocess.CompletedProcess[str]:
+    """The plugin started with `flags` and a kubeconfig, none of its settings taken from
+    this environment, run until it exits."""
+    kubeconfig = write_kubeconfig(tmp_path / "kubeconfig")
+    argv = plugin_args(tmp_path, *flags, f"--kubeconfig={kubeconfig}")
+    env = {k: v for k, v in os.environ.items() if k not in PLUGIN_ENV}
+    return subprocess.run(
+        [sys.executable, "-m", "driver.plugin.main", *argv],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+        check=False,
+    )
+
+
 def one_line_error(err: str) -> str:
     assert "Traceback" not in err and "usage:" not in err, err
     lines = [line for line in err.splitlines() if line.startswith("gpu-kubelet-plugin: ")]
@@ -165,17 +181,7 @@ def busy_port() -> Iterator[int]:
 def test_a_busy_http_port_fails_before_the_sockets_are_served(
     tmp_path: Path, busy_port: int
 ) -> None:
-    kubeconfig = write_kubeconfig(tmp_path / "kubeconfig")
-    argv = plugin_args(tmp_path, f"--http-port={busy_port}", f"--kubeconfig={kubeconfig}")
-    env = {k: v for k, v in os.environ.items() if k not in PLUGIN_ENV}
-    proc = subprocess.run(
-        [sys.executable, "-m", "driver.plugin.main", *argv],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env=env,
-        check=False,
-    )
+    proc = run_plugin_to_exit(tmp_path, f"--http-port={busy_port}")
     assert proc.returncode == 1, proc.stderr
     assert f"--http-port {busy_port}: cannot listen" in one_line_error(proc.stderr)
     assert created(tmp_path) == []  # no stale sockets in the kubelet's directories
@@ -256,17 +262,7 @@ def test_a_planted_claim_lock_stops_the_start_with_one_line_naming_it(
         lock.symlink_to(tmp_path / "elsewhere")
     else:
         os.mkfifo(lock)
-    kubeconfig = write_kubeconfig(tmp_path / "kubeconfig")
-    argv = plugin_args(tmp_path, "--http-port=-1", f"--kubeconfig={kubeconfig}")
-    env = {k: v for k, v in os.environ.items() if k not in PLUGIN_ENV}
-    proc = subprocess.run(
-        [sys.executable, "-m", "driver.plugin.main", *argv],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env=env,
-        check=False,
-    )
+    proc = run_plugin_to_exit(tmp_path, "--http-port=-1")
     assert proc.returncode == 1, proc.stderr
     line = one_line_error(proc.stderr)
     assert str(lock) in line and "remove it" in line, line

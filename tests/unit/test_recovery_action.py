@@ -23,7 +23,6 @@ from driver.health.recovery import (
 )
 from driver.health.store import HealthStore
 from driver.health.xid import XidPolicy
-from driver.kube.events import NodeEvent
 from driver.nvml.backend import NvmlBackend
 from driver.nvml.mock import api as m
 from driver.nvml.mock.fleet import default_fleet
@@ -34,6 +33,7 @@ from driver.observability.metrics import REGISTRY
 from driver.plugin.health import HealthSource
 from driver.state.claims import ClaimRef
 from driver.state.planning import check_health
+from tests.node_events import RecordedNodeEvents
 from tests.taints import untimed
 
 DRIVER = "gpu.example.com"
@@ -61,22 +61,6 @@ class Clock:
         return self.now
 
 
-class Events:
-    """The Node events posted (`driver.kube.events.NodeEvents`' interface)."""
-
-    def __init__(self) -> None:
-        self.posted: list[NodeEvent] = []
-
-    def post(self, event: NodeEvent) -> None:
-        self.posted.append(event)
-
-    def start(self) -> None:
-        pass
-
-    def stop(self, timeout: float = 5.0) -> None:
-        pass
-
-
 class Node:
     """The plugin's health wiring (driver/plugin/main.py) over a mock NVML, driven one
     monitor iteration at a time with a fake clock."""
@@ -94,7 +78,7 @@ class Node:
             self.recovery,
             self.publisher,
         )
-        self.events = Events()
+        self.events = RecordedNodeEvents()
         self.monitor = HealthMonitor(
             self.backend,
             self.store,
