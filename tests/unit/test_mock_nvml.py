@@ -130,6 +130,25 @@ def test_gpu_instance_profile_info(nvml: MockNvml) -> None:
     assert err.value.value == m.NVML_ERROR_FUNCTION_NOT_FOUND
 
 
+@pytest.mark.parametrize(
+    ("driver", "answer"),
+    [("580.159.04", m.NVML_ERROR_INVALID_ARGUMENT), ("600.10", m.NVML_ERROR_NOT_SUPPORTED)],
+)
+def test_a_profile_slot_newer_than_the_driver_is_an_invalid_argument(
+    driver: str, answer: int
+) -> None:
+    """3_SLICE_GFX (0x11) came after R590: an R580 H200 answered INVALID_ARGUMENT for it
+    (tests/data/nvml-probe-h200.json); a newer driver knows the slot, which this GPU does
+    not have."""
+    fleet = parse_fleet({"gpus": [{"model": "H200-141GB", "count": 1}], "driverVersion": driver})
+    mock = MockNvml(fleet, "node-a")
+    mock.nvmlInit()
+    handle = mock.nvmlDeviceGetHandleByIndex(0)
+    with pytest.raises(m.NVMLError) as err:
+        mock.nvmlDeviceGetGpuInstanceProfileInfo(handle, m.NVML_GPU_INSTANCE_PROFILE_3_SLICE_GFX)
+    assert err.value.value == answer
+
+
 def test_possible_placements_byref_and_pointer(nvml: MockNvml) -> None:
     h = nvml.nvmlDeviceGetHandleByIndex(0)
     count = ctypes.c_uint(0)

@@ -86,7 +86,19 @@ NVML_GPU_INSTANCE_PROFILE_6_SLICE = 0x6
 NVML_GPU_INSTANCE_PROFILE_1_SLICE_REV1 = 0x7
 NVML_GPU_INSTANCE_PROFILE_2_SLICE_REV1 = 0x8
 NVML_GPU_INSTANCE_PROFILE_1_SLICE_REV2 = 0x9
+NVML_GPU_INSTANCE_PROFILE_3_SLICE_GFX = 0x11
 NVML_GPU_INSTANCE_PROFILE_COUNT = 0x12
+
+
+def gpu_instance_profile_slots(driver_version: str) -> int:
+    """How many GPU-instance profile slots a driver knows (a slot past them is
+    INVALID_ARGUMENT). 3_SLICE_GFX came after R590 (NVML's change log); an R580 H200
+    answered INVALID_ARGUMENT for it."""
+    major = driver_version.split(".")[0]
+    if major.isascii() and major.isdigit() and int(major) <= 590:
+        return NVML_GPU_INSTANCE_PROFILE_3_SLICE_GFX
+    return NVML_GPU_INSTANCE_PROFILE_COUNT
+
 
 nvmlGpuInstanceProfileInfo_v2 = 0x02000098
 nvmlMemory_v2 = 0x02000028

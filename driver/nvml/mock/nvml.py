@@ -61,7 +61,6 @@ from driver.nvml.mock.api import (
     NVML_ERROR_INVALID_ARGUMENT,
     NVML_ERROR_NOT_FOUND,
     NVML_ERROR_NOT_SUPPORTED,
-    NVML_GPU_INSTANCE_PROFILE_COUNT,
     NVML_SUCCESS,
     GpuInstanceProfileInfo,
     MemoryInfo,
@@ -70,6 +69,7 @@ from driver.nvml.mock.api import (
     PciInfo,
     c_nvmlGpuInstancePlacement_t,
     get_out_uint,
+    gpu_instance_profile_slots,
     nvml_call,
     nvmlGpuInstanceProfileInfo_v2,
     set_out_uint,
@@ -197,11 +197,10 @@ class MockNvml(EventFunctions, MigFunctions, RecoveryFunctions):
             raise NVMLError(NVML_ERROR_NOT_SUPPORTED)
         return self._gpu(handle)
 
-    @staticmethod
-    def _mig_profile(gpu: MockGpu, slot: int) -> MigProfileSpec:
+    def _mig_profile(self, gpu: MockGpu, slot: int) -> MigProfileSpec:
         if gpu.profile.mig is None:
             raise NVMLError(NVML_ERROR_NOT_SUPPORTED)
-        if not 0 <= slot < NVML_GPU_INSTANCE_PROFILE_COUNT:
+        if not 0 <= slot < gpu_instance_profile_slots(self.fleet.resolved_driver_version):
             raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)
         for p in gpu.profile.mig.profiles:
             if _slot_value(p.slot) == slot:
