@@ -46,10 +46,10 @@ class HealthRecords:
 class HealthStoreCorruptError(ValueError):
     """The file exists but cannot be trusted: which GPUs failed is unknown."""
 
-    def __init__(self, path: Path, reason: str) -> None:
+    def __init__(self, path: Path, reason: str, *, state: str = "is corrupt") -> None:
         self.path = path
         self.reason = reason
-        super().__init__(f"health store {path} is corrupt ({reason})")
+        super().__init__(f"health store {path} {state} ({reason})")
 
 
 class NewerSchemaError(ValueError):
@@ -58,18 +58,14 @@ class NewerSchemaError(ValueError):
 
     def __init__(self, version: int) -> None:
         self.version = version
-        super().__init__(
-            f"written by a newer release (schema version {version}; "
-            f"this release reads up to {SCHEMA_VERSION})"
-        )
+        super().__init__(f"schema version {version}; this release reads up to {SCHEMA_VERSION}")
 
 
 class HealthStoreNewerError(HealthStoreCorruptError):
     """The file is a newer release's: kept untouched, every GPU kept failed."""
 
     def __init__(self, path: Path, err: NewerSchemaError) -> None:
-        super().__init__(path, str(err))
-        self.args = (f"health store {path} was {err}",)
+        super().__init__(path, str(err), state="was written by a newer release")
 
 
 def load_records(path: Path) -> HealthRecords:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from driver.cli.state_dir import read_health
 from driver.health.store import HealthStore
 from tests.taints import untimed
 from tests.unit.test_health_store import DEVICES, GPU0, GPU1
@@ -46,3 +47,13 @@ def test_store_of_a_newer_version_is_kept_untouched_and_reported(tmp_path: Path)
     assert store.tainted_device_count(DEVICES) == len(DEVICES)  # fails closed
     store.record_xid(GPU1, 79)
     assert path.read_text() == newer
+
+
+def test_gpu_dra_names_a_store_of_a_newer_release(tmp_path: Path) -> None:
+    path = tmp_path / "health.json"
+    path.write_text(json.dumps({"version": 2, "gpus": {}}))
+    view = read_health(tmp_path)
+    assert view.store is None and view.unknown is not None
+    assert view.unknown.startswith(
+        f"{path} was written by a newer release (schema version 2; this release reads up to 1)"
+    )
