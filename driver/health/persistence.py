@@ -46,6 +46,8 @@ class HealthRecords:
 class HealthStoreCorruptError(ValueError):
     """The file exists but cannot be trusted: which GPUs failed is unknown."""
 
+    remedy = "an operator restores the file or moves it aside and restarts the plugin"
+
     def __init__(self, path: Path, reason: str, *, state: str = "is corrupt") -> None:
         self.path = path
         self.reason = reason
@@ -63,6 +65,11 @@ class NewerSchemaError(ValueError):
 
 class HealthStoreNewerError(HealthStoreCorruptError):
     """The file is a newer release's: kept untouched, every GPU kept failed."""
+
+    remedy = (
+        "the newer release runs again (or an operator who accepts losing its records "
+        "moves the file aside and restarts the plugin)"
+    )
 
     def __init__(self, path: Path, err: NewerSchemaError) -> None:
         super().__init__(path, str(err), state="was written by a newer release")

@@ -52,7 +52,6 @@ from driver.health.persistence import (
     SCHEMA_VERSION,
     HealthRecords,
     HealthStoreCorruptError,
-    HealthStoreNewerError,
     load_records,
     write_records,
 )
@@ -92,15 +91,6 @@ class UnknownHealth(GpuFailure):
         return f"{self.reason} (since {self.since})"
 
 
-def _repair(err: HealthStoreCorruptError) -> str:
-    if isinstance(err, HealthStoreNewerError):
-        return (
-            "the newer release runs again (or an operator who accepts losing its records "
-            "moves the file aside and restarts the plugin)"
-        )
-    return "an operator restores the file or moves it aside and restarts the plugin"
-
-
 class HealthStore:
     """Thread-safe, persisted failures (GPU UUID -> GpuFailure, and GPU UUID ->
     placement -> GpuFailure for MIG GPU instances), with change notification."""
@@ -137,7 +127,7 @@ class HealthStore:
             self._unknown = UnknownHealth(
                 key=f"{self.driver}/{KIND_UNKNOWN}",
                 value=None,
-                reason=f"{err}: every GPU is kept failed until {_repair(err)}",
+                reason=f"{err}: every GPU is kept failed until {err.remedy}",
                 since=now_rfc3339(),
             )
             log.error("%s", self._unknown.reason)
