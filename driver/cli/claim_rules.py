@@ -10,6 +10,9 @@ the API server, or failing at every prepare, while each GpuConfig in it is valid
   to one of the driver's (a likely misspelling).
 - Request names. Each name in a config's `requests` must be a request (`gpu`) or a
   sub-request (`gpu/small`) of the claim: the API server refuses the claim otherwise.
+- Opaque drivers. An opaque config for another driver must apply to some request
+  that driver can serve: one whose class is not the driver's. Otherwise (a misspelt
+  `driver:`) no driver ever reads it and the webhook never sees it.
 - SpacePartitioning. For each request, the config that applies at prepare (the claim's
   last config of the driver naming it or naming none) must not be SpacePartitioning on a
   partition class (`mig.<driver>`, `partition.<driver>`): prepare never splits a
@@ -158,6 +161,7 @@ def claim_problems(
     problems = list(_class_problems(requests, classes, for_driver))
     if for_driver:
         problems += _request_name_problems(requests, claim_configs(doc))
+        problems += _unreachable_driver_problems(requests, claim_configs(doc), classes)
         problems += _sharing_problems(doc, requests, classes, devices)
     return problems
 
@@ -198,6 +202,32 @@ def _request_name_problems(
                 )
 
 
+def _applies_to(config: ClaimConfig, request: DeviceRequest) -> bool:
+    return not config.requests or any(request_matches(n, request.name) for n in config.requests)
+
+
+def _unreachable_driver_problems(
+    requests: list[DeviceRequest], configs: list[ClaimConfig], classes: DeviceClasses
+) -> Iterator[FieldError]:
+    """Opaque configs of another driver whose every request is of the driver's classes."""
+    for config in configs:
+        if not isinstance(config.driver, str) or config.driver == classes.driver:
+            continue
+        targets = [r for r in requests if _applies_to(config, r)]
+        if not targets or not all(classes.is_ours(r.device_class) for r in targets):
+            continue
+        close = difflib.get_close_matches(
+            config.driver, [classes.driver], n=1, cutoff=MISSPELLING_CUTOFF
+        )
+        guess = f" (did you mean '{close[0]}'?)" if close else ""
+        served = ", ".join(f"{r.name}: class {r.device_class}" for r in targets)
+        yield FieldError(
+            f"{config.path}.opaque.driver",
+            f"'{config.driver}' is the driver of no request it applies to ({served}), "
+            f"so no driver ever reads it{guess}",
+        )
+
+
 def _effective_configs(
     doc: object, requests: list[DeviceRequest], driver: str
 ) -> Iterator[tuple[DeviceRequest, ClaimConfig, GpuConfig]]:
@@ -211,9 +241,7 @@ def _effective_configs(
                 decoded.append((config, gpu_config))
     for request in requests:
         applying = [
-            (config, gpu_config)
-            for config, gpu_config in decoded
-            if not config.requests or any(request_matches(n, request.name) for n in config.requests)
+            (config, gpu_config) for config, gpu_config in decoded if _applies_to(config, request)
         ]
         if applying:
             yield request, *applying[-1]

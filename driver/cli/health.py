@@ -280,10 +280,11 @@ def _differences(driver: str, view: HealthView, published: PublishedView) -> lis
     notes: list[str] = []
     for device in published.devices:
         failure = view.store.device_failure(device)
+        recorded_kinds = set(KIND_RANK) | ({failure.kind} if failure is not None else set())
         ours = {
             (t.get("key"), t.get("value"))
             for t in device.taints
-            if str(t.get("key", "")).removeprefix(f"{driver}/") in KIND_RANK
+            if str(t.get("key", "")).removeprefix(f"{driver}/") in recorded_kinds
         }
         want = set() if failure is None else {(f"{driver}/{failure.kind}", failure.value)}
         if ours == want:

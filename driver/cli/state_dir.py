@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from driver.health.persistence import HealthRecords, parse_records
+from driver.health.persistence import HealthRecords, NewerSchemaError, parse_records
 from driver.health.store import DEFAULT_DRIVER_NAME, HealthStore
 from driver.state.fileio import UnsafeFileError, read_file_nofollow
 
@@ -66,6 +66,13 @@ def read_health(state_dir: Path, driver_name: str = DEFAULT_DRIVER_NAME) -> Heal
         return HealthView(path, unknown=f"{path} {err.strerror}{CORRUPT_CONSEQUENCE}")
     except OSError as err:
         return HealthView(path, unknown=f"cannot read {path}: {err.strerror or err}")
+    except NewerSchemaError as err:
+        return HealthView(
+            path,
+            unknown=f"{path} was written by a newer release ({err}); the plugin keeps every "
+            "GPU failed until the newer release runs again or the file is moved aside and "
+            "the plugin restarted (docs/health.md)",
+        )
     except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as err:
         return HealthView(
             path,

@@ -19,6 +19,14 @@ DEFAULT_DRIVER_NAME = "gpu.example.com"
 KIND_XID = "xid"
 KIND_GPU_LOST = "gpu-lost"
 KIND_RANK = {KIND_XID: 1, KIND_GPU_LOST: 2}
+# A kind this release does not know (recorded by a newer one) ranks above every known
+# kind: nothing this release records may replace it, so a downgrade never forgets it.
+UNKNOWN_KIND_RANK = max(KIND_RANK.values()) + 1
+
+
+def kind_rank(kind: str) -> int:
+    return KIND_RANK.get(kind, UNKNOWN_KIND_RANK)
+
 
 Placement = tuple[int, int]  # (start, size) in memory slices
 
@@ -67,7 +75,12 @@ class GpuFailure:
 
     def message(self) -> str:
         """Human text for prepare errors and the health stream."""
-        what = "GPU is lost" if self.kind == KIND_GPU_LOST else f"Xid {self.value}"
+        if self.kind == KIND_GPU_LOST:
+            what = "GPU is lost"
+        elif self.kind == KIND_XID:
+            what = f"Xid {self.value}"
+        else:  # a newer release's kind
+            what = self.key if self.value is None else f"{self.key}={self.value}"
         extra = f": {self.reason}" if self.reason and self.reason != what else ""
         where = f" on {self.scope()}" if self.placement is not None else ""
         return f"{what}{where}{extra} (since {self.since})"
@@ -130,4 +143,4 @@ def time_added(since: str) -> dict[str, str]:
 
 def precedence(failure: GpuFailure) -> tuple[int, bool, Placement]:
     """Sort key, strongest first: gpu-lost, then the whole GPU's, then by placement."""
-    return (-KIND_RANK[failure.kind], not failure.whole_gpu, failure.placement or (0, 0))
+    return (-kind_rank(failure.kind), not failure.whole_gpu, failure.placement or (0, 0))

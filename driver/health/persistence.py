@@ -7,12 +7,15 @@
                                 "computeInstanceId": 0, "key": "gpu.example.com/xid",
                                 "value": "94", "reason": "Xid 94", "since": "..."}]}}
 
-`instances` is written only when there is one (a file without it reads as before;
-an older plugin reading a newer file ignores it). A record of an unknown kind (a
-newer plugin's) is skipped with a warning. A file that cannot be parsed, or a
-symlink or anything but a regular file at the path (never followed, never opened
-blocking), is corrupt: `load_records` raises `HealthStoreCorruptError` and leaves it
-where it is (the store then keeps every GPU failed until an operator repairs it).
+`instances` is written only when there is one (a file without it reads as before).
+A record of a kind this release does not know (a newer release's) is kept as it is:
+it fails its GPU (or instance) and is written back on every rewrite. A file whose
+`version` is above SCHEMA_VERSION (a newer release's, after a downgrade) is never
+interpreted: `load_records` raises `HealthStoreNewerError`. A file that cannot be
+parsed, or a symlink or anything but a regular file at the path (never followed,
+never opened blocking), is corrupt: `load_records` raises `HealthStoreCorruptError`.
+Either way the file is left where it is (the store then keeps every GPU failed until
+an operator repairs it or the newer release runs again).
 """
 
 from __future__ import annotations
@@ -43,10 +46,33 @@ class HealthRecords:
 class HealthStoreCorruptError(ValueError):
     """The file exists but cannot be trusted: which GPUs failed is unknown."""
 
-    def __init__(self, path: Path, reason: str) -> None:
+    remedy = "an operator restores the file or moves it aside and restarts the plugin"
+
+    def __init__(self, path: Path, reason: str, *, state: str = "is corrupt") -> None:
         self.path = path
         self.reason = reason
-        super().__init__(f"health store {path} is corrupt ({reason})")
+        super().__init__(f"health store {path} {state} ({reason})")
+
+
+class NewerSchemaError(ValueError):
+    """The file's `version` is one a newer release writes: this release cannot tell
+    what it would drop by reading it."""
+
+    def __init__(self, version: int) -> None:
+        self.version = version
+        super().__init__(f"schema version {version}; this release reads up to {SCHEMA_VERSION}")
+
+
+class HealthStoreNewerError(HealthStoreCorruptError):
+    """The file is a newer release's: kept untouched, every GPU kept failed."""
+
+    remedy = (
+        "the newer release runs again (or an operator who accepts losing its records "
+        "moves the file aside and restarts the plugin)"
+    )
+
+    def __init__(self, path: Path, err: NewerSchemaError) -> None:
+        super().__init__(path, str(err), state="was written by a newer release")
 
 
 def load_records(path: Path) -> HealthRecords:
@@ -62,21 +88,27 @@ def load_records(path: Path) -> HealthRecords:
         raise HealthStoreCorruptError(path, f"{err.strerror} ({code})") from err
     try:
         return parse_records(raw)
+    except NewerSchemaError as err:
+        raise HealthStoreNewerError(path, err) from err
     except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as err:
         raise HealthStoreCorruptError(path, f"{type(err).__name__}: {err}") from err
 
 
 def parse_records(raw: bytes) -> HealthRecords:
-    """Parse the file's bytes; raises ValueError, KeyError, TypeError on garbage."""
+    """Parse the file's bytes; raises NewerSchemaError for a newer release's file,
+    ValueError, KeyError, TypeError on garbage."""
     doc = json.loads(raw)
+    version = doc.get("version", 1)  # a file repaired by hand may leave it out
+    if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+        raise ValueError(f"version is not a schema version: {version!r}")
+    if version > SCHEMA_VERSION:
+        raise NewerSchemaError(version)
     gpus = doc["gpus"]
     if not isinstance(gpus, dict):
         raise TypeError("gpus is not an object")
     records = HealthRecords()
     for uuid, rec in gpus.items():
-        failure = parse_failure(rec, str(uuid))
-        if failure is not None:
-            records.gpus[str(uuid)] = failure
+        records.gpus[str(uuid)] = parse_failure(rec, str(uuid))
     raw_instances = doc.get("instances", {})
     if not isinstance(raw_instances, dict):
         raise TypeError("instances is not an object")
@@ -85,18 +117,18 @@ def parse_records(raw: bytes) -> HealthRecords:
             raise TypeError(f"instances of {uuid} is not a list")
         for rec in listed:
             failure = parse_failure(rec, str(uuid))
-            if failure is not None and failure.placement is not None:
-                records.instances.setdefault(str(uuid), {})[failure.placement] = failure
+            if failure.placement is None:
+                raise ValueError(f"instance record of {uuid} has no placement")
+            records.instances.setdefault(str(uuid), {})[failure.placement] = failure
     return records
 
 
-def parse_failure(rec: Any, uuid: str) -> GpuFailure | None:
-    """One record; None for an unknown kind (a newer plugin's). Raises on garbage."""
+def parse_failure(rec: Any, uuid: str) -> GpuFailure:
+    """One record, of any kind (one this release does not know is kept as it is).
+    Raises on garbage."""
     key = str(rec["key"])
-    kind = key.rsplit("/", 1)[-1]
-    if kind not in KIND_RANK:
-        log.warning("health store: ignoring unknown failure %r for %s", key, uuid)
-        return None
+    if key.rsplit("/", 1)[-1] not in KIND_RANK:
+        log.warning("health store: keeping failure %r of a newer release for %s", key, uuid)
     value = rec.get("value")
     placement: Placement | None = None
     if "start" in rec or "size" in rec:

@@ -16,7 +16,8 @@ slices (`gpu-dra health clear <partition>`).
 Each change bumps `version` and notifies waiters (`wait_changed`), which the health
 stream uses.
 
-A corrupt file (`HealthStoreCorruptError`: garbage, a symlink, a FIFO) fails closed:
+A corrupt file (`HealthStoreCorruptError`: garbage, a symlink, a FIFO), or one of a
+newer schema version (`HealthStoreNewerError`: a downgrade), fails closed:
 which GPUs failed is unknown, so every device shows an `UnknownHealth` failure (taint
 `<driver>/health-store-corrupt`) until an operator restores or moves the file aside
 and restarts the plugin (docs/health.md). The file is left as it is; failures
@@ -35,7 +36,6 @@ from pathlib import Path
 from driver.health.failures import (
     DEFAULT_DRIVER_NAME,
     KIND_GPU_LOST,
-    KIND_RANK,
     KIND_XID,
     Devices,
     GpuFailure,
@@ -43,6 +43,7 @@ from driver.health.failures import (
     Placement,
     device_list,
     device_placement,
+    kind_rank,
     now_rfc3339,
     overlaps,
     precedence,
@@ -126,10 +127,7 @@ class HealthStore:
             self._unknown = UnknownHealth(
                 key=f"{self.driver}/{KIND_UNKNOWN}",
                 value=None,
-                reason=(
-                    f"{err}: every GPU is kept failed until an operator restores the file "
-                    "or moves it aside and restarts the plugin"
-                ),
+                reason=f"{err}: every GPU is kept failed until {err.remedy}",
                 since=now_rfc3339(),
             )
             log.error("%s", self._unknown.reason)
@@ -200,8 +198,8 @@ class HealthStore:
         with self._cond:
             current = self._failures.get(gpu_uuid)
             if current is not None:
-                if KIND_RANK[current.kind] > KIND_RANK[kind]:
-                    return False  # gpu-lost beats xid
+                if kind_rank(current.kind) > kind_rank(kind):
+                    return False  # gpu-lost beats xid; a newer release's kind beats both
                 if current.key == key and current.value == value:
                     return False
                 since = current.since if current.kind == kind else now_rfc3339()
@@ -236,6 +234,8 @@ class HealthStore:
                 return False  # gpu-lost beats xid
             by_placement = self._instances.setdefault(gpu_uuid, {})
             current = by_placement.get(placement)
+            if current is not None and kind_rank(current.kind) > kind_rank(KIND_XID):
+                return False  # a newer release's kind is never replaced
             if current is not None and (
                 current.value,
                 current.gpu_instance_id,

@@ -123,6 +123,14 @@ CHECKPOINT_CORRUPT = Gauge(
     "as of the last prepare, unprepare or start.",
     registry=REGISTRY,
 )
+NVIDIA_TOOLKIT_CONFIG = Gauge(
+    "gpu_dra_nvidia_toolkit_config",
+    "1 for what the plugin found at its start in the NVIDIA Container Toolkit's config "
+    "under the driver root, 0 for the other results: accepts-envvar (unprivileged pods "
+    "get GPUs with NVIDIA_VISIBLE_DEVICES: alert on it), hardened, no-config, unreadable.",
+    ["result"],
+    registry=REGISTRY,
+)
 HEALTH_STORE_CORRUPT = Gauge(
     "gpu_dra_health_store_corrupt",
     "1 while the health store (health.json) is corrupt and every GPU is kept failed "

@@ -47,6 +47,7 @@ from driver.plugin.status import (
     export_checkpoint_state,
     health_report,
 )
+from driver.plugin.toolkit_config import check_toolkit_config, report_toolkit_check
 from driver.proto.pluginregistration.v1 import api_pb2_grpc as registration_grpc
 from driver.state.cdi_hook import HOOK_NAME, cdi_hook_path, install_cdi_hook
 from driver.state.driver_edits import DriverRoot
@@ -136,6 +137,9 @@ class Plugin:
                 "nodes, its files and hooks as on a real node",
                 driver_root.host_path,
             )
+        toolkit = None if driver_root is None else check_toolkit_config(o.nvidia_driver_root)
+        if toolkit is not None:
+            report_toolkit_check(toolkit)
         metrics.API_WRITES.count_from(lambda: api.writes)
         store = HealthStore(o.data_dir / "health.json")
         state = DeviceState(
@@ -303,6 +307,7 @@ class Plugin:
                 unmonitored=unmonitored,
                 state=state,
                 journal=journal,
+                toolkit=toolkit,
             )
             http.serve_status(status.document)
             http.serve_readiness(Readiness(registration, paths))

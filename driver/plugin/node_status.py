@@ -6,7 +6,8 @@ kubelet, the last ResourceSlice sync, each GPU (name, NVML index, UUID, PCI bus 
 MIG mode, health and failures), the health store, the prepare journal, and
 `problems`: each thing an operator must look at, in one line (empty: healthy);
 `notes`: what is not a problem but worth knowing (a GPU whose health events NVML does
-not report: its health is unknown, `driver.health.unmonitored`).
+not report: its health is unknown, `driver.health.unmonitored`; an NVIDIA Container
+Toolkit that gives GPUs to pods without a claim, `driver.plugin.toolkit_config`).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from driver.health.unmonitored import UnmonitoredGpus
 from driver.kube.publisher import RESYNC_SECONDS, PublisherStats
 from driver.observability import metrics
 from driver.plugin.journal_summary import JournalReader, JournalSummary
+from driver.plugin.toolkit_config import ToolkitCheck
 from driver.state.checkpoint import Checkpoint
 
 # A sync older than this means the reconcile keeps failing: it runs at least every
@@ -106,6 +108,7 @@ class PluginStatus:
     unmonitored: UnmonitoredGpus
     state: JournalState
     journal: JournalReader
+    toolkit: ToolkitCheck | None = None  # None: not checked (mock GPUs)
     started: float = field(default_factory=time.time)
     clock: Callable[[], float] = time.time
 
@@ -137,15 +140,22 @@ class PluginStatus:
                 "unmonitoredGPUs": sum(not g["monitored"] for g in gpus),
             },
             "journal": {**journal.to_json(), "prepareRefused": self.state.checkpoint_problem},
+            "nvidiaToolkit": None if self.toolkit is None else self.toolkit.to_json(),
             "problems": problems,
-            "notes": [
-                f"{g['name']} ({g['uuid']}) is not monitored: {g['unmonitoredReason']}; its "
-                "failures go unseen"
-                for g in gpus
-                if not g["monitored"]
-            ],
+            "notes": self._notes(gpus),
             "healthy": not problems,
         }
+
+    def _notes(self, gpus: list[dict[str, Any]]) -> list[str]:
+        notes = [
+            f"{g['name']} ({g['uuid']}) is not monitored: {g['unmonitoredReason']}; its "
+            "failures go unseen"
+            for g in gpus
+            if not g["monitored"]
+        ]
+        if self.toolkit is not None and self.toolkit.warning is not None:
+            notes.append(self.toolkit.warning)
+        return notes
 
     def _slices(self, now: float) -> dict[str, Any]:
         stats = self.publisher.stats

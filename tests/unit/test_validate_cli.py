@@ -82,14 +82,25 @@ def test_space_partitioning_gets_one_note_per_claim_and_still_passes() -> None:
     spaced["opaque"]["parameters"]["sharing"] = {"strategy": "SpacePartitioning"}
     other = json.loads(json.dumps(spaced))
     other["opaque"]["driver"] = "other.example.com"
+    other["requests"] = ["other"]
     configs[:] = [configs[0], other, spaced, spaced]
-    code, out, err = run_cli("-", stdin=json.dumps(claim))
+    claim["spec"]["devices"]["requests"].append(
+        {"name": "other", "exactly": {"deviceClassName": "other-devices"}}
+    )
+    other_class = {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "DeviceClass",
+        "metadata": {"name": "other-devices"},
+        "spec": {"selectors": [{"cel": {"expression": "device.driver == 'other.example.com'"}}]},
+    }
+    stdin = f"{json.dumps(claim)}\n---\n{json.dumps(other_class)}"
+    code, out, err = run_cli("-", stdin=stdin)
     assert (code, err) == (0, "")
     assert out.splitlines() == [
         SPACE_NOTE.format(
             "-: ResourceClaim/c1: spec.devices.config[2].opaque.parameters.sharing.strategy"
         ),
-        "OK: 1 GpuConfig/claim document(s) in 1 file(s) valid for driver gpu.example.com",
+        "OK: 2 GpuConfig/claim document(s) in 1 file(s) valid for driver gpu.example.com",
     ]
     code, out, _ = run_cli("-", stdin=json.dumps(CLAIM))  # TimeSlicing: no note
     assert code == 0 and out.startswith("OK: ")
