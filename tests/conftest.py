@@ -17,6 +17,7 @@ A missing binary or tool fails the tests and names what is missing; nothing skip
 from __future__ import annotations
 
 import datetime as dt
+import logging
 import os
 import shutil
 import socket
@@ -307,3 +308,14 @@ def _delete_node_slices(cluster: Cluster) -> None:
         "--ignore-not-found",
         check=False,
     )
+
+
+@pytest.fixture
+def restore_logging() -> Iterator[None]:
+    """The root logger's handlers and level as they were before the test, afterwards
+    (a test that configures the daemons' logging must not write into later tests')."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)

@@ -2,23 +2,14 @@
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from driver.plugin import main as plugin_main
 
-
-@pytest.fixture(autouse=True)
-def restore_logging() -> Iterator[None]:
-    """The plugin's logging writes to this test's captured stderr: not to later tests'."""
-    root = logging.getLogger()
-    handlers, level = root.handlers[:], root.level
-    yield
-    root.handlers[:] = handlers
-    root.setLevel(level)
+# The plugin's logging writes to this test's captured stderr: not to later tests'.
+pytestmark = pytest.mark.usefixtures("restore_logging")
 
 
 def test_bad_fleet_file_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -8,7 +8,6 @@ import argparse
 import io
 import json
 import logging
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -29,15 +28,6 @@ def test_escaped_keeps_printable_text_and_escapes_the_rest() -> None:
         "ok\\nINFO forged line\\x1b[2J\\x1b]0;title\\x07\\u202edesrever\\x85"
     )
     assert escaped("x" * 50, limit=10) == "xxxxxxxxxx... (40 more characters)"
-
-
-@pytest.fixture
-def restore_logging() -> Iterator[None]:
-    root = logging.getLogger()
-    handlers, level = root.handlers[:], root.level
-    yield
-    root.handlers[:] = handlers
-    root.setLevel(level)
 
 
 @pytest.mark.parametrize("fmt", ["text", "json"])
