@@ -327,7 +327,8 @@ class MigManager:
         device is still the one of the recorded ids (an id follows the placement: a
         device created again there by anyone has the recorded ids and another UUID),
         its compute instance looked up by the recorded id: a few calls however many
-        devices the GPU holds. False when there is nothing of the record to destroy: no
+        devices the GPU holds. A GPU instance there without any compute instance is
+        what is left of the recorded device (no MIG device runs on it). False when there is nothing of the record to destroy: no
         such instance, another one under the id, or MIG mode off. Raises MigError
         otherwise."""
         with self._changing(gpu_uuid), self._session() as nvml:
@@ -368,9 +369,20 @@ class MigManager:
             return True
         if is_mig_device(nvml, handle, int(info.id), recorded.ci_id, recorded.uuid):
             return True
+        if not compute_instances(nvml, gi):
+            # No MIG device runs on a GPU instance without compute instances: what is
+            # left of the recorded device (a teardown killed between its two destroys,
+            # or its compute instance destroyed by hand). Kept, it holds the placement.
+            log.warning(
+                "%s has lost the recorded MIG device %s and holds no compute instance: "
+                "destroying what is left of it",
+                what,
+                recorded.uuid,
+            )
+            return True
         log.warning(
             "%s / compute instance %d is no longer the recorded MIG device %s (created again "
-            "by someone else, or its compute instance destroyed): left alone",
+            "by someone else): left alone",
             what,
             recorded.ci_id,
             recorded.uuid,

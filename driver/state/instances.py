@@ -107,7 +107,8 @@ def owned_instances(journal: Mapping[str, ClaimEntry], live: Iterable[MigInstanc
     owned = {
         (m.gpu_uuid, m.gi_id)
         for m in live
-        if (m.gpu_uuid, m.gi_id) in recorded and recorded[(m.gpu_uuid, m.gi_id)] in (None, m.uuid)
+        if (m.gpu_uuid, m.gi_id) in recorded
+        and _is_recorded_device(m, recorded[(m.gpu_uuid, m.gi_id)])
     }
     others = held([[d for e in journal.values() for d in e.devices]]) - owned
     for r in records:
@@ -138,6 +139,14 @@ def owns_mig(devices: Sequence[PreparedDevice]) -> bool:
 
 def _same_place(instance: MigInstance, record: MigRecord) -> bool:
     return (instance.placement, instance.profile_id) == (record.placement, record.profile_id)
+
+
+def _is_recorded_device(instance: MigInstance, uuid: str | None) -> bool:
+    """Is the instance at a record's ids still the record's? Its MIG device has the
+    recorded UUID, or it has none: no MIG device runs on a GPU instance without a
+    compute instance, and one at the recorded ids is what is left of the record's (a
+    teardown killed between its two destroys, a compute instance destroyed by hand)."""
+    return uuid is None or instance.uuid is None or instance.uuid == uuid
 
 
 def _why_not_ours(record: MigRecord, instance: MigInstance) -> str:
@@ -287,7 +296,7 @@ class ClaimInstances:
             found = next(
                 (m for m in live if _same_place(m, record) and m.gi_id == record.gi_id), None
             )
-            if found is not None and record.uuid is not None and found.uuid != record.uuid:
+            if found is not None and not _is_recorded_device(found, record.uuid):
                 raise transient(
                     f"device {device}: the MIG device at its placement on {record.gpu_uuid} "
                     f"(GPU instance {found.gi_id}, {found.uuid}) is not the claim's "
@@ -381,6 +390,11 @@ class ClaimInstances:
                 continue
             try:
                 live = self._live_at(record, device.device_name)
+                if live is not None and live.uuid is None:
+                    # Its GPU instance without its MIG device: destroyed, then created
+                    # again whole, as after a reboot.
+                    self._destroy(record, device.device_name)
+                    live = None
                 if live is None:
                     live = self._need_ops(device.device_name).create(_target(record))
                     changed = True

@@ -9,9 +9,11 @@ destroyed by the claim's unprepare and never adopted by the restart (docs/mig.md
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 from driver.nvml.types import MigInstance
+from driver.state.boot import boot_id
 from driver.state.checkpoint import Checkpoint, ClaimEntry, ClaimState
 from tests.unit.test_mig_foreign import _intent, _target
 from tests.unit.test_mig_owned import _published_uuids
@@ -87,3 +89,69 @@ def test_an_intent_of_an_earlier_boot_destroys_nothing_at_its_placement(tmp_path
     assert restarted.live() == [boot_layout]
     assert cp.load() == {}
     assert boot_layout.uuid in _published_uuids(restarted)
+
+
+def _compute_instance_destroyed(node: Node, mine: MigInstance) -> None:
+    """What a teardown killed between its two destroys leaves: the GPU instance at the
+    recorded ids, without the compute instance (and so without the MIG device)."""
+    nvml = node.mock
+    nvml.nvmlInit()
+    try:
+        gpu = nvml.nvmlDeviceGetHandleByUUID(mine.gpu_uuid)
+        gi = nvml.nvmlDeviceGetGpuInstanceById(gpu, mine.gi_id)
+        assert mine.ci_id is not None
+        nvml.nvmlComputeInstanceDestroy(nvml.nvmlGpuInstanceGetComputeInstanceById(gi, mine.ci_id))
+    finally:
+        nvml.nvmlShutdown()
+    (bare,) = node.live()
+    assert (bare.gi_id, bare.ci_id, bare.uuid) == (mine.gi_id, None, None)
+
+
+def test_the_kubelets_retry_destroys_the_gpu_instance_a_killed_unprepare_left(
+    tmp_path: Path,
+) -> None:
+    """A GPU instance without any compute instance holds no MIG device: nothing runs
+    on it, so at the recorded ids, profile and placement it is the claim's, what is
+    left of it. Left alone, the GPU's placement stays taken for good."""
+    node = make_node(tmp_path, H100)
+    mine = _prepared(node, "u")
+    _compute_instance_destroyed(node, mine)
+    assert node.state.unprepare([node.claims.add("u")]) == {"u": None}
+    assert node.live() == []
+    assert Checkpoint(tmp_path / "plugin").load() == {}
+
+
+def test_a_restart_finishes_an_unprepare_killed_between_the_two_destroys(
+    tmp_path: Path,
+) -> None:
+    node = make_node(tmp_path, H100)
+    mine = _prepared(node, "u")
+    cp = Checkpoint(tmp_path / "plugin")
+    entry = cp.load()["u"]
+    cp.store({"u": replace(entry, unpreparing=boot_id())})  # the teardown had begun:
+    assert node.state.cdi.remove_claim_spec("u")  # the spec goes before the MIG device
+    _compute_instance_destroyed(node, mine)
+
+    restarted = make_node(tmp_path, H100)  # recover() finishes the unprepare
+    assert restarted.live() == []
+    assert cp.load() == {}
+    assert "gpu-0" in restarted.state.devices  # the GPU is whole again, not static
+
+
+def test_a_gpu_instance_the_claim_lost_its_compute_instance_from_stays_the_claims(
+    tmp_path: Path,
+) -> None:
+    """An administrator destroyed only the compute instance of a prepared claim's device:
+    at the restart the bare GPU instance is still the journal's, so the GPU does not
+    turn static under `auto`; the claim's device is created again, as after a reboot."""
+    node = make_node(tmp_path, H100)
+    mine = _prepared(node, "u")
+    _compute_instance_destroyed(node, mine)
+    restarted = make_node(tmp_path, H100)  # recover() creates the device again whole
+    assert DEVICE in restarted.state.devices  # still published: the GPU stays dynamic
+    (again,) = restarted.live()
+    (device,) = Checkpoint(tmp_path / "plugin").load()["u"].devices
+    assert device.mig is not None and device.mig.uuid == again.uuid != mine.uuid
+    assert again.uuid in str(restarted.spec("u"))
+    assert restarted.state.unprepare([restarted.claims.add("u")]) == {"u": None}
+    assert restarted.live() == []
