@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from driver.observability import metrics
 from driver.plugin.dra import DraService
 from driver.proto.dra.v1 import api_pb2 as v1
+from driver.state.claims import PrepareResult
 
 
 def _exposed_types() -> dict[str, str]:
@@ -80,7 +81,7 @@ def test_requests_in_flight_while_a_prepare_runs() -> None:
         def prepare(self, claims: Any) -> dict[str, Any]:
             entered.set()
             release.wait(10)
-            return {}
+            return {c.uid: PrepareResult(devices=()) for c in claims}
 
         def unprepare(self, claims: Any) -> dict[str, Any]:
             return {}
@@ -93,16 +94,19 @@ def test_requests_in_flight_while_a_prepare_runs() -> None:
     # One claim: an empty request (the readiness probe's) is answered without counting.
     claim = v1.Claim(namespace="ns", uid="8f5a2c1e-1d2b-4c3d-9e4f-5a6b7c8d9e0f", name="c")
     request = v1.NodePrepareResourcesRequest(claims=[claim])
-    worker = threading.Thread(
-        target=DraService(SlowState()).prepare, args=(request, None, v1), daemon=True
-    )
     before = in_flight()
+    answers: list[Any] = []
+    worker = threading.Thread(
+        target=lambda: answers.append(DraService(SlowState()).prepare(request, None, v1)),
+        daemon=True,
+    )
     worker.start()
     assert entered.wait(10)
     assert in_flight() == (before or 0) + 1
     release.set()
     worker.join(10)
     assert in_flight() == before
+    assert [list(a.claims) for a in answers] == [[claim.uid]]  # answered, not raised
 
 
 def test_counted_elsewhere_reads_its_sources_at_scrape() -> None:
