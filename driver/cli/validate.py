@@ -259,11 +259,12 @@ def _check_document(result: Result, filename: str, doc: object, label: str, chec
         result.report(filename, label, capacity_problems(doc, checks.devices, checks.classes))
 
 
-def _inputs(names: list[str], result: Result) -> Iterator[str]:
-    """The files to read: each name, a directory's *.yaml/*.yml/*.json files."""
+def _inputs(names: list[str], result: Result) -> Iterator[tuple[str, bool]]:
+    """The files to read, each with whether it was found in a directory: each name, a
+    directory's *.yaml/*.yml/*.json files."""
     for name in names:
         if name == "-":
-            yield name
+            yield name, False
             continue
         path = Path(name)
         if path.is_dir():
@@ -279,16 +280,24 @@ def _inputs(names: list[str], result: Result) -> Iterator[str]:
                     f"{name}: directory has no {', '.join('*' + s for s in DIRECTORY_SUFFIXES)}"
                     " files"
                 )
-            yield from (str(p) for p in found)
+            yield from ((str(p), True) for p in found)
         elif not path.exists() and not path.is_symlink():
             result.problems.append(f"{name}: no such file or directory")
         else:
-            yield name
+            yield name, False
+
+
+def _no_manifests(docs: list[Any]) -> bool:
+    """Are the file's documents all mappings without apiVersion and kind (a Helm values
+    file, a kustomize or tool config beside the manifests)?"""
+    return all(
+        isinstance(doc, Mapping) and "apiVersion" not in doc and "kind" not in doc for doc in docs
+    )
 
 
 def _read(names: list[str], stdin: TextIO, result: Result) -> Iterator[tuple[str, list[Any]]]:
     """(file name, its documents) of each input that reads and parses."""
-    for filename in _inputs(names, result):
+    for filename, in_directory in _inputs(names, result):
         try:
             if filename == "-":
                 text: str | bytes = stdin.read()
@@ -306,6 +315,13 @@ def _read(names: list[str], stdin: TextIO, result: Result) -> Iterator[tuple[str
             continue
         if not docs:
             result.problems.append(f"{filename}: empty: no YAML documents")
+            continue
+        if in_directory and _no_manifests(docs):
+            result.files -= 1
+            result.notes.append(
+                f"{filename}: skipped: no document has apiVersion or kind (a Helm values "
+                "file?); name the file to check it anyway"
+            )
             continue
         yield filename, docs
 

@@ -408,3 +408,25 @@ def test_a_memory_no_binary_suffix_divides_is_also_shown_approximately(tmp_path:
     claim["spec"]["devices"]["requests"][0]["exactly"]["deviceClassName"] = "gpu.example.com"
     path.write_text(json.dumps(claim))
     assert run_cli(str(path), "--slices", str(slices))[0] == 0
+
+
+def test_a_directory_skips_files_that_hold_no_manifests(tmp_path: Path) -> None:
+    """The project's own demo/ keeps a Helm values file beside its manifests: a
+    directory's file without apiVersion or kind in any document is skipped, with a
+    note; named on its own it is checked (and fails)."""
+    (tmp_path / "claim.yaml").write_text(json.dumps(CLAIM))
+    values = tmp_path / "values-demo.yaml"
+    values.write_text("kubeletPlugin:\n  migStrategy: dynamic\n")
+    code, out, err = run_cli(str(tmp_path))
+    assert (code, err) == (0, "")
+    assert f"{values}: skipped: no document has apiVersion or kind" in out
+    assert "in 1 file(s)" in out
+    code, _, err = run_cli(str(values))
+    assert code == 1 and "not a Kubernetes object or GpuConfig" in err
+
+
+def test_the_projects_demo_directory_validates() -> None:
+    demo = Path(__file__).resolve().parents[2] / "demo"
+    code, out, err = run_cli(str(demo))
+    assert (code, err) == (0, ""), err
+    assert out.splitlines()[-1].startswith("OK: ")
