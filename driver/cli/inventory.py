@@ -9,7 +9,9 @@ Real NVML (pynvml) is used unless NVML_BACKEND=mock; `--mock [FLEET]` is short f
 `--nvml-backend=mock [--mock-fleet=FLEET]`: a fleet YAML file, a built-in fleet name
 (`default`: 8 x H100-80GB with MIG, `example`: the Go reference's 8 devices), or
 nothing for the default fleet. The mock's MIG state is read from MOCK_DRIVER_ROOT, else
-`<state dir>/mock-driver-root` where the plugin keeps it. Output: a table of GPUs
+`<state dir>/mock-driver-root` where the plugin keeps it; a fleet named by `--mock FLEET`
+starts without MIG devices (the plugin's MIG state is of its own fleet) unless
+`--mock-driver-root` is given. Output: a table of GPUs
 (default; `--partitions` lists partitions too) or the ResourceSlice documents (yaml,
 json).
 
@@ -130,9 +132,15 @@ def plugin_state_dir(args: argparse.Namespace, settings: NodeSettings) -> Path:
     return Path(args.state_dir or os.environ.get(STATE_DIR_ENV) or settings.data_dir)
 
 
-def mock_driver_root(settings: NodeSettings, state_dir: Path) -> Path | None:
+def mock_driver_root(
+    args: argparse.Namespace, settings: NodeSettings, state_dir: Path
+) -> Path | None:
     """Where the plugin keeps the mock's MIG state; None (an in-memory mock) where
-    there is none: a command that only reads never creates it."""
+    there is none: a command that only reads never creates it. A fleet named by
+    `--mock FLEET` is not the plugin's: its mock starts without MIG devices, unless
+    `--mock-driver-root` is given too."""
+    if args.mock:
+        return settings.mock_driver_root if args.mock_driver_root is not None else None
     if settings.mock_driver_root is not None:
         return settings.mock_driver_root
     plugins = state_dir / "mock-driver-root"
@@ -167,7 +175,7 @@ def run(args: argparse.Namespace) -> int:
             mock=settings.mock,
             fleet_path=settings.mock_fleet,
             node_name=settings.node_name,
-            mock_driver_root=mock_driver_root(settings, state_dir) if settings.mock else None,
+            mock_driver_root=mock_driver_root(args, settings, state_dir) if settings.mock else None,
             driver_root=settings.nvidia_driver_root,
         )
         inventory = backend.discover()

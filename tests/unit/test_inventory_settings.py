@@ -13,6 +13,7 @@ import yaml
 
 from driver.cli import main
 from driver.devices.model import MigStrategy
+from tests.unit.test_mig_foreign import _target
 from tests.unit.test_mig_prepare import H100, NODE, make_node
 
 # The plugin pod's environment (the chart's names), and what the CLI reads besides.
@@ -175,3 +176,26 @@ def test_the_journals_own_mig_devices_are_published_as_the_plugin_does(
     assert code == 0, err
     assert list(devices(listing)) == [d.name for d in plugin.pool.devices]
     assert "gpu-0" in devices(listing)  # dynamic: the whole GPU and every placement
+
+
+def test_a_fleet_named_on_the_command_line_is_not_mixed_with_the_plugins_mig_state(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """`inventory --mock FLEET` shows what that fleet would publish: the running plugin's
+    mock MIG state (here a MIG device an administrator made, which turns the plugin's
+    GPU static) belongs to the plugin's fleet, not to the file's."""
+    node = make_node(tmp_path, H100)
+    node.backend.mig().create(_target(node, "gpu-0-mig-1g10gb-3"))
+    state_dir = tmp_path / "plugin"
+    (tmp_path / "driver-root").rename(state_dir / "mock-driver-root")
+    monkeypatch.setenv("GPU_DRA_STATE_DIR", str(state_dir))
+    fleet = tmp_path / "fleet.yaml"
+    fleet.write_text(yaml.safe_dump(H100))
+
+    code, plugins_view, err = inventory(capsys, "--mock", "--node-name", NODE)
+    assert code == 0, err
+    assert "gpu-0" not in devices(plugins_view)  # the plugin's: static, its one device
+
+    code, listing, err = inventory(capsys, "--mock", str(fleet), "--node-name", NODE)
+    assert code == 0, err
+    assert "gpu-0" in devices(listing)  # the file's fleet, fresh: dynamic, the whole GPU
