@@ -328,9 +328,9 @@ class MigManager:
         device created again there by anyone has the recorded ids and another UUID),
         its compute instance looked up by the recorded id: a few calls however many
         devices the GPU holds. A GPU instance there without any compute instance is
-        what is left of the recorded device (no MIG device runs on it). False when there is nothing of the record to destroy: no
-        such instance, another one under the id, or MIG mode off. Raises MigError
-        otherwise."""
+        what is left of the recorded device (no MIG device runs on it). False when
+        there is nothing of the record to destroy: no such instance, another one under
+        the id, or MIG mode off. Raises MigError otherwise."""
         with self._changing(gpu_uuid), self._session() as nvml:
             handle = self._lookup(nvml, gpu_uuid)
             what = f"GPU instance {gi_id} on {gpu_uuid}"
