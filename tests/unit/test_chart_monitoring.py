@@ -185,3 +185,15 @@ def test_service_monitor_needs_the_metrics_service_and_valid_values() -> None:
         failed = helm_template("--set", bad, check=False)
         assert failed.returncode != 0, bad
         assert "serviceMonitor" in failed.stderr or "runbookBaseURL" in failed.stderr, bad
+
+
+def test_alerts_join_and_group_only_by_labels_every_scrape_adds() -> None:
+    """Prometheus adds `job` and `instance` to every scraped series; `namespace` and
+    `pod` come only from a ServiceMonitor or a relabelling. Joined on labels a manual
+    scrape lacks, every series matches one node's corrupt health store, and
+    `GpuDraGpuUnhealthy` is silenced on every node."""
+    rule = one(render("--set", f"{RULE}.enabled=true"), "PrometheusRule")
+    for name, alert in rule_alerts(rule).items():
+        for labels in re.findall(r"\b(?:on|by)\s*\(([^)]*)\)", alert["expr"]):
+            used = {label.strip() for label in labels.split(",")}
+            assert used <= {"job", "instance", "le"}, (name, alert["expr"])
