@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from datetime import UTC, datetime
 from typing import Protocol
 
 from driver.observability import metrics
@@ -60,10 +61,15 @@ def health_report(
     publish_problem: str | None = None,
 ) -> tuple[bool, str]:
     """(healthy, text) for /healthz. Always healthy: see the module docstring.
-    `last_synced`: when the ResourceSlices were last in sync (0: never);
+    `last_synced`: when the ResourceSlices were last in sync, a Unix time shown in UTC
+    (0: never);
     `health_store_problem`: `HealthStore.problem`; `publish_problem`: why the last
     ResourceSlice publish failed (`PublisherStats.failing`)."""
-    synced = f"slices synced at {last_synced:.0f}" if last_synced else "slices not synced yet"
+    synced = (
+        f"slices synced at {datetime.fromtimestamp(last_synced, UTC).isoformat(timespec='seconds')}"
+        if last_synced
+        else "slices not synced yet"
+    )
     text = f"ok: {'registered' if registered else 'not registered'}, {synced}"
     if publish_problem is not None:
         text += f"; PUBLISHING FAILS, retrying: {publish_problem}"

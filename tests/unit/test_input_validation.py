@@ -348,9 +348,9 @@ def corrupt_gauge() -> float | None:
 
 
 def test_health_report_text() -> None:
-    assert health_report(registered=True, last_synced=12.4, checkpoint_problem=None) == (
+    assert health_report(registered=True, last_synced=1796889600.4, checkpoint_problem=None) == (
         True,
-        "ok: registered, slices synced at 12\n",
+        "ok: registered, slices synced at 2026-12-10T08:00:00+00:00\n",
     )
     ok, text = health_report(
         registered=False, last_synced=0, checkpoint_problem="checkpoint /x is corrupt (y)"
