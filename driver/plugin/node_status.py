@@ -166,7 +166,7 @@ class PluginStatus:
             "ageSeconds": age,
             "stale": age is None or age > SYNC_STALE_AFTER_SECONDS,
             "publishedDevices": len(self.devices),
-            "lastError": stats.errors[-1] if stats.errors else None,
+            "lastError": stats.failing,  # None once a publish after it succeeded
         }
 
     def _tainted(self, devices: Iterable[HealthDevice]) -> set[str]:
@@ -213,9 +213,9 @@ class PluginStatus:
         if slices["lastSynced"] is None:
             problems.append("ResourceSlices not published yet")
         elif slices["stale"]:
+            failing = f" (last error: {slices['lastError']})" if slices["lastError"] else ""
             problems.append(
-                f"ResourceSlices last published {slices['ageSeconds']:.0f}s ago "
-                f"(last error: {slices['lastError']})"
+                f"ResourceSlices last published {slices['ageSeconds']:.0f}s ago{failing}"
             )
         if self.store.problem is not None:
             problems.append(f"health store corrupt, every GPU kept failed: {self.store.problem}")

@@ -182,6 +182,7 @@ def test_every_problem_is_listed_and_fails_the_check(node: Node, served: str) ->
     node.registered.clear()
     node.publisher.stats.last_synced = node.now - 3600
     node.publisher.stats.errors.append("503 Service Unavailable")
+    node.publisher.stats.failing = "503 Service Unavailable"  # as the publisher records it
     (node.state.checkpoint.path).write_text("{garbage")
     code, report = status_json("--plugin-url", served, "--fail-on-unhealthy")
     assert code == 1
@@ -305,3 +306,17 @@ def test_prepared_claims_and_gpu_metrics(node: Node) -> None:
         mode: value("gpu_dra_gpus", {"mig_mode": mode})
         for mode in ("unsupported", "disabled", "dynamic", "static", "ignored")
     } == {"unsupported": 0, "disabled": 1, "dynamic": 2, "static": 1, "ignored": 0}
+
+
+def test_an_error_the_publisher_recovered_from_is_not_shown(node: Node, served: str) -> None:
+    """An ordinary surge upgrade makes a publish meet 404/409 once (the other pod
+    changed the slices); the next publish succeeds. Status then says nothing of it."""
+    node.healthy()
+    node.publisher.stats.errors.append("409 Conflict: the object has been modified")
+    node.publisher.stats.failing = None  # the retry succeeded
+    code, out = status("--plugin-url", served, "--fail-on-unhealthy")
+    assert code == 0, out
+    assert "409" not in out and "last error" not in out
+    node.publisher.stats.failing = "503 Service Unavailable"
+    _, out = status("--plugin-url", served)
+    assert "last error: 503 Service Unavailable" in out
