@@ -50,7 +50,8 @@ server = HttpServer(0, lambda: (True, "ok\\n"), "127.0.0.1")
 gpus = [{"index": i, "uuid": f"GPU-{i:08x}", "pci": f"0000:{i:02x}:00.0", "devices": [
     {"name": f"gpu-{i}-mig-1g10gb-{p}", "profile": "1g.10gb", "placement": p} for p in range(7)]}
     for i in range(8)]
-server.serve_status(lambda: {"node": "n", "gpus": gpus, "prepared": 3})
+if hasattr(server, "serve_status"):  # trees before /status moved to the status socket
+    server.serve_status(lambda: {"node": "n", "gpus": gpus, "prepared": 3})
 server.start()
 print("port", server.port, flush=True)
 time.sleep(3600)

@@ -41,6 +41,15 @@ NODE_NAME = "gpu-node-1"
 T = TypeVar("T")
 
 
+@pytest.fixture
+def short_dir() -> Iterator[Path]:
+    """A fresh directory under /tmp: a Unix socket's path holds at most 107 bytes, and
+    pytest's tmp_path can be longer."""
+    path = Path(tempfile.mkdtemp(prefix="gdra-", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
 def wait_for(
     fn: Callable[[], T | None],
     timeout: float = 60,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from driver.cli.plugin_endpoint import PluginUnreachable, fetch_status
 from driver.devices.gpu_view import gpu_name
@@ -19,9 +20,9 @@ class GpuNames:
     source: str | None = None  # "plugin", "nvml"; None: neither answered
 
 
-def local_gpu_names(plugin_url: str | None) -> GpuNames:
+def local_gpu_names(status_socket: Path) -> GpuNames:
     try:
-        document = fetch_status(plugin_url)
+        document = fetch_status(status_socket)
     except PluginUnreachable as err:
         log.info("GPU names: the plugin did not answer (%s); asking NVML", err)
     else:

@@ -12,11 +12,11 @@ Three sources, each line says which:
   means it is not running or cannot write.
 - `plugin`: the NVML recovery actions that taint a GPU (a reset, a reboot, a drain
   it needs), which only the running plugin knows (it reads NVML and keeps them in
-  memory): from its /status (`--plugin-url`). Such a GPU is unhealthy as one with a
+  memory): from its /status (its status socket, `--socket`). Such a GPU is unhealthy as one with a
   recorded failure is; its taint goes by itself once NVML answers no action.
 
 Devices are named as the slices publish them; when the slices cannot be read, as
-the running plugin names them (its /status, `--plugin-url`), else by NVML on this
+the running plugin names them (its /status), else by NVML on this
 node (`gpu-<minor>`).
 
 Also shown: whether a plugin is running on this node (its control channel's
@@ -47,9 +47,10 @@ from driver.cli.gpu_names import local_gpu_names
 from driver.cli.output import format_table
 from driver.cli.plugin_endpoint import (
     PluginUnreachable,
-    add_plugin_url_argument,
+    add_socket_argument,
     fetch_status,
     recovery_failures,
+    socket_path,
 )
 from driver.cli.published import PublishedView, SliceDevice, read_published
 from driver.cli.state_dir import HealthView, add_state_dir_argument, default_state_dir, read_health
@@ -105,7 +106,7 @@ def add_parser(subcommands: Any) -> None:
         default="table",
         help="output format (default: %(default)s)",
     )
-    add_plugin_url_argument(parser)
+    add_socket_argument(parser)
     parser.set_defaults(run=run)
     actions = parser.add_subparsers(dest="health_action", metavar="ACTION")
     health_clear.add_parser(actions, add_common_arguments)
@@ -119,9 +120,9 @@ class PluginRecovery:
     problem: str | None = None
 
     @classmethod
-    def read(cls, url: str | None) -> PluginRecovery:
+    def read(cls, status_socket: Path) -> PluginRecovery:
         try:
-            return cls(recovery_failures(fetch_status(url)))
+            return cls(recovery_failures(fetch_status(status_socket)))
         except PluginUnreachable as err:
             return cls({}, f"the plugin does not answer: {err}")
 
@@ -147,9 +148,10 @@ def run(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None 
         args.kubeconfig,
         allow_insecure_http=args.allow_insecure_http,
     )
+    status_socket = socket_path(args.socket, state_dir)
     names = published.gpu_names() if published.problem is None else None
     if names is None and view.store is not None:
-        names = local_gpu_names(args.plugin_url).names
+        names = local_gpu_names(status_socket).names
     report = build_report(
         args.node_name,
         args.driver_name,
@@ -157,7 +159,7 @@ def run(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None 
         view,
         published,
         gpu_names=names,
-        recovery=PluginRecovery.read(args.plugin_url),
+        recovery=PluginRecovery.read(status_socket),
     )
     if args.output == "json":
         print(json.dumps(report, indent=2), file=out)

@@ -22,8 +22,8 @@ exists. Without one, HEALTH says `unknown`: inventory never claims a GPU is heal
 without reading what the plugin recorded. Taints show the plugin's effect
 (`--xid-taint-effect`, default $XID_TAINT_EFFECT as in the plugin's pod). The NVML
 recovery actions that taint a GPU (every device of it) come from the running plugin,
-which alone knows them (its /status, `--plugin-url`); without an answer the last line
-says they are unknown. The rule is docs/health.md's "What unhealthy means".
+which alone knows them (its /status over its status socket, `--socket`); without an
+answer the last line says they are unknown. The rule is docs/health.md's "What unhealthy means".
 
 The table has one row per GPU, also for a GPU of which nothing is published (DEVICE
 `-`), and with --partitions one per partition after its GPU. INDEX and PCI BUS ID are
@@ -53,10 +53,10 @@ import yaml
 from driver.cli.output import format_table
 from driver.cli.plugin_endpoint import (
     PluginUnreachable,
-    add_plugin_url_argument,
-    default_url,
+    add_socket_argument,
     fetch_status,
     recovery_failures,
+    socket_path,
 )
 from driver.cli.state_dir import STATE_DIR_ENV, HealthView, add_state_dir_argument, read_health
 from driver.devices.gpu_view import GpuView
@@ -111,7 +111,7 @@ def add_parser(subcommands: Any) -> None:
         help="output format (default: %(default)s)",
     )
     add_state_dir_argument(parser, default=None)
-    add_plugin_url_argument(parser)
+    add_socket_argument(parser)
     parser.set_defaults(run=run)
 
 
@@ -205,7 +205,7 @@ def run(args: argparse.Namespace) -> int:
         health = _health_view(args, state_dir, settings.driver_name)
         if health is None:
             return 1
-        recovery, recovery_source = _recovery_actions(args.plugin_url)
+        recovery, recovery_source = _recovery_actions(socket_path(args.socket, state_dir))
         sys.stdout.write(
             _table(
                 inventory,
@@ -253,14 +253,14 @@ def _health_view(args: argparse.Namespace, state_dir: Path, driver: str) -> Heal
     return read_health(state_dir, driver)
 
 
-def _recovery_actions(url: str | None) -> tuple[dict[str, dict[str, Any]], str]:
+def _recovery_actions(status_socket: Path) -> tuple[dict[str, dict[str, Any]], str]:
     """The running plugin's recovery actions by GPU UUID, and where they came from (or
     why they are unknown) for the table's last line."""
     try:
-        found = recovery_failures(fetch_status(url))
+        found = recovery_failures(fetch_status(status_socket))
     except PluginUnreachable as err:
         return {}, f"recovery actions unknown: the plugin does not answer: {err}"
-    return found, f"recovery actions from the plugin at {url or default_url()}"
+    return found, f"recovery actions from the plugin at {status_socket}"
 
 
 def _table(

@@ -1,25 +1,26 @@
-"""The running plugin's /status, over its HTTP port (`gpu-dra status`, `gpu-dra health`,
-`gpu-dra inventory`).
+"""The running plugin's /status, over its status socket (`gpu-dra status`, `gpu-dra
+health`, `gpu-dra inventory`).
 
-Where: `--plugin-url`, else `http://127.0.0.1:$HTTP_PORT` (the chart sets HTTP_PORT in
-the plugin's pod, so `kubectl exec <plugin pod> -- gpu-dra status` needs no flag),
-else port 8080. The plugin answers /status once it has discovered its GPUs.
+Where: `--socket`, else `status.sock` in the plugin's data directory (`--state-dir`,
+else the standard one): the same path on the node and in the plugin's pod, so
+`kubectl exec <plugin pod> -- gpu-dra status` and a node-problem-detector check on the
+host need no flag; a debug container with the host at /host gives
+`--state-dir /host/var/lib/kubelet/plugins/<driver>`. The socket is root's only
+(mode 0600). The plugin answers /status once it has discovered its GPUs.
 """
 
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
-import os
-import urllib.error
-import urllib.parse
-import urllib.request
+import socket
+from pathlib import Path
 from typing import Any
 
 from driver.health.recovery import KIND_RECOVERY_ACTION
+from driver.observability.status_socket import SOCKET_NAME, status_socket_path
 
-PORT_ENV = "HTTP_PORT"
-DEFAULT_PORT = 8080
 DEFAULT_TIMEOUT = 5.0
 
 
@@ -27,46 +28,64 @@ class PluginUnreachable(Exception):
     """The plugin did not answer /status; the message says why."""
 
 
-def default_url() -> str:
-    return f"http://127.0.0.1:{os.environ.get(PORT_ENV) or DEFAULT_PORT}"
+class UnixHTTPConnection(http.client.HTTPConnection):
+    """http.client over the Unix socket at `path`."""
+
+    def __init__(self, path: Path, timeout: float) -> None:
+        super().__init__("localhost", timeout=timeout)
+        self.path = path
+
+    def connect(self) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.timeout)
+        try:
+            sock.connect(str(self.path))
+        except OSError:
+            sock.close()
+            raise
+        self.sock = sock
 
 
-def plugin_url(text: str) -> str:
-    """An http(s) URL with a host: the plugin's HTTP endpoint."""
-    parsed = urllib.parse.urlsplit(text)
-    if parsed.scheme not in ("http", "https") or not parsed.hostname:
-        raise argparse.ArgumentTypeError(f"not an http:// URL with a host: {text!r}")
-    return text.rstrip("/")
-
-
-def add_plugin_url_argument(parser: argparse.ArgumentParser) -> None:
+def add_socket_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--plugin-url",
-        type=plugin_url,
+        "--socket",
+        type=Path,
         default=None,
-        metavar="URL",
-        help=f"the plugin's HTTP endpoint (default: http://127.0.0.1:${PORT_ENV}, "
-        f"else port {DEFAULT_PORT})",
+        metavar="PATH",
+        help=f"the plugin's status socket (default: <state dir>/{SOCKET_NAME})",
     )
 
 
-def fetch_status(url: str | None, timeout: float = DEFAULT_TIMEOUT) -> dict[str, Any]:
-    """The plugin's /status document. Raises PluginUnreachable."""
-    target = f"{url or default_url()}/status"
-    # No proxy: the plugin is on this node, and $http_proxy rarely exempts 127.0.0.1.
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+def socket_path(given: Path | None, state_dir: Path) -> Path:
+    """`--socket`, else the status socket in `state_dir`."""
+    return given if given is not None else status_socket_path(state_dir)
+
+
+def fetch_status(path: Path, timeout: float = DEFAULT_TIMEOUT) -> dict[str, Any]:
+    """The plugin's /status document over the status socket at `path`. Raises
+    PluginUnreachable."""
+    connection = UnixHTTPConnection(path, timeout)
     try:
-        with opener.open(target, timeout=timeout) as response:
-            document = json.loads(response.read())
-    except urllib.error.HTTPError as err:
-        raise PluginUnreachable(
-            f"{target}: HTTP {err.code} (is the plugin still starting?)"
-        ) from None
-    except (OSError, ValueError) as err:  # refused, timeout, not JSON
-        reason = getattr(err, "reason", None) or err
-        raise PluginUnreachable(f"{target}: {reason}") from None
+        connection.request("GET", "/status")
+        response = connection.getresponse()
+        body = response.read()
+        if response.status != 200:
+            raise PluginUnreachable(
+                f"{path}: HTTP {response.status} (is the plugin still starting?)"
+            )
+        document = json.loads(body)
+    except FileNotFoundError:
+        raise PluginUnreachable(f"{path}: no such socket (is the plugin running?)") from None
+    except PermissionError:
+        raise PluginUnreachable(f"{path}: permission denied (the socket is root's)") from None
+    except OSError as err:  # refused (no plugin behind a stale socket), timed out
+        raise PluginUnreachable(f"{path}: {err.strerror or err}") from None
+    except (http.client.HTTPException, ValueError) as err:  # not HTTP, not JSON
+        raise PluginUnreachable(f"{path}: not a status answer: {err}") from None
+    finally:
+        connection.close()
     if not isinstance(document, dict):
-        raise PluginUnreachable(f"{target}: not a status document")
+        raise PluginUnreachable(f"{path}: not a status document")
     return document
 
 

@@ -2,9 +2,10 @@
 
 The plugin's version, its registration with the kubelet, the last ResourceSlice
 sync, every GPU with its MIG mode and health, the prepared claims and the state of
-the prepare journal, from the running plugin's /status (`--plugin-url`). When the
-plugin does not answer, what this node's files say (`--state-dir`: the health store
-and the journal) and that the plugin is not reachable.
+the prepare journal, from the running plugin's /status over its status socket
+(`--socket`, default `<state dir>/status.sock`; root only). When the plugin does not
+answer, what this node's files say (`--state-dir`: the health store and the journal)
+and that the plugin is not reachable.
 
 The first line is the verdict: `OK: ...` or `UNHEALTHY: <first problem>`, which a
 node-problem-detector custom plugin shows as the condition's message:
@@ -28,7 +29,12 @@ from typing import Any, TextIO
 import yaml
 
 from driver.cli.output import format_table
-from driver.cli.plugin_endpoint import PluginUnreachable, add_plugin_url_argument, fetch_status
+from driver.cli.plugin_endpoint import (
+    PluginUnreachable,
+    add_socket_argument,
+    fetch_status,
+    socket_path,
+)
 from driver.cli.state_dir import add_state_dir_argument, default_state_dir, read_health
 from driver.health.clear import record_json
 from driver.health.failures import DEFAULT_DRIVER_NAME
@@ -46,7 +52,7 @@ def add_parser(subcommands: Any) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    add_plugin_url_argument(parser)
+    add_socket_argument(parser)
     parser.add_argument(
         "--driver-name",
         type=driver_name_argument,
@@ -71,10 +77,11 @@ def add_parser(subcommands: Any) -> None:
 
 def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     out = out if out is not None else sys.stdout
+    state_dir = Path(args.state_dir) if args.state_dir else default_state_dir(args.driver_name)
     try:
-        report = {"reachable": True, "problem": None, **fetch_status(args.plugin_url)}
+        document = fetch_status(socket_path(args.socket, state_dir))
+        report = {"reachable": True, "problem": None, **document}
     except PluginUnreachable as err:
-        state_dir = Path(args.state_dir) if args.state_dir else default_state_dir(args.driver_name)
         report = local_report(state_dir, args.driver_name, f"the plugin does not answer: {err}")
     if args.output == "json":
         print(json.dumps(report, indent=2), file=out)

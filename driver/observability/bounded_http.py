@@ -77,8 +77,7 @@ class BoundedHttpServer:
 
     def __init__(
         self,
-        host: str,
-        port: int,
+        listener: socket.socket,
         handler: Handler,
         limits: Limits,
         *,
@@ -86,15 +85,19 @@ class BoundedHttpServer:
         name: str = "http",
         probes: Mapping[str, Probe] | None = None,
     ) -> None:
+        """Serves on `listener`, a bound and listening socket: one of
+        `driver.observability.listeners`; `shutdown()` closes it."""
         self.limits = limits
         self._probes = dict(probes or {})
         self.stats = HttpStats()
         self._tls = tls
         self._name = name
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self._listener = socket.create_server((host, port), family=family, backlog=128)
+        self._listener = listener
         self._listener.setblocking(False)
-        self.server_address: tuple[str, int] = self._listener.getsockname()[:2]
+        address = self._listener.getsockname()  # (host, port[, IPv6's two]) or a path
+        self.server_address: tuple[str, int] | str = (
+            address[:2] if isinstance(address, tuple) else address
+        )
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
@@ -118,7 +121,8 @@ class BoundedHttpServer:
 
     @property
     def port(self) -> int:
-        return self.server_address[1]
+        """The TCP port served (0 for a Unix socket)."""
+        return self.server_address[1] if isinstance(self.server_address, tuple) else 0
 
     @property
     def open_connections(self) -> int:
@@ -263,7 +267,7 @@ class BoundedHttpServer:
                 log.warning("%s accept failed: %s", self._name, err)
                 return
             self.stats.accepted += 1
-            peer = str(address[0])
+            peer = str(address[0]) if isinstance(address, tuple) else "unix"  # unnamed
             admit, make_room = self._conns.room_for(peer)
             if not admit:
                 self.stats.refused += 1

@@ -1,7 +1,8 @@
 """The plugin's HTTP endpoint: /metrics for Prometheus, /healthz for the liveness probe,
 /readyz for the readiness probe (503 "starting" until `serve_readiness` named its
-source: driver.plugin.readiness), /status for `gpu-dra status` (JSON, once
-`serve_status` named its source).
+source: driver.plugin.readiness). /status is not here: it names the node's GPUs, their
+failures and claims, and is served only on the root-only status socket
+(`driver.observability.status_socket`).
 
 The port is reachable from every pod that may talk to the plugin pod, so the server is
 bounded against idle and slow clients (`driver.observability.bounded_http`): one I/O
@@ -9,41 +10,40 @@ thread for every connection, a deadline of `timeout` seconds (default 5) to deli
 request head and again to take the answer, at most `max_connections` (default 64) open
 (a new one closes the oldest still waiting for its request, so that a flood of idle
 connections cannot lock out the probe; at most 32 from one address), `workers` threads
-(default 2) computing /metrics (`generate_latest`) and /status, at most 16 of those
-waiting (503 beyond; while some wait, each is rendered at most once a second), and
-/readyz (it dials the plugin's sockets, up to 2 s each). /healthz is answered by the I/O
-thread itself, so busy workers never hold the liveness probe.
+(default 2) computing /metrics (`generate_latest`) and /readyz (it dials the plugin's
+sockets, up to 2 s each), at most 16 of those waiting (503 beyond; while some wait,
+/metrics is rendered at most once a second). /healthz is answered by the I/O thread
+itself, so busy workers never hold the liveness probe.
 One request per connection (`Connection: close`), a request head of at most 8 KiB, GET
 and HEAD only; request bodies are not read.
 """
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 from collections.abc import Callable
 from http import HTTPStatus
-from typing import Any, Final
+from typing import Final
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from driver.observability.bounded_http import BoundedHttpServer
 from driver.observability.http_limits import Limits
 from driver.observability.http_messages import Request, Response
+from driver.observability.listeners import listen_tcp
 from driver.observability.metrics import REGISTRY
 
 DEFAULT_TIMEOUT: Final = 5.0
 DEFAULT_MAX_CONNECTIONS: Final = 64
 DEFAULT_WORKERS: Final = 2
-# While other requests wait for a worker, /metrics and /status answer with their last
-# render if it is younger than this: clients requesting them in a loop cost at most a
-# render a second each. An idle server renders every request afresh (a scrape, or the
-# CLI's /status, always sees the current values).
+# While other requests wait for a worker, /metrics (and the status socket's /status)
+# answer with their last render if it is younger than this: clients requesting them in a
+# loop cost at most a render a second each. An idle server renders every request afresh
+# (a scrape, or the CLI's /status, always sees the current values).
 RENDER_MAX_AGE: Final = 1.0
 
 Healthy = Callable[[], tuple[bool, str]]
-Status = Callable[[], dict[str, Any]]
 
 
 class HttpServer(BoundedHttpServer):
@@ -63,8 +63,9 @@ class HttpServer(BoundedHttpServer):
         self._ready: Healthy = _starting
         limits = Limits(timeout=timeout, max_connections=max_connections, workers=workers)
         self._metrics = CachedRender(lambda: generate_latest(REGISTRY), RENDER_MAX_AGE)
-        self._status_json: CachedRender | None = None
-        super().__init__(host, port, self._respond, limits, probes={"/healthz": self._health})
+        super().__init__(
+            listen_tcp(host, port), self._respond, limits, probes={"/healthz": self._health}
+        )
 
     @property
     def timeout(self) -> float:
@@ -73,12 +74,6 @@ class HttpServer(BoundedHttpServer):
     @property
     def max_connections(self) -> int:
         return self.limits.max_connections
-
-    def serve_status(self, status: Status) -> None:
-        """Answer /status with `status()` as JSON from now on (404 before)."""
-        self._status_json = CachedRender(
-            lambda: json.dumps(status(), indent=2).encode() + b"\n", RENDER_MAX_AGE
-        )
 
     def serve_readiness(self, ready: Healthy) -> None:
         """Answer /readyz from `ready()` from now on (503 "starting" before)."""
@@ -94,18 +89,19 @@ class HttpServer(BoundedHttpServer):
         busy = self.waiting_requests > 0  # then an answer up to a second old will do
         if request.path == "/metrics":
             return Response(HTTPStatus.OK, self._metrics(reuse=busy), CONTENT_TYPE_LATEST)
-        if request.path == "/status" and self._status_json is not None:
-            return Response(HTTPStatus.OK, self._status_json(reuse=busy), "application/json")
         if request.path == "/readyz":  # in a worker: `ready` dials the plugin's sockets
-            ok, detail = self._ready()
-            status = HTTPStatus.OK if ok else HTTPStatus.SERVICE_UNAVAILABLE
-            return Response(status, detail.encode(), "text/plain; charset=utf-8")
+            return health_response(self._ready)
         return Response(HTTPStatus.NOT_FOUND, b"not found\n")
 
     def _health(self) -> Response:  # in the I/O thread: `healthy` only reads flags
-        ok, detail = self._healthy()
-        status = HTTPStatus.OK if ok else HTTPStatus.SERVICE_UNAVAILABLE
-        return Response(status, detail.encode(), "text/plain; charset=utf-8")
+        return health_response(self._healthy)
+
+
+def health_response(healthy: Healthy) -> Response:
+    """200 or 503 with `healthy()`'s detail."""
+    ok, detail = healthy()
+    status = HTTPStatus.OK if ok else HTTPStatus.SERVICE_UNAVAILABLE
+    return Response(status, detail.encode(), "text/plain; charset=utf-8")
 
 
 class CachedRender:

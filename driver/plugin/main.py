@@ -31,6 +31,7 @@ from driver.nvml.library import NvmlUnavailableError
 from driver.observability import metrics
 from driver.observability.http import HttpServer
 from driver.observability.logs import setup_logging
+from driver.observability.status_socket import Status, StatusSocketServer, status_socket_path
 from driver.plugin.dra import add_dra_services
 from driver.plugin.flags import PluginOptions, package_version, parse_options
 from driver.plugin.health import add_health_services
@@ -292,24 +293,26 @@ class Plugin:
             )
 
         healthz.serve(healthy)
+        status = PluginStatus(
+            version=self.version,
+            node=o.node_name,
+            driver=o.driver_name,
+            taint_effect=o.xid_taint_effect,
+            gpus=gpus,
+            devices=devices,
+            registration=registration,
+            publisher=publisher,
+            store=store,
+            recovery=recovery,
+            unmonitored=unmonitored,
+            state=state,
+            journal=journal,
+            toolkit=toolkit,
+        )
+        status_socket = bind_status_socket(o.data_dir, status.document, healthz).start()
+        running.callback(status_socket.shutdown)
+        log.info("serving /status on %s (root only)", status_socket.path)
         if http is not None:
-            status = PluginStatus(
-                version=self.version,
-                node=o.node_name,
-                driver=o.driver_name,
-                taint_effect=o.xid_taint_effect,
-                gpus=gpus,
-                devices=devices,
-                registration=registration,
-                publisher=publisher,
-                store=store,
-                recovery=recovery,
-                unmonitored=unmonitored,
-                state=state,
-                journal=journal,
-                toolkit=toolkit,
-            )
-            http.serve_status(status.document)
             http.serve_readiness(Readiness(registration, paths))
             http.start()
 
@@ -326,7 +329,7 @@ class Plugin:
 
 
 def bind_http(port: int, healthz: Healthz) -> HttpServer | None:
-    """The /metrics and /healthz server, its port bound but not yet served; None for
+    """The /metrics, /healthz and /readyz server, its port bound but not yet served; None for
     port -1. A port that cannot be bound is a configuration error."""
     if port < 0:
         return None
@@ -334,6 +337,15 @@ def bind_http(port: int, healthz: Healthz) -> HttpServer | None:
         return HttpServer(port, healthz)
     except OSError as err:
         raise ValueError(f"--http-port {port}: cannot listen: {err.strerror or err}") from err
+
+
+def bind_status_socket(data_dir: Path, status: Status, healthz: Healthz) -> StatusSocketServer:
+    """The status socket in `data_dir`, bound (mode 0600) but not yet served."""
+    path = status_socket_path(data_dir)
+    try:
+        return StatusSocketServer(path, status, healthz)
+    except OSError as err:
+        raise ValueError(f"status socket {path}: cannot listen: {err.strerror or err}") from err
 
 
 def real_driver_root(o: PluginOptions) -> DriverRoot:

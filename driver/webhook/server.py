@@ -33,6 +33,7 @@ from driver.config import LoadError, loads_json
 from driver.observability.bounded_http import BoundedHttpServer
 from driver.observability.http_limits import Limits
 from driver.observability.http_messages import Request, Response
+from driver.observability.listeners import listen_tcp
 from driver.webhook.admission import BadReview, review
 
 log = logging.getLogger(__name__)
@@ -113,7 +114,12 @@ class WebhookServer(BoundedHttpServer):
         self.driver_name = driver_name
         probes = dict.fromkeys(HEALTH_PATHS, lambda: Response(HTTPStatus.OK, b"ok"))
         super().__init__(
-            host, port, self._respond, limits, tls=self.tls.context, name="webhook", probes=probes
+            listen_tcp(host, port),
+            self._respond,
+            limits,
+            tls=self.tls.context,
+            name="webhook",
+            probes=probes,
         )
 
     def _respond(self, request: Request) -> Response:

@@ -137,7 +137,7 @@ def test_recovery_action_taints_and_clears_itself(
 
 def gpu_dra(plugin: PluginProcess, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [GPU_DRA, *args, f"--plugin-url=http://127.0.0.1:{plugin.http_port}"],
+        [GPU_DRA, *args, f"--socket={plugin.data_dir / 'status.sock'}"],
         capture_output=True,
         text=True,
         timeout=60,

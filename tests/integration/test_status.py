@@ -4,8 +4,11 @@ control plane: registration, slice sync, GPUs by MIG mode, a prepared claim."""
 from __future__ import annotations
 
 import json
+import stat
 import subprocess
 import sys
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from importlib.metadata import version
 from pathlib import Path
@@ -46,8 +49,7 @@ def status(plugin: PluginProcess, *args: str) -> tuple[int, dict[str, Any]]:
             "status",
             "-o",
             "json",
-            f"--plugin-url=http://127.0.0.1:{plugin.http_port}",
-            f"--state-dir={plugin.data_dir}",
+            f"--socket={plugin.data_dir / 'status.sock'}",
             *args,
         ],
         capture_output=True,
@@ -74,6 +76,14 @@ def test_status_and_metrics_of_a_running_plugin(
         kubeconfig=cluster.kubeconfig, node_name=node.name, root=tmp_path
     ) as plugin:
         pool = cluster.wait_for(lambda: complete_pool(cluster, node.name), timeout=60, what="pool")
+
+        # /status (GPU UUIDs, PCI ids, Xid text, claims) is not on the pod-network port:
+        # only on the status socket, which only root on the node can open.
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(f"http://127.0.0.1:{plugin.http_port}/status", timeout=5)
+        assert refused.value.code == 404
+        socket_mode = (plugin.data_dir / "status.sock").lstat().st_mode
+        assert stat.S_ISSOCK(socket_mode) and stat.S_IMODE(socket_mode) == 0o600
 
         # Served, but no kubelet has registered it: a problem, and the check fails.
         code, report = status(plugin, "--fail-on-unhealthy")
@@ -129,10 +139,10 @@ def test_status_and_metrics_of_a_running_plugin(
 
     # The plugin gone, the node's files still tell the journal's state.
     done = subprocess.run(
-        [GPU_DRA, "status", f"--plugin-url=http://127.0.0.1:{plugin.http_port}",
-         f"--state-dir={plugin.data_dir}", "--fail-on-unhealthy"],
+        [GPU_DRA, "status", f"--state-dir={plugin.data_dir}", "--fail-on-unhealthy"],
         capture_output=True, text=True, timeout=30,
     )  # fmt: skip
     assert done.returncode == 1
     assert done.stdout.startswith("UNHEALTHY: the plugin does not answer")
+    assert not (plugin.data_dir / "status.sock").exists()  # a clean stop removes it
     assert "journal       ok: " in done.stdout

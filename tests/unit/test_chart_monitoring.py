@@ -148,6 +148,7 @@ def test_service_monitor_scrapes_every_plugin_pod_with_its_node() -> None:
         "--set", f"{MONITOR}.enabled=true",
         "--set", f"{MONITOR}.labels.release=prometheus",
         "--set", f"{MONITOR}.interval=30s",
+        "--set", "kubeletPlugin.metrics.networkPolicy.enabled=false",
     )  # fmt: skip
     monitor = one(docs, "ServiceMonitor")
     service = next(
@@ -166,6 +167,25 @@ def test_service_monitor_scrapes_every_plugin_pod_with_its_node() -> None:
     assert endpoint["relabelings"] == [
         {"sourceLabels": ["__meta_kubernetes_pod_node_name"], "targetLabel": "node"}
     ]
+
+
+def test_service_monitor_needs_prometheus_admitted_by_the_network_policy() -> None:
+    """The metrics NetworkPolicy is on by default and admits no pod: a ServiceMonitor
+    with it would scrape nothing, silently. Said at render time instead."""
+    failed = helm_template("--set", f"{MONITOR}.enabled=true", check=False)
+    assert failed.returncode != 0
+    assert "serviceMonitor.enabled needs kubeletPlugin.metrics.networkPolicy.from" in failed.stderr
+    peers = '[{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "mon"}}}]'
+    admitted = helm_template(
+        "--set", f"{MONITOR}.enabled=true",
+        "--set-json", f"kubeletPlugin.metrics.networkPolicy.from={peers}",
+    )  # fmt: skip
+    assert "kind: ServiceMonitor" in admitted.stdout
+    opted_out = helm_template(
+        "--set", f"{MONITOR}.enabled=true",
+        "--set", "kubeletPlugin.metrics.networkPolicy.enabled=false",
+    )  # fmt: skip
+    assert "kind: ServiceMonitor" in opted_out.stdout
 
 
 def test_service_monitor_needs_the_metrics_service_and_valid_values() -> None:

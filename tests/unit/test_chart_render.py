@@ -184,6 +184,7 @@ def test_objects(default_docs: list[Doc], mock_docs: list[Doc]) -> None:
             ("DeviceClass", "gpu.example.com"),
             ("DeviceClass", "mig.gpu.example.com"),
             ("DeviceClass", "partition.gpu.example.com"),
+            ("NetworkPolicy", "gpu-dra-driver-kubeletplugin"),
             ("PodDisruptionBudget", "gpu-dra-driver-webhook"),
             ("Secret", "gpu-dra-driver-webhook-tls"),
             ("Service", "gpu-dra-driver-kubeletplugin-metrics"),
@@ -766,8 +767,14 @@ def test_plugin_privileged_only_for_real_nvml(
     assert mock["capabilities"] == {"drop": ["ALL"]}
 
 
-def test_metrics_network_policy(default_docs: list[Doc]) -> None:
-    assert not [d for d in default_docs if d["kind"] == "NetworkPolicy"]  # opt-in
+def test_metrics_network_policy(default_docs: list[Doc], mock_docs: list[Doc]) -> None:
+    # On by default: /metrics names the node's GPUs and claims. No peers: only the node
+    # (the kubelet's probes; NetworkPolicy always admits the pod's own node) gets in.
+    for docs in (default_docs, mock_docs):
+        assert one(docs, "NetworkPolicy", "kubeletplugin")["spec"]["ingress"] == []
+    opted_out = render("--set", "kubeletPlugin.metrics.networkPolicy.enabled=false")
+    assert not [d for d in opted_out if d["metadata"]["name"].endswith("-kubeletplugin")
+                and d["kind"] == "NetworkPolicy"]  # fmt: skip
     peers = [
         {
             "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}},

@@ -8,6 +8,7 @@ import contextlib
 import io
 import json
 import os
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -373,11 +374,11 @@ def test_show_table_says_where_each_line_comes_from(plugin: Plugin, tmp_path: Pa
 def plugin_status_served(
     plugin: Plugin, tmp_path: Path, recovery: RecoveryActions | None = None
 ) -> Iterator[str]:
-    """The plugin's own /status over `plugin`'s GPUs and store; yields its URL."""
+    """The plugin's own /status over `plugin`'s GPUs and store; yields its socket."""
     from test_status_cli import FakePublisher, FakeState
 
     from driver.devices.gpu_view import gpu_views
-    from driver.observability.http import HttpServer
+    from driver.observability.status_socket import StatusSocketServer
     from driver.plugin.journal_summary import JournalReader
     from driver.plugin.node_status import PluginStatus
     from driver.state.checkpoint import Checkpoint
@@ -399,12 +400,10 @@ def plugin_status_served(
         state=state,
         journal=JournalReader(state.checkpoint),
     )
-    server = HttpServer(0, lambda: (True, "ok\n"), "127.0.0.1").start()
-    server.serve_status(status.document)
-    try:
-        yield f"http://127.0.0.1:{server.port}"
-    finally:
-        server.shutdown()
+    with tempfile.TemporaryDirectory(prefix="gdra-", dir="/tmp") as short:  # sun_path
+        path = Path(short) / "status.sock"
+        with StatusSocketServer(path, status.document, lambda: (True, "ok\n")).start():
+            yield str(path)
 
 
 def test_without_slices_devices_are_named_by_the_running_plugin(
@@ -415,7 +414,7 @@ def test_without_slices_devices_are_named_by_the_running_plugin(
     plugin.store.record_xid(plugin.uuid(3), 79)
     plugin.store.record_instance_xid(plugin.uuid(5), (3, 1), 94, gpu_instance_id=9)
     with plugin_status_served(plugin, tmp_path) as url:
-        code, out, _ = gpu_dra(["health", "--state-dir", str(tmp_path), "--plugin-url", url])
+        code, out, _ = gpu_dra(["health", "--state-dir", str(tmp_path), "--socket", url])
     assert code == 0
     rows = [line.split() for line in out.splitlines()[1:3]]
     assert [row[:2] for row in rows] == [["store", "gpu-3"], ["store", "gpu-5"]]
@@ -485,7 +484,7 @@ def test_recovery_actions_are_shown_with_their_reason(plugin: Plugin, tmp_path: 
     recovery.apply(RecoveryReading(uuid6, 2))  # node-reboot
     reboot = f"{DRIVER}/recovery-action=node-reboot:NoSchedule"
     with plugin_status_served(plugin, tmp_path, recovery) as url:
-        code, out, _ = gpu_dra(["health", "--state-dir", str(tmp_path), "--plugin-url", url])
+        code, out, _ = gpu_dra(["health", "--state-dir", str(tmp_path), "--socket", url])
         assert code == 0
         assert ["plugin", "gpu-6", reboot] in [line.split()[:3] for line in out.splitlines()]
         assert "NVML recovery action node-reboot: the node needs a reboot" in out

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import queue
-import shutil
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -74,13 +72,6 @@ def serve(directory: Path, heartbeat: float = HEARTBEAT) -> Served:
     server.add_insecure_port(f"unix://{socket}")
     server.start()
     return Served(store, services, server, grpc.insecure_channel(f"unix://{socket}"))
-
-
-@pytest.fixture
-def short_dir() -> Iterator[Path]:
-    directory = Path(tempfile.mkdtemp(prefix="hs-", dir="/tmp"))  # sun_path limit
-    yield directory
-    shutil.rmtree(directory, ignore_errors=True)
 
 
 @pytest.fixture

@@ -17,6 +17,7 @@ from driver.observability.bounded_http import BoundedHttpServer
 from driver.observability.http import CachedRender, HttpServer
 from driver.observability.http_limits import Limits
 from driver.observability.http_messages import Request, Response
+from driver.observability.listeners import listen_tcp
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -50,7 +51,9 @@ def serve() -> Iterator[Callable[..., BoundedHttpServer]]:
     def _serve(handler: Callable[[Request], Response], **kwargs: Any) -> BoundedHttpServer:
         probes = kwargs.pop("probes", None)
         limits = Limits(timeout=30, **kwargs)
-        server = BoundedHttpServer("127.0.0.1", 0, handler, limits, probes=probes).start()
+        server = BoundedHttpServer(
+            listen_tcp("127.0.0.1", 0), handler, limits, probes=probes
+        ).start()
         servers.append(server)
         return server
 
@@ -166,16 +169,18 @@ def test_probes_are_answered_while_every_worker_is_busy(
         sock.close()
 
 
-def test_the_plugin_answers_healthz_while_status_is_being_computed(blocker: Blocker) -> None:
-    """Before: /healthz waited for the worker that /status held."""
+def test_the_plugin_answers_healthz_while_readyz_is_being_computed(blocker: Blocker) -> None:
+    """Before: /healthz waited for the worker that /status (now /readyz) held."""
     server = HttpServer(0, lambda: (True, "fine\n"), "127.0.0.1", workers=1).start()
     try:
-        server.serve_status(lambda: {"done": blocker(Request("GET", "/block", {})).status == 200})
-        status = _get(server.port, "/status")
+        server.serve_readiness(
+            lambda: (blocker(Request("GET", "/block", {})).status == 200, "done")
+        )
+        status = _get(server.port, "/readyz")
         _wait_for(lambda: blocker.entered == 1)
         assert _answer(_get(server.port, "/healthz")).endswith(b"\r\n\r\nfine\n")
         blocker.release.set()
-        assert b'"done": true' in _answer(status)
+        assert _answer(status).endswith(b"\r\n\r\ndone")
     finally:
         server.shutdown()
 
@@ -201,7 +206,7 @@ def test_a_render_is_reused_only_when_asked_and_younger_than_max_age() -> None:
 def test_metrics_are_rendered_once_for_the_requests_that_waited(
     blocker: Blocker, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Four /metrics requests wait behind a blocked /status: the first renders, the
+    """Four /metrics requests wait behind a blocked /readyz: the first renders, the
     next two (others still waiting) reuse it, the last (none waiting) renders afresh,
     as does every request to an idle server."""
     renders: list[int] = []
@@ -213,8 +218,10 @@ def test_metrics_are_rendered_once_for_the_requests_that_waited(
     monkeypatch.setattr("driver.observability.http.generate_latest", counting)
     server = HttpServer(0, lambda: (True, "ok\n"), "127.0.0.1", workers=1).start()
     try:
-        server.serve_status(lambda: {"done": blocker(Request("GET", "/block", {})).status == 200})
-        status = _get(server.port, "/status")
+        server.serve_readiness(
+            lambda: (blocker(Request("GET", "/block", {})).status == 200, "done")
+        )
+        status = _get(server.port, "/readyz")
         _wait_for(lambda: blocker.entered == 1)
         waiting = [_get(server.port, "/metrics") for _ in range(4)]
         _wait_for(lambda: server.waiting_requests == 4)

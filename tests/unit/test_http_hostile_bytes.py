@@ -16,6 +16,7 @@ import pytest
 from driver.observability.bounded_http import BoundedHttpServer
 from driver.observability.http_limits import Limits
 from driver.observability.http_messages import Request, Response, body_length, parse_head
+from driver.observability.listeners import listen_tcp
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -60,7 +61,9 @@ def serve() -> Iterator[Callable[..., BoundedHttpServer]]:
 
     def _serve(handler: Callable[[Request], Response], **limits: Any) -> BoundedHttpServer:
         probes = limits.pop("probes", None)
-        server = BoundedHttpServer("127.0.0.1", 0, handler, Limits(**limits), probes=probes)
+        server = BoundedHttpServer(
+            listen_tcp("127.0.0.1", 0), handler, Limits(**limits), probes=probes
+        )
         server.start()
         servers.append(server)
         return server

@@ -24,6 +24,7 @@ from driver.observability.http import (
 )
 from driver.observability.http_limits import Limits
 from driver.observability.http_messages import Request, Response
+from driver.observability.listeners import listen_tcp
 
 # Seconds to wait for what the server does at once (an answer, a close): only a
 # regression waits this long, a busy machine never does. Timeouts the server must not
@@ -272,7 +273,7 @@ def test_small_requests_have_workers_of_their_own() -> None:
         return Response(HTTPStatus.OK, str(len(request.body)).encode())
 
     limits = Limits(timeout=10, max_body=1 << 20, small_request=1024, workers=1, large_workers=1)
-    server = BoundedHttpServer("127.0.0.1", 0, held_for_large, limits).start()
+    server = BoundedHttpServer(listen_tcp("127.0.0.1", 0), held_for_large, limits).start()
 
     def post(body: bytes) -> socket.socket:
         sock = socket.create_connection(("127.0.0.1", server.port), timeout=EVENT_WAIT)
@@ -296,7 +297,7 @@ def test_request_bodies_are_read_only_up_to_the_limit() -> None:
     def echo(request: Request) -> Response:
         return Response(HTTPStatus.OK, request.body)
 
-    server = BoundedHttpServer("127.0.0.1", 0, echo, Limits(max_body=16)).start()
+    server = BoundedHttpServer(listen_tcp("127.0.0.1", 0), echo, Limits(max_body=16)).start()
     try:
         for head, expected in [
             (b"POST / HTTP/1.1\r\nContent-Length: 5\r\n\r\nhello", b"HTTP/1.1 200 OK"),

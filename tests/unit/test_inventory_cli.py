@@ -158,14 +158,14 @@ def test_table_health_from_the_plugins_store(
 
 
 def test_table_health_has_the_recovery_actions_of_the_running_plugin(
-    capsys: pytest.CaptureFixture[str], tmp_path: Path
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, short_dir: Path
 ) -> None:
     """A recovery action that taints a GPU (NoSchedule on every device of it) is known
     only to the running plugin: inventory asks its /status, as `gpu-dra status` does,
     and shows the GPU unhealthy as status, the metric and the health stream do."""
     from driver.health.recovery import RecoveryFailure
     from driver.nvml.backend import select_backend
-    from driver.observability.http import HttpServer
+    from driver.observability.status_socket import StatusSocketServer
 
     gpus = select_backend(mock=True, node_name="n1").discover().gpus
     failure = RecoveryFailure(gpus[6].uuid, 2, "2026-01-01T00:00:00Z")  # node-reboot
@@ -175,21 +175,17 @@ def test_table_health_has_the_recovery_actions_of_the_running_plugin(
             for i, g in enumerate(gpus)
         ]
     }
-    server = HttpServer(0, lambda: (True, "ok\n"), "127.0.0.1").start()
-    server.serve_status(lambda: document)
-    url = f"http://127.0.0.1:{server.port}"
+    path = short_dir / "status.sock"
     argv = ("--mock", "--node-name", "n1", "--state-dir", str(tmp_path))
-    try:
-        code, out, _ = run(capsys, *argv, "--plugin-url", url, "--partitions")
-    finally:
-        server.shutdown()
+    with StatusSocketServer(path, lambda: document, lambda: (True, "ok\n")).start():
+        code, out, _ = run(capsys, *argv, "--socket", str(path), "--partitions")
     assert code == 0
     unhealthy = "Unhealthy (gpu.example.com/recovery-action=node-reboot:NoSchedule)"
     rows = {r["DEVICE"]: r["HEALTH"] for r in table(out)}
     family = [name for name in rows if name == "gpu-6" or name.startswith("gpu-6-")]
     assert len(family) > 1 and all(rows[name] == unhealthy for name in family)
     assert all(h == "Healthy" for name, h in rows.items() if name not in family)
-    assert f"recovery actions from the plugin at {url}" in out
+    assert f"recovery actions from the plugin at {path}" in out
 
     # Without the plugin, the recovery actions are not known, and inventory says so.
     code, out, _ = run(capsys, *argv)

@@ -7,9 +7,7 @@ integration tests rely on when they let the stand-in register the driver.
 from __future__ import annotations
 
 import importlib.util
-import shutil
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -116,14 +114,6 @@ class FakeHealth(health_v1_grpc.DRAResourceHealthServicer):
             )
         while context.is_active():
             time.sleep(0.05)
-
-
-@pytest.fixture
-def short_dir() -> Iterator[Path]:
-    # unix socket paths are limited to 107 bytes; pytest's tmp_path can be longer.
-    path = Path(tempfile.mkdtemp(prefix="ks-", dir="/tmp"))
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 class Plugin:

@@ -6,25 +6,15 @@ from __future__ import annotations
 
 import ctypes
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture
-def short_dir() -> Iterator[Path]:
-    path = Path(tempfile.mkdtemp(prefix="sg-", dir="/tmp"))  # sun_path holds 107 bytes
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 def signal_thread(pid: int, tid: int, signum: int) -> None:

@@ -4,8 +4,6 @@ Node GET runs beside recovery and discovery, not after them."""
 from __future__ import annotations
 
 import logging
-import shutil
-import tempfile
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -46,13 +44,6 @@ class NodeOnlyApi:
 
     def watch(self, path: str, **_: Any) -> Iterator[tuple[str, dict[str, Any]]]:
         raise ApiError(503, "Service Unavailable")
-
-
-@pytest.fixture
-def short_dir() -> Iterator[Path]:
-    path = Path(tempfile.mkdtemp(prefix="sp-", dir="/tmp"))  # sun_path holds 107 bytes
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 def test_the_node_label_is_read_while_recovery_and_discovery_run(

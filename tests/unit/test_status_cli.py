@@ -1,4 +1,4 @@
-"""`gpu-dra status` against a plugin's /status served over HTTP (the plugin's own
+"""`gpu-dra status` against a plugin's /status served on its status socket (the plugin's own
 `PluginStatus` over mock GPUs, a health store and a journal on disk), and from the
 node's files when the plugin does not answer."""
 
@@ -24,7 +24,7 @@ from driver.kube.publisher import PublisherStats
 from driver.nvml.backend import select_backend
 from driver.nvml.recovery import RecoveryReading
 from driver.observability import metrics
-from driver.observability.http import HttpServer
+from driver.observability.status_socket import StatusSocketServer
 from driver.plugin.journal_summary import JournalReader
 from driver.plugin.node_status import PluginStatus, export_gpus, export_journal
 from driver.plugin.registration import RegistrationServicer
@@ -120,11 +120,10 @@ def node(tmp_path: Path) -> Node:
 
 
 @pytest.fixture
-def served(node: Node) -> Iterator[str]:
-    server = HttpServer(0, lambda: (True, "ok\n"), "127.0.0.1").start()
-    server.serve_status(node.status.document)
-    yield f"http://127.0.0.1:{server.port}"
-    server.shutdown()
+def served(node: Node, short_dir: Path) -> Iterator[str]:
+    path = short_dir / "status.sock"
+    with StatusSocketServer(path, node.status.document, lambda: (True, "ok\n")).start():
+        yield str(path)
 
 
 def status(*argv: str) -> tuple[int, str]:
@@ -144,7 +143,7 @@ def test_a_healthy_node_at_a_glance(node: Node, served: str) -> None:
     node.prepare("a", "gpu-0", "gpu-1-mig-1g10gb-0")
     node.prepare("b", "gpu-3")
     node.prepare("c", "gpu-1-mig-1g10gb-1", state=ClaimState.PREPARE_STARTED)
-    code, out = status("--plugin-url", served, "--fail-on-unhealthy")
+    code, out = status("--socket", served, "--fail-on-unhealthy")
     assert code == 0, out
     assert out.splitlines()[0] == "OK: 4 GPU(s) healthy, plugin registered, slices in sync"
     assert "version 1.2.3" in out and "node n1" in out and "up 90s" in out
@@ -153,7 +152,7 @@ def test_a_healthy_node_at_a_glance(node: Node, served: str) -> None:
     assert "journal       ok: 2 claim(s) prepared (3 device(s)), 1 being prepared" in out
     assert "effect NoExecute" in out
 
-    code, report = status_json("--plugin-url", served)
+    code, report = status_json("--socket", served)
     assert report["healthy"] is True and report["problems"] == []
     modes = {g["name"]: g["migMode"] for g in report["gpus"]}
     assert modes == {"gpu-0": "dynamic", "gpu-1": "dynamic", "gpu-2": "static", "gpu-3": "disabled"}
@@ -170,21 +169,21 @@ def test_every_problem_is_listed_and_fails_the_check(node: Node, served: str) ->
     node.healthy()
     uuid = node.inventory.gpus[1].uuid
     node.store.record_xid(uuid, 79)
-    code, out = status("--plugin-url", served)
+    code, out = status("--socket", served)
     assert code == 0  # shown; only --fail-on-unhealthy turns a problem into exit 1
     first = out.splitlines()[0]
     assert first.startswith(f"UNHEALTHY: gpu-1 ({uuid}) failed: Xid 79"), first
     assert "1 GPU(s) failed" in out
     gpu_row = next(line for line in out.splitlines() if line.startswith("gpu-1 "))
     assert "failed: Xid 79" in gpu_row
-    assert status("--plugin-url", served, "--fail-on-unhealthy")[0] == 1
+    assert status("--socket", served, "--fail-on-unhealthy")[0] == 1
 
     node.registered.clear()
     node.publisher.stats.last_synced = node.now - 3600
     node.publisher.stats.errors.append("503 Service Unavailable")
     node.publisher.stats.failing = "503 Service Unavailable"  # as the publisher records it
     (node.state.checkpoint.path).write_text("{garbage")
-    code, report = status_json("--plugin-url", served, "--fail-on-unhealthy")
+    code, report = status_json("--socket", served, "--fail-on-unhealthy")
     assert code == 1
     problems = "\n".join(report["problems"])
     assert "has not registered the plugin" in problems
@@ -201,7 +200,7 @@ def test_a_recovery_action_that_taints_the_gpu_is_unhealthy(node: Node, served: 
     node.healthy()
     uuid = node.inventory.gpus[1].uuid
     node.recovery.apply(RecoveryReading(uuid, 2))  # node-reboot
-    code, out = status("--plugin-url", served, "--fail-on-unhealthy")
+    code, out = status("--socket", served, "--fail-on-unhealthy")
     assert code == 1, out
     first = out.splitlines()[0]
     assert first.startswith(
@@ -213,7 +212,7 @@ def test_a_recovery_action_that_taints_the_gpu_is_unhealthy(node: Node, served: 
     gpu_row = next(line for line in out.splitlines() if line.startswith("gpu-1 "))
     assert "failed: NVML recovery action node-reboot" in gpu_row
 
-    report = status_json("--plugin-url", served)[1]
+    report = status_json("--socket", served)[1]
     (failure,) = report["gpus"][1]["failures"]
     assert failure["key"] == "gpu.example.com/recovery-action"
     assert (failure["value"], failure["effect"]) == ("node-reboot", "NoSchedule")
@@ -222,7 +221,7 @@ def test_a_recovery_action_that_taints_the_gpu_is_unhealthy(node: Node, served: 
     # An action that taints nothing (an IMEX-domain recovery) leaves the GPU healthy,
     # as it leaves the metric and the health stream.
     node.recovery.apply(RecoveryReading(uuid, 5))
-    assert status("--plugin-url", served, "--fail-on-unhealthy")[0] == 0
+    assert status("--socket", served, "--fail-on-unhealthy")[0] == 0
 
 
 def test_an_unmonitored_gpu_is_named_but_not_unhealthy(node: Node, served: str) -> None:
@@ -232,7 +231,7 @@ def test_an_unmonitored_gpu_is_named_but_not_unhealthy(node: Node, served: str) 
     node.healthy()
     uuid = node.inventory.gpus[2].uuid
     node.unmonitored.update({uuid: "NVML cannot register its health events: Not Supported"})
-    code, out = status("--plugin-url", served, "--fail-on-unhealthy")
+    code, out = status("--socket", served, "--fail-on-unhealthy")
     assert code == 0, out
     assert out.splitlines()[0].startswith("OK: ")
     assert "1 GPU(s) NOT MONITORED" in out
@@ -242,7 +241,7 @@ def test_an_unmonitored_gpu_is_named_but_not_unhealthy(node: Node, served: str) 
     )
     gpu_row = next(line for line in out.splitlines() if line.startswith("gpu-2 "))
     assert gpu_row.endswith("healthy (unmonitored)")
-    report = status_json("--plugin-url", served)[1]
+    report = status_json("--socket", served)[1]
     assert report["gpus"][2]["monitored"] is False
     assert report["health"]["unmonitoredGPUs"] == 1
     assert [g["monitored"] for g in report["gpus"]] == [True, True, False, True]
@@ -254,31 +253,27 @@ def test_a_refused_registration_is_the_problem_it_says(node: Node, served: str) 
     node.healthy()
     node.registered.clear()
     node.registration.last_error = "none of services supported by the plugin are supported"
-    code, out = status("--plugin-url", served, "--fail-on-unhealthy")
+    code, out = status("--socket", served, "--fail-on-unhealthy")
     assert code == 1
     refused = "the kubelet refused the registration: none of services supported by the plugin"
     assert out.splitlines()[0].startswith(f"UNHEALTHY: {refused}"), out
     assert f"registration  REFUSED: {refused.split(': ', 1)[1]}" in out
-    assert status_json("--plugin-url", served)[1]["registration"]["error"].startswith("none of")
+    assert status_json("--socket", served)[1]["registration"]["error"].startswith("none of")
 
 
 def test_without_the_plugin_the_nodes_files_are_shown(node: Node, tmp_path: Path) -> None:
     node.prepare("a", "gpu-0")
     node.store.record_xid(node.inventory.gpus[0].uuid, 48)
-    argv = ("--plugin-url", "http://127.0.0.1:1", "--state-dir", str(tmp_path))
+    argv = ("--state-dir", str(tmp_path))  # its status socket: none, no plugin runs
     code, out = status(*argv)
     assert code == 0
-    assert out.startswith("UNHEALTHY: the plugin does not answer: http://127.0.0.1:1/status")
+    assert out.startswith(
+        f"UNHEALTHY: the plugin does not answer: {tmp_path / 'status.sock'}: no such socket"
+    )
     assert "plugin        NOT REACHABLE" in out
     assert "journal       ok: 1 claim(s) prepared (1 device(s)), 0 being prepared" in out
     assert "Xid 48" in out
     assert status(*argv, "--fail-on-unhealthy")[0] == 1
-
-
-def test_status_rejects_a_url_that_is_not_http() -> None:
-    with pytest.raises(SystemExit) as exited:
-        build_parser().parse_args(["status", "--plugin-url", "file:///etc/passwd"])
-    assert exited.value.code == 2
 
 
 def test_journal_summary_rereads_only_a_changed_file(node: Node) -> None:
