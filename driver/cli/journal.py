@@ -51,6 +51,7 @@ from driver.cli.state_dir import add_state_dir_argument, default_state_dir
 from driver.errors import DriverError
 from driver.health.failures import DEFAULT_DRIVER_NAME
 from driver.plugin.host_inputs import driver_name_argument
+from driver.state.boot import boot_id
 from driver.state.cdi import CdiSpecs
 from driver.state.checkpoint import (
     Checkpoint,
@@ -67,11 +68,12 @@ from driver.state.quarantine import (
     quarantine_checkpoint,
     salvage_entries,
 )
+from driver.state.start_fate import next_start
 
 # The lock every running plugin instance holds shared for its lifetime
 # (`driver.plugin.instances.InstanceLock`).
 INSTANCE_LOCK_FILE = "instances.lock"
-HEADERS = ("CLAIM", "UID", "STATE", "DEVICES", "CDI SPEC", "VERDICT")
+HEADERS = ("CLAIM", "UID", "STATE", "DEVICES", "CDI SPEC", "NEXT START")
 
 AFTER_QUARANTINE = """\
 On its next start the kubelet plugin:
@@ -92,7 +94,8 @@ MIG_FATE = {
     driver;""",
     OwnedMig.ADOPT: """carries the readable entries listed above into the new journal as
     they were, each with the fate listed (a prepared claim keeps its MIG devices until
-    its unprepare destroys them; a half-done prepare is rolled back);""",
+    its unprepare destroys them; a half-done prepare whose claim's device is live and
+    named by its CDI spec is adopted as prepared, any other rolled back);""",
     OwnedMig.DESTROY: """destroys the MIG devices of the readable entries listed above at its
     next start (each only if the instance under its recorded id still has the
     recorded profile and placement) and removes those claims' CDI specs: pods using
@@ -190,14 +193,20 @@ def read_journal(state_dir: Path, cdi_root: Path | None, driver: str) -> dict[st
     except DriverError as err:
         report.update(status="unreadable", problem=str(err), verified=False)
         entries = {}
-    specs = CdiSpecs(cdi_root, driver) if cdi_root is not None and cdi_root.is_dir() else None
+    specs = _specs(cdi_root, driver) if cdi_root is not None else None
     report["cdiRoot"] = str(cdi_root) if specs is not None else None
+    boot = boot_id()
     for uid, entry in sorted(entries.items(), key=lambda i: (i[1].namespace, i[1].name, i[0])):
-        report["entries"].append(_entry_json(uid, entry, specs))
+        report["entries"].append(_entry_json(uid, entry, specs, boot))
     return report
 
 
-def _entry_json(uid: str, entry: ClaimEntry, specs: CdiSpecs | None) -> dict[str, Any]:
+def _specs(cdi_root: Path, driver: str) -> CdiSpecs | None:
+    """The claims' CDI specs, None when there is no such directory to check."""
+    return CdiSpecs(cdi_root, driver) if cdi_root.is_dir() else None
+
+
+def _entry_json(uid: str, entry: ClaimEntry, specs: CdiSpecs | None, boot: str) -> dict[str, Any]:
     if entry.state is ClaimState.PREPARE_STARTED:
         verdict = (
             "half-done prepare: rolled back (specs and MIG devices it created removed) at "
@@ -207,14 +216,16 @@ def _entry_json(uid: str, entry: ClaimEntry, specs: CdiSpecs | None) -> dict[str
         verdict = "prepared (entry predates stored CDI specs: a lost spec is redone by prepare)"
     else:
         verdict = "prepared"
+    present = None if specs is None else specs.claim_spec_exists(uid)
     return {
         "uid": uid,
         "namespace": entry.namespace,
         "name": entry.name,
         "state": entry.state.value,
         "verdict": verdict,
+        "nextStart": next_start(entry, present, boot),
         "cdiSpecStored": entry.cdi_spec is not None,
-        "cdiSpecPresent": None if specs is None else specs.claim_spec_exists(uid),
+        "cdiSpecPresent": present,
         "devices": [d.to_json() for d in entry.devices],
     }
 
@@ -260,7 +271,7 @@ def render_table(report: dict[str, Any]) -> str:
                 entry["state"],
                 ", ".join(_device_text(d) for d in entry["devices"]) or "-",
                 "?" if present is None else ("present" if present else "MISSING"),
-                entry["verdict"],
+                entry["nextStart"],
             )
         )
     lines = [format_table(HEADERS, rows)] if rows else []
@@ -380,12 +391,12 @@ def run_quarantine(
                 f"{checkpoint.log_path.name} to {checkpoint.log_path.name}.corrupt-<UTC "
                 f"time>, in {state_dir} (kept, never deleted).\n"
             )
-            specs = CdiSpecs(Path(args.cdi_root), args.driver_name)
+            specs = _specs(Path(args.cdi_root), args.driver_name)
             for uid, entry in sorted(owning.items()):
+                present = None if specs is None else specs.claim_spec_exists(uid)
                 out.write(
                     f"  claim {entry.namespace}/{entry.name} ({uid}) owns MIG devices "
-                    f"({entry.state.value}): "
-                    f"{carried_fate(entry, owned_mig, specs.claim_spec_exists(uid))}\n"
+                    f"({entry.state.value}): {carried_fate(uid, entry, owned_mig, present)}\n"
                 )
             out.write(AFTER_QUARANTINE.format(mig=MIG_FATE[owned_mig]))
             confirm("Move it aside?", yes=args.yes, stdin=stdin, out=out)

@@ -28,6 +28,11 @@ at prepare (`partitionCount` above every `maxPartitions`, every whole GPU shared
 capacity). A request of one of the chart's classes is checked against the devices that
 class selects (whole GPUs, MIG partitions or `--gpu-partitions` partitions).
 
+With `--explain` (and `--slices FILE|-`), each claim request's CEL selectors are
+evaluated on every published device instead, and the selector that excludes each
+device is named (driver/cli/explain.py); exit code 1 when a request has fewer
+matching devices than it needs.
+
 Every problem is printed to stderr on one line:
 
     FILE: <kind>/<name>: <field path>: <message>
@@ -54,6 +59,7 @@ from typing import Any, TextIO
 
 from driver.cli.capacity import capacity_problems, requests_capacity
 from driver.cli.claim_rules import DeviceClasses, claim_problems, is_for_driver
+from driver.cli.explain import run_explain
 from driver.cli.slice_devices import OfferedDevice, devices_of_slices
 from driver.config import (
     LoadError,
@@ -106,7 +112,13 @@ def add_parser(subcommands: Any) -> None:
         action="append",
         metavar="FILE",
         help="ResourceSlices (YAML/JSON, Lists too) to check capacity requests and "
-        "SpacePartitioning configs against; repeatable",
+        "SpacePartitioning configs against; repeatable (with --explain, - reads stdin)",
+    )
+    parser.add_argument(
+        "--explain",
+        action="store_true",
+        help="say, for each claim request and each device in --slices, which CEL selector "
+        "(of its DeviceClass or its own) or capacity request excludes it",
     )
     parser.set_defaults(run=run)
 
@@ -357,6 +369,8 @@ def run(
     stdin = stdin if stdin is not None else sys.stdin
     out = out if out is not None else sys.stdout
     err = err if err is not None else sys.stderr
+    if args.explain:
+        return run_explain(args, stdin, out, err)
     result = Result()
     devices = _load_devices(list(args.slices), args.driver_name, result) if args.slices else None
     files = list(_read(list(args.files), stdin, result))

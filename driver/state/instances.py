@@ -55,7 +55,8 @@ def _target(record: MigRecord) -> MigTarget:
     return MigTarget(record.gpu_uuid, record.profile_id, record.placement, record.slice_count)
 
 
-def _record(record: MigRecord, instance: MigInstance) -> MigRecord:
+def completed_record(record: MigRecord, instance: MigInstance) -> MigRecord:
+    """The record with the ids and UUID of its live instance."""
     return replace(
         record,
         gi_id=instance.gi_id,
@@ -235,7 +236,7 @@ class ClaimInstances:
                 return tuple(done), _refusal(p.prepared.device_name, err)
             except Exception as exc:
                 return tuple(done), exc
-            done[i] = with_mig(p, _record(record, instance))
+            done[i] = with_mig(p, completed_record(record, instance))
             failpoint("prepare-after-mig-create")
         return tuple(done), None
 
@@ -376,6 +377,21 @@ class ClaimInstances:
 
     # -- start -------------------------------------------------------------------------
 
+    def created_by_attempt(
+        self, record: MigRecord, device: str, others: Iterable[Sequence[PreparedDevice]]
+    ) -> MigInstance | None:
+        """The live instance an intent's attempt created, as its rollback would find it
+        (see the module doc): None for a record with ids, an intent without `before`
+        or of another boot, or when there is none. Raises a transient error."""
+        if record.gi_id is not None or record.before is None:
+            return None
+        if _of_another_boot(record, boot_id()):
+            return None
+        try:
+            return self._live_at(record, device, held(others))
+        except MigError as err:
+            raise _refusal(device, err) from err
+
     def restore(self, devices: Sequence[PreparedDevice]) -> tuple[PreparedDevice, ...] | None:
         """A completed claim's owned MIG devices after a restart: each must still be at
         its placement; one that is gone (a reboot destroys every MIG device) is created
@@ -406,5 +422,5 @@ class ClaimInstances:
                     )
             except MigError as err:
                 raise _refusal(device.device_name, err) from err
-            out.append(replace(device, mig=_record(record, live)))
+            out.append(replace(device, mig=completed_record(record, live)))
         return tuple(out) if changed else None

@@ -54,7 +54,9 @@ _DEVICE_KEYS: Final = frozenset(
     {"pool", "device", "requestNames", "cdiDeviceIds", "shareID", "adminAccess", "mig"}
     | {"consumedCapacity", "timeSlice", "hardware"}
 )
-_ENTRY_KEYS: Final = frozenset({"state", "namespace", "name", "devices", "cdiSpec", "unpreparing"})
+_ENTRY_KEYS: Final = frozenset(
+    {"state", "namespace", "name", "devices", "cdiSpec", "unpreparing", "adopt"}
+)
 
 
 @dataclass(frozen=True)
@@ -168,6 +170,11 @@ class ClaimEntry:
     # began (key `unpreparing`, only when set): a restart finishes the teardown rather
     # than recreate them (driver/state/teardown.py, `unprepare_begun`; docs/state.md).
     unpreparing: str | None = None
+    # On a `PrepareStarted` entry that `gpu-dra journal quarantine --owned-mig adopt`
+    # carried over (key `adopt`, only when set): the next start completes it from its
+    # live MIG device instead of rolling it back, where that is unambiguous
+    # (driver/state/adoption.py). An earlier release keeps the key and rolls it back.
+    adopt: bool = False
     extra: Extra = ()  # keys a newer release wrote, kept on rewrite
 
     def to_json(self) -> dict[str, Any]:
@@ -181,6 +188,8 @@ class ClaimEntry:
             doc["cdiSpec"] = self.cdi_spec.to_json()
         if self.unpreparing is not None:
             doc["unpreparing"] = self.unpreparing
+        if self.adopt:
+            doc["adopt"] = True
         return _with_extra(doc, self.extra)
 
     @classmethod
@@ -199,6 +208,9 @@ class ClaimEntry:
         spec, unpreparing = doc.get("cdiSpec"), doc.get("unpreparing")
         if unpreparing is not None and not isinstance(unpreparing, str):
             raise ValueError("unpreparing must be a boot id (a string)")
+        adopt = doc.get("adopt", False)
+        if not isinstance(adopt, bool):
+            raise ValueError("adopt must be a boolean")
         return cls(
             ClaimState(str(state)),
             namespace,
@@ -206,6 +218,7 @@ class ClaimEntry:
             parsed,
             ClaimSpec.from_json(spec) if spec is not None else None,
             unpreparing=unpreparing,
+            adopt=adopt,
             extra=_extra(doc, _ENTRY_KEYS),
         )
 

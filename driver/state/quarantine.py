@@ -12,7 +12,10 @@ journal are then nobody's, unless the operator says otherwise (`OwnedMig`):
   plugin refuses to start until they are destroyed (`nvidia-smi mig -dci/-dgi`).
 - `adopt`: the readable entries that own MIG devices are carried into the new
   journal as they were: their claims keep their devices and the driver's protection,
-  and their unprepare destroys them.
+  and their unprepare destroys them. An entry salvaged as its `PrepareStarted`
+  intent (the corrupt line may have been its completion record) is carried marked
+  `adopt`: the next start completes it from its live MIG device where that is
+  unambiguous, and rolls it back otherwise (driver/state/adoption.py).
 - `destroy`: those entries are carried into the new journal as half-done prepares:
   the plugin's next start rolls them back, destroying each MIG device by its recorded
   ids (only if the instance under an id still has the recorded profile and placement)
@@ -34,6 +37,7 @@ from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
 
+from driver.state.boot import boot_id
 from driver.state.checkpoint import (
     CHECKPOINT_FILE,
     CORRUPT_SUFFIX,
@@ -46,6 +50,7 @@ from driver.state.checkpoint import (
 from driver.state.fileio import atomic_write, fsync_dir, read_file_nofollow
 from driver.state.journal_log import LOG_FILE
 from driver.state.locking import SerializeLock
+from driver.state.start_fate import next_start
 
 # A quarantine begun and not finished: {"stamp", "ownedMig"} (`PendingQuarantine`).
 INTENT_FILE = "quarantine-intent.json"
@@ -144,7 +149,10 @@ def carried_entries(entries: dict[str, ClaimEntry], owned_mig: OwnedMig) -> dict
     """What the new journal starts with for `owned_mig` (see the module doc)."""
     owning = owning_mig(entries)
     if owned_mig is OwnedMig.ADOPT:
-        return owning
+        return {
+            uid: replace(entry, adopt=entry.state is ClaimState.PREPARE_STARTED)
+            for uid, entry in owning.items()
+        }
     if owned_mig is OwnedMig.DESTROY:
         return {
             uid: replace(entry, state=ClaimState.PREPARE_STARTED, unpreparing=None)
@@ -153,33 +161,17 @@ def carried_entries(entries: dict[str, ClaimEntry], owned_mig: OwnedMig) -> dict
     return {}
 
 
-def carried_fate(entry: ClaimEntry, owned_mig: OwnedMig, spec_in_place: bool) -> str:
-    """What the plugin's next start does with an entry that owns MIG devices, after a
-    quarantine with `owned_mig` (`carried_entries`); for a half-done prepare whose CDI
-    spec is in place, that the corruption may have taken its completion record."""
-    fate = _fate(entry, owned_mig)
-    if entry.state is ClaimState.PREPARE_STARTED and spec_in_place:
-        fate += (
-            "; its CDI spec is in place: the prepare may have completed (its completion "
-            "record unreadable) and a pod may be using the device"
-        )
-    return fate
-
-
-def _fate(entry: ClaimEntry, owned_mig: OwnedMig) -> str:
-    if owned_mig is OwnedMig.FOREIGN:
+def carried_fate(
+    uid: str, entry: ClaimEntry, owned_mig: OwnedMig, spec_present: bool | None
+) -> str:
+    """What becomes of an entry that owns MIG devices after a quarantine with
+    `owned_mig` (`carried_entries`): not carried, or what the plugin's next start does
+    with it (`start_fate.next_start`). `spec_present`: is its claim's CDI spec on
+    disk (None: not known)."""
+    carried = carried_entries({uid: entry}, owned_mig).get(uid)
+    if carried is None:
         return "not carried: its MIG devices become foreign (an administrator's)"
-    if owned_mig is OwnedMig.DESTROY:
-        return (
-            "carried as a half-done prepare: its MIG devices are destroyed and its CDI spec "
-            "removed at the next start"
-        )
-    if entry.state is ClaimState.PREPARE_STARTED:
-        return (
-            "carried as it is, a half-done prepare: rolled back at the next start (the MIG "
-            "device its attempt created destroyed, its CDI spec removed)"
-        )
-    return "carried as prepared: it keeps its MIG devices; its unprepare destroys them"
+    return f"carried; at the next start {next_start(carried, spec_present, boot_id())}"
 
 
 @dataclass(frozen=True)

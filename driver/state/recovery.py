@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from driver.errors import DriverError, transient
+from driver.state.adoption import adopt_intents
 from driver.state.boot import boot_id
 from driver.state.checkpoint import CheckpointCorruptError, ClaimEntry, ClaimState
 from driver.state.context import StepContext
@@ -54,15 +55,20 @@ class RecoveryReport:
     # claim specs without a journal entry, removed (a prepare whose entry never became
     # durable, an unprepare a power loss undid)
     removed_specs: tuple[str, ...] = ()
+    # intents a quarantine carried to be adopted, completed from their live MIG
+    # devices (driver/state/adoption.py)
+    adopted: tuple[str, ...] = ()
 
 
 def recover(state: StepContext) -> RecoveryReport:
-    """Startup: (re)write the common CDI spec; remove crash leftovers (temp files,
-    `PrepareStarted` entries with their specs and half-created MIG devices); finish the
-    teardown of completed claims whose unprepare had begun in this boot; recreate the
-    MIG devices of completed claims that a reboot destroyed, and every lost CDI spec;
-    report orphans. Never raises for a corrupt journal (reported in the result
-    and `checkpoint_problem`). Runs before the sockets are served."""
+    """Startup: (re)write the common CDI spec; complete the intents a quarantine
+    carried to be adopted where their MIG devices are live; remove crash leftovers
+    (temp files, `PrepareStarted` entries with their specs and half-created MIG
+    devices); finish the teardown of completed claims whose unprepare had begun in
+    this boot; recreate the MIG devices of completed claims that a reboot destroyed,
+    and every lost CDI spec; report orphans. Never raises for a corrupt journal
+    (reported in the result and `checkpoint_problem`). Runs before the sockets are
+    served."""
     with state.lock.hold():
         state.common.write()
         try:
@@ -86,6 +92,7 @@ def recover(state: StepContext) -> RecoveryReport:
         if busy:
             log.info("left %d claim(s) another instance is preparing or unpreparing", len(busy))
         problems: list[str] = []
+        adopted = adopt_intents(state, journal, busy)
         rolled_back = _roll_back_started(state, journal, busy, problems)
         specs = state.cdi.list_claim_specs()
         boot = boot_id()
@@ -106,7 +113,7 @@ def recover(state: StepContext) -> RecoveryReport:
             journal[uid] = replace(journal[uid], unpreparing=None)
         restored = _restore_mig(state, journal, [*begun, *busy], problems)
         time_slices = state.timeslices.reapply(journal)
-        if rolled_back or restored or finished or inert:
+        if adopted or rolled_back or restored or finished or inert:
             state.checkpoint.store(journal)
             state.stats.rollbacks += len(rolled_back)
             state.stats.unprepared += len(finished)
@@ -144,6 +151,7 @@ def recover(state: StepContext) -> RecoveryReport:
         problems=tuple(problems),
         finished_unprepares=tuple(finished),
         removed_specs=removed,
+        adopted=tuple(adopted),
     )
 
 

@@ -90,9 +90,9 @@ def test_foreign_mig_device_is_left_to_the_administrator(tmp_path: Path) -> None
 
 def test_the_preview_shows_each_carried_entrys_state_and_fate(tmp_path: Path) -> None:
     """The corrupt line was claim u's completion record: salvage yields its intent.
-    Adopting carries that intent as it is, and the next start rolls it back (its
-    running pod loses the device): the preview says so before the operator confirms,
-    not 'adopt keeps it'."""
+    Adopting carries it to be adopted at the next start, which rolls it back unless
+    its device is live and named by its spec: the preview says both before the
+    operator confirms, not 'adopt keeps it'."""
     node = make_node(tmp_path, H100)
     assert node.state.prepare([node.claims.add("u", DEVICE)])["u"].ok
     cp = Checkpoint(node.root / "plugin")
@@ -108,8 +108,8 @@ def test_the_preview_shows_each_carried_entrys_state_and_fate(tmp_path: Path) ->
     code, out, err = _quarantine(node, "--owned-mig", "adopt", "--cdi-root", str(tmp_path / "cdi"))
     assert code == 0, err
     line = next(x for x in out.splitlines() if "claim default/claim-u (u)" in x)
-    assert "PrepareStarted" in line and "rolled back at the next start" in line
-    assert "CDI spec is in place" in line  # a pod may be running on it
+    assert "PrepareStarted" in line and "at the next start adopted if" in line
+    assert "otherwise rolled back: its CDI spec removed, its MIG devices destroyed" in line
 
 
 def _corrupt_with_claims_in_the_log(tmp_path: Path) -> tuple[Node, dict[str, Any]]:
