@@ -191,7 +191,9 @@ def test_objects(default_docs: list[Doc], mock_docs: list[Doc]) -> None:
             ("Service", "gpu-dra-driver-webhook"),
             ("ServiceAccount", "gpu-dra-driver-kubeletplugin"),
             ("ServiceAccount", "gpu-dra-driver-webhook"),
+            ("ValidatingAdmissionPolicy", "gpu-dra-driver-events"),
             ("ValidatingAdmissionPolicy", "gpu-dra-driver-resourceslices"),
+            ("ValidatingAdmissionPolicyBinding", "gpu-dra-driver-events"),
             ("ValidatingAdmissionPolicyBinding", "gpu-dra-driver-resourceslices"),
             ("ValidatingWebhookConfiguration", "gpu-dra-driver-webhook"),
         ]
@@ -446,7 +448,12 @@ def test_binding_targets_plugin_service_account(default_docs: list[Doc]) -> None
 
 
 def test_policy_limits_plugin_to_own_node(default_docs: list[Doc]) -> None:
-    vap = one(default_docs, "ValidatingAdmissionPolicy")
+    (vap,) = [
+        d
+        for d in default_docs
+        if d["kind"] == "ValidatingAdmissionPolicy"
+        and d["metadata"]["name"] == "gpu-dra-driver-resourceslices"
+    ]
     spec = vap["spec"]
     assert spec["failurePolicy"] == "Fail"
     (rule,) = spec["matchConstraints"]["resourceRules"]
@@ -462,8 +469,8 @@ def test_policy_limits_plugin_to_own_node(default_docs: list[Doc]) -> None:
     assert any(f"'{DRIVER}'" in e or f'"{DRIVER}"' in e for e in exprs)
     # The pool too (pool squatting; tests/integration/test_chart.py applies it for real).
     assert any("variables.slice.spec.pool.name == variables.userNodeName" in e for e in exprs)
-    binding = one(default_docs, "ValidatingAdmissionPolicyBinding")
-    assert binding["spec"] == {"policyName": vap["metadata"]["name"], "validationActions": ["Deny"]}
+    bindings = [d["spec"] for d in default_docs if d["kind"] == "ValidatingAdmissionPolicyBinding"]
+    assert {"policyName": vap["metadata"]["name"], "validationActions": ["Deny"]} in bindings
 
 
 # --- DaemonSet -----------------------------------------------------------------------
@@ -479,17 +486,18 @@ def test_plugin_host_paths(default_docs: list[Doc], mock_docs: list[Doc]) -> Non
             "cdi": "/var/run/cdi",
         }
         if nvml:
-            # nvidiaDriverRoot "/": the whole root, and "/" as its own parent.
-            expected |= {"driver-root": "/", "driver-root-parent": "/"}
+            # nvidiaDriverRoot "/": the driver's host directories, never the whole root
+            # (tests/unit/test_chart_driver_mounts.py).
+            assert "/" not in host_paths.values()
+            host_paths = {k: v for k, v in host_paths.items() if not k.startswith("driver-root-")}
         assert host_paths == expected
         mounts = {m["name"]: m for m in plugin_container(docs)["volumeMounts"]}
         # Sockets and CDI specs: identical paths inside the container and on the host.
         for name in ("plugins-registry", "plugin-data", "cdi"):
             assert mounts[name]["mountPath"] == host_paths[name]
         if nvml:
-            assert mounts["driver-root"]["readOnly"] is True
-            assert mounts["driver-root"]["mountPath"] == "/driver-root"
-            assert "driver-root-parent" not in mounts  # the init container's only
+            assert mounts["driver-root-0"]["readOnly"] is True
+            assert mounts["driver-root-0"]["mountPath"] == "/driver-root/usr"
 
 
 def test_driver_root_mount_holds_every_library_dir() -> None:
@@ -523,15 +531,15 @@ def init_containers(docs: list[Doc]) -> list[Doc]:
         ("/home/kubernetes/bin/nvidia", "/home/kubernetes/bin", "/driver-root-parent/nvidia"),
         ("/run/nvidia/driver", "/run/nvidia", "/driver-root-parent/driver"),
         ("/run/nvidia/driver/", "/run/nvidia", "/driver-root-parent/driver"),
-        ("/", "/", "/driver-root-parent"),
         ("/driver", "/", "/driver-root-parent/driver"),
     ],
-    ids=["gke", "gpu-operator", "trailing-slash", "host-root", "top-level"],
+    ids=["gke", "gpu-operator", "trailing-slash", "top-level"],
 )
 def test_driver_root_volumes_and_wait_for_driver(root: str, parent: str, in_parent: str) -> None:
-    """The driver root and its parent (HostToContainer, DirectoryOrCreate: the GPU
-    operator mounts its driver there after the plugin pod started), the init container
-    that waits for the driver through the parent, and the plugin's env."""
+    """A dedicated driver root and its parent (HostToContainer, DirectoryOrCreate: the
+    GPU operator mounts its driver there after the plugin pod started), the init
+    container that waits for the driver through the parent, and the plugin's env. ("/"
+    is never mounted whole: tests/unit/test_chart_driver_mounts.py.)"""
     docs = render("--set", f"nvidiaDriverRoot={root}")
     pod = one(docs, "DaemonSet")["spec"]["template"]["spec"]
     volumes = {v["name"]: v for v in pod["volumes"]}

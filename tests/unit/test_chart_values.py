@@ -52,7 +52,7 @@ def install_notes(*args: str) -> str:
 
 def test_defaults() -> None:
     docs = render()
-    assert driver_root_host_path(docs) == "/"
+    assert env_of(plugin_container(docs))["NVIDIA_DRIVER_ROOT_HOST"]["value"] == "/"
     assert verbosity(docs) == "2"
     assert verbosity(render("--values", str(MOCK_VALUES))) == "4"
 

@@ -222,6 +222,27 @@ driver root made before.
 {{- if eq $root "/" }}/driver-root-parent{{ else }}{{ printf "/driver-root-parent/%s" (base $root) }}{{ end }}
 {{- end }}
 
+{{- /*
+The driver root's volumes as a YAML list of {name, hostPath, mountPath}: the whole
+driver root at /driver-root for a dedicated path; for "/" (a driver installed on the
+host) only nvidiaDriverHostDirectories, each at /driver-root/<dir>, never the host's
+whole root.
+*/}}
+{{- define "gpu-dra-driver.driverRootVolumes" -}}
+{{- $root := include "gpu-dra-driver.driverRootHost" . }}
+{{- if eq $root "/" }}
+{{- range $i, $dir := .Values.nvidiaDriverHostDirectories }}
+- name: driver-root-{{ $i }}
+  hostPath: {{ clean $dir | quote }}
+  mountPath: {{ printf "/driver-root%s" (clean $dir) | quote }}
+{{- end }}
+{{- else }}
+- name: driver-root
+  hostPath: {{ $root | quote }}
+  mountPath: /driver-root
+{{- end }}
+{{- end }}
+
 {{- define "gpu-dra-driver.logVerbosity" -}}
 {{- include "gpu-dra-driver.renamedValue" (list . "logVerbosity" "logging" "verbosity" 2) }}
 {{- end }}

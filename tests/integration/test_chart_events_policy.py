@@ -1,0 +1,180 @@
+"""The chart's Events policy against a real API server: the plugin's service account,
+with a token bound to a pod on node A, may create Events about a ResourceClaim or about
+Node A, reported by node A, and nothing else (its RBAC allows `events: create` in
+every namespace). The Events the plugin's own code posts pass.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any
+
+import pytest
+
+from tests.integration.test_chart import PluginIdentity, policy_setup  # noqa: F401
+
+Doc = dict[str, Any]
+POLICY_NAME = "gpu-dra-driver-events"
+
+
+def _core_event(
+    ns: str,
+    about: Doc,
+    node: str,
+    *,
+    source_host: str | None = None,
+    related: Doc | None = None,
+) -> str:
+    """A core/v1 Event as the plugin posts them (driver/kube/claims.py, events.py): one
+    about a cluster-scoped object lives in `default` (API validation, before admission)."""
+    event: Doc = {
+        "apiVersion": "v1",
+        "kind": "Event",
+        "metadata": {"name": f"probe.{uuid.uuid4().hex[:12]}", "namespace": _ns(ns, about)},
+        "involvedObject": about,
+        "reason": "Probe",
+        "message": "policy probe",
+        "type": "Warning",
+        "source": {"component": "gpu.example.com", "host": source_host or node},
+        "reportingComponent": "gpu.example.com",
+        "reportingInstance": node,
+    }
+    if related is not None:
+        event["related"] = related
+    return json.dumps(event)
+
+
+def _events_v1(ns: str, about: Doc, node: str) -> str:
+    """The same in the events.k8s.io/v1 form (regarding, reportingController)."""
+    return json.dumps(
+        {
+            "apiVersion": "events.k8s.io/v1",
+            "kind": "Event",
+            "metadata": {"name": f"probe.{uuid.uuid4().hex[:12]}", "namespace": _ns(ns, about)},
+            "regarding": about,
+            "reason": "Probe",
+            "note": "policy probe",
+            "type": "Warning",
+            "action": "Probe",
+            "eventTime": "2026-01-01T00:00:00.000000Z",
+            "reportingController": "gpu.example.com/plugin",
+            "reportingInstance": node,
+        }
+    )
+
+
+def _ns(ns: str, about: Doc) -> str:
+    return ns if about.get("namespace") else "default"
+
+
+def _node(name: str) -> Doc:
+    return {"apiVersion": "v1", "kind": "Node", "name": name}
+
+
+def _claim(ns: str, name: str = "some-claim") -> Doc:
+    return {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim", "name": name,
+            "namespace": ns}  # fmt: skip
+
+
+def _create(plugin: PluginIdentity, body: str) -> tuple[bool, str]:
+    proc = plugin.kubectl("create", "-f", "-", input=body)
+    return proc.returncode == 0, proc.stderr
+
+
+@pytest.fixture(scope="module")
+def events_policy(cluster: Any, policy_setup: Any) -> Any:  # noqa: F811
+    """The policy setup, once the API server enforces the Events policy."""
+    plugin, ns, node_a, node_b = policy_setup
+
+    def denied() -> bool:
+        proc = plugin.kubectl(
+            "create", "--dry-run=server", "-f", "-",
+            input=_core_event(ns, _node(node_b), node_a),
+        )  # fmt: skip
+        if proc.returncode != 0 and POLICY_NAME in proc.stderr:
+            return True
+        raise AssertionError(f"exit {proc.returncode}: {proc.stdout} {proc.stderr}")
+
+    cluster.wait_for(denied, timeout=60, what="the Events policy to deny node B's events")
+    return policy_setup
+
+
+def test_plugin_may_not_create_events_about_other_objects(events_policy: Any) -> None:
+    plugin, ns, node_a, node_b = events_policy
+    pod = {"apiVersion": "v1", "kind": "Pod", "name": "victim", "namespace": ns}
+    for about, what in (
+        (_node(node_b), f"Node '{node_b}'"),
+        (pod, "Pod 'victim'"),
+        ({"apiVersion": "v1", "kind": "Secret", "name": "some-claim", "namespace": ns},
+         "Secret 'some-claim'"),
+    ):  # fmt: skip
+        ok, err = _create(plugin, _core_event(ns, about, node_a))
+        assert not ok, f"an event about {what} was allowed"
+        assert POLICY_NAME in err and f"running on node '{node_a}'" in err, err
+        assert f"not about {what.split(' ', 1)[0]}" in err, err
+
+
+def test_plugin_may_not_report_as_another_node(events_policy: Any) -> None:
+    plugin, ns, node_a, node_b = events_policy
+    ok, err = _create(plugin, _core_event(ns, _claim(ns), node_b))
+    assert not ok and f"reportingInstance '{node_a}', not '{node_b}'" in err, err
+    ok, err = _create(plugin, _core_event(ns, _claim(ns), node_a, source_host=node_b))
+    assert not ok and f"source host is '{node_a}', not '{node_b}'" in err, err
+    ok, err = _create(plugin, _core_event(ns, _claim(ns), node_a, related=_node(node_b)))
+    assert not ok and "related object" in err, err
+
+
+def test_plugin_may_create_events_about_its_node_and_claims(events_policy: Any) -> None:
+    plugin, ns, node_a, _ = events_policy
+    for about in (_node(node_a), _claim(ns)):
+        ok, err = _create(plugin, _core_event(ns, about, node_a))
+        assert ok, err
+
+
+def test_the_plugins_own_events_pass(cluster: Any, events_policy: Any) -> None:
+    """NodeEvents and ClaimFailureReporter, run with the plugin's token, post their
+    Events (the claim's in its namespace, the Node's in `default`)."""
+    from driver.errors import invalid_config
+    from driver.kube.api import KubeApi
+    from driver.kube.claims import ClaimFailureReporter
+    from driver.kube.events import EVENT_NAMESPACE, NodeEvent, NodeEvents
+
+    plugin, ns, node_a, _ = events_policy
+    api = KubeApi.from_kubeconfig(str(plugin.kubeconfig))
+    node_events = NodeEvents(api, driver="gpu.example.com", node_name=node_a)
+    api.request(
+        "POST",
+        f"/api/v1/namespaces/{EVENT_NAMESPACE}/events",
+        body=node_events.body(NodeEvent("GpuTainted", "probe")),
+    )
+    claim = {"metadata": {"name": "failed-claim", "namespace": ns, "uid": str(uuid.uuid4())}}
+    reporter = ClaimFailureReporter(api, driver="gpu.example.com", node_name=node_a,
+                                    device_status=False)  # fmt: skip
+    reporter.permanent_failure(claim, invalid_config("bad parameters"))  # logs, never raises
+    out = cluster.kubectl("get", "events", "-n", ns, "-o", "json").stdout
+    names = {e["involvedObject"]["name"] for e in json.loads(out)["items"]}
+    assert "failed-claim" in names
+
+
+def test_events_k8s_io_form_is_judged_the_same(cluster: Any, events_policy: Any) -> None:
+    """Were the plugin granted events.k8s.io (a Role in this test's namespace only),
+    the `regarding` form is held to the same rules."""
+    plugin, ns, node_a, node_b = events_policy
+    sa = f"system:serviceaccount:{ns}:gpu-dra-driver-kubeletplugin"
+    cluster.kubectl("create", "role", "events-v1", "-n", ns, "--verb=create",
+                    "--resource=events.events.k8s.io")  # fmt: skip
+    cluster.kubectl("create", "rolebinding", "events-v1", "-n", ns, "--role=events-v1",
+                    f"--user={sa}")  # fmt: skip
+    cluster.wait_for(
+        lambda: plugin.kubectl("auth", "can-i", "create", "events.events.k8s.io", "-n", ns)
+        .stdout.strip() == "yes",
+        what="the test Role",
+    )  # fmt: skip
+    pod = {"apiVersion": "v1", "kind": "Pod", "name": "victim", "namespace": ns}
+    ok, err = _create(plugin, _events_v1(ns, pod, node_a))
+    assert not ok and POLICY_NAME in err and "not about Pod 'victim'" in err, err
+    ok, err = _create(plugin, _events_v1(ns, _claim(ns), node_b))
+    assert not ok and f"not '{node_b}'" in err, err
+    ok, err = _create(plugin, _events_v1(ns, _claim(ns), node_a))
+    assert ok, err
