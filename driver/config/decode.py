@@ -21,6 +21,7 @@ from driver.config.gpu import (
     MAX_PARTITION_COUNT,
     GpuConfig,
     Interval,
+    MpsConfig,
     Sharing,
     SpacePartitioningConfig,
     Strategy,
@@ -29,6 +30,10 @@ from driver.config.gpu import (
     int_text,
 )
 from driver.config.loader import LoadError, exceeds_values, find_raw_problems, join_path
+from driver.config.mps_limits import (
+    MAX_ACTIVE_THREAD_PERCENTAGE,
+    memory_limit_bytes,
+)
 from driver.config.yaml_loader import loads_json_or_yaml
 
 _MODEL_CONFIG = ConfigDict(strict=True, extra="forbid", frozen=True)
@@ -46,12 +51,20 @@ class _SpacePartitioningModel(BaseModel):
     partitionCount: int | None = None
 
 
+class _MpsModel(BaseModel):
+    model_config = _MODEL_CONFIG
+
+    defaultActiveThreadPercentage: int | None = None
+    defaultPinnedDeviceMemoryLimit: str | None = None
+
+
 class _SharingModel(BaseModel):
     model_config = _MODEL_CONFIG
 
     strategy: str
     timeSlicingConfig: _TimeSlicingModel | None = None
     spacePartitioningConfig: _SpacePartitioningModel | None = None
+    mpsConfig: _MpsModel | None = None
 
 
 class _GpuConfigModel(BaseModel):
@@ -66,7 +79,7 @@ def _as_config(model: _GpuConfigModel) -> GpuConfig:
     sharing = model.sharing
     if sharing is None:
         return GpuConfig(apiVersion=model.apiVersion, kind=model.kind)
-    tsc, spc = sharing.timeSlicingConfig, sharing.spacePartitioningConfig
+    tsc, spc, mps = sharing.timeSlicingConfig, sharing.spacePartitioningConfig, sharing.mpsConfig
     return GpuConfig(
         apiVersion=model.apiVersion,
         kind=model.kind,
@@ -75,6 +88,13 @@ def _as_config(model: _GpuConfigModel) -> GpuConfig:
             timeSlicingConfig=None if tsc is None else TimeSlicingConfig(tsc.interval),
             spacePartitioningConfig=(
                 None if spc is None else SpacePartitioningConfig(spc.partitionCount)
+            ),
+            mpsConfig=(
+                None
+                if mps is None
+                else MpsConfig(
+                    mps.defaultActiveThreadPercentage, mps.defaultPinnedDeviceMemoryLimit
+                )
             ),
         ),
     )
@@ -110,12 +130,14 @@ def _normalize(config: GpuConfig) -> GpuConfig:
     sharing = config.sharing
     if sharing is None:
         return dataclasses.replace(config, sharing=default_gpu_config().sharing)
-    tsc, spc = sharing.timeSlicingConfig, sharing.spacePartitioningConfig
-    if tsc is None and spc is None:
+    tsc, spc, mps = sharing.timeSlicingConfig, sharing.spacePartitioningConfig, sharing.mpsConfig
+    if tsc is None and spc is None and mps is None:
         if sharing.strategy == Strategy.TIME_SLICING:
             tsc = TimeSlicingConfig()
         elif sharing.strategy == Strategy.SPACE_PARTITIONING:
             spc = SpacePartitioningConfig()
+        elif sharing.strategy == Strategy.MPS:
+            mps = MpsConfig()
     if tsc is not None and tsc.interval is None:
         tsc = TimeSlicingConfig(interval=Interval.DEFAULT.value)
     if spc is not None and spc.partitionCount is None:
@@ -123,7 +145,10 @@ def _normalize(config: GpuConfig) -> GpuConfig:
     return dataclasses.replace(
         config,
         sharing=Sharing(
-            strategy=sharing.strategy, timeSlicingConfig=tsc, spacePartitioningConfig=spc
+            strategy=sharing.strategy,
+            timeSlicingConfig=tsc,
+            spacePartitioningConfig=spc,
+            mpsConfig=mps,
         ),
     )
 
@@ -185,17 +210,50 @@ def _static_errors(config: GpuConfig, path: str) -> list[FieldError]:
                 f"must be <= {MAX_PARTITION_COUNT}, got {int_text(count)}",
             )
         )
-    if tsc is not None and spc is not None:
+    errors.extend(_mps_errors(sharing.mpsConfig, join_path(sharing_path, "mpsConfig")))
+    given = [
+        name
+        for name, sub in (
+            ("timeSlicingConfig", tsc),
+            ("spacePartitioningConfig", spc),
+            ("mpsConfig", sharing.mpsConfig),
+        )
+        if sub is not None
+    ]
+    own = {
+        Strategy.TIME_SLICING: "timeSlicingConfig",
+        Strategy.SPACE_PARTITIONING: "spacePartitioningConfig",
+        Strategy.MPS: "mpsConfig",
+    }
+    if len(given) > 1:
+        errors.append(FieldError(sharing_path, f"{' and '.join(given)} are mutually exclusive"))
+    elif known and given and own[Strategy(sharing.strategy)] != given[0]:
         errors.append(
             FieldError(
-                sharing_path,
-                "timeSlicingConfig and spacePartitioningConfig are mutually exclusive",
+                join_path(sharing_path, given[0]), f"not allowed with strategy {sharing.strategy}"
             )
         )
-    elif known and tsc is not None and sharing.strategy != Strategy.TIME_SLICING:
-        errors.append(FieldError(tsc_path, f"not allowed with strategy {sharing.strategy}"))
-    elif known and spc is not None and sharing.strategy != Strategy.SPACE_PARTITIONING:
-        errors.append(FieldError(spc_path, f"not allowed with strategy {sharing.strategy}"))
+    return errors
+
+
+def _mps_errors(mps: MpsConfig | None, path: str) -> list[FieldError]:
+    if mps is None:
+        return []
+    errors: list[FieldError] = []
+    percentage = mps.defaultActiveThreadPercentage
+    if percentage is not None and not 1 <= percentage <= MAX_ACTIVE_THREAD_PERCENTAGE:
+        errors.append(
+            FieldError(
+                join_path(path, "defaultActiveThreadPercentage"),
+                f"must be between 1 and {MAX_ACTIVE_THREAD_PERCENTAGE}, got {int_text(percentage)}",
+            )
+        )
+    if mps.defaultPinnedDeviceMemoryLimit is not None:
+        field = join_path(path, "defaultPinnedDeviceMemoryLimit")
+        try:
+            memory_limit_bytes(mps.defaultPinnedDeviceMemoryLimit)
+        except ValueError as err:
+            errors.append(FieldError(field, str(err)))
     return errors
 
 

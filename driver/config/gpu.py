@@ -6,11 +6,14 @@ Wire format (identical to the reference driver's)::
     apiVersion: gpu.resource.example.com/v1alpha1
     kind: GpuConfig
     sharing:                       # optional
-      strategy: TimeSlicing        # TimeSlicing | SpacePartitioning (required in sharing)
+      strategy: TimeSlicing        # TimeSlicing | SpacePartitioning | MPS (required)
       timeSlicingConfig:           # optional, only with TimeSlicing
         interval: Default          # Default | Short | Medium | Long (optional)
       spacePartitioningConfig:     # optional, only with SpacePartitioning
         partitionCount: 1          # int, 1..64 (MAX_PARTITION_COUNT) (optional)
+      mpsConfig:                   # optional, only with MPS (NVIDIA's field names)
+        defaultActiveThreadPercentage: 50      # int, 1..100 (optional)
+        defaultPinnedDeviceMemoryLimit: 8Gi    # quantity >= 1Mi (optional)
 
 The values are frozen dataclasses. Decoding is strict: unknown fields, duplicate
 fields, wrong JSON types (no coercion: `"2"` is not an integer, `true` is not an
@@ -21,6 +24,8 @@ CLI and the plugin alike:
 - no `sharing` -> `{strategy: TimeSlicing, timeSlicingConfig: {interval: Default}}`;
 - TimeSlicing without any sub-config -> `timeSlicingConfig: {interval: Default}`;
 - SpacePartitioning without any sub-config -> `spacePartitioningConfig: {partitionCount: 1}`;
+- MPS without any sub-config -> `mpsConfig: {}` (a daemon with MPS's own defaults: all
+  threads, no memory limit);
 - a given sub-config without its value -> `interval: Default` / `partitionCount: 1`
   (divergence from the reference, which keeps `""` / `0`).
 
@@ -54,6 +59,7 @@ KIND: Final = "GpuConfig"
 class Strategy(enum.StrEnum):
     TIME_SLICING = "TimeSlicing"
     SPACE_PARTITIONING = "SpacePartitioning"
+    MPS = "MPS"
 
 
 class Interval(enum.StrEnum):
@@ -83,10 +89,21 @@ class SpacePartitioningConfig:
 
 
 @dataclass(frozen=True)
+class MpsConfig:
+    """The limits the claim's MPS control daemon gives every client (docs/mps.md).
+    The memory limit stays the quantity text the user wrote (`mps_memory_limit_bytes`
+    parses it)."""
+
+    defaultActiveThreadPercentage: int | None = None
+    defaultPinnedDeviceMemoryLimit: str | None = None
+
+
+@dataclass(frozen=True)
 class Sharing:
     strategy: str
     timeSlicingConfig: TimeSlicingConfig | None = None
     spacePartitioningConfig: SpacePartitioningConfig | None = None
+    mpsConfig: MpsConfig | None = None
 
 
 @dataclass(frozen=True)
@@ -130,6 +147,14 @@ class GpuConfig:
             return DEFAULT_PARTITION_COUNT
         return spc.partitionCount
 
+    @property
+    def mps(self) -> MpsConfig | None:
+        """The MPS limits for the MPS strategy, else None."""
+        sharing = self.sharing
+        if sharing is None or sharing.strategy != Strategy.MPS:
+            return None
+        return sharing.mpsConfig or MpsConfig()
+
     def to_dict(self) -> dict[str, Any]:
         """The wire form (JSON-compatible, absent fields omitted)."""
         return dataclasses.asdict(self, dict_factory=_without_none)
@@ -170,6 +195,8 @@ def validate_for_device(
 ) -> None:
     """Device rules, checked at prepare for each allocated device.
 
+    - MPS needs a device that runs on a whole GPU, without admin access: the daemon
+      serves its GPU (`no_time_slice` says why the device has none).
     - A non-Default time-slice interval needs a device whose GPU's interval this
       driver sets (docs/sharing.md, "Time-slice intervals"): `no_time_slice` says why
       the device has none ("a MIG device: ...", "with admin access"), and then the
@@ -186,6 +213,16 @@ def validate_for_device(
     Raises `ConfigError` (permanent invalid-config, "impossible partition count")
     whose message names the device and the numbers. `path` prefixes the field path.
     """
+    if no_time_slice is not None and config.strategy == Strategy.MPS:
+        raise ConfigError(
+            [
+                (
+                    join_path(join_path(path, "sharing"), "strategy"),
+                    f"MPS is not possible on device {device_name} ({no_time_slice}); "
+                    "use a GPU with MIG mode off, without admin access",
+                )
+            ]
+        )
     interval = config.interval
     if no_time_slice is not None and interval not in (None, Interval.DEFAULT):
         field = join_path(join_path(join_path(path, "sharing"), "timeSlicingConfig"), "interval")

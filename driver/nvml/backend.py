@@ -22,6 +22,7 @@ from driver.nvml.discovery import discover_inventory
 from driver.nvml.events import HealthEventSet
 from driver.nvml.library import NvmlUnavailableError, load_library_from_driver_root
 from driver.nvml.mig import MigManager
+from driver.nvml.mps import MpsControl
 from driver.nvml.recovery import RecoveryActionReader, RecoveryReading
 from driver.nvml.timeslice import NvidiaSmiTimeSlice
 from driver.nvml.types import HealthEvent, Inventory
@@ -83,6 +84,20 @@ class NvmlBackend:
             else:
                 self._timeslice = NvidiaSmiTimeSlice(driver_root)
         return self._timeslice
+
+    def mps(self, driver_root: Path | str) -> MpsControl | None:
+        """MPS control daemons from `driver_root`'s `nvidia-cuda-mps-control` (the
+        mock: the stand-in its own driver root holds), None where there is none."""
+        if self._mock is not None:
+            root = self._mock.mig_store.root
+            if root is None:
+                return None
+            from driver.nvml.mock.mps_control import install_mps_control
+
+            install_mps_control(root)
+            driver_root = root
+        control = MpsControl(driver_root)
+        return control if control.available() else None
 
     @property
     def nvml_calls(self) -> dict[str, int]:

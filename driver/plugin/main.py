@@ -161,6 +161,7 @@ class Plugin:
             driver_root=driver_root,
             permanent_errors=parse_permanent_errors(o.permanent_errors),
             timeslice=backend.timeslice(o.nvidia_driver_root),
+            mps=backend.mps(o.nvidia_driver_root),
         )
         export_checkpoint_state(state)
         journal = export_journal(state)

@@ -216,7 +216,7 @@ def _changes_the_node(w: Work) -> bool:
     to create, a GPU's time-slice interval to set)? Then its intent is journaled
     first; a whole-GPU or partition claim goes straight to `PrepareCompleted`."""
     devices = devices_of(w)
-    return owns_mig(devices) or any(d.time_slice is not None for d in devices)
+    return owns_mig(devices) or any(d.time_slice is not None or d.mps is not None for d in devices)
 
 
 def _plan(
@@ -230,6 +230,7 @@ def _plan(
         devices=state.devices,
         cdi_ids=state.cdi.device_ids,
         time_slices=state.timeslices.enabled,
+        mps_root=state.mps.available_root,
     )
 
 
@@ -256,6 +257,7 @@ def _roll_back_found(
                 raise transient(f"rolling back claim {uid}: {errors[uid]}")
             state.instances.destroy(found[uid].devices, other_entries(uid, journal))
             state.timeslices.restore(uid, found[uid].devices, journal, intent=True)
+            state.mps.restore(found[uid].devices)
         except DriverError as err:
             journal[uid] = found[uid]
             w.error = err
@@ -355,6 +357,7 @@ def undo(
                 devices_of(w), itertools.chain(other_entries(uid, journal), batch_others)
             )
             state.timeslices.restore(uid, devices_of(w), journal)
+            state.mps.restore(devices_of(w))
         except DriverError as err:
             journal[uid] = w.entry(PREPARE_STARTED)
             log.error("rolling back claim %s failed: %s", uid, err)

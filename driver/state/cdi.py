@@ -111,17 +111,44 @@ def claim_device_env(
 
 
 @dataclass(frozen=True)
+class CdiMount:
+    """A bind mount of a host directory (an MPS daemon's pipe directory)."""
+
+    host_path: str
+    container_path: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "hostPath": self.host_path,
+            "containerPath": self.container_path,
+            "options": ["rw", "nosuid", "nodev", "bind"],
+        }
+
+    @classmethod
+    def from_json(cls, doc: object) -> CdiMount:
+        if not isinstance(doc, Mapping):
+            raise ValueError("mount must be an object")
+        host, container = doc.get("hostPath"), doc.get("containerPath")
+        if not isinstance(host, str) or not isinstance(container, str):
+            raise ValueError("mount needs string hostPath and containerPath")
+        return cls(host, container)
+
+
+@dataclass(frozen=True)
 class CdiDevice:
     """One device of a claim spec: its CDI name and container edits."""
 
     name: str
     env: tuple[str, ...]
     device_nodes: tuple[DeviceNode, ...] = ()
+    mounts: tuple[CdiMount, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         edits: dict[str, Any] = {"env": list(self.env)}
         if self.device_nodes:
             edits["deviceNodes"] = [n.to_json() for n in self.device_nodes]
+        if self.mounts:
+            edits["mounts"] = [m.to_json() for m in self.mounts]
         return {"name": self.name, "containerEdits": edits}
 
     @classmethod
@@ -138,11 +165,15 @@ class CdiDevice:
             raise ValueError(f"CDI device {name}: env must be a list of strings")
         if not isinstance(nodes, list) or not all(isinstance(n, Mapping) for n in nodes):
             raise ValueError(f"CDI device {name}: deviceNodes must be objects with a path")
+        mounts = edits.get("mounts", [])
+        if not isinstance(mounts, list):
+            raise ValueError(f"CDI device {name}: mounts must be a list")
         try:
             parsed = tuple(DeviceNode.from_json(n) for n in nodes)
+            bound = tuple(CdiMount.from_json(m) for m in mounts)
         except ValueError as err:
             raise ValueError(f"CDI device {name}: {err}") from None
-        return cls(name, tuple(env), parsed)
+        return cls(name, tuple(env), parsed, bound)
 
 
 @dataclass(frozen=True)

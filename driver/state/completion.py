@@ -16,6 +16,7 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Iterable, Sequence
+from dataclasses import replace
 
 from driver.errors import DriverError, transient
 from driver.state.batch import (
@@ -59,8 +60,8 @@ def complete_batch(
     results: dict[str, PrepareResult],
 ) -> None:
     """Under the node lock, with `journal` loaded: write the specs, set the GPUs'
-    intervals, roll back the claims that failed and store the `PrepareCompleted`
-    entries. Every claim gets its answer in `results`."""
+    intervals, start the MPS daemons, roll back the claims that failed and store the
+    `PrepareCompleted` entries. Every claim gets its answer in `results`."""
     work = batch.work
     if batch.leaves_lock:
         work = _still_journaled(state, work, journal, results)
@@ -74,6 +75,10 @@ def complete_batch(
         try:
             state.cdi.write_claim_spec(w.ref.uid, w.spec, before_rename="prepare-cdi-before-rename")
             w.planned = state.timeslices.apply(w.ref.uid, w.planned, journal)
+            started = state.mps.apply(devices_of(w))
+            w.planned = tuple(
+                replace(p, prepared=d) for p, d in zip(w.planned, started, strict=True)
+            )
         except Exception as exc:
             w.error = claim_failure(exc, w.ref.uid)
     failpoint("prepare-after-cdi")

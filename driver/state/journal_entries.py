@@ -25,6 +25,7 @@ from typing import Any, Final, TypeGuard
 from driver.errors import DriverError, ErrorClass
 from driver.state.cdi import ClaimSpec
 from driver.state.hardware_record import HardwareRecord, MigRecord
+from driver.state.mps_record import MpsRecord
 from driver.state.timeslice_record import TimeSliceRecord
 
 CORRUPT_SUFFIX: Final = ".corrupt-"
@@ -52,7 +53,7 @@ def _with_extra(doc: dict[str, Any], extra: Extra) -> dict[str, Any]:
 
 _DEVICE_KEYS: Final = frozenset(
     {"pool", "device", "requestNames", "cdiDeviceIds", "shareID", "adminAccess", "mig"}
-    | {"consumedCapacity", "timeSlice", "hardware"}
+    | {"consumedCapacity", "timeSlice", "hardware", "mps"}
 )
 _ENTRY_KEYS: Final = frozenset(
     {"state", "namespace", "name", "devices", "cdiSpec", "unpreparing", "adopt"}
@@ -80,6 +81,8 @@ class PreparedDevice:
     # The hardware the device occupies, recorded at planning (driver/state/
     # hardware_record.py); None in entries of earlier releases.
     hardware: HardwareRecord | None = None
+    # The device's MPS control daemon (driver/state/mps.py), only when present.
+    mps: MpsRecord | None = None
     # Keys a newer release wrote that this one does not know, kept on rewrite.
     extra: Extra = ()
 
@@ -100,6 +103,8 @@ class PreparedDevice:
             doc["timeSlice"] = self.time_slice.to_json()
         if self.hardware is not None:
             doc["hardware"] = self.hardware.to_json()
+        if self.mps is not None:
+            doc["mps"] = self.mps.to_json()
         return _with_extra(doc, self.extra)
 
     @classmethod
@@ -129,10 +134,11 @@ class PreparedDevice:
             isinstance(k, str) and isinstance(v, str) for k, v in consumed.items()
         ):
             raise ValueError(f"device {device}: consumedCapacity must map names to strings")
-        time_slice, hardware = doc.get("timeSlice"), doc.get("hardware")
+        time_slice, hardware, mps = doc.get("timeSlice"), doc.get("hardware"), doc.get("mps")
         try:
             ts = TimeSliceRecord.from_json(time_slice) if time_slice is not None else None
             hw = HardwareRecord.from_json(hardware) if hardware is not None else None
+            daemon = MpsRecord.from_json(mps) if mps is not None else None
         except ValueError as err:
             raise ValueError(f"device {device}: {err}") from err
         return cls(
@@ -146,6 +152,7 @@ class PreparedDevice:
             tuple(sorted(consumed.items())),
             ts,
             hw,
+            daemon,
             _extra(doc, _DEVICE_KEYS),
         )
 

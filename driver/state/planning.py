@@ -22,6 +22,7 @@ from driver.state.booking import hardware_of
 from driver.state.cdi import (
     VISIBLE_DEVICES_VOID,
     CdiDevice,
+    CdiMount,
     ClaimSpec,
     SharingEnv,
     cdi_device_name,
@@ -31,6 +32,7 @@ from driver.state.cdi import (
 from driver.state.checkpoint import MigRecord, PreparedDevice
 from driver.state.claims import ClaimRef, DeviceHealth, PreparableDevice
 from driver.state.device_nodes import CharMajors, DeviceNode, DeviceNodeError
+from driver.state.mps import plan_mps
 from driver.state.timeslice_record import TimeSliceRecord
 
 
@@ -41,6 +43,7 @@ class PlannedDevice:
     env: tuple[str, ...]
     gpu_uuid: str
     gpu_minor: int | None
+    mounts: tuple[CdiMount, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -147,10 +150,12 @@ def plan_claim(
     devices: Mapping[str, PreparableDevice],
     cdi_ids: Callable[[str, str, str | None], list[str]],
     time_slices: bool = False,
+    mps_root: Path | None = None,
 ) -> tuple[PlannedDevice, ...]:
     """Raises ConfigError (permanent invalid-config) or a transient error. Device
     health is checked before (`check_health`), outside the node lock. `time_slices`:
-    the backend sets time-slice intervals, so they are recorded."""
+    the backend sets time-slice intervals, so they are recorded. `mps_root`: where
+    MPS daemons live, None on a node without MPS (driver/state/mps.py)."""
     configs = resolve_configs(claim["status"]["allocation"], driver_name)
     planned: list[PlannedDevice] = []
     for result in driver_results:
@@ -173,6 +178,8 @@ def plan_claim(
         )
         share_id = result.get("shareID") or None
         consumed = result.get("consumedCapacity") or {}
+        cdi_name = cdi_device_name(ref.uid, name, share_id)
+        mps = plan_mps(config, gpu_uuid=device.gpu_uuid, cdi_name=cdi_name, root=mps_root)
         prepared = PreparedDevice(
             pool_name=str(result.get("pool")),
             device_name=name,
@@ -190,6 +197,7 @@ def plan_claim(
             # What the double-booking guard judges this device by while it is held,
             # whatever the node publishes later (driver/state/booking.py).
             hardware=hardware_of(device, devices),
+            mps=mps.record if mps is not None else None,
         )
         env = claim_device_env(
             claim_uid=ref.uid,
@@ -201,10 +209,11 @@ def plan_claim(
         planned.append(
             PlannedDevice(
                 prepared=prepared,
-                cdi_name=cdi_device_name(ref.uid, name, share_id),
-                env=tuple(env),
+                cdi_name=cdi_name,
+                env=(*env, *(mps.env if mps is not None else ())),
                 gpu_uuid=device.gpu_uuid,
                 gpu_minor=device.gpu_minor,
+                mounts=mps.mounts if mps is not None else (),
             )
         )
     return tuple(planned)
@@ -260,6 +269,7 @@ def render_spec(planned: Sequence[PlannedDevice], context: CdiContext) -> ClaimS
             name=p.cdi_name,
             env=(*p.env, *_uuid_env(p), VISIBLE_DEVICES_VOID),
             device_nodes=_device_nodes(p, context, majors) if majors is not None else (),
+            mounts=p.mounts,
         )
         for p in planned
     )
@@ -300,7 +310,8 @@ def respec_restored(
         return tuple(out)
 
     devices = tuple(
-        CdiDevice(d.name, env(d.env), nodes.get(d.name, d.device_nodes)) for d in spec.devices
+        CdiDevice(d.name, env(d.env), nodes.get(d.name, d.device_nodes), d.mounts)
+        for d in spec.devices
     )
     return ClaimSpec(devices, spec.device_nodes)
 

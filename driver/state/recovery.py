@@ -46,6 +46,8 @@ class RecoveryReport:
     checkpoint_problem: str | None = None
     restored_mig: tuple[str, ...] = ()  # completed claims whose MIG devices were recreated
     time_slices: tuple[str, ...] = ()  # GPUs whose time-slice interval was set again
+    mps_adopted: tuple[str, ...] = ()  # completed claims whose MPS daemons run on
+    mps_lost: tuple[str, ...] = ()  # completed claims whose MPS daemon was gone (restarted)
     # "<claim uid>: <why>" for each entry left as it was (each logged at ERROR): a
     # rollback or a MIG device that failed (a lost GPU, NVML refusing), a spec that
     # could not be written. The plugin starts anyway; the entry keeps its devices.
@@ -113,7 +115,8 @@ def recover(state: StepContext) -> RecoveryReport:
             journal[uid] = replace(journal[uid], unpreparing=None)
         restored = _restore_mig(state, journal, [*begun, *busy], problems)
         time_slices = state.timeslices.reapply(journal)
-        if adopted or rolled_back or restored or finished or inert:
+        mps_adopted, mps_lost = state.mps.adopt(journal, exclude=busy)
+        if adopted or rolled_back or restored or finished or inert or mps_lost:
             state.checkpoint.store(journal)
             state.stats.rollbacks += len(rolled_back)
             state.stats.unprepared += len(finished)
@@ -148,6 +151,8 @@ def recover(state: StepContext) -> RecoveryReport:
         None,
         tuple(restored),
         time_slices,
+        mps_adopted=tuple(mps_adopted),
+        mps_lost=tuple(mps_lost),
         problems=tuple(problems),
         finished_unprepares=tuple(finished),
         removed_specs=removed,
@@ -244,6 +249,7 @@ def _roll_back_started(
                 raise transient(str(errors[uid]))
             state.instances.destroy(journal[uid].devices, other_entries(uid, journal))
             state.timeslices.restore(uid, journal[uid].devices, journal, intent=True)
+            state.mps.restore(journal[uid].devices)
         except Exception as err:  # the entry keeps holding its devices
             _problem(problems, uid, "rolling back its prepare failed", err)
             continue
@@ -269,6 +275,7 @@ def _finish_unprepares(
             continue
         done.append(uid)
     failed = state.timeslices.release(journal, done)
+    failed.update(state.mps.release(journal, [u for u in done if u not in failed]))
     for uid, error in failed.items():
         _problem(problems, uid, "finishing its unprepare failed", error)
     finished = [uid for uid in done if uid not in failed]

@@ -213,6 +213,7 @@ def _end(
     done = removal.done
     if journal is not None:  # GPUs back to what the remaining claims want, before the store
         failed = state.timeslices.release(journal, done)
+        failed.update(state.mps.release(journal, [u for u in done if u not in failed]))
         results.update(failed)
         done = [uid for uid in done if uid not in failed]
     if journal is None:

@@ -309,9 +309,9 @@ def test_an_error_the_publisher_recovered_from_is_not_shown(node: Node, served: 
     node.healthy()
     node.publisher.stats.errors.append("409 Conflict: the object has been modified")
     node.publisher.stats.failing = None  # the retry succeeded
-    code, out = status("--plugin-url", served, "--fail-on-unhealthy")
+    code, out = status("--socket", served, "--fail-on-unhealthy")
     assert code == 0, out
     assert "409" not in out and "last error" not in out
     node.publisher.stats.failing = "503 Service Unavailable"
-    _, out = status("--plugin-url", served)
+    _, out = status("--socket", served)
     assert "last error: 503 Service Unavailable" in out

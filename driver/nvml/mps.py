@@ -1,0 +1,185 @@
+"""An MPS control daemon of the driver root (docs/mps.md): `nvidia-cuda-mps-control`
+started with `-d` for the GPUs of one prepared device, told its limits through its
+control pipe, stopped with `quit`.
+
+The daemon daemonizes itself; it is started in a session of its own as well, so that
+nothing the plugin's process group receives reaches it: it outlives a plugin restart
+and is found again by what the journal records, its pid (the
+`nvidia-cuda-mps-control.pid` file it writes into its pipe directory) and the pid's
+start time (`/proc/<pid>/stat`), so a recycled pid is never mistaken for it.
+
+The mock's driver root holds a stand-in binary of the same name
+(driver/nvml/mock/mps_control.py); this module runs whichever it finds.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Final
+
+from driver.errors import transient
+from driver.nvml.library import LIBRARY_DIRS
+from driver.nvml.timeslice import BINARY_DIRS
+
+log = logging.getLogger(__name__)
+
+BINARY: Final = "nvidia-cuda-mps-control"
+PID_FILE: Final = "nvidia-cuda-mps-control.pid"
+DEFAULT_TIMEOUT: Final = 30.0
+_POLL: Final = 0.05
+
+
+@dataclass(frozen=True)
+class DaemonId:
+    """A running process, told apart from a later one that reuses its pid."""
+
+    pid: int
+    start_time: int  # clock ticks after boot, /proc/<pid>/stat field 22
+
+
+@dataclass(frozen=True)
+class DaemonDirs:
+    """Where one daemon's pipes and sockets (shared with its clients) and logs live."""
+
+    pipe: Path
+    log: Path
+
+
+def process_start_time(pid: int, proc: Path = Path("/proc")) -> int | None:
+    """The start time of process `pid`, None if there is no such process."""
+    try:
+        stat = (proc / str(pid) / "stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rfind(")") + 2 :].split()
+    # fields[0] is field 3 (state); a zombie has exited.
+    if len(fields) < 20 or fields[0] == "Z":
+        return None
+    return int(fields[19])
+
+
+def is_running(daemon: DaemonId) -> bool:
+    return process_start_time(daemon.pid) == daemon.start_time
+
+
+def find_binary(driver_root: Path) -> Path | None:
+    """The driver root's `nvidia-cuda-mps-control`, in nvidia-smi's directories."""
+    for directory in BINARY_DIRS:
+        candidate = driver_root / directory / BINARY
+        if candidate.is_file() and os.access(candidate, os.X_OK):
+            return candidate
+    return None
+
+
+class MpsControl:
+    """`MpsOps` (driver/state/mps.py) with the driver root's binary."""
+
+    def __init__(self, driver_root: Path | str, *, timeout: float = DEFAULT_TIMEOUT) -> None:
+        self.driver_root = Path(driver_root)
+        self.timeout = timeout
+
+    def available(self) -> bool:
+        return find_binary(self.driver_root) is not None
+
+    def _binary(self) -> Path:
+        binary = find_binary(self.driver_root)
+        if binary is None:
+            raise transient(
+                f"no executable {BINARY} under the driver root {self.driver_root} (looked in "
+                + ", ".join(BINARY_DIRS)
+                + "); MPS needs it"
+            )
+        return binary
+
+    def _env(self, dirs: DaemonDirs, gpu_uuids: Sequence[str] = ()) -> dict[str, str]:
+        env = dict(os.environ)
+        env["CUDA_MPS_PIPE_DIRECTORY"] = str(dirs.pipe)
+        env["CUDA_MPS_LOG_DIRECTORY"] = str(dirs.log)
+        if gpu_uuids:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(gpu_uuids)
+        libraries = [str(self.driver_root / d) for d in LIBRARY_DIRS]
+        found = [d for d in libraries if Path(d).is_dir()]
+        if found and self.driver_root != Path("/"):
+            previous = env.get("LD_LIBRARY_PATH")
+            env["LD_LIBRARY_PATH"] = ":".join([*found, *([previous] if previous else [])])
+        return env
+
+    def _run(self, argv: list[str], env: dict[str, str], stdin: str | None) -> str:
+        try:
+            proc = subprocess.run(
+                argv,
+                input=stdin,
+                capture_output=True,
+                text=True,
+                timeout=self.timeout,
+                env=env,
+                check=False,
+                start_new_session=True,
+            )
+        except subprocess.TimeoutExpired as err:
+            raise transient(f"{argv[0]} did not finish in {self.timeout:g}s") from err
+        except OSError as err:
+            raise transient(f"cannot run {argv[0]}: {err}") from err
+        out = proc.stdout.strip()
+        if proc.returncode != 0:
+            detail = proc.stderr.strip() or out or "(no output)"
+            raise transient(f"{argv[0]} exited with status {proc.returncode}: {detail}")
+        return out
+
+    def start(self, dirs: DaemonDirs, gpu_uuids: Sequence[str]) -> DaemonId:
+        """Start a daemon for `gpu_uuids` on `dirs` (created here) and return it once
+        its pid file names a running process."""
+        dirs.pipe.mkdir(parents=True, exist_ok=True)
+        dirs.log.mkdir(parents=True, exist_ok=True)
+        what = f"starting the MPS control daemon in {dirs.pipe}"
+        try:
+            self._run([str(self._binary()), "-d"], self._env(dirs, gpu_uuids), None)
+        except Exception as err:
+            raise transient(f"{what}: {err}") from err
+        deadline = time.monotonic() + self.timeout
+        while True:
+            daemon = self.running(dirs)
+            if daemon is not None:
+                log.info("MPS control daemon %d started in %s", daemon.pid, dirs.pipe)
+                return daemon
+            if time.monotonic() > deadline:
+                raise transient(f"{what}: no running daemon wrote {dirs.pipe / PID_FILE}")
+            time.sleep(_POLL)
+
+    def running(self, dirs: DaemonDirs) -> DaemonId | None:
+        """The daemon whose pid file is in `dirs.pipe`, if it is running."""
+        try:
+            pid = int((dirs.pipe / PID_FILE).read_text().strip())
+        except (OSError, ValueError):
+            return None
+        start = process_start_time(pid)
+        return None if start is None else DaemonId(pid, start)
+
+    def command(self, dirs: DaemonDirs, line: str) -> str:
+        """One control command (`set_default_active_thread_percentage 50`); its answer."""
+        try:
+            return self._run([str(self._binary())], self._env(dirs), line + "\n")
+        except Exception as err:
+            raise transient(f"MPS control daemon in {dirs.pipe}: {line!r} failed: {err}") from err
+
+    def stop(self, dirs: DaemonDirs, daemon: DaemonId | None) -> None:
+        """`quit` the daemon and wait until it is gone. One that is not running (or
+        another process that reuses its pid) counts as stopped."""
+        if daemon is None or not is_running(daemon):
+            return
+        self.command(dirs, "quit")
+        deadline = time.monotonic() + self.timeout
+        while is_running(daemon):
+            if time.monotonic() > deadline:
+                raise transient(
+                    f"the MPS control daemon {daemon.pid} in {dirs.pipe} did not quit "
+                    f"in {self.timeout:g}s"
+                )
+            time.sleep(_POLL)
+        log.info("MPS control daemon %d in %s stopped", daemon.pid, dirs.pipe)

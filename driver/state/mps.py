@@ -1,0 +1,251 @@
+"""MPS control daemons of prepared claims (docs/mps.md).
+
+A device whose effective GpuConfig is `MPS` gets a daemon of its own, for its GPU
+alone: its directory `<plugin data dir>/mps/<CDI device name>/` holds `pipe/`
+(mounted into the device's containers at /tmp/nvidia-mps, where
+CUDA_MPS_PIPE_DIRECTORY points) and `log/`. The daemon is told the config's default
+active-thread percentage and pinned device-memory limit through its control pipe; the
+container's env carries the same values (MPS clients can only lower them).
+
+The daemon's record (`MpsRecord`) is in the `PrepareStarted` entry before the daemon
+starts (the intent, pid 0) and carries its pid and start time in the
+`PrepareCompleted` entry:
+
+- prepare starts each daemon, sets and reads back its limits (`apply`);
+- a rollback stops every daemon the claim's devices may have started, found by their
+  pipe directories when the pid is unknown, and removes their directories (`restore`);
+- unprepare does the same before the entry is dropped (`release`);
+- start (`adopt`) finds each completed claim's daemon by pid and start time; one that
+  is gone (killed, a reboot) is reported and started again with its limits, so new
+  clients are limited again (running clients of the dead daemon have lost their GPU
+  work already).
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Final, Protocol
+
+from driver.config import ConfigError, GpuConfig
+from driver.config.mps_limits import memory_limit_bytes, mps_memory_text
+from driver.errors import DriverError, transient
+from driver.nvml.mps import DaemonDirs, DaemonId, is_running
+from driver.state.cdi import CdiMount
+from driver.state.checkpoint import ClaimEntry, ClaimState, PreparedDevice
+from driver.state.mps_record import MpsRecord
+
+log = logging.getLogger(__name__)
+
+CONTAINER_PIPE_DIRECTORY: Final = "/tmp/nvidia-mps"
+
+
+class MpsOps(Protocol):
+    """`driver.nvml.mps.MpsControl` (real binary or the mock's stand-in)."""
+
+    def start(self, dirs: DaemonDirs, gpu_uuids: Sequence[str]) -> DaemonId: ...
+
+    def running(self, dirs: DaemonDirs) -> DaemonId | None: ...
+
+    def command(self, dirs: DaemonDirs, line: str) -> str: ...
+
+    def stop(self, dirs: DaemonDirs, daemon: DaemonId | None) -> None: ...
+
+
+@dataclass(frozen=True)
+class MpsPlan:
+    record: MpsRecord
+    env: tuple[str, ...]
+    mounts: tuple[CdiMount, ...]
+
+
+def daemon_dirs(root: Path, record: MpsRecord) -> DaemonDirs:
+    base = root / record.directory
+    return DaemonDirs(base / "pipe", base / "log")
+
+
+def plan_mps(
+    config: GpuConfig, *, gpu_uuid: str, cdi_name: str, root: Path | None, path: str = ""
+) -> MpsPlan | None:
+    """The daemon an `MPS` config asks for this device, None for other strategies.
+    `root` None: this node has no MPS (no binary in its driver root), a permanent
+    invalid-config error."""
+    mps = config.mps
+    if mps is None:
+        return None
+    if root is None:
+        raise ConfigError(
+            [
+                (
+                    f"{path}.sharing.strategy" if path else "sharing.strategy",
+                    "MPS is not available on this node: no nvidia-cuda-mps-control in its "
+                    "driver root (select devices with the mps attribute)",
+                )
+            ]
+        )
+    memory = (
+        memory_limit_bytes(mps.defaultPinnedDeviceMemoryLimit)
+        if mps.defaultPinnedDeviceMemoryLimit is not None
+        else None
+    )
+    record = MpsRecord(gpu_uuid, cdi_name, mps.defaultActiveThreadPercentage, memory)
+    env = [f"CUDA_MPS_PIPE_DIRECTORY={CONTAINER_PIPE_DIRECTORY}"]
+    if record.active_thread_percentage is not None:
+        env.append(f"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE={record.active_thread_percentage}")
+    if memory is not None:
+        env.append(f"CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0={mps_memory_text(memory)}")
+    mount = CdiMount(str(daemon_dirs(root, record).pipe), CONTAINER_PIPE_DIRECTORY)
+    return MpsPlan(record, tuple(env), (mount,))
+
+
+def _megabytes(answer: str) -> int | None:
+    """`8192M` / `8G` (what the daemon answers) as MiB."""
+    text = answer.strip()
+    if text[:-1].isdigit() and text[-1:] in ("M", "G"):
+        return int(text[:-1]) * (1024 if text[-1] == "G" else 1)
+    return None
+
+
+class ClaimMps:
+    """The MPS side of prepare, unprepare and start. `ops` None: no MPS on this node."""
+
+    def __init__(self, ops: MpsOps | None, root: Path) -> None:
+        self._ops = ops
+        self.root = root
+
+    @property
+    def available_root(self) -> Path | None:
+        """Where daemons live, None where there is no MPS (what planning is told)."""
+        return self.root if self._ops is not None else None
+
+    def _configure(self, dirs: DaemonDirs, record: MpsRecord) -> None:
+        assert self._ops is not None
+        if record.active_thread_percentage is not None:
+            wanted = record.active_thread_percentage
+            self._ops.command(dirs, f"set_default_active_thread_percentage {wanted}")
+            answer = self._ops.command(dirs, "get_default_active_thread_percentage")
+            if answer.strip() not in (str(wanted), f"{wanted}.0"):
+                raise transient(
+                    f"MPS daemon in {dirs.pipe} did not take active thread percentage "
+                    f"{wanted}: it answers {answer!r}"
+                )
+        if record.pinned_memory_bytes is not None:
+            text = mps_memory_text(record.pinned_memory_bytes)
+            self._ops.command(dirs, f"set_default_device_pinned_mem_limit 0 {text}")
+            answer = self._ops.command(dirs, "get_default_device_pinned_mem_limit 0")
+            if _megabytes(answer) != record.pinned_memory_bytes >> 20:
+                raise transient(
+                    f"MPS daemon in {dirs.pipe} did not take pinned memory limit {text}: "
+                    f"it answers {answer!r}"
+                )
+
+    def _start(self, record: MpsRecord) -> MpsRecord:
+        assert self._ops is not None
+        dirs = daemon_dirs(self.root, record)
+        daemon = self._ops.start(dirs, [record.gpu_uuid])
+        stamped = replace(record, pid=daemon.pid, start_time=daemon.start_time)
+        try:
+            self._configure(dirs, stamped)
+        except DriverError:
+            self._stop(stamped)
+            raise
+        return stamped
+
+    def _stop(self, record: MpsRecord) -> None:
+        """Stop the daemon (the recorded one, or whatever runs in its pipe directory
+        for an intent) and remove its directory."""
+        assert self._ops is not None
+        dirs = daemon_dirs(self.root, record)
+        daemon = DaemonId(record.pid, record.start_time) if record.pid else self._ops.running(dirs)
+        self._ops.stop(dirs, daemon)
+        shutil.rmtree(self.root / record.directory, ignore_errors=True)
+
+    # -- prepare -----------------------------------------------------------------------
+
+    def apply(self, devices: Sequence[PreparedDevice]) -> tuple[PreparedDevice, ...]:
+        """Start the daemons of the devices (their intent is durable); the devices with
+        their records stamped. A failure stops those started (transient error)."""
+        if self._ops is None or not any(d.mps for d in devices):
+            return tuple(devices)
+        out: list[PreparedDevice] = []
+        try:
+            for device in devices:
+                record = device.mps
+                out.append(device if record is None else replace(device, mps=self._start(record)))
+        except DriverError:
+            self.restore(out)
+            raise
+        return tuple(out)
+
+    def restore(self, devices: Sequence[PreparedDevice]) -> None:
+        """Stop every daemon the devices may have started. Raises a transient error
+        (the caller keeps the entry)."""
+        if self._ops is None:
+            return
+        for device in devices:
+            if device.mps is not None:
+                self._stop(device.mps)
+
+    # -- unprepare ---------------------------------------------------------------------
+
+    def release(
+        self, journal: Mapping[str, ClaimEntry], uids: Sequence[str]
+    ) -> dict[str, DriverError]:
+        """Before the entries of `uids` are dropped: stop their daemons. Returns the
+        claims whose daemon could not be stopped (they keep their entries)."""
+        errors: dict[str, DriverError] = {}
+        for uid in uids:
+            entry = journal.get(uid)
+            if entry is None:
+                continue
+            try:
+                self.restore(entry.devices)
+            except DriverError as err:
+                log.error("unprepare: stopping the MPS daemon of claim %s failed: %s", uid, err)
+                errors[uid] = err
+        return errors
+
+    # -- start -------------------------------------------------------------------------
+
+    def adopt(
+        self, journal: dict[str, ClaimEntry], exclude: Collection[str] = ()
+    ) -> tuple[list[str], list[str]]:
+        """At start: each completed claim's daemons (but those of `exclude`, claims
+        another instance has in flight), found running by pid and start
+        time, are adopted; one that is gone is reported and started again (its entry in
+        `journal` updated). Returns (the claims adopted, the claims whose daemon was
+        gone)."""
+        adopted: list[str] = []
+        lost: list[str] = []
+        if self._ops is None:
+            return adopted, lost
+        for uid, entry in sorted(journal.items()):
+            records = [d.mps for d in entry.devices if d.mps is not None]
+            if uid in exclude or entry.state is not ClaimState.PREPARE_COMPLETED or not records:
+                continue
+            gone = [r for r in records if not is_running(DaemonId(r.pid, r.start_time))]
+            if not gone:
+                adopted.append(uid)
+                continue
+            lost.append(uid)
+            devices = []
+            for device in entry.devices:
+                record = device.mps
+                if record is not None and record in gone:
+                    log.error(
+                        "the MPS daemon %d of claim %s (GPU %s) is gone; starting it again",
+                        record.pid,
+                        uid,
+                        record.gpu_uuid,
+                    )
+                    try:
+                        self._stop(replace(record, pid=0))  # what is left in its directory
+                        device = replace(device, mps=self._start(record))
+                    except DriverError as err:
+                        log.error("restarting the MPS daemon of claim %s failed: %s", uid, err)
+                devices.append(device)
+            journal[uid] = replace(entry, devices=tuple(devices))
+        return adopted, lost

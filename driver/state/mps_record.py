@@ -1,0 +1,58 @@
+"""The journal's record of a prepared device's MPS control daemon
+(`PreparedDevice.mps`, key `mps`; docs/mps.md)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+
+def _optional_int(doc: Mapping[str, Any], key: str, low: int) -> int | None:
+    value = doc.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise ValueError(f"mps.{key} must be an integer >= {low}")
+    return value
+
+
+@dataclass(frozen=True)
+class MpsRecord:
+    """A device's own daemon: its GPU, the limits it gives its clients, the name of
+    its directory under the plugin's MPS root, and the daemon once started (`pid` 0
+    in the intent, before it is)."""
+
+    gpu_uuid: str
+    directory: str
+    active_thread_percentage: int | None = None
+    pinned_memory_bytes: int | None = None
+    pid: int = 0
+    start_time: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        doc: dict[str, Any] = {"gpu": self.gpu_uuid, "dir": self.directory}
+        if self.active_thread_percentage is not None:
+            doc["threads"] = self.active_thread_percentage
+        if self.pinned_memory_bytes is not None:
+            doc["memory"] = self.pinned_memory_bytes
+        doc["pid"], doc["start"] = self.pid, self.start_time
+        return doc
+
+    @classmethod
+    def from_json(cls, doc: object) -> MpsRecord:
+        if not isinstance(doc, Mapping):
+            raise ValueError("mps must be an object")
+        gpu, directory = doc.get("gpu"), doc.get("dir")
+        if not isinstance(gpu, str) or not gpu:
+            raise ValueError("mps.gpu must be a GPU UUID")
+        if not isinstance(directory, str) or not directory or "/" in directory:
+            raise ValueError("mps.dir must be a directory name")
+        return cls(
+            gpu,
+            directory,
+            _optional_int(doc, "threads", 1),
+            _optional_int(doc, "memory", 1),
+            _optional_int(doc, "pid", 0) or 0,
+            _optional_int(doc, "start", 0) or 0,
+        )

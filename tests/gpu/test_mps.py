@@ -1,0 +1,105 @@
+"""An MPS control daemon started by the driver's code for a claim's device
+(driver/state/mps.py, driver/nvml/mps.py) with the driver root's
+nvidia-cuda-mps-control, and CUDA clients (tests/gpu/cuda_alloc.py) connected to it as
+a container with the claim's CDI env would be: the pinned device-memory limit holds,
+a client's own lower limit holds, a higher one does not lift the daemon's, two
+clients run at once, and the daemon is gone afterwards. The GPU's compute mode is read
+before and after and must be unchanged (the driver never sets it); MIG mode is never
+touched."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from driver.nvml.mps import MpsControl, find_binary
+from driver.nvml.types import GpuInfo
+from driver.state.checkpoint import PreparedDevice
+from driver.state.mps import ClaimMps, daemon_dirs
+from driver.state.mps_record import MpsRecord
+
+ROOT = Path(os.environ.get("NVIDIA_DRIVER_ROOT") or "/")
+LIMIT_MIB = 2048
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _compute_mode(uuid: str) -> str:
+    argv = ["nvidia-smi", "-i", uuid, "--query-gpu=compute_mode", "--format=csv,noheader"]
+    return subprocess.run(argv, capture_output=True, text=True, check=True).stdout.strip()
+
+
+@pytest.fixture
+def daemon(whole_gpu: GpuInfo, tmp_path: Path) -> Iterator[tuple[ClaimMps, PreparedDevice]]:
+    if find_binary(ROOT) is None:
+        pytest.skip(f"no nvidia-cuda-mps-control under the driver root {ROOT}")
+    mode = _compute_mode(whole_gpu.uuid)
+    if mode not in ("Default", "Exclusive_Process"):
+        pytest.skip(f"GPU {whole_gpu.uuid} is in compute mode {mode}; MPS needs Default")
+    mps = ClaimMps(MpsControl(ROOT), tmp_path / "mps")
+    record = MpsRecord(whole_gpu.uuid, "claim-gpu-0", 50, LIMIT_MIB << 20)
+    device = PreparedDevice("node", "gpu-0", ("r0",), ("k8s.x/gpu=claim-gpu-0",), mps=record)
+    (started,) = mps.apply([device])
+    try:
+        yield mps, started
+    finally:
+        mps.restore([started])
+        assert MpsControl(ROOT).running(daemon_dirs(mps.root, record)) is None
+        assert _compute_mode(whole_gpu.uuid) == mode
+
+
+def _client(
+    mps: ClaimMps, device: PreparedDevice, mib: int, limit: str | None = None, hold: bool = False
+) -> subprocess.Popen[str]:
+    assert device.mps is not None
+    env = dict(os.environ)
+    env.update(
+        CUDA_MPS_PIPE_DIRECTORY=str(daemon_dirs(mps.root, device.mps).pipe),
+        CUDA_VISIBLE_DEVICES=device.mps.gpu_uuid,
+        PYTHONPATH=str(REPO),
+    )
+    if limit is not None:
+        env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] = f"0={limit}"
+    argv = [sys.executable, "-m", "tests.gpu.cuda_alloc", str(mib), *(["--hold"] if hold else [])]
+    return subprocess.Popen(argv, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+
+def _allocates(mps: ClaimMps, device: PreparedDevice, mib: int, limit: str | None = None) -> bool:
+    proc = _client(mps, device, mib, limit)
+    out, _ = proc.communicate()
+    print(f"client limit={limit} alloc={mib}MiB: {out.strip()}")
+    assert proc.returncode in (0, 3), out
+    return proc.returncode == 0
+
+
+def test_the_daemons_memory_limit_holds_for_each_client(
+    daemon: tuple[ClaimMps, PreparedDevice],
+) -> None:
+    mps, device = daemon
+    assert _allocates(mps, device, LIMIT_MIB // 2)
+    assert not _allocates(mps, device, LIMIT_MIB * 3 // 2)
+    # A client's own lower limit holds; a higher one does not lift the daemon's.
+    assert _allocates(mps, device, 256, limit="512M")
+    assert not _allocates(mps, device, 768, limit="512M")
+    assert not _allocates(mps, device, LIMIT_MIB * 3 // 2, limit=f"{LIMIT_MIB * 2}M")
+
+
+def test_two_clients_hold_their_memory_at_once(daemon: tuple[ClaimMps, PreparedDevice]) -> None:
+    mps, device = daemon
+    first = _client(mps, device, LIMIT_MIB // 2, hold=True)
+    second = _client(mps, device, LIMIT_MIB // 2, limit="1536M", hold=True)
+    try:
+        assert first.stdout is not None and second.stdout is not None
+        assert first.stdout.readline().strip() == "allocated"
+        assert second.stdout.readline().strip() == "allocated"
+        assert device.mps is not None
+        servers = MpsControl(ROOT).command(daemon_dirs(mps.root, device.mps), "get_server_list")
+        print("MPS servers:", servers)
+        assert servers.strip(), "the clients run without an MPS server"
+    finally:
+        for proc in (first, second):
+            proc.communicate()
