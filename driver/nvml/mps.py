@@ -45,10 +45,12 @@ class DaemonId:
 
 @dataclass(frozen=True)
 class DaemonDirs:
-    """Where one daemon's pipes and sockets (shared with its clients) and logs live."""
+    """Where one daemon's pipes and sockets (shared with its clients) and logs live,
+    and its /dev/shm where it runs in a pod of its own (driver/kube/mps_daemons.py)."""
 
     pipe: Path
     log: Path
+    shm: Path | None = None
 
 
 def process_start_time(pid: int, proc: Path = Path("/proc")) -> int | None:

@@ -81,6 +81,9 @@ PLUGIN_SETTINGS: tuple[Setting, ...] = (
     RECOVERY_ACTION_POLL_INTERVAL,
     s.PERMANENT_ERRORS,
     s.DEVICE_STATUS,
+    s.MPS_DAEMONS,
+    s.POD_NAMESPACE,
+    s.MPS_DAEMON_IMAGE,
     s.HTTP_PORT,
     s.LOG_FORMAT,
     VERBOSITY,
@@ -129,6 +132,9 @@ class PluginOptions(NodeSettings):
     recovery_action_poll_interval: int
     permanent_errors: str
     device_status: bool
+    mps_daemons: str
+    pod_namespace: str
+    mps_daemon_image: str
     http_port: int
     log_format: str
     verbosity: int
@@ -170,8 +176,21 @@ def read_options(args: argparse.Namespace) -> PluginOptions:
     values["nvidia_driver_root_host"] = (
         values["nvidia_driver_root_host"] or values["nvidia_driver_root"]
     )
-    for name in ("pod_uid", "nvidia_cdi_hook_path", "additional_xids_to_ignore", "fatal_xids"):
+    for name in (
+        "pod_uid",
+        "nvidia_cdi_hook_path",
+        "additional_xids_to_ignore",
+        "fatal_xids",
+        "pod_namespace",
+        "mps_daemon_image",
+    ):
         values[name] = values[name] or ""
+    if values["mps_daemons"] == "kubernetes":
+        for needed in (s.POD_NAMESPACE, s.MPS_DAEMON_IMAGE):
+            if not values[needed.dest]:
+                raise SettingError(
+                    f"{s.MPS_DAEMONS.flag}=kubernetes needs {needed.flag} (env {needed.env})"
+                )
     return PluginOptions(**values)
 
 

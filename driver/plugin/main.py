@@ -36,6 +36,7 @@ from driver.plugin.dra import add_dra_services
 from driver.plugin.flags import PluginOptions, package_version, parse_options
 from driver.plugin.health import add_health_services
 from driver.plugin.instances import InstanceLock
+from driver.plugin.mps_setup import mps_daemons
 from driver.plugin.node_overrides import NodeLabelRead
 from driver.plugin.node_status import PluginStatus, export_gpus, export_journal
 from driver.plugin.readiness import Readiness
@@ -161,7 +162,7 @@ class Plugin:
             driver_root=driver_root,
             permanent_errors=parse_permanent_errors(o.permanent_errors),
             timeslice=backend.timeslice(o.nvidia_driver_root),
-            mps=backend.mps(o.nvidia_driver_root),
+            mps_daemons=mps_daemons(o, backend, api),
         )
         export_checkpoint_state(state)
         journal = export_journal(state)

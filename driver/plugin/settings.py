@@ -232,6 +232,30 @@ LOG_FORMAT = Setting(
     "text",
     metavar="{" + ",".join(LOG_FORMATS) + "}",
 )
+MPS_DAEMON_PLACES = ("off", "node", "kubernetes")
+MPS_DAEMONS = Setting(
+    "mps_daemons",
+    "--mps-daemons",
+    "where the MPS control daemons of MPS claims run (docs/mps.md): off (MPS claims are "
+    "refused), node (processes of this node: the plugin outside Kubernetes), kubernetes "
+    "(a Deployment per device in --pod-namespace)",
+    v.choice(*MPS_DAEMON_PLACES),
+    "off",
+    metavar="{" + ",".join(MPS_DAEMON_PLACES) + "}",
+)
+POD_NAMESPACE = Setting(
+    "pod_namespace",
+    "--pod-namespace",
+    "this pod's namespace, where --mps-daemons=kubernetes creates the daemons",
+    v.text,
+)
+MPS_DAEMON_IMAGE = Setting(
+    "mps_daemon_image",
+    "--mps-daemon-image",
+    "the image of the MPS daemons' pods (--mps-daemons=kubernetes): the plugin's own",
+    v.text,
+    metavar="IMAGE",
+)
 KUBECONFIG = Setting(
     "kubeconfig", "--kubeconfig", "kubeconfig file (none: the in-cluster config)", v.text
 )

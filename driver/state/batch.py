@@ -230,7 +230,7 @@ def _plan(
         devices=state.devices,
         cdi_ids=state.cdi.device_ids,
         time_slices=state.timeslices.enabled,
-        mps_root=state.mps.available_root,
+        mps_site=state.mps.site,
     )
 
 

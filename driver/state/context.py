@@ -34,7 +34,7 @@ from driver.state.draining import InFlight
 from driver.state.driver_edits import DriverRoot
 from driver.state.instances import ClaimInstances, MigOps
 from driver.state.locking import ClaimLocks, SerializeLock
-from driver.state.mps import ClaimMps, MpsOps
+from driver.state.mps import ClaimMps, MpsDaemons, MpsOps, NodeDaemons
 from driver.state.planning import CdiContext
 from driver.state.timeslice import ClaimTimeSlices, TimeSliceOps
 from driver.state.verdicts import (
@@ -90,6 +90,7 @@ class StepContext:
         clock: Callable[[], float] = time.monotonic,
         timeslice: TimeSliceOps | None = None,
         mps: MpsOps | None = None,
+        mps_daemons: MpsDaemons | None = None,
     ) -> None:
         self.driver_name = driver_name
         self.node_name = node_name
@@ -105,7 +106,9 @@ class StepContext:
         )
         self.instances = ClaimInstances(mig)
         self.timeslices = ClaimTimeSlices(timeslice)
-        self.mps = ClaimMps(mps, Path(data_dir) / "mps")
+        # `mps_daemons` (the Kubernetes path) or node processes of `mps`'s binary.
+        daemons = mps_daemons or (NodeDaemons(mps) if mps is not None else None)
+        self.mps = ClaimMps(daemons, Path(data_dir) / "mps")
         self.permanent_errors = frozenset(permanent_errors)
         self.stats = StateStats()
         self.verdicts = VerdictMemory(ttl=verdict_ttl, limit=verdict_limit, clock=clock)

@@ -41,6 +41,7 @@ from driver.state.mps_record import MpsRecord
 log = logging.getLogger(__name__)
 
 CONTAINER_PIPE_DIRECTORY: Final = "/tmp/nvidia-mps"
+CONTAINER_SHM_DIRECTORY: Final = "/dev/shm"
 
 
 class MpsOps(Protocol):
@@ -55,6 +56,36 @@ class MpsOps(Protocol):
     def stop(self, dirs: DaemonDirs, daemon: DaemonId | None) -> None: ...
 
 
+class MpsDaemons(Protocol):
+    """Where a device's daemon runs: a process of the node (`NodeDaemons`,
+    --mps-daemons=node) or a Deployment of its own (driver/kube/mps_daemons.py,
+    --mps-daemons=kubernetes)."""
+
+    # The daemon and its clients share `<dir>/shm` as /dev/shm (a daemon in a pod of
+    # its own); False: the daemon uses the host's /dev/shm (a process of the node).
+    private_shm: bool
+
+    def start(self, record: MpsRecord, dirs: DaemonDirs) -> MpsRecord:
+        """Start it with the record's limits set and checked; the record stamped with
+        what identifies it. Raises a transient error, leaving nothing running."""
+        ...
+
+    def alive(self, record: MpsRecord) -> bool: ...
+
+    def stop(self, record: MpsRecord, dirs: DaemonDirs, *, any_instance: bool = False) -> None:
+        """Stop it and wait until it is gone: the recorded one, or whatever runs in its
+        place for an intent (nothing recorded yet) or with `any_instance`."""
+        ...
+
+
+@dataclass(frozen=True)
+class MpsSite:
+    """Where this node's daemons keep their directories (what planning is told)."""
+
+    root: Path
+    private_shm: bool
+
+
 @dataclass(frozen=True)
 class MpsPlan:
     record: MpsRecord
@@ -64,24 +95,25 @@ class MpsPlan:
 
 def daemon_dirs(root: Path, record: MpsRecord) -> DaemonDirs:
     base = root / record.directory
-    return DaemonDirs(base / "pipe", base / "log")
+    return DaemonDirs(base / "pipe", base / "log", base / "shm")
 
 
 def plan_mps(
-    config: GpuConfig, *, gpu_uuid: str, cdi_name: str, root: Path | None, path: str = ""
+    config: GpuConfig, *, gpu_uuid: str, cdi_name: str, site: MpsSite | None, path: str = ""
 ) -> MpsPlan | None:
     """The daemon an `MPS` config asks for this device, None for other strategies.
-    `root` None: this node has no MPS (no binary in its driver root), a permanent
-    invalid-config error."""
+    `site` None: this node has no MPS (no binary in its driver root, or MPS not
+    enabled), a permanent invalid-config error."""
     mps = config.mps
     if mps is None:
         return None
-    if root is None:
+    if site is None:
         raise ConfigError(
             [
                 (
                     f"{path}.sharing.strategy" if path else "sharing.strategy",
-                    "MPS is not available on this node: no nvidia-cuda-mps-control in its "
+                    "MPS is not available on this node: it is not enabled "
+                    "(--mps-daemons) or there is no nvidia-cuda-mps-control in its "
                     "driver root (select devices with the mps attribute)",
                 )
             ]
@@ -97,8 +129,11 @@ def plan_mps(
         env.append(f"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE={record.active_thread_percentage}")
     if memory is not None:
         env.append(f"CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0={mps_memory_text(memory)}")
-    mount = CdiMount(str(daemon_dirs(root, record).pipe), CONTAINER_PIPE_DIRECTORY)
-    return MpsPlan(record, tuple(env), (mount,))
+    dirs = daemon_dirs(site.root, record)
+    mounts = [CdiMount(str(dirs.pipe), CONTAINER_PIPE_DIRECTORY)]
+    if site.private_shm:
+        mounts.append(CdiMount(str(dirs.shm), CONTAINER_SHM_DIRECTORY))
+    return MpsPlan(record, tuple(env), tuple(mounts))
 
 
 def _megabytes(answer: str) -> int | None:
@@ -109,58 +144,84 @@ def _megabytes(answer: str) -> int | None:
     return None
 
 
-class ClaimMps:
-    """The MPS side of prepare, unprepare and start. `ops` None: no MPS on this node."""
+def configure_limits(ops: MpsOps, dirs: DaemonDirs, record: MpsRecord) -> None:
+    """Tell the daemon in `dirs` the record's limits through its control pipe and read
+    them back (transient error when it does not hold them)."""
+    if record.active_thread_percentage is not None:
+        wanted = record.active_thread_percentage
+        ops.command(dirs, f"set_default_active_thread_percentage {wanted}")
+        answer = ops.command(dirs, "get_default_active_thread_percentage")
+        if answer.strip() not in (str(wanted), f"{wanted}.0"):
+            raise transient(
+                f"MPS daemon in {dirs.pipe} did not take active thread percentage "
+                f"{wanted}: it answers {answer!r}"
+            )
+    if record.pinned_memory_bytes is not None:
+        text = mps_memory_text(record.pinned_memory_bytes)
+        ops.command(dirs, f"set_default_device_pinned_mem_limit 0 {text}")
+        answer = ops.command(dirs, "get_default_device_pinned_mem_limit 0")
+        if _megabytes(answer) != record.pinned_memory_bytes >> 20:
+            raise transient(
+                f"MPS daemon in {dirs.pipe} did not take pinned memory limit {text}: "
+                f"it answers {answer!r}"
+            )
 
-    def __init__(self, ops: MpsOps | None, root: Path) -> None:
-        self._ops = ops
-        self.root = root
 
-    @property
-    def available_root(self) -> Path | None:
-        """Where daemons live, None where there is no MPS (what planning is told)."""
-        return self.root if self._ops is not None else None
+class NodeDaemons:
+    """`MpsDaemons` as processes of the node, started by the plugin in a session of
+    their own (the plugin outside Kubernetes, the real-GPU tier)."""
 
-    def _configure(self, dirs: DaemonDirs, record: MpsRecord) -> None:
-        assert self._ops is not None
-        if record.active_thread_percentage is not None:
-            wanted = record.active_thread_percentage
-            self._ops.command(dirs, f"set_default_active_thread_percentage {wanted}")
-            answer = self._ops.command(dirs, "get_default_active_thread_percentage")
-            if answer.strip() not in (str(wanted), f"{wanted}.0"):
-                raise transient(
-                    f"MPS daemon in {dirs.pipe} did not take active thread percentage "
-                    f"{wanted}: it answers {answer!r}"
-                )
-        if record.pinned_memory_bytes is not None:
-            text = mps_memory_text(record.pinned_memory_bytes)
-            self._ops.command(dirs, f"set_default_device_pinned_mem_limit 0 {text}")
-            answer = self._ops.command(dirs, "get_default_device_pinned_mem_limit 0")
-            if _megabytes(answer) != record.pinned_memory_bytes >> 20:
-                raise transient(
-                    f"MPS daemon in {dirs.pipe} did not take pinned memory limit {text}: "
-                    f"it answers {answer!r}"
-                )
+    private_shm = False
 
-    def _start(self, record: MpsRecord) -> MpsRecord:
-        assert self._ops is not None
-        dirs = daemon_dirs(self.root, record)
-        daemon = self._ops.start(dirs, [record.gpu_uuid])
+    def __init__(self, ops: MpsOps) -> None:
+        self.ops = ops
+
+    def start(self, record: MpsRecord, dirs: DaemonDirs) -> MpsRecord:
+        daemon = self.ops.start(dirs, [record.gpu_uuid])
         stamped = replace(record, pid=daemon.pid, start_time=daemon.start_time)
         try:
-            self._configure(dirs, stamped)
+            configure_limits(self.ops, dirs, stamped)
         except DriverError:
-            self._stop(stamped)
+            self.ops.stop(dirs, daemon)
             raise
         return stamped
 
-    def _stop(self, record: MpsRecord) -> None:
-        """Stop the daemon (the recorded one, or whatever runs in its pipe directory
-        for an intent) and remove its directory."""
-        assert self._ops is not None
+    def alive(self, record: MpsRecord) -> bool:
+        return is_running(DaemonId(record.pid, record.start_time))
+
+    def stop(self, record: MpsRecord, dirs: DaemonDirs, *, any_instance: bool = False) -> None:
+        recorded = record.pid and not any_instance
+        daemon = DaemonId(record.pid, record.start_time) if recorded else self.ops.running(dirs)
+        self.ops.stop(dirs, daemon)
+
+
+class ClaimMps:
+    """The MPS side of prepare, unprepare and start. `daemons` None: no MPS on this
+    node."""
+
+    def __init__(self, daemons: MpsDaemons | None, root: Path) -> None:
+        self._daemons = daemons
+        self.root = root
+
+    @property
+    def site(self) -> MpsSite | None:
+        """Where daemons live, None where there is no MPS (what planning is told)."""
+        if self._daemons is None:
+            return None
+        return MpsSite(self.root, self._daemons.private_shm)
+
+    def _start(self, record: MpsRecord) -> MpsRecord:
+        assert self._daemons is not None
         dirs = daemon_dirs(self.root, record)
-        daemon = DaemonId(record.pid, record.start_time) if record.pid else self._ops.running(dirs)
-        self._ops.stop(dirs, daemon)
+        for directory in (dirs.pipe, dirs.log, *((dirs.shm,) if self._daemons.private_shm else ())):
+            directory.mkdir(parents=True, exist_ok=True)
+        return self._daemons.start(record, dirs)
+
+    def _stop(self, record: MpsRecord, *, any_instance: bool = False) -> None:
+        """Stop the daemon (the recorded one, or whatever runs in its place for an
+        intent) and remove its directory."""
+        assert self._daemons is not None
+        self._daemons.stop(record, daemon_dirs(self.root, record), any_instance=any_instance)
         shutil.rmtree(self.root / record.directory, ignore_errors=True)
 
     # -- prepare -----------------------------------------------------------------------
@@ -168,7 +229,7 @@ class ClaimMps:
     def apply(self, devices: Sequence[PreparedDevice]) -> tuple[PreparedDevice, ...]:
         """Start the daemons of the devices (their intent is durable); the devices with
         their records stamped. A failure stops those started (transient error)."""
-        if self._ops is None or not any(d.mps for d in devices):
+        if self._daemons is None or not any(d.mps for d in devices):
             return tuple(devices)
         out: list[PreparedDevice] = []
         try:
@@ -183,7 +244,7 @@ class ClaimMps:
     def restore(self, devices: Sequence[PreparedDevice]) -> None:
         """Stop every daemon the devices may have started. Raises a transient error
         (the caller keeps the entry)."""
-        if self._ops is None:
+        if self._daemons is None:
             return
         for device in devices:
             if device.mps is not None:
@@ -220,13 +281,13 @@ class ClaimMps:
         gone)."""
         adopted: list[str] = []
         lost: list[str] = []
-        if self._ops is None:
+        if self._daemons is None:
             return adopted, lost
         for uid, entry in sorted(journal.items()):
             records = [d.mps for d in entry.devices if d.mps is not None]
             if uid in exclude or entry.state is not ClaimState.PREPARE_COMPLETED or not records:
                 continue
-            gone = [r for r in records if not is_running(DaemonId(r.pid, r.start_time))]
+            gone = [r for r in records if not self._daemons.alive(r)]
             if not gone:
                 adopted.append(uid)
                 continue
@@ -236,13 +297,13 @@ class ClaimMps:
                 record = device.mps
                 if record is not None and record in gone:
                     log.error(
-                        "the MPS daemon %d of claim %s (GPU %s) is gone; starting it again",
-                        record.pid,
+                        "the MPS daemon %s of claim %s (GPU %s) is gone; starting it again",
+                        record.deployment or record.pid,
                         uid,
                         record.gpu_uuid,
                     )
                     try:
-                        self._stop(replace(record, pid=0))  # what is left in its directory
+                        self._stop(record, any_instance=True)  # what is left in its place
                         device = replace(device, mps=self._start(record))
                     except DriverError as err:
                         log.error("restarting the MPS daemon of claim %s failed: %s", uid, err)

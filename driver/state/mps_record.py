@@ -17,6 +17,19 @@ def _optional_int(doc: Mapping[str, Any], key: str, low: int) -> int | None:
     return value
 
 
+def _deployment(doc: object) -> tuple[str, str]:
+    if doc is None:
+        return "", ""
+    if not isinstance(doc, Mapping):
+        raise ValueError("mps.deployment must be an object")
+    name, uid = doc.get("name"), doc.get("uid", "")
+    if not isinstance(name, str) or not name:
+        raise ValueError("mps.deployment.name must be a Deployment name")
+    if not isinstance(uid, str):
+        raise ValueError("mps.deployment.uid must be a string")
+    return name, uid
+
+
 @dataclass(frozen=True)
 class MpsRecord:
     """A device's own daemon: its GPU, the limits it gives its clients, the name of
@@ -29,6 +42,11 @@ class MpsRecord:
     pinned_memory_bytes: int | None = None
     pid: int = 0
     start_time: int = 0
+    # Under Kubernetes (--mps-daemons=kubernetes) the daemon runs in a Deployment of
+    # its own instead (driver/kube/mps_daemons.py): its name from the intent on, its
+    # UID once created.
+    deployment: str = ""
+    deployment_uid: str = ""
 
     def to_json(self) -> dict[str, Any]:
         doc: dict[str, Any] = {"gpu": self.gpu_uuid, "dir": self.directory}
@@ -37,6 +55,8 @@ class MpsRecord:
         if self.pinned_memory_bytes is not None:
             doc["memory"] = self.pinned_memory_bytes
         doc["pid"], doc["start"] = self.pid, self.start_time
+        if self.deployment:
+            doc["deployment"] = {"name": self.deployment, "uid": self.deployment_uid}
         return doc
 
     @classmethod
@@ -48,6 +68,7 @@ class MpsRecord:
             raise ValueError("mps.gpu must be a GPU UUID")
         if not isinstance(directory, str) or not directory or "/" in directory:
             raise ValueError("mps.dir must be a directory name")
+        name, uid = _deployment(doc.get("deployment"))
         return cls(
             gpu,
             directory,
@@ -55,4 +76,6 @@ class MpsRecord:
             _optional_int(doc, "memory", 1),
             _optional_int(doc, "pid", 0) or 0,
             _optional_int(doc, "start", 0) or 0,
+            name,
+            uid,
         )

@@ -32,7 +32,7 @@ from driver.state.cdi import (
 from driver.state.checkpoint import MigRecord, PreparedDevice
 from driver.state.claims import ClaimRef, DeviceHealth, PreparableDevice
 from driver.state.device_nodes import CharMajors, DeviceNode, DeviceNodeError
-from driver.state.mps import plan_mps
+from driver.state.mps import MpsSite, plan_mps
 from driver.state.timeslice_record import TimeSliceRecord
 
 
@@ -150,11 +150,11 @@ def plan_claim(
     devices: Mapping[str, PreparableDevice],
     cdi_ids: Callable[[str, str, str | None], list[str]],
     time_slices: bool = False,
-    mps_root: Path | None = None,
+    mps_site: MpsSite | None = None,
 ) -> tuple[PlannedDevice, ...]:
     """Raises ConfigError (permanent invalid-config) or a transient error. Device
     health is checked before (`check_health`), outside the node lock. `time_slices`:
-    the backend sets time-slice intervals, so they are recorded. `mps_root`: where
+    the backend sets time-slice intervals, so they are recorded. `mps_site`: where
     MPS daemons live, None on a node without MPS (driver/state/mps.py)."""
     configs = resolve_configs(claim["status"]["allocation"], driver_name)
     planned: list[PlannedDevice] = []
@@ -179,7 +179,7 @@ def plan_claim(
         share_id = result.get("shareID") or None
         consumed = result.get("consumedCapacity") or {}
         cdi_name = cdi_device_name(ref.uid, name, share_id)
-        mps = plan_mps(config, gpu_uuid=device.gpu_uuid, cdi_name=cdi_name, root=mps_root)
+        mps = plan_mps(config, gpu_uuid=device.gpu_uuid, cdi_name=cdi_name, site=mps_site)
         prepared = PreparedDevice(
             pool_name=str(result.get("pool")),
             device_name=name,

@@ -20,7 +20,7 @@ import pytest
 from driver.nvml.mps import MpsControl, find_binary
 from driver.nvml.types import GpuInfo
 from driver.state.checkpoint import PreparedDevice
-from driver.state.mps import ClaimMps, daemon_dirs
+from driver.state.mps import ClaimMps, NodeDaemons, daemon_dirs
 from driver.state.mps_record import MpsRecord
 
 ROOT = Path(os.environ.get("NVIDIA_DRIVER_ROOT") or "/")
@@ -40,7 +40,7 @@ def daemon(whole_gpu: GpuInfo, tmp_path: Path) -> Iterator[tuple[ClaimMps, Prepa
     mode = _compute_mode(whole_gpu.uuid)
     if mode not in ("Default", "Exclusive_Process"):
         pytest.skip(f"GPU {whole_gpu.uuid} is in compute mode {mode}; MPS needs Default")
-    mps = ClaimMps(MpsControl(ROOT), tmp_path / "mps")
+    mps = ClaimMps(NodeDaemons(MpsControl(ROOT)), tmp_path / "mps")
     record = MpsRecord(whole_gpu.uuid, "claim-gpu-0", 50, LIMIT_MIB << 20)
     device = PreparedDevice("node", "gpu-0", ("r0",), ("k8s.x/gpu=claim-gpu-0",), mps=record)
     (started,) = mps.apply([device])

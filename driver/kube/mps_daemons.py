@@ -1,0 +1,204 @@
+"""`MpsDaemons` under Kubernetes (--mps-daemons=kubernetes, docs/mps.md): each
+prepared device's MPS control daemon is a Deployment of its own in the driver's
+namespace (driver/kube/mps_manifest.py), created at prepare and deleted at
+unprepare by the plugin through the API.
+
+The Deployment is owned by nothing: a restart, upgrade or deletion of the plugin's
+pod leaves it, and its clients, running. The journal records its name (in the
+intent already: it is derived from the node and the device) and UID; at start the
+plugin adopts the Deployment of that UID, and creates it again where it is gone.
+
+- `start` creates it and waits until its pod is ready (the daemon holds the limits);
+  one that does not get ready in `ready_timeout` is deleted and the prepare fails
+  with a transient error naming the device and what its pod waits for.
+- `stop` deletes it and waits until no pod of it is left (the daemon has quit), so
+  the device's directories can go and a later daemon never meets an old one.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import replace
+from typing import Any, Protocol
+
+from driver.errors import transient
+from driver.kube.api import ApiError, segment
+from driver.kube.mps_manifest import DaemonPodSettings, daemon_deployment, deployment_name
+from driver.nvml.mps import DaemonDirs
+from driver.state.mps_record import MpsRecord
+
+log = logging.getLogger(__name__)
+
+
+class Api(Protocol):
+    """`driver.kube.api.KubeApi`'s `request`."""
+
+    def request(
+        self,
+        method: str,
+        path: str,
+        *,
+        query: Mapping[str, str | int] | None = None,
+        body: object = None,
+    ) -> dict[str, Any]: ...
+
+
+def _pod_summary(pods: list[dict[str, Any]]) -> str:
+    """What the daemon's pods wait for, for the error: `pod x: Pending
+    (ErrImagePull: ...)`."""
+    parts = []
+    for pod in pods:
+        status = pod.get("status") or {}
+        text = f"pod {pod['metadata']['name']}: {status.get('phase', 'no status')}"
+        for container in status.get("containerStatuses") or []:
+            state = container.get("state") or {}
+            waiting = state.get("waiting") or state.get("terminated")
+            if waiting:
+                reason, message = waiting.get("reason", ""), waiting.get("message", "")
+                text += f" ({reason}{': ' + message[:200] if message else ''})"
+        parts.append(text)
+    return "; ".join(parts) or "no pod yet"
+
+
+class KubeDaemons:
+    private_shm = True
+
+    def __init__(
+        self,
+        api: Api,
+        settings: DaemonPodSettings,
+        *,
+        ready_timeout: float = 120.0,
+        gone_timeout: float = 90.0,
+        poll: float = 0.5,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        self.api = api
+        self.settings = settings
+        self.ready_timeout = ready_timeout
+        self.gone_timeout = gone_timeout
+        self.poll = poll
+        self._clock = clock
+        self._sleep = sleep
+
+    @property
+    def _deployments(self) -> str:
+        return f"/apis/apps/v1/namespaces/{segment(self.settings.namespace)}/deployments"
+
+    def _name(self, record: MpsRecord) -> str:
+        return record.deployment or deployment_name(self.settings.node_name, record.directory)
+
+    def _get(self, name: str) -> dict[str, Any] | None:
+        try:
+            return self.api.request("GET", f"{self._deployments}/{segment(name)}")
+        except ApiError as err:
+            if err.not_found:
+                return None
+            raise
+
+    def _pods(self, name: str) -> list[dict[str, Any]]:
+        path = f"/api/v1/namespaces/{segment(self.settings.namespace)}/pods"
+        found = self.api.request(
+            "GET", path, query={"labelSelector": f"{self.settings.label}={name}"}
+        )
+        return list(found.get("items") or [])
+
+    def _what(self, record: MpsRecord, name: str) -> str:
+        return (
+            f"the MPS daemon of device {record.directory} (GPU {record.gpu_uuid}), "
+            f"Deployment {self.settings.namespace}/{name}"
+        )
+
+    # -- MpsDaemons --------------------------------------------------------------------
+
+    def start(self, record: MpsRecord, dirs: DaemonDirs) -> MpsRecord:
+        name = self._name(record)
+        body = daemon_deployment(self.settings, record, dirs)
+        try:
+            created = self.api.request("POST", self._deployments, body=body)
+        except ApiError as err:
+            if not err.conflict:
+                raise transient(f"creating {self._what(record, name)}: {err}") from err
+            # One left in its place (not recorded as this device's): replace it.
+            self.stop(record, dirs, any_instance=True)
+            try:
+                created = self.api.request("POST", self._deployments, body=body)
+            except ApiError as again:
+                raise transient(f"creating {self._what(record, name)}: {again}") from again
+        stamped = replace(record, deployment=name, deployment_uid=created["metadata"]["uid"])
+        try:
+            self._wait_ready(stamped, name)
+        except Exception:
+            self.stop(stamped, dirs)
+            raise
+        log.info("%s is ready", self._what(stamped, name))
+        return stamped
+
+    def _wait_ready(self, record: MpsRecord, name: str) -> None:
+        deadline = self._clock() + self.ready_timeout
+        while True:
+            try:
+                current = self._get(name)
+            except ApiError as err:
+                raise transient(f"reading {self._what(record, name)}: {err}") from err
+            if current is None or current["metadata"]["uid"] != record.deployment_uid:
+                raise transient(f"{self._what(record, name)} was deleted before it got ready")
+            status = current.get("status") or {}
+            if (
+                status.get("observedGeneration", 0) >= current["metadata"].get("generation", 1)
+                and int(status.get("readyReplicas") or 0) >= 1
+            ):
+                return
+            if self._clock() > deadline:
+                try:
+                    pods = _pod_summary(self._pods(name))
+                except ApiError as err:
+                    pods = f"its pods cannot be listed: {err}"
+                raise transient(
+                    f"{self._what(record, name)} did not get ready in "
+                    f"{self.ready_timeout:g}s: {pods}"
+                )
+            self._sleep(self.poll)
+
+    def alive(self, record: MpsRecord) -> bool:
+        """Its Deployment exists with the recorded UID (the controller restarts a
+        pod that dies). An API error counts as alive: it is not recreated blindly."""
+        name = self._name(record)
+        try:
+            current = self._get(name)
+        except ApiError as err:
+            log.warning("cannot read %s, taken as running: %s", self._what(record, name), err)
+            return True
+        return current is not None and current["metadata"]["uid"] == record.deployment_uid
+
+    def stop(self, record: MpsRecord, dirs: DaemonDirs, *, any_instance: bool = False) -> None:
+        """Delete the device's Deployment (by its name, whichever UID) and wait until
+        it and its pods are gone. Raises a transient error (the caller keeps the
+        entry) when it cannot."""
+        name = self._name(record)
+        what = self._what(record, name)
+        try:
+            self.api.request(
+                "DELETE", f"{self._deployments}/{segment(name)}",
+                body={"propagationPolicy": "Background"},
+            )  # fmt: skip
+        except ApiError as err:
+            if not err.not_found:
+                raise transient(f"deleting {what}: {err}") from err
+        deadline = self._clock() + self.gone_timeout
+        while True:
+            try:
+                gone = self._get(name) is None and not self._pods(name)
+            except ApiError as err:
+                raise transient(f"waiting for {what} to be gone: {err}") from err
+            if gone:
+                log.info("%s is gone", what)
+                return
+            if self._clock() > deadline:
+                raise transient(
+                    f"{what} was deleted but its pod is not gone after {self.gone_timeout:g}s"
+                )
+            self._sleep(self.poll)
