@@ -139,7 +139,12 @@ def daemon_deployment(
                             "image": settings.image,
                             "imagePullPolicy": settings.image_pull_policy,
                             "command": daemon_args(settings, record, dirs),
-                            "securityContext": {"privileged": True},
+                            # The image's user is not root; the daemon must be.
+                            "securityContext": {
+                                "privileged": True,
+                                "runAsUser": 0,
+                                "runAsGroup": 0,
+                            },
                             "startupProbe": {
                                 "exec": {"command": ["test", "-f", READY_FILE]},
                                 "periodSeconds": 1,

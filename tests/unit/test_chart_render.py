@@ -38,6 +38,9 @@ PLUGIN_FLAG_ENV = {
     "NVML_BACKEND",
     "MOCK_FLEET",
     "GPU_PARTITIONS",
+    "MPS_DAEMONS",
+    "POD_NAMESPACE",
+    "MPS_DAEMON_IMAGE",
     "MIG_STRATEGY",
     "MIG_PROFILES",
     "XID_TAINT_EFFECT",
@@ -343,6 +346,45 @@ def _api_call_sites() -> set[tuple[str, str]]:
     return sites
 
 
+def _mps_daemon_requests() -> tuple[set[Permission], set[tuple[str, str]]]:
+    """The requests of KubeDaemons (driver/kube/mps_daemons.py), every path: a daemon
+    started, adopted, stopped, one that never gets ready, a conflict on create."""
+    import sys
+    from pathlib import Path
+    from tempfile import TemporaryDirectory
+
+    from driver.kube.mps_daemons import KubeDaemons
+    from driver.kube.mps_manifest import DaemonPodSettings
+    from driver.nvml.mps import DaemonDirs
+    from driver.state.mps_record import MpsRecord
+    from tests.unit.test_mps_kube import IMAGE, NAMESPACE, FakeCluster
+
+    used: set[Permission] = set()
+    sites: set[tuple[str, str]] = set()
+
+    class Recording(FakeCluster):
+        def request(self, method: str, path: str, **kwargs: Any) -> Any:
+            caller = sys._getframe(1).f_code
+            sites.add((sys._getframe(1).f_globals["__name__"], caller.co_qualname))
+            used.add(_permission(method, path))
+            return super().request(method, path, **kwargs)
+
+    cluster = Recording()
+    with TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        settings = DaemonPodSettings(NAMESPACE, "node-a", DRIVER, IMAGE, root, root)
+        daemons = KubeDaemons(cluster, settings, clock=lambda: cluster.now, sleep=cluster.tick)
+        dirs = DaemonDirs(root / "pipe", root / "log", root / "shm")
+        record = daemons.start(MpsRecord("GPU-x", "a-gpu-0", 50), dirs)
+        assert daemons.alive(record)
+        daemons.start(MpsRecord("GPU-x", "a-gpu-0", 50), dirs)  # conflict: replaced
+        daemons.stop(record, dirs)
+        cluster.ready_after = None
+        with pytest.raises(Exception, match="did not get ready"):
+            daemons.start(MpsRecord("GPU-x", "b-gpu-0"), dirs)
+    return used, sites
+
+
 def test_rbac_rules_are_the_requests_the_plugin_sends() -> None:
     """Runs every code path that calls the API (publisher: list, watch, create, update,
     delete, node lookup; claim read; permanent-failure Event and device-status apply;
@@ -414,7 +456,12 @@ def test_rbac_rules_are_the_requests_the_plugin_sends() -> None:
     node_events.stop()
     node_mig_profiles(api, NODE, DRIVER)  # the Node's per-node MIG profile label
 
-    assert recording.sites >= _api_call_sites(), "an API call site this test does not exercise"
+    mps_used, mps_sites = _mps_daemon_requests()
+    sites = recording.sites | mps_sites
+    assert sites >= _api_call_sites(), "an API call site this test does not exercise"
+    # The MPS daemons' requests (kubeletPlugin.mps.enabled): exactly the Role's rules.
+    mps_role = [d for d in render("--set", "kubeletPlugin.mps.enabled=true") if d["kind"] == "Role"]
+    assert _granted(mps_role[0]["rules"]) == mps_used
     used = set(recording.used)
     if ("resource.k8s.io", "resourceclaims/status", "patch") in used:
         # 1.36+: the API server authorizes changed status.devices entries again as

@@ -317,6 +317,14 @@ the driver's files. A YAML list; kubeletPlugin.containers.plugin.extraEnv follow
 {{- end }}
 - name: GPU_PARTITIONS
   value: {{ $kp.gpuPartitions | quote }}
+- name: MPS_DAEMONS
+  value: {{ ternary "kubernetes" "off" $kp.mps.enabled | quote }}
+- name: POD_NAMESPACE
+  valueFrom:
+    fieldRef:
+      fieldPath: metadata.namespace
+- name: MPS_DAEMON_IMAGE
+  value: {{ include "gpu-dra-driver.image" . | quote }}
 - name: MIG_STRATEGY
   value: {{ $kp.migStrategy | quote }}
 - name: MIG_PROFILES
@@ -363,6 +371,9 @@ NVIDIA_DRIVER_ROOT: nvidiaDriverRoot
 NVIDIA_DRIVER_ROOT_HOST: nvidiaDriverRoot
 NVIDIA_CDI_HOOK_PATH: nvidiaCDIHookPath
 GPU_PARTITIONS: kubeletPlugin.gpuPartitions
+MPS_DAEMONS: kubeletPlugin.mps.enabled
+POD_NAMESPACE: the pod's metadata.namespace
+MPS_DAEMON_IMAGE: image
 MIG_STRATEGY: kubeletPlugin.migStrategy
 MIG_PROFILES: kubeletPlugin.migProfiles
 GPU_ALLOW_MULTIPLE_ALLOCATIONS: kubeletPlugin.allowMultipleAllocations
