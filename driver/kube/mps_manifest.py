@@ -123,7 +123,7 @@ def daemon_deployment(
             "strategy": {"type": "Recreate"},
             "selector": {"matchLabels": {settings.label: name}},
             "template": {
-                "metadata": {"labels": labels},
+                "metadata": {"labels": dict(labels)},
                 "spec": {
                     "nodeName": settings.node_name,
                     "hostPID": True,

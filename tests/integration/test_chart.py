@@ -59,8 +59,9 @@ def _dump(docs: list[Doc]) -> str:
             'kubeletPlugin.metrics.networkPolicy.from=[{"namespaceSelector":'
             '{"matchLabels":{"kubernetes.io/metadata.name":"monitoring"}}}]',
         ],
+        ["--values", str(MOCK_VALUES), "--set", "kubeletPlugin.mps.enabled=true"],
     ],
-    ids=["default-values", "mock-values", "network-policy"],
+    ids=["default-values", "mock-values", "network-policy", "mps"],
 )
 def test_rendered_chart_is_accepted_by_the_api_server(cluster: Any, values: list[str]) -> None:
     ns = f"chart-dry-{uuid.uuid4().hex[:6]}"
