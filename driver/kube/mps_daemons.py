@@ -70,7 +70,7 @@ class KubeDaemons:
         api: Api,
         settings: DaemonPodSettings,
         *,
-        ready_timeout: float = 120.0,
+        ready_timeout: float = 40.0,
         gone_timeout: float = 90.0,
         poll: float = 0.5,
         clock: Callable[[], float] = time.monotonic,

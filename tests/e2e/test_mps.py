@@ -1,0 +1,202 @@
+"""MPS daemons as Deployments on the real kubelet (docs/mps.md): the driver upgraded
+in place with kubeletPlugin.mps.enabled, a pod whose claim asks for MPS on an A100
+40GB of values-demo.yaml (MIG off) on the mock. The claim's device gets a daemon
+Deployment in the driver's namespace whose pod runs on the node with the mock driver
+root's stand-in nvidia-cuda-mps-control and holds the claim's limits; the client
+container sees CUDA_MPS_PIPE_DIRECTORY, the daemon's control socket through its pipe
+mount and the daemon's shm directory at /dev/shm. The plugin's pod is deleted: the
+daemon's pod keeps running (same UID, no restart), the new plugin adopts it, and the
+client still reaches it. Deleting the pod unprepares the claim, which deletes the
+Deployment and waits for its pod. Back to the demo values at the end."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from tests.conftest import wait_for
+from tests.e2e.conftest import DRIVER, E2E, NAMESPACE, install_chart
+
+NS = "gpu-e2e-mps"
+LABEL = f"{DRIVER}/mps-daemon"
+PIPE = "/tmp/nvidia-mps"
+# An A100 40GB of values-demo.yaml: MIG off (MPS is refused on a MIG device).
+SELECTOR = "device.attributes['gpu.example.com'].productName == 'NVIDIA A100-SXM4-40GB'"
+CLIENT_SCRIPT = (
+    f"env | grep -E '^CUDA_MPS' | sort; grep -E ' ({PIPE}|/dev/shm) ' /proc/mounts; "
+    "trap 'exit 0' TERM; sleep 9999 & wait"
+)
+CLIENT = f"""
+apiVersion: v1
+kind: Namespace
+metadata:
+  name: {NS}
+---
+apiVersion: resource.k8s.io/v1
+kind: ResourceClaimTemplate
+metadata:
+  namespace: {NS}
+  name: mps-gpu
+spec:
+  spec:
+    devices:
+      requests:
+      - name: gpu
+        exactly:
+          deviceClassName: gpu.example.com
+          selectors:
+          - cel:
+              expression: {json.dumps(SELECTOR)}
+      config:
+      - requests: ["gpu"]
+        opaque:
+          driver: gpu.example.com
+          parameters:
+            apiVersion: gpu.resource.example.com/v1alpha1
+            kind: GpuConfig
+            sharing:
+              strategy: MPS
+              mpsConfig:
+                defaultActiveThreadPercentage: 50
+                defaultPinnedDeviceMemoryLimit: 4Gi
+---
+apiVersion: v1
+kind: Pod
+metadata:
+  namespace: {NS}
+  name: client
+  labels: {{app: mps-client}}
+spec:
+  automountServiceAccountToken: false
+  terminationGracePeriodSeconds: 5
+  containers:
+  - name: ctr0
+    image: localhost/gpu-dra/busybox:1.35
+    imagePullPolicy: Never
+    command: {json.dumps(["sh", "-c", CLIENT_SCRIPT])}
+    resources:
+      claims:
+      - name: gpu
+  resourceClaims:
+  - name: gpu
+    resourceClaimTemplateName: mps-gpu
+"""
+
+
+def _daemons(e: E2E) -> list[dict[str, Any]]:
+    return list(e.get("deployments", "-n", NAMESPACE, "-l", LABEL)["items"])
+
+
+def _daemon_pods(e: E2E) -> list[dict[str, Any]]:
+    return list(e.get("pods", "-n", NAMESPACE, "-l", LABEL)["items"])
+
+
+def _ready(pod: dict[str, Any]) -> bool:
+    conditions = pod["status"].get("conditions", [])
+    return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
+
+
+@pytest.fixture(scope="module")
+def mps(e2e: E2E) -> Iterator[E2E]:
+    with tempfile.TemporaryDirectory() as tmp:
+        overlay = Path(tmp) / "mps.yaml"
+        overlay.write_text(yaml.safe_dump({"kubeletPlugin": {"mps": {"enabled": True}}}))
+        install_chart(e2e, overlay)
+    try:
+        yield e2e
+    finally:
+        e2e.kubectl("delete", "namespace", NS, "--ignore-not-found", "--timeout=120s", check=False)
+        install_chart(e2e)  # back to the demo values the later tests expect
+
+
+def test_the_daemon_deployment_outlives_a_plugin_restart_and_goes_with_the_claim(
+    mps: E2E,
+) -> None:
+    e = mps
+    env = {x["name"]: x for x in e.plugin_pod()["spec"]["containers"][0]["env"]}
+    assert env["MPS_DAEMONS"]["value"] == "kubernetes", env.get("MPS_DAEMONS")
+    e.kubectl("apply", "-f", "-", input=CLIENT)
+    (client,) = e.wait_pods_ready(NS, "app=mps-client", 1)
+
+    # The claim's daemon: one Deployment, its pod ready on the client's node.
+    (deployment,) = _daemons(e)
+    (daemon,) = [p for p in _daemon_pods(e) if p["metadata"].get("deletionTimestamp") is None]
+    assert _ready(daemon), daemon["status"]
+    assert daemon["spec"]["nodeName"] == client["spec"]["nodeName"]
+    assert daemon["spec"]["hostPID"] is True
+    (container,) = daemon["spec"]["containers"]
+    assert container["image"] == e.plugin_pod()["spec"]["containers"][0]["image"]
+    assert "--active-thread-percentage=50" in container["command"], container["command"]
+    pipe = next(
+        a.split("=", 1)[1] for a in container["command"] if a.startswith("--pipe-directory=")
+    )
+    root = next(a.split("=", 1)[1] for a in container["command"] if a.startswith("--driver-root="))
+    daemon_name = daemon["metadata"]["name"]
+
+    def ask(line: str) -> str:
+        """The stand-in nvidia-cuda-mps-control, run in the daemon's pod, asked `line`."""
+        script = (
+            f"echo {line} | CUDA_MPS_PIPE_DIRECTORY={pipe} {root}/usr/bin/nvidia-cuda-mps-control"
+        )
+        return e.kubectl(
+            "exec", "-n", NAMESPACE, daemon_name, "--", "sh", "-c", script
+        ).stdout.strip()
+
+    mock_binary = e.kubectl(
+        "exec", "-n", NAMESPACE, daemon_name, "--", "cat", f"{root}/usr/bin/nvidia-cuda-mps-control"
+    ).stdout
+    assert "driver.nvml.mock.mps_control" in mock_binary, mock_binary
+    assert ask("get_default_active_thread_percentage") == "50.0"
+    assert ask("get_default_device_pinned_mem_limit 0") == "4096M"
+
+    # The client: the pipe directory (with the daemon's control socket) and /dev/shm.
+    log = e.kubectl("logs", "-n", NS, "client", "-c", "ctr0").stdout
+    lines = log.splitlines()
+    assert f"CUDA_MPS_PIPE_DIRECTORY={PIPE}" in lines, log
+    assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50" in lines, log
+    assert "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=4096M" in lines, log
+    assert any(f" {PIPE} " in line for line in lines), log
+    assert any(" /dev/shm " in line for line in lines), log
+
+    def client_sees_the_daemon() -> str:
+        return e.kubectl("exec", "-n", NS, "client", "--", "ls", PIPE).stdout
+
+    assert "control" in client_sees_the_daemon().split()
+
+    # The plugin's pod is deleted (its DaemonSet starts another): the daemon stays.
+    old_plugin = e.plugin_pod()["metadata"]["uid"]
+    e.kubectl("delete", "pod", "-n", NAMESPACE, e.plugin_pod()["metadata"]["name"], "--wait=true")
+    wait_for(
+        lambda: e.plugin_pod()["metadata"]["uid"] != old_plugin and _ready(e.plugin_pod()),
+        300,
+        "a new Ready plugin pod",
+    )
+    (after,) = [p for p in _daemon_pods(e) if p["metadata"].get("deletionTimestamp") is None]
+    assert after["metadata"]["uid"] == daemon["metadata"]["uid"], "the daemon's pod was replaced"
+    assert after["status"]["containerStatuses"][0]["restartCount"] == 0, after["status"]
+    assert [d["metadata"]["uid"] for d in _daemons(e)] == [deployment["metadata"]["uid"]]
+    plugin_log = e.kubectl(
+        "logs", "-n", NAMESPACE, e.plugin_pod()["metadata"]["name"], "-c", "plugin"
+    ).stdout
+    assert "is gone; starting it again" not in plugin_log, plugin_log[-3000:]
+    assert ask("get_default_device_pinned_mem_limit 0") == "4096M"
+    assert "control" in client_sees_the_daemon().split()
+    assert e.get("pod", "-n", NS, "client")["status"]["phase"] == "Running"
+
+    # Unprepare: the pod and its claim go; so do the Deployment and its pod.
+    e.kubectl("delete", "pod", "-n", NS, "client", "--wait=true", "--timeout=120s")
+    wait_for(
+        lambda: not _daemons(e) and not _daemon_pods(e),
+        120,
+        "the daemon's Deployment and pod to be deleted at unprepare",
+    )
+    claims = e.get("resourceclaims", "-n", NS)["items"]
+    assert claims == [] or all(c["metadata"].get("deletionTimestamp") for c in claims), json.dumps(
+        claims
+    )[:2000]
