@@ -151,7 +151,7 @@ class FakeDriver:
 def make_driver_root(root: Path, standin: Path, lib_dir: str, bin_dir: str) -> FakeDriver:
     """Lay out a driver installation under root, as the installer would."""
     libs = root / lib_dir.lstrip("/")
-    libs.mkdir(parents=True)
+    libs.mkdir(parents=True, exist_ok=True)
     for name, soname in LIBRARIES.items():
         versioned = f"{name}.{DRIVER_VERSION}"
         if name == "libnvidia-ml.so":
@@ -164,7 +164,7 @@ def make_driver_root(root: Path, standin: Path, lib_dir: str, bin_dir: str) -> F
         (libs / name).symlink_to(LIBRARIES[name])
 
     bins = root / bin_dir.lstrip("/")
-    bins.mkdir(parents=True)
+    bins.mkdir(parents=True, exist_ok=True)
     for name in BINARIES:
         exe = bins / name
         exe.write_text(f"#!/bin/sh\necho '{name} of the fake driver {DRIVER_VERSION}'\n")

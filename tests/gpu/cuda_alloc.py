@@ -37,6 +37,9 @@ def main(argv: list[str]) -> int:
     _check("cuInit", cuda.cuInit(0))
     _check("cuDeviceGet", cuda.cuDeviceGet(ctypes.byref(device), 0))
     _check("cuCtxCreate", cuda.cuCtxCreate_v2(ctypes.byref(context), 0, device))
+    free, total = ctypes.c_size_t(), ctypes.c_size_t()
+    _check("cuMemGetInfo", cuda.cuMemGetInfo_v2(ctypes.byref(free), ctypes.byref(total)))
+    print(f"memory free={free.value >> 20} total={total.value >> 20}", flush=True)
     result = cuda.cuMemAlloc_v2(ctypes.byref(pointer), ctypes.c_size_t(mib << 20))
     if result != 0:
         print(f"failed {result}", flush=True)

@@ -16,6 +16,7 @@ DEFAULT_DIRS = [
     "/lib/firmware",
     "/etc/nvidia-container-runtime",
     "/etc/vulkan",
+    "/etc/OpenCL/vendors",
     "/run/nvidia-persistenced",
     "/run/nvidia-fabricmanager",
 ]
