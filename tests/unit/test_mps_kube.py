@@ -263,3 +263,32 @@ def test_an_intent_left_by_a_crash_deletes_the_deployment_by_its_derived_name(
     assert started.deployment in node.cluster.deployments
     daemons.stop(record, dirs)
     assert node.cluster.deployments == {} and node.cluster.pods == {}
+
+
+class Crash(BaseException):
+    """The plugin killed mid-prepare: nothing of the driver's own handling runs."""
+
+
+def test_a_crash_after_the_deployment_was_created_leaves_nothing_after_the_restart(
+    node: Node,
+) -> None:
+    state = node.state()
+    real_request = node.cluster.request
+
+    def crash_on_readiness(method: str, path: str, **kwargs: Any) -> dict[str, Any]:
+        if method == "GET" and path.startswith(f"{DEPLOYMENTS}/"):
+            raise Crash
+        return real_request(method, path, **kwargs)
+
+    node.cluster.request = crash_on_readiness  # type: ignore[method-assign]
+    with pytest.raises(Crash):
+        state.prepare([node.claims.add("a")])
+    node.cluster.request = real_request  # type: ignore[method-assign]
+    (name,) = node.cluster.deployments  # created, its intent journaled, nothing more
+    (device,) = Checkpoint(node.root / "plugin").load()["a"].devices
+    assert device.mps is not None and device.mps.deployment == ""
+
+    node.state()  # the restart rolls the intent back
+    assert node.cluster.deployments == {} and name not in node.cluster.pods
+    assert not (node.root / "plugin" / "mps" / "a-gpu-0").exists()
+    assert "a" not in Checkpoint(node.root / "plugin").load()
