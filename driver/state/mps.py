@@ -3,22 +3,26 @@
 A device whose effective GpuConfig is `MPS` gets a daemon of its own, for its GPU
 alone: its directory `<plugin data dir>/mps/<CDI device name>/` holds `pipe/`
 (mounted into the device's containers at /tmp/nvidia-mps, where
-CUDA_MPS_PIPE_DIRECTORY points) and `log/`. The daemon is told the config's default
+CUDA_MPS_PIPE_DIRECTORY points), `log/` and, for a daemon in a pod of its own,
+`shm/` (its and its clients' /dev/shm). The daemon is told the config's default
 active-thread percentage and pinned device-memory limit through its control pipe; the
 container's env carries the same values (MPS clients can only lower them).
 
-The daemon's record (`MpsRecord`) is in the `PrepareStarted` entry before the daemon
-starts (the intent, pid 0) and carries its pid and start time in the
-`PrepareCompleted` entry:
+Where it runs is an `MpsDaemons`: `NodeDaemons` here (processes of the node), or
+driver/kube/mps_daemons.py (a Deployment per device). The daemon's record
+(`MpsRecord`) is in the `PrepareStarted` entry before the daemon starts (the intent:
+no pid, no Deployment) and carries what identifies it (pid and start time, or the
+Deployment's name and UID) in the `PrepareCompleted` entry:
 
 - prepare starts each daemon, sets and reads back its limits (`apply`);
-- a rollback stops every daemon the claim's devices may have started, found by their
-  pipe directories when the pid is unknown, and removes their directories (`restore`);
+- a rollback stops every daemon the claim's devices may have started, found in their
+  place (pipe directory, derived Deployment name) when nothing is recorded yet, and
+  removes their directories (`restore`);
 - unprepare does the same before the entry is dropped (`release`);
-- start (`adopt`) finds each completed claim's daemon by pid and start time; one that
-  is gone (killed, a reboot) is reported and started again with its limits, so new
-  clients are limited again (running clients of the dead daemon have lost their GPU
-  work already).
+- start (`adopt`) finds each completed claim's daemon; one that is gone (killed, a
+  reboot, a deleted Deployment) is reported and started again with its limits, so
+  new clients are limited again (running clients of the dead daemon have lost their
+  GPU work already).
 """
 
 from __future__ import annotations

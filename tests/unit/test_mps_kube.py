@@ -45,7 +45,8 @@ class FakeCluster:
 
     def __init__(self) -> None:
         self.deployments: dict[str, dict[str, Any]] = {}
-        self.pods: dict[str, int] = {}  # Deployment name -> reads until its pod is gone
+        # Deployment name -> reads until its pod is gone (-1: running, not deleted)
+        self.pods: dict[str, int] = {}
         self.ready_after: int | None = 2
         self.terminating = 3
         self.now = 0.0
