@@ -175,8 +175,11 @@ def run(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None 
     )
     status_socket = socket_path(args.socket, state_dir)
     names = published.gpu_names() if published.problem is None else None
+    names_note = None
     if names is None and view.store is not None:
-        names = local_gpu_names(status_socket).names
+        local = local_gpu_names(status_socket)
+        names = local.names
+        names_note = f"from {local.source}" if local.source else f"GPU UUIDs: {local.problem}"
     report = build_report(
         args.node_name,
         args.driver_name,
@@ -184,6 +187,7 @@ def run(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None 
         view,
         published,
         gpu_names=names,
+        names_note=names_note,
         recovery=PluginRecovery.read(status_socket),
     )
     if args.output == "json":
@@ -222,10 +226,12 @@ def build_report(
     published: PublishedView,
     *,
     gpu_names: dict[str, str] | None = None,
+    names_note: str | None = None,
     recovery: PluginRecovery = NOT_READ,
 ) -> dict[str, Any]:
     """The JSON document `-o json` prints (the table shows the same). `gpu_names`:
-    GPU UUID -> device name (default: the published whole-GPU devices')."""
+    GPU UUID -> device name (default: the published whole-GPU devices'); `names_note`:
+    where they came from when not from the slices, or why devices are shown by UUID."""
     names = published.gpu_names() if gpu_names is None else gpu_names
     failures: list[dict[str, Any]] = []
     if view.store is not None:
@@ -301,6 +307,7 @@ def build_report(
             "taints": taints,
             "gpus": gpus,
         },
+        "names": names_note,
         "consistent": None if view.store is None or published.problem is not None else not notes,
         "notes": notes,
     }
