@@ -76,10 +76,10 @@ def _summary(report: dict[str, Any], *, devices: bool) -> list[str]:
     else:
         lines.append(f"recovery: unknown: {recovery['problem']}")
     if slices["read"]:
-        listed = "" if devices or not slices["taints"] else "; --devices lists them"
+        listed = "" if devices or not slices["taints"] else " (--devices lists them)"
         lines.append(
-            f"slices: {len(slices['gpus'])} tainted GPU(s), {len(slices['taints'])} published "
-            f"device taint(s){listed}, on node {report['node']} ({slices['source']})"
+            f"slices: {len(slices['gpus'])} tainted GPU(s) on node {report['node']} "
+            f"({slices['source']}): {len(slices['taints'])} device taint(s){listed}"
         )
     else:
         lines.append(f"slices: not read: {slices['problem']}")

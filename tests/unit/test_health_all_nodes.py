@@ -223,7 +223,8 @@ def test_node_health_summarises_a_failed_gpu_on_one_line(
     slice_rows = [line for line in out.splitlines() if line.startswith("slices ")]
     assert [row.split()[:2] for row in slice_rows] == [["slices", "gpu-3"], ["slices", "gpu-10"]]
     assert "gpu-3 (27 of 27 devices)" in slice_rows[0]
-    assert "slices: 2 tainted GPU(s), 81 published device taint(s); --devices lists them" in out
+    assert "slices: 2 tainted GPU(s) on node node-b (" in out
+    assert "): 81 device taint(s) (--devices lists them)" in out
 
     assert main([*args, "--devices"]) == 0
     out = capsys.readouterr().out
