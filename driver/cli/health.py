@@ -5,8 +5,9 @@ Three sources, each line says which:
 - `store`: the failures the kubelet plugin recorded in its health store
   (`<state dir>/health.json`, read only): why a GPU or a MIG GPU instance is unhealthy
   and since when. This is what the plugin publishes from.
-- `slice`: the taints this node's ResourceSlices carry in the API server (what the
-  scheduler sees), when an API server is reachable (`--kubeconfig`, $KUBECONFIG, the
+- `slices`: the taints this node's ResourceSlices carry in the API server (what the
+  scheduler sees), one line per tainted GPU (`--devices`: per device and taint), when
+  an API server is reachable (`--kubeconfig`, $KUBECONFIG, the
   in-cluster service account, ~/.kube/config). A difference between the two is
   shown as a note: the plugin republishes within seconds, so a lasting difference
   means it is not running or cannot write.
@@ -17,7 +18,7 @@ Three sources, each line says which:
 
 Devices are named as the slices publish them; when the slices cannot be read, as
 the running plugin names them (its /status), else by NVML on this
-node (`gpu-<minor>`).
+node, else from the NVIDIA kernel driver's /proc files (`gpu-<minor>`).
 
 Also shown: whether a plugin is running on this node (its control channel's
 `ACTIVE` marker) and whether it accepts `gpu-dra health clear`.
@@ -25,8 +26,11 @@ Also shown: whether a plugin is running on this node (its control channel's
     kubectl exec -n <ns> <plugin-pod> -- gpu-dra health
     kubectl exec -n <ns> <plugin-pod> -- gpu-dra health -o json
     kubectl exec -n <ns> <plugin-pod> -- gpu-dra health clear gpu-3
+    gpu-dra health --all-nodes      # every node's tainted GPUs, from the API server
 
-Exit codes: 0 shown (failures or not), 1 neither source could be read, 2 usage error.
+Exit codes: 0 shown (failures or not), 1 neither source could be read (with
+--all-nodes: the API server could not be read, or --fail-on-unhealthy and a GPU is
+unhealthy), 2 usage error.
 """
 
 from __future__ import annotations
