@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from driver.cli import health, inventory, journal, mock, status, validate
 from driver.cli.verbosity import add_verbosity_flag, configure_logging
 from driver.plugin.flags import add_version_flag
+from driver.state.fileio import permission_denied
 
 SIGPIPE_EXIT = 128 + signal.SIGPIPE  # what a shell reports for a command SIGPIPE killed
 
@@ -33,6 +34,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stdout.flush()
     except BrokenPipeError:
         return reader_went_away()
+    except PermissionError as err:  # the plugin's files are root's (mode 0700)
+        command = " ".join(
+            filter(None, (args.command, getattr(args, f"{args.command}_action", None)))
+        )
+        print(f"gpu-dra {command}: {permission_denied(err.filename)}", file=sys.stderr)
+        return 1
     return exit_code
 
 

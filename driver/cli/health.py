@@ -5,8 +5,9 @@ Three sources, each line says which:
 - `store`: the failures the kubelet plugin recorded in its health store
   (`<state dir>/health.json`, read only): why a GPU or a MIG GPU instance is unhealthy
   and since when. This is what the plugin publishes from.
-- `slice`: the taints this node's ResourceSlices carry in the API server (what the
-  scheduler sees), when an API server is reachable (`--kubeconfig`, $KUBECONFIG, the
+- `slices`: the taints this node's ResourceSlices carry in the API server (what the
+  scheduler sees), one line per tainted GPU (`--devices`: per device and taint), when
+  an API server is reachable (`--kubeconfig`, $KUBECONFIG, the
   in-cluster service account, ~/.kube/config). A difference between the two is
   shown as a note: the plugin republishes within seconds, so a lasting difference
   means it is not running or cannot write.
@@ -17,7 +18,7 @@ Three sources, each line says which:
 
 Devices are named as the slices publish them; when the slices cannot be read, as
 the running plugin names them (its /status), else by NVML on this
-node (`gpu-<minor>`).
+node, else from the NVIDIA kernel driver's /proc files (`gpu-<minor>`).
 
 Also shown: whether a plugin is running on this node (its control channel's
 `ACTIVE` marker) and whether it accepts `gpu-dra health clear`.
@@ -25,8 +26,11 @@ Also shown: whether a plugin is running on this node (its control channel's
     kubectl exec -n <ns> <plugin-pod> -- gpu-dra health
     kubectl exec -n <ns> <plugin-pod> -- gpu-dra health -o json
     kubectl exec -n <ns> <plugin-pod> -- gpu-dra health clear gpu-3
+    gpu-dra health --all-nodes      # every node's tainted GPUs, from the API server
 
-Exit codes: 0 shown (failures or not), 1 neither source could be read, 2 usage error.
+Exit codes: 0 shown (failures or not), 1 neither source could be read (with
+--all-nodes: the API server could not be read, or --fail-on-unhealthy and a GPU is
+unhealthy), 2 usage error.
 """
 
 from __future__ import annotations
@@ -42,9 +46,10 @@ from typing import Any, TextIO
 
 import yaml
 
-from driver.cli import health_clear
+from driver.cli import health_clear, health_nodes
 from driver.cli.gpu_names import local_gpu_names
-from driver.cli.output import format_table
+from driver.cli.gpu_taints import taints_by_gpu
+from driver.cli.health_table import render_table, taint_text
 from driver.cli.plugin_endpoint import (
     PluginUnreachable,
     add_socket_argument,
@@ -61,7 +66,6 @@ from driver.health.recovery import KIND_RECOVERY_ACTION
 from driver.health.unmonitored import KIND_UNMONITORED
 from driver.plugin.host_inputs import driver_name_argument
 
-HEADERS = ("SOURCE", "DEVICE", "TAINT", "SINCE", "REASON")
 UNMONITORED_REASON = (
     "NVML does not report this GPU's health events: its failures go unseen "
     "(informational; `gpu-dra status` says why)"
@@ -106,6 +110,22 @@ def add_parser(subcommands: Any) -> None:
         default="table",
         help="output format (default: %(default)s)",
     )
+    parser.add_argument(
+        "--devices",
+        action="store_true",
+        help="list every published device taint (default: one line per tainted GPU)",
+    )
+    parser.add_argument(
+        "--all-nodes",
+        action="store_true",
+        help="every node's tainted GPUs from the API server, one line per GPU "
+        "(reads no node files)",
+    )
+    parser.add_argument(
+        "--fail-on-unhealthy",
+        action="store_true",
+        help="with --all-nodes: exit 1 while any GPU is unhealthy",
+    )
     add_socket_argument(parser)
     parser.set_defaults(run=run)
     actions = parser.add_subparsers(dest="health_action", metavar="ACTION")
@@ -137,6 +157,15 @@ def state_dir_of(args: argparse.Namespace) -> Path:
 def run(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None = None) -> int:
     out = out if out is not None else sys.stdout
     err = err if err is not None else sys.stderr
+    if args.all_nodes:
+        return health_nodes.run(args, out, err)
+    if args.fail_on_unhealthy:
+        print(
+            "gpu-dra health: --fail-on-unhealthy goes with --all-nodes (for this node: "
+            "`gpu-dra status --fail-on-unhealthy`)",
+            file=err,
+        )
+        return 2
     state_dir = state_dir_of(args)
     if args.state_dir is not None and not state_dir.is_dir():
         print(f"gpu-dra health: --state-dir {state_dir}: no such directory", file=err)
@@ -150,8 +179,11 @@ def run(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None 
     )
     status_socket = socket_path(args.socket, state_dir)
     names = published.gpu_names() if published.problem is None else None
+    names_note = None
     if names is None and view.store is not None:
-        names = local_gpu_names(status_socket).names
+        local = local_gpu_names(status_socket)
+        names = local.names
+        names_note = f"from {local.source}" if local.source else f"GPU UUIDs: {local.problem}"
     report = build_report(
         args.node_name,
         args.driver_name,
@@ -159,6 +191,7 @@ def run(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None 
         view,
         published,
         gpu_names=names,
+        names_note=names_note,
         recovery=PluginRecovery.read(status_socket),
     )
     if args.output == "json":
@@ -166,7 +199,7 @@ def run(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None 
     elif args.output == "yaml":
         out.write(yaml.safe_dump(report, sort_keys=False))
     else:
-        out.write(render_table(report))
+        out.write(render_table(report, devices=args.devices))
     if view.store is None and published.problem is not None:
         print(
             f"gpu-dra health: nothing could be read: {view.unknown}; {published.problem}",
@@ -197,10 +230,12 @@ def build_report(
     published: PublishedView,
     *,
     gpu_names: dict[str, str] | None = None,
+    names_note: str | None = None,
     recovery: PluginRecovery = NOT_READ,
 ) -> dict[str, Any]:
     """The JSON document `-o json` prints (the table shows the same). `gpu_names`:
-    GPU UUID -> device name (default: the published whole-GPU devices')."""
+    GPU UUID -> device name (default: the published whole-GPU devices'); `names_note`:
+    where they came from when not from the slices, or why devices are shown by UUID."""
     names = published.gpu_names() if gpu_names is None else gpu_names
     failures: list[dict[str, Any]] = []
     if view.store is not None:
@@ -240,6 +275,18 @@ def build_report(
                     "reason": reason,
                 }
             )
+    gpu_of = {d.name: d.gpu_uuid for d in published.devices}
+    gpus = [
+        {
+            **gpu.to_json(driver),
+            "reasons": list(
+                dict.fromkeys(
+                    t["reason"] for t in taints if t["reason"] and gpu_of[t["device"]] == gpu.uuid
+                )
+            ),
+        }
+        for gpu in taints_by_gpu(published.devices)
+    ]
     notes = _differences(driver, view, published) if published.problem is None else []
     return {
         "node": node,
@@ -262,7 +309,9 @@ def build_report(
             "source": published.source,
             "problem": published.problem,
             "taints": taints,
+            "gpus": gpus,
         },
+        "names": names_note,
         "consistent": None if view.store is None or published.problem is not None else not notes,
         "notes": notes,
     }
@@ -306,65 +355,4 @@ def _differences(driver: str, view: HealthView, published: PublishedView) -> lis
 
 
 def _taint_text(device: SliceDevice) -> str:
-    return ", ".join(_taint(t) for t in device.taints)
-
-
-def _taint(taint: dict[str, Any]) -> str:
-    value = f"={taint['value']}" if taint.get("value") is not None else ""
-    effect = f":{taint['effect']}" if taint.get("effect") else ""
-    return f"{taint.get('key')}{value}{effect}"
-
-
-def render_table(report: dict[str, Any]) -> str:
-    rows: list[tuple[str, ...]] = []
-    for line in report["store"]["failures"]:
-        device = line["device"] or line["gpuUUID"]
-        if line["scope"] == "instance":
-            start, size = line["placement"]
-            gi = line["gpuInstanceId"]
-            device += f" (GPU instance {gi if gi is not None else '?'}, slices {start}+{size})"
-        rows.append(("store", device, _taint(line), line["since"], line["reason"]))
-    for action in report["recovery"]["actions"]:
-        device = action["device"] or action["gpuUUID"]
-        rows.append(("plugin", device, _taint(action), action["since"], action["reason"]))
-    for taint in report["slices"]["taints"]:
-        rows.append(
-            (
-                f"slice {taint['slice']}",
-                taint["device"],
-                _taint(taint),
-                taint["timeAdded"] or "",
-                taint["reason"] or "(no failure recorded)",
-            )
-        )
-    lines: list[str] = []
-    if rows:
-        lines += [format_table(HEADERS, rows)]
-    store, slices, plugin = report["store"], report["slices"], report["plugin"]
-    if store["readable"]:
-        count = len(store["failures"])
-        lines.append(f"store: {count} recorded failure(s) in {store['path']}")
-    else:
-        lines.append(f"store: unknown: {store['problem']}")
-    recovery = report["recovery"]
-    if recovery["read"]:
-        lines.append(
-            f"recovery: {len(recovery['actions'])} NVML recovery action(s) that taint GPUs "
-            "(the running plugin's)"
-        )
-    else:
-        lines.append(f"recovery: unknown: {recovery['problem']}")
-    if slices["read"]:
-        lines.append(
-            f"slices: {len(slices['taints'])} published taint(s) on node {report['node']} "
-            f"({slices['source']})"
-        )
-    else:
-        lines.append(f"slices: not read: {slices['problem']}")
-    if plugin["running"]:
-        accepts = "accepts" if plugin["acceptsClear"] else "does NOT accept"
-        lines.append(f"plugin: running (pid {plugin['pid']}), {accepts} `gpu-dra health clear`")
-    else:
-        lines.append(f"plugin: not found: {plugin['problem']}")
-    lines += [f"note: {note}" for note in report["notes"]]
-    return "\n".join(lines) + "\n"
+    return ", ".join(taint_text(t) for t in device.taints)

@@ -20,6 +20,7 @@ from typing import Any
 
 from driver.health.recovery import KIND_RECOVERY_ACTION
 from driver.observability.status_socket import SOCKET_NAME, status_socket_path
+from driver.state.fileio import permission_denied
 
 DEFAULT_TIMEOUT = 5.0
 
@@ -77,7 +78,7 @@ def fetch_status(path: Path, timeout: float = DEFAULT_TIMEOUT) -> dict[str, Any]
     except FileNotFoundError:
         raise PluginUnreachable(f"{path}: no such socket (is the plugin running?)") from None
     except PermissionError:
-        raise PluginUnreachable(f"{path}: permission denied (the socket is root's)") from None
+        raise PluginUnreachable(permission_denied(path)) from None
     except OSError as err:  # refused (no plugin behind a stale socket), timed out
         raise PluginUnreachable(f"{path}: {err.strerror or err}") from None
     except (http.client.HTTPException, ValueError) as err:  # not HTTP, not JSON

@@ -22,6 +22,7 @@ from driver.kube.connection import InsecureServerError, connect
 from driver.kube.publisher import SLICES_PATH
 
 IN_CLUSTER_ENV = "KUBERNETES_SERVICE_HOST"
+PAGE_SIZE = 500
 
 
 @dataclass(frozen=True)
@@ -65,34 +66,65 @@ def kubeconfig_source(explicit: str | None) -> tuple[str | None, str] | None:
     return None
 
 
-def read_published(
-    node: str, driver: str, kubeconfig: str | None, *, allow_insecure_http: bool = False
-) -> PublishedView:
-    """The node's published devices; never raises for an unreachable API (the
-    problem is reported in the view)."""
+@dataclass(frozen=True)
+class SliceListing:
+    """The ResourceSlices a field selector matched, or why they were not read."""
+
+    source: str  # where the API was found, for the output
+    items: list[dict[str, Any]] = field(default_factory=list)
+    problem: str | None = None  # one line
+
+
+def list_slices(
+    field_selector: str, kubeconfig: str | None, *, allow_insecure_http: bool = False
+) -> SliceListing:
+    """Every ResourceSlice `field_selector` matches (page by page); never raises for an
+    unreachable API (the problem is reported in the listing, on one line)."""
     source = kubeconfig_source(kubeconfig)
     if source is None:
-        return PublishedView(
+        return SliceListing(
             "none",
             problem="no API server configured (give --kubeconfig, set $KUBECONFIG, or run "
             "in the plugin's pod)",
         )
     path, description = source
+    items: list[dict[str, Any]] = []
     try:
         api = KubeApi(connect(path, allow_insecure_http=allow_insecure_http))
-        listed = api.request(
-            "GET",
-            SLICES_PATH,
-            query={"fieldSelector": f"spec.driver={driver},spec.nodeName={node}"},
-            timeout=10.0,
-        )
+        token = None
+        while True:
+            query = {"fieldSelector": field_selector, "limit": str(PAGE_SIZE)}
+            page = api.request("GET", SLICES_PATH, query=query | _cont(token), timeout=10.0)
+            items += page.get("items") or []
+            token = (page.get("metadata") or {}).get("continue")
+            if not token:
+                return SliceListing(description, items)
     except ApiError as err:
-        return PublishedView(description, problem=f"listing ResourceSlices failed: {err}")
+        problem = f"listing ResourceSlices failed: {err}"
     except InsecureServerError as err:
-        return PublishedView(description, problem=f"{err}, or pass --allow-insecure-http")
+        problem = f"{err}, or pass --allow-insecure-http"
     except Exception as err:  # config errors, connection refused, TLS: all just reported
-        return PublishedView(description, problem=f"cannot reach the API server: {err}")
-    return PublishedView(description, devices=devices_of(listed.get("items") or []))
+        problem = f"cannot reach the API server: {err}"
+    return SliceListing(description, problem=" ".join(problem.split()))
+
+
+def _cont(token: str | None) -> dict[str, str]:
+    return {"continue": token} if token else {}
+
+
+def read_published(
+    node: str, driver: str, kubeconfig: str | None, *, allow_insecure_http: bool = False
+) -> PublishedView:
+    """The node's published devices; never raises for an unreachable API (the
+    problem is reported in the view)."""
+    listing = list_slices(
+        f"spec.driver={driver},spec.nodeName={node}",
+        kubeconfig,
+        allow_insecure_http=allow_insecure_http,
+    )
+    if listing.problem is not None:
+        return PublishedView(listing.source, problem=listing.problem)
+    return PublishedView(listing.source, devices=devices_of(listing.items))
 
 
 def devices_of(slices: list[dict[str, Any]]) -> list[SliceDevice]:

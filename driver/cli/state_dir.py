@@ -14,7 +14,7 @@ from pathlib import Path
 
 from driver.health.persistence import HealthRecords, NewerSchemaError, parse_records
 from driver.health.store import DEFAULT_DRIVER_NAME, HealthStore
-from driver.state.fileio import UnsafeFileError, read_file_nofollow
+from driver.state.fileio import UnsafeFileError, permission_denied, read_file_nofollow
 
 STATE_DIR_ENV = "GPU_DRA_STATE_DIR"
 PLUGINS_DIR = Path("/var/lib/kubelet/plugins")
@@ -64,6 +64,8 @@ def read_health(state_dir: Path, driver_name: str = DEFAULT_DRIVER_NAME) -> Heal
         records = HealthRecords()
     except UnsafeFileError as err:
         return HealthView(path, unknown=f"{path} {err.strerror}{CORRUPT_CONSEQUENCE}")
+    except PermissionError:
+        return HealthView(path, unknown=permission_denied(path))
     except OSError as err:
         return HealthView(path, unknown=f"cannot read {path}: {err.strerror or err}")
     except NewerSchemaError as err:

@@ -46,7 +46,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from driver.state.fileio import UnsafeFileError, atomic_write, read_file_nofollow
+from driver.state.fileio import (
+    UnsafeFileError,
+    atomic_write,
+    permission_denied,
+    read_file_nofollow,
+)
 
 log = logging.getLogger(__name__)
 
@@ -263,7 +268,7 @@ def check_active(
             "plugin's data directory"
         ) from None
     except PermissionError:
-        raise ControlError(f"permission denied on {directory}: run as root") from None
+        raise ControlError(permission_denied(directory)) from None
     except UnsafeFileError as err:
         raise ControlError(f"cannot read {marker}: {err.strerror}") from None
     except (OSError, ValueError) as err:
@@ -328,7 +333,7 @@ def deliver(
     try:
         atomic_write(req, json.dumps(request).encode(), mode=0o600, durable=False)
     except PermissionError:
-        raise ControlError(f"permission denied on {directory}: run as root") from None
+        raise ControlError(permission_denied(directory)) from None
     except OSError as err:
         raise ControlError(f"cannot write {req}: {err}") from None
     deadline = time.monotonic() + timeout

@@ -18,6 +18,16 @@ from driver.state.failpoints import failpoint
 TEMP_MARKER: Final = ".tmp-"
 # The plugin's data directory (journal, lock file, health store): owner and group only.
 DATA_DIR_MODE: Final = 0o750
+# What an operator who may not read it does (the operator CLI's permission errors).
+ROOT_ADVICE: Final = (
+    "run as root: in the plugin's pod (kubectl exec), or on the node in a root debug "
+    'container (docs/day-2.md, "On the node")'
+)
+
+
+def permission_denied(path: object) -> str:
+    """One line for a file or directory of the plugin's that this user may not read."""
+    return f"permission denied on {path}: {ROOT_ADVICE}"
 
 
 def temp_name(target: Path) -> Path:

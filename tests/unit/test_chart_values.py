@@ -129,6 +129,26 @@ def test_old_names_print_a_deprecation_note() -> None:
     assert "DEPRECATED" not in install_notes("--set", "nvidiaDriverRoot=/a")
 
 
+def test_notes_tell_how_to_check_that_the_daemonset_matched_gpu_nodes() -> None:
+    """A DaemonSet that matches no node installs "successfully": the notes say how to
+    see it (DESIRED 0) and which nodes the selection matches."""
+    notes = install_notes()
+    assert f"kubectl -n {NAMESPACE} get daemonset {RELEASE}-kubeletplugin" in notes
+    assert "DESIRED 0" in notes and 'docs/install.md, "2. Node selection"' in notes
+    assert "kubectl get nodes -l 'nvidia.com/gpu.present in (true)'" in notes
+    assert "feature.node.kubernetes.io/pci-10de.present=true" in notes
+    hardened = install_notes(
+        "--set",
+        "kubeletPlugin.gpuNodeLabel.key=node-restriction.kubernetes.io/gpu",
+        "--set",
+        "kubeletPlugin.gpuNodeLabel.nfdPciLabels=false",
+    )
+    assert "kubectl get nodes -l 'node-restriction.kubernetes.io/gpu in (true)'" in hardened
+    assert "pci-10de" not in hardened
+    every_node = install_notes("--set", "kubeletPlugin.gpuNodeLabel.key=")
+    assert "get daemonset" in every_node and "kubectl get nodes -l" not in every_node
+
+
 XID_VALUES = {
     "kubeletPlugin.health.fatalXids": ("FATAL_XIDS", "--fatal-xids"),
     "kubeletPlugin.health.additionalXidsToIgnore": (

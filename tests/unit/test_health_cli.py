@@ -573,3 +573,46 @@ def test_concurrent_clears_are_each_answered(plugin: Plugin, tmp_path: Path) -> 
     for t in threads:
         t.join(5)
     assert code == 0 and plugin.store.failed_gpus() == {}
+
+
+def nvidia_information(uuid: str, minor: int) -> str:
+    """/proc/driver/nvidia/gpus/<bus id>/information as the NVIDIA kernel driver writes it."""
+    return (
+        "Model: \t\t NVIDIA H100 80GB HBM3\nIRQ:   \t\t 0\n"
+        f"GPU UUID: \t {uuid}\nVideo BIOS: \t 96.00.99.00.01\nBus Type: \t PCIe\n"
+        f"DMA Size: \t 52 bits\nBus Location: \t 0000:{minor + 0x18:02x}:00.0\n"
+        f"Device Minor: \t {minor}\nGPU Firmware: \t N/A\nGPU Excluded:\t No\n"
+    )
+
+
+def test_without_slices_plugin_or_nvml_devices_are_named_by_the_kernel_driver(
+    plugin: Plugin, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A debug container on the node: no API server, no plugin answering, no NVML in the
+    image; the kernel driver's /proc files still name each GPU's minor."""
+    from driver.cli import gpu_names
+
+    def no_nvml(**_: Any) -> Any:
+        raise RuntimeError("NVML Shared Library Not Found")
+
+    monkeypatch.setattr(gpu_names, "select_backend", no_nvml)
+    proc = tmp_path / "proc-gpus"
+    for minor in (5, 6):
+        (proc / f"0000:{minor:02x}:00.0").mkdir(parents=True)
+        (proc / f"0000:{minor:02x}:00.0" / "information").write_text(
+            nvidia_information(plugin.uuid(minor), minor)
+        )
+    monkeypatch.setattr(gpu_names, "PROC_GPUS", proc)
+    plugin.store.record_xid(plugin.uuid(6), 48)
+    state = ["--state-dir", str(tmp_path)]
+    code, out, _ = gpu_dra(["health", *state])
+    assert code == 0
+    assert out.splitlines()[1].split()[:2] == ["store", "gpu-6"]
+    assert plugin.uuid(6) not in out
+    assert f"names: from {proc}" in out
+
+    monkeypatch.setattr(gpu_names, "PROC_GPUS", tmp_path / "absent")
+    code, out, _ = gpu_dra(["health", *state])
+    names = [line for line in out.splitlines() if line.startswith("names:")]
+    assert plugin.uuid(6) in out and len(names) == 1
+    assert "GPU UUIDs" in names[0] and "NVML Shared Library Not Found" in names[0]

@@ -153,7 +153,7 @@ def test_kind_list_and_typed_lists(tmp_path: Path) -> None:
     assert problems(err) == [
         f"{listed}: List/#1: items[1]: ResourceClaim/b1: spec.devices.config[0].opaque"
         ".parameters.sharing.strategy: unknown GPU sharing strategy: 'Fast' (must be one of "
-        "TimeSlicing, SpacePartitioning)"
+        "TimeSlicing, SpacePartitioning, MPS)"
     ]
     typed = tmp_path / "typed.yaml"
     typed.write_text(
