@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import shutil
 import tempfile
+import threading
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -132,10 +133,35 @@ def mps_setup(cluster: Any) -> Iterator[Setup]:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+class TerminatingPodsFinisher(threading.Thread):
+    """What the node's kubelet does for a deleted pod bound to it, on a cluster without
+    one: confirms its termination (deletes it with grace period 0), so the pods the
+    Deployment controller made go when the Deployment does."""
+
+    def __init__(self, cluster: Any, namespace: str) -> None:
+        super().__init__(daemon=True)
+        self.cluster, self.namespace = cluster, namespace
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        while not self.done.wait(0.5):
+            listed = self.cluster.kubectl(
+                "get", "pods", "-n", self.namespace, "-o", "json", check=False
+            )
+            for pod in json.loads(listed.stdout or "{}").get("items", []):
+                if pod["metadata"].get("deletionTimestamp"):
+                    self.cluster.kubectl(
+                        "delete", "pod", "-n", self.namespace, pod["metadata"]["name"],
+                        "--grace-period=0", "--force", "--wait=false", check=False,
+                    )  # fmt: skip
+
+
 def test_the_plugins_daemon_code_creates_and_deletes_its_nodes_deployment(
-    mps_setup: Setup,
+    cluster: Any, mps_setup: Setup
 ) -> None:
     s = mps_setup
+    kubelet = TerminatingPodsFinisher(cluster, s.ns)
+    kubelet.start()
     daemons = KubeDaemons(s.api, s.settings(s.node_a), gone_timeout=60)
     record = MpsRecord("GPU-x", "claim-a-gpu-0", 50, 1 << 30)
     body = daemon_deployment(
@@ -146,7 +172,10 @@ def test_the_plugins_daemon_code_creates_and_deletes_its_nodes_deployment(
     stamped = MpsRecord("GPU-x", "claim-a-gpu-0", deployment=name,
                         deployment_uid=created["metadata"]["uid"])  # fmt: skip
     assert daemons.alive(stamped)
-    daemons.stop(stamped, DaemonDirs(Path("/p"), Path("/l"), Path("/s")))
+    try:
+        daemons.stop(stamped, DaemonDirs(Path("/p"), Path("/l"), Path("/s")))
+    finally:
+        kubelet.done.set()
     assert not daemons.alive(stamped)
 
 
