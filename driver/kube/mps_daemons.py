@@ -108,7 +108,7 @@ class KubeDaemons:
 
     def _what(self, record: MpsRecord, name: str) -> str:
         return (
-            f"the MPS daemon of device {record.directory} (GPU {record.gpu_uuid}), "
+            f"its MPS daemon ({record.directory}, GPU {record.gpu_uuid}), "
             f"Deployment {self.settings.namespace}/{name}"
         )
 

@@ -1,7 +1,8 @@
 """MPS control daemons of prepared claims (docs/mps.md).
 
 A device whose effective GpuConfig is `MPS` gets a daemon of its own, for its GPU
-alone: its directory `<plugin data dir>/mps/<CDI device name>/` holds `pipe/`
+alone: its directory `<plugin data dir>/mps/<digest of the CDI device name>/` holds
+`pipe/`
 (mounted into the device's containers at /tmp/nvidia-mps, where
 CUDA_MPS_PIPE_DIRECTORY points), `log/` and, for a daemon in a pod of its own,
 `shm/` (its and its clients' /dev/shm). The daemon is told the config's default
@@ -27,6 +28,7 @@ Deployment's name and UID) in the `PrepareCompleted` entry:
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import shutil
 from collections.abc import Collection, Mapping, Sequence
@@ -46,6 +48,7 @@ log = logging.getLogger(__name__)
 
 CONTAINER_PIPE_DIRECTORY: Final = "/tmp/nvidia-mps"
 CONTAINER_SHM_DIRECTORY: Final = "/dev/shm"
+DIRECTORY_DIGITS: Final = 16
 
 
 class MpsOps(Protocol):
@@ -97,6 +100,14 @@ class MpsPlan:
     mounts: tuple[CdiMount, ...]
 
 
+def daemon_directory(cdi_name: str) -> str:
+    """The daemon's directory under the MPS root: a digest of the CDI device name (a
+    claim UID, the device and a share id: 80 characters and more). The daemon's
+    control sockets live in its pipe directory, and a unix socket's path is at most
+    107 bytes; the digest is also a valid label value (63 at most)."""
+    return hashlib.sha256(cdi_name.encode()).hexdigest()[:DIRECTORY_DIGITS]
+
+
 def daemon_dirs(root: Path, record: MpsRecord) -> DaemonDirs:
     base = root / record.directory
     return DaemonDirs(base / "pipe", base / "log", base / "shm")
@@ -127,7 +138,9 @@ def plan_mps(
         if mps.defaultPinnedDeviceMemoryLimit is not None
         else None
     )
-    record = MpsRecord(gpu_uuid, cdi_name, mps.defaultActiveThreadPercentage, memory)
+    record = MpsRecord(
+        gpu_uuid, daemon_directory(cdi_name), mps.defaultActiveThreadPercentage, memory
+    )
     env = [f"CUDA_MPS_PIPE_DIRECTORY={CONTAINER_PIPE_DIRECTORY}"]
     if record.active_thread_percentage is not None:
         env.append(f"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE={record.active_thread_percentage}")
@@ -239,11 +252,19 @@ class ClaimMps:
         try:
             for device in devices:
                 record = device.mps
-                out.append(device if record is None else replace(device, mps=self._start(record)))
+                out.append(
+                    device if record is None else replace(device, mps=self._started(device, record))
+                )
         except DriverError:
             self.restore(out)
             raise
         return tuple(out)
+
+    def _started(self, device: PreparedDevice, record: MpsRecord) -> MpsRecord:
+        try:
+            return self._start(record)
+        except DriverError as err:
+            raise transient(f"device {device.device_name}: {err}") from err
 
     def restore(self, devices: Sequence[PreparedDevice]) -> None:
         """Stop every daemon the devices may have started. Raises a transient error

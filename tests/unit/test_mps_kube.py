@@ -25,6 +25,7 @@ from driver.nvml.backend import NvmlBackend
 from driver.nvml.mock.nvml import MockNvml
 from driver.nvml.mps import DaemonDirs
 from driver.state.checkpoint import Checkpoint
+from driver.state.mps import daemon_directory
 from driver.state.mps_record import MpsRecord
 from driver.state.prepare import DeviceState
 from driver.state.recovery import RecoveryReport
@@ -173,7 +174,7 @@ def test_prepare_creates_a_deployment_pinned_to_the_node_and_waits_until_it_is_r
     result = state.prepare([node.claims.add("a")])["a"]
     assert result.error is None, result.error
     record = node.record("a")
-    name = deployment_name(NODE, "a-gpu-0")
+    name = deployment_name(NODE, daemon_directory("a-gpu-0"))
     assert (record.deployment, record.pid) == (name, 0)
     deployment = node.cluster.deployments[name]
     assert record.deployment_uid == deployment["metadata"]["uid"]
@@ -185,7 +186,7 @@ def test_prepare_creates_a_deployment_pinned_to_the_node_and_waits_until_it_is_r
     (container,) = pod["containers"]
     assert container["image"] == IMAGE and container["securityContext"]["privileged"] is True
     gpu0 = node.backend.discover().gpus[0].uuid
-    base = node.root / "plugin" / "mps" / "a-gpu-0"
+    base = node.root / "plugin" / "mps" / daemon_directory("a-gpu-0")
     assert container["command"][0] == "gpu-dra-mps-daemon"
     assert {
         f"--pipe-directory={base / 'pipe'}",
@@ -213,7 +214,7 @@ def test_unprepare_deletes_the_deployment_and_waits_until_its_pod_is_gone(node: 
     assert state.unprepare([ref]) == {"a": None}
     assert name not in node.cluster.deployments and name not in node.cluster.pods
     assert node.cluster.log.count(f"GET {PODS}") == node.cluster.terminating + 1
-    assert not (node.root / "plugin" / "mps" / "a-gpu-0").exists()
+    assert not (node.root / "plugin" / "mps" / daemon_directory("a-gpu-0")).exists()
     assert "a" not in Checkpoint(node.root / "plugin").load()
 
 
@@ -223,10 +224,10 @@ def test_a_pod_that_never_gets_ready_fails_the_prepare_naming_the_device(node: N
     error = state.prepare([node.claims.add("a")])["a"].error
     assert error is not None and not error.permanent
     text = str(error)
-    assert "device a-gpu-0" in text and "did not get ready in 30s" in text, text
+    assert "device gpu-0" in text and "did not get ready in 30s" in text, text
     assert "ErrImagePull: no such image" in text, text
     assert node.cluster.deployments == {} and node.cluster.pods == {}
-    assert not (node.root / "plugin" / "mps" / "a-gpu-0").exists()
+    assert not (node.root / "plugin" / "mps" / daemon_directory("a-gpu-0")).exists()
 
 
 def test_a_plugin_restart_adopts_the_deployment_and_recreates_a_missing_one(
@@ -258,7 +259,7 @@ def test_an_intent_left_by_a_crash_deletes_the_deployment_by_its_derived_name(
 ) -> None:
     daemons = node.daemons()
     record = MpsRecord("GPU-x", "a-gpu-0", 50)  # the intent: no name, no UID yet
-    dirs_root = node.root / "plugin" / "mps" / "a-gpu-0"
+    dirs_root = node.root / "plugin" / "mps" / daemon_directory("a-gpu-0")
     dirs = DaemonDirs(dirs_root / "pipe", dirs_root / "log", dirs_root / "shm")
     started = daemons.start(record, dirs)
     assert started.deployment in node.cluster.deployments
@@ -291,5 +292,5 @@ def test_a_crash_after_the_deployment_was_created_leaves_nothing_after_the_resta
 
     node.state()  # the restart rolls the intent back
     assert node.cluster.deployments == {} and name not in node.cluster.pods
-    assert not (node.root / "plugin" / "mps" / "a-gpu-0").exists()
+    assert not (node.root / "plugin" / "mps" / daemon_directory("a-gpu-0")).exists()
     assert "a" not in Checkpoint(node.root / "plugin").load()

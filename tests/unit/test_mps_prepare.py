@@ -22,6 +22,7 @@ from driver.nvml.mock.nvml import MockNvml
 from driver.nvml.mps import DaemonDirs, DaemonId, MpsControl, is_running
 from driver.state.checkpoint import Checkpoint
 from driver.state.claims import ClaimRef
+from driver.state.mps import daemon_directory, daemon_dirs
 from driver.state.mps_record import MpsRecord
 from driver.state.prepare import DeviceState
 from driver.state.recovery import RecoveryReport
@@ -133,7 +134,7 @@ def test_prepare_starts_one_daemon_with_the_limits_and_unprepare_stops_it(node: 
     record = node.record("a")
     dirs = node.dirs(record)
     gpu0 = node.backend.discover().gpus[0].uuid
-    assert record.gpu_uuid == gpu0 and record.directory == "a-gpu-0"
+    assert record.gpu_uuid == gpu0 and record.directory == daemon_directory("a-gpu-0")
     assert (record.active_thread_percentage, record.pinned_memory_bytes) == (25, 2 << 30)
     assert node.daemons() == [record.pid]
     assert is_running(DaemonId(record.pid, record.start_time))
@@ -202,3 +203,15 @@ def test_a_node_without_mps_refuses_an_mps_claim(node: Node) -> None:
     result = state.prepare([node.claims.add("a")])["a"]
     assert result.error is not None and result.error.permanent
     assert "MPS is not available on this node" in str(result.error)
+
+
+def test_the_daemons_control_socket_fits_under_the_default_data_dir() -> None:
+    """The daemon binds its control sockets in its pipe directory; a unix socket's path
+    is at most 107 bytes. Named after the CDI device (claim UID, device, share id), the
+    pipe directory took the mock's stand-in (and would take the real daemon) past it
+    on the e2e cluster: `AF_UNIX path too long`."""
+    cdi_name = "5c746777-279c-4b4a-b5b8-c9645ff04b90-gpu-16-7dc1de94-996e-4ba7-90f8-3d5e29ca0e97"
+    record = MpsRecord("GPU-x", daemon_directory(cdi_name))
+    pipe = daemon_dirs(Path("/var/lib/kubelet/plugins/gpu.example.com/mps"), record).pipe
+    assert len(str(pipe / "control_privileged").encode()) <= 107
+    assert len(record.directory) <= 63  # also a label value of the daemon's Deployment
