@@ -129,7 +129,7 @@ def plan_mps(
                     f"{path}.sharing.strategy" if path else "sharing.strategy",
                     "MPS is not available on this node: it is not enabled "
                     "(--mps-daemons) or there is no nvidia-cuda-mps-control in its "
-                    "driver root (select devices with the mps attribute)",
+                    "driver root",
                 )
             ]
         )
