@@ -49,7 +49,7 @@ def as_unprivileged(argv: list[str]) -> list[str]:
         return argv
     setpriv = shutil.which("setpriv")
     if setpriv is None:
-        pytest.skip("running as root without setpriv: cannot drop privileges")
+        pytest.fail("running as root without setpriv (util-linux): cannot drop privileges")
     return [setpriv, f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", *argv]
 
 

@@ -67,7 +67,7 @@ def kubectl() -> Path:
     )
     path = Path(proc.stdout.strip()) / "kubectl"
     if proc.returncode != 0 or not path.is_file():
-        pytest.skip("no kubectl built (hack/local-cluster.sh build)")
+        pytest.fail("no kubectl built: run hack/local-cluster.sh build (make test does)")
     return path
 
 
