@@ -5,9 +5,11 @@
 #   3. helm install the driver (mock GPUs) as a DaemonSet on that node
 #   4. demo/partitions/: the driver upgraded to reference partitions for the
 #      partition-sharing example, then back to the demo values
-#   5. apply demo/[0-9]*.yaml, print per pod and container the GPUs it sees (the
+#   5. demo/mps/: the driver upgraded to run MPS daemons; two shares of one GPU, each
+#      limited by a daemon of its own; then back to the demo values
+#   6. apply demo/[0-9]*.yaml, print per pod and container the GPUs it sees (the
 #      GPU_DEVICE_* variables CDI put into the container environment)
-#   6. the permanent-error scenario (KEP-5322) and the Xid/NoExecute scenario; the
+#   7. the permanent-error scenario (KEP-5322) and the Xid/NoExecute scenario; the
 #      permanent error twice: on today's kubelet (retrying) and on the KEP-5322
 #      prototype kubelet (hack/patches/, docs/kep-5322.md), which fails the pod at once
 # The cluster stays up afterwards; `hack/local-cluster.sh down` stops it. The demo's
@@ -32,12 +34,12 @@ step() { printf '\n\033[1m[demo %4ss] == %s\033[0m\n' "$(( $(date +%s) - START )
 say() { printf '[demo %4ss] %s\n' "$(( $(date +%s) - START ))" "$*"; }
 die() { printf 'demo: %s\n' "$*" >&2; exit 1; }
 
-step "1/7 build what is missing (cold: about an hour on 2 cores; warm: seconds)"
+step "1/8 build what is missing (cold: about an hour on 2 cores; warm: seconds)"
 "$CLUSTER" build
 HELM=$("$REPO/hack/install-helm.sh" | tail -n 1)
 "$REPO/hack/build-kubelet-kep5322.sh" >/dev/null # the KEP-5322 prototype kubelet
 
-step "2/7 start the local cluster with its node"
+step "2/8 start the local cluster with its node"
 "$CLUSTER" up --with-node
 eval "$("$CLUSTER" env)"
 k() { kubectl "$@"; }
@@ -77,7 +79,7 @@ show_gpus() {
   for pod in $(k -n "$ns" get pods -l app=gpu-demo -o jsonpath='{.items[*].metadata.name}'); do
     for c in $(k -n "$ns" get pod "$pod" -o jsonpath='{.spec.initContainers[*].name} {.spec.containers[*].name}'); do
       gpus=$(k -n "$ns" logs "$pod" -c "$c" | sed -n 's/^GPU_DEVICE_[A-Z0-9_]*=\(gpu-.*\)$/\1/p' | sort -V | tr '\n' ' ')
-      extra=$(k -n "$ns" logs "$pod" -c "$c" | grep -E '_(SHARING_STRATEGY|TIMESLICE_INTERVAL|PARTITION_COUNT|MEMORY|COMPUTE)=|^DRA_ADMIN_ACCESS=true' | sed 's/^GPU_DEVICE_//' | sort -u | tr '\n' ' ')
+      extra=$(k -n "$ns" logs "$pod" -c "$c" | grep -E '_(SHARING_STRATEGY|TIMESLICE_INTERVAL|PARTITION_COUNT|MEMORY|COMPUTE)=|^DRA_ADMIN_ACCESS=true|^CUDA_MPS_(ACTIVE_THREAD_PERCENTAGE|PINNED_DEVICE_MEM_LIMIT)=' | sed 's/^GPU_DEVICE_//' | sort -u | tr '\n' ' ')
       printf '  %-8s %-8s GPUs: %s\n' "$pod" "$c" "${gpus:-none}"
       [[ -n $extra ]] && printf '  %-17s %s\n' "" "$extra"
     done
@@ -93,14 +95,14 @@ wait_ready() { # <namespace|-A> <what>
   k get pods "${scope[@]}" -l app=gpu-demo -o wide
 }
 
-step "3/7 helm install the driver gpu-dra-driver:$IMAGE_TAG (mock GPUs, values-mock.yaml + demo/values-demo.yaml)"
+step "3/8 helm install the driver gpu-dra-driver:$IMAGE_TAG (mock GPUs, values-mock.yaml + demo/values-demo.yaml)"
 install_driver "472 0"
 
 # Reference partitions replace the MIG devices node-wide, so this example runs alone,
 # before the others (nothing may hold a MIG device or a whole GPU while the layout
 # changes) and the driver goes back to the demo values afterwards.
 PARTITION_EXAMPLE=$DEMO_DIR/partitions/shared-partition-capacity.yaml
-step "4/7 sharing a partition by capacity (helm upgrade -f demo/partitions/values.yaml: kubeletPlugin.gpuPartitions=4)"
+step "4/8 sharing a partition by capacity (helm upgrade -f demo/partitions/values.yaml: kubeletPlugin.gpuPartitions=4)"
 if [[ -n $(k get resourceclaims -A -o name) ]]; then
   say "skipped: ResourceClaims of an earlier run hold devices of the MIG layout (GPU_DRA_DEMO_CLEAN=1 removes the examples at the end of a run)"
 else
@@ -114,7 +116,27 @@ else
   install_driver "472 0"
 fi
 
-step "5/7 apply the examples"
+MPS_EXAMPLE=$DEMO_DIR/mps/enforced-shares.yaml
+step "5/8 shares enforced through MPS (helm upgrade -f demo/mps/values.yaml: kubeletPlugin.mps.enabled=true)"
+if [[ -n $(k get resourceclaims -A -o name) ]]; then
+  say "skipped: ResourceClaims of an earlier run hold devices (GPU_DRA_DEMO_CLEAN=1 removes the examples at the end of a run)"
+else
+  install_driver "472 0" "$DEMO_DIR/mps/values.yaml"
+  k apply -f "$MPS_EXAMPLE" >/dev/null
+  wait_ready gpu-demo-mps "MPS example pods"
+  show_gpus "$MPS_EXAMPLE"
+  say "each share's MPS daemon (a Deployment in $DRIVER_NS), with the limits it holds (read back through its control pipe):"
+  for d in $(k -n "$DRIVER_NS" get deployments -l gpu.example.com/mps-daemon -o jsonpath='{.items[*].metadata.name}'); do
+    printf '  %s on GPU %s: %s\n' "$d" "$(k -n "$DRIVER_NS" get deployment "$d" -o jsonpath='{.metadata.annotations.gpu\.example\.com/gpu}')" \
+      "$(k -n "$DRIVER_NS" logs "deployment/$d" | sed -n 's/.*MPS control daemon [0-9]* for GPU [^ ]* \(holds .*\)$/\1/p' | tail -n 1)"
+  done
+  k delete -f "$MPS_EXAMPLE" --wait=true --timeout=240s >/dev/null
+  left=$(k -n "$DRIVER_NS" get deployments -l gpu.example.com/mps-daemon -o name | wc -l)
+  say "the pods deleted: their claims unprepared, $left MPS daemon Deployment(s) left; back to the demo values"
+  install_driver "472 0"
+fi
+
+step "6/8 apply the examples"
 # Cluster-scoped objects of the examples outlive their namespaces: delete them however
 # the demo ends (at the end, or on a failure through the trap; the examples' pods keep
 # running, NoSchedule evicts nothing).
@@ -130,12 +152,12 @@ done
 say "waiting for every example pod to be Ready"
 wait_ready -A "example pods"
 
-step "6/7 the GPUs each container sees (kubectl logs: env | grep GPU_DEVICE)"
+step "7/8 the GPUs each container sees (kubectl logs: env | grep GPU_DEVICE)"
 for f in "$DEMO_DIR"/[0-9]*.yaml; do show_gpus "$f"; done
 say "prioritized alternatives: $(k -n gpu-demo-prioritized get resourceclaims -o jsonpath='{range .items[*]}{.metadata.name}={.status.allocation.devices.results[0].request} {end}')"
 say "extended resources: $(k -n gpu-demo-extended-resources get pods -o jsonpath='{range .items[*]}{.metadata.name}: claim {.status.extendedResourceClaimStatus.resourceClaimName} for {.status.extendedResourceClaimStatus.requestMappings[0].resourceName}; {end}')"
 
-step "7/7 failure scenarios"
+step "8/8 failure scenarios"
 say "permanent error: a claim asks for 64 partitions (demo/scenarios/permanent-error.yaml)"
 k apply -f "$DEMO_DIR/scenarios/permanent-error.yaml" >/dev/null
 msg=

@@ -78,8 +78,9 @@ DEFAULT_DRIVER_NAME = "gpu.example.com"
 DIRECTORY_SUFFIXES = (".yaml", ".yml", ".json")
 PROG = "gpu-dra validate"
 SPACE_PARTITIONING_NOTE = (
-    "note: SpacePartitioning is advisory on real GPUs: the container gets the partition "
-    "count as env (GPU_DEVICE_<id>_PARTITION_COUNT), no MPS daemon splits the GPU"
+    "note: SpacePartitioning is enforced only on nodes that run MPS (devices with the "
+    "attribute mps: true: each process gets 1/partitionCount of the GPU's memory and "
+    "SMs); elsewhere it is advisory: the container gets GPU_DEVICE_<id>_PARTITION_COUNT"
 )
 
 

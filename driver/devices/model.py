@@ -130,6 +130,12 @@ def _gpu_attributes(gpu: GpuInfo, inventory: Inventory) -> dict[str, Any]:
     return attrs
 
 
+def _mps_attr(options: PoolOptions) -> dict[str, Any]:
+    """`mps: true` on the devices of a GPU with MIG off where the node runs MPS: their
+    shares, partitions and SpacePartitioning are limited by MPS (docs/sharing.md)."""
+    return {"mps": bool_attr(True)} if options.mps else {}
+
+
 def _compute(gpu: GpuInfo) -> int:
     return gpu.compute if gpu.compute is not None else DEFAULT_COMPUTE
 
@@ -197,6 +203,7 @@ def _reference_partitions(
         # from its other partitions (MIG partitions publish `isolated: true`).
         attrs = {
             **gpu_attrs,
+            **_mps_attr(options),
             "partition": int_attr(j),
             "partitionable": bool_attr(True),
             "isolated": bool_attr(False),
@@ -214,7 +221,12 @@ def _reference_partitions(
             )
         )
     name = f"gpu-{gpu.minor}-full"
-    attrs = {**gpu_attrs, "partitionable": bool_attr(True), "full": bool_attr(True)}
+    attrs = {
+        **gpu_attrs,
+        **_mps_attr(options),
+        "partitionable": bool_attr(True),
+        "full": bool_attr(True),
+    }
     doc = device_doc(name, attrs, {k: quantity(v) for k, v in whole.items()})
     doc["consumesCounters"] = [
         {"counterSet": set_name, "counters": {k: quantity(v) for k, v in whole.items()}}
@@ -323,7 +335,9 @@ def build_pool(
             modes[gpu.uuid] = mode
             notes += why
         else:
-            doc = device_doc(f"gpu-{gpu.minor}", attrs, _base_capacity(gpu))
+            doc = device_doc(
+                f"gpu-{gpu.minor}", {**attrs, **_mps_attr(options)}, _base_capacity(gpu)
+            )
             share = make_shareable(doc) if options.allow_multiple_allocations else None
             if gpu.reference_example and share is None:
                 doc["allowMultipleAllocations"] = False

@@ -54,6 +54,10 @@ class PoolOptions:
     # profile labels ("1g10gb", `documents.profile_label`); empty: every profile. The
     # whole GPU is published either way.
     mig_profiles: tuple[str, ...] = ()
+    # The node runs MPS daemons (`--mps-daemons`, docs/sharing.md): every device on a
+    # GPU with MIG off carries `mps: true`, its shares, partitions and SpacePartitioning
+    # get limits MPS enforces, and a claim may ask for the MPS strategy.
+    mps: bool = False
 
     def __post_init__(self) -> None:
         if self.gpu_partitions < 0:

@@ -175,7 +175,8 @@ class Plugin:
         # The listing and the journal snapshot of one moment, under the node lock (an
         # old instance may still be serving during a rolling update).
         inventory, owned_mig = state.discover_with_owned(backend.discover)
-        options = o.pool_options()
+        # `mps: true` where the node runs MPS daemons (docs/sharing.md).
+        options = replace(o.pool_options(), mps=state.mps.site is not None)
         node_profiles = node_label.profiles()
         if node_profiles is not None:
             log.info("MIG profiles from the Node's label: %s", ", ".join(node_profiles))

@@ -147,7 +147,7 @@ ALLOW_MULTIPLE_ALLOCATIONS = Setting(
     "--gpu-allow-multiple-allocations",
     "publish whole GPUs and --gpu-partitions partitions with allowMultipleAllocations "
     "and memory/compute request policies (consumable capacity; shares are time-sliced, "
-    "limits advisory: docs/sharing.md)",
+    "limits enforced through MPS with --mps-daemons, else advisory: docs/sharing.md)",
     v.boolean,
     "false",
     switch=True,
@@ -236,9 +236,10 @@ MPS_DAEMON_PLACES = ("off", "node", "kubernetes")
 MPS_DAEMONS = Setting(
     "mps_daemons",
     "--mps-daemons",
-    "where the MPS control daemons of MPS claims run (docs/mps.md): off (MPS claims are "
-    "refused), node (processes of this node: the plugin outside Kubernetes), kubernetes "
-    "(a Deployment per device in --pod-namespace)",
+    "where the MPS control daemons run (docs/mps.md): off (MPS claims are refused; "
+    "shares, partitions and SpacePartitioning advisory), node (processes of this node: "
+    "the plugin outside Kubernetes), kubernetes (a Deployment per device in "
+    "--pod-namespace)",
     v.choice(*MPS_DAEMON_PLACES),
     "off",
     metavar="{" + ",".join(MPS_DAEMON_PLACES) + "}",

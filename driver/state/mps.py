@@ -36,12 +36,12 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Final, Protocol
 
-from driver.config import ConfigError, GpuConfig
-from driver.config.mps_limits import memory_limit_bytes, mps_memory_text
+from driver.config.mps_limits import mps_memory_text
 from driver.errors import DriverError, transient
 from driver.nvml.mps import DaemonDirs, DaemonId, is_running
 from driver.state.cdi import CdiMount
 from driver.state.checkpoint import ClaimEntry, ClaimState, PreparedDevice
+from driver.state.mps_limits import MpsLimits
 from driver.state.mps_record import MpsRecord
 
 log = logging.getLogger(__name__)
@@ -114,32 +114,15 @@ def daemon_dirs(root: Path, record: MpsRecord) -> DaemonDirs:
 
 
 def plan_mps(
-    config: GpuConfig, *, gpu_uuid: str, cdi_name: str, site: MpsSite | None, path: str = ""
+    limits: MpsLimits | None, *, gpu_uuid: str, cdi_name: str, site: MpsSite | None
 ) -> MpsPlan | None:
-    """The daemon an `MPS` config asks for this device, None for other strategies.
-    `site` None: this node has no MPS (no binary in its driver root, or MPS not
-    enabled), a permanent invalid-config error."""
-    mps = config.mps
-    if mps is None:
+    """The daemon of a device prepared with `limits` (driver/state/mps_limits.py), None
+    for no daemon; `site` None only with no limits (a node without MPS)."""
+    if limits is None or site is None:
         return None
-    if site is None:
-        raise ConfigError(
-            [
-                (
-                    f"{path}.sharing.strategy" if path else "sharing.strategy",
-                    "MPS is not available on this node: it is not enabled "
-                    "(--mps-daemons) or there is no nvidia-cuda-mps-control in its "
-                    "driver root",
-                )
-            ]
-        )
-    memory = (
-        memory_limit_bytes(mps.defaultPinnedDeviceMemoryLimit)
-        if mps.defaultPinnedDeviceMemoryLimit is not None
-        else None
-    )
+    memory = limits.pinned_memory_bytes
     record = MpsRecord(
-        gpu_uuid, daemon_directory(cdi_name), mps.defaultActiveThreadPercentage, memory
+        gpu_uuid, daemon_directory(cdi_name), limits.active_thread_percentage, memory
     )
     env = [f"CUDA_MPS_PIPE_DIRECTORY={CONTAINER_PIPE_DIRECTORY}"]
     if record.active_thread_percentage is not None:

@@ -33,6 +33,7 @@ from driver.state.checkpoint import MigRecord, PreparedDevice
 from driver.state.claims import ClaimRef, DeviceHealth, PreparableDevice
 from driver.state.device_nodes import CharMajors, DeviceNode, DeviceNodeError
 from driver.state.mps import MpsSite, plan_mps
+from driver.state.mps_limits import allotment, mps_limits
 from driver.state.timeslice_record import TimeSliceRecord
 
 
@@ -179,7 +180,14 @@ def plan_claim(
         share_id = result.get("shareID") or None
         consumed = result.get("consumedCapacity") or {}
         cdi_name = cdi_device_name(ref.uid, name, share_id)
-        mps = plan_mps(config, gpu_uuid=device.gpu_uuid, cdi_name=cdi_name, site=mps_site)
+        limits = mps_limits(
+            config,
+            allotment(device, devices, consumed if share_id else {}),
+            device_name=name,
+            # MPS serves a GPU with MIG off, never with admin access (observing).
+            mps_available=mps_site is not None and _no_time_slice(device, admin) is None,
+        )
+        mps = plan_mps(limits, gpu_uuid=device.gpu_uuid, cdi_name=cdi_name, site=mps_site)
         prepared = PreparedDevice(
             pool_name=str(result.get("pool")),
             device_name=name,

@@ -7,7 +7,9 @@ container sees CUDA_MPS_PIPE_DIRECTORY, the daemon's control socket through its 
 mount and the daemon's shm directory at /dev/shm. The plugin's pod is deleted: the
 daemon's pod keeps running (same UID, no restart), the new plugin adopts it, and the
 client still reaches it. Deleting the pod unprepares the claim, which deletes the
-Deployment and waits for its pod. Back to the demo values at the end."""
+Deployment and waits for its pod. demo/mps/enforced-shares.yaml: two capacity shares
+of one GPU, each limited by a daemon of its own with its share's memory and SMs. Back
+to the demo values at the end."""
 
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.conftest import wait_for
+from tests.conftest import REPO, wait_for
 from tests.e2e.conftest import DRIVER, E2E, NAMESPACE, install_chart
 
 NS = "gpu-e2e-mps"
@@ -133,20 +135,11 @@ def test_the_daemon_deployment_outlives_a_plugin_restart_and_goes_with_the_claim
     (container,) = daemon["spec"]["containers"]
     assert container["image"] == e.plugin_pod()["spec"]["containers"][0]["image"]
     assert "--active-thread-percentage=50" in container["command"], container["command"]
-    pipe = next(
-        a.split("=", 1)[1] for a in container["command"] if a.startswith("--pipe-directory=")
-    )
-    root = next(a.split("=", 1)[1] for a in container["command"] if a.startswith("--driver-root="))
+    root = _command_value(daemon, "--driver-root")
     daemon_name = daemon["metadata"]["name"]
 
     def ask(line: str) -> str:
-        """The stand-in nvidia-cuda-mps-control, run in the daemon's pod, asked `line`."""
-        script = (
-            f"echo {line} | CUDA_MPS_PIPE_DIRECTORY={pipe} {root}/usr/bin/nvidia-cuda-mps-control"
-        )
-        return e.kubectl(
-            "exec", "-n", NAMESPACE, daemon_name, "--", "sh", "-c", script
-        ).stdout.strip()
+        return _ask(e, daemon, line)
 
     mock_binary = e.kubectl(
         "exec", "-n", NAMESPACE, daemon_name, "--", "cat", f"{root}/usr/bin/nvidia-cuda-mps-control"
@@ -200,3 +193,57 @@ def test_the_daemon_deployment_outlives_a_plugin_restart_and_goes_with_the_claim
     assert claims == [] or all(c["metadata"].get("deletionTimestamp") for c in claims), json.dumps(
         claims
     )[:2000]
+
+
+def _command_value(pod: dict[str, Any], flag: str) -> str:
+    (container,) = pod["spec"]["containers"]
+    return next(a.split("=", 1)[1] for a in container["command"] if a.startswith(f"{flag}="))
+
+
+def _ask(e: E2E, daemon: dict[str, Any], line: str) -> str:
+    """The stand-in nvidia-cuda-mps-control, run in the daemon's pod, asked `line`."""
+    pipe = _command_value(daemon, "--pipe-directory")
+    root = _command_value(daemon, "--driver-root")
+    script = f"echo {line} | CUDA_MPS_PIPE_DIRECTORY={pipe} {root}/usr/bin/nvidia-cuda-mps-control"
+    name = daemon["metadata"]["name"]
+    return e.kubectl("exec", "-n", NAMESPACE, name, "--", "sh", "-c", script).stdout.strip()
+
+
+def test_two_shares_of_one_gpu_are_limited_by_daemons_of_their_own(mps: E2E) -> None:
+    """demo/mps/enforced-shares.yaml, as `make demo` runs it: no MPS strategy in the
+    claims, only capacity requests on a device with `mps: true`."""
+    e = mps
+    example = REPO / "demo" / "mps" / "enforced-shares.yaml"
+    e.kubectl("apply", "-f", str(example))
+    try:
+        pods = e.wait_pods_ready("gpu-demo-mps", "app=gpu-demo", 2)
+        envs = {
+            p["metadata"]["name"]: e.kubectl(
+                "logs", "-n", "gpu-demo-mps", p["metadata"]["name"], "-c", "ctr0"
+            ).stdout.splitlines()
+            for p in pods
+        }
+        gpus = {n: sorted(x for x in env if "=gpu-" in x) for n, env in envs.items()}
+        assert gpus["pod0"] == gpus["pod1"] and gpus["pod0"], gpus  # one GPU, two shares
+        assert "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=16384M" in envs["pod0"], envs
+        assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=20" in envs["pod0"], envs
+        assert "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=8192M" in envs["pod1"], envs
+        assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50" in envs["pod1"], envs
+
+        daemons = [p for p in _daemon_pods(e) if p["metadata"].get("deletionTimestamp") is None]
+        assert len(daemons) == 2 and all(_ready(p) for p in daemons), daemons
+        held = {
+            (
+                _ask(e, daemon, "get_default_active_thread_percentage"),
+                _ask(e, daemon, "get_default_device_pinned_mem_limit 0"),
+            )
+            for daemon in daemons
+        }
+        assert held == {("20.0", "16384M"), ("50.0", "8192M")}, held
+    finally:
+        e.kubectl("delete", "-f", str(example), "--wait=true", "--timeout=120s", check=False)
+    wait_for(
+        lambda: not _daemons(e) and not _daemon_pods(e),
+        120,
+        "the shares' daemons to be deleted at unprepare",
+    )

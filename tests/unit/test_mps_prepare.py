@@ -65,6 +65,7 @@ class Node:
     backend: NvmlBackend
     claims: Claims
     report: RecoveryReport = field(default_factory=RecoveryReport)
+    options: PoolOptions = field(default_factory=PoolOptions)
 
     @property
     def control(self) -> MpsControl:
@@ -87,7 +88,7 @@ class Node:
             mps=self.control if mps else None,
         )
         self.report = state.recover()
-        pool = build_pool(self.backend.discover(), PoolOptions(), owned_mig=state.owned_mig())
+        pool = build_pool(self.backend.discover(), self.options, owned_mig=state.owned_mig())
         state.devices = {d.name: d for d in pool.devices}
         return state
 

@@ -68,13 +68,14 @@ def test_valid_file_prints_a_summary() -> None:
 
 
 SPACE_NOTE = (
-    "{}: note: SpacePartitioning is advisory on real GPUs: the container gets the partition "
-    "count as env (GPU_DEVICE_<id>_PARTITION_COUNT), no MPS daemon splits the GPU"
+    "{}: note: SpacePartitioning is enforced only on nodes that run MPS (devices with the "
+    "attribute mps: true: each process gets 1/partitionCount of the GPU's memory and "
+    "SMs); elsewhere it is advisory: the container gets GPU_DEVICE_<id>_PARTITION_COUNT"
 )
 
 
 def test_space_partitioning_gets_one_note_per_claim_and_still_passes() -> None:
-    """On real GPUs SpacePartitioning is env only (no MPS): said once per document, on
+    """SpacePartitioning is env only where the node runs no MPS: said once per document, on
     stdout, without failing validation; TimeSlicing and other drivers' configs get none."""
     claim = json.loads(json.dumps(CLAIM))
     configs = claim["spec"]["devices"]["config"]
