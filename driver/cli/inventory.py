@@ -2,7 +2,8 @@
 
 It reads the plugin's settings, flags and environment variables alike
 (`driver.plugin.settings`: NODE_NAME, DRIVER_NAME, NVML_BACKEND, MOCK_FLEET,
-GPU_PARTITIONS, MIG_STRATEGY, GPU_ALLOW_MULTIPLE_ALLOCATIONS, XID_TAINT_EFFECT, ...),
+GPU_PARTITIONS, MIG_STRATEGY, GPU_ALLOW_MULTIPLE_ALLOCATIONS, XID_TAINT_EFFECT,
+MPS_DAEMONS: the attribute `mps`, ...),
 and the plugin's journal (`<state dir>/checkpoint.json`) for the MIG devices it created
 for prepared claims, so that in the plugin's pod it shows what the plugin publishes.
 Real NVML (pynvml) is used unless NVML_BACKEND=mock; `--mock [FLEET]` is short for

@@ -132,7 +132,6 @@ class PluginOptions(NodeSettings):
     recovery_action_poll_interval: int
     permanent_errors: str
     device_status: bool
-    mps_daemons: str
     pod_namespace: str
     mps_daemon_image: str
     http_port: int

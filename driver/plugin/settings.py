@@ -276,6 +276,7 @@ NODE_SETTINGS = (
     MIG_PROFILES,
     ALLOW_MULTIPLE_ALLOCATIONS,
     XID_TAINT_EFFECT,
+    MPS_DAEMONS,
 )
 
 
@@ -295,6 +296,7 @@ class NodeSettings:
     mig_profiles: tuple[str, ...]
     allow_multiple_allocations: bool
     xid_taint_effect: str
+    mps_daemons: str
 
     @property
     def data_dir(self) -> Path:
@@ -316,6 +318,8 @@ class NodeSettings:
             mig_strategy=self.mig_strategy,
             allow_multiple_allocations=self.allow_multiple_allocations,
             mig_profiles=self.mig_profiles,
+            # The plugin also checks for nvidia-cuda-mps-control in the driver root.
+            mps=self.mps_daemons != "off",
         )
 
 

@@ -29,6 +29,7 @@ POD_ENV = (
     "XID_TAINT_EFFECT",
     "KUBELET_PLUGINS_DIRECTORY_PATH",
     "NVIDIA_DRIVER_ROOT",
+    "MPS_DAEMONS",
 )
 
 
@@ -199,3 +200,26 @@ def test_a_fleet_named_on_the_command_line_is_not_mixed_with_the_plugins_mig_sta
     code, listing, err = inventory(capsys, "--mock", str(fleet), "--node-name", NODE)
     assert code == 0, err
     assert "gpu-0" in devices(listing)  # the file's fleet, fresh: dynamic, the whole GPU
+
+
+def test_inventory_marks_the_devices_mps_enforces_where_the_plugin_runs_mps_daemons(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """MPS_DAEMONS (the chart's kubeletPlugin.mps.enabled) is a node setting: the GPUs
+    with MIG off publish `mps: true`, MIG devices do not."""
+    fleet = str(tmp_path / "fleet.yaml")
+    Path(fleet).write_text(
+        yaml.safe_dump(
+            {"gpus": [{"model": "A100-40GB", "migMode": "disabled"}, {"model": "H100-80GB"}]}
+        )
+    )
+    monkeypatch.setenv("MPS_DAEMONS", "kubernetes")
+    code, listing, err = inventory(capsys, "--mock", fleet, "--node-name", "n1")
+    assert code == 0, err
+    marked = {n for n, d in devices(listing).items() if "mps" in d["attributes"]}
+    assert marked == {"gpu-0"}
+    code, listing, err = inventory(
+        capsys, "--mock", fleet, "--node-name", "n1", "--mps-daemons", "off"
+    )
+    assert code == 0, err
+    assert not any("mps" in d["attributes"] for d in devices(listing).values())
