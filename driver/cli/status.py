@@ -2,8 +2,9 @@
 
 The plugin's version, its registration with the kubelet, the last ResourceSlice
 sync, every GPU with its MIG mode and health, the prepared claims and the state of
-the prepare journal, from the running plugin's /status over its status socket
-(`--socket`, default `<state dir>/status.sock`; root only). When the plugin does not
+the prepare journal, whether the MPS daemons of prepared claims run, from the
+running plugin's /status over its status socket (`--socket`, default
+`<state dir>/status.sock`; root only). When the plugin does not
 answer, what this node's files say (`--state-dir`: the health store and the journal)
 and that the plugin is not reachable.
 
@@ -146,6 +147,15 @@ def _journal_line(journal: dict[str, Any]) -> str:
     return text
 
 
+def _mps_line(mps: dict[str, Any]) -> str:
+    if mps["checkedAt"] is None:
+        return "not checked yet"
+    daemons = mps["daemons"]
+    down = sum(not d["running"] for d in daemons)
+    text = f"{len(daemons)} daemon(s): {len(daemons) - down} running"
+    return text + (f", {down} NOT RUNNING" if down else "") + f" (checked {mps['checkedAt']})"
+
+
 def _gpu_health(gpu: dict[str, Any]) -> str:
     unmonitored = "" if gpu.get("monitored", True) else " (unmonitored)"
     if gpu["health"] != "failed":
@@ -201,6 +211,8 @@ def render(report: dict[str, Any]) -> str:
             )
         )
         lines.append(f"journal       {_journal_line(report['journal'])}")
+        if report.get("mps") is not None:
+            lines.append(f"mps           {_mps_line(report['mps'])}")
         rows = [_gpu_row(g) for g in report["gpus"]]
         if rows:
             lines += ["", format_table(GPU_HEADERS, rows).rstrip("\n")]

@@ -1,4 +1,5 @@
-"""ResourceClaim reads and how permanent failures are made visible on the claim."""
+"""ResourceClaim reads, and Events on claims: a permanent failure (with a condition in
+the claim's device status where enabled) and a lost MPS daemon (`ClaimEvents`)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Any
 
 from driver.errors import DriverError, transient
 from driver.kube.api import APPLY_PATCH, JSON, ApiError, KubeApi, segment
+from driver.state.claims import ClaimRef
 
 log = logging.getLogger(__name__)
 
@@ -17,6 +19,60 @@ CONDITION_TYPE = "PrepareFailed"
 
 def _now() -> str:
     return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def post_claim_event(
+    api: KubeApi, claim: ClaimRef, reason: str, message: str, *, driver: str, node_name: str
+) -> None:
+    """A Warning Event on the ResourceClaim, reported by this node (what the chart's
+    events admission policy lets the plugin post)."""
+    now = _now()
+    body = {
+        "apiVersion": "v1",
+        "kind": "Event",
+        "metadata": {"name": f"{claim.name}.{uuid.uuid4().hex[:16]}", "namespace": claim.namespace},
+        "involvedObject": {
+            "apiVersion": "resource.k8s.io/v1",
+            "kind": "ResourceClaim",
+            "name": claim.name,
+            "namespace": claim.namespace,
+            "uid": claim.uid,
+        },
+        "reason": reason,
+        "message": message[:1024],
+        "type": "Warning",
+        "source": {"component": driver, "host": node_name},
+        "reportingComponent": driver,
+        "reportingInstance": node_name,
+        "firstTimestamp": now,
+        "lastTimestamp": now,
+        "count": 1,
+    }
+    api.request("POST", f"/api/v1/namespaces/{segment(claim.namespace)}/events", body=body)
+
+
+class ClaimEvents:
+    """Warning Events on claims the journal names (`driver.state.mps_watch`), best
+    effort: a failed POST is logged (the log has the same text)."""
+
+    def __init__(self, api: KubeApi, *, driver: str, node_name: str) -> None:
+        self._api = api
+        self._driver = driver
+        self._node = node_name
+
+    def post(self, claim: ClaimRef, reason: str, message: str) -> None:
+        try:
+            post_claim_event(
+                self._api, claim, reason, message, driver=self._driver, node_name=self._node
+            )
+        except Exception as err:
+            log.warning(
+                "could not post the %s event on claim %s/%s: %s",
+                reason,
+                claim.namespace,
+                claim.name,
+                err,
+            )
 
 
 class ApiClaimReader:
@@ -56,30 +112,14 @@ class ClaimFailureReporter:
 
     def _event(self, claim: JSON, error: DriverError) -> None:
         meta = claim["metadata"]
-        namespace = meta["namespace"]
-        now = _now()
-        body = {
-            "apiVersion": "v1",
-            "kind": "Event",
-            "metadata": {"name": f"{meta['name']}.{uuid.uuid4().hex[:16]}", "namespace": namespace},
-            "involvedObject": {
-                "apiVersion": "resource.k8s.io/v1",
-                "kind": "ResourceClaim",
-                "name": meta["name"],
-                "namespace": namespace,
-                "uid": meta["uid"],
-            },
-            "reason": "PermanentPrepareFailure",
-            "message": str(error)[:1024],
-            "type": "Warning",
-            "source": {"component": self._driver, "host": self._node},
-            "reportingComponent": self._driver,
-            "reportingInstance": self._node,
-            "firstTimestamp": now,
-            "lastTimestamp": now,
-            "count": 1,
-        }
-        self._api.request("POST", f"/api/v1/namespaces/{segment(namespace)}/events", body=body)
+        post_claim_event(
+            self._api,
+            ClaimRef(meta["namespace"], meta["name"], meta["uid"]),
+            "PermanentPrepareFailure",
+            str(error),
+            driver=self._driver,
+            node_name=self._node,
+        )
 
     def _condition(self, claim: JSON, error: DriverError) -> None:
         meta = claim["metadata"]

@@ -62,6 +62,16 @@ def _pod_summary(pods: list[dict[str, Any]]) -> str:
     return "; ".join(parts) or "no pod yet"
 
 
+def _ready(deployment: dict[str, Any]) -> bool:
+    """Has the Deployment's current generation a ready replica (its daemon holds the
+    limits: the pod's startup probe waited for that)?"""
+    status = deployment.get("status") or {}
+    return (
+        status.get("observedGeneration", 0) >= deployment["metadata"].get("generation", 1)
+        and int(status.get("readyReplicas") or 0) >= 1
+    )
+
+
 class KubeDaemons:
     private_shm = True
 
@@ -146,11 +156,7 @@ class KubeDaemons:
                 raise transient(f"reading {self._what(record, name)}: {err}") from err
             if current is None or current["metadata"]["uid"] != record.deployment_uid:
                 raise transient(f"{self._what(record, name)} was deleted before it got ready")
-            status = current.get("status") or {}
-            if (
-                status.get("observedGeneration", 0) >= current["metadata"].get("generation", 1)
-                and int(status.get("readyReplicas") or 0) >= 1
-            ):
+            if _ready(current):
                 return
             if self._clock() > deadline:
                 try:
@@ -173,6 +179,21 @@ class KubeDaemons:
             log.warning("cannot read %s, taken as running: %s", self._what(record, name), err)
             return True
         return current is not None and current["metadata"]["uid"] == record.deployment_uid
+
+    def not_ready(self, record: MpsRecord) -> str | None:
+        """What its pod waits for while the Deployment has no ready replica (the
+        daemon died and the kubelet restarts its container, or its pod was replaced);
+        None when it has one, or when it cannot be read (not reported blindly)."""
+        name = self._name(record)
+        try:
+            current = self._get(name)
+            if current is None or _ready(current):
+                return None
+            pods = _pod_summary(self._pods(name))
+        except ApiError as err:
+            log.warning("cannot read %s: %s", self._what(record, name), err)
+            return None
+        return f"its pod is not ready: {pods}"
 
     def stop(self, record: MpsRecord, dirs: DaemonDirs, *, any_instance: bool = False) -> None:
         """Delete the device's Deployment (by its name, whichever UID) and wait until

@@ -191,6 +191,14 @@ GPUS = Gauge(
     ["mig_mode"],
     registry=REGISTRY,
 )
+MPS_DAEMONS_LOST = Counter(
+    "gpu_dra_mps_daemon_lost",
+    "MPS control daemons of prepared claims found gone (at start or by the periodic check), "
+    "by outcome (restarted, failed: starting it again failed, tried again at the next check); "
+    "and Deployments whose daemon pod is not ready (not-ready: Kubernetes restarts it).",
+    ["outcome"],
+    registry=REGISTRY,
+)
 BUILD_INFO = Gauge(
     "gpu_dra_build_info",
     "1, labelled with the version of the running plugin.",
@@ -208,5 +216,7 @@ for _class in (ErrorClass.INVALID_CONFIG, ErrorClass.DEVICE_FAILED):
     PERMANENT_VERDICT_REPLAYS.labels(error_class=_class.value)
 for _socket in ("service", "registration"):
     SOCKET_RECREATIONS.labels(socket=_socket)
+for _outcome in ("restarted", "failed", "not-ready"):
+    MPS_DAEMONS_LOST.labels(outcome=_outcome)
 for _method in ("prepare", "unprepare"):
     REQUESTS_IN_FLIGHT.labels(method=_method)

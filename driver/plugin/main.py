@@ -36,7 +36,7 @@ from driver.plugin.dra import add_dra_services
 from driver.plugin.flags import PluginOptions, package_version, parse_options
 from driver.plugin.health import add_health_services
 from driver.plugin.instances import InstanceLock
-from driver.plugin.mps_setup import mps_daemons
+from driver.plugin.mps_setup import mps_daemons, watch_mps_daemons
 from driver.plugin.node_overrides import NodeLabelRead
 from driver.plugin.node_status import PluginStatus, export_gpus, export_journal
 from driver.plugin.readiness import Readiness
@@ -246,6 +246,7 @@ class Plugin:
         # Runs after the service socket stopped (callbacks run in reverse): the journal's
         # log folded into a snapshot every release reads (docs/state.md, "The log").
         running.callback(compact_journal, state, drain_seconds=SHUTDOWN_DRAIN_SECONDS)
+        mps_watch = watch_mps_daemons(o, state, api, running)  # stopped before the compaction
 
         paths = socket_paths(o.driver_name, o.registrar_dir, o.data_dir, o.pod_uid or None)
 
@@ -311,6 +312,7 @@ class Plugin:
             state=state,
             journal=journal,
             toolkit=toolkit,
+            mps=mps_watch,
         )
         status_socket = bind_status_socket(o.data_dir, status.document, healthz).start()
         running.callback(status_socket.shutdown)

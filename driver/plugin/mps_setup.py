@@ -1,17 +1,22 @@
 """Which MPS daemons the plugin runs (--mps-daemons, docs/mps.md): none, processes of
-the node, or a Deployment per device (the plugin under Kubernetes)."""
+the node, or a Deployment per device (the plugin under Kubernetes); and the check of
+them while it runs (driver/state/mps_watch.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from pathlib import Path
 
 from driver.kube.api import KubeApi
+from driver.kube.claims import ClaimEvents
 from driver.kube.mps_daemons import KubeDaemons
 from driver.kube.mps_manifest import DaemonPodSettings
 from driver.nvml.backend import NvmlBackend
 from driver.plugin.flags import PluginOptions
+from driver.state.context import StepContext
 from driver.state.mps import MpsDaemons, NodeDaemons
+from driver.state.mps_watch import MpsWatch
 
 log = logging.getLogger(__name__)
 
@@ -49,3 +54,16 @@ def mps_daemons(o: PluginOptions, backend: NvmlBackend, api: KubeApi) -> MpsDaem
         o.mps_daemon_image,
     )
     return KubeDaemons(api, settings)
+
+
+def watch_mps_daemons(
+    o: PluginOptions, state: StepContext, api: KubeApi, running: contextlib.ExitStack
+) -> MpsWatch | None:
+    """Start the periodic check of the prepared claims' daemons, stopped by `running`;
+    None where this node has no MPS."""
+    if state.mps.site is None:
+        return None
+    watch = MpsWatch(state, ClaimEvents(api, driver=o.driver_name, node_name=o.node_name))
+    watch.start()
+    running.callback(watch.stop)
+    return watch

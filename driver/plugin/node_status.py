@@ -3,8 +3,9 @@ the same sources: the node at a glance.
 
 The document: the plugin (version, node, driver, start), its registration with the
 kubelet, the last ResourceSlice sync, each GPU (name, NVML index, UUID, PCI bus id,
-MIG mode, health and failures), the health store, the prepare journal, and
-`problems`: each thing an operator must look at, in one line (empty: healthy);
+MIG mode, health and failures), the health store, the prepare journal, the MPS
+daemons as their last check found them (`driver.state.mps_watch`; None without MPS),
+and `problems`: each thing an operator must look at, in one line (empty: healthy);
 `notes`: what is not a problem but worth knowing (a GPU whose health events NVML does
 not report: its health is unknown, `driver.health.unmonitored`; an NVIDIA Container
 Toolkit that gives GPUs to pods without a claim, `driver.plugin.toolkit_config`).
@@ -31,6 +32,7 @@ from driver.observability import metrics
 from driver.plugin.journal_summary import JournalReader, JournalSummary
 from driver.plugin.toolkit_config import ToolkitCheck
 from driver.state.checkpoint import Checkpoint
+from driver.state.mps_watch import MpsCheck
 
 # A sync older than this means the reconcile keeps failing: it runs at least every
 # RESYNC_SECONDS, and at once after every change.
@@ -59,6 +61,12 @@ class Registration(Protocol):
 
     @property
     def last_error(self) -> str: ...
+
+
+class MpsDaemons(Protocol):
+    """What /status needs of `driver.state.mps_watch.MpsWatch`."""
+
+    def last(self) -> MpsCheck: ...
 
 
 class SyncStats(Protocol):
@@ -109,6 +117,7 @@ class PluginStatus:
     state: JournalState
     journal: JournalReader
     toolkit: ToolkitCheck | None = None  # None: not checked (mock GPUs)
+    mps: MpsDaemons | None = None  # None: no MPS daemons on this node
     started: float = field(default_factory=time.time)
     clock: Callable[[], float] = time.time
 
@@ -119,7 +128,9 @@ class PluginStatus:
         slices = self._slices(now)
         gpus = [self._gpu(gpu) for gpu in self.gpus]
         journal = self.journal.summary()
+        mps = None if self.mps is None else self.mps.last()
         problems = self._problems(registered, refusal, slices, gpus, journal)
+        problems += [] if mps is None else mps.problems()
         return {
             "plugin": {
                 "version": self.version,
@@ -141,6 +152,7 @@ class PluginStatus:
             },
             "journal": {**journal.to_json(), "prepareRefused": self.state.checkpoint_problem},
             "nvidiaToolkit": None if self.toolkit is None else self.toolkit.to_json(),
+            "mps": None if mps is None else mps.to_json(),
             "problems": problems,
             "notes": self._notes(gpus),
             "healthy": not problems,

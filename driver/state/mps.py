@@ -21,9 +21,10 @@ Deployment's name and UID) in the `PrepareCompleted` entry:
   removes their directories (`restore`);
 - unprepare does the same before the entry is dropped (`release`);
 - start (`adopt`) finds each completed claim's daemon; one that is gone (killed, a
-  reboot, a deleted Deployment) is reported and started again with its limits, so
-  new clients are limited again (running clients of the dead daemon have lost their
-  GPU work already).
+  reboot, a deleted Deployment) is reported and started again with its limits
+  (`revive`), so new clients are limited again (running clients of the dead daemon
+  have lost their GPU work already). While the plugin runs, driver/state/mps_watch.py
+  does the same every MPS_WATCH_SECONDS.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from typing import Final, Protocol
 from driver.config.mps_limits import mps_memory_text
 from driver.errors import DriverError, transient
 from driver.nvml.mps import DaemonDirs, DaemonId, is_running
+from driver.observability import metrics
 from driver.state.cdi import CdiMount
 from driver.state.checkpoint import ClaimEntry, ClaimState, PreparedDevice
 from driver.state.mps_limits import MpsLimits
@@ -79,6 +81,11 @@ class MpsDaemons(Protocol):
 
     def alive(self, record: MpsRecord) -> bool: ...
 
+    def not_ready(self, record: MpsRecord) -> str | None:
+        """Why a daemon that is alive does not serve now (its pod not ready: Kubernetes
+        restarts it), None if it does."""
+        ...
+
     def stop(self, record: MpsRecord, dirs: DaemonDirs, *, any_instance: bool = False) -> None:
         """Stop it and wait until it is gone: the recorded one, or whatever runs in its
         place for an intent (nothing recorded yet) or with `any_instance`."""
@@ -91,6 +98,26 @@ class MpsSite:
 
     root: Path
     private_shm: bool
+
+
+@dataclass(frozen=True)
+class MpsLoss:
+    """A device's daemon found gone, and what became of it: started again
+    (`restarted`, its new record) or not (`error`)."""
+
+    lost: MpsRecord
+    restarted: MpsRecord | None = None
+    error: str | None = None
+
+    @property
+    def outcome(self) -> str:
+        """The label of gpu_dra_mps_daemon_lost_total."""
+        return "failed" if self.restarted is None else "restarted"
+
+
+def daemon_text(record: MpsRecord) -> str:
+    """`Deployment <name>` or `pid <pid>`: which daemon the record names."""
+    return f"Deployment {record.deployment}" if record.deployment else f"pid {record.pid}"
 
 
 @dataclass(frozen=True)
@@ -189,6 +216,9 @@ class NodeDaemons:
     def alive(self, record: MpsRecord) -> bool:
         return is_running(DaemonId(record.pid, record.start_time))
 
+    def not_ready(self, record: MpsRecord) -> str | None:
+        return None  # a process of the node that runs serves
+
     def stop(self, record: MpsRecord, dirs: DaemonDirs, *, any_instance: bool = False) -> None:
         recorded = record.pid and not any_instance
         daemon = DaemonId(record.pid, record.start_time) if recorded else self.ops.running(dirs)
@@ -284,37 +314,56 @@ class ClaimMps:
     ) -> tuple[list[str], list[str]]:
         """At start: each completed claim's daemons (but those of `exclude`, claims
         another instance has in flight), found running by pid and start
-        time, are adopted; one that is gone is reported and started again (its entry in
-        `journal` updated). Returns (the claims adopted, the claims whose daemon was
-        gone)."""
+        time, are adopted; one that is gone is reported and started again (`revive`,
+        its entry in `journal` updated). Returns (the claims adopted, the claims whose
+        daemon was gone)."""
         adopted: list[str] = []
         lost: list[str] = []
         if self._daemons is None:
             return adopted, lost
         for uid, entry in sorted(journal.items()):
-            records = [d.mps for d in entry.devices if d.mps is not None]
-            if uid in exclude or entry.state is not ClaimState.PREPARE_COMPLETED or not records:
+            if uid in exclude or entry.state is not ClaimState.PREPARE_COMPLETED:
                 continue
-            gone = [r for r in records if not self._daemons.alive(r)]
-            if not gone:
-                adopted.append(uid)
+            if not any(d.mps for d in entry.devices):
                 continue
-            lost.append(uid)
-            devices = []
-            for device in entry.devices:
-                record = device.mps
-                if record is not None and record in gone:
-                    log.error(
-                        "the MPS daemon %s of claim %s (GPU %s) is gone; starting it again",
-                        record.deployment or record.pid,
-                        uid,
-                        record.gpu_uuid,
-                    )
-                    try:
-                        self._stop(record, any_instance=True)  # what is left in its place
-                        device = replace(device, mps=self._start(record))
-                    except DriverError as err:
-                        log.error("restarting the MPS daemon of claim %s failed: %s", uid, err)
-                devices.append(device)
-            journal[uid] = replace(entry, devices=tuple(devices))
+            journal[uid], losses = self.revive(uid, entry)
+            (lost if losses else adopted).append(uid)
         return adopted, lost
+
+    def revive(self, uid: str, entry: ClaimEntry) -> tuple[ClaimEntry, tuple[MpsLoss, ...]]:
+        """Under the node lock: the completed claim's daemons that are gone (killed, a
+        reboot, a deleted Deployment) started again with their limits, whatever is left
+        in their place stopped first, so new clients are limited again (running clients
+        of the dead daemon have lost their GPU work already). Returns the entry with
+        their new records (one that could not be started keeps the lost record: it is
+        tried again next time) and what became of each."""
+        assert self._daemons is not None
+        devices: list[PreparedDevice] = []
+        losses: list[MpsLoss] = []
+        for device in entry.devices:
+            record = device.mps
+            if record is not None and not self._daemons.alive(record):
+                log.error(
+                    "the MPS daemon %s of claim %s (GPU %s) is gone; starting it again",
+                    daemon_text(record),
+                    uid,
+                    record.gpu_uuid,
+                )
+                try:
+                    self._stop(record, any_instance=True)  # what is left in its place
+                    started = self._start(record)
+                except DriverError as err:
+                    log.error("restarting the MPS daemon of claim %s failed: %s", uid, err)
+                    losses.append(MpsLoss(record, error=str(err)))
+                else:
+                    losses.append(MpsLoss(record, restarted=started))
+                    device = replace(device, mps=started)
+                metrics.MPS_DAEMONS_LOST.labels(outcome=losses[-1].outcome).inc()
+            devices.append(device)
+        return replace(entry, devices=tuple(devices)), tuple(losses)
+
+    def not_ready(self, record: MpsRecord) -> str | None:
+        """Why a daemon that is there does not serve (its pod not ready), None if it
+        does."""
+        assert self._daemons is not None
+        return self._daemons.not_ready(record)

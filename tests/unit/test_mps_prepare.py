@@ -17,7 +17,7 @@ import pytest
 
 from driver.devices.model import PoolOptions, build_pool
 from driver.nvml.backend import NvmlBackend
-from driver.nvml.mock.fleet import parse_fleet
+from driver.nvml.mock.fleet import Fleet, parse_fleet
 from driver.nvml.mock.nvml import MockNvml
 from driver.nvml.mps import DaemonDirs, DaemonId, MpsControl, is_running
 from driver.state.checkpoint import Checkpoint
@@ -112,15 +112,20 @@ class Node:
         return found
 
 
-@pytest.fixture
-def node(tmp_path: Path) -> Iterator[Node]:
+def mps_node(tmp_path: Path, fleet: Fleet = FLEET) -> Iterator[Node]:
+    """A node with the mock's stand-in daemon; its daemons killed at the end."""
     node = Node(
-        tmp_path, NvmlBackend(MockNvml(FLEET, NODE, driver_root=tmp_path / "root")), Claims()
+        tmp_path, NvmlBackend(MockNvml(fleet, NODE, driver_root=tmp_path / "root")), Claims()
     )
     yield node
     if (tmp_path / "plugin" / "mps").exists():
         for pid in node.daemons():  # a failed test leaves no daemon behind
             os.kill(pid, signal.SIGKILL)
+
+
+@pytest.fixture
+def node(tmp_path: Path) -> Iterator[Node]:
+    yield from mps_node(tmp_path)
 
 
 def ok(state: DeviceState, *refs: ClaimRef) -> None:

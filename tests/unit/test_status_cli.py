@@ -35,6 +35,8 @@ from driver.state.checkpoint import (
     ClaimState,
     PreparedDevice,
 )
+from driver.state.claims import ClaimRef
+from driver.state.mps_watch import DaemonState, MpsCheck
 
 NODE = "n1"
 FLEET = """\
@@ -315,3 +317,44 @@ def test_an_error_the_publisher_recovered_from_is_not_shown(node: Node, served: 
     node.publisher.stats.failing = "503 Service Unavailable"
     _, out = status("--socket", served)
     assert "last error: 503 Service Unavailable" in out
+
+
+@dataclass
+class FakeMpsWatch:
+    check: MpsCheck = field(default_factory=MpsCheck)
+
+    def last(self) -> MpsCheck:
+        return self.check
+
+
+def test_the_mps_daemons_are_shown_and_one_not_running_is_a_problem(
+    node: Node, served: str
+) -> None:
+    node.healthy()
+    code, out = status("--socket", served)
+    assert "mps " not in out  # MPS off: no line
+    watch = FakeMpsWatch()
+    node.status.mps = watch
+    _, out = status("--socket", served)
+    assert "mps           not checked yet" in out, out
+
+    claim = ClaimRef("ns", "claim-a", "a")
+    watch.check = MpsCheck(
+        node.now - 5,
+        (
+            DaemonState(claim, "gpu-0", "GPU-0", "pid 41", running=True),
+            DaemonState(
+                claim, "gpu-3", "GPU-3", "pid 42", running=False, problem="gone: could not ..."
+            ),
+        ),
+    )
+    code, out = status("--socket", served, "--fail-on-unhealthy")
+    assert code == 1, out
+    assert "mps           2 daemon(s): 1 running, 1 NOT RUNNING" in out, out
+    problem = "MPS daemon pid 42 of claim ns/claim-a, device gpu-3 (GPU GPU-3): gone: could not ..."
+    assert out.splitlines()[0] == f"UNHEALTHY: {problem}", out
+    _, report = status_json("--socket", served)
+    assert [(d["device"], d["running"]) for d in report["mps"]["daemons"]] == [
+        ("gpu-0", True),
+        ("gpu-3", False),
+    ]

@@ -1,0 +1,303 @@
+"""The MPS daemons of prepared claims, checked while the plugin runs (docs/mps.md,
+"Lifecycle").
+
+Every MPS_WATCH_SECONDS (and once at start) a thread of its own checks, under the node
+lock, the daemon of every device with an `mps` record of every completed claim that no
+request has in flight (its claim lock free) and whose unprepare has not begun (its CDI
+spec, which an unprepare removes first, is there):
+
+- one that is gone is started again with its limits, whatever is left in its place
+  stopped first (`ClaimMps.revive`, what the plugin's start does), and the journal
+  names the new daemon (one store for the check). One that cannot be started keeps
+  its record and is tried again after the interval, twice as long after each
+  failure up to MPS_RETRY_MAX_SECONDS;
+- a Deployment whose pod is not ready (--mps-daemons=kubernetes) is left to
+  Kubernetes, which restarts its container or replaces its pod, and reported.
+
+Each is made visible: a Warning Event on the claim (`MPSDaemonLost`: the device, the
+GPU, the daemon and what was done; `MPSDaemonNotReady`: what its pod waits for),
+`gpu_dra_mps_daemon_lost_total` by outcome, and the last check in the plugin's
+/status (`gpu-dra status`). A daemon that stays unrestartable or not ready is reported
+once, not at every check.
+
+A thread of its own, not a poller of the health monitor: starting a daemon takes
+seconds (its Deployment up to 40 s until its pod is ready), and NVML's health events
+must not wait for it. Holding the node lock meanwhile is what a prepare that starts a
+daemon does too: the node's other prepares and unprepares wait for it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any, Final, Protocol
+
+from driver.errors import DriverError
+from driver.observability import metrics
+from driver.state.checkpoint import ClaimEntry, ClaimState
+from driver.state.claims import ClaimRef
+from driver.state.context import StepContext
+from driver.state.mps import MpsLoss, daemon_text
+from driver.state.mps_record import MpsRecord
+
+log = logging.getLogger(__name__)
+
+MPS_WATCH_SECONDS: Final = 30.0
+# A claim whose daemon could not be started again is tried again after the interval,
+# then twice as long each time up to this: each try holds the node lock (a Deployment
+# that does not get ready, 40 s and its deletion), and the node's other prepares wait.
+MPS_RETRY_MAX_SECONDS: Final = 600.0
+REASON_LOST: Final = "MPSDaemonLost"
+REASON_NOT_READY: Final = "MPSDaemonNotReady"
+THREAD_NAME: Final = "mps-watch"
+
+
+class ClaimEventSink(Protocol):
+    """What the watch needs of `driver.kube.claims.ClaimEvents`."""
+
+    def post(self, claim: ClaimRef, reason: str, message: str) -> None: ...
+
+
+@dataclass(frozen=True)
+class DaemonState:
+    """One device's daemon as the last check found it."""
+
+    claim: ClaimRef
+    device: str
+    gpu_uuid: str
+    daemon: str  # `pid <pid>` or `Deployment <name>`
+    running: bool
+    problem: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "claim": f"{self.claim.namespace}/{self.claim.name}",
+            "claimUID": self.claim.uid,
+            "device": self.device,
+            "gpuUUID": self.gpu_uuid,
+            "daemon": self.daemon,
+            "running": self.running,
+            "problem": self.problem,
+        }
+
+    def problem_line(self) -> str:
+        return (
+            f"MPS daemon {self.daemon} of claim {self.claim.namespace}/{self.claim.name}, "
+            f"device {self.device} (GPU {self.gpu_uuid}): {self.problem}"
+        )
+
+
+@dataclass(frozen=True)
+class MpsCheck:
+    """The last check: when (Unix time; None before the first) and every daemon."""
+
+    checked_at: float | None = None
+    daemons: tuple[DaemonState, ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        at = self.checked_at
+        return {
+            "checkedAt": (
+                None
+                if at is None
+                else datetime.fromtimestamp(at, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+            ),
+            "daemons": [d.to_json() for d in self.daemons],
+        }
+
+    def problems(self) -> list[str]:
+        return [d.problem_line() for d in self.daemons if not d.running]
+
+
+@dataclass(frozen=True)
+class _Notice:
+    claim: ClaimRef
+    reason: str
+    message: str
+
+
+class MpsWatch:
+    """The periodic check (`check`: one round) and its thread (`start`, `stop`)."""
+
+    def __init__(
+        self,
+        state: StepContext,
+        events: ClaimEventSink,
+        *,
+        interval: float = MPS_WATCH_SECONDS,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._state = state
+        self._events = events
+        self._interval = interval
+        self._clock = clock
+        self._last = MpsCheck()
+        # daemon directory -> the outcome last reported for it while it does not run
+        # (`failed`, `not-ready`), so that a lasting one is reported once
+        self._reported: dict[str, str] = {}
+        self._skipped: str | None = None  # why the last check could not run, logged once
+        # claim UID -> (failed tries in a row, when to try again) for a daemon that
+        # could not be started again
+        self._retry: dict[str, tuple[int, float]] = {}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def last(self) -> MpsCheck:
+        return self._last
+
+    def start(self) -> None:
+        if self._thread is None:
+            log.info("checking the MPS daemons of prepared claims every %gs", self._interval)
+            self._thread = threading.Thread(target=self._run, name=THREAD_NAME, daemon=True)
+            self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.check()
+            except Exception:  # a bug must not end the watch
+                log.exception("checking the MPS daemons failed")
+            self._stop.wait(self._interval)
+
+    def check(self) -> tuple[DaemonState, ...]:
+        """One round: every watched daemon checked, a gone one started again, each
+        loss reported. The daemons as found (those of the last check where the node
+        lock or the journal cannot be had)."""
+        notices: list[_Notice] = []
+        now = self._clock()
+        try:
+            with self._state.lock.hold():
+                daemons = self._check_locked(notices, now)
+        except DriverError as err:  # lock timeout or closed (a stop), a corrupt journal
+            if str(err) != self._skipped:
+                log.warning("MPS daemons not checked: %s; trying again", err)
+            self._skipped = str(err)
+            return self._last.daemons
+        self._skipped = None
+        self._last = MpsCheck(now, daemons)
+        for notice in notices:
+            self._events.post(notice.claim, notice.reason, notice.message)
+        return daemons
+
+    def _watched(self, uid: str, entry: ClaimEntry) -> bool:
+        state = self._state
+        return (
+            entry.state is ClaimState.PREPARE_COMPLETED
+            and any(d.mps for d in entry.devices)
+            and uid not in state.pending_removals
+            and not state.claim_locks.busy(uid)
+            and state.cdi.claim_spec_exists(uid)
+        )
+
+    def _check_locked(self, notices: list[_Notice], now: float) -> tuple[DaemonState, ...]:
+        state = self._state
+        journal = state.load_journal()
+        daemons: list[DaemonState] = []
+        revived = False
+        for uid, entry in sorted(journal.items()):
+            if not self._watched(uid, entry):
+                continue
+            failures, retry_at = self._retry.get(uid, (0, now))
+            if now < retry_at:  # as the last check found them
+                daemons += [d for d in self._last.daemons if d.claim.uid == uid]
+                continue
+            claim = ClaimRef(entry.namespace, entry.name, uid)
+            updated, losses = state.mps.revive(uid, entry)
+            by_directory = {loss.lost.directory: loss for loss in losses}
+            if any(loss.restarted is not None for loss in losses):
+                journal[uid] = updated
+                revived = True
+            if any(loss.restarted is None for loss in losses):
+                delay = min(self._interval * 2**failures, MPS_RETRY_MAX_SECONDS)
+                self._retry[uid] = (failures + 1, now + delay)
+            else:
+                self._retry.pop(uid, None)
+            for device in updated.devices:
+                if device.mps is None:
+                    continue
+                loss = by_directory.get(device.mps.directory)
+                seen = (
+                    self._lost(claim, device.device_name, loss, notices)
+                    if loss is not None
+                    else self._alive(claim, device.device_name, device.mps, notices)
+                )
+                daemons.append(seen)
+        if revived:
+            state.checkpoint.store(journal)
+        watched = {r.directory for r in _records(journal)}
+        self._reported = {k: v for k, v in self._reported.items() if k in watched}
+        self._retry = {k: v for k, v in self._retry.items() if k in journal}
+        return tuple(daemons)
+
+    def _lost(
+        self, claim: ClaimRef, device: str, loss: MpsLoss, notices: list[_Notice]
+    ) -> DaemonState:
+        record = loss.lost
+        what = (
+            f"the MPS daemon of device {device} (GPU {record.gpu_uuid}), "
+            f"{daemon_text(record)}, is gone (its clients, if any, lost their GPU work)"
+        )
+        if loss.restarted is not None:
+            self._reported.pop(record.directory, None)
+            started = loss.restarted
+            notices.append(
+                _Notice(
+                    claim,
+                    REASON_LOST,
+                    f"{what}; started again ({daemon_text(started)}) with its limits",
+                )
+            )
+            return DaemonState(claim, device, record.gpu_uuid, daemon_text(started), True)
+        problem = f"gone; could not be started again: {loss.error}"
+        if self._reported.get(record.directory) != loss.outcome:
+            self._reported[record.directory] = loss.outcome
+            notices.append(
+                _Notice(
+                    claim,
+                    REASON_LOST,
+                    f"{what}; it could not be started again (tried again later, less often "
+                    f"after each failure): {loss.error}",
+                )
+            )
+        return DaemonState(claim, device, record.gpu_uuid, daemon_text(record), False, problem)
+
+    def _alive(
+        self, claim: ClaimRef, device: str, record: MpsRecord, notices: list[_Notice]
+    ) -> DaemonState:
+        why = self._state.mps.not_ready(record)
+        if why is None:
+            self._reported.pop(record.directory, None)
+            return DaemonState(claim, device, record.gpu_uuid, daemon_text(record), True)
+        if self._reported.get(record.directory) != "not-ready":
+            self._reported[record.directory] = "not-ready"
+            metrics.MPS_DAEMONS_LOST.labels(outcome="not-ready").inc()
+            log.error(
+                "the MPS daemon %s of claim %s (GPU %s) does not serve: %s",
+                daemon_text(record),
+                claim.uid,
+                record.gpu_uuid,
+                why,
+            )
+            notices.append(
+                _Notice(
+                    claim,
+                    REASON_NOT_READY,
+                    f"the MPS daemon of device {device} (GPU {record.gpu_uuid}), "
+                    f"{daemon_text(record)}: {why}; Kubernetes restarts it",
+                )
+            )
+        return DaemonState(claim, device, record.gpu_uuid, daemon_text(record), False, why)
+
+
+def _records(journal: dict[str, ClaimEntry]) -> list[MpsRecord]:
+    return [d.mps for entry in journal.values() for d in entry.devices if d.mps is not None]
