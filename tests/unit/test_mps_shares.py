@@ -9,8 +9,6 @@ partition 20879104Ki (20389.75Mi) and compute 25."""
 from __future__ import annotations
 
 import json
-import os
-import signal
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,14 +16,12 @@ from typing import Any
 import pytest
 
 from driver.devices.model import PoolOptions, build_pool
-from driver.nvml.backend import NvmlBackend
 from driver.nvml.mock.fleet import parse_fleet
-from driver.nvml.mock.nvml import MockNvml
 from driver.state.checkpoint import Checkpoint
 from driver.state.claims import ClaimRef
 from driver.state.mps_record import MpsRecord
 from driver.state.prepare import DeviceState
-from tests.unit.test_mps_prepare import Claims, Node, ok
+from tests.unit.test_mps_prepare import Claims, Node, mps_node, ok
 
 DRIVER = "gpu.example.com"
 NODE = "node-a"
@@ -67,13 +63,7 @@ def claim(
 
 @pytest.fixture
 def node(tmp_path: Path) -> Iterator[Node]:
-    node = Node(
-        tmp_path, NvmlBackend(MockNvml(FLEET, NODE, driver_root=tmp_path / "root")), Claims()
-    )
-    yield node
-    if (tmp_path / "plugin" / "mps").exists():
-        for pid in node.daemons():  # a failed test leaves no daemon behind
-            os.kill(pid, signal.SIGKILL)
+    yield from mps_node(tmp_path, FLEET)
 
 
 def records(node: Node, uid: str) -> list[MpsRecord | None]:
