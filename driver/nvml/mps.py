@@ -46,7 +46,9 @@ class DaemonId:
 @dataclass(frozen=True)
 class DaemonDirs:
     """Where one daemon's pipes and sockets (shared with its clients) and logs live,
-    and its /dev/shm where it runs in a pod of its own (driver/kube/mps_daemons.py)."""
+    and the directory its MPS server shares with its clients as /dev/shm (`shm`: a
+    daemon of the node is started in a mount namespace of its own with it there; a
+    daemon in a pod of its own, driver/kube/mps_daemons.py, has it mounted)."""
 
     pipe: Path
     log: Path
@@ -140,8 +142,12 @@ class MpsControl:
         dirs.pipe.mkdir(parents=True, exist_ok=True)
         dirs.log.mkdir(parents=True, exist_ok=True)
         what = f"starting the MPS control daemon in {dirs.pipe}"
+        argv = [str(self._binary()), "-d"]
+        if dirs.shm is not None:
+            dirs.shm.mkdir(parents=True, exist_ok=True)
+            argv = _with_shm(dirs.shm, argv)
         try:
-            self._run([str(self._binary()), "-d"], self._env(dirs, gpu_uuids), None)
+            self._run(argv, self._env(dirs, gpu_uuids), None)
         except Exception as err:
             raise transient(f"{what}: {err}") from err
         deadline = time.monotonic() + self.timeout
@@ -185,3 +191,25 @@ class MpsControl:
                 )
             time.sleep(_POLL)
         log.info("MPS control daemon %d in %s stopped", daemon.pid, dirs.pipe)
+
+
+def _with_shm(shm: Path, argv: list[str]) -> list[str]:
+    """`argv` in a mount namespace of its own whose /dev/shm is `shm`. An MPS server
+    and its clients share memory through files in /dev/shm; a client in a container
+    has the container's, so the daemon of a node gets the directory the claim's
+    containers mount at /dev/shm (as a daemon's pod does). The daemon forks its
+    server, which stays in that namespace. Needs CAP_SYS_ADMIN (a plugin on the node
+    runs as root); util-linux's `unshare` and `mount` are on every node."""
+    script = 'mount --bind "$0" /dev/shm && exec "$@"'
+    return [
+        "unshare",
+        "--mount",
+        "--propagation",
+        "private",
+        "--",
+        "sh",
+        "-c",
+        script,
+        str(shm),
+        *argv,
+    ]

@@ -195,10 +195,11 @@ def configure_limits(ops: MpsOps, dirs: DaemonDirs, record: MpsRecord) -> None:
 
 
 class NodeDaemons:
-    """`MpsDaemons` as processes of the node, started by the plugin in a session of
-    their own (the plugin outside Kubernetes, the real-GPU tier)."""
+    """`MpsDaemons` as processes of the node, started by the plugin in a session and
+    a mount namespace of their own (the plugin outside Kubernetes, the real-GPU tier):
+    their /dev/shm is the directory the claim's containers mount there."""
 
-    private_shm = False
+    private_shm = True
 
     def __init__(self, ops: MpsOps) -> None:
         self.ops = ops

@@ -128,6 +128,12 @@ def node(tmp_path: Path) -> Iterator[Node]:
     yield from mps_node(tmp_path)
 
 
+def _shm_of(pid: int) -> tuple[int, int]:
+    """The /dev/shm process `pid` sees (its mount namespace's), as (device, inode)."""
+    found = os.stat(f"/proc/{pid}/root/dev/shm")
+    return found.st_dev, found.st_ino
+
+
 def ok(state: DeviceState, *refs: ClaimRef) -> None:
     results = state.prepare(list(refs))
     assert all(r.ok for r in results.values()), {u: str(r.error) for u, r in results.items()}
@@ -157,13 +163,16 @@ def test_prepare_starts_one_daemon_with_the_limits_and_unprepare_stops_it(node: 
         "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=2048M",
         "GPU_DEVICE_0_SHARING_STRATEGY=MPS",
     } <= set(edits["env"])
+    shm = node.root / "plugin" / "mps" / record.directory / "shm"
+    bind = ["rw", "nosuid", "nodev", "bind"]
     assert edits["mounts"] == [
-        {
-            "hostPath": str(dirs.pipe),
-            "containerPath": "/tmp/nvidia-mps",
-            "options": ["rw", "nosuid", "nodev", "bind"],
-        }
+        {"hostPath": str(dirs.pipe), "containerPath": "/tmp/nvidia-mps", "options": bind},
+        {"hostPath": str(shm), "containerPath": "/dev/shm", "options": bind},
     ]
+    # The daemon (and the server it forks) share that directory as their /dev/shm with
+    # the containers: a file it makes there is the directory's.
+    assert _shm_of(record.pid) == (shm.stat().st_dev, shm.stat().st_ino)
+    assert _shm_of(os.getpid()) != _shm_of(record.pid)  # the node's stays the node's
 
     assert state.unprepare([ref]) == {"a": None}
     assert not is_running(DaemonId(record.pid, record.start_time))
