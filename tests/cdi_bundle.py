@@ -4,17 +4,20 @@ What a CDI-enabled runtime does with `k8s.<driver>/gpu=<device>` ids, done by ha
 tests that have runc but no containerd: the spec-wide edits of every spec that names a
 device, then each device's edits, applied to `runc spec`'s default config (env,
 device nodes with their cgroup rules, bind mounts, OCI hooks). The root filesystem is
-the caller's (a static busybox, or the host's C library for a real nvidia-smi).
+the caller's (a static busybox, the host's C library for a real nvidia-smi, the host's
+Python for a CUDA client: tests/gpu/rootfs.py). `run` waits for the command; `started`
+leaves it running, its stdin and stdout the caller's to talk through.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import stat
 import subprocess
 import uuid
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -80,14 +83,14 @@ def edits_for(specs: Iterable[Mapping[str, Any]], devices: Sequence[str]) -> lis
     return out
 
 
-def run(
+def write_config(
     bundle: Path,
     rootfs: Path,
     specs: Iterable[Mapping[str, Any]],
     devices: Sequence[str],
     args: Sequence[str],
-) -> subprocess.CompletedProcess[str]:
-    """`runc run` of `args` in a container with the devices' edits; its output."""
+) -> None:
+    """`bundle/config.json`: `runc spec`'s default with the devices' edits applied."""
     assert RUNC.is_file(), f"{RUNC} missing: make cluster-build builds runc"
     bundle.mkdir(parents=True, exist_ok=True)
     (bundle / "config.json").unlink(missing_ok=True)
@@ -99,19 +102,63 @@ def run(
     for edits in edits_for(list(specs), devices):
         apply_edits(config, edits)
     (bundle / "config.json").write_text(json.dumps(config))
+
+
+def _run_argv(bundle: Path, name: str) -> list[str]:
+    return [str(RUNC), "--root", str(bundle / "runc-state"), "run", "--bundle", str(bundle), name]
+
+
+def _delete(bundle: Path, name: str) -> None:
+    subprocess.run(
+        [str(RUNC), "--root", str(bundle / "runc-state"), "delete", "--force", name],
+        capture_output=True,
+        check=False,
+    )
+
+
+def run(
+    bundle: Path,
+    rootfs: Path,
+    specs: Iterable[Mapping[str, Any]],
+    devices: Sequence[str],
+    args: Sequence[str],
+) -> subprocess.CompletedProcess[str]:
+    """`runc run` of `args` in a container with the devices' edits; its output."""
+    write_config(bundle, rootfs, specs, devices, args)
     name = f"gpu-dra-test-{uuid.uuid4().hex[:8]}"
-    state = bundle / "runc-state"
     try:
         return subprocess.run(
-            [str(RUNC), "--root", str(state), "run", "--bundle", str(bundle), name],
-            capture_output=True,
-            text=True,
-            timeout=120,
-            check=False,
+            _run_argv(bundle, name), capture_output=True, text=True, timeout=120, check=False
         )
     finally:
-        subprocess.run(
-            [str(RUNC), "--root", str(state), "delete", "--force", name],
-            capture_output=True,
-            check=False,
-        )
+        _delete(bundle, name)
+
+
+@contextlib.contextmanager
+def started(
+    bundle: Path,
+    rootfs: Path,
+    specs: Iterable[Mapping[str, Any]],
+    devices: Sequence[str],
+    args: Sequence[str],
+) -> Iterator[subprocess.Popen[str]]:
+    """`runc run` of `args` in a container with the devices' edits, in the foreground
+    without a terminal: the container's process reads the returned process's stdin and
+    writes its stdout, runc's and its stderr merged into it (pipes, text). On leaving,
+    the container is deleted (killed if it still runs)."""
+    write_config(bundle, rootfs, specs, devices, args)
+    name = f"gpu-dra-test-{uuid.uuid4().hex[:8]}"
+    proc = subprocess.Popen(
+        _run_argv(bundle, name),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        yield proc
+    finally:
+        _delete(bundle, name)
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()

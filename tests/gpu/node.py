@@ -1,7 +1,10 @@
 """A node's prepare/unprepare on a given NVML backend, built as the plugin builds it
 (driver/plugin/main.py): DeviceState with the backend's MIG manager and kernel root,
 `recover()` first, then discovery and the journal's owned MIG devices under the node
-lock, then the published pool. The claims are in memory; every device is healthy."""
+lock, then the published pool. The claims are in memory; every device is healthy.
+MPS daemons run where the plugin's `--mps-daemons` puts them (`mps_daemons`: e.g.
+`NodeDaemons`, processes of the node); `allow_multiple_allocations` publishes whole GPUs
+for shares (`--gpu-allow-multiple-allocations`)."""
 
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ from driver.nvml.types import MigInstance
 from driver.state.claims import ClaimRef
 from driver.state.driver_edits import DriverRoot
 from driver.state.instances import MigOps
+from driver.state.mps import MpsDaemons
 from driver.state.prepare import DeviceState
 from driver.state.recovery import RecoveryReport
 from tests.state_fakes import Healthy, NoReports
@@ -43,6 +47,26 @@ class ClaimDocs:
         self.docs[uid] = {
             "metadata": {"namespace": "default", "name": uid, "uid": uid},
             "status": {"allocation": {"devices": {"results": results, "config": []}}},
+        }
+        return ClaimRef("default", uid, uid)
+
+    def add_share(
+        self,
+        uid: str,
+        device: str,
+        share_id: str,
+        consumed: dict[str, str],
+        parameters: dict[str, Any],
+    ) -> ClaimRef:
+        """A claim given a share of a multi-allocatable device, with its own opaque
+        config (`parameters`: a GpuConfig) for the driver."""
+        result = {"request": "r0", "driver": DRIVER, "pool": NODE, "device": device}
+        result |= {"shareID": share_id, "consumedCapacity": consumed}
+        opaque = {"driver": DRIVER, "parameters": parameters}
+        config = {"source": "FromClaim", "requests": [], "opaque": opaque}
+        self.docs[uid] = {
+            "metadata": {"namespace": "default", "name": uid, "uid": uid},
+            "status": {"allocation": {"devices": {"results": [result], "config": [config]}}},
         }
         return ClaimRef("default", uid, uid)
 
@@ -83,6 +107,8 @@ def open_node(
     *,
     mig: MigOps | None = None,
     driver_root: DriverRoot | None = None,
+    mps_daemons: MpsDaemons | None = None,
+    allow_multiple_allocations: bool = False,
 ) -> GpuNode:
     """The node whose journal and CDI specs live under `root`; a second call on the
     same root is a plugin restart. `mig`: the MIG manager, if not the backend's."""
@@ -101,10 +127,14 @@ def open_node(
         caps_root=backend.kernel_root,
         proc_devices=backend.kernel_root / "proc" / "devices",
         driver_root=driver_root,
+        mps_daemons=mps_daemons,
     )
     recovered = state.recover()
     inventory, owned = state.discover_with_owned(backend.discover)
-    pool = build_pool(inventory, PoolOptions(mig_strategy=strategy), owned_mig=owned)
+    options = PoolOptions(
+        mig_strategy=strategy, allow_multiple_allocations=allow_multiple_allocations
+    )
+    pool = build_pool(inventory, options, owned_mig=owned)
     state.devices = {d.name: d for d in pool.devices}
     return GpuNode(backend, state, claims, pool, recovered)
 

@@ -18,29 +18,21 @@ from pathlib import Path
 
 import pytest
 
-from driver.nvml.mps import MpsControl, find_binary
+from driver.nvml.mps import MpsControl
 from driver.nvml.types import GpuInfo
 from driver.state.checkpoint import PreparedDevice
 from driver.state.mps import ClaimMps, NodeDaemons, daemon_dirs
 from driver.state.mps_record import MpsRecord
+from tests.gpu.mps_gate import compute_mode, require_mps
 
 ROOT = Path(os.environ.get("NVIDIA_DRIVER_ROOT") or "/")
 LIMIT_MIB = 2048
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _compute_mode(uuid: str) -> str:
-    argv = ["nvidia-smi", "-i", uuid, "--query-gpu=compute_mode", "--format=csv,noheader"]
-    return subprocess.run(argv, capture_output=True, text=True, check=True).stdout.strip()
-
-
 @pytest.fixture
 def daemon(whole_gpu: GpuInfo, tmp_path: Path) -> Iterator[tuple[ClaimMps, PreparedDevice]]:
-    if find_binary(ROOT) is None:
-        pytest.skip(f"no nvidia-cuda-mps-control under the driver root {ROOT}")
-    mode = _compute_mode(whole_gpu.uuid)
-    if mode not in ("Default", "Exclusive_Process"):
-        pytest.skip(f"GPU {whole_gpu.uuid} is in compute mode {mode}; MPS needs Default")
+    mode = require_mps(ROOT, whole_gpu.uuid)
     mps = ClaimMps(NodeDaemons(MpsControl(ROOT)), tmp_path / "mps")
     record = MpsRecord(whole_gpu.uuid, "claim-gpu-0", 50, LIMIT_MIB << 20)
     device = PreparedDevice("node", "gpu-0", ("r0",), ("k8s.x/gpu=claim-gpu-0",), mps=record)
@@ -50,7 +42,7 @@ def daemon(whole_gpu: GpuInfo, tmp_path: Path) -> Iterator[tuple[ClaimMps, Prepa
     finally:
         mps.restore([started])
         assert MpsControl(ROOT).running(daemon_dirs(mps.root, record)) is None
-        assert _compute_mode(whole_gpu.uuid) == mode
+        assert compute_mode(whole_gpu.uuid) == mode
 
 
 def _client(
@@ -66,6 +58,9 @@ def _client(
     if limit is not None:
         env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] = f"0={limit}"
     argv = [sys.executable, "-m", "tests.gpu.cuda_alloc", str(mib), *(["--hold"] if hold else [])]
+    # The client shares the daemon's /dev/shm (its device's shm directory) as a
+    # container with the claim's CDI edits does: it enters the daemon's mount namespace.
+    argv = ["nsenter", f"--mount=/proc/{device.mps.pid}/ns/mnt", "--", *argv]
     return subprocess.Popen(argv, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
 

@@ -16,19 +16,13 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
-
-from driver.nvml.mps import DaemonDirs, MpsControl, find_binary
+from driver.nvml.mps import DaemonDirs, MpsControl
 from driver.nvml.types import GpuInfo
+from tests.gpu.mps_gate import compute_mode, require_mps
 
 ROOT = Path(os.environ.get("NVIDIA_DRIVER_ROOT") or "/")
 LIMIT_MIB = 2048
 REPO = Path(__file__).resolve().parents[2]
-
-
-def _compute_mode(uuid: str) -> str:
-    argv = ["nvidia-smi", "-i", uuid, "--query-gpu=compute_mode", "--format=csv,noheader"]
-    return subprocess.run(argv, capture_output=True, text=True, check=True).stdout.strip()
 
 
 def _client(pipe: Path, uuid: str, mib: int) -> tuple[int, str]:
@@ -43,11 +37,7 @@ def _client(pipe: Path, uuid: str, mib: int) -> tuple[int, str]:
 def test_the_pods_entrypoint_holds_the_limit_and_quits_on_sigterm(
     whole_gpu: GpuInfo, tmp_path: Path
 ) -> None:
-    if find_binary(ROOT) is None:
-        pytest.skip(f"no nvidia-cuda-mps-control under the driver root {ROOT}")
-    mode = _compute_mode(whole_gpu.uuid)
-    if mode not in ("Default", "Exclusive_Process"):
-        pytest.skip(f"GPU {whole_gpu.uuid} is in compute mode {mode}; MPS needs Default")
+    mode = require_mps(ROOT, whole_gpu.uuid)
     dirs = DaemonDirs(tmp_path / "pipe", tmp_path / "log")
     ready = tmp_path / "run" / "startup-complete"
     argv = [
@@ -80,4 +70,4 @@ def test_the_pods_entrypoint_holds_the_limit_and_quits_on_sigterm(
         leftover = control.running(dirs)
         if leftover is not None:
             control.stop(dirs, leftover)
-    assert _compute_mode(whole_gpu.uuid) == mode
+    assert compute_mode(whole_gpu.uuid) == mode
