@@ -30,6 +30,7 @@ from driver.state.teardown import unprepare_begun
 
 HARNESS = r"""
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -107,6 +108,8 @@ def build_state(root):
         mig=nvml(root).mig(),
         caps_root=root / "driver-root",
         proc_devices=PROC_DEVICES,
+        # Node MPS daemons (the mock's stand-in): shares of gpu-3 get one each.
+        mps=nvml(root).mps("/unused") if os.environ.get("GPU_DRA_CRASH_MPS") else None,
     )
 
 
