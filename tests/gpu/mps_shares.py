@@ -4,19 +4,38 @@ tests/gpu/node.py (the plugin's path, `--mps-daemons=node` when the node's
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from driver.nvml.mps import DaemonDirs, DaemonId, is_running, process_start_time
+from driver.nvml.backend import select_backend
+from driver.nvml.mps import DaemonDirs, DaemonId, MpsControl, is_running, process_start_time
 from driver.state.claims import ClaimRef
-from driver.state.mps import daemon_dirs
+from driver.state.mps import NodeDaemons, daemon_dirs
 from driver.state.mps_record import MpsRecord
-from tests.gpu.node import GpuNode
+from tests.gpu.node import NODE, GpuNode, open_node
 
 MIB_PER_GIB = 1024
+
+
+def mock_share_node(tmp_path: Path) -> tuple[GpuNode, MpsControl]:
+    """A tier node on one mock H100 with MIG off, shareable by capacity, whose MPS
+    daemons are the mock's stand-in as `--mps-daemons=node` runs it (the CPU-side
+    tests of what tests/gpu/test_mps_containers.py prepares)."""
+    fleet = tmp_path / "fleet.yaml"
+    fleet.write_text(json.dumps({"gpus": [{"model": "H100-80GB", "migMode": "disabled"}]}))
+    backend = select_backend(
+        mock=True, fleet_path=fleet, node_name=NODE, mock_driver_root=tmp_path / "driver-root"
+    )
+    control = backend.mps("/unused")
+    assert control is not None
+    node = open_node(
+        backend, tmp_path, mps_daemons=NodeDaemons(control), allow_multiple_allocations=True
+    )
+    return node, control
 
 
 @dataclass(frozen=True)

@@ -11,27 +11,25 @@ here. Needs runc (make cluster-build) and a C compiler; nothing skips."""
 
 from __future__ import annotations
 
-import json
 import shutil
 import subprocess
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 
-from driver.nvml.backend import select_backend
 from driver.nvml.mps import DaemonId
-from driver.state.mps import NodeDaemons
 from tests.gpu.bound_clients import Allocation
 from tests.gpu.mps_containers import MARGIN_MIB, in_lockstep, python_rootfs
 from tests.gpu.mps_shares import (
     MpsShare,
     PreparedShare,
     left_running,
+    mock_share_node,
     prepare_shares,
     unprepare_shares,
 )
-from tests.gpu.node import NODE, GpuNode, open_node
+from tests.gpu.node import GpuNode
 
 FAKE_LIBCUDA = Path(__file__).resolve().parents[1] / "fake_libcuda.c"
 SHARES = (MpsShare("mps-small", 2048, 25), MpsShare("mps-large", 4096, 50))
@@ -39,17 +37,8 @@ CONTEXT_MIB = 271  # the stand-in's context, inside the limit
 
 
 @pytest.fixture
-def node(tmp_path: Path) -> Iterator[GpuNode]:
-    fleet = tmp_path / "fleet.yaml"
-    fleet.write_text(json.dumps({"gpus": [{"model": "H100-80GB", "migMode": "disabled"}]}))
-    backend = select_backend(
-        mock=True, fleet_path=fleet, node_name=NODE, mock_driver_root=tmp_path / "driver-root"
-    )
-    control = backend.mps("/unused")
-    assert control is not None
-    yield open_node(
-        backend, tmp_path, mps_daemons=NodeDaemons(control), allow_multiple_allocations=True
-    )
+def node(tmp_path: Path) -> GpuNode:
+    return mock_share_node(tmp_path)[0]
 
 
 @pytest.fixture

@@ -15,28 +15,23 @@ from pathlib import Path
 
 import pytest
 
-from driver.nvml.backend import select_backend
 from driver.nvml.mps import DaemonId, MpsControl, is_running
-from driver.state.mps import NodeDaemons
 from tests import cdi_bundle
-from tests.gpu.mps_shares import MpsShare, PreparedShare, prepare_shares, unprepare_shares
-from tests.gpu.node import NODE, GpuNode, open_node
+from tests.gpu.mps_shares import (
+    MpsShare,
+    PreparedShare,
+    mock_share_node,
+    prepare_shares,
+    unprepare_shares,
+)
+from tests.gpu.node import GpuNode
 
 SHARES = (MpsShare("small", 2048, 25), MpsShare("large", 4096, 50))
 
 
 @pytest.fixture
 def node_and_control(tmp_path: Path) -> Iterator[tuple[GpuNode, MpsControl]]:
-    fleet = tmp_path / "fleet.yaml"
-    fleet.write_text(json.dumps({"gpus": [{"model": "H100-80GB", "migMode": "disabled"}]}))
-    backend = select_backend(
-        mock=True, fleet_path=fleet, node_name=NODE, mock_driver_root=tmp_path / "driver-root"
-    )
-    control = backend.mps("/unused")
-    assert control is not None
-    node = open_node(
-        backend, tmp_path, mps_daemons=NodeDaemons(control), allow_multiple_allocations=True
-    )
+    node, control = mock_share_node(tmp_path)
     yield node, control
     for pid_file in (tmp_path / "plugin" / "mps").glob("*/pipe/*.pid"):
         os.kill(int(pid_file.read_text()), signal.SIGKILL)  # a failed test leaves none
