@@ -170,7 +170,8 @@ class Plugin:
             install_image_hook(o, state)
         # Before discovery: recovery destroys half-created MIG devices and recreates
         # the ones a reboot destroyed, so discovery sees the node as it will be served.
-        log.info("recovered local state: %s", describe_recovery(state.recover()))
+        recovered = state.recover()
+        log.info("recovered local state: %s", describe_recovery(recovered))
 
         # The listing and the journal snapshot of one moment, under the node lock (an
         # old instance may still be serving during a rolling update).
@@ -246,7 +247,7 @@ class Plugin:
         # Runs after the service socket stopped (callbacks run in reverse): the journal's
         # log folded into a snapshot every release reads (docs/state.md, "The log").
         running.callback(compact_journal, state, drain_seconds=SHUTDOWN_DRAIN_SECONDS)
-        mps_watch = watch_mps_daemons(o, state, api, running)  # stopped before the compaction
+        mps_watch = watch_mps_daemons(o, state, api, running, recovered)  # before compaction
 
         paths = socket_paths(o.driver_name, o.registrar_dir, o.data_dir, o.pod_uid or None)
 

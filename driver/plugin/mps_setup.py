@@ -17,6 +17,7 @@ from driver.plugin.flags import PluginOptions
 from driver.state.context import StepContext
 from driver.state.mps import MpsDaemons, NodeDaemons
 from driver.state.mps_watch import MpsWatch
+from driver.state.recovery import RecoveryReport
 
 log = logging.getLogger(__name__)
 
@@ -57,13 +58,19 @@ def mps_daemons(o: PluginOptions, backend: NvmlBackend, api: KubeApi) -> MpsDaem
 
 
 def watch_mps_daemons(
-    o: PluginOptions, state: StepContext, api: KubeApi, running: contextlib.ExitStack
+    o: PluginOptions,
+    state: StepContext,
+    api: KubeApi,
+    running: contextlib.ExitStack,
+    recovered: RecoveryReport,
 ) -> MpsWatch | None:
-    """Start the periodic check of the prepared claims' daemons, stopped by `running`;
-    None where this node has no MPS."""
+    """Report the daemons the start found gone (`recovered`) and start the periodic
+    check of the prepared claims' daemons, stopped by `running`; None where this node
+    has no MPS."""
     if state.mps.site is None:
         return None
     watch = MpsWatch(state, ClaimEvents(api, driver=o.driver_name, node_name=o.node_name))
+    watch.report_start(recovered.mps_losses)
     watch.start()
     running.callback(watch.stop)
     return watch

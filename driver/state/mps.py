@@ -105,6 +105,7 @@ class MpsLoss:
     """A device's daemon found gone, and what became of it: started again
     (`restarted`, its new record) or not (`error`)."""
 
+    device: str
     lost: MpsRecord
     restarted: MpsRecord | None = None
     error: str | None = None
@@ -312,14 +313,14 @@ class ClaimMps:
 
     def adopt(
         self, journal: dict[str, ClaimEntry], exclude: Collection[str] = ()
-    ) -> tuple[list[str], list[str]]:
+    ) -> tuple[list[str], dict[str, tuple[MpsLoss, ...]]]:
         """At start: each completed claim's daemons (but those of `exclude`, claims
         another instance has in flight), found running by pid and start
         time, are adopted; one that is gone is reported and started again (`revive`,
-        its entry in `journal` updated). Returns (the claims adopted, the claims whose
-        daemon was gone)."""
+        its entry in `journal` updated). Returns (the claims adopted, per claim whose
+        daemon was gone what became of it)."""
         adopted: list[str] = []
-        lost: list[str] = []
+        lost: dict[str, tuple[MpsLoss, ...]] = {}
         if self._daemons is None:
             return adopted, lost
         for uid, entry in sorted(journal.items()):
@@ -328,7 +329,10 @@ class ClaimMps:
             if not any(d.mps for d in entry.devices):
                 continue
             journal[uid], losses = self.revive(uid, entry)
-            (lost if losses else adopted).append(uid)
+            if losses:
+                lost[uid] = losses
+            else:
+                adopted.append(uid)
         return adopted, lost
 
     def revive(self, uid: str, entry: ClaimEntry) -> tuple[ClaimEntry, tuple[MpsLoss, ...]]:
@@ -355,9 +359,9 @@ class ClaimMps:
                     started = self._start(record)
                 except DriverError as err:
                     log.error("restarting the MPS daemon of claim %s failed: %s", uid, err)
-                    losses.append(MpsLoss(record, error=str(err)))
+                    losses.append(MpsLoss(device.device_name, record, error=str(err)))
                 else:
-                    losses.append(MpsLoss(record, restarted=started))
+                    losses.append(MpsLoss(device.device_name, record, restarted=started))
                     device = replace(device, mps=started)
                 metrics.MPS_DAEMONS_LOST.labels(outcome=losses[-1].outcome).inc()
             devices.append(device)

@@ -31,7 +31,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Final, Protocol
@@ -169,6 +169,16 @@ class MpsWatch:
                 log.exception("checking the MPS daemons failed")
             self._stop.wait(self._interval)
 
+    def report_start(self, lost: Sequence[tuple[ClaimRef, Sequence[MpsLoss]]]) -> None:
+        """The daemons the plugin's start found gone (and started again, or not),
+        reported as the check reports them: an Event on each claim."""
+        notices: list[_Notice] = []
+        for claim, losses in lost:
+            for loss in losses:
+                self._lost(claim, loss, notices)
+        for notice in notices:
+            self._events.post(notice.claim, notice.reason, notice.message)
+
     def check(self) -> tuple[DaemonState, ...]:
         """One round: every watched daemon checked, a gone one started again, each
         loss reported. The daemons as found (those of the last check where the node
@@ -227,7 +237,7 @@ class MpsWatch:
                     continue
                 loss = by_directory.get(device.mps.directory)
                 seen = (
-                    self._lost(claim, device.device_name, loss, notices)
+                    self._lost(claim, loss, notices)
                     if loss is not None
                     else self._alive(claim, device.device_name, device.mps, notices)
                 )
@@ -239,9 +249,8 @@ class MpsWatch:
         self._retry = {k: v for k, v in self._retry.items() if k in journal}
         return tuple(daemons)
 
-    def _lost(
-        self, claim: ClaimRef, device: str, loss: MpsLoss, notices: list[_Notice]
-    ) -> DaemonState:
+    def _lost(self, claim: ClaimRef, loss: MpsLoss, notices: list[_Notice]) -> DaemonState:
+        device = loss.device
         record = loss.lost
         what = (
             f"the MPS daemon of device {device} (GPU {record.gpu_uuid}), "

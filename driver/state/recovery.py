@@ -19,9 +19,11 @@ from driver.errors import DriverError, transient
 from driver.state.adoption import adopt_intents
 from driver.state.boot import boot_id
 from driver.state.checkpoint import CheckpointCorruptError, ClaimEntry, ClaimState
+from driver.state.claims import ClaimRef
 from driver.state.context import StepContext
 from driver.state.failpoints import failpoint
 from driver.state.instances import other_entries
+from driver.state.mps import MpsLoss
 from driver.state.planning import respec_restored
 from driver.state.quarantine import (
     finish_pending_quarantine,
@@ -48,6 +50,8 @@ class RecoveryReport:
     time_slices: tuple[str, ...] = ()  # GPUs whose time-slice interval was set again
     mps_adopted: tuple[str, ...] = ()  # completed claims whose MPS daemons run on
     mps_lost: tuple[str, ...] = ()  # completed claims whose MPS daemon was gone (restarted)
+    # Each of those claims and what became of its daemons (Events once the plugin runs).
+    mps_losses: tuple[tuple[ClaimRef, tuple[MpsLoss, ...]], ...] = ()
     # "<claim uid>: <why>" for each entry left as it was (each logged at ERROR): a
     # rollback or a MIG device that failed (a lost GPU, NVML refusing), a spec that
     # could not be written. The plugin starts anyway; the entry keeps its devices.
@@ -153,6 +157,10 @@ def recover(state: StepContext) -> RecoveryReport:
         time_slices,
         mps_adopted=tuple(mps_adopted),
         mps_lost=tuple(mps_lost),
+        mps_losses=tuple(
+            (ClaimRef(journal[uid].namespace, journal[uid].name, uid), losses)
+            for uid, losses in mps_lost.items()
+        ),
         problems=tuple(problems),
         finished_unprepares=tuple(finished),
         removed_specs=removed,

@@ -262,3 +262,25 @@ def test_a_deployment_whose_pod_is_not_ready_is_reported_not_replaced(
     node.cluster.deployments[record.deployment]["status"]["readyReplicas"] = 1
     (seen,) = watch.check()
     assert seen.running and len(events.events) == 1
+
+
+def test_a_daemon_found_gone_at_the_plugins_start_gets_an_event_on_its_claim(
+    node: Node,
+) -> None:
+    """Killed while no plugin ran: the start restarts it (`recover`) and the watch
+    reports it like one found gone while running, once."""
+    ok(node.state(), node.claims.add("a"))
+    killed = node.record("a")
+    kill(killed)
+    state = node.state()  # the plugin starts again
+    assert node.report.mps_lost == ("a",)
+    again = node.record("a")
+    events = Events()
+
+    watch = MpsWatch(state, events)
+    watch.report_start(node.report.mps_losses)
+    watch.check()  # the daemon runs: nothing more to say
+
+    ((claim, reason, message),) = events.events
+    assert (claim.uid, claim.name, reason) == ("a", "claim-a", REASON_LOST)
+    assert f"pid {killed.pid}" in message and f"started again (pid {again.pid})" in message
