@@ -7,7 +7,8 @@ container sees CUDA_MPS_PIPE_DIRECTORY, the daemon's control socket through its 
 mount and the daemon's shm directory at /dev/shm. The plugin's pod is deleted: the
 daemon's pod keeps running (same UID, no restart), the new plugin adopts it, and the
 client still reaches it. Deleting the pod unprepares the claim, which deletes the
-Deployment and waits for its pod. demo/mps/enforced-shares.yaml: two capacity shares
+Deployment and waits for its pod; so does a helm upgrade that replaces the plugin's
+pod. demo/mps/enforced-shares.yaml: two capacity shares
 of one GPU, each limited by a daemon of its own with its share's memory and SMs. Back
 to the demo values at the end."""
 
@@ -181,6 +182,24 @@ def test_the_daemon_deployment_outlives_a_plugin_restart_and_goes_with_the_claim
     assert ask("get_default_device_pinned_mem_limit 0") == "4096M"
     assert "control" in client_sees_the_daemon().split()
     assert e.get("pod", "-n", NS, "client")["status"]["phase"] == "Running"
+
+    # A helm upgrade that replaces the plugin's pod (a changed pod template): the same.
+    before_upgrade = e.plugin_pod()["metadata"]["uid"]
+    with tempfile.TemporaryDirectory() as tmp:
+        overlay = Path(tmp) / "upgrade.yaml"
+        values = {"mps": {"enabled": True}, "podAnnotations": {"e2e/upgraded": "yes"}}
+        overlay.write_text(yaml.safe_dump({"kubeletPlugin": values}))
+        install_chart(e, overlay)
+    wait_for(
+        lambda: e.plugin_pod()["metadata"]["uid"] != before_upgrade and _ready(e.plugin_pod()),
+        300,
+        "the upgraded plugin pod to be Ready",
+    )
+    (upgraded,) = [p for p in _daemon_pods(e) if p["metadata"].get("deletionTimestamp") is None]
+    assert upgraded["metadata"]["uid"] == daemon["metadata"]["uid"], "the upgrade replaced it"
+    assert upgraded["status"]["containerStatuses"][0]["restartCount"] == 0, upgraded["status"]
+    assert ask("get_default_device_pinned_mem_limit 0") == "4096M"
+    assert "control" in client_sees_the_daemon().split()
 
     # Unprepare: the pod and its claim go; so do the Deployment and its pod.
     e.kubectl("delete", "pod", "-n", NS, "client", "--wait=true", "--timeout=120s")
