@@ -15,7 +15,8 @@ column means one thing on every row:
   delivered as; `-` for devices that are not MIG devices.
 - PARTITIONS: on a GPU row, how many partitions of the GPU are published; `-` on a
   partition row.
-- SHARING: `exclusive`, or the capacities that shares of the device consume.
+- SHARING: `exclusive`, or the capacities that shares of the device consume; `MPS
+  limits` where an MPS daemon enforces a share's or a partition's (docs/sharing.md).
 - HEALTH: the health callback's text (taints as the plugin publishes them).
 """
 
@@ -69,15 +70,17 @@ def _attr(device: PublishedDevice, key: str) -> str:
 
 
 def _sharing(device: PublishedDevice) -> str:
-    """`exclusive`, or the capacities a share consumes with their request step."""
+    """`exclusive`, or the capacities a share consumes with their request step; `, MPS
+    limits` where MPS enforces what a share or partition is given (attribute `mps`)."""
+    enforced = ", MPS limits" if "mps" in device.document.get("attributes", {}) else ""
     if device.document.get("allowMultipleAllocations") is not True:
-        return "exclusive"
+        return "exclusive" + (enforced if device.is_partition else "")
     parts = []
     for name, entry in sorted(device.document.get("capacity", {}).items()):
         step = ((entry.get("requestPolicy") or {}).get("validRange") or {}).get("step")
         if entry.get("requestPolicy"):
             parts.append(f"{name}" + (f" step {step}" if step else ""))
-    return "shares: " + ", ".join(parts) if parts else "shares"
+    return ("shares: " + ", ".join(parts) if parts else "shares") + enforced
 
 
 def _memory(device: PublishedDevice) -> str:

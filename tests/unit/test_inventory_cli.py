@@ -405,3 +405,21 @@ def test_table_shows_devices_shared_by_capacity(capsys: pytest.CaptureFixture[st
     devices = [d for s in json.loads(out)["items"] for d in s["spec"].get("devices", [])]
     assert devices and all(d["allowMultipleAllocations"] is True for d in devices)
     assert devices[0]["capacity"]["memory"]["requestPolicy"]["validRange"]["step"] == "1Gi"
+
+
+def test_the_sharing_column_says_where_mps_enforces_shares_and_partitions(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    fleet = tmp_path / "fleet.yaml"
+    fleet.write_text('{"gpus": [{"model": "A100-40GB", "count": 2, "migMode": "disabled"}]}')
+    mock = ("--mock", str(fleet), "--node-name", "n1", "--mps-daemons", "node")
+    code, out, err = run(capsys, *mock, "--gpu-allow-multiple-allocations")
+    assert code == 0, err
+    assert table(out)[0]["SHARING"] == "shares: compute step 1, memory step 1Gi, MPS limits"
+    code, out, err = run(capsys, *mock, "--gpu-partitions", "2", "--partitions")
+    assert code == 0, err
+    rows = {r["DEVICE"]: r["SHARING"] for r in table(out)}
+    assert rows["gpu-0-partition-1"] == "exclusive, MPS limits"
+    assert rows["gpu-0-full"] == "exclusive"  # a whole GPU: nothing to limit
+    code, out, err = run(capsys, *mock[:-2], "--gpu-allow-multiple-allocations")
+    assert table(out)[0]["SHARING"] == "shares: compute step 1, memory step 1Gi"
