@@ -15,7 +15,13 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from driver.config import GpuConfig, Interval, resolve_configs, validate_for_device
+from driver.config import (
+    ConfigError,
+    GpuConfig,
+    Interval,
+    resolve_configs,
+    validate_for_device,
+)
 from driver.errors import device_failed, transient
 from driver.nvml.caps import CapabilityError, mig_capabilities
 from driver.state.booking import hardware_of
@@ -224,7 +230,27 @@ def plan_claim(
                 mounts=mps.mounts if mps is not None else (),
             )
         )
+    _one_mps_device(planned)
     return tuple(planned)
+
+
+def _one_mps_device(planned: Sequence[PlannedDevice]) -> None:
+    """A claim gets at most one device an MPS daemon limits: a container has one
+    CUDA_MPS_PIPE_DIRECTORY, so of two daemons mounted there only one would be
+    reached, and its server sees only its own GPU (permanent invalid-config)."""
+    limited = [p.prepared.device_name for p in planned if p.prepared.mps is not None]
+    if len(limited) > 1:
+        raise ConfigError(
+            [
+                (
+                    "status.allocation.devices.results",
+                    f"devices {', '.join(limited)} would each get an MPS daemon of its own, "
+                    "and a container reaches only one (one CUDA_MPS_PIPE_DIRECTORY); ask "
+                    "for one MPS-limited device per claim (a share, a partition, "
+                    "SpacePartitioning or MPS on a node that runs MPS daemons)",
+                )
+            ]
+        )
 
 
 def with_mig(planned: PlannedDevice, record: MigRecord) -> PlannedDevice:

@@ -196,3 +196,20 @@ def test_devices_of_a_node_with_mps_carry_the_mps_attribute(node: Node) -> None:
             pool.device(name).document["attributes"]["mps"] == {"bool": True} for name in marked
         )
     assert not any("mps" in d.document["attributes"] for d in build_pool(inventory).devices)
+
+
+def test_a_claim_with_two_mps_limited_devices_is_refused_for_good(node: Node) -> None:
+    """A container has one CUDA_MPS_PIPE_DIRECTORY: two daemons mounted there, one
+    would shadow the other and its GPU would be unusable under MPS."""
+    node.options = PARTITIONS
+    state = node.state()
+    ref = claim(node.claims, "a", "gpu-0-partition-0")
+    doc = node.claims.docs["a"]
+    results = doc["status"]["allocation"]["devices"]["results"]
+    results.append({**results[0], "device": "gpu-0-partition-1"})
+    message = error(state, ref)
+    assert "permanent (invalid-config): status.allocation.devices.results: devices " in message
+    assert "gpu-0-partition-0, gpu-0-partition-1 would each get an MPS daemon" in message
+    assert node.daemons() == [] and not Checkpoint(node.root / "plugin").load()
+    # Without MPS on the node the same claim is prepared (advisory partitions).
+    ok(node.state(mps=False), ref)
