@@ -22,6 +22,7 @@ from driver.config.gpu import (
     GpuConfig,
     Interval,
     MpsConfig,
+    PerDeviceLimits,
     Sharing,
     SpacePartitioningConfig,
     Strategy,
@@ -29,9 +30,17 @@ from driver.config.gpu import (
     default_gpu_config,
     int_text,
 )
-from driver.config.loader import LoadError, exceeds_values, find_raw_problems, join_path
+from driver.config.loader import (
+    KEY_NOT_A_STRING,
+    LoadError,
+    exceeds_values,
+    find_raw_problems,
+    join_key,
+    join_path,
+)
 from driver.config.mps_limits import (
     MAX_ACTIVE_THREAD_PERCENTAGE,
+    device_key_error,
     memory_limit_bytes,
 )
 from driver.config.yaml_loader import loads_json_or_yaml
@@ -56,6 +65,11 @@ class _MpsModel(BaseModel):
 
     defaultActiveThreadPercentage: int | None = None
     defaultPinnedDeviceMemoryLimit: str | None = None
+    defaultPerDevicePinnedMemoryLimit: dict[str, str] | None = None
+
+
+#: Fields whose value is a map keyed by data: error paths write its keys `field[key]`.
+_MAP_FIELDS: Final = frozenset({"defaultPerDevicePinnedMemoryLimit"})
 
 
 class _SharingModel(BaseModel):
@@ -93,11 +107,17 @@ def _as_config(model: _GpuConfigModel) -> GpuConfig:
                 None
                 if mps is None
                 else MpsConfig(
-                    mps.defaultActiveThreadPercentage, mps.defaultPinnedDeviceMemoryLimit
+                    mps.defaultActiveThreadPercentage,
+                    mps.defaultPinnedDeviceMemoryLimit,
+                    _per_device(mps.defaultPerDevicePinnedMemoryLimit),
                 )
             ),
         ),
     )
+
+
+def _per_device(limits: dict[str, str] | None) -> PerDeviceLimits | None:
+    return None if limits is None else PerDeviceLimits(limits)
 
 
 _TYPE_MESSAGES: Final = {
@@ -116,10 +136,16 @@ _TYPE_MESSAGES: Final = {
 def _pydantic_errors(err: ValidationError, path: str) -> list[FieldError]:
     out: list[FieldError] = []
     for item in err.errors(include_url=False):
-        where = path
-        for part in item["loc"]:
-            where = join_path(where, part if isinstance(part, int) else str(part))
+        where, previous = path, None
         message = _TYPE_MESSAGES.get(item["type"], item["msg"])
+        for part in item["loc"]:
+            if part == "[key]":  # pydantic's marker: the key itself is wrong
+                message = KEY_NOT_A_STRING
+            elif previous in _MAP_FIELDS:
+                where = join_key(where, part)
+            else:
+                where = join_path(where, part if isinstance(part, int) else str(part))
+            previous = part
         out.append(FieldError(where, message))
     return out
 
@@ -254,6 +280,16 @@ def _mps_errors(mps: MpsConfig | None, path: str) -> list[FieldError]:
             memory_limit_bytes(mps.defaultPinnedDeviceMemoryLimit)
         except ValueError as err:
             errors.append(FieldError(field, str(err)))
+    for key, limit in (mps.defaultPerDevicePinnedMemoryLimit or {}).items():
+        field = join_key(join_path(path, "defaultPerDevicePinnedMemoryLimit"), key)
+        problem = device_key_error(key)
+        if problem is None:
+            try:
+                memory_limit_bytes(limit)
+            except ValueError as err:
+                problem = str(err)
+        if problem is not None:
+            errors.append(FieldError(field, problem))
     return errors
 
 
@@ -276,7 +312,7 @@ def gpu_config_errors(
         return None, [FieldError(path, "must be an object")]
     if exceeds_values(parameters, MAX_CONFIG_VALUES):
         return None, [FieldError(path, f"too large: more than {MAX_CONFIG_VALUES} values")]
-    errors = find_raw_problems(parameters, path)
+    errors = find_raw_problems(parameters, path, _MAP_FIELDS)
     try:
         raw = _as_config(_GpuConfigModel.model_validate(parameters))
     except ValidationError as err:

@@ -14,6 +14,8 @@ Wire format (identical to the reference driver's)::
       mpsConfig:                   # optional, only with MPS (NVIDIA's field names)
         defaultActiveThreadPercentage: 50      # int, 1..100 (optional)
         defaultPinnedDeviceMemoryLimit: 8Gi    # quantity >= 1Mi (optional)
+        defaultPerDevicePinnedMemoryLimit:     # optional map: device index or GPU UUID
+          "0": 4Gi                             #   -> quantity >= 1Mi
 
 The values are frozen dataclasses. Decoding is strict: unknown fields, duplicate
 fields, wrong JSON types (no coercion: `"2"` is not an integer, `true` is not an
@@ -45,6 +47,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -73,8 +76,9 @@ DEFAULT_PARTITION_COUNT: Final = 1
 #: The most partitions any config may ask for (see the module docstring).
 MAX_PARTITION_COUNT: Final = 64
 #: The most values (fields, list items, nested objects) a config may hold before it is
-#: refused as a whole: a GpuConfig has at most 7. Reporting each unknown field of a
-#: config of thousands costs a worker of the webhook seconds.
+#: refused as a whole: a GpuConfig has at most 10 that prepare can accept (the
+#: per-device map names one device, by "0" or by UUID). Reporting each unknown field
+#: of a config of thousands costs a worker of the webhook seconds.
 MAX_CONFIG_VALUES: Final = 256
 
 
@@ -88,14 +92,41 @@ class SpacePartitioningConfig:
     partitionCount: int | None = None
 
 
+class PerDeviceLimits(Mapping[str, str]):
+    """`defaultPerDevicePinnedMemoryLimit`: device key (index or GPU UUID) -> quantity
+    text. Immutable and hashable like the dataclasses that hold it; `to_dict` writes it
+    as a JSON object."""
+
+    __slots__ = ("_limits",)
+
+    def __init__(self, limits: Mapping[str, str] | None = None) -> None:
+        self._limits: dict[str, str] = dict(limits or {})
+
+    def __getitem__(self, key: str) -> str:
+        return self._limits[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._limits)
+
+    def __len__(self) -> int:
+        return len(self._limits)
+
+    def __hash__(self) -> int:
+        return hash(frozenset(self._limits.items()))
+
+    def __repr__(self) -> str:
+        return f"PerDeviceLimits({self._limits!r})"
+
+
 @dataclass(frozen=True)
 class MpsConfig:
     """The limits the claim's MPS control daemon gives every client (docs/mps.md).
-    The memory limit stays the quantity text the user wrote (`mps_memory_limit_bytes`
-    parses it)."""
+    The memory limits stay the quantity text the user wrote (`memory_limit_bytes`
+    parses them)."""
 
     defaultActiveThreadPercentage: int | None = None
     defaultPinnedDeviceMemoryLimit: str | None = None
+    defaultPerDevicePinnedMemoryLimit: PerDeviceLimits | None = None
 
 
 @dataclass(frozen=True)
@@ -161,7 +192,11 @@ class GpuConfig:
 
 
 def _without_none(items: list[tuple[str, Any]]) -> dict[str, Any]:
-    return {key: value for key, value in items if value is not None}
+    return {
+        key: dict(value) if isinstance(value, PerDeviceLimits) else value
+        for key, value in items
+        if value is not None
+    }
 
 
 def default_gpu_config() -> GpuConfig:

@@ -90,36 +90,53 @@ def join_path(base: str, part: str | int) -> str:
     return f"{base}.{part}" if base else part
 
 
-def find_raw_problems(value: Any, path: str) -> list[FieldError]:
+def join_key(base: str, key: object) -> str:
+    """Append the key of a map whose keys are data, not field names (`a[GPU-1...]`)."""
+    return f"{base}[{key}]"
+
+
+def find_raw_problems(
+    value: Any, path: str, maps: frozenset[str] = frozenset()
+) -> list[FieldError]:
     """Duplicate keys and non-string keys anywhere inside `value` (iterative, any depth).
     A dict or list reached on several paths (YAML aliases) is checked once, at the first
-    path: linear in the distinct values, whatever the aliases expand to."""
+    path: linear in the distinct values, whatever the aliases expand to. `maps`: the
+    fields whose value is a map keyed by data (their keys are written `field[key]`)."""
     problems: list[FieldError] = []
-    stack: list[tuple[Any, str]] = [(value, path)]
+    stack: list[tuple[Any, str, bool]] = [(value, path, False)]
     visited: set[int] = set()
     while stack:
-        current, where = stack.pop()
+        current, where, is_map = stack.pop()
         if isinstance(current, dict | list):
             if id(current) in visited:
                 continue
             visited.add(id(current))
         if isinstance(current, dict):
+            join = join_key if is_map else join_path
             for key in getattr(current, "duplicates", ()):
-                problems.append(FieldError(join_path(where, str(key)), "duplicate field"))
-            children: list[tuple[Any, str]] = []
+                problems.append(
+                    FieldError(
+                        join(where, str(key)), "duplicate key" if is_map else "duplicate field"
+                    )
+                )
+            children: list[tuple[Any, str, bool]] = []
             for key, child in current.items():
                 if not isinstance(key, str):
-                    problems.append(
-                        FieldError(join_path(where, str(key)), "field names must be strings")
-                    )
+                    message = KEY_NOT_A_STRING if is_map else "field names must be strings"
+                    problems.append(FieldError(join(where, str(key)), message))
                     continue
-                children.append((child, join_path(where, key)))
+                children.append((child, join(where, key), not is_map and key in maps))
             stack.extend(reversed(children))
         elif isinstance(current, list):
             stack.extend(
-                reversed([(child, join_path(where, i)) for i, child in enumerate(current)])
+                reversed([(child, join_path(where, i), False) for i, child in enumerate(current)])
             )
     return problems
+
+
+#: A non-string key of a map keyed by data (a YAML file's `0:`; the API server's JSON
+#: has none).
+KEY_NOT_A_STRING: Final = 'keys must be strings (in YAML, quote them: "0")'
 
 
 def exceeds_values(value: Any, limit: int) -> bool:

@@ -11,6 +11,9 @@ enforced by an MPS daemon of its own instead of being passed on as a hint:
   and of its SMs for every process of the claim;
 - the `MPS` strategy: the limits of its `mpsConfig`; on a share or partition, what the
   config leaves out is the allocation's, and a limit above the allocation is an error.
+  The device's daemon serves one GPU, its clients' CUDA device 0: the entry of
+  `defaultPerDevicePinnedMemoryLimit` keyed "0" or by the GPU's UUID overrides
+  `defaultPinnedDeviceMemoryLimit`, and a key naming any other device is an error.
 
 A whole GPU with another strategy gets no daemon: there is nothing to enforce.
 """
@@ -22,8 +25,14 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from driver.config import ConfigError, GpuConfig, Strategy
-from driver.config.loader import join_path
-from driver.config.mps_limits import MAX_ACTIVE_THREAD_PERCENTAGE, MIB, memory_limit_bytes
+from driver.config.gpu import MpsConfig
+from driver.config.loader import join_key, join_path
+from driver.config.mps_limits import (
+    MAX_ACTIVE_THREAD_PERCENTAGE,
+    MIB,
+    is_device_index,
+    memory_limit_bytes,
+)
 from driver.devices.documents import parse_quantity
 from driver.devices.model import SHARE_COMPUTE_STEP, SHARE_MEMORY_STEP
 from driver.state.claims import PreparableDevice
@@ -129,17 +138,69 @@ def _mps_field(path: str, name: str) -> str:
     return join_path(join_path(join_path(path, "sharing"), "mpsConfig"), name)
 
 
-def _configured(config: GpuConfig, given: Allotment, device_name: str, path: str) -> MpsLimits:
-    """An `MPS` config's limits; on a share or partition bounded by (and defaulting to)
-    what the allocation was given."""
+@dataclass(frozen=True)
+class _PinnedLimit:
+    """The pinned limit a config gives the device: the field that set it and its text."""
+
+    field: str
+    text: str
+
+
+def _key_error(key: str, device_name: str, gpu_uuid: str) -> str | None:
+    """Why a (decoded) key of `defaultPerDevicePinnedMemoryLimit` is not the device's."""
+    if is_device_index(key):
+        if key == "0":
+            return None
+        return (
+            f"the MPS daemon of device {device_name} serves one GPU, which its clients see "
+            "as device 0; use 0 or the GPU's UUID"
+        )
+    if key.lower() == gpu_uuid.lower():
+        return None
+    return (
+        f"not the GPU of device {device_name} ({gpu_uuid}), the one its MPS daemon serves; "
+        "use its UUID or 0"
+    )
+
+
+def _pinned_limit(
+    mps: MpsConfig, device_name: str, gpu_uuid: str, path: str
+) -> _PinnedLimit | None:
+    """The device's entry of `defaultPerDevicePinnedMemoryLimit`, else
+    `defaultPinnedDeviceMemoryLimit`, else None. A key that names another device, or a
+    second key for this one, is a permanent invalid-config error."""
+    per_device = _mps_field(path, "defaultPerDevicePinnedMemoryLimit")
+    errors: list[tuple[str, str]] = []
+    chosen: tuple[str, _PinnedLimit] | None = None  # (key, its limit)
+    for key, text in (mps.defaultPerDevicePinnedMemoryLimit or {}).items():
+        problem = _key_error(key, device_name, gpu_uuid)
+        if problem is None and chosen is not None:
+            problem = f"names device {device_name}, as key {chosen[0]} does; give one of them"
+        if problem is None:
+            chosen = (key, _PinnedLimit(join_key(per_device, key), text))
+        else:
+            errors.append((join_key(per_device, key), problem))
+    if errors:
+        raise ConfigError(errors)
+    if chosen is not None:
+        return chosen[1]
+    if mps.defaultPinnedDeviceMemoryLimit is not None:
+        return _PinnedLimit(
+            _mps_field(path, "defaultPinnedDeviceMemoryLimit"), mps.defaultPinnedDeviceMemoryLimit
+        )
+    return None
+
+
+def _configured(
+    config: GpuConfig, given: Allotment, device_name: str, gpu_uuid: str, path: str
+) -> MpsLimits:
+    """An `MPS` config's limits for the device; on a share or partition bounded by (and
+    defaulting to) what the allocation was given."""
     mps = config.mps
     assert mps is not None
     percentage = mps.defaultActiveThreadPercentage
-    memory = (
-        memory_limit_bytes(mps.defaultPinnedDeviceMemoryLimit)
-        if mps.defaultPinnedDeviceMemoryLimit is not None
-        else None
-    )
+    pinned = _pinned_limit(mps, device_name, gpu_uuid, path)
+    memory = memory_limit_bytes(pinned.text) if pinned is not None else None
     errors: list[tuple[str, str]] = []
     if given.whole:
         return MpsLimits(percentage, memory)
@@ -155,11 +216,11 @@ def _configured(config: GpuConfig, given: Allotment, device_name: str, path: str
             )
         percentage = percentage if percentage is not None else given.percentage
     if given.memory_limit is not None:
-        if memory is not None and memory > given.memory_limit:
+        if pinned is not None and memory is not None and memory > given.memory_limit:
             errors.append(
                 (
-                    _mps_field(path, "defaultPinnedDeviceMemoryLimit"),
-                    f"{mps.defaultPinnedDeviceMemoryLimit} is more than the "
+                    pinned.field,
+                    f"{pinned.text} is more than the "
                     f"{given.memory_limit >> 20}Mi of memory allocated with "
                     f"device {device_name}",
                 )
@@ -186,12 +247,14 @@ def mps_limits(
     given: Allotment,
     *,
     device_name: str,
+    gpu_uuid: str,
     mps_available: bool,
     path: str = "",
 ) -> MpsLimits | None:
-    """The limits of the device's daemon, None for no daemon. `mps_available`: this
-    node runs MPS daemons; without, only the `MPS` strategy is refused (permanent
-    invalid-config) and everything else stays advisory."""
+    """The limits of the device's daemon, None for no daemon. `gpu_uuid`: the GPU the
+    daemon would serve. `mps_available`: this node runs MPS daemons; without, only the
+    `MPS` strategy is refused (permanent invalid-config) and everything else stays
+    advisory."""
     if config.strategy == Strategy.MPS:
         if not mps_available:
             raise ConfigError(
@@ -204,7 +267,7 @@ def mps_limits(
                     )
                 ]
             )
-        return _configured(config, given, device_name, path)
+        return _configured(config, given, device_name, gpu_uuid, path)
     if not mps_available:
         return None
     count = config.partition_count

@@ -190,6 +190,7 @@ def plan_claim(
             config,
             allotment(device, devices, consumed if share_id else {}),
             device_name=name,
+            gpu_uuid=device.gpu_uuid,
             # MPS serves a GPU with MIG off, never with admin access (observing).
             mps_available=mps_site is not None and _no_time_slice(device, admin) is None,
         )

@@ -3,6 +3,7 @@ the device rules (never on a MIG device or with admin access)."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -89,6 +90,86 @@ def test_mps_without_config_gets_an_empty_one() -> None:
 )
 def test_bad_values_are_one_line_errors_naming_the_field(config: Any, expected: str) -> None:
     assert messages(mps(config)) == [expected]
+
+
+UUID = "GPU-5e6f8a3b-1c2d-4e5f-8a9b-0c1d2e3f4a5b"
+PER_DEVICE = f"{P}.sharing.mpsConfig.defaultPerDevicePinnedMemoryLimit"
+
+
+def test_per_device_pinned_limits_decode_and_round_trip() -> None:
+    limits = {"0": "5Gi", UUID: "4096Mi", "3": "1Mi"}
+    config = decode_gpu_config(
+        mps({"defaultPinnedDeviceMemoryLimit": "8Gi", "defaultPerDevicePinnedMemoryLimit": limits})
+    )
+    assert config.mps is not None
+    assert config.mps.defaultPerDevicePinnedMemoryLimit == limits
+    wire = config.to_dict()
+    assert wire["sharing"]["mpsConfig"]["defaultPerDevicePinnedMemoryLimit"] == limits
+    assert json.loads(json.dumps(wire)) == wire
+    assert decode_gpu_config(wire) == config
+    assert hash(decode_gpu_config(wire)) == hash(config)
+    assert decode_gpu_config(mps({"defaultPerDevicePinnedMemoryLimit": {}})).to_dict()["sharing"][
+        "mpsConfig"
+    ] == {"defaultPerDevicePinnedMemoryLimit": {}}
+
+
+@pytest.mark.parametrize(
+    ("limits", "expected"),
+    [
+        (
+            {"1x": "5Gi"},
+            f"{PER_DEVICE}[1x]: not a device index (0, 1, ...) or a GPU UUID (GPU-<uuid>)",
+        ),
+        (
+            {"-1": "5Gi"},
+            f"{PER_DEVICE}[-1]: not a device index (0, 1, ...) or a GPU UUID (GPU-<uuid>)",
+        ),
+        (
+            {"01": "5Gi"},
+            f"{PER_DEVICE}[01]: not a device index (0, 1, ...) or a GPU UUID (GPU-<uuid>)",
+        ),
+        (
+            {"GPU-1234": "5Gi"},
+            f"{PER_DEVICE}[GPU-1234]: not a device index (0, 1, ...) or a GPU UUID (GPU-<uuid>)",
+        ),
+        ({"0": "1k"}, f"{PER_DEVICE}[0]: must be at least 1Mi, got '1k'"),
+        ({UUID: "lots"}, f"{PER_DEVICE}[{UUID}]: not a quantity: 'lots' (e.g. 8Gi, 512Mi)"),
+        (
+            {"0": "1.5Mi"},
+            f"{PER_DEVICE}[0]: must be a whole number of Mi (MPS sets limits in MiB), got '1.5Mi'",
+        ),
+        ({"0": 5368709120}, f"{PER_DEVICE}[0]: must be a string"),
+        ("5Gi", f"{PER_DEVICE}: must be an object"),
+    ],
+)
+def test_bad_per_device_limits_are_one_line_errors_naming_field_and_key(
+    limits: Any, expected: str
+) -> None:
+    assert messages(mps({"defaultPerDevicePinnedMemoryLimit": limits})) == [expected]
+
+
+def test_every_bad_per_device_entry_is_reported() -> None:
+    limits = {"0": "1k", "x": "5Gi", "1": "5Gi"}
+    assert messages(mps({"defaultPerDevicePinnedMemoryLimit": limits})) == [
+        f"{PER_DEVICE}[0]: must be at least 1Mi, got '1k'",
+        f"{PER_DEVICE}[x]: not a device index (0, 1, ...) or a GPU UUID (GPU-<uuid>)",
+    ]
+
+
+def test_per_device_keys_as_yaml_and_json_write_them() -> None:
+    doc = (
+        "apiVersion: " + API_VERSION + "\nkind: " + KIND + "\nsharing:\n  strategy: MPS\n"
+        "  mpsConfig:\n    defaultPerDevicePinnedMemoryLimit:\n"
+    )
+    quoted = decode_gpu_config(doc + '      "0": 5Gi\n')
+    assert quoted.mps is not None
+    assert quoted.mps.defaultPerDevicePinnedMemoryLimit == {"0": "5Gi"}
+    assert messages(doc + "      0: 5Gi\n") == [
+        f'{PER_DEVICE}[0]: keys must be strings (in YAML, quote them: "0")'
+    ]
+    twice = '{"apiVersion": "%s", "kind": "%s", "sharing": {"strategy": "MPS", "mpsConfig": '
+    twice += '{"defaultPerDevicePinnedMemoryLimit": {"0": "1Gi", "0": "2Gi"}}}}'
+    assert messages(twice % (API_VERSION, KIND)) == [f"{PER_DEVICE}[0]: duplicate key"]
 
 
 def test_mps_config_belongs_to_the_mps_strategy() -> None:
