@@ -244,19 +244,18 @@ def _split(count: int, given: Allotment) -> MpsLimits:
 
 def mps_limits(
     config: GpuConfig,
-    given: Allotment,
+    given: Allotment | None,
     *,
     device_name: str,
     gpu_uuid: str,
-    mps_available: bool,
     path: str = "",
 ) -> MpsLimits | None:
     """The limits of the device's daemon, None for no daemon. `gpu_uuid`: the GPU the
-    daemon would serve. `mps_available`: this node runs MPS daemons; without, only the
-    `MPS` strategy is refused (permanent invalid-config) and everything else stays
-    advisory."""
+    daemon would serve. `given`: what the allocation is given of it, None where this node
+    runs no MPS daemon for the device; then only the `MPS` strategy is refused
+    (permanent invalid-config) and everything else stays advisory."""
     if config.strategy == Strategy.MPS:
-        if not mps_available:
+        if given is None:
             raise ConfigError(
                 [
                     (
@@ -268,7 +267,7 @@ def mps_limits(
                 ]
             )
         return _configured(config, given, device_name, gpu_uuid, path)
-    if not mps_available:
+    if given is None:
         return None
     count = config.partition_count
     if count is not None and count > 1:

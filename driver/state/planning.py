@@ -186,13 +186,14 @@ def plan_claim(
         share_id = result.get("shareID") or None
         consumed = result.get("consumedCapacity") or {}
         cdi_name = cdi_device_name(ref.uid, name, share_id)
+        # MPS serves a GPU with MIG off, never with admin access (observing); the
+        # allotment (a walk of the pool) only where a daemon may limit the device.
+        mps_here = mps_site is not None and _no_time_slice(device, admin) is None
         limits = mps_limits(
             config,
-            allotment(device, devices, consumed if share_id else {}),
+            allotment(device, devices, consumed if share_id else {}) if mps_here else None,
             device_name=name,
             gpu_uuid=device.gpu_uuid,
-            # MPS serves a GPU with MIG off, never with admin access (observing).
-            mps_available=mps_site is not None and _no_time_slice(device, admin) is None,
         )
         mps = plan_mps(limits, gpu_uuid=device.gpu_uuid, cdi_name=cdi_name, site=mps_site)
         prepared = PreparedDevice(
