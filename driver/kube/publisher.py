@@ -1,6 +1,9 @@
 """Keeps this node's ResourceSlices equal to what the driver wants to publish.
 
-One pool per node, owned by the Node object. A watch on the driver's slices of this
+One pool per node, owned by the Node object, written by one plugin instance at a time:
+while `may_write()` is false (a newer instance serves the node during a rolling update,
+`driver.plugin.instances`) the publisher writes nothing and its reconciles wait for a
+`trigger()`. A watch on the driver's slices of this
 node triggers a reconcile, so slices deleted by someone else (the kubelet wipes a
 node's slices when it starts) come back by themselves. A reconcile that finds nothing
 to change writes nothing.
@@ -69,11 +72,13 @@ class SlicePublisher:
         driver: str,
         node_name: str,
         desired: Callable[[], list[JSON]],
+        may_write: Callable[[], bool] = lambda: True,
     ) -> None:
         self._api = api
         self._driver = driver
         self._node = node_name
         self._desired = desired
+        self._may_write = may_write
         self._node_uid: str | None = None
         self._wake = threading.Condition()
         self._pending = False
@@ -175,6 +180,8 @@ class SlicePublisher:
                     return
                 self._pending = False
                 ticket = self._requested
+            if not self._may_write():
+                continue  # another instance serves the node; trigger() when it is gone
             try:
                 if resync:
                     self.reconcile()
@@ -214,7 +221,10 @@ class SlicePublisher:
         self, desired: list[JSON], existing: list[JSON], in_place_only: bool = False
     ) -> bool:
         """Writes what differs; False (nothing written) where `in_place_only` and the
-        change needs more than updates in place."""
+        change needs more than updates in place. Nothing either once another instance
+        serves the node (checked again here: a reconcile may have begun before)."""
+        if not self._may_write():
+            return True
         by_index: dict[int, JSON] = {}
         obsolete: list[JSON] = []
         for item in sorted(existing, key=lambda s: s["metadata"]["creationTimestamp"]):
@@ -272,15 +282,17 @@ class SlicePublisher:
 
         def write(index: int) -> None:
             spec = with_pool(index)
-            if index in by_index:
-                stored = self._update(by_index[index], spec)
+            current = by_index.get(index)
+            if current is not None:
+                stored = self._update(current, spec)
             else:
                 stored = self._create(index, spec)
             self._known[stored["metadata"]["name"]] = (
                 stored["metadata"]["resourceVersion"],
                 desired[index],
             )
-            self._cache.wrote(stored)
+            based_on = None if current is None else current["metadata"]["resourceVersion"]
+            self._cache.wrote(stored, based_on)
 
         if len(changed) == 1:
             write(changed[0])

@@ -19,7 +19,10 @@ generations always follow a LIST. The copy exists only while the watch runs
 
 The watch also reports the publisher's own writes back. An event for a version the
 copy already holds (stored from the write's answer) triggers nothing; one that
-arrives before the answer does, and that reconcile finds nothing to write.
+arrives before the answer does, and that reconcile finds nothing to write. The answer
+never replaces a version the watch stored after the one the write was based on
+(`SliceCache.wrote`): that version is someone else's later write, and the reconcile
+it asked for must see it, or the other writer's content would stay until the resync.
 """
 
 from __future__ import annotations
@@ -78,11 +81,19 @@ class SliceCache:
             self._items[name] = obj
             return True
 
-    def wrote(self, stored: JSON) -> None:
-        """The API server's answer to a create or update of ours."""
+    def wrote(self, stored: JSON, based_on: str | None) -> None:
+        """The API server's answer to a create (`based_on` None) or to an update of
+        the version `based_on`. Kept only while the copy still holds what the write
+        replaced (or, for a create, nothing yet): a watch event that arrived before
+        this answer may carry a newer version written by someone else since, and
+        the reconcile that event asked for must compare against it."""
+        name = stored["metadata"]["name"]
         with self._lock:
-            if self._items is not None:
-                self._items[stored["metadata"]["name"]] = stored
+            if self._items is None:
+                return
+            current = self._items.get(name)
+            if (None if current is None else _version(current)) == based_on:
+                self._items[name] = stored
 
     def deleted(self, name: str) -> None:
         """A slice this publisher deleted (or found gone)."""

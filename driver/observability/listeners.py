@@ -64,6 +64,15 @@ def listen_unix(path: Path, mode: int = 0o600) -> UnixListener:
     return UnixListener(sock, path, (bound.st_dev, bound.st_ino))
 
 
+def still_bound(listener: UnixListener) -> bool:
+    """Whether the socket file at the listener's path is still the one it bound."""
+    try:
+        found = listener.path.lstat()
+    except FileNotFoundError:
+        return False
+    return (found.st_dev, found.st_ino) == listener.inode
+
+
 def remove_unix(listener: UnixListener) -> None:
     """Removes the socket file if it is still the one `listener` bound: a newer
     instance's socket at the same path stays."""

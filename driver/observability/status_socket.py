@@ -8,11 +8,18 @@ the pod network answers /status.
 Served by the same bounded server as the HTTP port (`driver.observability.bounded_http`),
 with its limits: one I/O thread, a deadline per request, at most 16 open connections,
 one worker rendering /status (at most once a second while requests wait).
+
+During a rolling update the socket belongs to the plugin instance that serves the node
+(`ServingStatusSocket`, driver.plugin.instances): an instance binds it each time it
+starts serving, replacing the other's, and one that never serves (a new pod the
+kubelet never registers) never binds it.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import threading
 from collections.abc import Callable
 from http import HTTPStatus
 from pathlib import Path
@@ -22,7 +29,9 @@ from driver.observability.bounded_http import BoundedHttpServer
 from driver.observability.http import RENDER_MAX_AGE, CachedRender, Healthy, health_response
 from driver.observability.http_limits import Limits
 from driver.observability.http_messages import Request, Response
-from driver.observability.listeners import UnixListener, listen_unix, remove_unix
+from driver.observability.listeners import UnixListener, listen_unix, remove_unix, still_bound
+
+log = logging.getLogger(__name__)
 
 SOCKET_NAME: Final = "status.sock"
 # Root on one node is the only client: a few connections are plenty, and every one of
@@ -54,6 +63,10 @@ class StatusSocketServer(BoundedHttpServer):
     def path(self) -> Path:
         return self._unix.path
 
+    def still_bound(self) -> bool:
+        """False once another instance's socket replaced this one's at `path`."""
+        return still_bound(self._unix)
+
     def start(self) -> StatusSocketServer:
         super().start()
         return self
@@ -71,3 +84,32 @@ class StatusSocketServer(BoundedHttpServer):
             body = self._status(reuse=self.waiting_requests > 0)
             return Response(HTTPStatus.OK, body, "application/json")
         return Response(HTTPStatus.NOT_FOUND, b"not found\n")
+
+
+class ServingStatusSocket:
+    """The status socket of the instance that serves the node: `serving(True)` binds it
+    (again, when another instance's socket replaced this one's meanwhile);
+    `serving(False)` closes this one's once another replaced it."""
+
+    def __init__(self, bind: Callable[[], StatusSocketServer]) -> None:
+        self._bind = bind
+        self._server: StatusSocketServer | None = None
+        self._lock = threading.Lock()
+
+    def serving(self, serving: bool) -> None:
+        with self._lock:
+            server = self._server
+            if server is not None and server.still_bound():
+                return
+            if server is not None:
+                server.shutdown()  # replaced by another instance's: unreachable
+                self._server = None
+            if serving:
+                self._server = self._bind().start()
+                log.info("serving /status on %s (root only)", self._server.path)
+
+    def shutdown(self) -> None:
+        with self._lock:
+            if self._server is not None:
+                self._server.shutdown()
+                self._server = None

@@ -27,12 +27,12 @@ import json
 import logging
 import re
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import grpc
 
-from driver.errors import DriverError
+from driver.errors import DriverError, transient
 from driver.observability import metrics
 from driver.observability.logs import request_scope
 from driver.proto.dra.v1 import api_pb2 as v1
@@ -128,10 +128,18 @@ def _outcome(error: DriverError | None) -> str:
 
 
 class DraService:
-    """One implementation, registered under both the v1 and v1beta1 service names."""
+    """One implementation, registered under both the v1 and v1beta1 service names.
+    `serving_instead()` names the newer plugin instance that serves the node when
+    this one has yielded to it (driver.plugin.instances), else None: a yielded
+    instance prepares nothing, since the claims it is asked for may have been
+    allocated against what the newer one published; its answer is an error the
+    kubelet retries, and the retry reaches the newer instance."""
 
-    def __init__(self, state: ClaimPreparer) -> None:
+    def __init__(
+        self, state: ClaimPreparer, serving_instead: Callable[[], object | None] = lambda: None
+    ) -> None:
         self._state = state
+        self._serving_instead = serving_instead
 
     def prepare(self, request: Any, context: grpc.ServicerContext, pb: Any) -> Any:
         if not request.claims:  # the readiness probe's (driver.plugin.readiness)
@@ -143,7 +151,15 @@ class DraService:
             started = time.monotonic()
             refs = _claim_refs(request.claims, context)
             log.info("NodePrepareResources: %s", _ClaimNames(refs))
-            results = self._state.prepare(refs)
+            newer = self._serving_instead()
+            if newer is None:
+                results = self._state.prepare(refs)
+            else:
+                refused = transient(
+                    f"plugin instance {newer} serves this node now and this one has yielded "
+                    "to it; the kubelet's retry reaches it"
+                )
+                results = {ref.uid: PrepareResult(error=refused) for ref in refs}
             response = pb.NodePrepareResourcesResponse()
             for ref in refs:
                 result = results[ref.uid]
@@ -221,7 +237,11 @@ class V1beta1Servicer(v1beta1_grpc.DRAPluginServicer):
         return response
 
 
-def add_dra_services(server: grpc.Server, state: ClaimPreparer) -> None:
-    service = DraService(state)
+def add_dra_services(
+    server: grpc.Server,
+    state: ClaimPreparer,
+    serving_instead: Callable[[], object | None] = lambda: None,
+) -> None:
+    service = DraService(state, serving_instead)
     v1_grpc.add_DRAPluginServicer_to_server(V1Servicer(service), server)
     v1beta1_grpc.add_DRAPluginServicer_to_server(V1beta1Servicer(service), server)

@@ -1,19 +1,47 @@
-"""Knowing whether this is the last plugin instance on the node.
+"""The plugin instances of one node: which one serves it, and which one leaves last.
 
-During a rolling update two instances share the data directory. Each holds a shared
-`flock` on `<data dir>/instances.lock` for its lifetime; at shutdown an instance that
-can upgrade it to an exclusive lock is the last one, and only the last one removes
-node-wide artefacts (the common CDI spec) that a successor would otherwise lose.
+During a rolling update two instances share the data directory
+(docs/rolling-updates.md has the rule and its cases).
+
+Serving (`Succession`). One instance at a time publishes the node's ResourceSlices,
+prepares claims and answers the status socket; another yields. An instance that
+serves holds a place in `<data dir>/succession/`: a file named by a number that only
+grows, locked (flock) for as long as the process runs, so a crash frees it. The live
+place with the highest number serves. An instance takes a place when it starts alone
+(no live place: the first instance, or the restart of a crashed one), and a new one
+each time the kubelet registers it: the kubelet calls the most recently registered
+instance, so the instance that serves is the one the kubelet calls. A new instance
+that never registers (a wrong registrar directory) never takes the node from the
+one that serves it; when the newest one exits, the next one serves again at once.
+
+Leaving (`InstanceLock`). Each instance holds a shared `flock` on
+`<data dir>/instances.lock` for its lifetime; at shutdown an instance that can upgrade
+it to an exclusive lock is the last one, and only the last one removes node-wide
+artefacts (the common CDI spec) that a successor would otherwise lose.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import fcntl
+import logging
 import os
-from collections.abc import Callable
+import secrets
+import socket
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 from driver.state.locking import open_lock_file
+
+log = logging.getLogger(__name__)
+
+SUCCESSION_DIR = "succession"
+CLAIM_LOCK = ".claim"
+# How often the watch looks for a newer instance, or for the newer one's exit.
+POLL_SECONDS = 0.5
 
 
 class InstanceLock:
@@ -35,3 +63,182 @@ class InstanceLock:
         finally:
             os.close(self._fd)
         return True
+
+
+@dataclass(frozen=True)
+class Place:
+    number: int
+    holder: str  # "<host name, the pod's name in a pod> pid <pid>"
+
+    def __str__(self) -> str:
+        return f"{self.holder} (place {self.number})"
+
+
+def default_holder() -> str:
+    return f"{socket.gethostname()} pid {os.getpid()}"
+
+
+class Succession:
+    """This instance's place among the node's instances (see the module docstring)."""
+
+    def __init__(self, data_dir: Path, holder: str | None = None) -> None:
+        self._dir = data_dir / SUCCESSION_DIR
+        self._dir.mkdir(mode=0o700, exist_ok=True)
+        self._holder = holder or default_holder()
+        self._mutex = threading.Lock()
+        self._place: Place | None = None
+        self._fd: int | None = None
+        self._listeners: list[Callable[[bool], object]] = []
+        self._was_serving = False
+        self._stopped = threading.Event()
+
+    # -- what the rest of the plugin asks -------------------------------------------------
+
+    @property
+    def place(self) -> Place | None:
+        return self._place
+
+    def newer(self) -> Place | None:
+        """The live place that outranks this instance's (any live place while this
+        instance holds none), or None while this instance serves."""
+        mine = self._place
+        for place in sorted(self._places(), key=lambda p: -p.number):
+            if mine is not None and place.number <= mine.number:
+                return None
+            if _held(self._path(place.number)):
+                return place
+        return None
+
+    def serving(self) -> bool:
+        return self._place is not None and self.newer() is None
+
+    def on_change(self, listener: Callable[[bool], object]) -> None:
+        """`listener(serving)` runs (on the watch thread, or the registering one)
+        each time this instance starts or stops serving."""
+        self._listeners.append(listener)
+
+    # -- taking a place ---------------------------------------------------------------
+
+    def start(self) -> bool:
+        """Takes a place if no other instance holds one; True when this one serves."""
+        with self._claiming():
+            if self.newer() is None:
+                self._take()
+        self._notify()
+        return self._place is not None
+
+    def registered(self) -> None:
+        """The kubelet registered this instance: it is the one the kubelet calls now."""
+        with self._claiming():
+            self._take()
+        self._notify()
+
+    def watch(self) -> threading.Thread:
+        """Notices a newer instance (this one yields) and its exit (this one serves
+        again) within `POLL_SECONDS`."""
+        thread = threading.Thread(target=self._watch, name="succession", daemon=True)
+        thread.start()
+        return thread
+
+    def stop(self) -> None:
+        """Stops the watch and gives the place up (the process's exit would too)."""
+        self._stopped.set()
+        with self._mutex:
+            if self._fd is not None and self._place is not None:
+                self._path(self._place.number).unlink(missing_ok=True)
+                os.close(self._fd)
+            self._fd, self._place = None, None
+
+    # -- internals --------------------------------------------------------------------
+
+    def _watch(self) -> None:
+        while not self._stopped.wait(POLL_SECONDS):
+            try:
+                if self._place is None and self.newer() is None:
+                    self.start()  # the instance this one waited behind is gone
+                self._notify()
+            except Exception as err:  # a data directory gone bad: keep the last answer
+                log.error("checking for other plugin instances: %s", err)
+
+    def _notify(self) -> None:
+        with self._mutex:
+            serving = self.serving()
+            if serving == self._was_serving:
+                return
+            self._was_serving = serving
+            newer = None if serving else self.newer()
+        if serving:
+            log.info("serving the node as %s", self._place)
+        else:
+            log.warning(
+                "%s serves the node now: this instance stopped publishing and refuses "
+                "prepares (the kubelet calls the newest instance)",
+                newer,
+            )
+        for listener in self._listeners:
+            listener(serving)
+
+    @contextlib.contextmanager
+    def _claiming(self) -> Iterator[None]:
+        fd = open_lock_file(self._dir / CLAIM_LOCK)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            with self._mutex:
+                yield
+        finally:
+            os.close(fd)
+
+    def _take(self) -> None:
+        """A place above every other, its file locked before it appears (a scan never
+        sees it free). Under the claim lock, which also guards removing dead places."""
+        number = 1
+        for place in self._places():
+            number = max(number, place.number + 1)
+            if place != self._place and not _held(self._path(place.number)):
+                self._path(place.number).unlink(missing_ok=True)
+        temp = self._dir / f".{number}.{secrets.token_hex(4)}"
+        fd = os.open(temp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            os.write(fd, self._holder.encode())
+            os.rename(temp, self._path(number))
+        except BaseException:
+            temp.unlink(missing_ok=True)
+            os.close(fd)
+            raise
+        if self._fd is not None and self._place is not None:
+            self._path(self._place.number).unlink(missing_ok=True)
+            os.close(self._fd)
+        self._fd, self._place = fd, Place(number, self._holder)
+
+    def _path(self, number: int) -> Path:
+        return self._dir / f"{number:012d}"
+
+    def _places(self) -> list[Place]:
+        places = []
+        for entry in os.listdir(self._dir):
+            if not entry.isdigit():
+                continue
+            try:
+                holder = (self._dir / entry).read_text(errors="replace")
+            except FileNotFoundError:
+                continue  # removed as dead meanwhile
+            places.append(Place(int(entry), holder))
+        return places
+
+
+def _held(path: Path) -> bool:
+    """Whether a live instance holds the place file at `path`."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError as err:
+        if err.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+            return True
+        raise
+    finally:
+        os.close(fd)
+    return False

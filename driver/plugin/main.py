@@ -31,11 +31,16 @@ from driver.nvml.library import NvmlUnavailableError
 from driver.observability import metrics
 from driver.observability.http import HttpServer
 from driver.observability.logs import setup_logging
-from driver.observability.status_socket import Status, StatusSocketServer, status_socket_path
+from driver.observability.status_socket import (
+    ServingStatusSocket,
+    Status,
+    StatusSocketServer,
+    status_socket_path,
+)
 from driver.plugin.dra import add_dra_services
 from driver.plugin.flags import PluginOptions, package_version, parse_options
 from driver.plugin.health import add_health_services
-from driver.plugin.instances import InstanceLock
+from driver.plugin.instances import InstanceLock, Succession
 from driver.plugin.mps_setup import mps_daemons, watch_mps_daemons
 from driver.plugin.node_overrides import NodeLabelRead
 from driver.plugin.node_status import PluginStatus, export_gpus, export_journal
@@ -112,6 +117,7 @@ class Plugin:
         o.data_dir.mkdir(parents=True, exist_ok=True, mode=0o750)
         o.cdi_root.mkdir(parents=True, exist_ok=True, mode=0o755)
         instance = InstanceLock(o.data_dir)
+        succession = Succession(o.data_dir)
         policy = XidPolicy.from_flags(
             additional_ignored=o.additional_xids_to_ignore, fatal=o.fatal_xids
         )
@@ -208,7 +214,11 @@ class Plugin:
             )
 
         publisher = SlicePublisher(
-            api, driver=o.driver_name, node_name=o.node_name, desired=desired_slices
+            api,
+            driver=o.driver_name,
+            node_name=o.node_name,
+            desired=desired_slices,
+            may_write=succession.serving,
         )
         state.devices = devices
         state.health = RecoveryAwareHealth(
@@ -254,14 +264,17 @@ class Plugin:
         def build_service() -> BuiltServer:
             # Each open health stream holds a worker thread for its lifetime.
             server = new_server(max_workers=16)
-            add_dra_services(server, state)
+            add_dra_services(server, state, serving_instead=succession.newer)
             health = add_health_services(
                 server, store, devices, pool_name=o.node_name, recovery=recovery
             )
             return BuiltServer(server, before_stop=health.stop)
 
         registration = RegistrationServicer(
-            o.driver_name, str(paths.service), DRA_SERVICES + HEALTH_SERVICES
+            o.driver_name,
+            str(paths.service),
+            DRA_SERVICES + HEALTH_SERVICES,
+            on_registered=succession.registered,
         )
 
         def build_registration() -> BuiltServer:
@@ -269,6 +282,37 @@ class Plugin:
             registration_grpc.add_RegistrationServicer_to_server(registration, server)
             return BuiltServer(server)
 
+        status = PluginStatus(
+            version=self.version,
+            node=o.node_name,
+            driver=o.driver_name,
+            taint_effect=o.xid_taint_effect,
+            gpus=gpus,
+            devices=devices,
+            registration=registration,
+            publisher=publisher,
+            store=store,
+            recovery=recovery,
+            unmonitored=unmonitored,
+            state=state,
+            journal=journal,
+            toolkit=toolkit,
+            mps=mps_watch,
+        )
+        status_socket = ServingStatusSocket(
+            lambda: bind_status_socket(o.data_dir, status.document, healthz)
+        )
+        succession.on_change(lambda serving: serving and publisher.trigger())
+        succession.on_change(status_socket.serving)
+        running.callback(status_socket.shutdown)
+        # Run after the sockets stopped (callbacks run in reverse): once the kubelet
+        # forgot this instance, the one it outranked serves again at once.
+        running.callback(succession.stop)
+        # Serving from here if no other instance does; else from the kubelet's
+        # registration of this one (docs/rolling-updates.md).
+        if not succession.start():
+            log.info("another plugin instance serves the node: waiting for the registration")
+        succession.watch()
         service_socket = SocketServer("service", paths.service, build_service)
         registration_socket = SocketServer("registration", paths.registration, build_registration)
         # The service first: the kubelet dials it as soon as the registration appears.
@@ -298,26 +342,6 @@ class Plugin:
             )
 
         healthz.serve(healthy)
-        status = PluginStatus(
-            version=self.version,
-            node=o.node_name,
-            driver=o.driver_name,
-            taint_effect=o.xid_taint_effect,
-            gpus=gpus,
-            devices=devices,
-            registration=registration,
-            publisher=publisher,
-            store=store,
-            recovery=recovery,
-            unmonitored=unmonitored,
-            state=state,
-            journal=journal,
-            toolkit=toolkit,
-            mps=mps_watch,
-        )
-        status_socket = bind_status_socket(o.data_dir, status.document, healthz).start()
-        running.callback(status_socket.shutdown)
-        log.info("serving /status on %s (root only)", status_socket.path)
         if http is not None:
             http.serve_readiness(Readiness(registration, paths))
             http.start()

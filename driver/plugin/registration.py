@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 
 import grpc
 
@@ -20,8 +21,15 @@ HEALTH_SERVICES = ("v1.DRAResourceHealth", "v1alpha1.DRAResourceHealth")
 class RegistrationServicer(api_pb2_grpc.RegistrationServicer):
     """Answers GetInfo from memory (the kubelet allows 1 s) and records the verdict."""
 
-    def __init__(self, driver_name: str, endpoint: str, supported_versions: tuple[str, ...]):
+    def __init__(
+        self,
+        driver_name: str,
+        endpoint: str,
+        supported_versions: tuple[str, ...],
+        on_registered: Callable[[], object] = lambda: None,
+    ):
         self.driver_name = driver_name
+        self._on_registered = on_registered
         self._info = api_pb2.PluginInfo(
             type=DRA_PLUGIN_TYPE,
             name=driver_name,
@@ -43,6 +51,7 @@ class RegistrationServicer(api_pb2_grpc.RegistrationServicer):
             log.info("registered with the kubelet as %s", self._info.name)
             self.last_error = ""
             self.registered.set()
+            self._on_registered()
             return api_pb2.RegistrationStatusResponse()
         self.last_error = request.error
         self.registered.clear()

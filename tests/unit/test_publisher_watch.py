@@ -18,6 +18,7 @@ from driver.config.loader import KeyTrackingDict
 from driver.kube import publisher
 from driver.kube.api import ApiError, KubeApi
 from driver.kube.publisher import SLICES_PATH, SlicePublisher
+from driver.kube.slice_watch import SliceCache
 from tests.unit.test_publisher import DRIVER, NODE, FakeApi, device, spec
 
 TAINT = [{"key": f"{DRIVER}/xid", "value": "79", "effect": "NoSchedule"}]
@@ -224,3 +225,33 @@ def test_answers_keep_duplicate_keys_detectable_unless_the_caller_opts_out() -> 
     assert isinstance(strict, KeyTrackingDict) and strict.duplicates == ["a"]
     plain = api.request("GET", "/apis/x", strict=False)
     assert type(plain) is dict and plain == {"a": 2}
+
+
+def _slice(version: str, index: int) -> dict[str, Any]:
+    return {
+        "metadata": {"name": "00000-slice", "resourceVersion": version},
+        "spec": spec(device("gpu-0", attributes={"index": {"int": index}})),
+    }
+
+
+def test_the_answer_to_an_own_write_never_replaces_a_newer_version_from_the_watch() -> None:
+    """The watch may report the own write (v6) and another instance's write after it
+    (v7) before the answer to the own write (v6) arrives: v7 stays in the copy, so the
+    reconcile v7 asked for sees the other content and writes back."""
+    cache = SliceCache()
+    cache.replace([_slice("5", 0)])
+    assert cache.observed("MODIFIED", _slice("6", 0)) is True
+    assert cache.observed("MODIFIED", _slice("7", 42)) is True
+    cache.wrote(_slice("6", 0), based_on="5")
+    (held,) = cache.items() or []
+    assert held["metadata"]["resourceVersion"] == "7"
+    assert held["spec"]["devices"][0]["attributes"]["index"] == {"int": 42}
+
+
+def test_the_answer_to_an_own_write_is_kept_when_no_event_came_first() -> None:
+    cache = SliceCache()
+    cache.replace([_slice("5", 0)])
+    cache.wrote(_slice("6", 1), based_on="5")
+    cache.wrote({**_slice("9", 0), "metadata": {"name": "00001-new", "resourceVersion": "9"}}, None)
+    held = {s["metadata"]["name"]: s["metadata"]["resourceVersion"] for s in cache.items() or []}
+    assert held == {"00000-slice": "6", "00001-new": "9"}
