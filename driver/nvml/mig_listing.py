@@ -113,13 +113,16 @@ def is_mig_device(nvml: Any, handle: Any, gi_id: int, ci_id: int, uuid: str) -> 
     """Is `uuid` the MIG device of (GPU instance, compute instance) on the GPU? The
     UUID's handle (NVML takes MIG UUIDs too) and its ids: three calls. While any GPU
     of the node is lost every lookup by UUID fails (nvml.h), so the GPU's MIG devices
-    are walked instead."""
+    are walked instead; so they are when the lookup answers NOT_FOUND, which is not
+    proof that the device is gone: a "no" here makes unprepare leave the device
+    running and report success, so only the device's own UUID at the ids says no."""
     try:
         mig = nvml.nvmlDeviceGetHandleByUUID(uuid)
     except nvml.NVMLError as err:
-        if is_nvml_error(nvml, err, "NVML_ERROR_NOT_FOUND"):
-            return False
-        if not is_nvml_error(nvml, err, "NVML_ERROR_GPU_IS_LOST"):
+        if not (
+            is_nvml_error(nvml, err, "NVML_ERROR_NOT_FOUND")
+            or is_nvml_error(nvml, err, "NVML_ERROR_GPU_IS_LOST")
+        ):
             raise
         found = retried(f"MIG device {uuid}", lambda: mig_uuid_of(nvml, handle, gi_id, ci_id))
         return found == uuid

@@ -11,7 +11,11 @@ from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
+import pytest
+
+from driver.nvml.mock.api import NVML_ERROR_NOT_FOUND, NVMLError
 from driver.nvml.types import MigInstance
 from driver.state.boot import boot_id
 from driver.state.checkpoint import Checkpoint, ClaimEntry, ClaimState
@@ -155,3 +159,25 @@ def test_a_gpu_instance_the_claim_lost_its_compute_instance_from_stays_the_claim
     assert again.uuid in str(restarted.spec("u"))
     assert restarted.state.unprepare([restarted.claims.add("u")]) == {"u": None}
     assert restarted.live() == []
+
+
+def test_unprepare_never_reports_success_while_the_uuid_lookup_misses_its_device(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """NVML's lookup by the recorded MIG UUID answers NOT_FOUND while the device still
+    runs at the recorded ids. The device is the claim's (its UUID, read at its ids, is
+    the recorded one): unprepare destroys it. Reporting success and keeping it would
+    leak it (the next start makes its GPU static, or refuses to start)."""
+    node = make_node(tmp_path, H100)
+    mine = _prepared(node, "u")
+    lookup = node.mock.nvmlDeviceGetHandleByUUID
+
+    def misses_mine(uuid: str | bytes) -> Any:
+        if (uuid.decode() if isinstance(uuid, bytes) else uuid) == mine.uuid:
+            raise NVMLError(NVML_ERROR_NOT_FOUND)
+        return lookup(uuid)
+
+    monkeypatch.setattr(node.mock, "nvmlDeviceGetHandleByUUID", misses_mine)
+    assert node.state.unprepare([node.claims.add("u")]) == {"u": None}
+    assert node.live() == []
+    assert Checkpoint(tmp_path / "plugin").load() == {}
