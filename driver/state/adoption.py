@@ -15,22 +15,26 @@ it from the live device when that is unambiguous:
   unknown).
 
 The entry then becomes `PrepareCompleted` with those ids and UUIDs and the spec as it
-is on disk: the claim keeps its device until its unprepare destroys it. Otherwise the
-intent is rolled back as any other (its spec removed, the instance its attempt
-created destroyed), as the quarantine's preview said it may be.
+is on disk: the claim keeps its device until its unprepare destroys it. Where the
+answer is no, the intent is rolled back as any other (its spec removed, the instance
+its attempt created destroyed), as the quarantine's preview said it may be. Where a
+transient error keeps the start from telling (an NVML listing error, `EMFILE` reading
+the spec), nothing is decided: the intent stays, marked `adopt`, for the next start,
+and nothing of it is rolled back or destroyed.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from driver.errors import DriverError
 from driver.state.cdi import ClaimSpec
 from driver.state.checkpoint import ClaimEntry, ClaimState, PreparedDevice
 from driver.state.context import StepContext
+from driver.state.fileio import UnsafeFileError
 from driver.state.instances import completed_record, other_entries
 
 log = logging.getLogger(__name__)
@@ -40,29 +44,58 @@ class NotAdoptable(Exception):
     """Why a carried intent is rolled back instead."""
 
 
-def adopt_intents(state: StepContext, journal: dict[str, ClaimEntry], busy: set[str]) -> list[str]:
+class AdoptionDeferred(Exception):
+    """A transient error kept this start from deciding: the intent waits for the next."""
+
+
+@dataclass(frozen=True)
+class Adoption:
+    adopted: list[str]
+    deferred: dict[str, str]  # claim -> the transient error; not to be rolled back
+
+
+def adopt_intents(state: StepContext, journal: dict[str, ClaimEntry], busy: set[str]) -> Adoption:
     """Under the node lock at start: each `adopt` intent that can be completed from its
-    live MIG devices is replaced in `journal` by its `PrepareCompleted` entry; the
-    others are left to the rollback. Returns the claims adopted."""
+    live MIG devices is replaced in `journal` by its `PrepareCompleted` entry; those a
+    transient error kept from deciding are deferred (left as they are); the others are
+    left to the rollback."""
     adopted: list[str] = []
+    deferred: dict[str, str] = {}
     for uid, entry in sorted(journal.items()):
         if not entry.adopt or entry.state is not ClaimState.PREPARE_STARTED or uid in busy:
             continue
         try:
             journal[uid] = _completed(state, uid, entry, journal)
-        except (NotAdoptable, DriverError) as why:
-            log.warning(
-                "claim %s: carried by a quarantine to be adopted, but %s: rolled back", uid, why
-            )
+        except DriverError as err:
+            if err.permanent:
+                _rolled_back(uid, err)
+                continue
+            deferred[uid] = str(err)
+        except AdoptionDeferred as err:
+            deferred[uid] = str(err)
+        except NotAdoptable as why:
+            _rolled_back(uid, why)
             continue
-        adopted.append(uid)
+        else:
+            adopted.append(uid)
+            continue
+        log.warning(
+            "claim %s: carried by a quarantine to be adopted, but this start cannot tell "
+            "whether it may be (%s): left for the next start, nothing rolled back",
+            uid,
+            deferred[uid],
+        )
     if adopted:
         log.warning(
             "adopted %d claim(s) whose completion record the quarantined journal lost: %s",
             len(adopted),
             adopted,
         )
-    return adopted
+    return Adoption(adopted, deferred)
+
+
+def _rolled_back(uid: str, why: Exception) -> None:
+    log.warning("claim %s: carried by a quarantine to be adopted, but %s: rolled back", uid, why)
 
 
 def _completed(
@@ -105,7 +138,11 @@ def _completed(
 def _spec_on_disk(state: StepContext, uid: str) -> ClaimSpec:
     try:
         doc = state.cdi.read_claim_spec(uid)
-    except (OSError, ValueError) as err:
+    except UnsafeFileError as err:
+        raise NotAdoptable(f"its CDI spec cannot be read: {err}") from None
+    except OSError as err:  # EMFILE, EIO: another start may read it
+        raise AdoptionDeferred(f"its CDI spec cannot be read now: {err}") from None
+    except ValueError as err:
         raise NotAdoptable(f"its CDI spec cannot be read: {err}") from None
     if doc is None:
         raise NotAdoptable("its CDI spec is gone")

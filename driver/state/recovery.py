@@ -98,7 +98,14 @@ def recover(state: StepContext) -> RecoveryReport:
         if busy:
             log.info("left %d claim(s) another instance is preparing or unpreparing", len(busy))
         problems: list[str] = []
-        adopted = adopt_intents(state, journal, busy)
+        adoption = adopt_intents(state, journal, busy)
+        adopted = adoption.adopted
+        problems += [
+            f"{uid}: adoption left for the next start: {why}"
+            for uid, why in adoption.deferred.items()
+        ]
+        # Deferred adoptions are decided by a later start: left as they are meanwhile.
+        busy |= set(adoption.deferred)
         rolled_back = _roll_back_started(state, journal, busy, problems)
         specs = state.cdi.list_claim_specs()
         boot = boot_id()

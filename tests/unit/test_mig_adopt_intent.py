@@ -7,10 +7,17 @@ claim's CDI spec is in place and names the one instance its attempt can have cre
 
 from __future__ import annotations
 
+import errno
 import json
 from pathlib import Path
+from typing import Any
 
+import pytest
+
+from driver.errors import transient
+from driver.state.cdi import CdiSpecs
 from driver.state.checkpoint import Checkpoint, ClaimState
+from driver.state.instances import ClaimInstances
 from tests.unit.test_journal_cli import gpu_dra
 from tests.unit.test_mig_prepare import H100, Node, make_node
 from tests.unit.test_mig_quarantine import DEVICE, _quarantine, _restart
@@ -123,3 +130,52 @@ def test_journal_show_says_what_the_next_start_does_with_each_entry(tmp_path: Pa
     assert fates["v"].startswith("kept"), fates
     code, out, _ = gpu_dra(["journal", "show", "--state-dir", data, "--cdi-root", cdi])
     assert "NEXT START" in out
+
+
+def _one_transient_error(monkeypatch: pytest.MonkeyPatch, where: str) -> list[str]:
+    """The adopting start meets one transient error: EMFILE reading the claim's spec,
+    or an NVML listing error finding the instance its attempt created."""
+    raised: list[str] = []
+    if where == "spec":
+        read = CdiSpecs.read_claim_spec
+
+        def emfile(self: CdiSpecs, uid: str) -> Any:
+            if not raised:
+                raised.append(uid)
+                raise OSError(errno.EMFILE, "Too many open files")
+            return read(self, uid)
+
+        monkeypatch.setattr(CdiSpecs, "read_claim_spec", emfile)
+    else:
+        find = ClaimInstances.created_by_attempt
+
+        def listing_error(self: ClaimInstances, *args: Any) -> Any:
+            if not raised:
+                raised.append(str(args[1]))
+                raise transient("listing the GPU instances: NVML_ERROR_UNKNOWN")
+            return find(self, *args)
+
+        monkeypatch.setattr(ClaimInstances, "created_by_attempt", listing_error)
+    return raised
+
+
+@pytest.mark.parametrize("where", ["spec", "listing"])
+def test_a_transient_error_at_the_adopting_start_leaves_the_adoption_for_the_next(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
+    node = _completion_record_corrupt(tmp_path)
+    live = node.live()
+    spec = node.spec("u")
+    _quarantine_adopt(node)
+    raised = _one_transient_error(monkeypatch, where)
+
+    once = make_node(node.root, H100)  # the next start: one recovery
+    assert raised, "the fault was never met"
+    assert once.live() == live  # the running pod's MIG device is not destroyed
+    assert once.spec("u") == spec
+    entry = Checkpoint(node.root / "plugin").load()["u"]
+    assert (entry.state, entry.adopt) == (ClaimState.PREPARE_STARTED, True)
+
+    again = make_node(node.root, H100)  # no fault this time: adopted
+    assert again.live() == live
+    assert Checkpoint(node.root / "plugin").load()["u"].state is ClaimState.PREPARE_COMPLETED
