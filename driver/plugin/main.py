@@ -298,6 +298,7 @@ class Plugin:
             journal=journal,
             toolkit=toolkit,
             mps=mps_watch,
+            succession=succession,
         )
         status_socket = ServingStatusSocket(
             lambda: bind_status_socket(o.data_dir, status.document, healthz)

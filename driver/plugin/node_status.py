@@ -29,6 +29,7 @@ from driver.health.store import HealthStore
 from driver.health.unmonitored import UnmonitoredGpus
 from driver.kube.publisher import RESYNC_SECONDS, PublisherStats
 from driver.observability import metrics
+from driver.plugin.instances import Succession, default_holder
 from driver.plugin.journal_summary import JournalReader, JournalSummary
 from driver.plugin.toolkit_config import ToolkitCheck
 from driver.state.checkpoint import Checkpoint
@@ -118,8 +119,20 @@ class PluginStatus:
     journal: JournalReader
     toolkit: ToolkitCheck | None = None  # None: not checked (mock GPUs)
     mps: MpsDaemons | None = None  # None: no MPS daemons on this node
+    succession: Succession | None = None  # None: this instance's place is not reported
     started: float = field(default_factory=time.time)
     clock: Callable[[], float] = time.time
+
+    def _instance(self) -> dict[str, Any] | None:
+        """Which instance answers, and whether it serves the node (docs/rolling-updates.md)."""
+        if self.succession is None:
+            return None
+        place = self.succession.place
+        return {
+            "holder": default_holder() if place is None else place.holder,
+            "place": None if place is None else place.number,
+            "serving": self.succession.serving(),
+        }
 
     def document(self) -> dict[str, Any]:
         now = self.clock()
@@ -139,6 +152,7 @@ class PluginStatus:
                 "pid": os.getpid(),
                 "startedAt": _rfc3339(self.started),
                 "uptimeSeconds": round(now - self.started),
+                "instance": self._instance(),
             },
             "registration": {"registered": registered, "error": refusal},
             "slices": slices,

@@ -186,7 +186,7 @@ def test_two_instances_starting_at_once_never_both_serve(tmp_path: Path) -> None
         pair = [Succession(data_dir, holder=str(i)) for i in range(2)]
         barrier = threading.Barrier(2)
 
-        def start(s: Succession, out: list[bool]) -> None:
+        def start(s: Succession, out: list[bool], barrier: threading.Barrier = barrier) -> None:
             barrier.wait()
             out.append(s.start())
 
