@@ -142,6 +142,12 @@ KUBELET_REGISTERED = Gauge(
     "1 while the kubelet has confirmed this plugin's registration, else 0.",
     registry=REGISTRY,
 )
+SERVING = Gauge(
+    "gpu_dra_serving",
+    "1 while this plugin instance serves the node (publishes its ResourceSlices, "
+    "prepares claims); 0 while a newer instance does (a rolling update's overlap).",
+    registry=REGISTRY,
+)
 SOCKET_RECREATIONS = Counter(
     "gpu_dra_socket_recreations",
     "Plugin sockets served again after their file vanished, by socket (service, registration).",

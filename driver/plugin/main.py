@@ -324,6 +324,7 @@ class Plugin:
         running.callback(registration_socket.stop, 0)
         log.info("serving %s; registration socket %s", paths.service, paths.registration)
         metrics.KUBELET_REGISTERED.set_function(lambda: float(registration.registered.is_set()))
+        metrics.SERVING.set_function(lambda: float(succession.serving()))
         watcher = SocketWatcher(
             service_socket, registration_socket, on_reregister=registration.registered.clear
         )
