@@ -33,7 +33,10 @@ if [[ ${1:-} == path ]]; then
 fi
 [[ $# -eq 0 ]] || die "usage: $0 [path]"
 
-if [[ -x $HELM_BIN ]] && "$HELM_BIN" version --template '{{.Version}}' 2>/dev/null | grep -qx "v$HELM_VERSION"; then
+cached() {
+  [[ -x $HELM_BIN ]] && "$HELM_BIN" version --template '{{.Version}}' 2>/dev/null | grep -qx "v$HELM_VERSION"
+}
+if cached; then
   progress "helm v$HELM_VERSION cached"
   printf '%s\n' "$HELM_BIN"
   exit 0
@@ -41,6 +44,18 @@ fi
 
 command -v go >/dev/null || die "go is required to build helm (go >= 1.25)"
 mkdir -p "$HELM_DIR"
+# One build at a time per cache (`make demo` and `make test` side by side, parallel
+# make targets): a second one would remove the first one's partial build.
+exec 9>"$HELM_DIR/.build.lock"
+if ! flock -n 9; then
+  progress "another build holds $HELM_DIR/.build.lock; waiting for it"
+  flock 9
+  if cached; then
+    progress "helm v$HELM_VERSION built by the other build"
+    printf '%s\n' "$HELM_BIN"
+    exit 0
+  fi
+fi
 partial=$HELM_DIR/.partial
 rm -rf "$partial"
 mkdir -p "$partial"

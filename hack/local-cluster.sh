@@ -20,6 +20,9 @@
 #                                  (with GPU_DRA_KEP5322_KUBELET=1 or 0 set: as the KEP-5322
 #                                  prototype or the upstream kubelet)
 #   hack/local-cluster.sh status   show what runs and where (exit 1 if not all healthy)
+#   hack/local-cluster.sh running-node  print the run dir of the cluster whose node runs
+#                                  on this machine (one node per machine; e.g. the demo's),
+#                                  exit 1 when none runs
 #   hack/local-cluster.sh env      print shell exports (KUBECONFIG, PATH) for the cluster
 #   hack/local-cluster.sh bin-dir  print the directory of the cached binaries
 #   hack/local-cluster.sh driver-image-tag  print the tag (src-<hash of the driver
@@ -146,6 +149,11 @@ cmd_main() {
       restart_kubelet
       ;;
     status) cmd_status ;;
+    running-node)
+      declare -F marker_kubelet_pid >/dev/null || die "hack/lib/node.sh is missing"
+      owner=$(node_marker_get run_dir) && marker_kubelet_pid >/dev/null || exit 1
+      printf '%s\n' "$owner"
+      ;;
     env) cmd_env ;;
     bin-dir) printf '%s\n' "$BIN_DIR" ;;
     driver-image-tag)
@@ -153,7 +161,7 @@ cmd_main() {
       imported_driver_image_tag
       printf '\n'
       ;;
-    *) die "usage: $0 build|up [--with-node [--kep5322-kubelet]]|down|restart-kubelet|status|env|bin-dir|driver-image-tag|node-preflight" ;;
+    *) die "usage: $0 build|up [--with-node [--kep5322-kubelet]]|down|restart-kubelet|status|running-node|env|bin-dir|driver-image-tag|node-preflight" ;;
   esac
 }
 
