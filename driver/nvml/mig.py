@@ -12,7 +12,9 @@ does (docs/mig.md):
   instance left, `MigError.left_gi_id`). An occupied placement is NVML's
   `INSUFFICIENT_RESOURCES` (NVML has no "already exists");
 - destroy: compute instance, then GPU instance; an instance that is already gone is
-  success (destroy is what unprepare and crash recovery repeat);
+  success (destroy is what unprepare and crash recovery repeat). A recorded device
+  this manager destroyed, or found gone, is not looked for again: what sits at its
+  ids later is someone else's (`MigManager.destroy`);
 - list: every GPU instance of every profile (`nvmlDeviceGetGpuInstances`) and its
   compute instances, so a GPU instance without a compute instance (a crash between
   the two creates) is found too - enumerating MIG device handles would miss it.
@@ -30,6 +32,7 @@ No MIG mode is ever changed here.
 from __future__ import annotations
 
 import ctypes
+import enum
 import logging
 import threading
 from collections.abc import Iterator
@@ -39,6 +42,7 @@ from typing import Any
 
 from driver.nvml.calls import is_nvml_error, nvml_text
 from driver.nvml.mig_errors import MigError, mig_error
+from driver.nvml.mig_gone import GoneDevices
 from driver.nvml.mig_listing import (
     ci_profiles,
     compute_instances,
@@ -81,6 +85,14 @@ class RecordedInstance:
     uuid: str | None = None  # its MIG device's UUID, if the record has it
 
 
+class _Found(enum.Enum):
+    """What a recorded GPU-instance id holds now."""
+
+    RECORDED = enum.auto()  # the recorded device (or a record with nothing more to check)
+    LEFT = enum.auto()  # a GPU instance without any compute instance: what is left of it
+    OTHER = enum.auto()  # not the recorded device: left alone
+
+
 class MigManager:
     """MIG devices of this node's GPUs. Each call opens its own NVML session (NVML
     is thread-safe and counts its initialisations). Creates and destroys on one GPU
@@ -95,6 +107,7 @@ class MigManager:
         # GPU UUID -> {GPU-instance profile id: its instanceCount}: fixed while the
         # GPU is in MIG mode (a mode change needs a GPU reset and a plugin restart).
         self._profile_limits: dict[str, dict[int, int]] = {}
+        self._gone = GoneDevices()  # recorded devices destroyed or found gone
 
     def _changing(self, gpu_uuid: str) -> threading.Lock:
         """The lock of the GPU's MIG layout in this process."""
@@ -328,9 +341,23 @@ class MigManager:
         device created again there by anyone has the recorded ids and another UUID),
         its compute instance looked up by the recorded id: a few calls however many
         devices the GPU holds. A GPU instance there without any compute instance is
-        what is left of the recorded device (no MIG device runs on it). False when
+        taken for what is left of the recorded device (no MIG device runs on it; a
+        teardown killed between its two destroys leaves it) and destroyed alone: if a
+        compute instance appears in it before its destroy, the MIG device someone is
+        making there is left. A recorded device this manager destroyed, or found gone,
+        before is not looked for again (no NVML call): whatever sits at its ids now is
+        someone else's, however often its claim's teardown is repeated. False when
         there is nothing of the record to destroy: no such instance, another one under
         the id, or MIG mode off. Raises MigError otherwise."""
+        if self._known_gone(recorded):
+            log.debug(
+                "GPU instance %d on %s: the recorded MIG device %s is gone already "
+                "(destroyed or found gone before): whatever is at its ids is not its",
+                gi_id,
+                gpu_uuid,
+                recorded.uuid if recorded else None,
+            )
+            return False
         with self._changing(gpu_uuid), self._session() as nvml:
             handle = self._lookup(nvml, gpu_uuid)
             what = f"GPU instance {gi_id} on {gpu_uuid}"
@@ -340,19 +367,40 @@ class MigManager:
                 if self._is(err, "NVML_ERROR_NOT_FOUND") or self._is(
                     err, "NVML_ERROR_NOT_SUPPORTED"
                 ):
+                    self._note_gone(recorded)
                     return False
                 raise self._fail(err, f"looking up {what}") from err
             try:
-                if recorded is not None and not self._is_recorded(nvml, handle, gi, what, recorded):
+                found = (
+                    _Found.RECORDED
+                    if recorded is None
+                    else self._is_recorded(nvml, handle, gi, what, recorded)
+                )
+                if found is _Found.OTHER:
                     return False
-                self._destroy_instance(nvml, gi, recorded.ci_id if recorded else None)
+                if found is _Found.LEFT:
+                    if not self._destroy_left(nvml, gi, what):
+                        self._note_gone(recorded)
+                        return False
+                else:
+                    self._destroy_instance(nvml, gi, recorded.ci_id if recorded else None)
             except nvml.NVMLError as err:
                 raise self._fail(err, f"destroying {what}") from err
+            self._note_gone(recorded)
             return True
+
+    def _known_gone(self, recorded: RecordedInstance | None) -> bool:
+        return recorded is not None and recorded.uuid is not None and recorded.uuid in self._gone
+
+    def _note_gone(self, recorded: RecordedInstance | None) -> None:
+        """The recorded device no longer exists: destroyed here, or its GPU instance
+        gone (an id's next instance is another one)."""
+        if recorded is not None and recorded.uuid is not None:
+            self._gone.add(recorded.uuid)
 
     def _is_recorded(
         self, nvml: Any, handle: Any, gi: Any, what: str, recorded: RecordedInstance
-    ) -> bool:
+    ) -> _Found:
         info = nvml.nvmlGpuInstanceGetInfo(gi)
         found = (int(info.profileId), (int(info.placement.start), int(info.placement.size)))
         if found != (recorded.profile_id, recorded.placement):
@@ -364,22 +412,25 @@ class MigManager:
                 recorded.profile_id,
                 recorded.placement,
             )
-            return False
+            self._note_gone(recorded)  # its GPU instance is gone: the id is another's
+            return _Found.OTHER
         if recorded.uuid is None or recorded.ci_id is None:
-            return True
+            return _Found.RECORDED
         if is_mig_device(nvml, handle, int(info.id), recorded.ci_id, recorded.uuid):
-            return True
+            return _Found.RECORDED
         if not compute_instances(nvml, gi):
-            # No MIG device runs on a GPU instance without compute instances: what is
-            # left of the recorded device (a teardown killed between its two destroys,
-            # or its compute instance destroyed by hand). Kept, it holds the placement.
+            # No MIG device runs on a GPU instance without compute instances: taken for
+            # what is left of the recorded device (a teardown killed between its two
+            # destroys, or its compute instance destroyed by hand). Kept, it holds the
+            # placement. It may also be an administrator's device in the making, whose
+            # compute instance is not there yet (docs/mig.md, "Crash safety").
             log.warning(
                 "%s has lost the recorded MIG device %s and holds no compute instance: "
                 "destroying what is left of it",
                 what,
                 recorded.uuid,
             )
-            return True
+            return _Found.LEFT
         log.warning(
             "%s / compute instance %d is no longer the recorded MIG device %s (created again "
             "by someone else): left alone",
@@ -387,12 +438,37 @@ class MigManager:
             recorded.ci_id,
             recorded.uuid,
         )
-        return False
+        return _Found.OTHER
+
+    def _destroy_left(self, nvml: Any, gi: Any, what: str) -> bool:
+        """Destroy the GPU instance found without compute instances, and no compute
+        instance: False, and nothing destroyed, if one was created in it since the
+        check (NVML refuses the destroy, IN_USE), as an administrator making a MIG
+        device there does. IN_USE with none in it (in use by another client): tried
+        once more. Raises NVMLError."""
+        try:
+            nvml.nvmlGpuInstanceDestroy(gi)
+            return True
+        except nvml.NVMLError as err:
+            if not self._is(err, "NVML_ERROR_IN_USE"):
+                raise
+        if compute_instances(nvml, gi):
+            log.warning(
+                "%s was found without a compute instance and holds one now (a MIG device "
+                "someone is making there): not the recorded device, left alone",
+                what,
+            )
+            return False
+        nvml.nvmlGpuInstanceDestroy(gi)
+        return True
 
     def _destroy_instance(self, nvml: Any, gi: Any, ci_id: int | None) -> None:
         """The compute instance by its id, then the GPU instance; if NVML says the GPU
         instance is still in use (a compute instance the id did not name, or none was
-        recorded), every compute instance it holds, then the GPU instance again."""
+        recorded), every compute instance it holds, then the GPU instance again. Only
+        for a GPU instance that is the caller's: the recorded device's (its UUID at its
+        ids), one a create of this manager just made, or one a record without a UUID
+        names (a GPU instance a failed create left, an intent's attempt)."""
         if ci_id is not None:
             try:
                 nvml.nvmlComputeInstanceDestroy(

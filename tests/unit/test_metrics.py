@@ -41,6 +41,7 @@ def test_no_metric_that_only_grows_is_a_gauge() -> None:
         "gpu_dra_health_store_corrupt",
         "gpu_dra_nvidia_toolkit_config",
         "gpu_dra_kubelet_registered",
+        "gpu_dra_serving",
         "gpu_dra_prepared_claims",
         "gpu_dra_prepared_devices",
         "gpu_dra_requests_in_flight",
