@@ -4,8 +4,10 @@ One set `gpu-<minor>-counter-set` per GPU: its memory slices, counted in blocks 
 that admits the same sets (`memory_blocks`), and those of the memory, multiprocessor
 and engine counters that some published partitions at disjoint placements could take
 beyond what the GPU offers (`capacities`: the most that partitions NVML lets exist
-together take). A partition consumes its memory slices and its profile's share of
-those counters, the whole GPU all of them, so the scheduler never hands out
+together take), plus `profile-<id>-instances` (worth the profile's `instanceCount`)
+for a profile whose `instanceCount` those would not enforce (`instance_limits`). A
+partition consumes its memory slices, its profile's share of those counters and 1 of
+its profile's instances, the whole GPU all of them, so the scheduler never hands out
 overlapping partitions, a GPU together with one of its partitions, or a set NVML
 would refuse - and refuses no set NVML allows.
 """
@@ -16,7 +18,7 @@ import dataclasses
 import functools
 import itertools
 from collections import Counter
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 from driver.devices.documents import MIG_DIMENSIONS, counters, quantity
@@ -42,15 +44,40 @@ def counter_values(gpu: GpuInfo) -> dict[str, int]:
     return values
 
 
+def instances_counter(profile_id: int) -> str:
+    return f"profile-{profile_id}-instances"
+
+
 Placed = tuple[tuple[PartitionProfile, tuple[int, int]], ...]  # sorted by placement
 
 
+def _placed(gpu: GpuInfo, partitions: Sequence[PublishedDevice]) -> Placed:
+    """The partitions' profiles and placements, sorted by placement."""
+    profiles = {p.profile_id: p for p in gpu.partition_profiles}
+    return tuple(
+        sorted(
+            (
+                (profiles[p.mig.profile_id], p.placement)
+                for p in partitions
+                if p.mig is not None and p.placement and p.mig.profile_id in profiles
+            ),
+            key=lambda item: (item[1], item[0].profile_id),
+        )
+    )
+
+
+def _in_slices(gpu: GpuInfo, placed: Placed) -> bool:
+    """Whether the GPU has memory slices and every placement lies within them."""
+    slices = gpu.memory_slices
+    return slices >= 1 and all(start >= 0 and start + size <= slices for _, (start, size) in placed)
+
+
 @functools.lru_cache(maxsize=64)
-def _most_together(placed: Placed) -> dict[str, int]:
+def _most_together(placed: Placed, unlimited: frozenset[int] = frozenset()) -> dict[str, int]:
     """Per MIG dimension counter, the most that placed partitions NVML lets exist
-    together take: placements pairwise disjoint, each profile at most its
-    `instanceCount` times. Every such set is walked (2319 with every H100 profile);
-    GPUs of one model share the answer."""
+    together take: placements pairwise disjoint, each profile (but those `unlimited`)
+    at most its `instanceCount` times. Every such set is walked (2319 with every H100
+    profile); GPUs of one model share the answer."""
     best = {counter: 0 for _, counter, _ in MIG_DIMENSIONS}
     fields = [(counter, attr) for _, counter, attr in MIG_DIMENSIONS]
 
@@ -59,7 +86,10 @@ def _most_together(placed: Placed) -> dict[str, int]:
             best[counter] = max(best[counter], total)
         for i in range(first, len(placed)):
             profile, (start, size) = placed[i]
-            if start < end or used[profile.profile_id] >= profile.instance_count:
+            if start < end or (
+                profile.profile_id not in unlimited
+                and used[profile.profile_id] >= profile.instance_count
+            ):
                 continue
             used[profile.profile_id] += 1
             shares = [getattr(profile, attr) for _, attr in fields]
@@ -82,16 +112,7 @@ def capacities(gpu: GpuInfo, partitions: Sequence[PublishedDevice]) -> dict[str,
     not (go-nvml's mock H100: 7g.80gb has 5 decoders, seven 1g.10gb take 7) the sets
     decide, so that the scheduler refuses none of them."""
     values = {k: v for k, v in counter_values(gpu).items() if not k.startswith(MEMORY_SLICE_PREFIX)}
-    profiles = {p.profile_id: p for p in gpu.partition_profiles}
-    placed = sorted(
-        (
-            (profiles[p.mig.profile_id], p.placement)
-            for p in partitions
-            if p.mig is not None and p.placement and p.mig.profile_id in profiles
-        ),
-        key=lambda item: (item[1], item[0].profile_id),
-    )
-    for counter, most in _most_together(tuple(placed)).items():
+    for counter, most in _most_together(_placed(gpu, partitions)).items():
         values[counter] = max(values[counter], most)
     return values
 
@@ -120,28 +141,66 @@ def counter_set(gpu: GpuInfo, most: dict[str, int]) -> dict[str, Any]:
 
 
 def binding_dimensions(
-    gpu: GpuInfo, partitions: Sequence[PublishedDevice], most: dict[str, int]
+    gpu: GpuInfo,
+    partitions: Sequence[PublishedDevice],
+    most: dict[str, int],
+    limits: Mapping[int, int] | None = None,
 ) -> set[str]:
     """The MIG dimension counters (memory, multiprocessors, engines) some of these
     partitions at pairwise disjoint placements would take beyond `most` (the GPU's
-    `capacities`) together. Overlapping placements are refused by the memory-slice
-    counters already, and the whole GPU spans every slice, so a dimension no disjoint
-    placements can exceed never refuses an allocation. Without memory slices every
-    dimension counts."""
+    `capacities`) together; with `limits` (`instance_limits`), only sets that keep
+    each of those profiles within its instance counter. Overlapping placements are
+    refused by the memory-slice counters already, and the whole GPU spans every slice,
+    so a dimension no such set can exceed never refuses an allocation. Without memory
+    slices every dimension counts."""
     dimensions = {counter for _, counter, _ in MIG_DIMENSIONS}
-    slices = gpu.memory_slices
-    placed = [(p.mig, p.placement) for p in partitions if p.mig is not None and p.placement]
-    if slices < 1 or any(start < 0 or start + size > slices for _, (start, size) in placed):
+    placed = _placed(gpu, partitions)
+    if not _in_slices(gpu, placed):
         return dimensions
-    profiles = {p.profile_id: p for p in gpu.partition_profiles}
+    if limits:
+        unlimited = frozenset(p.profile_id for p, _ in placed if p.profile_id not in limits)
+        together = _most_together(placed, unlimited)
+        return {counter for counter in dimensions if together[counter] > most[counter]}
     binding = set()
     for _, counter, field in MIG_DIMENSIONS:
-        weighted = [
-            (placement, getattr(profiles[mig.profile_id], field)) for mig, placement in placed
-        ]
-        if _most_at_disjoint_placements(slices, weighted) > most[counter]:
+        weighted = [(placement, getattr(profile, field)) for profile, placement in placed]
+        if _most_at_disjoint_placements(gpu.memory_slices, weighted) > most[counter]:
             binding.add(counter)
     return binding
+
+
+def instance_limits(
+    gpu: GpuInfo, partitions: Sequence[PublishedDevice], most: dict[str, int], binding: set[str]
+) -> dict[int, int]:
+    """Profile id -> `instanceCount` for each profile whose `instanceCount` the
+    memory-slice counters and the `binding` dimensions (at `most`) would not enforce:
+    more of its partitions than that fit at pairwise disjoint placements (without
+    memory slices: are published), and `instanceCount` + 1 of them take no binding
+    dimension beyond `most`. NVIDIA's tables place a profile at no more disjoint
+    placements than its `instanceCount`, but for those whose engines refuse a second
+    one (1g.10gb+me); go-nvml's mock H100 places 1g.20gb (4 at most) at every single
+    slice. Any set that holds more of another profile holds `instanceCount` + 1 of it,
+    which a binding dimension refuses."""
+    placed = _placed(gpu, partitions)
+    in_slices = _in_slices(gpu, placed)
+    spans: dict[PartitionProfile, list[tuple[tuple[int, int], int]]] = {}
+    for profile, placement in placed:
+        spans.setdefault(profile, []).append((placement, 1))
+    limits = {}
+    for profile, weighted in spans.items():
+        n = profile.instance_count
+        fit = (
+            _most_at_disjoint_placements(gpu.memory_slices, weighted)
+            if in_slices
+            else len(weighted)
+        )
+        if fit > n and all(
+            (n + 1) * getattr(profile, attr) <= most[counter]
+            for _, counter, attr in MIG_DIMENSIONS
+            if counter in binding
+        ):
+            limits[profile.profile_id] = n
+    return limits
 
 
 def memory_blocks(slices: int, spans: Collection[tuple[int, int]]) -> list[range]:
@@ -191,11 +250,25 @@ def _blocked_counters(counter_values: dict[str, Any], blocks: Sequence[range]) -
     return out
 
 
+def _instances_taken(device: PublishedDevice, limits: Mapping[int, int]) -> dict[str, Any]:
+    """The instance counters (`instance_limits`) a device takes: the whole GPU all of
+    each, a partition 1 of its profile's."""
+    if not device.is_partition:
+        return {instances_counter(p): quantity(str(n)) for p, n in limits.items()}
+    if device.mig is not None and device.mig.profile_id in limits:
+        return {instances_counter(device.mig.profile_id): quantity("1")}
+    return {}
+
+
 def _recounted(
-    device: PublishedDevice, kept: dict[str, Any], blocks: Sequence[range]
+    device: PublishedDevice,
+    kept: dict[str, Any],
+    blocks: Sequence[range],
+    limits: Mapping[int, int],
 ) -> PublishedDevice:
     """The device consuming only the `kept` counters (the set's, with their values),
-    its memory slices in `blocks`; the whole GPU takes each kept dimension whole."""
+    its memory slices in `blocks`, and its instance counters; the whole GPU takes each
+    kept dimension whole."""
     if not device.document.get("consumesCounters"):
         return device
     document = dict(device.document)
@@ -203,14 +276,17 @@ def _recounted(
     document["consumesCounters"] = [
         {
             **c,
-            "counters": _blocked_counters(
-                {
-                    k: kept[k] if whole and not k.startswith(MEMORY_SLICE_PREFIX) else v
-                    for k, v in c["counters"].items()
-                    if k in kept
-                },
-                blocks,
-            ),
+            "counters": {
+                **_blocked_counters(
+                    {
+                        k: kept[k] if whole and not k.startswith(MEMORY_SLICE_PREFIX) else v
+                        for k, v in c["counters"].items()
+                        if k in kept
+                    },
+                    blocks,
+                ),
+                **_instances_taken(device, limits),
+            },
         }
         for c in device.document["consumesCounters"]
     ]
@@ -227,14 +303,18 @@ def counted(
     partitions = [d for d in devices if d.is_partition]
     most = capacities(gpu, partitions)
     dimensions = {counter for _, counter, _ in MIG_DIMENSIONS}
-    dropped = dimensions - binding_dimensions(gpu, partitions, most)
+    binding = binding_dimensions(gpu, partitions, most)
+    limits = instance_limits(gpu, partitions, most, binding)
+    if limits:  # what the instance counters refuse, no dimension needs to
+        binding = binding_dimensions(gpu, partitions, most, limits)
     full = counter_set(gpu, most)
-    kept = {k: v for k, v in full["counters"].items() if k not in dropped}
+    kept = {k: v for k, v in full["counters"].items() if k not in dimensions - binding}
     spans = [d.mig.placement for d in devices if d.mig is not None]
     slices = gpu.memory_slices
     if all(start >= 0 and size > 0 and start + size <= slices for start, size in spans):
         blocks = memory_blocks(slices, spans)
     else:  # placements NVML should not report: count slice by slice
         blocks = [range(i, i + 1) for i in range(slices)]
-    counted_set = {**full, "counters": _blocked_counters(kept, blocks)}
-    return [_recounted(d, kept, blocks) for d in devices], counted_set
+    instances = {instances_counter(p): quantity(str(n)) for p, n in limits.items()}
+    counted_set = {**full, "counters": {**_blocked_counters(kept, blocks), **instances}}
+    return [_recounted(d, kept, blocks, limits) for d in devices], counted_set

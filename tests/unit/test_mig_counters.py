@@ -22,7 +22,7 @@ from driver.devices.slices import build_slice_specs, validate_slice_specs
 from driver.nvml.backend import NvmlBackend
 from driver.nvml.mock.fleet import parse_fleet
 from driver.nvml.mock.nvml import MockNvml
-from driver.nvml.types import GpuInfo, Inventory, MigInstance
+from driver.nvml.types import GpuInfo, Inventory, MigInstance, PartitionProfile
 from tests.unit.test_device_model import fits, qty
 
 THREE = ("1g10gb", "3g40gb", "7g80gb")
@@ -192,10 +192,70 @@ def _extensions(
                 stack.append((candidate, i + 1))
 
 
+def _go_nvml_profile(
+    name: str,
+    profile_id: int,
+    instances: int,
+    mib: int,
+    engines: tuple[int, int, int, int, int, int],
+    placements: Sequence[tuple[int, int]],
+) -> PartitionProfile:
+    multiprocessors, copy_engines, decoders, encoders, jpeg, ofa = engines
+    return PartitionProfile(
+        name=name,
+        profile_id=profile_id,
+        slice_count=int(name.split("g.")[0]),
+        memory_bytes=mib * 2**20,
+        multiprocessors=multiprocessors,
+        copy_engines=copy_engines,
+        decoders=decoders,
+        encoders=encoders,
+        jpeg_engines=jpeg,
+        ofa_engines=ofa,
+        placements=tuple(placements),
+        instance_count=instances,
+    )
+
+
+SINGLE_SLICES = [(i, 1) for i in range(7)]
+
+# NVIDIA go-nvml v0.13.4-1 (github.com/NVIDIA/go-nvml, the Go module proxy's latest),
+# pkg/nvml/mock/gpus/h100.go: H100_SXM5_80GB, the GPU pkg/nvml/mock/dgxh100 serves,
+# its h100_80gb_GpuInstanceProfiles and h100_GpuInstancePlacements (what the mock's
+# nvmlDeviceGetGpuInstanceProfileInfo and ...PossiblePlacements return). Id is the
+# NVML_GPU_INSTANCE_PROFILE_<slot> constant, as that mock reports it; names as its
+# comments give them. Engines: (multiprocessors, copy engines, decoders, encoders,
+# JPEG, OFA). Unlike our H100 table: 1g.20gb sits at seven one-slice placements yet
+# at most 4 exist (5 fit side by side, NVML refuses the fifth); 3g.40gb at (0, 3) and
+# (4, 3) and 7g.80gb at (0, 7), so the GPU has 7 memory slices; 7g.80gb has 112 SMs,
+# 7 copy engines, 5 decoders and no JPEG or OFA engine, and only 1g.10gb+me has either.
+GO_NVML_H100_PROFILES = (
+    _go_nvml_profile("1g.10gb", 0, 7, 10240, (16, 1, 1, 0, 0, 0), SINGLE_SLICES),
+    _go_nvml_profile("1g.10gb+me", 7, 1, 10240, (16, 1, 1, 0, 1, 1), SINGLE_SLICES),
+    _go_nvml_profile("1g.20gb", 9, 4, 20480, (16, 1, 1, 0, 0, 0), SINGLE_SLICES),
+    _go_nvml_profile("2g.20gb", 1, 3, 20480, (32, 2, 1, 0, 0, 0), [(0, 2), (2, 2), (4, 2)]),
+    _go_nvml_profile("3g.40gb", 2, 2, 40960, (48, 3, 2, 0, 0, 0), [(0, 3), (4, 3)]),
+    _go_nvml_profile("4g.40gb", 3, 1, 40960, (64, 4, 2, 0, 0, 0), [(0, 4)]),
+    _go_nvml_profile("7g.80gb", 4, 1, 81920, (112, 7, 5, 0, 0, 0), [(0, 7)]),
+)
+
+
 def _go_nvml_h100() -> Inventory:
-    """The mock H100 with the table NVIDIA's own mock (go-nvml) has: 7g.80gb with 5
-    decoders and 5 JPEG engines (copied from the A100), so the full-size profile no
-    longer bounds the disjoint splits: seven 1g.10gb take 7 decoders."""
+    """One H100 as go-nvml's mock (dgxh100) reports it: its profile table and
+    placements (`GO_NVML_H100_PROFILES`), 80 GiB, 7 memory slices."""
+    inv = inventory("H100-80GB", count=1)
+    gpu = dataclasses.replace(
+        inv.gpus[0],
+        memory_bytes=81920 * 2**20,
+        memory_slices=7,
+        partition_profiles=GO_NVML_H100_PROFILES,
+    )
+    return dataclasses.replace(inv, gpus=(gpu,))
+
+
+def _h100_with_a_7g_of_few_engines() -> Inventory:
+    """Our H100 with 7g.80gb at 5 decoders and 5 JPEG engines: the full-size profile
+    no longer bounds the disjoint splits (seven 1g.10gb take 7 decoders)."""
     inv = inventory("H100-80GB", count=1)
     gpu = inv.gpus[0]
     table = tuple(
@@ -205,19 +265,54 @@ def _go_nvml_h100() -> Inventory:
     return dataclasses.replace(inv, gpus=(dataclasses.replace(gpu, partition_profiles=table),))
 
 
-def test_a_table_the_full_size_profile_does_not_bound_refuses_no_split_nvml_allows() -> None:
-    pool = dm.build_pool(_go_nvml_h100())
+TABLES: dict[str, Callable[[], Inventory]] = {
+    "go-nvml-H100": _go_nvml_h100,
+    "H100-7g-few-engines": _h100_with_a_7g_of_few_engines,
+}
+
+
+@pytest.mark.parametrize("table", sorted(TABLES))
+def test_a_table_the_full_size_profile_does_not_bound_refuses_no_split_nvml_allows(
+    table: str,
+) -> None:
+    pool = dm.build_pool(TABLES[table]())
     assert fits(pool, [f"gpu-0-mig-1g10gb-{i}" for i in range(7)])
     assert not fits(pool, ["gpu-0-mig-1g10gb-me-0", "gpu-0-mig-1g10gb-me-4"])
 
 
+def test_go_nvml_h100_admits_four_1g20gb_not_five() -> None:
+    """go-nvml's H100 places 1g.20gb at every single slice, 5 fit side by side, and
+    its instanceCount is 4: NVML refuses the fifth, so must the scheduler."""
+    pool = dm.build_pool(_go_nvml_h100())
+    # 1g.20gb's own counter (profile 9), worth its instanceCount; memory no longer
+    # refuses anything; two 1g.10gb+me would take the one JPEG and OFA engine.
+    assert pool.counter_sets[0]["counters"] == {
+        **{f"memory-slice-{i}": {"value": "1"} for i in range(7)},
+        "jpeg-engines": {"value": "1"},
+        "ofa-engines": {"value": "1"},
+        "profile-9-instances": {"value": "4"},
+    }
+    assert consumed(pool, "gpu-0-mig-1g20gb-5") == {
+        "memory-slice-5": {"value": "1"},
+        "profile-9-instances": {"value": "1"},
+    }
+    assert consumed(pool, "gpu-0")["profile-9-instances"] == {"value": "4"}
+    assert fits(pool, [f"gpu-0-mig-1g20gb-{i}" for i in range(4)])
+    assert fits(pool, [f"gpu-0-mig-1g20gb-{i}" for i in range(4)] + ["gpu-0-mig-1g10gb-4"])
+    assert not fits(pool, [f"gpu-0-mig-1g20gb-{i}" for i in range(5)])
+    assert not fits(pool, [f"gpu-0-mig-1g20gb-{i}" for i in (0, 2, 3, 5, 6)])
+    specs = build_slice_specs(pool, driver="gpu.example.com", node_name="node-a")
+    assert validate_slice_specs(specs) == []
+
+
 @pytest.mark.parametrize(
     ("model", "profiles"),
-    [(m, ()) for m in ("A100-40GB", "A100-80GB", "H100-80GB", "H200-141GB", "go-nvml-H100")]
-    + [(m, THREE) for m in ("A100-80GB", "H100-80GB")],
+    [(m, ()) for m in ("A100-40GB", "A100-80GB", "H100-80GB", "H200-141GB", *TABLES)]
+    + [(m, THREE) for m in ("A100-80GB", "H100-80GB", "go-nvml-H100")]
+    + [("go-nvml-H100", ("1g20gb", "7g80gb"))],
 )
 def test_counters_admit_exactly_what_nvml_admits(model: str, profiles: tuple[str, ...]) -> None:
-    inv = _go_nvml_h100() if model == "go-nvml-H100" else inventory(model, count=1)
+    inv = TABLES[model]() if model in TABLES else inventory(model, count=1)
     pool = dm.build_pool(inv, dm.PoolOptions(mig_profiles=profiles))
     published_allow = _published_allow(pool)
     checked = 0
