@@ -9,11 +9,20 @@ must have a Ready node with this project's images) is used; nothing is started o
 stopped, only the Helm release is installed and removed.
 ``GPU_DRA_KEEP_CLUSTER=1`` leaves a started cluster running for inspection.
 
+A machine has one local node. Where one already runs (`make demo` leaves its cluster
+running), the tier borrows that cluster instead of stopping it, and says so: `up
+--with-node` on it imports this tree's driver image; the demo's example namespaces
+(`gpu-demo*`) are deleted and its driver release uninstalled (one driver per
+cluster); when the tier ends, that release is installed again with its values, and
+the cluster keeps running. ResourceClaims outside the demo's namespaces fail the
+tier at setup, naming them: they are a user's, and the tier needs the node's devices.
+
 A missing binary, package or image fails the tests and names it; nothing skips.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -38,6 +47,7 @@ DEMO = REPO / "demo"
 DRIVER = "gpu.example.com"
 RELEASE = "gpu-dra-e2e"
 NAMESPACE = "gpu-dra-e2e"
+DEMO_NAMESPACES = "gpu-demo"  # the prefix of every demo/ example's namespace
 NODE_BINARIES = ("kubelet", "kubectl", "kube-apiserver", "etcd")
 RUNTIME_BINARIES = ("containerd", "containerd-shim-runc-v2", "ctr", "runc")
 HOST_TOOLS = ("bash", "openssl", "curl", "flock", "socat", "ip", "gcc", "debootstrap")
@@ -356,13 +366,135 @@ def install_chart(
     )
 
 
+def _tell(request: pytest.FixtureRequest, text: str) -> None:
+    """One line on the terminal, past pytest's capture: what the tier does to a
+    cluster it did not start."""
+    capture = request.config.pluginmanager.getplugin("capturemanager")
+    with capture.global_and_fixture_disabled() if capture else contextlib.nullcontext():
+        print(f"\n[e2e] {text}", flush=True)
+
+
+def running_local_cluster() -> Path | None:
+    """The run dir of the local cluster whose node runs on this machine, if any."""
+    proc = _run(["bash", str(SCRIPT), "running-node"])
+    found = proc.stdout.strip()
+    return Path(found) if proc.returncode == 0 and found else None
+
+
+def _recorded_ports(run_dir: Path) -> dict[str, str]:
+    ports = run_dir / "ports.env"
+    if not ports.is_file():
+        return {}
+    return dict(line.split("=", 1) for line in ports.read_text().split() if "=" in line)
+
+
+@dataclass
+class SetAside:
+    """Another Helm release of the driver, uninstalled while the tier runs."""
+
+    release: str
+    namespace: str
+    values: Path
+
+
+def _set_aside_other_release(e: E2E, tell: Callable[[str], None]) -> SetAside | None:
+    found = e.kubectl("get", "deviceclass", DRIVER, "-o", "json", check=False)
+    if found.returncode != 0:
+        return None
+    annotations = json.loads(found.stdout)["metadata"].get("annotations") or {}
+    release = annotations.get("meta.helm.sh/release-name")
+    namespace = annotations.get("meta.helm.sh/release-namespace")
+    if not release or not namespace:
+        pytest.fail(
+            f"the running local cluster has DeviceClass {DRIVER} from outside Helm; "
+            "delete it, or stop that cluster (hack/local-cluster.sh down)"
+        )
+    if (release, namespace) == (RELEASE, NAMESPACE):
+        return None  # an interrupted run's: the tier's install upgrades it
+    claims = e.get("resourceclaims", "-A")["items"]
+    users = [
+        f"{c['metadata']['namespace']}/{c['metadata']['name']}"
+        for c in claims
+        if not c["metadata"]["namespace"].startswith(DEMO_NAMESPACES)
+    ]
+    if users:
+        pytest.fail(
+            f"the running local cluster has ResourceClaims outside the demo's namespaces "
+            f"({', '.join(users[:5])}): the e2e tier needs the node's devices; delete "
+            "them, or stop that cluster (hack/local-cluster.sh down)"
+        )
+    values = Path(tempfile.mkstemp(prefix=f"{release}-values-", suffix=".yaml")[1])
+    got = e.helm_cmd("get", "values", release, "-n", namespace, "-o", "yaml")
+    if got.returncode != 0:
+        pytest.fail(f"helm get values {release} -n {namespace} failed: {got.stderr.strip()}")
+    values.write_text(got.stdout)
+    demo = [
+        n["metadata"]["name"]
+        for n in e.get("namespaces")["items"]
+        if n["metadata"]["name"].startswith(DEMO_NAMESPACES)
+    ]
+    tell(
+        f"deleting the demo's example namespaces ({len(demo)}) and uninstalling the "
+        f"driver release {release} -n {namespace}; it is installed again with its values "
+        f"({values}) when the tests end"
+    )
+    if demo:
+        e.kubectl("delete", "namespace", *demo, "--wait=true", timeout=600)
+    gone = e.helm_cmd("uninstall", release, "-n", namespace, "--wait", "--timeout", "3m")
+    if gone.returncode != 0:
+        pytest.fail(f"helm uninstall {release} -n {namespace} failed: {gone.stderr.strip()}")
+    return SetAside(release, namespace, values)
+
+
+def _restore(e: E2E, aside: SetAside, tell: Callable[[str], None]) -> None:
+    proc = e.helm_cmd(
+        "upgrade", "--install", aside.release, str(CHART), "--namespace", aside.namespace,
+        "--create-namespace", "-f", str(aside.values), "--wait", "--timeout", "5m",
+    )  # fmt: skip
+    if proc.returncode == 0:
+        tell(f"the driver release {aside.release} -n {aside.namespace} is installed again")
+        aside.values.unlink()
+    else:
+        tell(
+            f"installing {aside.release} again failed; its values are in {aside.values}:\n"
+            f"{_tail(proc.stdout + proc.stderr)}"
+        )
+
+
 @pytest.fixture(scope="session")
-def e2e() -> Iterator[E2E]:
+def e2e(request: pytest.FixtureRequest) -> Iterator[E2E]:
+    def tell(text: str) -> None:
+        _tell(request, text)
+
     bin_dir, node_bin = _paths()
     existing = os.environ.get("GPU_DRA_KUBECONFIG")
+    borrowed = None if existing else running_local_cluster()
     _check_prerequisites(bin_dir, node_bin, reuse=bool(existing))
     helm = _helm()
-    if existing:
+    aside: SetAside | None = None
+    if borrowed is not None:
+        e = E2E(
+            kubeconfig=borrowed / "admin.kubeconfig",
+            bin_dir=bin_dir,
+            helm=helm,
+            env={
+                "GPU_DRA_CLUSTER_DIR": str(borrowed),
+                "GPU_DRA_WITH_NODE": "1",
+                **_recorded_ports(borrowed),
+            },
+        )
+        tell(
+            f"a local cluster runs on this machine (run dir {borrowed}; `make demo` leaves "
+            "its cluster running): the e2e tier uses it, and it keeps running afterwards"
+        )
+        up = e.script("up", "--with-node", timeout=UP_TIMEOUT)  # this tree's driver image
+        if up.returncode != 0:
+            pytest.fail(
+                f"hack/local-cluster.sh up --with-node on the running cluster failed "
+                f"(exit {up.returncode}):\n{_tail(up.stdout + up.stderr)}"
+            )
+        aside = _set_aside_other_release(e, tell)
+    elif existing:
         if not Path(existing).is_file():
             pytest.fail(f"GPU_DRA_KUBECONFIG={existing} does not exist")
         e = E2E(kubeconfig=Path(existing), bin_dir=bin_dir, helm=helm)
@@ -405,6 +537,8 @@ def e2e() -> Iterator[E2E]:
     finally:
         if e.installed and os.environ.get("GPU_DRA_KEEP_CLUSTER") != "1":
             e.helm_cmd("uninstall", RELEASE, "-n", NAMESPACE, "--wait", "--timeout", "2m")
+        if aside is not None:
+            _restore(e, aside, tell)
         if e.run_dir is not None:
             if os.environ.get("GPU_DRA_KEEP_CLUSTER") == "1":
                 print(f"\nGPU_DRA_KEEP_CLUSTER=1: cluster left running, KUBECONFIG={e.kubeconfig}")

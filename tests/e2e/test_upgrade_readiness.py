@@ -1,5 +1,6 @@
 """Readiness on the real kubelet: an upgrade whose plugin cannot register stalls with the
-old plugin serving, and a registration the kubelet refuses reads as not ready.
+old plugin serving (its status socket too, during the stall and after `helm rollback`),
+and a registration the kubelet refuses reads as not ready.
 
 The transcript (pods, /readyz, rollout status) is printed: run with `-s` to see it.
 """
@@ -7,6 +8,7 @@ The transcript (pods, /readyz, rollout status) is printed: run with `-s` to see 
 from __future__ import annotations
 
 import contextlib
+import json
 import time
 import urllib.error
 import urllib.request
@@ -27,9 +29,9 @@ from tests.e2e.conftest import (
     DRIVER,
     E2E,
     NAMESPACE,
+    RELEASE,
     demo_namespace,
     helm_upgrade,
-    install_chart,
     wait_for,
 )
 
@@ -106,13 +108,34 @@ def test_an_upgrade_that_cannot_register_keeps_the_old_plugin_serving(
         _show("kubectl rollout status --timeout=10s", rollout.stdout + rollout.stderr)
         _show("plugin pods", e.kubectl("get", "pods", "-n", NAMESPACE, "-o", "wide").stdout)
 
-        # The old plugin still serves the node: pods with claims start.
+        # The old plugin still serves the node: pods with claims start, and the status
+        # socket on the node is its own (the stalled pod never served, never bound it).
         e.apply_file(TEMPLATE)
         try:
             e.wait_pods_ready(demo_namespace(TEMPLATE), "app=gpu-demo", 2, timeout=180)
         finally:
             e.delete_file(TEMPLATE)
         assert _ready(_plugin_pods(e)[old_uid])
+        _assert_status_from(e, old)
+    # After `helm rollback` removed the stalled pod, the old one still answers.
+    assert old_uid in _plugin_pods(e)
+    _assert_status_from(e, old)
+
+
+def _assert_status_from(e: E2E, pod: dict[str, Any]) -> None:
+    """`gpu-dra status` on the node answers from `pod`, which serves the node."""
+    name = pod["metadata"]["name"]
+    proc = e.kubectl(
+        "exec", "-n", NAMESPACE, name, "-c", "plugin", "--", "gpu-dra", "status", "-o", "json",
+        check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, f"gpu-dra status in {name}: {proc.stdout}{proc.stderr}"
+    document = json.loads(proc.stdout)
+    instance = document["plugin"]["instance"]
+    _show(f"gpu-dra status in {name}: plugin.instance", json.dumps(instance))
+    assert instance["holder"].startswith(f"{name} pid "), instance
+    assert instance["serving"] is True
+    assert document["registration"]["registered"] is True
 
 
 @contextlib.contextmanager
@@ -128,7 +151,12 @@ def _typo(e: E2E, overlay: Path) -> Iterator[None]:
     try:
         yield
     finally:
-        install_chart(e)  # the right values again, with --wait: the rollout completes
+        # What the operator runs: back to the previous revision. The old pod is of that
+        # revision, so the DaemonSet removes the stalled pod and keeps the old one.
+        rollback = e.helm_cmd("rollback", RELEASE, "-n", NAMESPACE, "--wait", "--timeout", "5m")
+        assert rollback.returncode == 0, rollback.stdout + rollback.stderr
+        e.kubectl("rollout", "status", "daemonset", "-n", NAMESPACE, "--timeout=180s")
+        wait_for(lambda: len(_plugin_pods(e)) == 1 or None, 120, "the stalled plugin pod removed")
         with contextlib.suppress(OSError):
             TYPO_REGISTRY.rmdir()  # the chart's DirectoryOrCreate made it
 
