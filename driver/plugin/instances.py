@@ -29,6 +29,7 @@ import logging
 import os
 import secrets
 import socket
+import stat
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -219,19 +220,39 @@ class Succession:
         for entry in os.listdir(self._dir):
             if not entry.isdigit():
                 continue
+            fd = _open_place(self._dir / entry)
+            if fd is None:
+                continue  # removed as dead meanwhile, or not a place file
             try:
-                holder = (self._dir / entry).read_text(errors="replace")
-            except FileNotFoundError:
-                continue  # removed as dead meanwhile
+                holder = os.read(fd, HOLDER_MAX).decode(errors="replace")
+            finally:
+                os.close(fd)
             places.append(Place(int(entry), holder))
         return places
 
 
+HOLDER_MAX = 256
+
+
+def _open_place(path: Path) -> int | None:
+    """A descriptor of the place file at `path`; None when it is gone or is not a
+    regular file (never through a symlink, never blocking on a FIFO planted there)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as err:
+        if err.errno in (errno.ENOENT, errno.ELOOP):
+            return None
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        return None
+    return fd
+
+
 def _held(path: Path) -> bool:
     """Whether a live instance holds the place file at `path`."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except FileNotFoundError:
+    fd = _open_place(path)
+    if fd is None:
         return False
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)

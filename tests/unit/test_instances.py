@@ -200,3 +200,17 @@ def test_two_instances_starting_at_once_never_both_serve(tmp_path: Path) -> None
         assert [s.serving() for s in pair].count(True) == 1
         for s in pair:
             s.stop()
+
+
+def test_a_fifo_or_symlink_planted_as_a_place_is_no_instance(tmp_path: Path) -> None:
+    """Never followed, never blocked on: a planted FIFO would hang every prepare."""
+    succession = tmp_path / "succession"
+    succession.mkdir()
+    os.mkfifo(succession / f"{99:012d}")
+    (succession / f"{98:012d}").symlink_to(tmp_path / "elsewhere")
+    only = Succession(tmp_path, holder="only")
+    try:
+        assert only.start() is True
+        assert only.serving() and only.newer() is None
+    finally:
+        only.stop()
