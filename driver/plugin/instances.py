@@ -91,6 +91,7 @@ class Succession:
         self._fd: int | None = None
         self._listeners: list[Callable[[bool], object]] = []
         self._was_serving = False
+        self._notifying = threading.Lock()
         self._stopped = threading.Event()
 
     # -- what the rest of the plugin asks -------------------------------------------------
@@ -162,6 +163,10 @@ class Succession:
                 log.error("checking for other plugin instances: %s", err)
 
     def _notify(self) -> None:
+        with self._notifying:  # listeners see the changes in the order they happened
+            self._notify_change()
+
+    def _notify_change(self) -> None:
         with self._mutex:
             serving = self.serving()
             if serving == self._was_serving:
