@@ -5,9 +5,10 @@ the API server, or failing at every prepare, while each GpuConfig in it is valid
 - Device classes. A request's `deviceClassName` must be a class of the driver (the
   chart's `<driver>`, `mig.<driver>` and `partition.<driver>`, the names given with
   `--device-class`, a DeviceClass in the given files that selects the driver's devices
-  or configures them) or a DeviceClass of another driver in the given files. In a claim
-  for the driver every unknown name is reported; in any other claim only a name close
-  to one of the driver's (a likely misspelling).
+  or configures them) or a DeviceClass of another driver in the given files. A name close
+  to one of the driver's (a likely misspelling) is reported; in a claim for the driver
+  any other unknown name is another driver's class the tool cannot know (a GPU and a
+  NIC in one claim): not checked, and said so in a note (`class_notes`).
 - Request names. Each name in a config's `requests` must be a request (`gpu`) or a
   sub-request (`gpu/small`) of the claim: the API server refuses the claim otherwise.
 - Opaque drivers. An opaque config for another driver must apply to some request
@@ -21,7 +22,10 @@ the API server, or failing at every prepare, while each GpuConfig in it is valid
   a whole GPU not shared by capacity whose `maxPartitions`, if published, is at least
   `partitionCount`).
 - Time-slice intervals. A non-Default `timeSlicingConfig.interval` must not apply to a
-  request of `mig.<driver>`: a MIG device has no interval, and prepare refuses it.
+  request of `mig.<driver>`: a MIG device has no interval, and prepare refuses it. With
+  `--slices`, nor to a request of the driver's class whose every published device the
+  class selects is a MIG device (a MIG partition, or the whole GPU of a GPU in MIG mode,
+  with `migProfile`).
 """
 
 from __future__ import annotations
@@ -178,15 +182,46 @@ def _class_problems(
             continue
         if classes.is_ours(name) or name in classes.others:
             continue
-        close = difflib.get_close_matches(name, classes.ours, n=1, cutoff=MISSPELLING_CUTOFF)
-        if not close and not for_driver:
-            continue
-        guess = f" (did you mean '{close[0]}'?)" if close else ""
+        close = _close_class(name, classes)
+        if close is None:
+            continue  # another driver's, or a note (class_notes)
         yield FieldError(
             path,
-            f"unknown device class '{name}'{guess}; the classes of {classes.driver} are "
-            f"{', '.join(classes.ours)}; --device-class adds others",
+            f"unknown device class '{name}' (did you mean '{close}'?); the classes of "
+            f"{classes.driver} are {', '.join(classes.ours)}; --device-class adds others",
         )
+
+
+def _close_class(name: str, classes: DeviceClasses) -> str | None:
+    """The driver's class that `name` is a likely misspelling of, or None."""
+    close = difflib.get_close_matches(name, classes.ours, n=1, cutoff=MISSPELLING_CUTOFF)
+    return close[0] if close else None
+
+
+def class_notes(doc: object, classes: DeviceClasses) -> list[FieldError]:
+    """In a claim for the driver, each request's class that is neither the driver's, nor
+    a DeviceClass in the given files, nor a likely misspelling of one of the driver's:
+    another driver's class, which the tool cannot know. Only the driver's classes are
+    checked; these are named, not reported as problems."""
+    requests = device_requests(doc)
+    if not requests or not is_for_driver(doc, classes):
+        return []
+    notes = []
+    for request in requests:
+        name = request.device_class
+        if not isinstance(name, str) or not name or classes.is_ours(name):
+            continue
+        if name in classes.others or _close_class(name, classes) is not None:
+            continue
+        notes.append(
+            FieldError(
+                f"{request.path}.deviceClassName",
+                f"device class '{name}' not checked: not a class of {classes.driver} "
+                f"({', '.join(classes.ours)}; --device-class adds others) nor a DeviceClass "
+                "in the given files",
+            )
+        )
+    return notes
 
 
 def _request_name_problems(
@@ -256,14 +291,9 @@ def _sharing_problems(
     for request, config, gpu_config in _effective_configs(doc, requests, classes.driver):
         parameters = f"{config.path}.opaque.parameters"
         device_class = request.device_class
-        interval = gpu_config.interval
-        if interval not in (None, Interval.DEFAULT) and classes.gives_mig(device_class):
-            yield FieldError(
-                f"{parameters}.sharing.timeSlicingConfig.interval",
-                f"{interval} fails at prepare for request '{request.name}': class "
-                f"{device_class} gives MIG devices, which have no time-slice interval; use a "
-                "GPU with MIG mode off, or no interval",
-            )
+        interval_refusal = _interval_refusal(request, gpu_config, classes, devices)
+        if interval_refusal is not None:
+            yield FieldError(f"{parameters}.sharing.timeSlicingConfig.interval", interval_refusal)
         if gpu_config.strategy != Strategy.SPACE_PARTITIONING:
             continue
         if classes.gives_partitions(device_class):
@@ -281,6 +311,34 @@ def _sharing_problems(
                     f"fails at prepare for request '{request.name}' on every device of class "
                     f"{device_class} in the given slices ({refusal.message})",
                 )
+
+
+def _interval_refusal(
+    request: DeviceRequest,
+    config: GpuConfig,
+    classes: DeviceClasses,
+    devices: list[OfferedDevice] | None,
+) -> str | None:
+    """Why prepare refuses the config's time-slice interval on every device the request
+    may get (each a MIG device, `driver.state.planning._no_time_slice`), or None."""
+    interval, device_class = config.interval, request.device_class
+    if interval in (None, Interval.DEFAULT):
+        return None
+    if classes.gives_mig(device_class):
+        return (
+            f"{interval} fails at prepare for request '{request.name}': class "
+            f"{device_class} gives MIG devices, which have no time-slice interval; use a "
+            "GPU with MIG mode off, or no interval"
+        )
+    offered = classes.offered(device_class, devices or []) if classes.is_ours(device_class) else []
+    if not offered or not all(d.mig for d in offered):
+        return None
+    more = ", ..." if len(offered) > 1 else ""
+    return (
+        f"{interval} fails at prepare for request '{request.name}' on every device of class "
+        f"{device_class} in the given slices (each is a MIG device, which has no time-slice "
+        f"interval: {offered[0].where()}{more}); use a GPU with MIG mode off, or no interval"
+    )
 
 
 def _refused_everywhere(config: GpuConfig, devices: list[OfferedDevice]) -> FieldError | None:

@@ -5,12 +5,20 @@ For each request (and `firstAvailable` sub-request) of each claim in the files, 
 published device of --driver-name is run through the request's DeviceClass selectors
 and then its own (`cel_device`, real CEL semantics), in order; the first selector
 that is false or fails names why the device is excluded. A device that passes them
-all is checked against the request's `capacity.requests`. The request's line then
-says how many devices are left and how many it needs (`count`, or all for
-`allocationMode: All`). The DeviceClass comes from the files (a DeviceClass document)
-or, for the chart's classes, from the chart's selectors; another class not in the
-files is reported and its selectors skipped. Devices of one node are not checked
-against other claims' allocations: what is already allocated is not in the slices.
+all is checked against the request's `capacity.requests` (and, on a device with
+`allowMultipleAllocations`, its `requestPolicy`), then against the allocations of the
+ResourceClaims given with the slices (driver/cli/allocations.py: whole devices, shares
+of capacity, counters; the claim's own allocation is left out). Without ResourceClaims
+the output says that allocations were not counted. The DeviceClass comes from the
+files (a DeviceClass document) or, for the chart's classes, from the chart's
+selectors; another class not in the files is reported and its selectors skipped.
+
+Each request gets a line saying how many devices are left and how many it needs
+(`count`, or all for `allocationMode: All`), then a summary (driver/cli/
+explain_summary.py): per selector how many devices it excluded and the values of the
+attributes it reads on them, the capacity requests' and the allocations' exclusions
+with a few examples. `--devices` adds one line per device. Requests are explained one
+by one: the devices one request of a claim would take are not taken from the next.
 """
 
 from __future__ import annotations
@@ -21,11 +29,27 @@ from dataclasses import dataclass, field
 from decimal import Decimal
 from typing import Any, TextIO
 
+from driver.cli.allocations import Allocations, ClaimRef, Taken
+from driver.cli.capacity import PolicyViolation, request_consumption
 from driver.cli.cel_device import CelError, Selector, device_activation
 from driver.cli.claim_requests import DeviceRequest, device_requests
+from driver.cli.explain_summary import (
+    ALLOCATIONS,
+    FIELDS,
+    REQUESTED,
+    SELECTOR,
+    Exclusion,
+    RequestSummary,
+)
+from driver.cli.slice_devices import SliceDevice, shared_counters, slice_devices
 from driver.config import LoadError, load_yaml_documents
 from driver.devices.documents import parse_quantity
 from driver.observability.logs import escaped
+
+NOT_COUNTED = (
+    "allocations not counted: no ResourceClaims given (add them with the slices: "
+    "kubectl get resourceslices,resourceclaims -A -o yaml)"
+)
 
 
 def chart_class_selectors(driver: str) -> dict[str, list[str]]:
@@ -38,35 +62,6 @@ def chart_class_selectors(driver: str) -> dict[str, list[str]]:
         f"mig.{driver}": [f"device.driver == '{driver}' && 'profile' in {attrs}"],
         f"partition.{driver}": [f"device.driver == '{driver}' && 'partition' in {attrs}"],
     }
-
-
-@dataclass(frozen=True)
-class SliceDevice:
-    node: str
-    name: str
-    document: Mapping[str, Any]
-
-
-def slice_devices(documents: Iterable[object], driver: str) -> list[SliceDevice]:
-    """The devices of `driver` in ResourceSlice documents (Lists' items too)."""
-    found: list[SliceDevice] = []
-    for doc in documents:
-        if not isinstance(doc, Mapping):
-            continue
-        if str(doc.get("kind", "")).endswith("List") and isinstance(doc.get("items"), list):
-            found += slice_devices(doc["items"], driver)
-            continue
-        spec = doc.get("spec")
-        if doc.get("kind") != "ResourceSlice" or not isinstance(spec, Mapping):
-            continue
-        if spec.get("driver") != driver:
-            continue
-        pool = spec.get("pool")
-        node = spec.get("nodeName") or (pool.get("name") if isinstance(pool, Mapping) else "")
-        for device in spec.get("devices") or []:
-            if isinstance(device, Mapping):
-                found.append(SliceDevice(str(node or "?"), str(device.get("name")), device))
-    return found
 
 
 def class_selectors(documents: Iterable[object], driver: str) -> dict[str, list[str]]:
@@ -100,34 +95,49 @@ class Explanation:
     unsatisfied: int = 0  # requests with fewer devices left than they need
 
 
+@dataclass(frozen=True)
+class Context:
+    """What every request is explained against."""
+
+    devices: list[SliceDevice]
+    classes: Mapping[str, list[str]]
+    driver: str
+    allocations: Allocations | None  # None: no ResourceClaims given
+    counters: Mapping[tuple[str, str], Mapping[str, Decimal]]
+    details: bool  # --devices: one line per request and device
+    taken: Taken | None = None  # what all `allocations` take (claims without their own)
+
+
 def explain_claim(
-    doc: Mapping[str, Any],
-    label: str,
-    devices: list[SliceDevice],
-    classes: Mapping[str, list[str]],
-    driver: str,
-    result: Explanation,
+    doc: Mapping[str, Any], label: str, context: Context, result: Explanation
 ) -> None:
+    taken = context.taken
+    if context.allocations is not None and doc.get("kind") == "ResourceClaim":
+        allocations, own = context.allocations.without(ClaimRef.of(doc))
+        if own:
+            result.lines.append(f"{label}: its own allocation ({own} device(s)) is not counted")
+            taken = Taken.of(allocations, context.devices, context.counters)
     for request in device_requests(doc):
-        _explain_request(request, label, devices, classes, driver, result)
+        _explain_request(request, label, context, taken, result)
 
 
 def _explain_request(
     request: DeviceRequest,
     label: str,
-    devices: list[SliceDevice],
-    classes: Mapping[str, list[str]],
-    driver: str,
+    context: Context,
+    taken: Taken | None,
     result: Explanation,
 ) -> None:
     name = request.device_class
     selectors: list[tuple[str, str]] = []
     header = f"{label}: request {request.name} (class {name})"
-    lines: list[str] = []
-    if isinstance(name, str) and name in classes:
-        selectors += [(f"class {name} selector[{i}]", e) for i, e in enumerate(classes[name])]
+    notes: list[str] = []
+    if isinstance(name, str) and name in context.classes:
+        selectors += [
+            (f"class {name} selector[{i}]", e) for i, e in enumerate(context.classes[name])
+        ]
     else:
-        lines.append(f"  DeviceClass {name} is not in the files: its selectors are skipped")
+        notes.append(f"  DeviceClass {name} is not in the files: its selectors are skipped")
     own = _expressions(request.fields.get("selectors"))
     selectors += [(f"{request.path}.selectors[{i}]", e) for i, e in enumerate(own)]
     compiled: list[tuple[str, Selector | CelError]] = []
@@ -136,69 +146,107 @@ def _explain_request(
             compiled.append((f"{where} {expression!r}", Selector(expression)))
         except CelError as err:
             compiled.append((f"{where} {expression!r}", err))
-    wanted = _capacity(request)
+    wanted, asked = _capacity(request)
+    summary = RequestSummary(
+        [(where, e) for (where, _), (_, e) in zip(compiled, selectors, strict=True)],
+        context.driver,
+        counted=taken is not None,
+    )
+    details: list[str] = []
     left = 0
-    for device in devices:
-        why = _excluded(device, compiled, wanted, driver)
-        if why is None:
+    for device in context.devices:
+        exclusion = _excluded(device, compiled, wanted, asked, context.driver, taken)
+        summary.add(device, exclusion)
+        if exclusion is None:
             left += 1
-            lines.append(f"  {device.name} on {device.node}: matches")
+        if not context.details:
+            continue
+        if exclusion is None:
+            details.append(f"  {device.name} on {device.node}: matches")
         else:
-            lines.append(f"  {device.name} on {device.node}: excluded by {why}")
+            details.append(f"  {device.name} on {device.node}: excluded by {exclusion.line}")
     need = _needed(request, left)
     verdict = "enough" if left >= need and left > 0 else "CANNOT ALLOCATE"
     if verdict != "enough":
         result.unsatisfied += 1
     result.lines.append(
-        f"{header}: {left} of {len(devices)} device(s) match, {need} needed: {verdict}"
+        f"{header}: {left} of {len(context.devices)} device(s) match, {need} needed: {verdict}"
     )
-    result.lines += lines
+    result.lines += notes
+    result.lines += summary.lines(bool(wanted), context.details)
+    result.lines += details
 
 
 def _excluded(
     device: SliceDevice,
     compiled: list[tuple[str, Selector | CelError]],
     wanted: Mapping[str, Decimal],
+    asked: Mapping[str, str],
     driver: str,
-) -> str | None:
+    taken: Taken | None,
+) -> Exclusion | None:
     try:
         activation = device_activation(device.document, driver)
     except ValueError as err:
-        return f"its published fields: {err}"
-    for where, selector in compiled:
+        why = f"its published fields: {err}"
+        return Exclusion(FIELDS, why, why)
+    for index, (where, selector) in enumerate(compiled):
         if isinstance(selector, CelError):
-            return f"{where}: {selector}"
+            return Exclusion(SELECTOR, str(selector), f"{where}: {selector}", index, "error")
         try:
             if not selector.matches(activation):
-                return f"{where} (false)"
+                return Exclusion(SELECTOR, "false", f"{where} (false)", index, "false")
         except CelError as err:
-            return f"{where}: error: {err}"
-    return _short_capacity(device, wanted)
+            return Exclusion(SELECTOR, str(err), f"{where}: error: {err}", index, "error")
+    short = _short_capacity(device, wanted, asked)
+    consumption = None
+    if short is None and device.fields.get("allowMultipleAllocations") is True:
+        capacity = device.fields.get("capacity")
+        try:
+            consumption = request_consumption(
+                capacity if isinstance(capacity, Mapping) else {}, wanted, asked
+            )
+        except PolicyViolation as err:
+            short = str(err)
+    if short is not None:
+        return Exclusion(REQUESTED, short, f"capacity: {short}")
+    if taken is None:
+        return None
+    found = taken.why_taken(device, consumption)
+    if found is None:
+        return None
+    kind, why = found
+    return Exclusion(ALLOCATIONS, why, f"allocations: {why}", kind=kind)
 
 
-def _capacity(request: DeviceRequest) -> dict[str, Decimal]:
+def _capacity(request: DeviceRequest) -> tuple[dict[str, Decimal], dict[str, str]]:
+    """The request's `capacity.requests`: name -> amount, and name -> as written."""
     capacity = request.fields.get("capacity")
-    asked = capacity.get("requests") if isinstance(capacity, Mapping) else None
+    requested = capacity.get("requests") if isinstance(capacity, Mapping) else None
     wanted: dict[str, Decimal] = {}
-    for key, value in (asked or {}).items() if isinstance(asked, Mapping) else ():
+    asked: dict[str, str] = {}
+    for key, value in requested.items() if isinstance(requested, Mapping) else ():
         try:
             wanted[str(key)] = parse_quantity(value)
         except (ValueError, TypeError):
             continue  # reported by the capacity check
-    return wanted
+        asked[str(key)] = str(value)
+    return wanted, asked
 
 
-def _short_capacity(device: SliceDevice, wanted: Mapping[str, Decimal]) -> str | None:
-    offered = device.document.get("capacity") or {}
+def _short_capacity(
+    device: SliceDevice, wanted: Mapping[str, Decimal], asked: Mapping[str, str]
+) -> str | None:
+    offered = device.fields.get("capacity") or {}
     for key, amount in sorted(wanted.items()):
         entry = offered.get(key) if isinstance(offered, Mapping) else None
         text = entry.get("value") if isinstance(entry, Mapping) else None
         try:
             value = parse_quantity(text)
         except (ValueError, TypeError):
-            return f"capacity: no {key} capacity"
+            return f"no {key} capacity"
         if value < amount:
-            return f"capacity: {key} {text} < {amount} requested"
+            return f"{key} {text} < {asked.get(key, amount)} requested"
     return None
 
 
@@ -229,17 +277,37 @@ def run_explain(args: argparse.Namespace, stdin: TextIO, out: TextIO, err: TextI
         return 2
     documents: list[Any] = []
     slices: list[Any] = []
+    name = ""
     try:
         for name in args.files:
             documents += _read(name, stdin)
         for name in args.slices:
             slices += _read(name, stdin)
-    except (OSError, LoadError) as error:
-        print(f"{prog}: {getattr(error, 'filename', None) or ''}{error}", file=err)
+    except OSError as error:
+        print(f"{prog}: {name}: cannot read: {error.strerror or error}", file=err)
         return 1
-    devices = slice_devices(slices, args.driver_name)
-    classes = class_selectors(documents, args.driver_name)
+    except LoadError as error:
+        print(f"{prog}: {name}: {error}", file=err)
+        return 1
+    driver = args.driver_name
+    devices = slice_devices(slices, driver)
+    allocations = Allocations.read(slices, driver)
+    counters = shared_counters(slices, driver)
+    context = Context(
+        devices=devices,
+        classes=class_selectors(documents, driver),
+        driver=driver,
+        allocations=allocations,
+        counters=counters,
+        details=bool(getattr(args, "devices", False)),
+        taken=None if allocations is None else Taken.of(allocations, devices, counters),
+    )
     result = Explanation()
+    if context.allocations is None:
+        result.lines.append(NOT_COUNTED)
+    else:
+        published = {device.key for device in context.devices}
+        result.lines.append(context.allocations.summary(driver, published))
     claims = 0
     for doc in _flattened(documents):
         if isinstance(doc, Mapping) and doc.get("kind") in (
@@ -249,20 +317,22 @@ def run_explain(args: argparse.Namespace, stdin: TextIO, out: TextIO, err: TextI
             claims += 1
             meta = doc.get("metadata")
             name = meta.get("name", "?") if isinstance(meta, Mapping) else "?"
-            label = f"{doc['kind']}/{name}"
-            explain_claim(doc, label, devices, classes, args.driver_name, result)
+            explain_claim(doc, f"{doc['kind']}/{name}", context, result)
+    if claims and not context.details:
+        result.lines.append("(per device: add --devices)")
     for line in result.lines:
         print(escaped(line), file=out)
     if claims == 0:
         print(f"{prog}: no ResourceClaim or ResourceClaimTemplate in the files", file=err)
         return 1
-    if not devices:
-        print(f"{prog}: the slices publish no device of {args.driver_name}", file=err)
+    if not context.devices:
+        print(f"{prog}: the slices publish no device of {driver}", file=err)
         return 1
     if result.unsatisfied:
         print(f"{prog}: {result.unsatisfied} request(s) cannot be allocated", file=err)
         return 1
-    print(f"OK: every request of {claims} claim(s) has enough matching devices", file=out)
+    counted = "" if context.allocations is not None else " (allocations not counted)"
+    print(f"OK: every request of {claims} claim(s) has enough matching devices{counted}", file=out)
     return 0
 
 

@@ -85,7 +85,8 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
 def add_parser(subcommands: Any) -> None:
     parser: argparse.ArgumentParser = subcommands.add_parser(
         "health",
-        help="show this node's GPU health and taints (clear: after a repair)",
+        help="show GPU health and taints with their reasons, of this node or of every "
+        "node (--all-nodes); clear: after a repair",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -1,4 +1,4 @@
-"""`gpu-dra inventory`: discover GPUs and print the ResourceSlices this node would publish.
+"""`gpu-dra inventory`: discover GPUs and show what this node would publish.
 
 It reads the plugin's settings, flags and environment variables alike
 (`driver.plugin.settings`: NODE_NAME, DRIVER_NAME, NVML_BACKEND, MOCK_FLEET,
@@ -87,7 +87,8 @@ log = logging.getLogger(__name__)
 def add_parser(subcommands: Any) -> None:
     parser: argparse.ArgumentParser = subcommands.add_parser(
         "inventory",
-        help="discover GPUs and print the ResourceSlices this node would publish",
+        help="discover GPUs and show what this node would publish: a table, or the "
+        "ResourceSlices (-o yaml, -o json)",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -29,6 +29,7 @@ from typing import Any, TextIO
 
 import yaml
 
+from driver.cli.health_table import taint_text
 from driver.cli.output import format_table
 from driver.cli.plugin_endpoint import (
     PluginUnreachable,
@@ -163,6 +164,16 @@ def _gpu_health(gpu: dict[str, Any]) -> str:
     return "failed: " + "; ".join(f["message"] for f in gpu["failures"]) + unmonitored
 
 
+def _tainted_text(health: dict[str, Any]) -> str:
+    """How many devices are tainted, with each taint's own effect (a plugin before
+    `taints` was reported: the effect --xid-taint-effect gives a failure's taint)."""
+    text = f"{health['taintedDevices']} device(s) tainted"
+    taints = health.get("taints")
+    if not taints:
+        return f"{text} (--xid-taint-effect {health['taintEffect']})"
+    return f"{text}: " + ", ".join(f"{taint_text(t)} on {t['devices']}" for t in taints)
+
+
 def _gpu_row(gpu: dict[str, Any]) -> tuple[str, ...]:
     return (
         gpu["name"],
@@ -201,8 +212,7 @@ def render(report: dict[str, Any]) -> str:
         error = f"; last error: {slices['lastError']}" if slices["lastError"] else ""
         lines.append(f"slices        {slices['publishedDevices']} device(s), {synced}{error}")
         lines.append(
-            f"health        {health['failedGPUs']} GPU(s) failed, {health['taintedDevices']} "
-            f"device(s) tainted (effect {health['taintEffect']})"
+            f"health        {health['failedGPUs']} GPU(s) failed, {_tainted_text(health)}"
             + (f"; STORE CORRUPT: {health['storeProblem']}" if health["storeProblem"] else "")
             + (
                 f"; {health['unmonitoredGPUs']} GPU(s) NOT MONITORED"

@@ -14,7 +14,9 @@ A claim is also checked as a whole (the files are read first, so a DeviceClass i
 file is known in all): each request's deviceClassName must be a class of
 --driver-name (the chart's `<driver>`, `mig.<driver>`, `partition.<driver>`, those
 given with --device-class, a DeviceClass in the files selecting the driver) or a
-DeviceClass of another driver in the files; each name in a config's `requests` must
+DeviceClass of another driver in the files (any other name close to one of the
+driver's is reported; one that is not is another driver's class the tool cannot know:
+a note names it, not checked); each name in a config's `requests` must
 be a request or `<request>/<sub-request>` of the claim; and the config prepare applies
 to a request must not be SpacePartitioning on `mig.<driver>` or `partition.<driver>`
 (a partition is never split). A claim that asks for a class of the driver is the
@@ -25,13 +27,17 @@ With `--slices FILE` (ResourceSlices, e.g. `kubectl get resourceslices -o yaml` 
 published device of --driver-name can give is reported too (the scheduler would leave
 it pending), and so is a SpacePartitioning config that every published device refuses
 at prepare (`partitionCount` above every `maxPartitions`, every whole GPU shared by
-capacity). A request of one of the chart's classes is checked against the devices that
-class selects (whole GPUs, MIG partitions or `--gpu-partitions` partitions).
+capacity), and a non-Default time-slice interval where every published device is a MIG
+device (a partition, or a GPU in MIG mode: `migProfile`). A request of one of the
+chart's classes is checked against the devices that class selects (whole GPUs, MIG
+partitions or `--gpu-partitions` partitions).
 
 With `--explain` (and `--slices FILE|-`), each claim request's CEL selectors are
-evaluated on every published device instead, and the selector that excludes each
-device is named (driver/cli/explain.py); exit code 1 when a request has fewer
-matching devices than it needs.
+evaluated on every published device instead, then its capacity requests and, when
+ResourceClaims are given with the slices (`kubectl get resourceslices,resourceclaims
+-A -o yaml`), what their allocations leave of each device (driver/cli/explain.py): a
+summary per request and selector, `--devices` adds one line per device; exit code 1
+when a request has fewer matching devices than it needs.
 
 Every problem is printed to stderr on one line:
 
@@ -58,7 +64,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from driver.cli.capacity import capacity_problems, requests_capacity
-from driver.cli.claim_rules import DeviceClasses, claim_problems, is_for_driver
+from driver.cli.claim_rules import DeviceClasses, claim_problems, class_notes, is_for_driver
 from driver.cli.explain import run_explain
 from driver.cli.slice_devices import OfferedDevice, devices_of_slices
 from driver.config import (
@@ -118,8 +124,14 @@ def add_parser(subcommands: Any) -> None:
     parser.add_argument(
         "--explain",
         action="store_true",
-        help="say, for each claim request and each device in --slices, which CEL selector "
-        "(of its DeviceClass or its own) or capacity request excludes it",
+        help="say, for each claim request, which CEL selector (of its DeviceClass or its "
+        "own), capacity request or allocation (ResourceClaims given with --slices) excludes "
+        "the devices in --slices: a summary per selector",
+    )
+    parser.add_argument(
+        "--devices",
+        action="store_true",
+        help="with --explain: one line per request and device too (default: the summary)",
     )
     parser.set_defaults(run=run)
 
@@ -265,6 +277,8 @@ def _check_document(result: Result, filename: str, doc: object, label: str, chec
         result.ours += 1
     result.report(filename, label, check_document(doc, checks.driver))
     result.report(filename, label, claim_problems(doc, checks.classes, checks.devices))
+    for note in class_notes(doc, checks.classes):
+        result.notes.append(f"{filename}: {label}: {note.path}: note: {note.message}")
     note_path = _space_partitioning(doc, checks.driver)
     if note_path is not None:
         result.notes.append(f"{filename}: {label}: {note_path}: {SPACE_PARTITIONING_NOTE}")
@@ -372,6 +386,9 @@ def run(
     err = err if err is not None else sys.stderr
     if args.explain:
         return run_explain(args, stdin, out, err)
+    if args.devices:
+        print(f"{PROG}: --devices needs --explain", file=err)
+        return 2
     result = Result()
     devices = _load_devices(list(args.slices), args.driver_name, result) if args.slices else None
     files = list(_read(list(args.files), stdin, result))

@@ -1,7 +1,9 @@
 """The plugin's HTTP endpoint: /metrics for Prometheus, /healthz for the liveness probe,
 /readyz for the readiness probe (503 "starting" until `serve_readiness` named its
-source: driver.plugin.readiness). /status is not here: it names the node's GPUs, their
-failures and claims, and is served only on the root-only status socket
+source: driver.plugin.readiness), and /readyz/reason: /readyz's text with status 200,
+ready or not (the API server's pod proxy passes a 503 on as `ServiceUnavailable`,
+without the text). /status is not here: it names the node's GPUs, their failures and
+claims, and is served only on the root-only status socket
 (`driver.observability.status_socket`).
 
 The port is reachable from every pod that may talk to the plugin pod, so the server is
@@ -10,9 +12,9 @@ thread for every connection, a deadline of `timeout` seconds (default 5) to deli
 request head and again to take the answer, at most `max_connections` (default 64) open
 (a new one closes the oldest still waiting for its request, so that a flood of idle
 connections cannot lock out the probe; at most 32 from one address), `workers` threads
-(default 2) computing /metrics (`generate_latest`) and /readyz (it dials the plugin's
-sockets, up to 2 s each), at most 16 of those waiting (503 beyond; while some wait,
-/metrics is rendered at most once a second). /healthz is answered by the I/O thread
+(default 2) computing /metrics (`generate_latest`), /readyz and /readyz/reason (they
+dial the plugin's sockets, up to 2 s each), at most 16 of those waiting (503 beyond;
+while some wait, /metrics is rendered at most once a second). /healthz is answered by the I/O thread
 itself, so busy workers never hold the liveness probe.
 One request per connection (`Connection: close`), a request head of at most 8 KiB, GET
 and HEAD only; request bodies are not read.
@@ -42,6 +44,8 @@ DEFAULT_WORKERS: Final = 2
 # loop cost at most a render a second each. An idle server renders every request afresh
 # (a scrape, or the CLI's /status, always sees the current values).
 RENDER_MAX_AGE: Final = 1.0
+# /readyz's text with status 200 (for `kubectl get --raw .../pods/<pod>:<port>/proxy/...`).
+READY_REASON_PATH: Final = "/readyz/reason"
 
 Healthy = Callable[[], tuple[bool, str]]
 
@@ -91,10 +95,18 @@ class HttpServer(BoundedHttpServer):
             return Response(HTTPStatus.OK, self._metrics(reuse=busy), CONTENT_TYPE_LATEST)
         if request.path == "/readyz":  # in a worker: `ready` dials the plugin's sockets
             return health_response(self._ready)
+        if request.path == READY_REASON_PATH:
+            return reason_response(self._ready)
         return Response(HTTPStatus.NOT_FOUND, b"not found\n")
 
     def _health(self) -> Response:  # in the I/O thread: `healthy` only reads flags
         return health_response(self._healthy)
+
+
+def reason_response(healthy: Healthy) -> Response:
+    """200 with `healthy()`'s detail, whatever it says."""
+    _, detail = healthy()
+    return Response(HTTPStatus.OK, detail.encode(), "text/plain; charset=utf-8")
 
 
 def health_response(healthy: Healthy) -> Response:

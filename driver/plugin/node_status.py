@@ -162,6 +162,7 @@ class PluginStatus:
                 "storeProblem": self.store.problem,
                 "failedGPUs": sum(g["health"] != "healthy" for g in gpus),
                 "taintedDevices": len(self._tainted(self.devices.values())),
+                "taints": self._taint_counts(),
                 "unmonitoredGPUs": sum(not g["monitored"] for g in gpus),
             },
             "journal": {**journal.to_json(), "prepareRefused": self.state.checkpoint_problem},
@@ -197,6 +198,24 @@ class PluginStatus:
 
     def _tainted(self, devices: Iterable[HealthDevice]) -> set[str]:
         return tainted_device_names(self.store, list(devices), self.recovery)
+
+    def _taint_counts(self) -> list[dict[str, Any]]:
+        """Each health taint the plugin publishes, with its own effect (a failure's is
+        --xid-taint-effect, a recovery action's the action's) and on how many devices."""
+        taints = self.recovery.add_taints(
+            self.store.device_taints(self.devices, driver=self.driver, effect=self.taint_effect)
+        )
+        counts: dict[tuple[str, str | None, str], int] = {}
+        for listed in taints.values():
+            for taint in listed:
+                ident = (taint["key"], taint.get("value"), taint["effect"])
+                counts[ident] = counts.get(ident, 0) + 1
+        return [
+            {"key": key, "value": value, "effect": effect, "devices": n}
+            for (key, value, effect), n in sorted(
+                counts.items(), key=lambda i: (i[0][0], str(i[0][1]))
+            )
+        ]
 
     def _gpu(self, gpu: GpuView) -> dict[str, Any]:
         """The GPU with its failures: what the health store recorded (on it or its

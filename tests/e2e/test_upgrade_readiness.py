@@ -140,25 +140,34 @@ def _assert_status_from(e: E2E, pod: dict[str, Any]) -> None:
 
 @contextlib.contextmanager
 def _typo(e: E2E, overlay: Path) -> Iterator[None]:
-    """helm upgrade with kubeletRegistrarDirectoryPath misspelt; back to the right
-    values (and a completed rollout) at the end."""
+    """helm upgrade with kubeletRegistrarDirectoryPath misspelt, naming a directory
+    that exists but the kubelet does not watch (the chart mounts it with hostPath type
+    Directory: one that does not exist fails the pod's mount instead, and is never
+    created); back to the right values (and a completed rollout) at the end."""
     overlay.write_text(
         yaml.safe_dump({"kubeletPlugin": {"kubeletRegistrarDirectoryPath": str(TYPO_REGISTRY)}})
     )
-    proc = helm_upgrade(e, overlay)  # no --wait: an operator's plain upgrade
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    _show("helm upgrade (kubeletRegistrarDirectoryPath typo): exit 0", proc.stdout[-400:])
+    TYPO_REGISTRY.mkdir(exist_ok=True)
     try:
-        yield
+        proc = helm_upgrade(e, overlay)  # no --wait: an operator's plain upgrade
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        _show("helm upgrade (kubeletRegistrarDirectoryPath typo): exit 0", proc.stdout[-400:])
+        try:
+            yield
+        finally:
+            # What the operator runs: back to the previous revision. The old pod is of
+            # that revision, so the DaemonSet removes the stalled pod and keeps the old one.
+            rollback = e.helm_cmd("rollback", RELEASE, "-n", NAMESPACE, "--wait", "--timeout", "5m")
+            assert rollback.returncode == 0, rollback.stdout + rollback.stderr
+            e.kubectl("rollout", "status", "daemonset", "-n", NAMESPACE, "--timeout=180s")
+            wait_for(
+                lambda: len(_plugin_pods(e)) == 1 or None, 120, "the stalled plugin pod removed"
+            )
     finally:
-        # What the operator runs: back to the previous revision. The old pod is of that
-        # revision, so the DaemonSet removes the stalled pod and keeps the old one.
-        rollback = e.helm_cmd("rollback", RELEASE, "-n", NAMESPACE, "--wait", "--timeout", "5m")
-        assert rollback.returncode == 0, rollback.stdout + rollback.stderr
-        e.kubectl("rollout", "status", "daemonset", "-n", NAMESPACE, "--timeout=180s")
-        wait_for(lambda: len(_plugin_pods(e)) == 1 or None, 120, "the stalled plugin pod removed")
+        for leftover in TYPO_REGISTRY.glob("*"):  # a registration socket of the stalled pod
+            leftover.unlink()
         with contextlib.suppress(OSError):
-            TYPO_REGISTRY.rmdir()  # the chart's DirectoryOrCreate made it
+            TYPO_REGISTRY.rmdir()
 
 
 def test_a_registration_the_real_kubelet_refuses_reads_not_ready(e2e: E2E, tmp_path: Path) -> None:

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import pytest
-from test_chart_render import helm_template
+from test_chart_render import helm_template, one, render
 
 from driver.plugin.host_inputs import check_path
 
@@ -39,3 +39,15 @@ def test_cdi_hook_path_must_be_absolute_and_normalised(value: str) -> None:
         check_path(value, written=False)
     proc = helm_template("--set", f"nvidiaCDIHookPath={value}", check=False)
     assert proc.returncode != 0 and "nvidiaCDIHookPath" in proc.stderr
+
+
+def test_a_mistyped_registrar_directory_is_not_created_on_the_node() -> None:
+    """The kubelet's plugin watcher creates `<kubelet --root-dir>/plugins_registry` when
+    it starts, before it runs pods, so the chart needs it to exist rather than create it
+    (hostPath type Directory). A misspelt kubeletRegistrarDirectoryPath then fails the
+    pod's mount, and no directory with a registration socket no kubelet reads is made
+    on every node, to outlive a rollback."""
+    typo = "/var/lib/kubelet/plugins_registri"
+    docs = render("--set", f"kubeletPlugin.kubeletRegistrarDirectoryPath={typo}")
+    volumes = {v["name"]: v for v in one(docs, "DaemonSet")["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["plugins-registry"]["hostPath"] == {"path": typo, "type": "Directory"}

@@ -128,3 +128,21 @@ def test_readyz_is_503_until_ready_and_200_after(served: Served) -> None:
         assert _get(server, "/healthz") == (200, "ok\n")  # liveness is another question
     finally:
         server.shutdown()
+
+
+def test_readyz_reason_answers_200_with_the_same_text_ready_or_not(served: Served) -> None:
+    """Through the API server's pod proxy (`kubectl get --raw .../proxy/readyz`) a 503
+    prints only `ServiceUnavailable`, not the reason: /readyz/reason answers 200 with
+    what /readyz says, so the proxy passes it on. The probe stays on /readyz."""
+    server = HttpServer(0, lambda: (True, "ok\n"), "127.0.0.1").start()
+    try:
+        assert _get(server, "/readyz/reason") == (200, "not ready: starting\n")
+        server.serve_readiness(served.readiness)
+        status, text = _get(server, "/readyz/reason")
+        assert status == 200 and "has not registered" in text
+        assert (503, text) == _get(server, "/readyz")
+        served.kubelet_notifies(registered=True)
+        status, text = _get(server, "/readyz/reason")
+        assert status == 200 and text.startswith("ready: ")
+    finally:
+        server.shutdown()

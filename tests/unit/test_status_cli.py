@@ -226,6 +226,40 @@ def test_a_recovery_action_that_taints_the_gpu_is_unhealthy(node: Node, served: 
     assert status("--socket", served, "--fail-on-unhealthy")[0] == 0
 
 
+def _health_line(out: str) -> str:
+    return next(line for line in out.splitlines() if line.startswith("health "))
+
+
+def test_the_health_line_gives_each_taint_its_own_effect(node: Node, served: str) -> None:
+    """--xid-taint-effect NoExecute is the effect of a failure's taint only: a recovery
+    action's taint has the action's own (node-reboot: NoSchedule), and the health line
+    says which taint has which effect, on how many devices."""
+    node.healthy()
+    assert _health_line(status("--socket", served)[1]) == (
+        "health        0 GPU(s) failed, 0 device(s) tainted (--xid-taint-effect NoExecute)"
+    )
+    rebooting, failed = node.inventory.gpus[1].uuid, node.inventory.gpus[3].uuid
+    node.recovery.apply(RecoveryReading(rebooting, 2))  # node-reboot
+    node.store.record_xid(failed, 79)
+    family = len([d for d in node.devices.values() if d.gpu_uuid == rebooting])
+    others = len([d for d in node.devices.values() if d.gpu_uuid == failed])
+    assert _health_line(status("--socket", served)[1]) == (
+        f"health        2 GPU(s) failed, {family + others} device(s) tainted: "
+        f"gpu.example.com/recovery-action=node-reboot:NoSchedule on {family}, "
+        f"gpu.example.com/xid=79:NoExecute on {others}"
+    )
+    report = status_json("--socket", served)[1]
+    assert report["health"]["taints"] == [
+        {
+            "key": "gpu.example.com/recovery-action",
+            "value": "node-reboot",
+            "effect": "NoSchedule",
+            "devices": family,
+        },
+        {"key": "gpu.example.com/xid", "value": "79", "effect": "NoExecute", "devices": others},
+    ]
+
+
 def test_an_unmonitored_gpu_is_named_but_not_unhealthy(node: Node, served: str) -> None:
     """NVML registers no health events for gpu-2: its health is unknown, not bad. The
     status names it (a note, with NVML's reason) and its row says so; the check

@@ -53,13 +53,15 @@ def test_a_profile_typo_excludes_every_device_and_the_output_names_the_selector(
     tmp_path: Path,
 ) -> None:
     slices = _mig_slices(tmp_path)
-    code, out, err = run_cli("--explain", str(_claim(tmp_path, TYPO)), "--slices", str(slices))
+    claim = str(_claim(tmp_path, TYPO))
+    code, out, err = run_cli("--explain", claim, "--slices", str(slices), "--devices")
     assert code == 1
     assert "1 request(s) cannot be allocated" in err
     lines = out.splitlines()
-    assert lines[0].startswith("ResourceClaim/small: request mig (class mig.gpu.example.com): 0 of")
-    assert "CANNOT ALLOCATE" in lines[0]
-    devices = [x for x in lines[1:] if x.startswith("  ")]
+    assert lines[0].startswith("allocations not counted: no ResourceClaims given")
+    assert lines[1].startswith("ResourceClaim/small: request mig (class mig.gpu.example.com): 0 of")
+    assert "CANNOT ALLOCATE" in lines[1]
+    devices = [x for x in lines[2:] if " on node-a: " in x]
     assert devices and all("excluded by" in x for x in devices)
     partitions = [x for x in devices if "-mig-" in x]
     assert partitions and all(
@@ -67,18 +69,35 @@ def test_a_profile_typo_excludes_every_device_and_the_output_names_the_selector(
     )
     whole = next(x for x in devices if x.startswith("  gpu-0 on node-a"))
     assert "class mig.gpu.example.com selector[0]" in whole  # the class excludes the GPU
+    # Without --devices: the summary names the selector, how many it excluded and the
+    # profiles the excluded devices have.
+    code, summary, _ = run_cli("--explain", claim, "--slices", str(slices))
+    assert code == 1
+    assert not [x for x in summary.splitlines() if " on node-a: " in x]
+    own = next(x for x in summary.splitlines() if f"exactly.selectors[0] {TYPO!r}: " in x)
+    assert own.endswith(
+        f"excluded {len(partitions)} of {len(partitions)} device(s): {len(partitions)} false"
+    )
+    assert "    profile of the excluded: 1g.10gb (" in summary
 
 
 def test_the_right_profile_matches_and_capacity_and_count_are_checked(tmp_path: Path) -> None:
     slices = _mig_slices(tmp_path)
     right = 'device.attributes["gpu.example.com"].profile == "1g.10gb"'
-    code, out, err = run_cli("--explain", str(_claim(tmp_path, right)), "--slices", str(slices))
+    claim = str(_claim(tmp_path, right))
+    code, out, err = run_cli("--explain", claim, "--slices", str(slices), "--devices")
     assert code == 0, err
     assert "gpu-0-mig-1g10gb-0 on node-a: matches" in out
     big = _claim(tmp_path, right, capacity={"requests": {"memory": "20Gi"}})
-    code, out, _ = run_cli("--explain", str(big), "--slices", str(slices))
+    code, out, _ = run_cli("--explain", str(big), "--slices", str(slices), "--devices")
     assert code == 1
-    assert "gpu-0-mig-1g10gb-0 on node-a: excluded by capacity: memory" in out
+    assert (
+        "gpu-0-mig-1g10gb-0 on node-a: excluded by capacity: memory 9984Mi < 20Gi requested" in out
+    )
+    code, out, _ = run_cli("--explain", str(big), "--slices", str(slices))
+    assert (
+        "  capacity requests: excluded 7 of 7 device(s): memory 9984Mi < 20Gi requested (7)" in out
+    )
     many = _claim(tmp_path, right, count=99)
     code, out, _ = run_cli("--explain", str(many), "--slices", str(slices))
     assert code == 1 and "99 needed: CANNOT ALLOCATE" in out
@@ -87,7 +106,7 @@ def test_the_right_profile_matches_and_capacity_and_count_are_checked(tmp_path: 
 def test_slices_from_standard_input(tmp_path: Path) -> None:
     slices = _mig_slices(tmp_path).read_text()
     claim = str(_claim(tmp_path, TYPO))
-    code, out, _ = run_cli("--explain", claim, "--slices", "-", stdin=slices)
+    code, out, _ = run_cli("--explain", claim, "--slices", "-", "--devices", stdin=slices)
     assert code == 1 and "(false)" in out
 
 
