@@ -58,7 +58,13 @@ from driver.cli.plugin_endpoint import (
     socket_path,
 )
 from driver.cli.published import PublishedView, SliceDevice, read_published
-from driver.cli.state_dir import HealthView, add_state_dir_argument, default_state_dir, read_health
+from driver.cli.state_dir import (
+    HealthView,
+    add_host_root_argument,
+    add_state_dir_argument,
+    read_health,
+    state_dir_of,
+)
 from driver.health.clear import record_json
 from driver.health.control import ControlError, check_active
 from driver.health.failures import DEFAULT_DRIVER_NAME, KIND_RANK, GpuFailure
@@ -80,6 +86,7 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
         help="DRA driver name (default: %(default)s)",
     )
     add_state_dir_argument(parser, default=None)
+    add_host_root_argument(parser)
 
 
 def add_parser(subcommands: Any) -> None:
@@ -149,10 +156,6 @@ class PluginRecovery:
 
 
 NOT_READ = PluginRecovery({}, "not read")
-
-
-def state_dir_of(args: argparse.Namespace) -> Path:
-    return Path(args.state_dir) if args.state_dir else default_state_dir(args.driver_name)
 
 
 def run(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None = None) -> int:

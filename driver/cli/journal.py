@@ -42,7 +42,7 @@ from typing import Any, TextIO
 import yaml
 
 from driver.cli import journal_quarantine
-from driver.cli.journal_args import add_common_arguments, cdi_specs, state_dir_of
+from driver.cli.journal_args import add_common_arguments, cdi_root_of, cdi_specs, state_dir_of
 from driver.cli.output import format_table
 from driver.errors import DriverError
 from driver.state.boot import boot_id
@@ -155,7 +155,7 @@ def run_show(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | 
     if not state_dir.is_dir():
         print(f"gpu-dra journal show: no plugin data directory {state_dir}", file=err)
         return 1
-    report = read_journal(state_dir, Path(args.cdi_root), args.driver_name)
+    report = read_journal(state_dir, cdi_root_of(args), args.driver_name)
     if args.output == "json":
         print(json.dumps(report, indent=2), file=out)
     elif args.output == "yaml":

@@ -1,5 +1,6 @@
 """What `gpu-dra journal show` and `quarantine` share: their arguments (driver name,
-the plugin's data directory, the CDI spec directory) and the claims' CDI specs."""
+the plugin's data directory, the CDI spec directory, the node's root where it is
+mounted elsewhere) and the claims' CDI specs."""
 
 from __future__ import annotations
 
@@ -7,7 +8,12 @@ import argparse
 import os
 from pathlib import Path
 
-from driver.cli.state_dir import add_state_dir_argument, default_state_dir
+from driver.cli.state_dir import (
+    add_host_root_argument,
+    add_state_dir_argument,
+    node_path,
+    state_dir_of,
+)
 from driver.health.failures import DEFAULT_DRIVER_NAME
 from driver.plugin.host_inputs import driver_name_argument
 from driver.state.cdi import CdiSpecs
@@ -26,10 +32,15 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
         default=os.environ.get("CDI_ROOT") or "/var/run/cdi",
         help="CDI spec directory, to check each claim's spec ($CDI_ROOT; default %(default)s)",
     )
+    add_host_root_argument(parser)
 
 
-def state_dir_of(args: argparse.Namespace) -> Path:
-    return Path(args.state_dir) if args.state_dir else default_state_dir(args.driver_name)
+def cdi_root_of(args: argparse.Namespace) -> Path:
+    """--cdi-root; on the node under --host-root."""
+    return node_path(args.host_root, Path(args.cdi_root))
+
+
+__all__ = ["add_common_arguments", "cdi_root_of", "cdi_specs", "state_dir_of"]
 
 
 def cdi_specs(cdi_root: Path, driver: str) -> CdiSpecs | None:

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from driver.cli.confirm import NotConfirmed, add_yes_argument, confirm
-from driver.cli.journal_args import add_common_arguments, cdi_specs, state_dir_of
+from driver.cli.journal_args import add_common_arguments, cdi_root_of, cdi_specs, state_dir_of
 from driver.errors import DriverError
 from driver.state.checkpoint import Checkpoint, CheckpointCorruptError, ClaimEntry
 from driver.state.fileio import permission_denied
@@ -158,7 +158,7 @@ def run_quarantine(
                 f"{checkpoint.log_path.name} to {checkpoint.log_path.name}.corrupt-<UTC "
                 f"time>, in {state_dir} (kept, never deleted).\n"
             )
-            specs = cdi_specs(Path(args.cdi_root), args.driver_name)
+            specs = cdi_specs(cdi_root_of(args), args.driver_name)
             for uid, entry in sorted(owning.items()):
                 present = None if specs is None else specs.claim_spec_exists(uid)
                 out.write(

@@ -30,6 +30,62 @@ def default_state_dir(driver_name: str = DEFAULT_DRIVER_NAME) -> Path:
     return Path(os.environ.get(STATE_DIR_ENV) or PLUGINS_DIR / driver_name)
 
 
+# Symbolic links one path may pass through under --host-root (Linux's own limit).
+MAX_LINKS = 40
+
+
+def add_host_root_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--host-root",
+        metavar="DIR",
+        help=(
+            "where the node's root filesystem is mounted (`kubectl debug node`: /host): "
+            "the directories are the node's paths, resolved inside DIR, a symbolic link "
+            "on the node (/var/run -> /run) followed within it"
+        ),
+    )
+
+
+def node_path(host_root: str | None, path: Path) -> Path:
+    """`path` as the node sees it: unchanged without a host root; else under
+    `host_root`, each symbolic link followed within it (an absolute target starts
+    again at `host_root`, `..` never leaves it). Raises ValueError on a loop."""
+    if not host_root:
+        return path
+    root = Path(host_root)
+    pending = list(path.parts[1:] if path.is_absolute() else path.parts)
+    resolved: list[str] = []
+    links = 0
+    while pending:
+        part = pending.pop(0)
+        if part in ("", "."):
+            continue
+        if part == "..":
+            if resolved:
+                resolved.pop()
+            continue
+        here = root.joinpath(*resolved, part)
+        if not here.is_symlink():
+            resolved.append(part)
+            continue
+        links += 1
+        if links > MAX_LINKS:
+            raise ValueError(f"{path}: more than {MAX_LINKS} symbolic links under {root}")
+        target = Path(os.readlink(here))
+        if target.is_absolute():
+            resolved = []
+            pending = [*target.parts[1:], *pending]
+        else:
+            pending = [*target.parts, *pending]
+    return root.joinpath(*resolved)
+
+
+def state_dir_of(args: argparse.Namespace) -> Path:
+    """--state-dir, else the default for --driver-name; on the node under --host-root."""
+    path = Path(args.state_dir) if args.state_dir else default_state_dir(args.driver_name)
+    return node_path(getattr(args, "host_root", None), path)
+
+
 def add_state_dir_argument(parser: argparse.ArgumentParser, *, default: str | None) -> None:
     parser.add_argument(
         "--state-dir",

@@ -37,7 +37,12 @@ from driver.cli.plugin_endpoint import (
     fetch_status,
     socket_path,
 )
-from driver.cli.state_dir import add_state_dir_argument, default_state_dir, read_health
+from driver.cli.state_dir import (
+    add_host_root_argument,
+    add_state_dir_argument,
+    read_health,
+    state_dir_of,
+)
 from driver.health.clear import record_json
 from driver.health.failures import DEFAULT_DRIVER_NAME
 from driver.plugin.host_inputs import driver_name_argument
@@ -62,6 +67,7 @@ def add_parser(subcommands: Any) -> None:
         help="DRA driver name, for the default --state-dir (default: %(default)s)",
     )
     add_state_dir_argument(parser, default=None)
+    add_host_root_argument(parser)
     parser.add_argument(
         "--fail-on-unhealthy",
         action="store_true",
@@ -79,7 +85,7 @@ def add_parser(subcommands: Any) -> None:
 
 def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     out = out if out is not None else sys.stdout
-    state_dir = Path(args.state_dir) if args.state_dir else default_state_dir(args.driver_name)
+    state_dir = state_dir_of(args)
     try:
         document = fetch_status(socket_path(args.socket, state_dir))
         report = {"reachable": True, "problem": None, **document}

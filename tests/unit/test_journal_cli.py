@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from driver.cli import build_parser
+from driver.cli.state_dir import node_path
 from driver.plugin.instances import InstanceLock
 from driver.state.cdi import CdiSpecs, ClaimSpec
 from driver.state.checkpoint import (
@@ -230,3 +231,35 @@ def test_a_corrupt_log_is_shown_with_its_line_and_moved_aside_with_the_snapshot(
     assert "checkpoint.log to checkpoint.log.corrupt-" in out
     assert not log.exists() and len(list(data_dir.glob("checkpoint.log.corrupt-*"))) == 1
     assert Checkpoint(data_dir).load() == {}
+
+
+def test_host_root_finds_the_nodes_directories_through_its_symlinks(tmp_path: Path) -> None:
+    """A `kubectl debug node` container sees the node's / at /host, where /var/run is a
+    symlink to /run: `/host/var/run/cdi` would resolve inside the container (its own,
+    empty /run). --host-root follows the node's links within the host root."""
+    host = tmp_path / "host"
+    state = host / "var/lib/kubelet/plugins" / DRIVER
+    state.mkdir(parents=True)
+    Checkpoint(state).store(ENTRIES)
+    (host / "run/cdi").mkdir(parents=True)
+    (host / "var/run").symlink_to("/run")  # as on the node: absolute
+    CdiSpecs(host / "run/cdi", DRIVER).claim_spec_path(UID_A).write_text("{}")
+
+    code, out, err = gpu_dra(["journal", "show", "--host-root", str(host), "-o", "json"])
+    assert code == 0, err
+    report = json.loads(out)
+    assert report["path"].startswith(str(state))
+    assert report["cdiRoot"] == str(host / "run/cdi")
+    entries = {e["uid"]: e for e in report["entries"]}
+    assert entries[UID_A]["cdiSpecPresent"] is True
+
+
+def test_node_path_never_leaves_the_host_root(tmp_path: Path) -> None:
+    host = tmp_path / "host"
+    (host / "a").mkdir(parents=True)
+    (host / "a/up").symlink_to("../../../../etc")
+    (host / "loop").symlink_to("/loop")
+    assert node_path(str(host), Path("/a/up/passwd")) == host / "etc/passwd"
+    assert node_path(None, Path("/var/run/cdi")) == Path("/var/run/cdi")
+    with pytest.raises(ValueError, match="symbolic links"):
+        node_path(str(host), Path("/loop/x"))
