@@ -32,6 +32,7 @@ from tests.reliability.support import (
 )
 
 NS = "reliability-concurrency"
+YIELDED = "serves this node now and this one has yielded to it"
 JOIN_TIMEOUT = 120.0  # seconds for all 100 concurrent calls to finish
 
 
@@ -70,7 +71,10 @@ def test_rolling_update_two_instances_take_concurrent_calls(
 ) -> None:
     """Two instances (--pod-uid a/b, the same dirs) both registered; four kubelet
     threads each own two claims and send them, at random, to either instance. Claims
-    of different threads want the same devices, so half the prepares must be refused."""
+    of different threads want the same devices, so half the prepares must be refused.
+    One instance serves the node (the one registered last, docs/rolling-updates.md):
+    the other refuses every prepare with the retryable error naming it, and still
+    unprepares, concurrently with the serving one's prepares."""
     api = api_for(cluster)
     ensure_namespace(api, NS)
     # thread t owns claims on gpu-t and gpu-(t+1)%4: every device is wanted by two threads
@@ -104,13 +108,16 @@ def test_rolling_update_two_instances_take_concurrent_calls(
         failures: list[BaseException] = []
         lock = threading.Lock()
 
+        answered: set[tuple[str, str]] = set()  # (instance endpoint, outcome)
+
         def run(t: int) -> set[str]:
             rng = random.Random(t)
             mine: set[str] = set()
             for _ in range(25):
                 claim = rng.choice(owned[t])
                 ref = claim.ref
-                target = stub(rng.choice(instances))
+                instance = rng.choice(instances)
+                target = stub(instance)
                 if ref.uid in mine:
                     resp = target.NodeUnprepareResources(unprepare_request([ref]), timeout=30)
                     assert resp.claims[ref.uid].error == "", resp.claims[ref.uid].error
@@ -119,7 +126,10 @@ def test_rolling_update_two_instances_take_concurrent_calls(
                 else:
                     resp = target.NodePrepareResources(prepare_request([ref]), timeout=30)
                     result = resp.claims[ref.uid]
-                    if result.error:
+                    if YIELDED in result.error:
+                        assert result.error_type != api_pb2.Permanent, result.error
+                        key = "yielded"
+                    elif result.error:
                         _check_refusal(claim, claims, [ref], result.error, result.error_type)
                         key = "refused"
                     else:
@@ -127,6 +137,7 @@ def test_rolling_update_two_instances_take_concurrent_calls(
                         key = "prepared"
                 with lock:
                     counts[key] += 1
+                    answered.add((instance.endpoint, key))
             return mine
 
         def guarded(t: int) -> set[str]:
@@ -144,6 +155,11 @@ def test_rolling_update_two_instances_take_concurrent_calls(
         state = assert_consistent(new.plugin, held)
         assert len(state.completed) <= 4  # four devices
         assert counts["refused"] > 0, counts  # the overlap really happened
+        # One instance serves: it never yields; the other never prepares.
+        yielding = {endpoint for endpoint, key in answered if key == "yielded"}
+        preparing = {endpoint for endpoint, key in answered if key == "prepared"}
+        assert len(yielding) == 1 and not yielding & preparing, answered
+        assert "unprepared" in {k for e, k in answered if e in yielding}, answered
         figures["rolling update: calls across two instances"] += sum(counts.values())
         figures["rolling update: double-bookings refused"] += counts["refused"]
 
