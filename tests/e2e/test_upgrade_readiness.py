@@ -93,6 +93,14 @@ def test_an_upgrade_that_cannot_register_keeps_the_old_plugin_serving(
         new, body = wait_for(new_pod_unready, 180, "the upgraded plugin pod to answer /readyz")
         assert str(TYPO_REGISTRY) in body and "kubeletRegistrarDirectoryPath" in body
         _show(f"/readyz of the new pod {new['metadata']['name']} (HTTP 503)", body)
+        # docs/upgrade.md's command: through the API server's pod proxy, the reason too.
+        proxied = e.kubectl(
+            "get",
+            "--raw",
+            f"/api/v1/namespaces/{NAMESPACE}/pods/{new['metadata']['name']}:8080/proxy/readyz/reason",
+        ).stdout
+        _show("kubectl get --raw .../proxy/readyz/reason", proxied)
+        assert proxied.startswith("not ready:") and "kubeletRegistrarDirectoryPath" in proxied
         watched = time.monotonic()
         while time.monotonic() - watched < STALL_SECONDS:
             pods = _plugin_pods(e)
