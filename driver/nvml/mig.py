@@ -32,7 +32,6 @@ No MIG mode is ever changed here.
 from __future__ import annotations
 
 import ctypes
-import enum
 import logging
 import threading
 from collections.abc import Iterator
@@ -45,14 +44,19 @@ from driver.nvml.mig_errors import MigError, mig_error
 from driver.nvml.mig_gone import GoneDevices
 from driver.nvml.mig_listing import (
     ci_profiles,
-    compute_instances,
     describe,
     gpu_instances,
-    is_mig_device,
     mig_uuid_of,
     reading_listed,
     retried,
     unsupported,
+)
+from driver.nvml.mig_recorded import (
+    Found,
+    RecordedInstance,
+    destroy_instance,
+    destroy_left,
+    found_at_id,
 )
 from driver.nvml.types import MigInstance
 
@@ -72,25 +76,6 @@ class MigTarget:
 
     def describe(self) -> str:
         return f"profile {self.profile_id} at {self.placement[0]}+{self.placement[1]}"
-
-
-@dataclass(frozen=True)
-class RecordedInstance:
-    """What the caller recorded of a GPU instance it created: checked before the id
-    is trusted at destroy."""
-
-    profile_id: int
-    placement: tuple[int, int]  # (start, size) in memory slices
-    ci_id: int | None  # its compute instance, if the record has it
-    uuid: str | None = None  # its MIG device's UUID, if the record has it
-
-
-class _Found(enum.Enum):
-    """What a recorded GPU-instance id holds now."""
-
-    RECORDED = enum.auto()  # the recorded device (or a record with nothing more to check)
-    LEFT = enum.auto()  # a GPU instance without any compute instance: what is left of it
-    OTHER = enum.auto()  # not the recorded device: left alone
 
 
 class MigManager:
@@ -325,7 +310,7 @@ class MigManager:
         """Destroy the half-created GPU instance; False if it is still there (the
         caller records its id, `MigError.left_gi_id`, and destroys it by that)."""
         try:
-            self._destroy_instance(nvml, gi, None)
+            destroy_instance(nvml, gi, None)
         except nvml.NVMLError as err:
             log.error("undoing the half-created %s failed: %s", target.describe(), err)
             return False
@@ -372,18 +357,20 @@ class MigManager:
                 raise self._fail(err, f"looking up {what}") from err
             try:
                 found = (
-                    _Found.RECORDED
+                    Found.RECORDED
                     if recorded is None
-                    else self._is_recorded(nvml, handle, gi, what, recorded)
+                    else found_at_id(nvml, handle, gi, what, recorded)
                 )
-                if found is _Found.OTHER:
+                if found is Found.REPLACED:
+                    self._note_gone(recorded)  # its GPU instance is gone: the id is another's
+                if found in (Found.OTHER, Found.REPLACED):
                     return False
-                if found is _Found.LEFT:
-                    if not self._destroy_left(nvml, gi, what):
+                if found is Found.LEFT:
+                    if not destroy_left(nvml, gi, what):
                         self._note_gone(recorded)
                         return False
                 else:
-                    self._destroy_instance(nvml, gi, recorded.ci_id if recorded else None)
+                    destroy_instance(nvml, gi, recorded.ci_id if recorded else None)
             except nvml.NVMLError as err:
                 raise self._fail(err, f"destroying {what}") from err
             self._note_gone(recorded)
@@ -397,92 +384,3 @@ class MigManager:
         gone (an id's next instance is another one)."""
         if recorded is not None and recorded.uuid is not None:
             self._gone.add(recorded.uuid)
-
-    def _is_recorded(
-        self, nvml: Any, handle: Any, gi: Any, what: str, recorded: RecordedInstance
-    ) -> _Found:
-        info = nvml.nvmlGpuInstanceGetInfo(gi)
-        found = (int(info.profileId), (int(info.placement.start), int(info.placement.size)))
-        if found != (recorded.profile_id, recorded.placement):
-            log.warning(
-                "%s is profile %d at placement %s, not the recorded profile %d at %s: left alone",
-                what,
-                found[0],
-                found[1],
-                recorded.profile_id,
-                recorded.placement,
-            )
-            self._note_gone(recorded)  # its GPU instance is gone: the id is another's
-            return _Found.OTHER
-        if recorded.uuid is None or recorded.ci_id is None:
-            return _Found.RECORDED
-        if is_mig_device(nvml, handle, int(info.id), recorded.ci_id, recorded.uuid):
-            return _Found.RECORDED
-        if not compute_instances(nvml, gi):
-            # No MIG device runs on a GPU instance without compute instances: taken for
-            # what is left of the recorded device (a teardown killed between its two
-            # destroys, or its compute instance destroyed by hand). Kept, it holds the
-            # placement. It may also be an administrator's device in the making, whose
-            # compute instance is not there yet (docs/mig.md, "Crash safety").
-            log.warning(
-                "%s has lost the recorded MIG device %s and holds no compute instance: "
-                "destroying what is left of it",
-                what,
-                recorded.uuid,
-            )
-            return _Found.LEFT
-        log.warning(
-            "%s / compute instance %d is no longer the recorded MIG device %s (created again "
-            "by someone else): left alone",
-            what,
-            recorded.ci_id,
-            recorded.uuid,
-        )
-        return _Found.OTHER
-
-    def _destroy_left(self, nvml: Any, gi: Any, what: str) -> bool:
-        """Destroy the GPU instance found without compute instances, and no compute
-        instance: False, and nothing destroyed, if one was created in it since the
-        check (NVML refuses the destroy, IN_USE), as an administrator making a MIG
-        device there does. IN_USE with none in it (in use by another client): tried
-        once more. Raises NVMLError."""
-        try:
-            nvml.nvmlGpuInstanceDestroy(gi)
-            return True
-        except nvml.NVMLError as err:
-            if not self._is(err, "NVML_ERROR_IN_USE"):
-                raise
-        if compute_instances(nvml, gi):
-            log.warning(
-                "%s was found without a compute instance and holds one now (a MIG device "
-                "someone is making there): not the recorded device, left alone",
-                what,
-            )
-            return False
-        nvml.nvmlGpuInstanceDestroy(gi)
-        return True
-
-    def _destroy_instance(self, nvml: Any, gi: Any, ci_id: int | None) -> None:
-        """The compute instance by its id, then the GPU instance; if NVML says the GPU
-        instance is still in use (a compute instance the id did not name, or none was
-        recorded), every compute instance it holds, then the GPU instance again. Only
-        for a GPU instance that is the caller's: the recorded device's (its UUID at its
-        ids), one a create of this manager just made, or one a record without a UUID
-        names (a GPU instance a failed create left, an intent's attempt)."""
-        if ci_id is not None:
-            try:
-                nvml.nvmlComputeInstanceDestroy(
-                    nvml.nvmlGpuInstanceGetComputeInstanceById(gi, ci_id)
-                )
-            except nvml.NVMLError as err:
-                if not self._is(err, "NVML_ERROR_NOT_FOUND"):
-                    raise
-            try:
-                nvml.nvmlGpuInstanceDestroy(gi)
-                return
-            except nvml.NVMLError as err:
-                if not self._is(err, "NVML_ERROR_IN_USE"):
-                    raise
-        for ci in compute_instances(nvml, gi):
-            nvml.nvmlComputeInstanceDestroy(ci)
-        nvml.nvmlGpuInstanceDestroy(gi)

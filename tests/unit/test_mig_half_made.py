@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-import driver.nvml.mig as mig_module
+import driver.nvml.mig_recorded as mig_module
 from driver.nvml.mig import MigError, MigManager, RecordedInstance
 from driver.nvml.mig_listing import ci_profiles
 from driver.nvml.types import MigInstance
