@@ -80,6 +80,7 @@ load_recorded_ports() {
 node_wanted() { [[ ${GPU_DRA_WITH_NODE:-0} == 1 ]]; }
 
 cmd_up() {
+  load_recorded_ports # a run dir that has run keeps its ports (e.g. the demo's, borrowed)
   if ! have_binaries "${CONTROL_PLANE_BINARIES[@]}"; then
     progress "missing in $BIN_DIR: $(missing_binaries "${CONTROL_PLANE_BINARIES[@]}" | tr '\n' ' ')- building first"
     cmd_build

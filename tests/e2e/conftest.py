@@ -381,13 +381,6 @@ def running_local_cluster() -> Path | None:
     return Path(found) if proc.returncode == 0 and found else None
 
 
-def _recorded_ports(run_dir: Path) -> dict[str, str]:
-    ports = run_dir / "ports.env"
-    if not ports.is_file():
-        return {}
-    return dict(line.split("=", 1) for line in ports.read_text().split() if "=" in line)
-
-
 @dataclass
 class SetAside:
     """Another Helm release of the driver, uninstalled while the tier runs."""
@@ -477,11 +470,8 @@ def e2e(request: pytest.FixtureRequest) -> Iterator[E2E]:
             kubeconfig=borrowed / "admin.kubeconfig",
             bin_dir=bin_dir,
             helm=helm,
-            env={
-                "GPU_DRA_CLUSTER_DIR": str(borrowed),
-                "GPU_DRA_WITH_NODE": "1",
-                **_recorded_ports(borrowed),
-            },
+            # The script reads the run dir's recorded ports itself.
+            env={"GPU_DRA_CLUSTER_DIR": str(borrowed), "GPU_DRA_WITH_NODE": "1"},
         )
         tell(
             f"a local cluster runs on this machine (run dir {borrowed}; `make demo` leaves "
