@@ -102,13 +102,15 @@ class Succession:
 
     def newer(self) -> Place | None:
         """The live place that outranks this instance's (any live place while this
-        instance holds none), or None while this instance serves."""
+        instance holds none), or None while this instance serves. While it serves, one
+        directory listing: no place file above its own is opened."""
         mine = self._place
-        for place in sorted(self._places(), key=lambda p: -p.number):
-            if mine is not None and place.number <= mine.number:
+        for number in sorted(self._numbers(), reverse=True):
+            if mine is not None and number <= mine.number:
                 return None
-            if _held(self._path(place.number)):
-                return place
+            holder = _live_holder(self._path(number))
+            if holder is not None:
+                return Place(number, holder)
         return None
 
     def serving(self) -> bool:
@@ -198,10 +200,13 @@ class Succession:
         """A place above every other, its file locked before it appears (a scan never
         sees it free). Under the claim lock, which also guards removing dead places."""
         number = 1
-        for place in self._places():
-            number = max(number, place.number + 1)
-            if place != self._place and not _held(self._path(place.number)):
-                self._path(place.number).unlink(missing_ok=True)
+        for other in self._numbers():
+            path = self._path(other)
+            if not _is_place_file(path):
+                continue  # not ours: never counted, never removed
+            number = max(number, other + 1)
+            if (self._place is None or other != self._place.number) and _live_holder(path) is None:
+                path.unlink(missing_ok=True)
         temp = self._dir / f".{number}.{secrets.token_hex(4)}"
         fd = os.open(temp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
@@ -220,20 +225,8 @@ class Succession:
     def _path(self, number: int) -> Path:
         return self._dir / f"{number:012d}"
 
-    def _places(self) -> list[Place]:
-        places = []
-        for entry in os.listdir(self._dir):
-            if not entry.isdigit():
-                continue
-            fd = _open_place(self._dir / entry)
-            if fd is None:
-                continue  # removed as dead meanwhile, or not a place file
-            try:
-                holder = os.read(fd, HOLDER_MAX).decode(errors="replace")
-            finally:
-                os.close(fd)
-            places.append(Place(int(entry), holder))
-        return places
+    def _numbers(self) -> list[int]:
+        return [int(entry) for entry in os.listdir(self._dir) if entry.isdigit()]
 
 
 HOLDER_MAX = 256
@@ -254,17 +247,26 @@ def _open_place(path: Path) -> int | None:
     return fd
 
 
-def _held(path: Path) -> bool:
-    """Whether a live instance holds the place file at `path`."""
+def _is_place_file(path: Path) -> bool:
     fd = _open_place(path)
     if fd is None:
         return False
+    os.close(fd)
+    return True
+
+
+def _live_holder(path: Path) -> str | None:
+    """The holder named in the place file at `path` while a live instance holds it
+    (locked), else None."""
+    fd = _open_place(path)
+    if fd is None:
+        return None
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
     except OSError as err:
         if err.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-            return True
+            return os.read(fd, HOLDER_MAX).decode(errors="replace")
         raise
     finally:
         os.close(fd)
-    return False
+    return None
