@@ -1,7 +1,7 @@
 """The chart's Events policy against a real API server: the plugin's service account,
 with a token bound to a pod on node A, may create Events about a ResourceClaim or about
-Node A, reported by node A, and nothing else (its RBAC allows `events: create` in
-every namespace). The Events the plugin's own code posts pass.
+Node A, reported by node A under the driver's name, and nothing else (its RBAC allows
+`events: create` in every namespace). The Events the plugin's own code posts pass.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from tests.integration.test_chart import PluginIdentity, policy_setup  # noqa: F401
+from tests.unit.test_chart_render import DRIVER
 
 Doc = dict[str, Any]
 POLICY_NAME = "gpu-dra-driver-events"
@@ -25,9 +26,12 @@ def _core_event(
     *,
     source_host: str | None = None,
     related: Doc | None = None,
+    component: str | None = DRIVER,
+    reporting_component: str | None = DRIVER,
 ) -> str:
     """A core/v1 Event as the plugin posts them (driver/kube/claims.py, events.py): one
-    about a cluster-scoped object lives in `default` (API validation, before admission)."""
+    about a cluster-scoped object lives in `default` (API validation, before admission).
+    `component` (source.component) or `reporting_component` None leaves it out."""
     event: Doc = {
         "apiVersion": "v1",
         "kind": "Event",
@@ -36,32 +40,44 @@ def _core_event(
         "reason": "Probe",
         "message": "policy probe",
         "type": "Warning",
-        "source": {"component": "gpu.example.com", "host": source_host or node},
-        "reportingComponent": "gpu.example.com",
+        "source": {"host": source_host or node},
         "reportingInstance": node,
     }
+    if component is not None:
+        event["source"]["component"] = component
+    if reporting_component is not None:
+        event["reportingComponent"] = reporting_component
     if related is not None:
         event["related"] = related
     return json.dumps(event)
 
 
-def _events_v1(ns: str, about: Doc, node: str) -> str:
-    """The same in the events.k8s.io/v1 form (regarding, reportingController)."""
-    return json.dumps(
-        {
-            "apiVersion": "events.k8s.io/v1",
-            "kind": "Event",
-            "metadata": {"name": f"probe.{uuid.uuid4().hex[:12]}", "namespace": _ns(ns, about)},
-            "regarding": about,
-            "reason": "Probe",
-            "note": "policy probe",
-            "type": "Warning",
-            "action": "Probe",
-            "eventTime": "2026-01-01T00:00:00.000000Z",
-            "reportingController": "gpu.example.com/plugin",
-            "reportingInstance": node,
-        }
-    )
+def _events_v1(
+    ns: str,
+    about: Doc,
+    node: str,
+    *,
+    controller: str = DRIVER,
+    deprecated_component: str | None = None,
+) -> str:
+    """The same in the events.k8s.io/v1 form (regarding, reportingController, and
+    deprecatedSource only where `deprecated_component` is given)."""
+    event: Doc = {
+        "apiVersion": "events.k8s.io/v1",
+        "kind": "Event",
+        "metadata": {"name": f"probe.{uuid.uuid4().hex[:12]}", "namespace": _ns(ns, about)},
+        "regarding": about,
+        "reason": "Probe",
+        "note": "policy probe",
+        "type": "Warning",
+        "action": "Probe",
+        "eventTime": "2026-01-01T00:00:00.000000Z",
+        "reportingController": controller,
+        "reportingInstance": node,
+    }
+    if deprecated_component is not None:
+        event["deprecatedSource"] = {"component": deprecated_component, "host": node}
+    return json.dumps(event)
 
 
 def _ns(ns: str, about: Doc) -> str:
@@ -125,6 +141,46 @@ def test_plugin_may_not_report_as_another_node(events_policy: Any) -> None:
     assert not ok and "related object" in err, err
 
 
+def test_plugin_may_not_report_as_another_component(events_policy: Any) -> None:
+    """The reporting component is the driver's name (what the plugin sets, from
+    DRIVER_NAME): not "kubelet" or a controller of the control plane. source.component
+    may be left out (the reporting component names the reporter then), not
+    reportingComponent."""
+    plugin, ns, node_a, _ = events_policy
+    for about in (_claim(ns), _node(node_a)):
+        ok, err = _create(plugin, _core_event(ns, about, node_a, component="kubelet"))
+        assert not ok, "an event with source.component 'kubelet' was allowed"
+        assert (
+            POLICY_NAME in err and f"source.component '{DRIVER}' or none, not 'kubelet'" in err
+        ), err
+        ok, err = _create(
+            plugin,
+            _core_event(ns, about, node_a, reporting_component="resourceclaim-controller"),
+        )
+        assert not ok, "an event with reportingComponent 'resourceclaim-controller' was allowed"
+        assert (
+            POLICY_NAME in err
+            and f"reportingComponent '{DRIVER}', not 'resourceclaim-controller'" in err
+        ), err
+    ok, err = _create(plugin, _core_event(ns, _claim(ns), node_a, reporting_component=None))
+    assert not ok and f"reportingComponent '{DRIVER}', not ''" in err, err
+    ok, err = _create(plugin, _core_event(ns, _claim(ns), node_a, component=None))
+    assert ok, err
+
+
+def test_core_events_keep_an_empty_reporting_component(cluster: Any, events_policy: Any) -> None:
+    """Why the policy requires reportingComponent and does not fall back to
+    source.component: this API server fills in neither from the other (admin, dry run)."""
+    _, ns, node_a, _ = events_policy
+    out = cluster.kubectl(
+        "create", "--dry-run=server", "-o", "json", "-f", "-",
+        input=_core_event(ns, _claim(ns), node_a, reporting_component=None),
+    ).stdout  # fmt: skip
+    stored = json.loads(out)
+    assert stored["source"]["component"] == DRIVER
+    assert stored.get("reportingComponent", "") == "", stored
+
+
 def test_plugin_may_create_events_about_its_node_and_claims(events_policy: Any) -> None:
     plugin, ns, node_a, _ = events_policy
     for about in (_node(node_a), _claim(ns)):
@@ -176,5 +232,17 @@ def test_events_k8s_io_form_is_judged_the_same(cluster: Any, events_policy: Any)
     assert not ok and POLICY_NAME in err and "not about Pod 'victim'" in err, err
     ok, err = _create(plugin, _events_v1(ns, _claim(ns), node_b))
     assert not ok and f"not '{node_b}'" in err, err
+    ok, err = _create(plugin, _events_v1(ns, _claim(ns), node_a, controller="kubelet"))
+    assert not ok and POLICY_NAME in err, err
+    assert f"reportingController '{DRIVER}', not 'kubelet'" in err, err
+    ok, err = _create(plugin, _events_v1(ns, _claim(ns), node_a, controller=f"{DRIVER}/x"))
+    assert not ok and f"reportingController '{DRIVER}', not '{DRIVER}/x'" in err, err
+    # deprecatedSource never reaches the policy: API validation of events.k8s.io/v1
+    # refuses it ("needs to be unset"), whatever its component.
+    for component in ("resourceclaim-controller", DRIVER):
+        ok, err = _create(
+            plugin, _events_v1(ns, _claim(ns), node_a, deprecated_component=component)
+        )
+        assert not ok and "needs to be unset" in err, err
     ok, err = _create(plugin, _events_v1(ns, _claim(ns), node_a))
     assert ok, err

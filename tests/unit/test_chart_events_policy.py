@@ -4,7 +4,7 @@ real API server."""
 
 from __future__ import annotations
 
-from test_chart_render import NAMESPACE, Doc, render
+from test_chart_render import DRIVER, NAMESPACE, Doc, render
 
 
 def _by_name(docs: list[Doc], kind: str, name: str) -> Doc:
@@ -31,6 +31,12 @@ def test_events_policy_binds_the_plugins_events_to_its_node() -> None:
     exprs = [v["expression"] for v in spec["validations"]]
     assert "variables.aboutOwnNode || variables.aboutClaim" in exprs
     assert "variables.reportingInstance == variables.userNodeName" in exprs
+    for form in ("object.reportingComponent", "object.reportingController"):
+        assert form in variables["reportingController"]
+    for form in ("object.source.component", "object.deprecatedSource.component"):
+        assert form in variables["sourceComponent"]
+    assert f'variables.reportingController == "{DRIVER}"' in exprs
+    assert f"variables.sourceComponent in ['', \"{DRIVER}\"]" in exprs
     binding = _by_name(docs, "ValidatingAdmissionPolicyBinding", "gpu-dra-driver-events")
     assert binding["spec"] == {"policyName": "gpu-dra-driver-events", "validationActions": ["Deny"]}
 
@@ -40,3 +46,17 @@ def test_events_policy_follows_a_renamed_service_account() -> None:
     vap = _by_name(docs, "ValidatingAdmissionPolicy", "gpu-events")
     (cond,) = vap["spec"]["matchConditions"]
     assert f"system:serviceaccount:{NAMESPACE}:gpu-plugin" in cond["expression"]
+
+
+def test_events_policy_pins_the_component_to_the_driver_name() -> None:
+    """The plugin reports its Events as DRIVER_NAME (driver/kube/claims.py, events.py),
+    which the chart sets from driverName: the policy follows it."""
+    docs = render("--set", "driverName=gpu.acme.io")
+    vap = _by_name(docs, "ValidatingAdmissionPolicy", "gpu-dra-driver-events")
+    validations = vap["spec"]["validations"]
+    exprs = [v["expression"] for v in validations]
+    assert 'variables.reportingController == "gpu.acme.io"' in exprs
+    assert "variables.sourceComponent in ['', \"gpu.acme.io\"]" in exprs
+    messages = [v.get("messageExpression", "") for v in validations]
+    assert sum("\\'gpu.acme.io\\'" in m for m in messages) == 2, messages
+    assert DRIVER not in str(vap)
