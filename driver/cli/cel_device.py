@@ -16,6 +16,9 @@ functions: quantities (`quantity("10Gi")`, `isQuantity`, `q.compareTo(q2)`,
 `isSemver`, `v.major()`, `minor`, `patch`, `compareTo`, `isGreaterThan`,
 `isLessThan`). Capacity values are quantities, `version` attributes semvers. Not
 supported: `cel.bind` (the expression then fails to compile, and says so).
+
+Each evaluation runs under DRA's runtime CEL cost limit (driver/cli/cel_cost.py): one
+that passes it is stopped and raises CelBudgetExceeded.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from typing import Any
 import celpy
 from celpy import celtypes
 
+from driver.cli.cel_cost import COST_LIMIT, CostLimitExceeded, Meter, MeteredRunner
 from driver.devices.documents import parse_quantity
 
 _SEMVER = re.compile(
@@ -40,6 +44,14 @@ _SEMVER = re.compile(
 
 class CelError(Exception):
     """A selector that does not compile or cannot be evaluated on a device."""
+
+
+class CelBudgetExceeded(CelError):
+    """An evaluation passed its CEL cost budget (`limit`) and was stopped."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"CEL cost budget ({limit}) exceeded")
+        self.limit = limit
 
 
 @total_ordering
@@ -230,20 +242,32 @@ def device_activation(device: Mapping[str, Any], driver: str) -> dict[str, Any]:
 
 
 class Selector:
-    """One compiled CEL selector expression."""
+    """One compiled CEL selector expression; each evaluation may cost `budget` units
+    (cel_cost.py), Kubernetes' limit unless told."""
 
-    def __init__(self, expression: str) -> None:
+    def __init__(self, expression: str, budget: int = COST_LIMIT) -> None:
         self.expression = expression
+        self.budget = budget
+        self._meter = Meter(budget)
         env = celpy.Environment()
         try:
-            self._program = env.program(env.compile(expression), functions=FUNCTIONS)
+            self._program = MeteredRunner(env, env.compile(expression), FUNCTIONS, self._meter)
         except Exception as err:  # celpy raises its parser's own error types
             raise CelError(f"does not compile: {_first_line(err)}") from None
 
-    def matches(self, activation: dict[str, Any]) -> bool:
-        """Raises CelError for an evaluation error or a result that is not a bool."""
+    @property
+    def last_cost(self) -> int:
+        """The cost of the last evaluation (where it was stopped, if it was)."""
+        return self._meter.cost
+
+    def matches(self, activation: dict[str, Any], budget: int | None = None) -> bool:
+        """Raises CelError for an evaluation error or a result that is not a bool,
+        CelBudgetExceeded for one stopped at its cost budget (`budget`, if lower)."""
+        self._meter.limit = self.budget if budget is None else min(budget, self.budget)
         try:
             result = self._program.evaluate(activation)
+        except CostLimitExceeded as err:
+            raise CelBudgetExceeded(err.limit) from None
         except CelError:
             raise
         except Exception as err:

@@ -4,7 +4,10 @@ says "cannot allocate all claims".
 For each request (and `firstAvailable` sub-request) of each claim in the files, every
 published device of --driver-name is run through the request's DeviceClass selectors
 and then its own (`cel_device`, real CEL semantics), in order; the first selector
-that is false or fails names why the device is excluded. A device that passes them
+that is false or fails names why the device is excluded. Each evaluation runs under
+DRA's CEL cost budget (driver/cli/explain_selectors.py): a selector that passes it is
+stopped, named in a line of its own, and excludes the devices that reach it as an
+error would. A device that passes them
 all is checked against the request's `capacity.requests` (and, on a device with
 `allowMultipleAllocations`, its `requestPolicy`), then against the allocations of the
 ResourceClaims given with the slices (driver/cli/allocations.py: whole devices, shares
@@ -31,8 +34,9 @@ from typing import Any, TextIO
 
 from driver.cli.allocations import Allocations, ClaimRef, Taken
 from driver.cli.capacity import PolicyViolation, request_consumption
-from driver.cli.cel_device import CelError, Selector, device_activation
+from driver.cli.cel_device import device_activation
 from driver.cli.claim_requests import DeviceRequest, device_requests
+from driver.cli.explain_selectors import SelectorRun
 from driver.cli.explain_summary import (
     ALLOCATIONS,
     FIELDS,
@@ -140,15 +144,10 @@ def _explain_request(
         notes.append(f"  DeviceClass {name} is not in the files: its selectors are skipped")
     own = _expressions(request.fields.get("selectors"))
     selectors += [(f"{request.path}.selectors[{i}]", e) for i, e in enumerate(own)]
-    compiled: list[tuple[str, Selector | CelError]] = []
-    for where, expression in selectors:
-        try:
-            compiled.append((f"{where} {expression!r}", Selector(expression)))
-        except CelError as err:
-            compiled.append((f"{where} {expression!r}", err))
+    compiled = [SelectorRun.compile(where, expression) for where, expression in selectors]
     wanted, asked = _capacity(request)
     summary = RequestSummary(
-        [(where, e) for (where, _), (_, e) in zip(compiled, selectors, strict=True)],
+        [(run.where, run.expression) for run in compiled],
         context.driver,
         counted=taken is not None,
     )
@@ -173,13 +172,14 @@ def _explain_request(
         f"{header}: {left} of {len(context.devices)} device(s) match, {need} needed: {verdict}"
     )
     result.lines += notes
+    result.lines += [line for run in compiled if (line := run.stopped_line(request.name))]
     result.lines += summary.lines(bool(wanted), context.details)
     result.lines += details
 
 
 def _excluded(
     device: SliceDevice,
-    compiled: list[tuple[str, Selector | CelError]],
+    compiled: list[SelectorRun],
     wanted: Mapping[str, Decimal],
     asked: Mapping[str, str],
     driver: str,
@@ -190,14 +190,11 @@ def _excluded(
     except ValueError as err:
         why = f"its published fields: {err}"
         return Exclusion(FIELDS, why, why)
-    for index, (where, selector) in enumerate(compiled):
-        if isinstance(selector, CelError):
-            return Exclusion(SELECTOR, str(selector), f"{where}: {selector}", index, "error")
-        try:
-            if not selector.matches(activation):
-                return Exclusion(SELECTOR, "false", f"{where} (false)", index, "false")
-        except CelError as err:
-            return Exclusion(SELECTOR, str(err), f"{where}: error: {err}", index, "error")
+    for index, run in enumerate(compiled):
+        verdict = run.verdict(activation, f"{device.name} on {device.node}")
+        if verdict is not None:
+            kind, why, line = verdict
+            return Exclusion(SELECTOR, why, line, index, kind)
     short = _short_capacity(device, wanted, asked)
     consumption = None
     if short is None and device.fields.get("allowMultipleAllocations") is True:
