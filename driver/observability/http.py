@@ -7,17 +7,17 @@ claims, and is served only on the root-only status socket
 (`driver.observability.status_socket`).
 
 The port is reachable from every pod that may talk to the plugin pod, so the server is
-bounded against idle and slow clients (`driver.observability.bounded_http`): one I/O
-thread for every connection, a deadline of `timeout` seconds (default 5) to deliver the
-request head and again to take the answer, at most `max_connections` (default 64) open
-(a new one closes the oldest still waiting for its request, so that a flood of idle
-connections cannot lock out the probe; at most 32 from one address), `workers` threads
-(default 2) computing /metrics (`generate_latest`), /readyz and /readyz/reason (they
-dial the plugin's sockets, up to 2 s each), at most 16 of those waiting (503 beyond;
-while some wait, /metrics is rendered at most once a second). /healthz is answered by the I/O thread
-itself, so busy workers never hold the liveness probe.
-One request per connection (`Connection: close`), a request head of at most 8 KiB, GET
-and HEAD only; request bodies are not read.
+bounded against idle and slow clients (`driver.observability.bounded_http`, on
+aiohttp): a deadline of `timeout` seconds (default 5) to deliver the request and again
+to take the answer, at most `max_connections` (default 64) open (a new one closes the
+oldest without a worker, so that a flood of idle connections cannot lock out the
+probe; at most 32 from one address, where the oldest of its own makes room),
+`workers` threads (default 2) computing /metrics (`generate_latest`), /readyz and
+/readyz/reason (they dial the plugin's sockets, up to 2 s each), at most 16 of those
+waiting (503 beyond; while some wait, /metrics is rendered at most once a second).
+/healthz is answered on the event loop itself, so busy workers never hold the liveness
+probe. One request per connection (`Connection: close`), GET and HEAD only; request
+bodies are not read.
 """
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ class HttpServer(BoundedHttpServer):
             return reason_response(self._ready)
         return Response(HTTPStatus.NOT_FOUND, b"not found\n")
 
-    def _health(self) -> Response:  # in the I/O thread: `healthy` only reads flags
+    def _health(self) -> Response:  # on the event loop: `healthy` only reads flags
         return health_response(self._healthy)
 
 

@@ -4,6 +4,10 @@ each one stops) and the counters of what it did."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Final
+
+MAX_REQUEST_HEAD: Final = 8190  # the parser's limit on the request line and on one header
+MAX_HEADERS: Final = 64
 
 
 @dataclass(frozen=True)
@@ -36,8 +40,8 @@ class HttpStats:
     accepted: int = 0
     answered: int = 0
     timed_out: int = 0  # closed at their deadline
-    evicted: int = 0  # closed while sending or not reading, to make room (connections or bytes)
+    evicted: int = 0  # closed while sending or idle, to make room for a new connection
     refused: int = 0  # new ones closed at once: a limit was reached, none evictable
-    bad_requests: int = 0
-    busy: int = 0  # answered 503 at once: their worker queue was full
-    failed: int = 0  # closed because handling them raised (a bug, never a client's fault)
+    bad_requests: int = 0  # the parser refused the head (answered 400 and closed)
+    busy: int = 0  # answered 503 at once: their worker queue or the body budget was full
+    failed: int = 0  # answered 500: the handler raised (a bug, never a client's fault)

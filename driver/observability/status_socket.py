@@ -6,7 +6,7 @@ plugin pod, where the directory is mounted at the same path) can open it. No por
 the pod network answers /status.
 
 Served by the same bounded server as the HTTP port (`driver.observability.bounded_http`),
-with its limits: one I/O thread, a deadline per request, at most 16 open connections,
+with its limits: a deadline per request, at most 16 open connections,
 one worker rendering /status (at most once a second while requests wait).
 
 During a rolling update the socket belongs to the plugin instance that serves the node

@@ -129,11 +129,11 @@ def test_the_socket_answers_status_and_healthz_only(short_dir: Path) -> None:
         assert fetch_status(path) == {"gpus": []}
         with socket.socket(socket.AF_UNIX) as client:
             client.connect(str(path))
-            client.sendall(b"GET /metrics HTTP/1.1\r\n\r\n")
+            client.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
             assert client.recv(100).startswith(b"HTTP/1.1 404")
         with socket.socket(socket.AF_UNIX) as client:
             client.connect(str(path))
-            client.sendall(b"GET /healthz HTTP/1.1\r\n\r\n")
+            client.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
             assert client.recv(200).endswith(b"\r\n\r\nok\n")
 
 

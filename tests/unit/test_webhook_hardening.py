@@ -295,25 +295,30 @@ def test_idle_connections_beyond_the_limit_make_room_for_a_review(
             sock.close()
 
 
-def test_buffered_bytes_are_bounded_and_the_largest_sender_goes_first(
+def test_large_bodies_beyond_the_byte_budget_are_answered_busy_at_once(
     start: Callable[..., Served],
 ) -> None:
-    served = start(max_buffered=1 << 20, timeout=30)
-    stalled = [tls(served) for _ in range(3)]
+    """Two stalled uploads of announced 3 MiB bodies with a 4 MiB budget: the first
+    is read (until its deadline), the second answered 503 at once; a review of the
+    usual size needs no budget and is answered."""
+    served = start(max_buffered=4 << 20, timeout=30)
+    first, second = tls(served), tls(served)
     try:
-        for sock in stalled:  # 600 KiB each of announced 3 MiB bodies, then nothing
-            with contextlib.suppress(OSError):  # closed while sending
-                sock.sendall(post_head(3 << 20) + b" " * (600 << 10))
+        first.sendall(post_head(3 << 20) + b" " * (600 << 10))
         deadline = time.monotonic() + EVENT_WAIT
-        while served.server.stats.evicted < 1:  # the server closes one at once
-            assert time.monotonic() < deadline, "no sender was closed"
+        while served.server.buffered_bytes < 3 << 20:  # the first one's reservation
+            assert time.monotonic() < deadline, "the first upload was not read"
             time.sleep(0.01)
-        assert sum(closed_within(sock, 0.5) for sock in stalled) >= 1  # closed by now
+        with contextlib.suppress(OSError):  # closed once answered
+            second.sendall(post_head(3 << 20) + b" " * (600 << 10))
+        second.settimeout(5)
+        assert second.recv(1024).startswith(b"HTTP/1.1 503 ")
+        assert served.server.stats.busy == 1
         legit(served)
-        assert served.server.stats.evicted >= 1
+        assert not closed_within(first, 0.1)  # still within its deadline
     finally:
-        for sock in stalled:
-            sock.close()
+        first.close()
+        second.close()
 
 
 def test_oversized_body_is_refused_before_it_is_read(start: Callable[..., Served]) -> None:
