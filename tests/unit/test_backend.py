@@ -14,7 +14,7 @@ from driver.nvml.discovery import format_cuda_driver_version, normalize_pci_bus_
 from driver.nvml.events import HealthEventSet
 from driver.nvml.library import NvmlUnavailableError
 from driver.nvml.mock import api as m
-from driver.nvml.mock.fleet import default_fleet, example_fleet, parse_fleet
+from driver.nvml.mock.fleet import default_fleet, example_fleet, mock_gpu_uuid, parse_fleet
 from driver.nvml.mock.nvml import MockNvml
 from driver.nvml.types import HealthEvent
 
@@ -261,8 +261,7 @@ def test_select_backend_with_fleet_file(tmp_path: Any) -> None:
     backend = be.select_backend(mock=True, fleet_path=path, node_name="test-node")
     inv = backend.discover()
     assert [g.uuid for g in inv.gpus] == [
-        "gpu-69d96e09-3a81-6655-a411-e2a85dbf4b80",
-        "gpu-2bd3a17a-271e-7d9a-a8a2-2c01d857dc38",
+        mock_gpu_uuid("test-node", i, prefix="gpu") for i in (0, 1)
     ]
 
 

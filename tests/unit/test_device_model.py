@@ -13,7 +13,7 @@ import pytest
 from driver.devices import documents
 from driver.devices import model as dm
 from driver.nvml.backend import NvmlBackend
-from driver.nvml.mock.fleet import default_fleet, example_fleet, parse_fleet
+from driver.nvml.mock.fleet import default_fleet, example_fleet, mock_gpu_uuid, parse_fleet
 from driver.nvml.mock.nvml import MockNvml
 from driver.nvml.types import GpuInfo, Inventory, MigInstance
 
@@ -237,8 +237,7 @@ def test_mig_disabled_or_off_publishes_whole_gpus_only() -> None:
 
 
 REFERENCE_UUIDS = [
-    "gpu-18db0e85-99e9-c746-8531-ffeb86328b39",
-    "gpu-93d37703-997c-c46f-a531-755e3e0dc2ac",
+    mock_gpu_uuid("dra-example-driver-cluster-worker", i, prefix="gpu") for i in (0, 1)
 ]
 
 

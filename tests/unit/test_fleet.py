@@ -8,7 +8,6 @@ from pathlib import Path
 import pytest
 
 from driver.nvml.mock import fleet as fl
-from driver.nvml.mock import gorand
 
 MIG_MODELS = ("A100-40GB", "A100-80GB", "H100-80GB", "H200-141GB")
 DIMENSIONS = (
@@ -104,11 +103,41 @@ def test_default_fleet_is_eight_h100_with_mig() -> None:
     assert fleet.resolved_cuda_driver_version == "13.0"
 
 
-def test_example_fleet_reproduces_reference_uuids() -> None:
-    gpus = fl.expand_fleet(fl.example_fleet(), "dra-example-driver-cluster-worker")
-    assert [g.uuid for g in gpus] == gorand.reference_uuids("dra-example-driver-cluster-worker", 8)
+PINNED_NODE_A_0 = "GPU-4f021113-d9d9-4e5c-bcb4-6d2f9864ef5b"
+PINNED_WORKER_1 = "gpu-8a7f3103-0969-4b90-a091-2327dbcf1e5e"
+UUID_TAIL = r"[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}"
+
+
+def test_example_fleet_has_reference_shaped_uuids_stable_per_node() -> None:
+    """`example` GPUs have the reference's UUID shape (`gpu-` + lowercase 8-4-4-4-12),
+    the same for a node at every start, and no two nodes share one."""
+    worker = "dra-example-driver-cluster-worker"
+    gpus = fl.expand_fleet(fl.example_fleet(), worker)
+    uuids = [g.uuid for g in gpus]
+    assert uuids == [g.uuid for g in fl.expand_fleet(fl.example_fleet(), worker)]
+    assert all(re.fullmatch(f"gpu-{UUID_TAIL}", u) for u in uuids)
+    assert len(set(uuids)) == 8
+    others = {
+        g.uuid
+        for n in ("test-node", "node-1", "node-2")
+        for g in fl.expand_fleet(fl.example_fleet(), n)
+    }
+    assert not others & set(uuids) and len(others) == 24
     assert fl.example_fleet().resolved_driver_version == "1.0.0"
     assert not any(g.mig_enabled for g in gpus)
+
+
+def test_mock_uuids_are_pinned() -> None:
+    """The derivation is part of what a mock node publishes (and its health store and
+    MIG state keep): a change to it must be deliberate."""
+    assert fl.mock_gpu_uuid("node-a", 0) == PINNED_NODE_A_0
+    assert fl.mock_gpu_uuid("node-a", 0, prefix="gpu") == "gpu-" + PINNED_NODE_A_0[4:]
+    assert fl.mock_gpu_uuid("dra-example-driver-cluster-worker", 1, prefix="gpu") == PINNED_WORKER_1
+
+
+def test_uuids_unique_across_many_nodes_and_indices() -> None:
+    uuids = {fl.mock_gpu_uuid(f"node-{n}", i) for n in range(200) for i in range(16)}
+    assert len(uuids) == 200 * 16
 
 
 def test_uuids_deterministic_per_node() -> None:
@@ -138,7 +167,9 @@ def test_mixed_fleet_indices_pci_and_mig_mode() -> None:
     gpus = fl.expand_fleet(fleet, "n")
     assert [g.index for g in gpus] == list(range(12))
     assert [g.mig_enabled for g in gpus[:3]] == [False, False, True]
-    assert gpus[3].uuid == gorand.reference_uuids("n", 1)[0]
+    assert gpus[3].uuid == fl.mock_gpu_uuid("n", 3, prefix="gpu")
+    assert gpus[2].uuid == fl.mock_gpu_uuid("n", 2)
+    assert len({g.uuid.lower() for g in gpus}) == 12
     assert len({g.pci_bus_id for g in gpus}) == 12
     assert gpus[0].pci_bus_id == "00000000:18:00.0"
     assert gpus[8].pci_bus_id.startswith("00000001:")

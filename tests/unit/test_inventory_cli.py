@@ -15,6 +15,7 @@ import yaml
 
 from driver.cli import main
 from driver.devices.slices import validate_slice_specs
+from driver.nvml.mock.fleet import mock_gpu_uuid
 
 LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
@@ -95,7 +96,7 @@ def test_json_and_options(capsys: pytest.CaptureFixture[str]) -> None:
     names = [d["name"] for d in second["spec"]["devices"]][:3]
     assert names == ["gpu-0-partition-0", "gpu-0-partition-1", "gpu-0-full"]
     assert second["spec"]["devices"][0]["attributes"]["uuid"] == {
-        "string": "gpu-18db0e85-99e9-c746-8531-ffeb86328b39"
+        "string": mock_gpu_uuid("dra-example-driver-cluster-worker", 0, prefix="gpu")
     }
 
 

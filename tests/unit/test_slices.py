@@ -10,7 +10,7 @@ import pytest
 from driver.devices import slices as sl
 from driver.devices.model import PoolDevices, PoolOptions, build_pool
 from driver.nvml.backend import NvmlBackend
-from driver.nvml.mock.fleet import default_fleet, example_fleet, parse_fleet
+from driver.nvml.mock.fleet import default_fleet, example_fleet, mock_gpu_uuid, parse_fleet
 from driver.nvml.mock.nvml import MockNvml
 
 DRIVER = "gpu.example.com"
@@ -59,16 +59,7 @@ def test_example_reproduces_the_reference_slice() -> None:
     assert len(specs) == 1
     (spec,) = specs
     assert spec["pool"] == {"name": WORKER, "generation": 1, "resourceSliceCount": 1}
-    uuids = [
-        "gpu-18db0e85-99e9-c746-8531-ffeb86328b39",
-        "gpu-93d37703-997c-c46f-a531-755e3e0dc2ac",
-        "gpu-ee3e4b55-fcda-44b8-0605-64b7a9967744",
-        "gpu-9ede7e32-5825-a11b-fa3d-bab6d47e0243",
-        "gpu-e7b42cb1-4fd8-91b2-bc77-352a0c1f5747",
-        "gpu-f11773a1-5bfb-e48b-3d98-1beb5baaf08e",
-        "gpu-0159f35e-99ee-b2b5-74f1-9d18df3f22ac",
-        "gpu-657bd2e7-f5c2-a7f2-fbaa-0d1cdc32f81b",
-    ]
+    uuids = [mock_gpu_uuid(WORKER, i, prefix="gpu") for i in range(8)]
     assert spec["devices"] == [
         {
             "name": f"gpu-{i}",

@@ -38,8 +38,6 @@ from typing import Annotated, Any, Literal, TypeVar
 import msgspec
 import yaml
 
-from driver.nvml.mock import gorand
-
 DEFAULT_DRIVER_VERSION = "580.95.05"
 DEFAULT_CUDA_DRIVER_VERSION = "13.0"
 EXAMPLE_DRIVER_VERSION = "1.0.0"  # what the Go reference publishes
@@ -336,21 +334,22 @@ class MockGpu:
         return f"{self.pci_domain:08X}:{self.pci_bus:02X}:00.0"
 
 
-def mock_gpu_uuid(node_name: str, index: int) -> str:
-    """A stable NVML-style UUID (`GPU-` + 8-4-4-4-12 lowercase hex) per node and index."""
+def mock_gpu_uuid(node_name: str, index: int, prefix: str = "GPU") -> str:
+    """A stable UUID per node name and GPU index: `<prefix>-` + 8-4-4-4-12 lowercase hex.
+
+    `GPU-` is NVML's form; `example` GPUs take `gpu-`, the Go reference driver's form.
+    The reference derives its values from Go's `math/rand` seeded by a hash of the node
+    name; nothing depends on those exact values (its own tests ask only for the same
+    UUIDs on a node and different ones across nodes), so they are not reproduced.
+    """
     digest = hashlib.sha256(f"{node_name}\x00{index}".encode()).digest()
-    return f"GPU-{uuidlib.UUID(bytes=digest[:16], version=4)}"
+    return f"{prefix}-{uuidlib.UUID(bytes=digest[:16], version=4)}"
 
 
 def expand_fleet(fleet: Fleet, node_name: str) -> list[MockGpu]:
-    """The fleet's GPUs in NVML index order, with deterministic UUIDs for `node_name`.
-
-    `example` GPUs take the reference driver's UUIDs (Go math/rand seeded by the node
-    name, one draw per example GPU, in order); other models get `GPU-...` UUIDs.
-    """
+    """The fleet's GPUs in NVML index order, with deterministic UUIDs for `node_name`
+    (`gpu-...` for `example` GPUs, like the reference driver's; `GPU-...` for others)."""
     table = model_profiles()
-    n_example = sum(g.count for g in fleet.gpus if g.model == EXAMPLE_MODEL)
-    example_uuids = iter(gorand.reference_uuids(node_name, n_example))
     gpus: list[MockGpu] = []
     for group in fleet.gpus:
         profile = table[group.model]
@@ -358,9 +357,7 @@ def expand_fleet(fleet: Fleet, node_name: str) -> list[MockGpu]:
         static_mig = tuple(static_mig_placements(group, profile, "gpus"))
         for _ in range(group.count):
             index = len(gpus)
-            uuid = (
-                next(example_uuids) if profile.referenceExample else mock_gpu_uuid(node_name, index)
-            )
+            uuid = mock_gpu_uuid(node_name, index, "gpu" if profile.referenceExample else "GPU")
             gpus.append(
                 MockGpu(
                     index=index,
