@@ -8,8 +8,12 @@
   each reading its answer before sending the next.
 - `status-metrics` (plugin's HTTP port): 128 clients GET `/status` or `/metrics` in a
   loop, a connection each (the server closes after each answer).
+- the slow and malformed clients of security rounds three and five and of issue 42
+  (`idle-flood`, `slowloris`, `stalled-uploads`, `bare-lf-head`, `one-byte-heads`,
+  `dribbled-bodies`, `near-limit-heads`, `per-address-cap`): `bench.http_hostile`.
 
-Every client uses 127.0.0.1; the legitimate client measures from 127.0.0.2.
+Every client uses 127.0.0.1 (`per-address-cap`'s use 127.0.0.2); the legitimate client
+measures from 127.0.0.2.
 """
 
 from __future__ import annotations
@@ -56,24 +60,34 @@ def post(body: bytes) -> bytes:
 
 def read_answer(sock: socket.socket) -> bool:
     """Reads one answer; False if the connection closed first."""
+    return answer_status(sock) is not None
+
+
+def answer_status(sock: socket.socket) -> int | None:
+    """Reads one answer and returns its status code; None if the connection closed
+    first."""
     data = b""
     while b"\r\n\r\n" not in data:
         chunk = sock.recv(65536)
         if not chunk:
-            return False
+            return None
         data += chunk
     head, body = data.split(b"\r\n\r\n", 1)
     length = next(
-        int(line[15:])
-        for line in head.split(b"\r\n")
-        if line.lower().startswith(b"content-length:")
+        (
+            int(line[15:])
+            for line in head.split(b"\r\n")
+            if line.lower().startswith(b"content-length:")
+        ),
+        0,  # every server measured declares its answers' length
     )
     while len(body) < length:
         chunk = sock.recv(65536)
         if not chunk:
-            return False
+            return None
         body += chunk
-    return True
+    status = head.split(b" ", 2)[1:2]  # HTTP/1.1 200 OK
+    return int(status[0]) if status and status[0].isdigit() else 0
 
 
 def _client_context() -> ssl.SSLContext:
@@ -86,9 +100,14 @@ def _client_context() -> ssl.SSLContext:
 CLIENT_CONTEXT = _client_context()
 
 
-def connect(port: int, tls: bool) -> socket.socket:
-    raw = socket.create_connection(("127.0.0.1", port), timeout=15, source_address=(ATTACKER, 0))
-    return CLIENT_CONTEXT.wrap_socket(raw, server_hostname="localhost") if tls else raw
+def connect(port: int, tls: bool, source: str = ATTACKER, timeout: float = 15) -> socket.socket:
+    address = ("127.0.0.1", port)
+    raw = socket.create_connection(address, timeout=timeout, source_address=(source, 0))
+    try:
+        return CLIENT_CONTEXT.wrap_socket(raw, server_hostname="localhost") if tls else raw
+    except BaseException:
+        raw.close()
+        raise
 
 
 UPLOADS = threading.Semaphore(4)  # 64 at once would each be evicted half-sent
@@ -141,6 +160,10 @@ def clients(name: str) -> list[Callable[[int, float], None]]:
             lambda port, until, i=i: status_metrics(port, until, ("/status", "/metrics")[i % 2])
             for i in range(128)
         ]
+    from bench.http_hostile import HOSTILE  # it uses this module's clients
+
+    if name in HOSTILE:
+        return HOSTILE[name]()
     raise SystemExit(f"unknown flood {name!r}")
 
 

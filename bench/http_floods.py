@@ -1,18 +1,30 @@
-"""A legitimate client's answer rate and latency under the floods of issue 34 (items 2
-and 3), against the real servers of a source tree:
+"""A legitimate client's answer rate and latency under hostile clients (the floods of
+issue 34, the slow and malformed clients of security rounds three and five and of issue
+42), against the real servers of source trees and against candidate libraries:
 
-    python -m bench.http_floods [--tree LABEL=DIR ...] [--rounds N] [--seconds S] [--out FILE]
+    python -m bench.http_floods [--tree LABEL=DIR ...] [--candidate NAME ...]
+        [--scenario FLOOD ...] [--rounds N] [--seconds S] [--out FILE]
 
-Each `--tree` is a checkout whose `driver` package the servers run (default: this one,
-labelled `this`), so the code before a change is measured by the same harness, e.g.
-`git archive <commit> driver | tar -x -C /tmp/before` and `--tree before=/tmp/before
---tree after=.`; the trees take turns, scenario by scenario, `--rounds` times. The
-floods (`bench.http_attackers`) run in a process of their own from 127.0.0.1; the
-legitimate client measures from
-127.0.0.2, one request at a time on a fresh connection, as the API server sends a
-review (timeout 10 s, its default `timeoutSeconds`) and the kubelet a liveness probe
-(timeout 5 s, the chart's). Each scenario first measures without the flood (the
-baseline), then for `--seconds` under it; the server's peak RSS is its VmHWM.
+Each `--tree` is a checkout whose `driver` package the servers run (default, when
+neither --tree nor --candidate is given: this one, labelled `this`), so the code before
+a change is measured by the same harness, e.g. `git archive <commit> driver | tar -x -C
+/tmp/before` and `--tree before=/tmp/before --tree after=.`. Each `--candidate` is a
+webhook built on an HTTP server library (`bench.http_candidates`: uvicorn-httptools,
+uvicorn-h11, hypercorn-h11, aiohttp; `bench/candidates-install.sh` installs them); it
+serves the webhook only, so the plugin-port scenario skips it. The servers take turns,
+scenario by scenario, `--rounds` times; `--scenario` (a flood's name, repeatable) runs
+only those. `python -m bench.http_report --in FILE` prints the table of a results file.
+
+The floods (`bench.http_attackers`, `bench.http_hostile`) run in a process of their
+own from 127.0.0.1 (`per-address-cap` from 127.0.0.2); the legitimate client measures
+from 127.0.0.2, one request at a time on a fresh connection, as the API server sends a
+review: a review counts as answered when its 200 arrives within 10 s (the API server's
+default `timeoutSeconds`). Beside it, on the webhook, a probe GETs /readyz over TLS
+from 127.0.0.3 as the kubelet does (1 s, its default `timeoutSeconds`: the chart sets
+none); on the plugin's port the measured request is the /healthz probe (5 s, the
+chart's). Each scenario first measures without the flood (the baseline), then for
+`--seconds` under it, then 3 reviews once the flood has ended; the server's peak RSS is
+its VmHWM.
 """
 
 from __future__ import annotations
@@ -20,47 +32,48 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
-import socket
+import platform
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from subprocess import Popen
 
-# One client context, made once as the API server keeps its own (loading the system's CA
-# store for every review would time the client's CPU, not the webhook).
-from bench.http_attackers import CLIENT_CONTEXT, post, read_answer, review_body
+from bench.http_candidates import CANDIDATES
+from bench.http_legit import (
+    PROBE_TIMEOUT,
+    REVIEW_TIMEOUT,
+    WEBHOOK_PROBE_TIMEOUT,
+    healthz_probe,
+    legit_review,
+    webhook_probe,
+)
+from bench.http_servers import (
+    CANDIDATES_DIR,
+    REPO,
+    Server,
+    check_candidates,
+    peak_rss_mib,
+    start_plugin_http,
+    start_webhook,
+)
 
-REPO = Path(__file__).resolve().parents[1]
-LEGIT = "127.0.0.2"
-REVIEW_TIMEOUT = 10.0
-PROBE_TIMEOUT = 5.0
 PAUSE = 0.2  # between two legitimate requests
+PROBE_PAUSE = 0.5  # between two probes of the webhook
 BASELINE_REQUESTS = 10
+AFTER_REQUESTS = 3
 WARM_UP = 5.0  # seconds of flood before the measurement
-
-PLUGIN_HTTP = """
-import sys, time
-from driver.observability.http import HttpServer
-server = HttpServer(0, lambda: (True, "ok\\n"), "127.0.0.1")
-gpus = [{"index": i, "uuid": f"GPU-{i:08x}", "pci": f"0000:{i:02x}:00.0", "devices": [
-    {"name": f"gpu-{i}-mig-1g10gb-{p}", "profile": "1g.10gb", "placement": p} for p in range(7)]}
-    for i in range(8)]
-if hasattr(server, "serve_status"):  # trees before /status moved to the status socket
-    server.serve_status(lambda: {"node": "n", "gpus": gpus, "prepared": 3})
-server.start()
-print("port", server.port, flush=True)
-time.sleep(3600)
-"""
+PLUGIN_FLOODS = frozenset({"status-metrics"})
 
 
 @dataclass
 class Outcome:
-    tree: str
+    tree: str  # the server's label: a tree's or a candidate's
     scenario: str
     baseline_p50_ms: float
     answered: int
@@ -69,84 +82,33 @@ class Outcome:
     p90_ms: float | None
     max_ms: float | None
     server_peak_rss_mib: float
+    kind: str = "tree"
+    flood: str = ""
+    after_answered: int | None = None
+    after_sent: int | None = None
+    baseline_probe_p50_ms: float | None = None
+    probes_answered: int | None = None
+    probes_sent: int | None = None
+    probe_p50_ms: float | None = None
+    probe_p90_ms: float | None = None
 
 
-def _env(tree: Path) -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": str(tree)}
+Ask = tuple[Callable[[], bool], float]  # a request, and the time its answer may take
 
 
-def _webhook(tree: Path, workdir: Path) -> tuple[subprocess.Popen[str], int]:
-    cert, key = workdir / "tls.crt", workdir / "tls.key"
-    subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
-         "-nodes", "-keyout", str(key), "-out", str(cert), "-days", "1", "-subj", "/CN=localhost"],
-        check=True, capture_output=True,
-    )  # fmt: skip
-    process = subprocess.Popen(
-        [sys.executable, "-m", "driver.webhook.main", "--tls-cert-file", str(cert),
-         "--tls-private-key-file", str(key), "--port", "0", "--bind-address", "127.0.0.1"],
-        stderr=subprocess.PIPE, text=True, env=_env(tree), cwd=workdir,
-    )  # fmt: skip
-    return process, _port(process, r"serving https on port (\d+)", process.stderr)
-
-
-def _plugin_http(tree: Path, workdir: Path) -> tuple[subprocess.Popen[str], int]:
-    process = subprocess.Popen(
-        [sys.executable, "-c", PLUGIN_HTTP],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=_env(tree), cwd=workdir,
-    )  # fmt: skip
-    return process, _port(process, r"^port (\d+)", process.stdout)
-
-
-def _port(process: subprocess.Popen[str], pattern: str, stream: object) -> int:
-    assert hasattr(stream, "readline")
-    for _ in range(100):
-        found = re.search(pattern, stream.readline())
-        if found:
-            return int(found.group(1))
-    process.kill()
-    raise SystemExit("the server did not start")
-
-
-def _connect(port: int, timeout: float) -> socket.socket:
-    return socket.create_connection(("127.0.0.1", port), timeout=timeout, source_address=(LEGIT, 0))
-
-
-def legit_review(port: int) -> bool:
-    try:
-        with CLIENT_CONTEXT.wrap_socket(
-            _connect(port, REVIEW_TIMEOUT), server_hostname="x"
-        ) as sock:
-            sock.sendall(post(review_body("legit")))
-            return read_answer(sock)
-    except OSError:
-        return False
-
-
-def healthz_probe(port: int) -> bool:
-    try:
-        with _connect(port, PROBE_TIMEOUT) as sock:
-            sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
-            sock.settimeout(PROBE_TIMEOUT)
-            return sock.recv(16).startswith(b"HTTP/1.1 200")
-    except OSError:
-        return False
-
-
-def _measure(ask: Callable[[], bool], until: float | None, count: int = 0) -> list[float | None]:
-    """Latencies in seconds, None for a request without an answer."""
+def _measure(
+    ask: Ask, until: float | None, count: int = 0, pause: float = PAUSE
+) -> list[float | None]:
+    """Latencies in seconds, None for a request without an answer in time."""
+    request, limit = ask
     results: list[float | None] = []
     while (until is not None and time.monotonic() < until) or len(results) < count:
         began = time.monotonic()
-        results.append(time.monotonic() - began if ask() else None)
-        time.sleep(PAUSE)
+        ok = request()
+        took = time.monotonic() - began
+        results.append(took if ok and took <= limit else None)
+        time.sleep(pause)
     return results
-
-
-def _peak_rss_mib(pid: int) -> float:
-    status = Path(f"/proc/{pid}/status").read_text()
-    found = re.search(r"^VmHWM:\s+(\d+) kB", status, re.M)
-    return int(found.group(1)) / 1024 if found else 0.0
 
 
 def _ms(values: list[float], q: float) -> float | None:
@@ -156,29 +118,54 @@ def _ms(values: list[float], q: float) -> float | None:
                  if q < 1 else 1000 * max(values), 1)  # fmt: skip
 
 
-def scenario(name: str, flood: str, label: str, tree: Path, seconds: float) -> Outcome:
+def _answered(results: list[float | None]) -> list[float]:
+    return [t for t in results if t is not None]
+
+
+def _start(flood: str, server: Server, workdir: Path) -> tuple[Popen[str], int, Ask, Ask | None]:
+    """The server, its port, the measured request and the probe beside it (if any)."""
+    if flood in PLUGIN_FLOODS:
+        process, port = start_plugin_http(server.where, workdir)
+        return process, port, ((lambda: healthz_probe(port)), PROBE_TIMEOUT), None
+    process, port = start_webhook(server, workdir)
+    probe = ((lambda: webhook_probe(port)), WEBHOOK_PROBE_TIMEOUT)
+    return process, port, ((lambda: legit_review(port)), REVIEW_TIMEOUT), probe
+
+
+def scenario(name: str, flood: str, server: Server, seconds: float) -> Outcome:
+    probes: list[float | None] = []
     with tempfile.TemporaryDirectory() as tmp:
-        is_webhook = flood != "status-metrics"
-        process, port = (_webhook if is_webhook else _plugin_http)(tree, Path(tmp))
-        ask = (lambda: legit_review(port)) if is_webhook else (lambda: healthz_probe(port))
+        process, port, ask, probe = _start(flood, server, Path(tmp))
         try:
-            baseline = [t for t in _measure(ask, None, BASELINE_REQUESTS) if t is not None]
-            flood_seconds = str(seconds + WARM_UP)
-            attackers = subprocess.Popen(
-                [sys.executable, "-m", "bench.http_attackers", flood, str(port), flood_seconds],
-                cwd=REPO, stderr=subprocess.DEVNULL,
+            baseline = _answered(_measure(ask, None, BASELINE_REQUESTS))
+            baseline_probes = _answered(_measure(probe, None, BASELINE_REQUESTS) if probe else [])
+            attackers = Popen(
+                [sys.executable, "-m", "bench.http_attackers", flood, str(port),
+                 str(seconds + WARM_UP)], cwd=REPO, stderr=subprocess.DEVNULL,
             )  # fmt: skip
             time.sleep(WARM_UP)  # the flood builds up
-            under = _measure(ask, time.monotonic() + seconds)
+            until = time.monotonic() + seconds
+            prober = threading.Thread(
+                target=lambda: probes.extend(
+                    _measure(probe, until, pause=PROBE_PAUSE) if probe else []
+                )
+            )
+            prober.start()
+            under = _measure(ask, until)
+            prober.join()
             attackers.wait(60)
-            peak = _peak_rss_mib(process.pid)
+            after = _measure(ask, None, AFTER_REQUESTS)
+            peak = peak_rss_mib(process.pid)
         finally:
             process.kill()
             process.wait(10)
-    answered = [t for t in under if t is not None]
+    answered, probed = _answered(under), _answered(probes)
     return Outcome(
-        label, name, _ms(baseline, 0.5) or 0.0, len(answered), len(under),
+        server.label, name, _ms(baseline, 0.5) or 0.0, len(answered), len(under),
         _ms(answered, 0.5), _ms(answered, 0.9), _ms(answered, 1.0), round(peak, 1),
+        server.kind, flood, len(_answered(after)), len(after), _ms(baseline_probes, 0.5),
+        len(probed) if probe else None, len(probes) if probe else None,
+        _ms(probed, 0.5), _ms(probed, 0.9),
     )  # fmt: skip
 
 
@@ -186,7 +173,24 @@ SCENARIOS = (
     ("review under unread 9 MB answers (item 2)", "unread-answers"),
     ("review under busy keep-alive reviews (item 3)", "busy-reviews"),
     ("/healthz under /status + /metrics clients (item 3)", "status-metrics"),
+    ("review under 256 idle TCP connections (round three)", "idle-flood"),
+    ("review under 128 slowloris heads (round three)", "slowloris"),
+    ("review under 40 stalled 3 MiB uploads (round three)", "stalled-uploads"),
+    ("review under a bare-LF head and 1-byte records (round five, H1)", "bare-lf-head"),
+    ("review under 32 heads dribbled a byte per 10 ms", "one-byte-heads"),
+    ("review under 32 bodies dribbled a byte per 10 ms", "dribbled-bodies"),
+    ("review under 32 unfinished 8191-byte heads", "near-limit-heads"),
+    ("review with 48 idle connections from its own address (L3)", "per-address-cap"),
 )
+
+
+def _line(o: Outcome) -> str:
+    return (
+        f"{o.tree}: {o.flood}: answered {o.answered}/{o.sent}, p50/p90/max {o.p50_ms}/"
+        f"{o.p90_ms}/{o.max_ms} ms (baseline p50 {o.baseline_p50_ms} ms), after "
+        f"{o.after_answered}/{o.after_sent}, probes {o.probes_answered}/{o.probes_sent} "
+        f"p50/p90 {o.probe_p50_ms}/{o.probe_p90_ms} ms, peak RSS {o.server_peak_rss_mib} MiB"
+    )
 
 
 def _tree(text: str) -> tuple[str, Path]:
@@ -195,29 +199,42 @@ def _tree(text: str) -> tuple[str, Path]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m bench.http_floods", description=__doc__)
-    parser.add_argument("--tree", type=_tree, action="append", metavar="LABEL=DIR")
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.http_floods",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--tree", type=_tree, action="append", default=[], metavar="LABEL=DIR")
+    parser.add_argument("--candidate", action="append", default=[], choices=list(CANDIDATES))
+    parser.add_argument("--candidates-dir", type=Path, default=CANDIDATES_DIR)
+    flood_names = [flood for _, flood in SCENARIOS]
+    parser.add_argument("--scenario", action="append", choices=flood_names, metavar="FLOOD")
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--seconds", type=float, default=20.0)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
-    trees = args.tree or [("this", REPO)]
+    servers = [Server(label, "tree", path) for label, path in args.tree]
+    servers += [Server(name, "candidate", args.candidates_dir) for name in args.candidate]
+    if args.candidate:
+        check_candidates(args.candidates_dir)
+    servers = servers or [Server("this", "tree", REPO)]
+    chosen = [s for s in SCENARIOS if args.scenario is None or s[1] in args.scenario]
     outcomes = []
     for _ in range(args.rounds):
-        for name, flood in SCENARIOS:
-            for label, path in trees:
-                o = scenario(name, flood, label, path, args.seconds)
+        for name, flood in chosen:
+            for server in servers:
+                if server.kind == "candidate" and flood in PLUGIN_FLOODS:
+                    continue  # a candidate serves the webhook only
+                o = scenario(name, flood, server, args.seconds)
                 outcomes.append(o)
-                print(
-                    f"{o.tree}: {o.scenario}: answered {o.answered}/{o.sent}, p50/p90/max "
-                    f"{o.p50_ms}/{o.p90_ms}/{o.max_ms} ms (baseline p50 {o.baseline_p50_ms} "
-                    f"ms), server peak RSS {o.server_peak_rss_mib} MiB",
-                    flush=True,
-                )
+                print(_line(o), flush=True)
     if args.out:
         document = {
             "command": "python -m bench.http_floods " + " ".join(sys.argv[1:]),
-            "trees": {label: str(path) for label, path in trees},
+            "trees": {s.label: s.describe() for s in servers if s.kind == "tree"},
+            "candidates": {s.label: s.describe() for s in servers if s.kind == "candidate"},
+            "machine": f"{os.cpu_count()} CPUs, {platform.machine()}, Python "
+            f"{platform.python_version()}, loopback; client, flood and server on the same CPUs",
             "seconds": args.seconds,
             "outcomes": [asdict(o) for o in outcomes],
         }
