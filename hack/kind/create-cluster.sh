@@ -12,12 +12,15 @@
 #             own CNI (kindnetd) and CoreDNS
 #   offline   KIND_OFFLINE_IMAGE, built here without any registry by
 #             hack/kind/build-node-image.sh; Debian's bridge CNI plugin configured per
-#             node by hack/kind/cni.sh; no CoreDNS (no image for it)
+#             node by hack/kind/cni.sh, NetworkPolicies enforced by kube-network-policies
+#             (hack/kind/network-policies.sh; KIND_NETWORK_POLICIES=0 leaves it out);
+#             no CoreDNS (no image for it)
 #   auto      (default) registry when KIND_IMAGE is present or can be pulled, else offline
 #
 # Env: KIND_CLUSTER_NAME (gpu-dra-driver), KIND_WORKERS (1), KIND_NODE_SOURCE (auto),
 # KIND_IMAGE, KIND_OFFLINE_IMAGE, CONTAINER_TOOL (docker|podman), KIND_RETAIN=1 (keep a
-# cluster whose creation failed, for debugging).
+# cluster whose creation failed, for debugging), KIND_NETWORK_POLICIES (1; 0: no
+# NetworkPolicy enforcement on the offline node image).
 set -euo pipefail
 # shellcheck source=hack/kind/common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
@@ -155,6 +158,10 @@ else
   "$KIND_DIR/cni.sh"
   kind_progress "waiting for the nodes to be Ready"
   "$KUBECTL" --context "$KUBE_CONTEXT" wait --for=condition=Ready node --all --timeout=180s >/dev/null
+  # The bridge plugin enforces no NetworkPolicy; kindnetd (which does) has no image here.
+  if [[ ${KIND_NETWORK_POLICIES:-1} != 0 ]]; then "$KIND_DIR/network-policies.sh"
+  else kind_progress "KIND_NETWORK_POLICIES=0: NetworkPolicies are not enforced"
+  fi
 fi
 "$KUBECTL" --context "$KUBE_CONTEXT" get nodes -o wide
 kind_progress "cluster $KIND_CLUSTER_NAME ready in $(( $(date +%s) - t0 ))s; next: make kind-install kind-demo"
