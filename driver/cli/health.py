@@ -20,8 +20,8 @@ Devices are named as the slices publish them; when the slices cannot be read, as
 the running plugin names them (its /status), else by NVML on this
 node, else from the NVIDIA kernel driver's /proc files (`gpu-<minor>`).
 
-Also shown: whether a plugin is running on this node (its control channel's
-`ACTIVE` marker) and whether it accepts `gpu-dra health clear`.
+Also shown: whether a plugin is running on this node (its status socket's
+`/control`) and whether it accepts `gpu-dra health clear`.
 
     kubectl exec -n <ns> <plugin-pod> -- gpu-dra health
     kubectl exec -n <ns> <plugin-pod> -- gpu-dra health -o json
@@ -53,6 +53,7 @@ from driver.cli.health_table import render_table, taint_text
 from driver.cli.plugin_endpoint import (
     PluginUnreachable,
     add_socket_argument,
+    fetch_control,
     fetch_status,
     recovery_failures,
     socket_path,
@@ -66,7 +67,6 @@ from driver.cli.state_dir import (
     state_dir_of,
 )
 from driver.health.clear import record_json
-from driver.health.control import ControlError, check_active
 from driver.health.failures import DEFAULT_DRIVER_NAME, KIND_RANK, GpuFailure
 from driver.health.recovery import KIND_RECOVERY_ACTION
 from driver.health.unmonitored import KIND_UNMONITORED
@@ -197,6 +197,7 @@ def run(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None 
         gpu_names=names,
         names_note=names_note,
         recovery=PluginRecovery.read(status_socket),
+        status_socket=status_socket,
     )
     if args.output == "json":
         print(json.dumps(report, indent=2), file=out)
@@ -213,15 +214,20 @@ def run(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None 
     return 0
 
 
-def plugin_status(state_dir: Path) -> dict[str, Any]:
+def plugin_status(status_socket: Path) -> dict[str, Any]:
+    """The running plugin as its status socket's `/control` describes it."""
     try:
-        marker = check_active(state_dir)
-    except ControlError as error:
+        plugin = fetch_control(status_socket)
+    except PluginUnreachable as error:
         return {"running": False, "problem": str(error)}
+    actions = [str(a) for a in plugin.get("actions") or []]
     return {
         "running": True,
-        **marker.to_json(),
-        "acceptsClear": "clear" in marker.actions,
+        "pid": plugin.get("pid"),
+        "node": str(plugin.get("node", "")),
+        "started": plugin.get("started"),
+        "actions": actions,
+        "acceptsClear": "clear" in actions,
         "problem": None,
     }
 
@@ -236,10 +242,12 @@ def build_report(
     gpu_names: dict[str, str] | None = None,
     names_note: str | None = None,
     recovery: PluginRecovery = NOT_READ,
+    status_socket: Path | None = None,
 ) -> dict[str, Any]:
     """The JSON document `-o json` prints (the table shows the same). `gpu_names`:
     GPU UUID -> device name (default: the published whole-GPU devices'); `names_note`:
-    where they came from when not from the slices, or why devices are shown by UUID."""
+    where they came from when not from the slices, or why devices are shown by UUID;
+    `status_socket`: the plugin's (default: the one in `state_dir`)."""
     names = published.gpu_names() if gpu_names is None else gpu_names
     failures: list[dict[str, Any]] = []
     if view.store is not None:
@@ -296,7 +304,7 @@ def build_report(
         "node": node,
         "driver": driver,
         "stateDir": str(state_dir),
-        "plugin": plugin_status(state_dir),
+        "plugin": plugin_status(socket_path(status_socket, state_dir)),
         "store": {
             "path": str(view.path),
             "readable": view.store is not None,

@@ -1,12 +1,13 @@
 """`gpu-dra health clear DEVICE`: forget a GPU's (or a MIG partition's) failure after
 a repair, so that its taint is removed from this node's ResourceSlices.
 
-The running kubelet plugin does it, never this command: the request goes through the
-plugin's control channel (`<state dir>/mock-control/`, root only), with any NVML
-backend. First the plugin answers what a clear would remove (nothing changes), this
-command shows it and asks for confirmation (`--yes` skips it; without a terminal
-`--yes` is required); then the plugin clears exactly that (refused if the failures
-changed meanwhile), republishes and says whether the API server accepted the slices.
+The running kubelet plugin does it, never this command: the request goes to the
+plugin's status socket (`POST /control/clear` on `<state dir>/status.sock`, root
+only; `--socket`), with any NVML backend. First the plugin answers what a clear would
+remove (nothing changes), this command shows it and asks for confirmation (`--yes`
+skips it; without a terminal `--yes` is required); then the plugin clears exactly
+that (refused if the failures changed meanwhile), republishes and says whether the
+API server accepted the slices.
 
 DEVICE: `gpu-<n>` or a GPU UUID (the GPU and all its GPU instances, as NVML's
 recovery event does), or a MIG partition (the failures of GPU instances on its memory
@@ -16,7 +17,7 @@ is not a recorded failure: it stays until NVML reports no action, and the comman
 says so.
 
 Exit codes: 0 cleared (and the slices accepted) or nothing to clear; 1 refused, not
-confirmed, no plugin accepts `clear`, no answer within --timeout, or cleared but the
+confirmed, no plugin accepts `clear`, not taken within --timeout, or cleared but the
 slices not yet accepted; 2 usage error.
 """
 
@@ -30,11 +31,22 @@ from typing import Any, TextIO
 
 from driver.cli.arguments import positive_seconds
 from driver.cli.confirm import NotConfirmed, add_yes_argument, confirm
+from driver.cli.plugin_endpoint import (
+    ControlRefused,
+    PluginUnreachable,
+    add_socket_argument,
+    fetch_control,
+    post_control,
+    socket_path,
+)
 from driver.cli.state_dir import default_state_dir
-from driver.health.control import ControlError, check_active, deliver, require_action
 
 PROG = "gpu-dra health clear"
 DEFAULT_TIMEOUT = 15.0
+
+
+class ClearFailed(Exception):
+    """No answer, or the plugin refused; the message says why."""
 
 
 def add_parser(
@@ -48,12 +60,16 @@ def add_parser(
     )
     parser.add_argument("device", help="gpu-<n>, a GPU UUID, or a MIG partition name")
     add_common_arguments(parser)
+    add_socket_argument(parser)
     add_yes_argument(parser)
     parser.add_argument(
         "--timeout",
         type=positive_seconds,
         default=DEFAULT_TIMEOUT,
-        help="seconds to wait for each answer of the plugin (default: %(default)s)",
+        help=(
+            "seconds the plugin has to take each request, else it is withdrawn "
+            "(default: %(default)s)"
+        ),
     )
     parser.set_defaults(run=run)
 
@@ -68,27 +84,27 @@ def run(
     err = err if err is not None else sys.stderr
     stdin = stdin if stdin is not None else sys.stdin
     state_dir = Path(args.state_dir) if args.state_dir else default_state_dir(args.driver_name)
+    path = socket_path(args.socket, state_dir)
     try:
-        marker = check_active(state_dir)
-        require_action(marker, "clear")
-        preview = _ask(state_dir, {"action": "clear", "device": args.device, "dryRun": True}, args)
-    except ControlError as error:
+        plugin = _plugin(path)
+        preview = _ask(path, {"device": args.device, "dryRun": True}, args)
+    except ClearFailed as error:
         print(f"{PROG}: {error}", file=err)
         return 1
     plan = preview["plan"]
     if not plan["records"]:
         print(preview["message"], file=out)
         return 0
-    out.write(describe(plan, pid=marker.pid, node=marker.node))
+    out.write(describe(plan, pid=plugin.get("pid"), node=str(plugin.get("node") or "")))
     try:
         confirm("Clear it?", yes=args.yes, stdin=stdin, out=out)
     except NotConfirmed as error:
         print(f"{PROG}: {error}", file=err)
         return 1
-    request = {"action": "clear", "device": args.device, "dryRun": False, "expect": plan["records"]}
+    request = {"device": args.device, "dryRun": False, "expect": plan["records"]}
     try:
-        answer = _ask(state_dir, request, args)
-    except ControlError as error:
+        answer = _ask(path, request, args)
+    except ClearFailed as error:
         print(f"{PROG}: {error}", file=err)
         return 1
     print(answer["message"], file=out)
@@ -122,13 +138,31 @@ def _removed(plan: dict[str, Any]) -> str:
     return ", ".join(dict.fromkeys(names))
 
 
-def _ask(state_dir: Path, request: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
-    """The plugin's answer; ControlError when it refused or did not answer."""
-    answer = deliver(state_dir, request, timeout=args.timeout)
-    if not answer.get("ok"):
-        raise ControlError(f"the plugin refused: {answer.get('message', '')}")
+def _plugin(path: Path) -> dict[str, Any]:
+    """The running plugin (`GET /control`); ClearFailed unless it accepts `clear`."""
+    try:
+        plugin = fetch_control(path)
+    except PluginUnreachable as err:
+        raise ClearFailed(f"no kubelet plugin answers: {err}") from None
+    actions = plugin.get("actions") or []
+    if "clear" not in actions:
+        raise ClearFailed(
+            f"the running plugin (pid {plugin.get('pid', '?')}) does not accept 'clear': "
+            f"it accepts: {', '.join(map(str, actions)) or 'none'}"
+        )
+    return plugin
+
+
+def _ask(path: Path, request: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    """The plugin's answer; ClearFailed when it refused or did not answer."""
+    try:
+        answer = post_control(path, "clear", request, timeout=args.timeout)
+    except PluginUnreachable as err:
+        raise ClearFailed(f"no answer from the plugin: {err}") from None
+    except ControlRefused as err:
+        raise ClearFailed(f"the plugin refused: {err}") from None
     if not isinstance(answer.get("plan"), dict):
-        raise ControlError(f"unexpected answer from the plugin: {answer!r}")
+        raise ClearFailed(f"unexpected answer from the plugin: {answer!r}")
     return answer
 
 

@@ -2,9 +2,10 @@
 mock plugin.
 
 Works only against a kubelet plugin started with the mock NVML backend. The request
-goes through the plugin's root-only spool directory `<state-dir>/mock-control/`; the
-plugin injects it into its mock NVML, where it takes the same path as a real event
-(classification, taint, health stream). Run it inside the plugin's pod:
+goes to the plugin's status socket (`POST /control/<action>` on
+`<state-dir>/status.sock`, root only; `--socket`); the plugin injects it into its mock
+NVML, where it takes the same path as a real event (classification, taint, health
+stream). Run it inside the plugin's pod:
 
     kubectl exec -n <ns> <plugin-pod> -- gpu-dra mock xid --device gpu-3 --xid 79
     kubectl exec -n <ns> <plugin-pod> -- gpu-dra mock xid --device gpu-0-mig-1g10gb-3 \
@@ -21,27 +22,36 @@ instance only while it is prepared. `reset` clears the GPU and all its partition
 `recovery-action` sets the NVML recovery action of a device's GPU, which the plugin
 reads at its next poll (`none` takes it back; an Xid that needs a reset, e.g. 48,
 sets `gpu-reset` by itself, and `reset` sets `none`).
-Exit codes: 0 injected, 1 refused or no mock plugin consumes the spool, 2 usage error.
+Exit codes: 0 injected, 1 refused, or no plugin on the mock backend answers, 2 usage
+error.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-from typing import Any, TextIO
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TextIO
 
 from driver.cli.arguments import positive_seconds
-from driver.health.mock_control import (
-    DEFAULT_STATE_DIR,
-    RECOVERY_ACTION,
-    MockControlError,
-    MockRequest,
-    submit,
+from driver.cli.plugin_endpoint import (
+    ControlRefused,
+    PluginUnreachable,
+    add_socket_argument,
+    post_control,
+    socket_path,
 )
+from driver.cli.state_dir import STATE_DIR_ENV, default_state_dir
 from driver.nvml.recovery import ACTION_NAMES, parse_action
 
-STATE_DIR_ENV = "GPU_DRA_STATE_DIR"
+if TYPE_CHECKING:  # the mock's own modules: imported by `run` only
+    from driver.nvml.mock.control import MockRequest
+
+RECOVERY_ACTION = "recovery-action"
+
+
+class MockSubmitError(Exception):
+    """The request was not injected: the message says why."""
 
 
 def _xid(text: str) -> int:
@@ -64,14 +74,18 @@ def _recovery_action(text: str) -> int:
 def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--state-dir",
-        default=os.environ.get(STATE_DIR_ENV) or str(DEFAULT_STATE_DIR),
+        default=str(default_state_dir()),
         help=f"the plugin's data directory (default: ${STATE_DIR_ENV} or %(default)s)",
     )
+    add_socket_argument(parser)
     parser.add_argument(
         "--timeout",
         type=positive_seconds,
         default=5.0,
-        help="seconds to wait for the plugin's answer (default: %(default)s)",
+        help=(
+            "seconds the plugin has to take the request, else it is withdrawn "
+            "(default: %(default)s)"
+        ),
     )
 
 
@@ -132,6 +146,8 @@ def add_parser(subcommands: Any) -> None:
 
 
 def request_from_args(args: argparse.Namespace) -> MockRequest:
+    from driver.nvml.mock.control import MockRequest
+
     return MockRequest(
         action=args.mock_action,
         device=args.device,
@@ -142,12 +158,49 @@ def request_from_args(args: argparse.Namespace) -> MockRequest:
     )
 
 
+def submit(
+    state_dir: str | Path,
+    request: MockRequest,
+    *,
+    timeout: float = 5.0,
+    socket: Path | None = None,
+) -> str:
+    """Deliver `request` to the running plugin's status socket (`socket`, else the one
+    in `state_dir`) and return its answer. Raises MockSubmitError."""
+    from driver.nvml.mock.control import MockControlError
+
+    try:
+        request.validate()
+    except MockControlError as err:
+        raise MockSubmitError(str(err)) from None
+    path = socket_path(socket, Path(state_dir))
+    try:
+        answer = post_control(path, request.action, request.to_document(), timeout=timeout)
+    except PluginUnreachable as err:
+        raise MockSubmitError(f"no kubelet plugin answers: {err}") from None
+    except ControlRefused as err:
+        if err.status == 404 and "actions" in err.answer:  # a plugin on real NVML
+            raise MockSubmitError(
+                f"the running plugin does not accept {request.action!r} (a mock NVML "
+                f"action): it accepts: {', '.join(err.answer['actions']) or 'none'}"
+            ) from None
+        raise MockSubmitError(f"the plugin refused the request: {err}") from None
+    message = str(answer.get("message", ""))
+    if request.instance and "instance" not in answer:
+        raise MockSubmitError(
+            f"the plugin predates --instance: it injected the Xid for the whole GPU ({message})"
+        )
+    return message
+
+
 def run(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None = None) -> int:
     out = out if out is not None else sys.stdout
     err = err if err is not None else sys.stderr
     try:
-        message = submit(args.state_dir, request_from_args(args), timeout=args.timeout)
-    except MockControlError as error:
+        message = submit(
+            args.state_dir, request_from_args(args), timeout=args.timeout, socket=args.socket
+        )
+    except MockSubmitError as error:
         print(f"gpu-dra mock {args.mock_action}: {error}", file=err)
         return 1
     print(f"injected: {message}", file=out)

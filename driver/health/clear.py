@@ -1,10 +1,11 @@
-"""`clear`, on the control channel: an operator repaired a GPU or a MIG partition.
+"""`clear`, a control request (`driver.health.control`): an operator repaired a GPU or a
+MIG partition.
 
 `gpu-dra health clear <device>` asks the running plugin, which applies it itself (the
 CLI never writes the health store behind the plugin's back). Accepted with every NVML
 backend: it only forgets failures, it injects nothing.
 
-Request: `{"action": "clear", "device": "<name or GPU UUID>", "dryRun": bool,
+Request (`POST /control/clear`): `{"device": "<name or GPU UUID>", "dryRun": bool,
 "expect": [<record>...] | null}`.
 
 - The whole GPU (`gpu-<n>`, its UUID): its failure and those of all its GPU
@@ -34,7 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from driver.health.control import ControlChannel, ControlError
+from driver.health.control import ControlError, ControlQueue
 from driver.health.failures import (
     Devices,
     GpuFailure,
@@ -151,8 +152,8 @@ class ClearAction:
         self._publish_timeout = publish_timeout
         self._taint_events = taint_events
 
-    def register_on(self, channel: ControlChannel) -> None:
-        channel.register(ACTION, self.handle)
+    def register_on(self, control: ControlQueue) -> None:
+        control.register(ACTION, self.handle)
 
     def handle(self, doc: dict[str, Any]) -> dict[str, Any]:
         request = ClearRequest.from_document(doc)

@@ -1,73 +1,65 @@
-"""The plugin's control channel: requests from `gpu-dra` to the running plugin.
+"""The plugin's control requests: `gpu-dra` asks the running plugin, which applies the
+request on its health monitor's thread and answers.
 
-`gpu-dra` never changes a running plugin's state behind its back: it asks the
-plugin, which applies the request itself and answers. Transport: a root-only spool
-directory `<state-dir>/mock-control/` (0700, files 0600; the name is historical: the
-channel first served only the mock backend's `gpu-dra mock ...`).
+`gpu-dra` never changes a running plugin's state behind its back. Transport: the
+plugin's status socket (`driver.observability.status_socket`: HTTP on a Unix socket
+in its data directory, mode 0600, so root on the node only), which hands these paths
+to `ControlQueue.respond`:
 
-- The plugin creates it, writes `ACTIVE` (JSON: pid, node, start time, and
-  `actions`: the actions this plugin accepts) and touches that file at least every
-  second while it polls (`ControlChannel.poll`, run by the health monitor on every
-  event wait, i.e. every <=100 ms).
-- The CLI (`deliver`) refuses to write a request unless `ACTIVE` is fresh and lists
-  the action, then writes `req-<id>.json` atomically (a dot-prefixed temp file
-  renamed into place) and waits for the plugin's answer `res-<id>.json`, which it
-  removes. A request the plugin did not answer in time is withdrawn. Requests and
-  answers are not fsynced: a plugin drops what the spool holds when it starts, so
-  after a crash there is nothing to recover, and an fsync would only delay a
-  `gpu-dra mock xid` on its way to the event wait.
-- Actions: `clear` (`gpu-dra health clear`, every backend), and with the mock backend
-  only `xid`, `lost`, `reset` (`gpu-dra mock ...`). An `ACTIVE` without `actions` is
-  from a plugin that predates the list: it served the mock actions only.
+- `GET /control`: the plugin (`pid`, `node`, `started`) and the `actions` it accepts.
+- `POST /control/<action>[?timeout=<seconds>]`, a JSON object as the body (at most
+  `MAX_REQUEST_BYTES`): the request. The answer is a JSON object with `ok` and
+  `message`, plus what the action adds: 200 applied; 400 not a JSON object; 404 an
+  action this plugin does not accept (with `actions`); 422 refused by the action (the
+  message says why); 503 not taken by the health monitor within `timeout` seconds
+  (default 5, at most 30): withdrawn, nothing applied.
 
-A request is a JSON object with at least `action`; the answer has `ok` and `message`
-plus what the action adds.
-
-Nothing in the spool is trusted to be what its name says. The plugin opens a
-request with `O_NOFOLLOW | O_NONBLOCK` and answers anything but a regular file owned
-by root with a refusal (a FIFO named `req-<id>.json` would otherwise block the health
-monitor's thread, and new Xids would stop being tainted). The CLI writes only into a
-spool that is a real directory (not a symlink) owned by root and closed to others,
-and reads the marker and the answer without following a symlink or blocking.
+The socket's worker hands the request to the health monitor's thread
+(`ControlQueue.submit`), which takes it on its next `poll()` (before every NVML event
+wait), applies it with the action's handler and answers. The monitor's thread is the
+only writer of the health store, so nothing changes between a `clear`'s plan and the
+clear. Actions: `clear` (`driver.health.clear`, every backend), and those the NVML
+backend adds (`NvmlBackend.control_actions`: the mock's `xid`, `lost`, `reset`,
+`recovery-action`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
-import re
-import secrets
-import stat
+import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from http import HTTPStatus
+from typing import Any, Final
+from urllib.parse import parse_qs, urlsplit
 
-from driver.state.fileio import (
-    UnsafeFileError,
-    atomic_write,
-    permission_denied,
-    read_file_nofollow,
-)
+from driver.observability.http_messages import Request, Response
 
 log = logging.getLogger(__name__)
 
-SPOOL_NAME = "mock-control"
-ACTIVE_NAME = "ACTIVE"
-HEARTBEAT_SECONDS = 1.0
-STALE_AFTER_SECONDS = 10.0
-MAX_REQUEST_BYTES = 4096
-# What a plugin whose ACTIVE marker lists no actions accepts (it served the mock only).
-LEGACY_ACTIONS = ("xid", "lost", "reset")
-
-_REQUEST_RE = re.compile(r"^req-([0-9a-f]{16,64})\.json$")
+PATH: Final = "/control"
+MAX_REQUEST_BYTES: Final = 64 << 10
+DEFAULT_TAKE_SECONDS: Final = 5.0
+MAX_TAKE_SECONDS: Final = 30.0
+# Taken requests are answered once applied: a handler returns within seconds (`clear`
+# waits at most its publish timeout). Past this, the answer is given up on.
+MAX_ANSWER_SECONDS: Final = 60.0
 
 
 class ControlError(Exception):
-    """A request that cannot be delivered or was refused; the message says why."""
+    """A request that was refused or not applied; the message says why."""
+
+
+class UnknownAction(ControlError):
+    """An action this plugin does not accept."""
+
+
+class NotTaken(ControlError):
+    """The health monitor did not take the request in time (withdrawn) or answer it."""
 
 
 Handler = Callable[[dict[str, Any]], dict[str, Any]]
@@ -75,23 +67,27 @@ Handler = Callable[[dict[str, Any]], dict[str, Any]]
 beyond `ok` (at least `message`); raises ControlError to refuse it."""
 
 
-def spool_dir(state_dir: str | Path) -> Path:
-    return Path(state_dir) / SPOOL_NAME
+@dataclass(eq=False)
+class _Pending:
+    handler: Handler
+    request: dict[str, Any]
+    done: threading.Event = field(default_factory=threading.Event)
+    taken: bool = False
+    answer: dict[str, Any] | None = None
+    refusal: ControlError | None = None
 
 
-# -- plugin side ---------------------------------------------------------------------
+class ControlQueue:
+    """Control requests from the status socket's worker to the health monitor's thread:
+    `register` the actions, `submit` (any thread), `poll` (the monitor), `close`."""
 
-
-class ControlChannel:
-    """Consumes the spool in the plugin. `register` the actions, then `activate()`
-    once, `poll()` often, `close()` on shutdown."""
-
-    def __init__(self, state_dir: str | Path, *, node_name: str = "") -> None:
-        self.dir = spool_dir(state_dir)
+    def __init__(self, *, node_name: str = "") -> None:
         self._node = node_name
+        self._started = time.time()
         self._handlers: dict[str, Handler] = {}
-        self._last_beat = 0.0
-        self._active = False
+        self._pending: deque[_Pending] = deque()
+        self._lock = threading.Lock()
+        self._closed = False
         self.handled = 0
 
     def register(self, action: str, handler: Handler) -> None:
@@ -99,264 +95,135 @@ class ControlChannel:
             raise ValueError(f"control action {action!r} registered twice")
         self._handlers[action] = handler
 
+    def register_all(self, handlers: Mapping[str, Handler]) -> None:
+        for action, handler in handlers.items():
+            self.register(action, handler)
+
     @property
     def actions(self) -> tuple[str, ...]:
         return tuple(sorted(self._handlers))
 
-    def activate(self) -> None:
-        """Create the spool (root-only) and announce this plugin in `ACTIVE`."""
-        self.dir.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        with contextlib.suppress(FileExistsError):
-            self.dir.mkdir(mode=0o700)
-        st = os.lstat(self.dir)
-        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
-            raise ControlError(f"{self.dir} is not a directory owned by uid {os.geteuid()}")
-        os.chmod(self.dir, 0o700)
-        # Requests left by a previous plugin instance are stale: drop them.
-        for entry in os.listdir(self.dir):
-            if entry.startswith(("req-", "res-", ".")):
-                with contextlib.suppress(OSError):
-                    os.unlink(self.dir / entry)
-        marker = {
+    def describe(self) -> dict[str, Any]:
+        """`GET /control`: this plugin and the actions it accepts."""
+        return {
             "pid": os.getpid(),
             "node": self._node,
-            "started": time.time(),
+            "started": self._started,
             "actions": list(self.actions),
         }
-        atomic_write(self.dir / ACTIVE_NAME, json.dumps(marker).encode(), mode=0o600)
-        self._last_beat = time.monotonic()
-        self._active = True
-        log.info("control channel active at %s (actions: %s)", self.dir, ", ".join(self.actions))
 
-    def close(self) -> None:
-        if self._active:
-            self._active = False
-            with contextlib.suppress(OSError):
-                os.unlink(self.dir / ACTIVE_NAME)
+    # -- the status socket's side ----------------------------------------------------
+
+    def submit(
+        self, action: str, request: dict[str, Any], *, timeout: float = DEFAULT_TAKE_SECONDS
+    ) -> dict[str, Any]:
+        """The answer (`ok` true) once the monitor applied the request. Raises
+        UnknownAction, ControlError (the action refused it) or NotTaken."""
+        handler = self._handlers.get(action)
+        if handler is None:
+            raise UnknownAction(
+                f"action {action!r} is not accepted by this plugin "
+                f"(it accepts: {', '.join(self.actions) or 'none'})"
+            )
+        pending = _Pending(handler, request)
+        with self._lock:
+            if self._closed:
+                raise NotTaken("the plugin is stopping")
+            self._pending.append(pending)
+        if not pending.done.wait(timeout):
+            with self._lock:
+                if not pending.taken:
+                    self._pending.remove(pending)
+                    raise NotTaken(
+                        f"the health monitor did not take the request within {timeout:g}s; "
+                        "request withdrawn"
+                    )
+            if not pending.done.wait(MAX_ANSWER_SECONDS):
+                raise NotTaken(
+                    "the health monitor took the request but did not answer within "
+                    f"{MAX_ANSWER_SECONDS:.0f}s: its outcome is unknown"
+                )
+        if pending.refusal is not None:
+            raise pending.refusal
+        assert pending.answer is not None
+        return {"ok": True, **pending.answer}
+
+    # -- the health monitor's side ---------------------------------------------------
 
     def poll(self) -> int:
-        """Handle every pending request; returns how many were handled."""
-        if not self._active:
-            return 0
-        now = time.monotonic()
-        if now - self._last_beat >= HEARTBEAT_SECONDS:
-            self._last_beat = now
-            try:
-                os.utime(self.dir / ACTIVE_NAME, follow_symlinks=False)
-            except FileNotFoundError:
-                log.warning("control channel: %s vanished; recreating it", self.dir / ACTIVE_NAME)
-                self.activate()
-        try:
-            names = sorted(os.listdir(self.dir))
-        except FileNotFoundError:
-            self.activate()
-            return 0
+        """Apply every pending request, in order; how many were applied."""
         count = 0
-        for name in names:
-            match = _REQUEST_RE.match(name)
-            if match is None:
-                continue
-            answer = self._handle_file(self.dir / name)
-            with contextlib.suppress(OSError):
-                os.unlink(self.dir / name)
+        while True:
+            with self._lock:
+                if not self._pending:
+                    break
+                pending = self._pending.popleft()
+                pending.taken = True
             try:
-                atomic_write(
-                    self.dir / f"res-{match.group(1)}.json",
-                    json.dumps(answer).encode(),
-                    mode=0o600,
-                    durable=False,
-                )
-            except OSError as err:
-                log.error("control channel: cannot answer %s: %s", name, err)
+                pending.answer = pending.handler(pending.request)
+            except ControlError as err:
+                log.warning("control: refused %s: %s", pending.request.get("action"), err)
+                pending.refusal = err
+            except Exception as err:  # a bug: answered, and the monitor goes on
+                log.exception("control: %s failed", pending.request.get("action"))
+                pending.refusal = ControlError(f"the plugin failed to apply it: {err}")
+            pending.done.set()
             count += 1
         self.handled += count
         return count
 
-    def _handle_file(self, path: Path) -> dict[str, Any]:
+    def close(self) -> None:
+        """Refuse what is pending and every later request (the monitor stops)."""
+        with self._lock:
+            self._closed = True
+            while self._pending:
+                pending = self._pending.popleft()
+                pending.taken = True
+                pending.refusal = NotTaken("the plugin is stopping")
+                pending.done.set()
+
+    # -- HTTP ------------------------------------------------------------------------
+
+    def respond(self, request: Request) -> Response:
+        """`GET /control` and `POST /control/<action>` (the module docstring)."""
+        if request.path == PATH:
+            if request.method not in ("GET", "HEAD"):
+                return Response(HTTPStatus.METHOD_NOT_ALLOWED, b"GET only\n", allow="GET, HEAD")
+            return _json(HTTPStatus.OK, self.describe())
+        if request.method != "POST":
+            return Response(HTTPStatus.METHOD_NOT_ALLOWED, b"POST only\n", allow="POST")
+        action = request.path.removeprefix(PATH + "/")
         try:
-            request = _read_request(path)
-            action = request.get("action")
-            handler = self._handlers.get(str(action))
-            if handler is None:
-                if action in LEGACY_ACTIONS or action == "clear":
-                    raise ControlError(
-                        f"action {action!r} is not accepted by this plugin "
-                        f"(it accepts: {', '.join(self.actions) or 'none'})"
-                    )
-                raise ControlError(f"unknown action {action!r}")
-            answer = handler(request)
-        except (ControlError, OSError) as err:
-            log.warning("control channel: refused %s: %s", path.name, err)
-            return {"ok": False, "message": str(err)}
-        return {"ok": True, **answer}
-
-
-def _read_request(path: Path) -> dict[str, Any]:
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
-            raise ControlError("request file is not a regular file owned by root")
-        data = os.read(fd, MAX_REQUEST_BYTES + 1)
-    finally:
-        os.close(fd)
-    if len(data) > MAX_REQUEST_BYTES:
-        raise ControlError("request too large")
-    return _json_object(data, "malformed request")
-
-
-def _json_object(data: bytes, what: str) -> dict[str, Any]:
-    try:
-        doc = json.loads(data)
-    except ValueError as err:
-        raise ControlError(f"{what}: {err}") from None
-    if not isinstance(doc, dict):
-        raise ControlError(f"{what}: not an object")
-    return doc
-
-
-# -- CLI side ------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class PluginMarker:
-    """The running plugin, as its `ACTIVE` marker announces it."""
-
-    pid: int | None
-    node: str
-    started: float | None
-    actions: tuple[str, ...]
-    lists_actions: bool  # False: a plugin that predates the list (mock actions only)
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "pid": self.pid,
-            "node": self.node,
-            "started": self.started,
-            "actions": list(self.actions),
-        }
-
-
-def check_spool(directory: Path) -> None:
-    """ControlError unless `directory` is the spool a plugin made: a directory itself
-    (not a symlink to one), owned by this user, writable by nobody else."""
-    st = os.lstat(directory)
-    if stat.S_ISLNK(st.st_mode):
-        raise ControlError(f"{directory} is a symbolic link; refusing to use it")
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o022:
-        raise ControlError(
-            f"{directory} is not a directory owned by uid {os.geteuid()} and closed to "
-            "others; refusing to use it"
-        )
-
-
-def check_active(
-    state_dir: str | Path, *, now: float | None = None, wanted: str = "kubelet plugin"
-) -> PluginMarker:
-    """The `ACTIVE` marker of a live plugin consuming the spool, or ControlError.
-    `wanted` names the plugin the caller needs, for the message."""
-    directory = spool_dir(state_dir)
-    marker = directory / ACTIVE_NAME
-    try:
-        check_spool(directory)
-        st = os.lstat(marker)
-        doc = json.loads(read_file_nofollow(marker))
-    except FileNotFoundError:
-        raise ControlError(
-            f"no {wanted} is consuming {directory} (no {ACTIVE_NAME} marker). Run this "
-            "inside the plugin's pod (kubectl exec), or pass --state-dir with the "
-            "plugin's data directory"
-        ) from None
-    except PermissionError:
-        raise ControlError(permission_denied(directory)) from None
-    except UnsafeFileError as err:
-        raise ControlError(f"cannot read {marker}: {err.strerror}") from None
-    except (OSError, ValueError) as err:
-        raise ControlError(f"cannot read {marker}: {err}") from None
-    if not isinstance(doc, dict):
-        raise ControlError(f"cannot read {marker}: not a JSON object")
-    age = (time.time() if now is None else now) - st.st_mtime
-    if age > STALE_AFTER_SECONDS:
-        raise ControlError(
-            f"the plugin that owned {directory} (pid {doc.get('pid', '?')}) is not running: "
-            f"its {ACTIVE_NAME} marker is {age:.0f}s old"
-        )
-    listed = doc.get("actions")
-    lists_actions = isinstance(listed, list)
-    pid, started = doc.get("pid"), doc.get("started")
-    return PluginMarker(
-        pid=pid if isinstance(pid, int) else None,
-        node=str(doc.get("node", "")),
-        started=float(started) if isinstance(started, int | float) else None,
-        actions=tuple(str(a) for a in listed) if isinstance(listed, list) else LEGACY_ACTIONS,
-        lists_actions=lists_actions,
-    )
-
-
-def require_action(marker: PluginMarker, action: str, *, why: str = "") -> None:
-    """ControlError unless the running plugin accepts `action`."""
-    if action in marker.actions:
-        return
-    pid = marker.pid if marker.pid is not None else "?"
-    if not marker.lists_actions:
-        detail = "it predates this command (upgrade the driver on this node)"
-    else:
-        detail = f"it accepts: {', '.join(marker.actions) or 'none'}"
-    raise ControlError(f"the running plugin (pid {pid}) does not accept {action!r}{why}: {detail}")
-
-
-def deliver(
-    state_dir: str | Path,
-    request: dict[str, Any],
-    *,
-    timeout: float,
-    marker: PluginMarker | None = None,
-    wanted: str = "kubelet plugin",
-) -> dict[str, Any]:
-    """Deliver `request` to the running plugin and return its answer (`ok` may be
-    False: the plugin refused). Raises ControlError when no plugin that accepts the
-    action consumes the spool, or it did not answer within `timeout` seconds (the
-    request is then withdrawn; it may have been applied if the plugin took it just
-    before the withdrawal: the message says so)."""
-    action = str(request.get("action"))
-    if marker is None:
-        marker = check_active(state_dir, wanted=wanted)
-    require_action(marker, action)
-    directory = spool_dir(state_dir)
-    try:
-        check_spool(directory)
-    except OSError as err:
-        raise ControlError(f"cannot use {directory}: {err}") from None
-    ident = f"{time.time_ns():016x}{secrets.token_hex(4)}"
-    req = directory / f"req-{ident}.json"
-    res = directory / f"res-{ident}.json"
-    try:
-        atomic_write(req, json.dumps(request).encode(), mode=0o600, durable=False)
-    except PermissionError:
-        raise ControlError(permission_denied(directory)) from None
-    except OSError as err:
-        raise ControlError(f"cannot write {req}: {err}") from None
-    deadline = time.monotonic() + timeout
-    while True:
+            doc = json.loads(request.body)
+        except ValueError as err:
+            return _refusal(HTTPStatus.BAD_REQUEST, f"malformed request: {err}")
+        if not isinstance(doc, dict):
+            return _refusal(HTTPStatus.BAD_REQUEST, "malformed request: not a JSON object")
+        doc["action"] = action
         try:
-            data = read_file_nofollow(res)
-            break
-        except FileNotFoundError:
-            pass
-        except UnsafeFileError as err:
-            raise ControlError(f"cannot read the plugin's answer {res}: {err.strerror}") from None
-        if time.monotonic() >= deadline:
-            try:
-                os.unlink(req)
-            except FileNotFoundError:
-                taken = " (it had taken the request: its outcome is unknown)"
-            else:
-                taken = "; request withdrawn"
-            raise ControlError(
-                f"the plugin (pid {marker.pid if marker.pid is not None else '?'}) did not "
-                f"answer within {timeout:.0f}s{taken}"
-            )
-        time.sleep(0.02)
-    with contextlib.suppress(OSError):
-        os.unlink(res)
-    return _json_object(data, "unreadable answer from the plugin")
+            answer = self.submit(action, doc, timeout=_take_timeout(request.target))
+        except UnknownAction as err:
+            return _refusal(HTTPStatus.NOT_FOUND, str(err), actions=list(self.actions))
+        except NotTaken as err:
+            return _refusal(HTTPStatus.SERVICE_UNAVAILABLE, str(err))
+        except ControlError as err:
+            return _refusal(HTTPStatus.UNPROCESSABLE_ENTITY, str(err))
+        return _json(HTTPStatus.OK, answer)
+
+
+def _take_timeout(target: str) -> float:
+    """`?timeout=<seconds>` (how long the client waits), within 0..MAX_TAKE_SECONDS."""
+    given = parse_qs(urlsplit(target).query).get("timeout")
+    try:
+        seconds = float(given[0]) if given else DEFAULT_TAKE_SECONDS
+    except ValueError:
+        seconds = DEFAULT_TAKE_SECONDS
+    return min(max(seconds, 0.0), MAX_TAKE_SECONDS) if seconds == seconds else 0.0
+
+
+def _json(status: HTTPStatus, doc: dict[str, Any]) -> Response:
+    return Response(status, json.dumps(doc).encode() + b"\n", "application/json")
+
+
+def _refusal(status: HTTPStatus, message: str, **more: Any) -> Response:
+    return _json(status, {"ok": False, "message": message, **more})

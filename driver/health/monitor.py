@@ -2,11 +2,11 @@
 
 `HealthMonitor` waits on NVML events through the backend with a short timeout
 (100 ms by default, so an event becomes a published taint quickly and shutdown is
-prompt; 20 ms over the mock, whose injected events arrive through the control spool
-read between waits), classifies each event (`XidPolicy`), records fatal ones in the
-`HealthStore`, clears a GPU on `recovered`, and asks the slice publisher to
-republish. It never dies: any exception is logged and followed by a short backoff;
-an event set that failed is reopened.
+prompt; the plugin passes its backend's `event_wait_ms`: 20 ms over the mock, whose
+injected events arrive as control requests taken between waits), classifies each
+event (`XidPolicy`), records fatal ones in the `HealthStore`, clears a GPU on
+`recovered`, and asks the slice publisher to republish. It never dies: any exception
+is logged and followed by a short backoff; an event set that failed is reopened.
 
 A fatal Xid NVML attributes to a MIG GPU instance fails that instance only: the
 monitor asks NVML for the GPU's live instances (`MigManager.instances`) at that
@@ -15,12 +15,12 @@ that partition exists, and records the failure under the instance's placement. I
 the instance is gone already (or the lookup fails), the whole GPU is failed: a
 fatal error must never be dropped for want of an address.
 
-With `data_dir`, the monitor also serves the plugin's control channel
-(`driver.health.control`): it announces itself on `start()`, polls the spool before
-every event wait and withdraws on `stop()`. Every backend accepts `clear`
-(`driver.health.clear`, `gpu-dra health clear`); a backend over the mock NVML
-(`NvmlBackend.mock_module`) also the mock actions
-(`driver.health.mock_control`, `gpu-dra mock ...`).
+The monitor also applies the plugin's control requests (`control`, a
+`driver.health.control.ControlQueue`, which the status socket hands them to): it takes
+them before every event wait, and refuses those still pending on `stop()`. It accepts
+`clear` (`driver.health.clear`, `gpu-dra health clear`) and the `control_actions` it
+is given: the plugin passes its backend's (`NvmlBackend.control_actions`; the mock's
+`gpu-dra mock ...`), none on real NVML.
 
 With `node_events`, every change of a GPU's taints is also an Event on the Node
 (`driver.health.node_events`). The per-GPU metrics (`gpu_dra_gpu_healthy`,
@@ -36,17 +36,15 @@ import contextlib
 import logging
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from pathlib import Path
 from typing import Protocol
 
 from driver.health.clear import ClearAction, Publisher
-from driver.health.control import ControlChannel
+from driver.health.control import ControlQueue, Handler
 from driver.health.gpu_metrics import (
     GpuHealthMetrics,
     published_gpu_names,
     tainted_device_names,
 )
-from driver.health.mock_control import MockActions
 from driver.health.node_events import EventSink, TaintEvents
 from driver.health.recovery import RecoveryActions, RecoveryChange, recovery_event
 from driver.health.store import Devices, HealthStore, Placement, device_list
@@ -62,9 +60,6 @@ from driver.observability import metrics
 log = logging.getLogger(__name__)
 
 DEFAULT_WAIT_TIMEOUT_MS = 100
-# Over the mock, an injected event reaches the plugin through the control spool, which
-# is read between waits: the shorter wait stands in for NVML waking the wait at once.
-MOCK_WAIT_TIMEOUT_MS = 20
 ECC_DBE_XID = 48  # NVIDIA's Xid for a double-bit ECC error
 
 
@@ -118,8 +113,8 @@ class HealthMonitor:
         publisher: Publisher | None,
         devices: Devices = (),
         *,
-        data_dir: str | Path | None = None,
         node_name: str = "",
+        control_actions: Mapping[str, Handler] | None = None,
         wait_timeout_ms: int = DEFAULT_WAIT_TIMEOUT_MS,
         pollers: Sequence[Callable[[], object]] = (),
         error_backoff: float = 0.5,
@@ -165,27 +160,19 @@ class HealthMonitor:
         )
         self._wait_ms = wait_timeout_ms
         self._pollers = list(pollers)
-        # The control channel (`gpu-dra health clear`, `gpu-dra mock ...`), polled on
+        # The control requests (`gpu-dra health clear`, `gpu-dra mock ...`), taken on
         # every wait.
-        self.control: ControlChannel | None = None
-        if data_dir is not None:
-            self.control = ControlChannel(data_dir, node_name=node_name)
-            ClearAction(
-                store,
-                self._devices,
-                publisher,
-                on_change=self._update_gauge,
-                taint_events=self._taint_events,
-                recovery=recovery,
-            ).register_on(self.control)
-            mock_module = getattr(backend, "mock_module", None)
-            if mock_module is not None:
-                mock_actions = MockActions(
-                    mock_module, self._devices, mig_instances=self._mig_instances
-                )
-                mock_actions.register_on(self.control)
-                self._wait_ms = min(self._wait_ms, MOCK_WAIT_TIMEOUT_MS)
-            self._pollers.append(self.control.poll)
+        self.control = ControlQueue(node_name=node_name)
+        ClearAction(
+            store,
+            self._devices,
+            publisher,
+            on_change=self._update_gauge,
+            taint_events=self._taint_events,
+            recovery=recovery,
+        ).register_on(self.control)
+        self.control.register_all(control_actions or {})
+        self._pollers.append(self.control.poll)
         self._backoff0 = error_backoff
         self._max_backoff = max_backoff
         self._backoff = error_backoff
@@ -210,8 +197,6 @@ class HealthMonitor:
         log.info("health monitor: %s", self._policy.describe())
         if self._node_events is not None:
             self._node_events.start()
-        if self.control is not None:
-            self.control.activate()
         self._thread = threading.Thread(target=self._run, name=self.THREAD_NAME, daemon=True)
         self._thread.start()
 
@@ -222,8 +207,7 @@ class HealthMonitor:
             if self._thread.is_alive():
                 log.warning("health monitor did not stop within %.1fs", timeout)
         self._close()
-        if self.control is not None:
-            self.control.close()
+        self.control.close()
         if self._node_events is not None:
             self._node_events.stop(timeout)
 
@@ -252,7 +236,7 @@ class HealthMonitor:
 
     @property
     def wait_timeout_ms(self) -> int:
-        """How long one NVML event wait may take; the control spool is read between."""
+        """How long one NVML event wait may take; control requests are taken between."""
         return self._wait_ms
 
     # -- one iteration -----------------------------------------------------------------

@@ -1,21 +1,26 @@
 """NVML discovery and health events over a pynvml-compatible module.
 
-`NvmlBackend(module)` takes the real `pynvml` module or a `MockNvml` instance and only
-calls functions that exist in real pynvml (tests/unit/test_pynvml_contract.py checks
-names and signatures). Discovery lives in `driver.nvml.discovery`, the health event
-set in `driver.nvml.events`, the recovery action in `driver.nvml.recovery`, the
+`NvmlBackend(module)` takes the real `pynvml` module (or a pynvml-compatible one) and
+only calls functions that exist in real pynvml (tests/unit/test_pynvml_contract.py
+checks names and signatures). Discovery lives in `driver.nvml.discovery`, the health
+event set in `driver.nvml.events`, the recovery action in `driver.nvml.recovery`, the
 counted calls in `driver.nvml.calls` and loading the library in
 `driver.nvml.library`; this module puts them together for one process.
+
+`select_backend` is the only way to the mock (`driver.nvml.mock`): with `mock=False`
+nothing of it is imported. The mock's backend (`driver.nvml.mock.backend.MockBackend`)
+is an `NvmlBackend` whose hooks bring its stand-ins along: time-slice settings and an
+MPS control daemon under its own driver root, the reference's published model, its
+control actions (`control_actions`) and a shorter event wait (`event_wait_ms`).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import sys
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from driver.nvml.calls import CountingModule
 from driver.nvml.discovery import discover_inventory
@@ -28,76 +33,65 @@ from driver.nvml.timeslice import NvidiaSmiTimeSlice
 from driver.nvml.types import HealthEvent, Inventory
 
 if TYPE_CHECKING:
-    from driver.nvml.mock.nvml import MockNvml
-    from driver.nvml.mock.timeslice import MockTimeSlice
-
-_MOCK_MODULE = "driver.nvml.mock.nvml"
+    from driver.state.timeslice import TimeSliceOps
 
 log = logging.getLogger(__name__)
+
+# A control action's handler (`driver.health.control.Handler`): the request's JSON
+# object -> the answer's fields; raises `driver.health.control.ControlError` to refuse.
+ControlHandler = Callable[[dict[str, Any]], dict[str, Any]]
+MigInstances = Callable[[str], Iterable[Any]]  # GPU UUID -> its live GPU instances
 
 
 class NvmlBackend:
     """Discovery and health events through a pynvml-compatible module."""
 
+    # How long the health monitor's one NVML event wait may take: NVML ends a wait at
+    # once for an event, so this only bounds how late a control request is taken.
+    event_wait_ms: ClassVar[int] = 100
+
     def __init__(
-        self, module: Any, *, backend_name: str | None = None, kernel_root: Path = Path("/")
+        self, module: Any, *, backend_name: str = "nvml", kernel_root: Path = Path("/")
     ) -> None:
         self._nvml = CountingModule(module)
         # Where the kernel's /proc of these GPUs is (device majors, MIG capabilities):
         # the host's, or the mock driver root the mock writes its own into.
         self.kernel_root = kernel_root
-        self._mock = module if _is_mock(module) else None
-        if backend_name is None:
-            backend_name = "nvml" if self._mock is None else "mock"
         self.backend_name = backend_name
         self._events = HealthEventSet(self._nvml)
         self._recovery = RecoveryActionReader(self._nvml)
-        self._timeslice: NvidiaSmiTimeSlice | MockTimeSlice | None = None
+        self._timeslice: TimeSliceOps | None = None
         self._mig = MigManager(self._nvml)
 
     @property
     def module(self) -> Any:
         return self._nvml.wrapped
 
-    @property
-    def mock_module(self) -> MockNvml | None:
-        """The mock NVML this backend runs over (its fault injection: `gpu-dra mock`)."""
-        return self._mock
-
     def mig(self) -> MigManager:
         """The MIG lifecycle on this backend's GPUs (calls are counted like all others):
         one manager, so its per-GPU serialisation holds for every caller."""
         return self._mig
 
-    def timeslice(self, driver_root: Path | str) -> NvidiaSmiTimeSlice | MockTimeSlice:
+    def timeslice(self, driver_root: Path | str) -> TimeSliceOps:
         """GPU time-slice intervals on this backend's GPUs: `nvidia-smi` from
-        `driver_root` (the plugin's `--nvidia-driver-root`), or, for the mock, its
-        settings kept under the mock's own driver root (`driver_root` is unused)."""
+        `driver_root` (the plugin's `--nvidia-driver-root`)."""
         if self._timeslice is None:
-            if self._mock is not None:
-                from driver.nvml.mock.timeslice import MockTimeSlice
-
-                uuids = [gpu.uuid for gpu in self._mock.gpus]
-                self._timeslice = MockTimeSlice(
-                    self._mock.mig_store.root, uuids, is_lost=self._mock.is_lost
-                )
-            else:
-                self._timeslice = NvidiaSmiTimeSlice(driver_root)
+            self._timeslice = self._new_timeslice(driver_root)
         return self._timeslice
 
-    def mps(self, driver_root: Path | str) -> MpsControl | None:
-        """MPS control daemons from `driver_root`'s `nvidia-cuda-mps-control` (the
-        mock: the stand-in its own driver root holds), None where there is none."""
-        if self._mock is not None:
-            root = self._mock.mig_store.root
-            if root is None:
-                return None
-            from driver.nvml.mock.mps_control import install_mps_control
+    def _new_timeslice(self, driver_root: Path | str) -> TimeSliceOps:
+        return NvidiaSmiTimeSlice(driver_root)
 
-            install_mps_control(root)
-            driver_root = root
+    def mps(self, driver_root: Path | str) -> MpsControl | None:
+        """MPS control daemons from `driver_root`'s `nvidia-cuda-mps-control`, None
+        where there is none."""
         control = MpsControl(driver_root)
         return control if control.available() else None
+
+    def control_actions(self, devices: Any) -> Mapping[str, ControlHandler]:
+        """The control actions this backend adds to the plugin's (`driver.health.control`)
+        for the published `devices`: none on real NVML."""
+        return {}
 
     @property
     def nvml_calls(self) -> dict[str, int]:
@@ -107,11 +101,7 @@ class NvmlBackend:
 
     def discover(self) -> Inventory:
         """Walk every GPU NVML reports; GPUs that are lost are skipped with a warning."""
-        inventory = discover_inventory(self._nvml, self.backend_name, self._mig)
-        if self._mock is not None:
-            # The mock's `example` profile publishes the reference's model, not NVML's.
-            inventory = self._mock.as_published(inventory)
-        return inventory
+        return discover_inventory(self._nvml, self.backend_name, self._mig)
 
     def open_event_set(self) -> None:
         """Initialise NVML and register every GPU for health-relevant events."""
@@ -139,13 +129,6 @@ class NvmlBackend:
         return self._events.wait(timeout_ms)
 
 
-def _is_mock(module: Any) -> bool:
-    """Whether `module` is a MockNvml, without importing the mock on the real path: a
-    MockNvml instance can only exist once its module has been imported."""
-    mock_module = sys.modules.get(_MOCK_MODULE)
-    return mock_module is not None and isinstance(module, mock_module.MockNvml)
-
-
 def check_mock_fleet(fleet_path: str | Path | None) -> None:
     """ValueError where the mock fleet (a YAML file or a built-in name) cannot be
     loaded: the plugin's settings check it before anything touches the host."""
@@ -170,24 +153,9 @@ def select_backend(
     accident on a real GPU node.
     """
     if mock:
-        from driver.nvml.mock.fleet import resolve_fleet
-        from driver.nvml.mock.nvml import MockNvml
+        from driver.nvml.mock.backend import mock_backend  # the only way to the mock
 
-        if not node_name:
-            raise ValueError("the mock backend needs a node name (UUIDs derive from it)")
-        fleet = resolve_fleet(fleet_path)
-        count = sum(g.count for g in fleet.gpus)
-        log.warning(
-            "USING MOCK NVML: %d fake GPU(s) (%s) for node %s from %s; these are not real devices",
-            count,
-            ", ".join(f"{g.count}x{g.model}" for g in fleet.gpus),
-            node_name,
-            fleet_path or "the built-in default fleet",
-        )
-        return NvmlBackend(
-            MockNvml(fleet, node_name, driver_root=mock_driver_root),
-            kernel_root=mock_driver_root or Path("/"),
-        )
+        return mock_backend(fleet_path, node_name, mock_driver_root)
     try:
         import pynvml
     except ImportError as err:  # pragma: no cover - pynvml is a hard dependency

@@ -1,13 +1,21 @@
-"""The plugin's status socket: GET /status (the JSON document `gpu-dra status`,
-`health` and `inventory` read) and /healthz, over HTTP on a Unix socket in the
-plugin's data directory on the host (`status.sock`), mode 0600: only root on the node
-(a node-problem-detector plugin, `kubectl debug node/...`, or `kubectl exec` into the
-plugin pod, where the directory is mounted at the same path) can open it. No port in
-the pod network answers /status.
+"""The plugin's status socket: HTTP on a Unix socket in the plugin's data directory on
+the host (`status.sock`), mode 0600: only root on the node (a node-problem-detector
+plugin, `kubectl debug node/...`, or `kubectl exec` into the plugin pod, where the
+directory is mounted at the same path) can open it. No port in the pod network answers
+any of these paths:
+
+- `GET /status`: the JSON document `gpu-dra status`, `health` and `inventory` read.
+- `GET /healthz`.
+- `GET /control` and `POST /control/<action>`: the plugin's control requests
+  (`gpu-dra health clear`, and on the mock backend `gpu-dra mock ...`), handed to
+  `control` (`driver.health.control.ControlQueue.respond`, whose docstring gives the
+  requests and answers); 404 where the server has no `control`.
 
 Served by the same bounded server as the HTTP port (`driver.observability.bounded_http`),
-with its limits: a deadline per request, at most 16 open connections,
-one worker rendering /status (at most once a second while requests wait).
+with its limits: a deadline per request, at most 16 open connections, request bodies
+of at most 64 KiB (only POST /control has one), two workers: a control request holds
+one until the health monitor applied it, and /status is rendered at most once a
+second while requests wait.
 
 During a rolling update the socket belongs to the plugin instance that serves the node
 (`ServingStatusSocket`, driver.plugin.instances): an instance binds it each time it
@@ -36,9 +44,13 @@ log = logging.getLogger(__name__)
 SOCKET_NAME: Final = "status.sock"
 # Root on one node is the only client: a few connections are plenty, and every one of
 # them is within the limits (`max_per_peer`: a Unix socket's clients share no address).
-LIMITS: Final = Limits(max_connections=16, max_per_peer=16, workers=1, max_queued=8)
+LIMITS: Final = Limits(
+    max_connections=16, max_per_peer=16, workers=2, max_queued=8, max_body=64 << 10
+)
+CONTROL: Final = "/control"
 
 Status = Callable[[], dict[str, Any]]
+Control = Callable[[Request], Response]  # GET /control, POST /control/<action>
 
 
 def status_socket_path(data_dir: Path) -> Path:
@@ -46,12 +58,19 @@ def status_socket_path(data_dir: Path) -> Path:
 
 
 class StatusSocketServer(BoundedHttpServer):
-    """Serves /status and /healthz on the Unix socket `path` (see the module docstring);
-    `shutdown()` removes the socket unless a newer instance has replaced it."""
+    """Serves /status, /healthz and /control on the Unix socket `path` (see the module
+    docstring); `shutdown()` removes the socket unless a newer instance has replaced it."""
 
     def __init__(
-        self, path: Path, status: Status, healthy: Healthy, limits: Limits = LIMITS
+        self,
+        path: Path,
+        status: Status,
+        healthy: Healthy,
+        limits: Limits = LIMITS,
+        *,
+        control: Control | None = None,
     ) -> None:
+        self._control = control
         self._unix: UnixListener = listen_unix(path, 0o600)
         self._status = CachedRender(
             lambda: json.dumps(status(), indent=2).encode() + b"\n", RENDER_MAX_AGE
@@ -78,6 +97,10 @@ class StatusSocketServer(BoundedHttpServer):
     server_close = shutdown
 
     def _respond(self, request: Request) -> Response:
+        if request.path == CONTROL or request.path.startswith(CONTROL + "/"):
+            if self._control is None:
+                return Response(HTTPStatus.NOT_FOUND, b"not found\n")
+            return self._control(request)
         if request.method not in ("GET", "HEAD"):
             return Response(HTTPStatus.METHOD_NOT_ALLOWED, b"GET only\n", allow="GET, HEAD")
         if request.path == "/status":

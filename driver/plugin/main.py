@@ -32,6 +32,7 @@ from driver.observability import metrics
 from driver.observability.http import HttpServer
 from driver.observability.logs import setup_logging
 from driver.observability.status_socket import (
+    Control,
     ServingStatusSocket,
     Status,
     StatusSocketServer,
@@ -232,8 +233,10 @@ class Plugin:
             policy,
             publisher,
             devices,
-            data_dir=o.data_dir,
             node_name=o.node_name,
+            # What the backend adds: on the mock, its `gpu-dra mock ...` and wait.
+            control_actions=backend.control_actions(devices),
+            wait_timeout_ms=backend.event_wait_ms,
             gpu_names={gpu.uuid: gpu.name for gpu in gpus},
             node_events=NodeEvents(api, driver=o.driver_name, node_name=o.node_name),
             driver=o.driver_name,
@@ -301,7 +304,9 @@ class Plugin:
             succession=succession,
         )
         status_socket = ServingStatusSocket(
-            lambda: bind_status_socket(o.data_dir, status.document, healthz)
+            lambda: bind_status_socket(
+                o.data_dir, status.document, healthz, control=monitor.control.respond
+            )
         )
         succession.on_change(lambda serving: serving and publisher.trigger())
         succession.on_change(status_socket.serving)
@@ -371,11 +376,14 @@ def bind_http(port: int, healthz: Healthz) -> HttpServer | None:
         raise ValueError(f"--http-port {port}: cannot listen: {err.strerror or err}") from err
 
 
-def bind_status_socket(data_dir: Path, status: Status, healthz: Healthz) -> StatusSocketServer:
-    """The status socket in `data_dir`, bound (mode 0600) but not yet served."""
+def bind_status_socket(
+    data_dir: Path, status: Status, healthz: Healthz, *, control: Control | None = None
+) -> StatusSocketServer:
+    """The status socket in `data_dir`, bound (mode 0600) but not yet served; it hands
+    /control to `control` (the health monitor's control requests)."""
     path = status_socket_path(data_dir)
     try:
-        return StatusSocketServer(path, status, healthz)
+        return StatusSocketServer(path, status, healthz, control=control)
     except OSError as err:
         raise ValueError(f"status socket {path}: cannot listen: {err.strerror or err}") from err
 

@@ -298,8 +298,8 @@ def _kubelet_pid() -> int:
 
 
 def _mock(*args: str) -> None:
-    """`gpu-dra mock` on the host: the plugin's spool directory is a host path, so the
-    injection needs no kubectl exec (which needs the kubelet)."""
+    """`gpu-dra mock` on the host: the plugin's status socket is in its data directory,
+    a host path, so the injection needs no kubectl exec (which needs the kubelet)."""
     proc = subprocess.run([str(MOCK_CLI), "mock", *args], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
 

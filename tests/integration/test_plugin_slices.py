@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from driver.devices.model import build_pool
-from driver.nvml.backend import NvmlBackend
+from driver.nvml.mock.backend import MockBackend
 from driver.nvml.mock.fleet import default_fleet, parse_fleet
 from driver.nvml.mock.nvml import MockNvml
 from tests.conftest import Cluster, FakeNode
@@ -58,7 +58,7 @@ def pool(cluster: Cluster, node: FakeNode, plugin: PluginProcess) -> list[dict]:
 
 
 def test_default_fleet_is_accepted_with_mig_partitions(pool: list[dict], node: FakeNode) -> None:
-    expected = build_pool(NvmlBackend(MockNvml(default_fleet(), node.name)).discover())
+    expected = build_pool(MockBackend(MockNvml(default_fleet(), node.name)).discover())
     devices = published_devices(pool)
     assert set(devices) == {d.name for d in expected.devices}
     gpus = [n for n in devices if "-mig-" not in n]
@@ -209,7 +209,7 @@ def test_64_gpu_fleet_needs_several_slices(
     fleet = tmp_path / "fleet.yaml"
     fleet.write_text(json.dumps({"gpus": [{"model": "A100-80GB", "count": 64}]}))
     expected = build_pool(
-        NvmlBackend(
+        MockBackend(
             MockNvml(parse_fleet({"gpus": [{"model": "A100-80GB", "count": 64}]}), node.name)
         ).discover()
     )

@@ -23,7 +23,7 @@ from driver.devices.model import (
     build_pool,
 )
 from driver.kube.api import ApiError, KubeApi
-from driver.nvml.backend import NvmlBackend
+from driver.nvml.mock.backend import MockBackend
 from driver.nvml.mock.fleet import resolve_fleet
 from driver.nvml.mock.nvml import MockNvml
 from driver.proto.dra.v1 import api_pb2 as dra
@@ -191,7 +191,7 @@ def _pool(
     mig_strategy: str = "auto",
     allow_multiple_allocations: bool = False,
 ) -> PoolDevices:
-    inventory = NvmlBackend(MockNvml(resolve_fleet(fleet), node_name)).discover()
+    inventory = MockBackend(MockNvml(resolve_fleet(fleet), node_name)).discover()
     options = PoolOptions(
         driver_name=DRIVER,
         gpu_partitions=gpu_partitions,

@@ -14,6 +14,7 @@ from driver.nvml.discovery import format_cuda_driver_version, normalize_pci_bus_
 from driver.nvml.events import HealthEventSet
 from driver.nvml.library import NvmlUnavailableError
 from driver.nvml.mock import api as m
+from driver.nvml.mock.backend import MockBackend
 from driver.nvml.mock.fleet import default_fleet, example_fleet, mock_gpu_uuid, parse_fleet
 from driver.nvml.mock.nvml import MockNvml
 from driver.nvml.types import HealthEvent
@@ -52,7 +53,7 @@ def test_format_cuda_driver_version() -> None:
 
 def test_discover_default_fleet() -> None:
     nvml = MockNvml(default_fleet(), "node-a")
-    backend = be.NvmlBackend(nvml)
+    backend = MockBackend(nvml)
     inv = backend.discover()
     assert inv.backend == "mock"
     assert inv.driver_version == "580.95.05" and inv.cuda_driver_version == "13.0"
@@ -85,7 +86,7 @@ def test_discover_default_fleet() -> None:
 
 
 def test_discover_example_fleet_marks_reference_gpus() -> None:
-    inv = be.NvmlBackend(MockNvml(example_fleet(), "n")).discover()
+    inv = MockBackend(MockNvml(example_fleet(), "n")).discover()
     assert inv.driver_version == "1.0.0"
     for gpu in inv.gpus:
         assert gpu.reference_example and gpu.model == "LATEST-GPU-MODEL"
@@ -121,7 +122,7 @@ def test_mig_not_supported_means_not_capable() -> None:
 
 def test_mig_disabled_is_capable_but_not_enabled() -> None:
     fleet = parse_fleet({"gpus": [{"model": "A100-40GB", "migMode": "disabled"}]})
-    gpu = be.NvmlBackend(MockNvml(fleet, "n")).discover().gpus[0]
+    gpu = MockBackend(MockNvml(fleet, "n")).discover().gpus[0]
     assert gpu.mig_capable and not gpu.mig_enabled
     assert {p.name for p in gpu.partition_profiles} >= {"1g.5gb", "7g.40gb"}
 
@@ -138,7 +139,7 @@ def test_lost_gpu_is_skipped(caplog: pytest.LogCaptureFixture) -> None:
     nvml = MockNvml(default_fleet(), "n")
     nvml.inject_gpu_lost(nvml.gpus[2].uuid)
     with caplog.at_level(logging.WARNING):
-        inv = be.NvmlBackend(nvml).discover()
+        inv = MockBackend(nvml).discover()
     assert [g.index for g in inv.gpus] == [0, 1, 3, 4, 5, 6, 7]
     assert "lost" in caplog.text
 
@@ -152,13 +153,13 @@ def test_missing_library_is_a_clear_error() -> None:
 
 def _monitor(fleet_gpus: int = 2) -> tuple[MockNvml, be.NvmlBackend]:
     nvml = MockNvml(parse_fleet({"gpus": [{"model": "H100-80GB", "count": fleet_gpus}]}), "n")
-    backend = be.NvmlBackend(nvml)
+    backend = MockBackend(nvml)
     backend.open_event_set()
     return nvml, backend
 
 
 def test_wait_event_requires_an_event_set() -> None:
-    backend = be.NvmlBackend(MockNvml(default_fleet(), "n"))
+    backend = MockBackend(MockNvml(default_fleet(), "n"))
     with pytest.raises(RuntimeError):
         backend.wait_event(0)
 
@@ -267,7 +268,10 @@ def test_select_backend_with_fleet_file(tmp_path: Any) -> None:
 
 def test_only_the_backend_selection_reaches_the_mock() -> None:
     """The real NVML path never imports the mock: outside `driver/nvml/mock/`, only
-    the backend selection (`driver/nvml/backend.py`) names it."""
+    the backend selection (`driver/nvml/backend.py`) names it, and `gpu-dra mock`
+    (`driver/cli/mock.py`, the mock's own client: the requests it sends, imported when
+    it runs; tests/unit/test_real_backend_imports.py checks that building the CLI
+    imports nothing of the mock)."""
     driver_dir = Path(be.__file__).resolve().parents[1]
     importers = sorted(
         str(path.relative_to(driver_dir.parent))
@@ -275,4 +279,4 @@ def test_only_the_backend_selection_reaches_the_mock() -> None:
         if "mock" not in path.relative_to(driver_dir).parts[:2]
         and "driver.nvml.mock" in path.read_text()
     )
-    assert importers == ["driver/nvml/backend.py"]
+    assert importers == ["driver/cli/mock.py", "driver/nvml/backend.py"]

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from driver.devices.model import PoolOptions, PublishedDevice, build_pool
-from driver.nvml.backend import NvmlBackend
+from driver.nvml.mock.backend import MockBackend
 from driver.nvml.mock.fleet import parse_fleet
 from driver.nvml.mock.nvml import MockNvml
 from driver.state.booking import overlap, refuse_double_booking
@@ -34,7 +34,7 @@ from tests.unit.test_prepare import (
 )
 
 # Two A100-40GB with MIG off: gpu-0 and gpu-1 (or their `--gpu-partitions` devices).
-INVENTORY = NvmlBackend(
+INVENTORY = MockBackend(
     MockNvml(
         parse_fleet({"gpus": [{"model": "A100-40GB", "count": 2, "migMode": "disabled"}]}),
         NODE,

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from driver.devices import model as dm
-from driver.nvml.backend import NvmlBackend
+from driver.nvml.mock.backend import MockBackend
 from driver.nvml.mock.fleet import example_fleet, parse_fleet
 from driver.nvml.mock.nvml import MockNvml
 from driver.nvml.types import MigInstance
@@ -74,13 +74,13 @@ def classes_of(device: Doc, selectors: dict[str, str]) -> list[str]:
 
 
 def _pool(fleet: Any, options: dm.PoolOptions | None = None, **kwargs: Any) -> dm.PoolDevices:
-    return dm.build_pool(NvmlBackend(MockNvml(fleet, "n1")).discover(), options, **kwargs)
+    return dm.build_pool(MockBackend(MockNvml(fleet, "n1")).discover(), options, **kwargs)
 
 
 def _static_pool() -> dm.PoolDevices:
     """GPU 0 with an administrator's MIG device (static), GPU 1 dynamic."""
     fleet = parse_fleet({"gpus": [{"model": "H100-80GB", "count": 2}]})
-    inventory = NvmlBackend(MockNvml(fleet, "n1")).discover()
+    inventory = MockBackend(MockNvml(fleet, "n1")).discover()
     gpu = inventory.gpus[0]
     profile = next(p for p in gpu.partition_profiles if p.name == "3g.40gb")
     foreign = MigInstance(gpu.uuid, 2, profile.profile_id, (4, 4), ci_id=0, uuid="MIG-0002")

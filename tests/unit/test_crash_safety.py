@@ -36,7 +36,7 @@ from pathlib import Path
 
 from driver.devices.model import PoolOptions, build_pool
 from driver.errors import transient
-from driver.nvml.backend import NvmlBackend
+from driver.nvml.mock.backend import MockBackend
 from driver.nvml.mock.fleet import parse_fleet
 from driver.nvml.mock.nvml import MockNvml
 from driver.state.claims import ClaimRef
@@ -57,7 +57,7 @@ FLEET = parse_fleet(
 DEVICES = {
     d.name: d
     for d in build_pool(
-        NvmlBackend(MockNvml(FLEET, "node-a")).discover(),
+        MockBackend(MockNvml(FLEET, "node-a")).discover(),
         PoolOptions(allow_multiple_allocations=True),
     ).devices
 }
@@ -65,7 +65,7 @@ DEVICES = {
 
 def nvml(root):
     # The node's GPUs: MIG state lives under the driver root, like a real GPU's.
-    return NvmlBackend(MockNvml(FLEET, "node-a", driver_root=Path(root) / "driver-root"))
+    return MockBackend(MockNvml(FLEET, "node-a", driver_root=Path(root) / "driver-root"))
 
 
 class FileClaims:

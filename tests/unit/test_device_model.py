@@ -12,7 +12,7 @@ import pytest
 
 from driver.devices import documents
 from driver.devices import model as dm
-from driver.nvml.backend import NvmlBackend
+from driver.nvml.mock.backend import MockBackend
 from driver.nvml.mock.fleet import default_fleet, example_fleet, mock_gpu_uuid, parse_fleet
 from driver.nvml.mock.nvml import MockNvml
 from driver.nvml.types import GpuInfo, Inventory, MigInstance
@@ -29,7 +29,7 @@ def qty(text: str) -> Fraction:
 
 def inventory(fleet_data: dict[str, Any] | None = None, node: str = "node-a") -> Inventory:
     fleet = parse_fleet(fleet_data) if fleet_data else default_fleet()
-    return NvmlBackend(MockNvml(fleet, node)).discover()
+    return MockBackend(MockNvml(fleet, node)).discover()
 
 
 def fits(pool: dm.PoolDevices, names: Iterable[str]) -> bool:
@@ -242,7 +242,7 @@ REFERENCE_UUIDS = [
 
 
 def test_example_reproduces_reference_devices() -> None:
-    inv = NvmlBackend(MockNvml(example_fleet(), "dra-example-driver-cluster-worker")).discover()
+    inv = MockBackend(MockNvml(example_fleet(), "dra-example-driver-cluster-worker")).discover()
     pool = dm.build_pool(inv)
     assert pool.devices[1].document == {
         "name": "gpu-1",
@@ -262,7 +262,7 @@ def test_example_reproduces_reference_devices() -> None:
     ("n", "memory", "compute"), [(4, "20Gi", "25"), (2, "40Gi", "50"), (3, "28633115306", "33")]
 )
 def test_reference_gpu_partitions(n: int, memory: str, compute: str) -> None:
-    inv = NvmlBackend(MockNvml(example_fleet(2), "dra-example-driver-cluster-worker")).discover()
+    inv = MockBackend(MockNvml(example_fleet(2), "dra-example-driver-cluster-worker")).discover()
     pool = dm.build_pool(inv, dm.PoolOptions(gpu_partitions=n))
     names = [d.name for d in pool.devices]
     expected = []
@@ -468,7 +468,7 @@ def test_whole_gpus_are_multi_allocatable_with_request_policies() -> None:
 
 
 def test_reference_example_and_partitions_share_like_the_reference() -> None:
-    inv = NvmlBackend(MockNvml(example_fleet(2), "dra-example-driver-cluster-worker")).discover()
+    inv = MockBackend(MockNvml(example_fleet(2), "dra-example-driver-cluster-worker")).discover()
     opts = dm.PoolOptions(allow_multiple_allocations=True)
     whole = dm.build_pool(inv, opts).device("gpu-0").document
     assert whole["allowMultipleAllocations"] is True

@@ -20,22 +20,27 @@ import pytest
 from driver.cli import build_parser
 from driver.cli.health import PluginRecovery, build_report
 from driver.cli.health_clear import DEFAULT_TIMEOUT
+from driver.cli.mock import MockSubmitError, submit
+from driver.cli.plugin_endpoint import fetch_control
 from driver.cli.published import PublishedView, devices_of
 from driver.cli.state_dir import read_health
 from driver.devices.model import PoolDevices, build_pool
 from driver.health.clear import ClearAction
-from driver.health.control import ACTIVE_NAME, ControlError, spool_dir
-from driver.health.mock_control import MockRequest, submit
+from driver.health.control import ControlError, ControlQueue
 from driver.health.monitor import HealthMonitor
 from driver.health.recovery import RecoveryActions
 from driver.health.store import HealthStore
 from driver.health.unmonitored import UnmonitoredGpus
 from driver.health.xid import XidPolicy
 from driver.nvml.backend import NvmlBackend
+from driver.nvml.mock.backend import MockBackend
+from driver.nvml.mock.control import MockRequest
 from driver.nvml.mock.fleet import default_fleet
 from driver.nvml.mock.nvml import MockNvml
 from driver.nvml.recovery import RecoveryReading
+from driver.observability.status_socket import StatusSocketServer, status_socket_path
 from driver.plugin.registration import RegistrationServicer
+from tests.control_socket import control_socket
 from tests.node_events import RecordedNodeEvents
 
 DRIVER = "gpu.example.com"
@@ -55,7 +60,8 @@ class FakePublisher:
 
 
 class RealNvmlStandIn:
-    """Any NVML module that is not the mock: the monitor must not offer mock actions."""
+    """Any NVML module that is not the mock, as the real backend runs over it: the
+    plugin must not offer mock actions."""
 
     def __init__(self, mock: MockNvml) -> None:
         self._mock = mock
@@ -65,9 +71,13 @@ class RealNvmlStandIn:
 
 
 class Plugin:
+    """The health monitor and its control requests on the status socket in
+    `state_dir`, as the plugin wires them (`start`, `stop`)."""
+
     def __init__(self, state_dir: Path, *, real: bool = False, synced: bool = True) -> None:
         self.mock = MockNvml(default_fleet(), "node-1")
-        backend = NvmlBackend(RealNvmlStandIn(self.mock) if real else self.mock)
+        self.state_dir = state_dir
+        backend = NvmlBackend(RealNvmlStandIn(self.mock)) if real else MockBackend(self.mock)
         self.pool: PoolDevices = build_pool(backend.discover())
         self.store = HealthStore(state_dir / "health.json")
         self.publisher = FakePublisher(synced)
@@ -79,19 +89,28 @@ class Plugin:
             XidPolicy(),
             self.publisher,
             self.pool.devices,
-            data_dir=state_dir,
             node_name="node-1",
             node_events=self.events,
             recovery=self.recovery,
+            control_actions=backend.control_actions(self.pool.devices),
         )
+        self._serving = contextlib.ExitStack()
+
+    def start(self) -> None:
+        self.monitor.start()
+        self._serving.enter_context(control_socket(self.state_dir, self.monitor.control))
+
+    def stop(self) -> None:
+        self._serving.close()
+        self.monitor.stop()
 
     def uuid(self, minor: int) -> str:
         return self.pool.device(f"gpu-{minor}").gpu_uuid
 
 
 @pytest.fixture
-def plugin(tmp_path: Path) -> Iterator[Plugin]:
-    p = Plugin(tmp_path)
+def plugin(short_dir: Path) -> Iterator[Plugin]:
+    p = Plugin(short_dir)
     yield p
     p.monitor.stop()
 
@@ -126,12 +145,12 @@ def no_api_server(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
 # -- clear -----------------------------------------------------------------------------
 
 
-def test_clear_a_gpu_with_yes(plugin: Plugin, tmp_path: Path) -> None:
+def test_clear_a_gpu_with_yes(plugin: Plugin, short_dir: Path) -> None:
     plugin.store.record_xid(plugin.uuid(3), 79)
     plugin.store.record_instance_xid(plugin.uuid(3), (2, 1), 94, gpu_instance_id=5)
     plugin.store.record_xid(plugin.uuid(4), 48)
-    plugin.monitor.start()
-    code, out, err = clear(tmp_path, "gpu-3", "--yes")
+    plugin.start()
+    code, out, err = clear(short_dir, "gpu-3", "--yes")
     assert (code, err) == (0, "")
     assert "will forget these failures of gpu-3" in out
     assert "Xid 79" in out and "Xid 94 on GPU instance 5" in out
@@ -141,11 +160,11 @@ def test_clear_a_gpu_with_yes(plugin: Plugin, tmp_path: Path) -> None:
     assert plugin.uuid(3) not in plugin.store.failed_instances()
     assert plugin.store.gpu_failure(plugin.uuid(4)) is not None  # another GPU: untouched
     assert plugin.publisher.triggers >= 1
-    on_disk = json.loads((tmp_path / "health.json").read_text())
+    on_disk = json.loads((short_dir / "health.json").read_text())
     assert list(on_disk["gpus"]) == [plugin.uuid(4)]
 
 
-def test_clear_says_which_taint_stays(plugin: Plugin, tmp_path: Path) -> None:
+def test_clear_says_which_taint_stays(plugin: Plugin, short_dir: Path) -> None:
     """Xid 48 needs a GPU reset: clearing gpu-5 forgets the Xid, but every device of it
     keeps NVML's gpu-reset taint until NVML reports no action. The preview, the answer
     and the GpuTaintCleared Event say what goes and what stays."""
@@ -153,8 +172,8 @@ def test_clear_says_which_taint_stays(plugin: Plugin, tmp_path: Path) -> None:
     plugin.store.record_xid(uuid, 48)
     plugin.recovery.apply(RecoveryReading(uuid, 1))  # gpu-reset, as the driver sets it
     devices = len(plugin.pool.devices_of_gpu(uuid))
-    plugin.monitor.start()
-    code, out, err = clear(tmp_path, "gpu-5", "--yes")
+    plugin.start()
+    code, out, err = clear(short_dir, "gpu-5", "--yes")
     assert (code, err) == (0, "")
     kept = f"{DRIVER}/recovery-action=gpu-reset:NoSchedule"
     assert f"stay tainted afterwards: all {devices} device(s) keep {kept}" in out
@@ -168,16 +187,16 @@ def test_clear_says_which_taint_stays(plugin: Plugin, tmp_path: Path) -> None:
     assert f"they keep {kept} (NVML recovery action gpu-reset" in event.message
 
     # Nothing recorded any more: the answer names the taint that is left, and why.
-    code, out, _ = clear(tmp_path, "gpu-5", "--yes")
+    code, out, _ = clear(short_dir, "gpu-5", "--yes")
     assert code == 0
     assert "gpu-5 has no recorded failure: nothing to clear" in out
     assert f"its devices keep {kept}" in out
 
 
-def test_clear_refuses_without_a_terminal_and_without_yes(plugin: Plugin, tmp_path: Path) -> None:
+def test_clear_refuses_without_a_terminal_and_without_yes(plugin: Plugin, short_dir: Path) -> None:
     plugin.store.record_xid(plugin.uuid(1), 79)
-    plugin.monitor.start()
-    code, out, err = clear(tmp_path, "gpu-1")
+    plugin.start()
+    code, out, err = clear(short_dir, "gpu-1")
     assert code == 1
     assert "will forget this failure of gpu-1" in out  # it showed what would happen
     assert "stdin is not a terminal: refusing without --yes" in err
@@ -186,11 +205,11 @@ def test_clear_refuses_without_a_terminal_and_without_yes(plugin: Plugin, tmp_pa
 
 @pytest.mark.parametrize(("answer", "cleared"), [("n\n", False), ("\n", False), ("y\n", True)])
 def test_clear_asks_at_a_terminal(
-    plugin: Plugin, tmp_path: Path, answer: str, cleared: bool
+    plugin: Plugin, short_dir: Path, answer: str, cleared: bool
 ) -> None:
     plugin.store.record_xid(plugin.uuid(1), 79)
-    plugin.monitor.start()
-    code, out, err = clear(tmp_path, "gpu-1", stdin=Tty(answer))
+    plugin.start()
+    code, out, err = clear(short_dir, "gpu-1", stdin=Tty(answer))
     assert "Clear it? [y/N]" in out
     assert code == (0 if cleared else 1)
     assert (plugin.store.gpu_failure(plugin.uuid(1)) is None) is cleared
@@ -198,20 +217,20 @@ def test_clear_asks_at_a_terminal(
         assert "not confirmed: nothing changed" in err
 
 
-def test_clear_of_a_healthy_device_changes_nothing(plugin: Plugin, tmp_path: Path) -> None:
-    plugin.monitor.start()
+def test_clear_of_a_healthy_device_changes_nothing(plugin: Plugin, short_dir: Path) -> None:
+    plugin.start()
     version = plugin.store.version
-    code, out, _ = clear(tmp_path, "gpu-2")
+    code, out, _ = clear(short_dir, "gpu-2")
     assert code == 0 and "gpu-2 has no recorded failure: nothing to clear" in out
     assert plugin.store.version == version and plugin.publisher.triggers == 0
 
 
-def test_clear_a_partition_clears_its_gpu_instance_only(plugin: Plugin, tmp_path: Path) -> None:
+def test_clear_a_partition_clears_its_gpu_instance_only(plugin: Plugin, short_dir: Path) -> None:
     uuid = plugin.uuid(0)
     plugin.store.record_instance_xid(uuid, (3, 1), 94, gpu_instance_id=9)
     plugin.store.record_instance_xid(uuid, (5, 1), 94, gpu_instance_id=10)
-    plugin.monitor.start()
-    code, out, err = clear(tmp_path, "gpu-0-mig-1g10gb-3", "--yes")
+    plugin.start()
+    code, out, err = clear(short_dir, "gpu-0-mig-1g10gb-3", "--yes")
     assert (code, err) == (0, "")
     assert "gpu-0-mig-1g10gb-3" in out.split(f"without {DRIVER}/xid=94 on:")[1].splitlines()[0]
     assert "still tainted afterwards" in out and "gpu-0-mig-1g10gb-5" in out
@@ -220,90 +239,93 @@ def test_clear_a_partition_clears_its_gpu_instance_only(plugin: Plugin, tmp_path
     assert "gpu-0-mig-1g10gb-3" not in taints and "gpu-0-mig-1g10gb-5" in taints
 
 
-def test_clear_a_partition_of_a_failed_gpu_is_refused(plugin: Plugin, tmp_path: Path) -> None:
+def test_clear_a_partition_of_a_failed_gpu_is_refused(plugin: Plugin, short_dir: Path) -> None:
     plugin.store.record_xid(plugin.uuid(0), 79)
-    plugin.monitor.start()
-    code, _, err = clear(tmp_path, "gpu-0-mig-1g10gb-3", "--yes")
+    plugin.start()
+    code, _, err = clear(short_dir, "gpu-0-mig-1g10gb-3", "--yes")
     assert code == 1
     assert "because its whole GPU failed" in err and "clear gpu-0 instead" in err
     assert plugin.store.gpu_failure(plugin.uuid(0)) is not None
 
 
-def test_clear_of_an_unknown_device_is_refused(plugin: Plugin, tmp_path: Path) -> None:
-    plugin.monitor.start()
-    code, _, err = clear(tmp_path, "gpu-99", "--yes")
+def test_clear_of_an_unknown_device_is_refused(plugin: Plugin, short_dir: Path) -> None:
+    plugin.start()
+    code, _, err = clear(short_dir, "gpu-99", "--yes")
     assert code == 1 and "unknown device 'gpu-99'" in err and "gpu-7" in err
 
 
-def test_clear_by_gpu_uuid(plugin: Plugin, tmp_path: Path) -> None:
+def test_clear_by_gpu_uuid(plugin: Plugin, short_dir: Path) -> None:
     plugin.store.record_lost(plugin.uuid(6))
-    plugin.monitor.start()
-    code, out, _ = clear(tmp_path, plugin.uuid(6), "--yes")
+    plugin.start()
+    code, out, _ = clear(short_dir, plugin.uuid(6), "--yes")
     assert code == 0 and "GPU is lost" in out
     assert plugin.store.failed_gpus() == {}
 
 
-def test_clear_works_on_the_real_backend_and_mock_actions_do_not(tmp_path: Path) -> None:
-    plugin = Plugin(tmp_path, real=True)
+def test_clear_works_on_the_real_backend_and_mock_actions_do_not(short_dir: Path) -> None:
+    plugin = Plugin(short_dir, real=True)
     plugin.store.record_xid(plugin.uuid(2), 79)
-    plugin.monitor.start()
+    plugin.start()
     try:
-        marker = json.loads((spool_dir(tmp_path) / ACTIVE_NAME).read_text())
-        assert marker["actions"] == ["clear"]
-        with pytest.raises(ControlError, match=r"does not accept 'xid'.*it accepts: clear"):
-            submit(tmp_path, MockRequest("xid", device="gpu-2", xid=79), timeout=2)
-        code, out, _ = clear(tmp_path, "gpu-2", "--yes")
+        assert fetch_control(status_socket_path(short_dir))["actions"] == ["clear"]
+        with pytest.raises(MockSubmitError, match=r"does not accept 'xid'.*it accepts: clear"):
+            submit(short_dir, MockRequest("xid", device="gpu-2", xid=79), timeout=2)
+        code, out, _ = clear(short_dir, "gpu-2", "--yes")
         assert code == 0 and "cleared gpu-2" in out
         assert plugin.store.failed_gpus() == {}
     finally:
-        plugin.monitor.stop()
+        plugin.stop()
 
 
-def test_mock_backend_accepts_clear_and_the_mock_actions(plugin: Plugin, tmp_path: Path) -> None:
-    plugin.monitor.start()
-    marker = json.loads((spool_dir(tmp_path) / ACTIVE_NAME).read_text())
-    assert marker["actions"] == ["clear", "lost", "recovery-action", "reset", "xid"]
+def test_mock_backend_accepts_clear_and_the_mock_actions(plugin: Plugin, short_dir: Path) -> None:
+    plugin.start()
+    actions = fetch_control(status_socket_path(short_dir))["actions"]
+    assert actions == ["clear", "lost", "recovery-action", "reset", "xid"]
 
 
-def test_clear_without_a_plugin_fails(tmp_path: Path) -> None:
-    code, _, err = clear(tmp_path, "gpu-0", "--yes")
-    assert code == 1 and "no kubelet plugin is consuming" in err
+def test_clear_without_a_plugin_fails(short_dir: Path) -> None:
+    code, _, err = clear(short_dir, "gpu-0", "--yes")
+    assert code == 1 and "no kubelet plugin answers" in err and "no such socket" in err
 
 
-def test_clear_against_a_plugin_that_predates_it(tmp_path: Path) -> None:
-    spool_dir(tmp_path).mkdir(mode=0o700)
-    (spool_dir(tmp_path) / ACTIVE_NAME).write_text(json.dumps({"pid": 42, "node": "n"}))
-    code, _, err = clear(tmp_path, "gpu-0", "--yes")
+def test_clear_against_a_plugin_that_predates_it(short_dir: Path) -> None:
+    """A plugin whose status socket answers /status only (before control requests)."""
+    path = status_socket_path(short_dir)
+    with StatusSocketServer(path, dict, lambda: (True, "ok\n")).start():
+        code, _, err = clear(short_dir, "gpu-0", "--yes")
     assert code == 1
-    assert "the running plugin (pid 42) does not accept 'clear'" in err and "predates" in err
+    assert "the plugin predates control requests on its socket" in err
 
 
-def test_clear_says_so_when_the_plugin_does_not_answer(tmp_path: Path) -> None:
-    spool_dir(tmp_path).mkdir(mode=0o700)
-    marker = {"pid": 42, "node": "n", "actions": ["clear"]}
-    (spool_dir(tmp_path) / ACTIVE_NAME).write_text(json.dumps(marker))
+def test_clear_says_so_when_the_plugin_does_not_answer(short_dir: Path) -> None:
+    """A plugin whose health monitor does not take requests (stuck, or not started):
+    the request is withdrawn at --timeout, nothing applied."""
+    control = ControlQueue(node_name="n")
+    control.register("clear", lambda request: pytest.fail("applied"))
     start = time.monotonic()
-    code, _, err = clear(tmp_path, "gpu-0", "--yes", "--timeout", "0.3")
-    assert code == 1 and "did not answer within" in err and "request withdrawn" in err
+    with control_socket(short_dir, control):
+        code, _, err = clear(short_dir, "gpu-0", "--yes", "--timeout", "0.3")
+    assert code == 1 and "did not take the request within 0.3s" in err
+    assert "request withdrawn" in err
     # gave up at its --timeout: long before the default it would wait otherwise
     assert time.monotonic() - start < DEFAULT_TIMEOUT / 2
-    assert [p.name for p in spool_dir(tmp_path).iterdir()] == [ACTIVE_NAME]
+    assert control.poll() == 0  # nothing left to apply
 
 
-def test_clear_not_published_is_reported(tmp_path: Path) -> None:
-    plugin = Plugin(tmp_path, synced=False)
+def test_clear_not_published_is_reported(short_dir: Path) -> None:
+    plugin = Plugin(short_dir, synced=False)
     plugin.store.record_xid(plugin.uuid(1), 79)
-    plugin.monitor.start()
+    plugin.start()
     try:
-        code, out, err = clear(tmp_path, "gpu-1", "--yes")
+        code, out, err = clear(short_dir, "gpu-1", "--yes")
     finally:
-        plugin.monitor.stop()
+        plugin.stop()
     assert code == 1 and "cleared gpu-1" in out
     assert "has not yet accepted the ResourceSlices without the taint" in err
 
 
-def test_clear_is_refused_when_the_failures_changed_since_the_preview(tmp_path: Path) -> None:
-    plugin = Plugin(tmp_path)
+def test_clear_is_refused_when_the_failures_changed_since_the_preview(short_dir: Path) -> None:
+    plugin = Plugin(short_dir)
     uuid = plugin.uuid(1)
     plugin.store.record_xid(uuid, 79)
     action = ClearAction(plugin.store, plugin.pool.devices, plugin.publisher)
@@ -325,9 +347,9 @@ def test_clear_is_refused_when_the_failures_changed_since_the_preview(tmp_path: 
     ],
 )
 def test_malformed_clear_requests_name_the_field(
-    tmp_path: Path, request_doc: dict[str, Any], message: str
+    short_dir: Path, request_doc: dict[str, Any], message: str
 ) -> None:
-    plugin = Plugin(tmp_path)
+    plugin = Plugin(short_dir)
     action = ClearAction(plugin.store, plugin.pool.devices, None)
     with pytest.raises(ControlError, match=message):
         action.handle(request_doc)
@@ -336,11 +358,11 @@ def test_malformed_clear_requests_name_the_field(
 # -- show ------------------------------------------------------------------------------
 
 
-def test_show_json_from_the_store(plugin: Plugin, tmp_path: Path) -> None:
+def test_show_json_from_the_store(plugin: Plugin, short_dir: Path) -> None:
     plugin.store.record_xid(plugin.uuid(3), 79)
     plugin.store.record_instance_xid(plugin.uuid(0), (3, 1), 94, gpu_instance_id=9)
-    plugin.monitor.start()
-    code, out, err = gpu_dra(["health", "-o", "json", "--state-dir", str(tmp_path)])
+    plugin.start()
+    code, out, err = gpu_dra(["health", "-o", "json", "--state-dir", str(short_dir)])
     assert (code, err) == (0, "")
     report = json.loads(out)
     assert report["plugin"]["running"] is True and report["plugin"]["acceptsClear"] is True
@@ -359,9 +381,9 @@ def test_show_json_from_the_store(plugin: Plugin, tmp_path: Path) -> None:
     assert report["consistent"] is None
 
 
-def test_show_table_says_where_each_line_comes_from(plugin: Plugin, tmp_path: Path) -> None:
+def test_show_table_says_where_each_line_comes_from(plugin: Plugin, short_dir: Path) -> None:
     plugin.store.record_xid(plugin.uuid(3), 79, "Xid 79 (fell off the bus)")
-    code, out, _ = gpu_dra(["health", "--state-dir", str(tmp_path)])
+    code, out, _ = gpu_dra(["health", "--state-dir", str(short_dir)])
     assert code == 0
     header, row = out.splitlines()[:2]
     assert header.split() == ["SOURCE", "DEVICE", "TAINT", "SINCE", "REASON"]
@@ -372,19 +394,18 @@ def test_show_table_says_where_each_line_comes_from(plugin: Plugin, tmp_path: Pa
 
 @contextlib.contextmanager
 def plugin_status_served(
-    plugin: Plugin, tmp_path: Path, recovery: RecoveryActions | None = None
+    plugin: Plugin, short_dir: Path, recovery: RecoveryActions | None = None
 ) -> Iterator[str]:
     """The plugin's own /status over `plugin`'s GPUs and store; yields its socket."""
     from test_status_cli import FakePublisher, FakeState
 
     from driver.devices.gpu_view import gpu_views
-    from driver.observability.status_socket import StatusSocketServer
     from driver.plugin.journal_summary import JournalReader
     from driver.plugin.node_status import PluginStatus
     from driver.state.checkpoint import Checkpoint
 
-    inventory = NvmlBackend(plugin.mock).discover()
-    state = FakeState(Checkpoint(tmp_path))
+    inventory = MockBackend(plugin.mock).discover()
+    state = FakeState(Checkpoint(short_dir))
     status = PluginStatus(
         version="test",
         node="node-1",
@@ -407,14 +428,14 @@ def plugin_status_served(
 
 
 def test_without_slices_devices_are_named_by_the_running_plugin(
-    plugin: Plugin, tmp_path: Path
+    plugin: Plugin, short_dir: Path
 ) -> None:
     """The API server is out of reach: the store's lines name each GPU as the plugin
     on this node does (its /status), not by UUID."""
     plugin.store.record_xid(plugin.uuid(3), 79)
     plugin.store.record_instance_xid(plugin.uuid(5), (3, 1), 94, gpu_instance_id=9)
-    with plugin_status_served(plugin, tmp_path) as url:
-        code, out, _ = gpu_dra(["health", "--state-dir", str(tmp_path), "--socket", url])
+    with plugin_status_served(plugin, short_dir) as url:
+        code, out, _ = gpu_dra(["health", "--state-dir", str(short_dir), "--socket", url])
     assert code == 0
     rows = [line.split() for line in out.splitlines()[1:3]]
     assert [row[:2] for row in rows] == [["store", "gpu-3"], ["store", "gpu-5"]]
@@ -423,20 +444,20 @@ def test_without_slices_devices_are_named_by_the_running_plugin(
 
 
 def test_without_slices_or_plugin_devices_are_named_by_nvml(
-    plugin: Plugin, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    plugin: Plugin, short_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from driver.cli import gpu_names
 
-    monkeypatch.setattr(gpu_names, "select_backend", lambda **_: NvmlBackend(plugin.mock))
+    monkeypatch.setattr(gpu_names, "select_backend", lambda **_: MockBackend(plugin.mock))
     plugin.store.record_xid(plugin.uuid(6), 48)
-    code, out, _ = gpu_dra(["health", "-o", "json", "--state-dir", str(tmp_path)])
+    code, out, _ = gpu_dra(["health", "-o", "json", "--state-dir", str(short_dir)])
     assert code == 0
     (failure,) = json.loads(out)["store"]["failures"]
     assert (failure["device"], failure["gpuUUID"]) == ("gpu-6", plugin.uuid(6))
 
 
-def test_show_compares_the_store_with_the_published_taints(tmp_path: Path) -> None:
-    plugin = Plugin(tmp_path)
+def test_show_compares_the_store_with_the_published_taints(short_dir: Path) -> None:
+    plugin = Plugin(short_dir)
     uuid3, uuid5 = plugin.uuid(3), plugin.uuid(5)
     plugin.store.record_xid(uuid3, 79)
     plugin.store.record_xid(uuid5, 48)
@@ -458,7 +479,7 @@ def test_show_compares_the_store_with_the_published_taints(tmp_path: Path) -> No
     }
     old = {"metadata": {"name": "old"}, "spec": {"pool": {"generation": 1}, "devices": []}}
     published = PublishedView("test", devices=devices_of([old, slice_doc]))
-    report = build_report("node-1", DRIVER, tmp_path, read_health(tmp_path), published)
+    report = build_report("node-1", DRIVER, short_dir, read_health(short_dir), published)
     assert [
         (t["device"], t["value"], t["reason"] is not None) for t in report["slices"]["taints"]
     ] == [
@@ -473,7 +494,7 @@ def test_show_compares_the_store_with_the_published_taints(tmp_path: Path) -> No
     assert "gpu-3" not in notes
 
 
-def test_recovery_actions_are_shown_with_their_reason(plugin: Plugin, tmp_path: Path) -> None:
+def test_recovery_actions_are_shown_with_their_reason(plugin: Plugin, short_dir: Path) -> None:
     """A recovery-action taint is the running plugin's (NVML, kept in memory), not the
     store's: `gpu-dra health` shows it from the plugin's /status with its reason, and
     its slice taint with that reason, beside an Xid's taint of the same device."""
@@ -483,8 +504,8 @@ def test_recovery_actions_are_shown_with_their_reason(plugin: Plugin, tmp_path: 
     recovery.apply(RecoveryReading(uuid5, 1))  # gpu-reset
     recovery.apply(RecoveryReading(uuid6, 2))  # node-reboot
     reboot = f"{DRIVER}/recovery-action=node-reboot:NoSchedule"
-    with plugin_status_served(plugin, tmp_path, recovery) as url:
-        code, out, _ = gpu_dra(["health", "--state-dir", str(tmp_path), "--socket", url])
+    with plugin_status_served(plugin, short_dir, recovery) as url:
+        code, out, _ = gpu_dra(["health", "--state-dir", str(short_dir), "--socket", url])
         assert code == 0
         assert ["plugin", "gpu-6", reboot] in [line.split()[:3] for line in out.splitlines()]
         assert "NVML recovery action node-reboot: the node needs a reboot" in out
@@ -517,8 +538,8 @@ def test_recovery_actions_are_shown_with_their_reason(plugin: Plugin, tmp_path: 
         report = build_report(
             "node-1",
             DRIVER,
-            tmp_path,
-            read_health(tmp_path),
+            short_dir,
+            read_health(short_dir),
             PublishedView("test", devices=devices_of([slice_doc])),
             recovery=PluginRecovery.read(url),
         )
@@ -530,10 +551,10 @@ def test_recovery_actions_are_shown_with_their_reason(plugin: Plugin, tmp_path: 
     assert report["consistent"] is True  # the action's taints are where they belong
 
 
-def test_show_fails_when_nothing_can_be_read(tmp_path: Path) -> None:
-    code, _, err = gpu_dra(["health", "--state-dir", str(tmp_path / "absent")])
+def test_show_fails_when_nothing_can_be_read(short_dir: Path) -> None:
+    code, _, err = gpu_dra(["health", "--state-dir", str(short_dir / "absent")])
     assert code == 1 and "no such directory" in err
-    env_dir = tmp_path / "plugin-data-gone"
+    env_dir = short_dir / "plugin-data-gone"
     os.environ["GPU_DRA_STATE_DIR"] = str(env_dir)
     try:
         code, out, err = gpu_dra(["health"])
@@ -543,16 +564,16 @@ def test_show_fails_when_nothing_can_be_read(tmp_path: Path) -> None:
     assert "store: unknown: no plugin data directory" in out
 
 
-def test_show_reports_an_unreadable_store_without_moving_it(tmp_path: Path) -> None:
-    (tmp_path / "health.json").write_text("{not json")
-    code, out, _ = gpu_dra(["health", "-o", "json", "--state-dir", str(tmp_path)])
+def test_show_reports_an_unreadable_store_without_moving_it(short_dir: Path) -> None:
+    (short_dir / "health.json").write_text("{not json")
+    code, out, _ = gpu_dra(["health", "-o", "json", "--state-dir", str(short_dir)])
     report = json.loads(out)
     assert code == 1 and report["store"]["readable"] is False
     assert "not valid health state" in report["store"]["problem"]
-    assert (tmp_path / "health.json").read_text() == "{not json"
+    assert (short_dir / "health.json").read_text() == "{not json"
 
 
-def test_clear_and_show_parse(tmp_path: Path) -> None:
+def test_clear_and_show_parse(short_dir: Path) -> None:
     args = build_parser().parse_args(["health", "clear", "gpu-0", "-y", "--timeout", "2"])
     assert isinstance(args, argparse.Namespace)
     assert (args.device, args.yes, args.timeout) == ("gpu-0", True, 2.0)
@@ -563,13 +584,13 @@ def test_clear_and_show_parse(tmp_path: Path) -> None:
         build_parser().parse_args(["health", "clear", "gpu-0", "--timeout", "0"])
 
 
-def test_concurrent_clears_are_each_answered(plugin: Plugin, tmp_path: Path) -> None:
+def test_concurrent_clears_are_each_answered(plugin: Plugin, short_dir: Path) -> None:
     plugin.store.record_xid(plugin.uuid(1), 79)
-    plugin.monitor.start()
-    threads = [threading.Thread(target=clear, args=(tmp_path, "gpu-2", "--yes")) for _ in range(3)]
+    plugin.start()
+    threads = [threading.Thread(target=clear, args=(short_dir, "gpu-2", "--yes")) for _ in range(3)]
     for t in threads:
         t.start()
-    code, _, _ = clear(tmp_path, "gpu-1", "--yes")
+    code, _, _ = clear(short_dir, "gpu-1", "--yes")
     for t in threads:
         t.join(5)
     assert code == 0 and plugin.store.failed_gpus() == {}
@@ -586,7 +607,7 @@ def nvidia_information(uuid: str, minor: int) -> str:
 
 
 def test_without_slices_plugin_or_nvml_devices_are_named_by_the_kernel_driver(
-    plugin: Plugin, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    plugin: Plugin, short_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A debug container on the node: no API server, no plugin answering, no NVML in the
     image; the kernel driver's /proc files still name each GPU's minor."""
@@ -596,7 +617,7 @@ def test_without_slices_plugin_or_nvml_devices_are_named_by_the_kernel_driver(
         raise RuntimeError("NVML Shared Library Not Found")
 
     monkeypatch.setattr(gpu_names, "select_backend", no_nvml)
-    proc = tmp_path / "proc-gpus"
+    proc = short_dir / "proc-gpus"
     for minor in (5, 6):
         (proc / f"0000:{minor:02x}:00.0").mkdir(parents=True)
         (proc / f"0000:{minor:02x}:00.0" / "information").write_text(
@@ -604,14 +625,14 @@ def test_without_slices_plugin_or_nvml_devices_are_named_by_the_kernel_driver(
         )
     monkeypatch.setattr(gpu_names, "PROC_GPUS", proc)
     plugin.store.record_xid(plugin.uuid(6), 48)
-    state = ["--state-dir", str(tmp_path)]
+    state = ["--state-dir", str(short_dir)]
     code, out, _ = gpu_dra(["health", *state])
     assert code == 0
     assert out.splitlines()[1].split()[:2] == ["store", "gpu-6"]
     assert plugin.uuid(6) not in out
     assert f"names: from {proc}" in out
 
-    monkeypatch.setattr(gpu_names, "PROC_GPUS", tmp_path / "absent")
+    monkeypatch.setattr(gpu_names, "PROC_GPUS", short_dir / "absent")
     code, out, _ = gpu_dra(["health", *state])
     names = [line for line in out.splitlines() if line.startswith("names:")]
     assert plugin.uuid(6) in out and len(names) == 1

@@ -18,6 +18,7 @@ from driver.health.store import HealthStore
 from driver.health.xid import XidPolicy
 from driver.nvml.backend import NvmlBackend
 from driver.nvml.mig import MigTarget
+from driver.nvml.mock.backend import MockBackend
 from driver.nvml.mock.fleet import Fleet, default_fleet, parse_fleet
 from driver.nvml.mock.nvml import MockNvml
 from driver.nvml.types import HealthEvent, MigInstance
@@ -80,7 +81,7 @@ class Rig:
 
 def make_rig(path: Path, driver_root: Path | None = None, fleet: Fleet | None = None) -> Rig:
     mock = MockNvml(fleet or default_fleet(), "node-1", driver_root=driver_root)
-    backend = NvmlBackend(mock)
+    backend = MockBackend(mock)
     pool = build_pool(backend.discover())
     store = HealthStore(path)
     publisher = FakePublisher()

@@ -19,6 +19,7 @@ from driver.errors import DriverError
 from driver.nvml.backend import NvmlBackend
 from driver.nvml.mig import MigError, MigManager, MigTarget
 from driver.nvml.mock import api as m
+from driver.nvml.mock.backend import MockBackend
 from driver.nvml.mock.fleet import parse_fleet
 from driver.nvml.mock.nvml import MockNvml
 from driver.state.checkpoint import Checkpoint, ClaimState
@@ -122,7 +123,7 @@ def test_nvml_that_cannot_start_is_a_mig_error(monkeypatch: pytest.MonkeyPatch) 
 
 def test_discovery_publishes_the_healthy_gpus_while_one_is_lost() -> None:
     mock = MockNvml(parse_fleet(TWO), NODE)
-    backend = NvmlBackend(mock)
+    backend = MockBackend(mock)
     made = backend.mig().create(MigTarget(mock.gpus[0].uuid, ONE_G, (0, 1), 1))
     mock.inject_gpu_lost(mock.gpus[1].uuid)
     (gpu,) = backend.discover().gpus
@@ -133,7 +134,7 @@ def test_health_events_are_registered_for_the_healthy_gpus_while_one_is_lost() -
     """The monitor's (re)open walks GPUs by index, where the lost GPU's own lookup
     fails: it is left out, not the reason the monitor cannot start."""
     mock = MockNvml(parse_fleet(TWO), NODE)
-    backend = NvmlBackend(mock)
+    backend = MockBackend(mock)
     mock.inject_gpu_lost(mock.gpus[1].uuid)
     backend.open_event_set()
     try:

@@ -19,7 +19,7 @@ from driver.devices import mig_counters
 from driver.devices import model as dm
 from driver.devices.documents import MIG_DIMENSIONS
 from driver.devices.slices import build_slice_specs, validate_slice_specs
-from driver.nvml.backend import NvmlBackend
+from driver.nvml.mock.backend import MockBackend
 from driver.nvml.mock.fleet import parse_fleet
 from driver.nvml.mock.nvml import MockNvml
 from driver.nvml.types import GpuInfo, Inventory, MigInstance, PartitionProfile
@@ -32,7 +32,7 @@ HALVES = {"memory-slices-0-3": {"value": "4"}, "memory-slices-4-7": {"value": "4
 
 def inventory(model: str = "H100-80GB", count: int = 2, **group: Any) -> Inventory:
     fleet = parse_fleet({"gpus": [{"model": model, "count": count, "migMode": "enabled", **group}]})
-    return NvmlBackend(MockNvml(fleet, "node-a")).discover()
+    return MockBackend(MockNvml(fleet, "node-a")).discover()
 
 
 def consumed(pool: dm.PoolDevices, name: str) -> dict[str, Any]:

@@ -13,6 +13,7 @@ from driver.devices.model import MigStrategy, PoolDevices, PoolOptions, build_po
 from driver.errors import transient
 from driver.nvml.backend import NvmlBackend
 from driver.nvml.mig import MigTarget
+from driver.nvml.mock.backend import MockBackend
 from driver.nvml.mock.fleet import parse_fleet
 from driver.nvml.mock.mig_state import mig_minor
 from driver.nvml.mock.nvml import MockNvml
@@ -70,7 +71,7 @@ class Node:
 
 def make_node(root: Path, fleet: dict[str, Any], strategy: MigStrategy = MigStrategy.AUTO) -> Node:
     driver_root = root / "driver-root"
-    backend = NvmlBackend(MockNvml(parse_fleet(fleet), NODE, driver_root=driver_root))
+    backend = MockBackend(MockNvml(parse_fleet(fleet), NODE, driver_root=driver_root))
     claims = Claims()
     state = DeviceState(
         driver_name=DRIVER,

@@ -13,7 +13,7 @@ import pytest
 from driver.devices import slices as sl
 from driver.devices.model import PoolError, PoolOptions, build_pool
 from driver.kube.api import ApiError
-from driver.nvml.backend import NvmlBackend
+from driver.nvml.mock.backend import MockBackend
 from driver.nvml.mock.fleet import default_fleet
 from driver.nvml.mock.nvml import MockNvml
 from driver.plugin.node_overrides import node_mig_profiles
@@ -24,7 +24,7 @@ THREE = ("1g10gb", "3g40gb", "7g80gb")
 
 
 def _pool(profiles: tuple[str, ...] = ()) -> Any:
-    inventory = NvmlBackend(MockNvml(default_fleet(), "n1")).discover()
+    inventory = MockBackend(MockNvml(default_fleet(), "n1")).discover()
     return build_pool(inventory, PoolOptions(mig_profiles=profiles))
 
 

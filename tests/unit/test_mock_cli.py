@@ -1,8 +1,9 @@
-"""`gpu-dra mock ...` through the spool directory to a running monitor's MockNvml."""
+"""`gpu-dra mock ...` through the plugin's status socket to a running monitor's MockNvml."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import io
 import json
 import os
@@ -15,23 +16,22 @@ from pathlib import Path
 import pytest
 
 from driver.cli import mock as mock_cli
+from driver.cli.mock import MockSubmitError, submit
+from driver.cli.plugin_endpoint import fetch_control
 from driver.devices.model import PoolDevices, build_pool
-from driver.health.mock_control import (
-    ACTIVE_NAME,
-    MockControl,
-    MockControlError,
-    MockRequest,
-    spool_dir,
-    submit,
-)
-from driver.health.monitor import HealthMonitor
+from driver.health.control import ControlQueue
+from driver.health.monitor import DEFAULT_WAIT_TIMEOUT_MS, HealthMonitor
 from driver.health.store import HealthStore
 from driver.health.xid import XidPolicy
 from driver.nvml.backend import NvmlBackend
 from driver.nvml.mig import MigTarget
+from driver.nvml.mock.backend import MockBackend
+from driver.nvml.mock.control import MockActions, MockControlError, MockRequest
 from driver.nvml.mock.fleet import default_fleet
 from driver.nvml.mock.nvml import MockNvml
 from driver.nvml.types import MigInstance
+from driver.observability.status_socket import status_socket_path
+from tests.control_socket import control_socket
 
 DRIVER = "gpu.example.com"
 # Seconds to wait for the plugin (or the test's stand-in for one) to act: it acts at
@@ -52,11 +52,13 @@ def cli(argv: list[str]) -> tuple[int, str, str]:
 
 
 class Plugin:
-    """A monitor over a mock backend with the control channel, as the plugin wires it."""
+    """A monitor over a mock backend with its control requests on the status socket in
+    `state_dir`, as the plugin wires them (`start`, `stop`)."""
 
     def __init__(self, state_dir: Path, driver_root: Path | None = None) -> None:
         self.mock = MockNvml(default_fleet(), "node-1", driver_root=driver_root)
-        backend = NvmlBackend(self.mock)
+        self.state_dir = state_dir
+        backend = MockBackend(self.mock)
         self.pool: PoolDevices = build_pool(backend.discover())
         self.store = HealthStore(state_dir / "health.json")
         self.monitor = HealthMonitor(
@@ -65,9 +67,19 @@ class Plugin:
             XidPolicy(),
             None,
             self.pool.devices,
-            data_dir=state_dir,
             node_name="node-1",
+            control_actions=backend.control_actions(self.pool.devices),
+            wait_timeout_ms=backend.event_wait_ms,
         )
+        self._serving = contextlib.ExitStack()
+
+    def start(self) -> None:
+        self.monitor.start()
+        self._serving.enter_context(control_socket(self.state_dir, self.monitor.control))
+
+    def stop(self) -> None:
+        self._serving.close()
+        self.monitor.stop()
 
     def uuid(self, minor: int) -> str:
         return self.pool.device(f"gpu-{minor}").gpu_uuid
@@ -80,16 +92,16 @@ class Plugin:
 
 
 @pytest.fixture
-def plugin(tmp_path: Path) -> Iterator[Plugin]:
-    p = Plugin(tmp_path)
-    p.monitor.start()
+def plugin(short_dir: Path) -> Iterator[Plugin]:
+    p = Plugin(short_dir)
+    p.start()
     yield p
-    p.monitor.stop()
+    p.stop()
 
 
-def test_xid_lost_reset_round_trip(plugin: Plugin, tmp_path: Path) -> None:
+def test_xid_lost_reset_round_trip(plugin: Plugin, short_dir: Path) -> None:
     code, out, err = cli(
-        ["mock", "xid", "--device", "gpu-3", "--xid", "79", "--state-dir", str(tmp_path)]
+        ["mock", "xid", "--device", "gpu-3", "--xid", "79", "--state-dir", str(short_dir)]
     )
     assert (code, err) == (0, "")
     assert out.startswith("injected: Xid 79 on gpu-3 (GPU-")
@@ -99,7 +111,7 @@ def test_xid_lost_reset_round_trip(plugin: Plugin, tmp_path: Path) -> None:
 
     # A partition name means its GPU.
     code, out, _ = cli(
-        ["mock", "lost", "--device", "gpu-2-mig-1g10gb-0", "--state-dir", str(tmp_path)]
+        ["mock", "lost", "--device", "gpu-2-mig-1g10gb-0", "--state-dir", str(short_dir)]
     )
     assert code == 0 and plugin.uuid(2) in out
     plugin.wait_for(lambda: plugin.store.gpu_failure(plugin.uuid(2)) is not None)
@@ -107,37 +119,37 @@ def test_xid_lost_reset_round_trip(plugin: Plugin, tmp_path: Path) -> None:
     assert failure is not None and failure.kind == "gpu-lost"
     assert plugin.mock.is_lost(plugin.uuid(2))
 
-    code, out, _ = cli(["mock", "reset", "--device", "gpu-3", "--state-dir", str(tmp_path)])
+    code, out, _ = cli(["mock", "reset", "--device", "gpu-3", "--state-dir", str(short_dir)])
     assert code == 0 and out.startswith("injected: reset of gpu-3")
     plugin.wait_for(lambda: plugin.store.gpu_failure(plugin.uuid(3)) is None)
     assert plugin.store.gpu_failure(plugin.uuid(2)) is not None
 
-    code, out, _ = cli(["mock", "reset", "--all", "--state-dir", str(tmp_path)])
+    code, out, _ = cli(["mock", "reset", "--all", "--state-dir", str(short_dir)])
     assert code == 0 and out.startswith("injected: reset of all GPUs")
     plugin.wait_for(lambda: plugin.store.failed_gpus() == {})
     assert not plugin.mock.is_lost(plugin.uuid(2))
 
 
-def test_application_xid_via_cli_changes_nothing(plugin: Plugin, tmp_path: Path) -> None:
+def test_application_xid_via_cli_changes_nothing(plugin: Plugin, short_dir: Path) -> None:
     assert (
-        cli(["mock", "xid", "--device", "gpu-1", "--xid", "13", "--state-dir", str(tmp_path)])[0]
+        cli(["mock", "xid", "--device", "gpu-1", "--xid", "13", "--state-dir", str(short_dir)])[0]
         == 0
     )
     plugin.wait_for(lambda: plugin.monitor.events_handled >= 1)
     assert plugin.store.failed_gpus() == {}
 
 
-def test_spool_permissions(plugin: Plugin, tmp_path: Path) -> None:
-    spool = spool_dir(tmp_path)
-    assert stat.S_IMODE(spool.stat().st_mode) == 0o700
-    assert stat.S_IMODE((spool / ACTIVE_NAME).stat().st_mode) == 0o600
-    marker = json.loads((spool / ACTIVE_NAME).read_text())
-    assert marker["pid"] == os.getpid() and marker["node"] == "node-1"
+def test_the_requests_go_to_the_root_only_status_socket(plugin: Plugin, short_dir: Path) -> None:
+    socket_file = status_socket_path(short_dir)
+    assert stat.S_IMODE(socket_file.lstat().st_mode) == 0o600
+    described = fetch_control(socket_file)
+    assert described["pid"] == os.getpid() and described["node"] == "node-1"
+    assert described["actions"] == ["clear", "lost", "recovery-action", "reset", "xid"]
 
 
-def test_unknown_device_is_refused(plugin: Plugin, tmp_path: Path) -> None:
+def test_unknown_device_is_refused(plugin: Plugin, short_dir: Path) -> None:
     code, out, err = cli(
-        ["mock", "xid", "--device", "gpu-99", "--xid", "79", "--state-dir", str(tmp_path)]
+        ["mock", "xid", "--device", "gpu-99", "--xid", "79", "--state-dir", str(short_dir)]
     )
     assert code == 1 and out == ""
     assert "the plugin refused the request: unknown device 'gpu-99'" in err
@@ -145,81 +157,56 @@ def test_unknown_device_is_refused(plugin: Plugin, tmp_path: Path) -> None:
     assert plugin.store.failed_gpus() == {}
 
 
-def test_no_plugin_fails_clearly(tmp_path: Path) -> None:
+def test_no_plugin_fails_clearly(short_dir: Path) -> None:
     code, _, err = cli(
-        ["mock", "xid", "--device", "gpu-3", "--xid", "79", "--state-dir", str(tmp_path)]
+        ["mock", "xid", "--device", "gpu-3", "--xid", "79", "--state-dir", str(short_dir)]
     )
     assert code == 1
-    assert "no kubelet plugin with the mock NVML backend is consuming" in err
-    assert not spool_dir(tmp_path).exists()  # the CLI never creates the spool
+    assert "no kubelet plugin answers" in err and "no such socket" in err
+    assert list(short_dir.iterdir()) == []  # the CLI creates nothing
 
 
-def test_stopped_plugin_fails_clearly(tmp_path: Path) -> None:
-    plugin = Plugin(tmp_path)
-    plugin.monitor.start()
-    plugin.monitor.stop()
-    assert not (spool_dir(tmp_path) / ACTIVE_NAME).exists()
-    code, _, err = cli(["mock", "reset", "--all", "--state-dir", str(tmp_path)])
-    assert code == 1 and "no kubelet plugin" in err
+def test_stopped_plugin_fails_clearly(short_dir: Path) -> None:
+    plugin = Plugin(short_dir)
+    plugin.start()
+    plugin.stop()
+    assert not status_socket_path(short_dir).exists()
+    code, _, err = cli(["mock", "reset", "--all", "--state-dir", str(short_dir)])
+    assert code == 1 and "no kubelet plugin answers" in err
 
 
-def test_stale_marker_fails_clearly(tmp_path: Path) -> None:
-    control = MockControl(tmp_path, MockNvml(default_fleet(), "node-1"))
-    control.activate()
-    marker = spool_dir(tmp_path) / ACTIVE_NAME
-    old = time.time() - 60
-    os.utime(marker, (old, old))
-    with pytest.raises(MockControlError, match=r"is not running: its ACTIVE marker is \d+s old"):
-        submit(tmp_path, MockRequest("reset", all=True))
-
-
-def test_unanswered_request_is_withdrawn(tmp_path: Path) -> None:
-    control = MockControl(tmp_path, MockNvml(default_fleet(), "node-1"))
-    control.activate()  # announced, but nobody polls
-    with pytest.raises(MockControlError, match="did not answer within"):
-        submit(tmp_path, MockRequest("xid", device="gpu-0", xid=79), timeout=0.1)
-    assert [p.name for p in spool_dir(tmp_path).iterdir()] == [ACTIVE_NAME]
-
-
-def test_requests_owned_by_others_are_refused(tmp_path: Path) -> None:
+def test_a_request_the_monitor_does_not_take_is_withdrawn(short_dir: Path) -> None:
     nvml = MockNvml(default_fleet(), "node-1")
-    control = MockControl(tmp_path, nvml)
-    control.activate()
-    request = spool_dir(tmp_path) / "req-00000000000000000001.json"
-    request.write_bytes(MockRequest("lost", device="gpu-0").to_json())
-    os.chown(request, 12345, 12345)
-    assert control.poll() == 1
-    answer = json.loads((spool_dir(tmp_path) / "res-00000000000000000001.json").read_text())
-    assert answer["ok"] is False and "owned by root" in answer["message"]
+    control = ControlQueue()
+    control.register_all(MockActions(nvml).handlers())
+    with (
+        control_socket(short_dir, control),  # served, but no monitor takes requests
+        pytest.raises(MockSubmitError, match=r"did not take the request within 0.1s"),
+    ):
+        submit(short_dir, MockRequest("lost", device="gpu-0"), timeout=0.1)
+    assert control.poll() == 0  # withdrawn: nothing left to apply
     assert not nvml.is_lost(nvml.gpus[0].uuid)
-    assert not request.exists()
 
 
-def test_malformed_request_is_refused(tmp_path: Path) -> None:
-    control = MockControl(tmp_path, MockNvml(default_fleet(), "node-1"))
-    control.activate()
-    (spool_dir(tmp_path) / "req-00000000000000000002.json").write_text('{"action": "explode"}')
-    control.poll()
-    answer = json.loads((spool_dir(tmp_path) / "res-00000000000000000002.json").read_text())
-    assert answer == {"ok": False, "message": "unknown action 'explode'"}
-
-
-def test_spool_consumer_injects_into_mock(tmp_path: Path) -> None:
+def test_the_mock_actions_inject_into_the_mock(short_dir: Path) -> None:
     nvml = MockNvml(default_fleet(), "node-1")
-    backend = NvmlBackend(nvml)
+    backend = MockBackend(nvml)
     backend.open_event_set()
-    control = MockControl(tmp_path, nvml)
-    control.activate()
+    control = ControlQueue()
+    control.register_all(backend.control_actions(()))
     answers: list[str] = []
-    thread = threading.Thread(
-        target=lambda: answers.append(submit(tmp_path, MockRequest("xid", device="gpu-5", xid=94)))
-    )
-    thread.start()
-    deadline = time.monotonic() + EVENT_WAIT
-    while not control.poll():
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
-    thread.join(EVENT_WAIT)
+    with control_socket(short_dir, control):
+        thread = threading.Thread(
+            target=lambda: answers.append(
+                submit(short_dir, MockRequest("xid", device="gpu-5", xid=94))
+            )
+        )
+        thread.start()
+        deadline = time.monotonic() + EVENT_WAIT
+        while not control.poll():
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        thread.join(EVENT_WAIT)
     assert answers and answers[0].startswith("Xid 94 on gpu-5")
     event = backend.wait_event(100)
     assert event is not None and (event.gpu_uuid, event.kind, event.xid) == (
@@ -228,18 +215,6 @@ def test_spool_consumer_injects_into_mock(tmp_path: Path) -> None:
         94,
     )
     backend.close_event_set()
-
-
-def test_restart_drops_stale_requests(tmp_path: Path) -> None:
-    control = MockControl(tmp_path, MockNvml(default_fleet(), "node-1"))
-    control.activate()
-    (spool_dir(tmp_path) / "req-00000000000000000003.json").write_bytes(
-        MockRequest("reset", all=True).to_json()
-    )
-    control.close()
-    again = MockControl(tmp_path, MockNvml(default_fleet(), "node-1"))
-    again.activate()
-    assert again.poll() == 0
 
 
 @pytest.mark.parametrize(
@@ -272,11 +247,11 @@ def test_default_state_dir(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.fixture
-def mig_plugin(tmp_path: Path) -> Iterator[Plugin]:
-    p = Plugin(tmp_path, driver_root=tmp_path / "driver-root")
-    p.monitor.start()
+def mig_plugin(short_dir: Path) -> Iterator[Plugin]:
+    p = Plugin(short_dir, driver_root=short_dir / "driver-root")
+    p.start()
     yield p
-    p.monitor.stop()
+    p.stop()
 
 
 def create(
@@ -286,7 +261,7 @@ def create(
     return NvmlBackend(plugin.mock).mig().create(target)
 
 
-def test_xid_on_a_partitions_gpu_instance(mig_plugin: Plugin, tmp_path: Path) -> None:
+def test_xid_on_a_partitions_gpu_instance(mig_plugin: Plugin, short_dir: Path) -> None:
     plugin = mig_plugin
     instance = create(plugin, 0, 19, (3, 1))  # gpu-0-mig-1g10gb-3, prepared
     create(plugin, 0, 19, (4, 1))  # gpu-0-mig-1g10gb-4, prepared too
@@ -300,7 +275,7 @@ def test_xid_on_a_partitions_gpu_instance(mig_plugin: Plugin, tmp_path: Path) ->
             "94",
             "--instance",
             "--state-dir",
-            str(tmp_path),
+            str(short_dir),
         ]
     )
     assert (code, err) == (0, "")
@@ -317,28 +292,28 @@ def test_xid_on_a_partitions_gpu_instance(mig_plugin: Plugin, tmp_path: Path) ->
     assert "gpu-0-mig-1g10gb-4" not in taints and "gpu-0-mig-1g10gb-2" not in taints
     assert plugin.store.gpu_failure(plugin.uuid(0)) is None
 
-    code, out, _ = cli(["mock", "reset", "--device", "gpu-0", "--state-dir", str(tmp_path)])
+    code, out, _ = cli(["mock", "reset", "--device", "gpu-0", "--state-dir", str(short_dir)])
     assert code == 0
     plugin.wait_for(lambda: plugin.store.failed_instances() == {})
     assert plugin.store.device_taints(plugin.pool.devices) == {}
 
 
 def test_whole_gpu_of_a_dynamic_mig_gpu_has_an_instance_when_prepared(
-    mig_plugin: Plugin, tmp_path: Path
+    mig_plugin: Plugin, short_dir: Path
 ) -> None:
     plugin = mig_plugin
     argv = ["mock", "xid", "--device", "gpu-1", "--xid", "79", "--instance"]
-    code, _, err = cli([*argv, "--state-dir", str(tmp_path)])
+    code, _, err = cli([*argv, "--state-dir", str(short_dir)])
     assert code == 1 and "gpu-1 has no GPU instance now" in err
     create(plugin, 1, 0, (0, 8), 7)  # the whole GPU, delivered as a 7g.80gb MIG device
-    code, _, err = cli([*argv, "--state-dir", str(tmp_path)])
+    code, _, err = cli([*argv, "--state-dir", str(short_dir)])
     assert (code, err) == (0, "")
     plugin.wait_for(lambda: bool(plugin.store.failed_instances()))
     taints = plugin.store.device_taints(plugin.pool.devices)
     assert set(taints) == {d.name for d in plugin.pool.devices_of_gpu(plugin.uuid(1))}
 
 
-def test_instance_needs_a_live_gpu_instance(mig_plugin: Plugin, tmp_path: Path) -> None:
+def test_instance_needs_a_live_gpu_instance(mig_plugin: Plugin, short_dir: Path) -> None:
     plugin = mig_plugin
     create(plugin, 0, 20, (3, 1))  # 1g.10gb+me at slice 3: not the 1g.10gb partition
     code, out, err = cli(
@@ -351,7 +326,7 @@ def test_instance_needs_a_live_gpu_instance(mig_plugin: Plugin, tmp_path: Path) 
             "94",
             "--instance",
             "--state-dir",
-            str(tmp_path),
+            str(short_dir),
         ]
     )
     assert code == 1 and out == ""
@@ -367,7 +342,7 @@ def test_instance_needs_a_live_gpu_instance(mig_plugin: Plugin, tmp_path: Path) 
             "94",
             "--instance",
             "--state-dir",
-            str(tmp_path),
+            str(short_dir),
         ]
     )
     assert code == 1 and "is not a MIG device of this node" in err
@@ -403,69 +378,68 @@ def test_requests_without_instance_are_unchanged_on_the_wire() -> None:
     assert mock_cli.request_from_args(parsed) == attributed
 
 
-def test_plugin_predating_instance_is_reported(tmp_path: Path) -> None:
-    control = MockControl(tmp_path, MockNvml(default_fleet(), "node-1"))
-    control.activate()  # announced; the test answers like a plugin without --instance
+def test_plugin_predating_instance_is_reported(short_dir: Path) -> None:
+    """A plugin that predates `--instance` ignores the key: it injects a whole-GPU Xid
+    and answers without `instance`."""
+    control = ControlQueue()
+    control.register("xid", lambda request: {"message": "Xid 94 on gpu-0"})
     request = MockRequest("xid", device="gpu-0-mig-1g10gb-3", xid=94, instance=True)
     errors: list[str] = []
 
     def send() -> None:
         try:
-            submit(tmp_path, request, timeout=EVENT_WAIT)
-        except MockControlError as err:
+            submit(short_dir, request, timeout=EVENT_WAIT)
+        except MockSubmitError as err:
             errors.append(str(err))
 
-    thread = threading.Thread(target=send)
-    thread.start()
-    spool = spool_dir(tmp_path)
-    deadline = time.monotonic() + EVENT_WAIT
-    while not (pending := [p for p in spool.iterdir() if p.name.startswith("req-")]):
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
-    ident = pending[0].name.removeprefix("req-")
-    (spool / f"res-{ident}").write_text(json.dumps({"ok": True, "message": "Xid 94 on gpu-0"}))
-    thread.join(EVENT_WAIT)
+    with control_socket(short_dir, control):
+        thread = threading.Thread(target=send)
+        thread.start()
+        deadline = time.monotonic() + EVENT_WAIT
+        while not control.poll():
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        thread.join(EVENT_WAIT)
     assert errors and "predates --instance" in errors[0] and "whole GPU" in errors[0]
 
 
-def test_the_spool_of_a_mock_is_read_as_often_as_an_event_would_wake_a_wait(
-    tmp_path: Path,
+def test_over_the_mock_requests_are_taken_as_often_as_an_event_would_wake_a_wait(
+    short_dir: Path,
 ) -> None:
-    """An injected event waits for the spool to be read between NVML waits: over the
-    mock the wait is short, so the mock's events are not delayed by the transport."""
-    from driver.health.monitor import DEFAULT_WAIT_TIMEOUT_MS, MOCK_WAIT_TIMEOUT_MS
-
-    assert Plugin(tmp_path).monitor.wait_timeout_ms == MOCK_WAIT_TIMEOUT_MS
-    without_channel = HealthMonitor(
-        NvmlBackend(MockNvml(default_fleet(), "node-1")),
-        HealthStore(tmp_path / "other.json"),
+    """An injected event waits for its request to be taken between NVML waits: over
+    the mock the wait is short, so the mock's events are not delayed by the transport."""
+    assert MockBackend.event_wait_ms == 20 < DEFAULT_WAIT_TIMEOUT_MS
+    assert Plugin(short_dir).monitor.wait_timeout_ms == MockBackend.event_wait_ms
+    plain = HealthMonitor(
+        MockBackend(MockNvml(default_fleet(), "node-1")),
+        HealthStore(short_dir / "other.json"),
         XidPolicy(),
         None,
     )
-    assert without_channel.wait_timeout_ms == DEFAULT_WAIT_TIMEOUT_MS
+    assert plain.wait_timeout_ms == DEFAULT_WAIT_TIMEOUT_MS
 
 
 # -- recovery-action: the NVML field the plugin polls --------------------------------------
 
 
-def test_recovery_action_round_trip(plugin: Plugin, tmp_path: Path) -> None:
+def test_recovery_action_round_trip(plugin: Plugin, short_dir: Path) -> None:
     uuid = plugin.uuid(3)
     argv = ["mock", "recovery-action", "--device", "gpu-3-mig-1g10gb-2", "--action"]
-    code, out, err = cli([*argv, "DRAIN_AND_RESET", "--state-dir", str(tmp_path)])
+    code, out, err = cli([*argv, "DRAIN_AND_RESET", "--state-dir", str(short_dir)])
     assert (code, err) == (0, "")
     assert out == f"injected: recovery action drain-and-reset on gpu-3-mig-1g10gb-2 ({uuid})\n"
     assert plugin.mock.recovery_action(uuid) == 4  # a partition name means its GPU
     assert plugin.mock.recovery_action(plugin.uuid(2)) == 0
 
-    code, out, _ = cli([*argv, "none", "--state-dir", str(tmp_path)])
+    code, out, _ = cli([*argv, "none", "--state-dir", str(short_dir)])
     assert code == 0 and "recovery action none" in out
     assert plugin.mock.recovery_action(uuid) == 0
     # The field is all it changes: no health event, no record.
     assert plugin.monitor.events_handled == 0 and plugin.store.failed_gpus() == {}
 
 
-def test_reset_clears_the_recovery_action(plugin: Plugin, tmp_path: Path) -> None:
-    state = ["--state-dir", str(tmp_path)]
+def test_reset_clears_the_recovery_action(plugin: Plugin, short_dir: Path) -> None:
+    state = ["--state-dir", str(short_dir)]
     cli(["mock", "recovery-action", "--device", "gpu-1", "--action", "node-reboot", *state])
     assert plugin.mock.recovery_action(plugin.uuid(1)) == 2
     assert cli(["mock", "reset", "--device", "gpu-1", *state])[0] == 0
@@ -504,12 +478,12 @@ def test_recovery_action_on_the_wire_and_only_for_its_action() -> None:
         )
 
 
-def test_plugin_predating_recovery_action_is_reported(tmp_path: Path) -> None:
-    spool = spool_dir(tmp_path)
-    spool.mkdir(mode=0o700)
-    marker = {"pid": os.getpid(), "node": "node-1", "actions": ["clear", "lost", "reset", "xid"]}
-    (spool / ACTIVE_NAME).write_text(json.dumps(marker))
+def test_plugin_predating_recovery_action_is_reported(short_dir: Path) -> None:
+    control = ControlQueue()
+    for action in ("clear", "lost", "reset", "xid"):
+        control.register(action, lambda request: {"message": "applied"})
     argv = ["mock", "recovery-action", "--device", "gpu-0", "--action", "gpu-reset"]
-    code, _, err = cli([*argv, "--state-dir", str(tmp_path)])
+    with control_socket(short_dir, control):
+        code, _, err = cli([*argv, "--state-dir", str(short_dir)])
     assert code == 1
     assert "does not accept 'recovery-action'" in err and "it accepts: clear, lost" in err

@@ -21,7 +21,7 @@ from driver.devices.model import PoolOptions, build_pool
 from driver.kube.api import ApiError
 from driver.kube.mps_daemons import KubeDaemons
 from driver.kube.mps_manifest import DaemonPodSettings, deployment_name
-from driver.nvml.backend import NvmlBackend
+from driver.nvml.mock.backend import MockBackend
 from driver.nvml.mock.nvml import MockNvml
 from driver.nvml.mps import DaemonDirs
 from driver.state.checkpoint import Checkpoint
@@ -113,7 +113,7 @@ class FakeCluster:
 class Node:
     def __init__(self, root: Path) -> None:
         self.root = root
-        self.backend = NvmlBackend(MockNvml(FLEET, NODE, driver_root=root / "root"))
+        self.backend = MockBackend(MockNvml(FLEET, NODE, driver_root=root / "root"))
         self.claims = Claims()
         self.cluster = FakeCluster()
         self.report = RecoveryReport()

@@ -17,6 +17,7 @@ import pytest
 
 from driver.devices.model import PoolOptions, build_pool
 from driver.nvml.backend import NvmlBackend
+from driver.nvml.mock.backend import MockBackend
 from driver.nvml.mock.fleet import Fleet, parse_fleet
 from driver.nvml.mock.nvml import MockNvml
 from driver.nvml.mps import DaemonDirs, DaemonId, MpsControl, is_running
@@ -115,7 +116,7 @@ class Node:
 def mps_node(tmp_path: Path, fleet: Fleet = FLEET) -> Iterator[Node]:
     """A node with the mock's stand-in daemon; its daemons killed at the end."""
     node = Node(
-        tmp_path, NvmlBackend(MockNvml(fleet, NODE, driver_root=tmp_path / "root")), Claims()
+        tmp_path, MockBackend(MockNvml(fleet, NODE, driver_root=tmp_path / "root")), Claims()
     )
     yield node
     if (tmp_path / "plugin" / "mps").exists():

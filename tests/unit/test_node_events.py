@@ -19,11 +19,12 @@ from driver.health.store import HealthStore
 from driver.health.xid import XidPolicy
 from driver.kube.api import ApiError
 from driver.kube.events import NodeEvent, NodeEvents
-from driver.nvml.backend import NvmlBackend
+from driver.nvml.mock.backend import MockBackend
 from driver.nvml.mock.fleet import default_fleet
 from driver.nvml.mock.nvml import MockNvml
 from driver.nvml.types import HealthEvent, MigInstance
 from driver.observability import metrics
+from tests.control_socket import control_socket
 
 DRIVER = "gpu.example.com"
 
@@ -45,7 +46,7 @@ class RecordingSink:
 
 class Node:
     def __init__(self, root: Path, *, mig_instances: MigInstances | None = None) -> None:
-        self.backend = NvmlBackend(MockNvml(default_fleet(), "node-1"))
+        self.backend = MockBackend(MockNvml(default_fleet(), "node-1"))
         self.pool: PoolDevices = build_pool(self.backend.discover())
         self.store = HealthStore(root / "health.json")
         self.sink = RecordingSink()
@@ -55,7 +56,6 @@ class Node:
             XidPolicy(),
             None,
             self.pool.devices,
-            data_dir=root,
             node_name="node-1",
             node_events=self.sink,
             driver=DRIVER,
@@ -124,17 +124,18 @@ def test_a_failed_gpu_instance_names_only_its_devices(tmp_path: Path) -> None:
     )
 
 
-def test_an_operator_clear_is_an_event(node: Node, tmp_path: Path) -> None:
-    """`gpu-dra health clear` through the running monitor's control channel."""
+def test_an_operator_clear_is_an_event(node: Node, short_dir: Path) -> None:
+    """`gpu-dra health clear` through the running monitor's control requests."""
     uuid = node.uuid(6)
     node.monitor.handle(HealthEvent(uuid, "ecc-dbe"))
     node.monitor.start()
     try:
-        args = build_parser().parse_args(
-            ["health", "clear", "gpu-6", "--yes", "--state-dir", str(tmp_path)]
-        )
-        out = io.StringIO()
-        code = args.run(args, out=out, err=io.StringIO(), stdin=io.StringIO())
+        with control_socket(short_dir, node.monitor.control):
+            args = build_parser().parse_args(
+                ["health", "clear", "gpu-6", "--yes", "--state-dir", str(short_dir)]
+            )
+            out = io.StringIO()
+            code = args.run(args, out=out, err=io.StringIO(), stdin=io.StringIO())
     finally:
         node.monitor.stop()
     assert code == 0, out.getvalue()

@@ -23,8 +23,8 @@ from driver.health.recovery import (
 )
 from driver.health.store import HealthStore
 from driver.health.xid import XidPolicy
-from driver.nvml.backend import NvmlBackend
 from driver.nvml.mock import api as m
+from driver.nvml.mock.backend import MockBackend
 from driver.nvml.mock.fleet import default_fleet
 from driver.nvml.mock.nvml import MockNvml
 from driver.nvml.recovery import RecoveryReading, parse_action
@@ -67,7 +67,7 @@ class Node:
 
     def __init__(self, tmp_path: Path) -> None:
         self.mock = MockNvml(default_fleet(), "node-1")
-        self.backend = NvmlBackend(self.mock)
+        self.backend = MockBackend(self.mock)
         self.pool: PoolDevices = build_pool(self.backend.discover())
         self.store = HealthStore(tmp_path / "health.json")
         self.publisher = Publisher()
@@ -332,7 +332,7 @@ def test_an_old_driver_never_taints_and_says_so_once(
             return values
 
     mock = OldDriver(default_fleet(), "node-1")
-    backend = NvmlBackend(mock)
+    backend = MockBackend(mock)
     pool = build_pool(backend.discover())
     actions = RecoveryActions(pool.devices, driver=DRIVER)
     clock = Clock()
@@ -397,7 +397,7 @@ def test_the_first_action_stays_until_a_reset() -> None:
 
 def test_reader_reports_why_a_gpu_did_not_answer() -> None:
     mock = MockNvml(default_fleet(), "node-1")
-    backend = NvmlBackend(mock)
+    backend = MockBackend(mock)
     lost, fine = mock.gpus[1].uuid, mock.gpus[2].uuid
     mock.inject_gpu_lost(lost)
     readings = backend.recovery_actions([lost, fine, "GPU-not-here"])

@@ -1,7 +1,7 @@
-"""What a hostile file in the plugin's directories cannot do: stall the health
-monitor through the control spool, make a lock or a socket chmod act on the file a
-symlink names, or make the CLI write or wait where it should not (security review,
-host side)."""
+"""What a hostile file in the plugin's directories cannot do: make a lock or a socket
+chmod act on the file a symlink names, or make the CLI write or wait where it should
+not (security review, host side). Control requests no longer pass through files: they
+are POSTs on the root-only status socket (tests/unit/test_control_requests.py)."""
 
 from __future__ import annotations
 
@@ -20,17 +20,11 @@ import pytest
 
 from driver.cli import build_parser
 from driver.errors import DriverError
-from driver.health.control import ControlChannel, ControlError, deliver, spool_dir
-from driver.health.monitor import HealthMonitor
-from driver.health.store import HealthStore
-from driver.health.xid import XidPolicy
-from driver.nvml.types import HealthEvent
 from driver.plugin.instances import InstanceLock
 from driver.plugin.serving import BuiltServer, SocketServer, new_server
 from driver.state.checkpoint import CHECKPOINT_FILE
 from driver.state.locking import SerializeLock
 
-GPU0 = "GPU-00000000-0000-4000-8000-000000000000"
 # Seconds to wait for work that never waits on a FIFO to return: it returns at once,
 # one stuck opening a FIFO never does (until a writer comes), however busy the machine.
 EVENT_WAIT = 30.0
@@ -48,78 +42,6 @@ def finishes(work: Callable[[], object], unblock: Path) -> bool:
             os.close(os.open(unblock, os.O_WRONLY | os.O_NONBLOCK))
         thread.join(EVENT_WAIT)
     return not stuck
-
-
-# -- the control spool ---------------------------------------------------------------
-
-
-class OneEvent:
-    """An NVML event source that reports one Xid, then nothing."""
-
-    def __init__(self, event: HealthEvent) -> None:
-        self.events = [event]
-
-    def open_event_set(self) -> None:
-        pass
-
-    def wait_event(self, timeout_ms: int) -> HealthEvent | None:
-        return self.events.pop() if self.events else None
-
-    def close_event_set(self) -> None:
-        pass
-
-
-def test_fifo_request_never_stalls_the_health_monitor(tmp_path: Path) -> None:
-    store = HealthStore(tmp_path / "health.json")
-    monitor = HealthMonitor(
-        OneEvent(HealthEvent(GPU0, "xid", xid=79, message="Xid 79")),
-        store,
-        XidPolicy.from_flags(additional_ignored="", fatal=""),
-        None,
-        data_dir=tmp_path,
-    )
-    assert monitor.control is not None
-    monitor.control.activate()
-    fifo = spool_dir(tmp_path) / f"req-{'ab' * 8}.json"
-    os.mkfifo(fifo, 0o600)
-    try:
-        assert finishes(monitor.run_once, fifo)  # polls the spool first
-        assert store.gpu_failure(GPU0) is not None  # the Xid was recorded
-        answer = json.loads((spool_dir(tmp_path) / f"res-{'ab' * 8}.json").read_text())
-        assert answer["ok"] is False and "not a regular file" in answer["message"]
-        assert not fifo.exists()
-    finally:
-        monitor.control.close()
-
-
-def test_cli_never_writes_through_a_symlinked_spool(tmp_path: Path) -> None:
-    elsewhere = tmp_path / "elsewhere"
-    plugin = ControlChannel(elsewhere)  # a live marker, but in another directory
-    plugin.register("clear", lambda request: {"message": "applied"})
-    plugin.activate()
-    state = tmp_path / "state"
-    state.mkdir()
-    spool_dir(state).symlink_to(spool_dir(elsewhere))
-    with pytest.raises(ControlError, match="symbolic link"):
-        deliver(state, {"action": "clear", "device": "gpu-0"}, timeout=0.3)
-    assert sorted(os.listdir(spool_dir(elsewhere))) == ["ACTIVE"]
-
-
-def test_cli_never_waits_on_a_fifo_marker(tmp_path: Path) -> None:
-    spool = spool_dir(tmp_path)
-    spool.mkdir(mode=0o700)
-    marker = spool / "ACTIVE"
-    os.mkfifo(marker, 0o600)
-    outcome: list[BaseException] = []
-
-    def ask() -> None:
-        try:
-            deliver(tmp_path, {"action": "clear", "device": "gpu-0"}, timeout=0.3)
-        except ControlError as err:
-            outcome.append(err)
-
-    assert finishes(ask, marker)
-    assert outcome and "not a regular file" in str(outcome[0])
 
 
 # -- lock files ------------------------------------------------------------------------

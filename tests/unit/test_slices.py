@@ -9,7 +9,7 @@ import pytest
 
 from driver.devices import slices as sl
 from driver.devices.model import PoolDevices, PoolOptions, build_pool
-from driver.nvml.backend import NvmlBackend
+from driver.nvml.mock.backend import MockBackend
 from driver.nvml.mock.fleet import default_fleet, example_fleet, mock_gpu_uuid, parse_fleet
 from driver.nvml.mock.nvml import MockNvml
 
@@ -18,7 +18,7 @@ WORKER = "dra-example-driver-cluster-worker"
 
 
 def pool_for(fleet: Any, node: str = "n1", options: PoolOptions | None = None) -> PoolDevices:
-    return build_pool(NvmlBackend(MockNvml(fleet, node)).discover(), options)
+    return build_pool(MockBackend(MockNvml(fleet, node)).discover(), options)
 
 
 def specs_for(pool: PoolDevices, **kwargs: Any) -> list[dict[str, Any]]:

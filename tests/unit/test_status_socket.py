@@ -17,8 +17,10 @@ from typing import Any
 import pytest
 
 from driver.cli import build_parser
+from driver.cli.mock import submit
 from driver.cli.plugin_endpoint import PluginUnreachable, fetch_status
 from driver.kube.api import ApiError, KubeApi
+from driver.nvml.mock.control import MockRequest
 from driver.observability.http_limits import Limits
 from driver.observability.listeners import listen_unix
 from driver.observability.status_socket import StatusSocketServer
@@ -116,6 +118,11 @@ def test_the_plugin_answers_status_on_its_socket_and_not_on_its_port(
         # Without --socket: the one in the data directory (--state-dir), as on the node.
         code, out = gpu_dra_status("--state-dir", str(data_dir))
         assert code == 0 and "plugin        version 9.9.9" in out, out
+        # The plugin's control requests ride on the same socket: a mock Xid, applied by
+        # its health monitor.
+        assert submit(data_dir, MockRequest("xid", device="gpu-3", xid=79)).startswith(
+            "Xid 79 on gpu-3"
+        )
     finally:
         plugin.stopping.set()
         thread.join(4 * WAIT)

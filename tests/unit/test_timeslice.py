@@ -13,6 +13,7 @@ import pytest
 from driver.devices.model import PoolOptions, build_pool
 from driver.errors import DriverError, transient
 from driver.nvml.backend import NvmlBackend
+from driver.nvml.mock.backend import MockBackend
 from driver.nvml.mock.fleet import parse_fleet
 from driver.nvml.mock.nvml import MockNvml
 from driver.nvml.mock.timeslice import MockTimeSlice
@@ -154,7 +155,7 @@ class Node:
 @pytest.fixture
 def node(tmp_path: Path) -> Node:
     root = tmp_path / "driver-root"
-    return Node(tmp_path, NvmlBackend(MockNvml(FLEET, NODE, driver_root=root)), Claims())
+    return Node(tmp_path, MockBackend(MockNvml(FLEET, NODE, driver_root=root)), Claims())
 
 
 def ok(state: DeviceState, *refs: ClaimRef) -> None:

@@ -33,7 +33,7 @@ import sys
 from pathlib import Path
 
 from driver.devices.model import PoolOptions, build_pool
-from driver.nvml.backend import NvmlBackend
+from driver.nvml.mock.backend import MockBackend
 from driver.nvml.mock.fleet import parse_fleet
 from driver.nvml.mock.nvml import MockNvml
 from driver.state.claims import ClaimRef
@@ -65,7 +65,7 @@ class NoReports:
 
 def build_state(root):
     root = Path(root)
-    backend = NvmlBackend(MockNvml(FLEET, "node-a", driver_root=root / "driver-root"))
+    backend = MockBackend(MockNvml(FLEET, "node-a", driver_root=root / "driver-root"))
     state = DeviceState(
         driver_name="gpu.example.com",
         node_name="node-a",

@@ -12,6 +12,7 @@ import pytest
 
 from driver.errors import DriverError
 from driver.nvml.backend import NvmlBackend
+from driver.nvml.mock.backend import MockBackend
 from driver.nvml.mock.fleet import parse_fleet
 from driver.nvml.mock.nvml import MockNvml
 from driver.nvml.mock.timeslice import STATE_FILE, MockTimeSlice
@@ -150,7 +151,7 @@ def test_mock_in_memory(tmp_path: Path) -> None:
 
 def test_backend_picks_the_mock_or_nvidia_smi(tmp_path: Path) -> None:
     fleet = parse_fleet({"gpus": [{"model": "H100-80GB", "count": 1, "migMode": "disabled"}]})
-    mock = NvmlBackend(MockNvml(fleet, "node-a", driver_root=tmp_path / "mock-root"))
+    mock = MockBackend(MockNvml(fleet, "node-a", driver_root=tmp_path / "mock-root"))
     ops = mock.timeslice("/driver-root")
     assert isinstance(ops, MockTimeSlice) and ops is mock.timeslice("/driver-root")
     uuid = mock.module.gpus[0].uuid

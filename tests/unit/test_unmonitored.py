@@ -18,8 +18,8 @@ from driver.health.monitor import HealthMonitor
 from driver.health.store import HealthStore
 from driver.health.unmonitored import UnmonitoredGpus
 from driver.health.xid import XidPolicy
-from driver.nvml.backend import NvmlBackend
 from driver.nvml.mock.api import NVML_ERROR_NOT_SUPPORTED, NVMLError
+from driver.nvml.mock.backend import MockBackend
 from driver.nvml.mock.fleet import default_fleet
 from driver.nvml.mock.nvml import MockNvml
 from driver.observability.metrics import REGISTRY
@@ -45,7 +45,7 @@ def test_a_gpu_whose_events_cannot_be_registered_is_published_unmonitored(
     tmp_path: Path,
 ) -> None:
     mock = RefusingNvml(3)
-    backend = NvmlBackend(mock)
+    backend = MockBackend(mock)
     pool = build_pool(backend.discover())
     store = HealthStore(tmp_path / "health.json")
     publisher = FakePublisher()

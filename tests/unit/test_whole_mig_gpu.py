@@ -13,7 +13,7 @@ from driver.devices import model as dm
 from driver.devices.documents import MIG_DIMENSIONS, binary_quantity, decimal_quantity
 from driver.devices.mig import full_size_profile
 from driver.devices.slices import build_slice_specs
-from driver.nvml.backend import NvmlBackend
+from driver.nvml.mock.backend import MockBackend
 from driver.nvml.mock.fleet import default_fleet, parse_fleet
 from driver.nvml.mock.nvml import MockNvml
 from driver.nvml.types import GpuInfo, Inventory, PartitionProfile
@@ -23,7 +23,7 @@ MODELS = ["A100-40GB", "A100-80GB", "H100-80GB", "H200-141GB"]
 
 def inventory(fleet_data: dict[str, Any] | None = None) -> Inventory:
     fleet = parse_fleet(fleet_data) if fleet_data else default_fleet()
-    return NvmlBackend(MockNvml(fleet, "node-a")).discover()
+    return MockBackend(MockNvml(fleet, "node-a")).discover()
 
 
 def full_profile(gpu: GpuInfo) -> PartitionProfile:
