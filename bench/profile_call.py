@@ -59,7 +59,7 @@ from driver.devices.model import PoolOptions, build_pool
 from driver.kube import api as kube_api
 from driver.kube.api import KubeApi
 from driver.kube.claims import ApiClaimReader
-from driver.nvml.backend import select_backend
+from driver.nvml.selection import select_backend
 from driver.observability.logs import setup_logging
 from driver.plugin import dra
 from driver.plugin.serving import new_server

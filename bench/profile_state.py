@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from driver.devices.model import PoolOptions, build_pool
-from driver.nvml.backend import select_backend
+from driver.nvml.selection import select_backend
 from driver.state.claims import ClaimRef
 from driver.state.prepare import DeviceState
 

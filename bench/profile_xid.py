@@ -10,7 +10,7 @@ timed to the watch event that shows the taint, like the bench's `xid` scenario; 
 components are wrapped to stamp each stage:
 
     spool    request written -> the plugin's control poll injects it
-    ack      injected -> `submit` returns (the answer file, the CLI's 20 ms poll)
+    ack      injected -> the monitor's answer (taken between its 20 ms event waits)
     wake     injected -> the monitor's event wait returns the event
     store    the store's record (the atomic, fsynced write of health.json)
     trigger  store done -> the publisher is triggered (gauges, Node event queued)
@@ -43,7 +43,6 @@ from bench.cluster import NODE_NAME, Api, LocalCluster, ensure_node
 from bench.scenarios import SliceWatcher, complete_pool, delete_node_slices, devices_of, percentile
 from driver.devices.model import build_pool
 from driver.devices.slices import build_slice_specs
-from driver.health.mock_control import MockRequest, submit
 from driver.health.monitor import HealthMonitor
 from driver.health.recovery import RecoveryActions
 from driver.health.store import HealthStore
@@ -51,7 +50,9 @@ from driver.health.xid import XidPolicy
 from driver.kube.api import KubeApi
 from driver.kube.events import NodeEvents
 from driver.kube.publisher import SLICES_PATH, SlicePublisher
-from driver.nvml.backend import select_backend
+from driver.nvml.mock.backend import MockBackend
+from driver.nvml.mock.control import MockRequest
+from driver.nvml.selection import select_backend
 from driver.plugin.flags import parse_options
 
 DRIVER = "gpu.example.com"
@@ -181,8 +182,8 @@ def run(
     )
     publisher.trigger = stamps.around("triggered", "triggered_return", publisher.trigger)  # type: ignore[method-assign]
     store.record_xid = stamps.around("store_start", "store_done", store.record_xid)  # type: ignore[method-assign]
+    assert isinstance(backend, MockBackend)
     mock = backend.mock_module
-    assert mock is not None
     mock.inject = stamps.around("injected", "injected_return", mock.inject)  # type: ignore[method-assign]
     wait_event = backend.wait_event
 
@@ -199,8 +200,9 @@ def run(
         XidPolicy.from_flags(),
         publisher,
         devices,
-        data_dir=o.data_dir,
         node_name=NODE_NAME,
+        control_actions=backend.control_actions(devices),
+        wait_timeout_ms=backend.event_wait_ms,
         node_events=NodeEvents(api, driver=o.driver_name, node_name=NODE_NAME),
         driver=o.driver_name,
         taint_effect=o.xid_taint_effect,
@@ -210,6 +212,11 @@ def run(
     publisher.start()
     monitor.start()
     key = f"{DRIVER}/xid"
+
+    def inject(request: MockRequest) -> None:
+        """As the status socket hands `gpu-dra mock` a request: the monitor applies it
+        on its thread and answers."""
+        monitor.control.submit(request.action, request.to_document(), timeout=10)
 
     def tainted(device: str, want: bool) -> Callable[[list[dict[str, Any]]], bool]:
         def check(slices: list[dict[str, Any]]) -> bool:
@@ -227,7 +234,7 @@ def run(
             stamps.reset()
             api.stamps = stamps
             stamps.mark("sent")
-            submit(o.data_dir, MockRequest(action="xid", device=device, xid=79), timeout=10)
+            inject(MockRequest(action="xid", device=device, xid=79))
             stamps.mark("acked")
             stamps.mark("visible", watcher.wait(tainted(device, True), 30, f"taint on {device}"))
             api.stamps = None
@@ -235,7 +242,7 @@ def run(
                 samples[stage].append(value)
             counts["listed"] += stamps.counts.get("list", 0) > 0
             counts["two PUTs"] += stamps.counts.get("put", 0) > 1
-            submit(o.data_dir, MockRequest(action="reset", device=device), timeout=10)
+            inject(MockRequest(action="reset", device=device))
             watcher.wait(tainted(device, False), 30, f"taint removed from {device}")
             watcher.wait(complete_pool, 30, "a complete pool after the reset")
             time.sleep(0.05)  # let the reconcile the watch triggers finish

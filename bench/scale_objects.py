@@ -23,7 +23,7 @@ from typing import Any
 from bench import scale_layouts
 from driver.devices.model import PoolOptions, build_pool
 from driver.devices.slices import build_slice_specs, slice_documents
-from driver.nvml.backend import NvmlBackend
+from driver.nvml.mock.backend import MockBackend
 from driver.nvml.mock.fleet import Fleet, parse_fleet
 from driver.nvml.mock.nvml import MockNvml
 
@@ -125,7 +125,7 @@ def node_name(index: int) -> str:
 
 def node_slices(layout: Layout, name: str, uid: str, fleet: Fleet | None = None) -> list[Any]:
     """The ResourceSlice documents the plugin would publish on this node."""
-    inventory = NvmlBackend(MockNvml(fleet or layout.fleet(), name)).discover()
+    inventory = MockBackend(MockNvml(fleet or layout.fleet(), name)).discover()
     options = PoolOptions(
         driver_name=DRIVER, gpu_partitions=layout.gpu_partitions, mig_profiles=layout.mig_profiles
     )

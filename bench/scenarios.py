@@ -359,7 +359,8 @@ def mig_cycles(
 def xid_to_taint(
     plugin: OursPlugin, watcher: SliceWatcher, n: int, gpus: int = 8
 ) -> dict[str, Any]:
-    from driver.health.mock_control import MockRequest, submit
+    from driver.cli.mock import submit
+    from driver.nvml.mock.control import MockRequest
 
     key = f"{DRIVER}/xid"
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from driver.cli.plugin_endpoint import PluginUnreachable, fetch_status
 from driver.devices.gpu_view import gpu_name
-from driver.nvml.backend import select_backend
+from driver.nvml.selection import select_backend
 
 log = logging.getLogger(__name__)
 

@@ -65,8 +65,8 @@ from driver.devices.model import PoolDevices, PoolError, PublishedDevice, build_
 from driver.devices.slices import build_slice_documents, validate_slice_specs
 from driver.devices.table import HEADERS, device_rows, taint_text
 from driver.errors import DriverError
-from driver.nvml.backend import select_backend
 from driver.nvml.library import NvmlUnavailableError
+from driver.nvml.selection import select_backend
 from driver.nvml.types import Inventory
 from driver.observability.logs import stderr_handler
 from driver.plugin.settings import (

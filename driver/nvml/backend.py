@@ -7,17 +7,14 @@ event set in `driver.nvml.events`, the recovery action in `driver.nvml.recovery`
 counted calls in `driver.nvml.calls` and loading the library in
 `driver.nvml.library`; this module puts them together for one process.
 
-`select_backend` is the only way to the mock (`driver.nvml.mock`): with `mock=False`
-nothing of it is imported. The mock's backend (`driver.nvml.mock.backend.MockBackend`)
-is an `NvmlBackend` whose hooks bring its stand-ins along: time-slice settings and an
-MPS control daemon under its own driver root, the reference's published model, its
-control actions (`control_actions`) and a shorter event wait (`event_wait_ms`).
+The mock's backend subclasses `NvmlBackend`: its hooks (`control_actions`,
+`event_wait_ms`, the time-slice and MPS stand-ins) are where it differs; the selection
+of a backend (`driver.nvml.selection`) is the only way to it.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -25,7 +22,6 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from driver.nvml.calls import CountingModule
 from driver.nvml.discovery import discover_inventory
 from driver.nvml.events import HealthEventSet
-from driver.nvml.library import NvmlUnavailableError, load_library_from_driver_root
 from driver.nvml.mig import MigManager
 from driver.nvml.mps import MpsControl
 from driver.nvml.recovery import RecoveryActionReader, RecoveryReading
@@ -127,40 +123,3 @@ class NvmlBackend:
         """The next health event, or None when `timeout_ms` passes without one
         (`HealthEventSet.wait` says how NVML events map to HealthEvents)."""
         return self._events.wait(timeout_ms)
-
-
-def check_mock_fleet(fleet_path: str | Path | None) -> None:
-    """ValueError where the mock fleet (a YAML file or a built-in name) cannot be
-    loaded: the plugin's settings check it before anything touches the host."""
-    from driver.nvml.mock.fleet import resolve_fleet
-
-    resolve_fleet(fleet_path)
-
-
-def select_backend(
-    *,
-    mock: bool,
-    fleet_path: str | Path | None = None,
-    node_name: str = "",
-    mock_driver_root: Path | None = None,
-    driver_root: Path | str | None = None,
-) -> NvmlBackend:
-    """The backend for this process: real pynvml, or (explicitly chosen) a mock fleet.
-
-    Real NVML is loaded from `driver_root` (the plugin's `--nvidia-driver-root`;
-    default: the NVIDIA_DRIVER_ROOT environment variable, else the loader's path).
-    The mock is logged loudly at WARNING: its devices must never be published by
-    accident on a real GPU node.
-    """
-    if mock:
-        from driver.nvml.mock.backend import mock_backend  # the only way to the mock
-
-        return mock_backend(fleet_path, node_name, mock_driver_root)
-    try:
-        import pynvml
-    except ImportError as err:  # pragma: no cover - pynvml is a hard dependency
-        raise NvmlUnavailableError(f"pynvml is not installed: {err}") from err
-    if driver_root is None:
-        driver_root = os.environ.get("NVIDIA_DRIVER_ROOT", "")
-    load_library_from_driver_root(pynvml, str(driver_root))
-    return NvmlBackend(pynvml)

@@ -26,8 +26,8 @@ from driver.kube.api import KubeApi
 from driver.kube.claims import ApiClaimReader, ClaimFailureReporter
 from driver.kube.events import NodeEvents
 from driver.kube.publisher import SlicePublisher
-from driver.nvml.backend import select_backend
 from driver.nvml.library import NvmlUnavailableError
+from driver.nvml.selection import select_backend
 from driver.observability import metrics
 from driver.observability.http import HttpServer
 from driver.observability.logs import setup_logging

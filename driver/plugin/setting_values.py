@@ -129,7 +129,7 @@ def driver_name(value: str) -> str:
 
 def mock_fleet(value: str) -> str:
     """A fleet YAML file or a built-in fleet's name, loaded to check it."""
-    from driver.nvml.backend import check_mock_fleet  # NVML's modules: only when needed
+    from driver.nvml.selection import check_mock_fleet  # NVML's modules: only when needed
 
     check_mock_fleet(value)
     return value

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from driver.nvml.backend import select_backend
 from driver.nvml.mps import DaemonDirs, DaemonId, MpsControl, is_running, process_start_time
+from driver.nvml.selection import select_backend
 from driver.state.claims import ClaimRef
 from driver.state.mps import NodeDaemons, daemon_dirs
 from driver.state.mps_record import MpsRecord

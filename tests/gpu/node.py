@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from driver.devices.model import MigStrategy, PoolDevices, PoolOptions, build_pool
-from driver.nvml.backend import NvmlBackend, select_backend
+from driver.nvml.backend import NvmlBackend
+from driver.nvml.selection import select_backend
 from driver.nvml.types import MigInstance
 from driver.state.claims import ClaimRef
 from driver.state.driver_edits import DriverRoot

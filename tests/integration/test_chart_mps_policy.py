@@ -28,6 +28,7 @@ import os
 import shutil
 import tempfile
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import replace
@@ -50,6 +51,7 @@ from driver.state.cdi import cdi_device_name
 from driver.state.mps import ClaimMps, daemon_dirs, plan_mps
 from driver.state.mps_limits import MpsLimits
 from driver.state.mps_record import MpsRecord
+from tests.conftest import REPO
 from tests.integration.test_chart import PluginIdentity, _dump, _template, _token_kubeconfig
 from tests.unit.test_chart_render import DRIVER, MOCK_VALUES
 
@@ -70,6 +72,16 @@ LIMITS = {
 CONFIGS = {
     "driver-root-dir": ("mps-root", "--set", "nvidiaDriverRoot=/run/nvidia/driver/"),
     "mock": ("mps-mock", "--values", str(MOCK_VALUES)),
+    # The demo's and tests/e2e/test_mps.py's values.
+    "demo": (
+        "mps-demo",
+        "--values",
+        str(MOCK_VALUES),
+        "--values",
+        str(REPO / "demo" / "values-demo.yaml"),
+        "--values",
+        str(REPO / "demo" / "mps" / "values.yaml"),
+    ),
     "mock-root": (
         "mps-mockroot",
         "--values",
@@ -108,6 +120,8 @@ def plugin_options(daemonset: Doc, node: str, ns: str) -> PluginOptions:
     env = {
         e["name"]: e["value"] if "value" in e else fields[e["valueFrom"]["fieldRef"]["fieldPath"]]
         for e in container["env"]
+        # A file of the pod's ConfigMap volume, read at parsing; nothing of the daemon's.
+        if e["name"] != "MOCK_FLEET"
     }
     with mock.patch.dict(os.environ, env, clear=True):
         return parse_options([])
@@ -167,9 +181,22 @@ class Setup:
         proc = self.plugin.kubectl(*args, "-f", "-", input=json.dumps(body))
         return proc.returncode == 0, proc.stderr
 
-    def replace(self, body: Doc) -> tuple[bool, str]:
-        proc = self.plugin.kubectl("replace", "-f", "-", input=json.dumps(body))
-        return proc.returncode == 0, proc.stderr
+    def update(self, name: str, change: Callable[[Doc], None]) -> tuple[bool, str]:
+        """The plugin's UPDATE (PUT) of Deployment `name` as the API server holds it,
+        changed by `change`; again where the Deployment controller wrote it meanwhile."""
+        path = f"{self.path}/{name}"
+        for _ in range(40):
+            current = self.api.request("GET", path)
+            change(current)
+            try:
+                self.api.request("PUT", path, body=current)
+            except ApiError as err:
+                if err.conflict:
+                    time.sleep(0.25)
+                    continue
+                return False, str(err)
+            return True, ""
+        raise AssertionError(f"{path}: conflicts on every update")
 
 
 def _install(cluster: Any, release: str, *values: str) -> tuple[Setup, Callable[[], None]]:
@@ -328,13 +355,17 @@ def test_the_plugins_daemon_code_creates_updates_and_deletes_its_nodes_deploymen
     stamped = replace(record, deployment=name, deployment_uid=created["metadata"]["uid"])
     try:
         assert daemons.alive(stamped)
-        # UPDATE of the same rendering, over what the API server stored.
-        current = s.api.request("GET", f"{s.path}/{name}")
+        # UPDATE to the same rendering, over what the API server stored (with the
+        # Deployment controller's revision annotation).
         again = daemon_deployment(daemons.settings, record, dirs)
-        current["metadata"]["labels"] = again["metadata"]["labels"]
-        current["metadata"]["annotations"] = again["metadata"]["annotations"]
-        current["spec"] = again["spec"]
-        s.api.request("PUT", f"{s.path}/{name}", body=current)
+
+        def rendered(current: Doc) -> None:
+            current["metadata"]["labels"] = again["metadata"]["labels"]
+            current["metadata"]["annotations"].update(again["metadata"]["annotations"])
+            current["spec"] = again["spec"]
+
+        ok, err = s.update(name, rendered)
+        assert ok, err
         daemons.stop(stamped, dirs)
     finally:
         kubelet.done.set()
@@ -363,17 +394,41 @@ def test_the_driver_renders_what_each_chart_configuration_admits(config_setup: S
     assert not ok and "spec.template.spec.hostNetwork" in err, err
 
 
-def test_the_policy_type_checks_without_warnings(cluster: Any, mps_setup: Setup) -> None:
+def _type_warnings(cluster: Any, name: str) -> list[Doc]:
     def checked() -> Doc | None:
         got = json.loads(
-            cluster.kubectl("get", "validatingadmissionpolicy", POLICY, "-o", "json").stdout
+            cluster.kubectl("get", "validatingadmissionpolicy", name, "-o", "json").stdout
         )
         status = got.get("status") or {}
         done = status.get("observedGeneration") == got["metadata"]["generation"]
         return status if done and "typeChecking" in status else None
 
-    status = cluster.wait_for(checked, timeout=60, what="the policy's type checking")
-    assert not status["typeChecking"].get("expressionWarnings"), status["typeChecking"]
+    status = cluster.wait_for(checked, timeout=60, what=f"{name}'s type checking")
+    return list(status["typeChecking"].get("expressionWarnings") or [])
+
+
+def test_the_policy_type_checks_without_warnings(cluster: Any, mps_setup: Setup) -> None:
+    """The API server type-checks a policy's validations against the Deployment's schema
+    (not its variables, and only where matchConstraints names no wildcard): the chart's
+    gets no warning, and a copy with a misspelt field in one more validation gets one,
+    so the check did run."""
+    assert _type_warnings(cluster, POLICY) == []
+    policy = json.loads(
+        cluster.kubectl("get", "validatingadmissionpolicy", POLICY, "-o", "json").stdout
+    )
+    probe = {
+        "apiVersion": policy["apiVersion"],
+        "kind": policy["kind"],
+        "metadata": {"name": f"{POLICY}-typecheck-probe"},
+        "spec": copy.deepcopy(policy["spec"]),
+    }
+    probe["spec"]["validations"].append({"expression": "object.spec.replicaz == 1"})
+    cluster.kubectl("create", "-f", "-", input=json.dumps(probe))
+    try:
+        (warning,) = _type_warnings(cluster, probe["metadata"]["name"])
+        assert "undefined field 'replicaz'" in warning["warning"], warning
+    finally:
+        cluster.kubectl("delete", "validatingadmissionpolicy", probe["metadata"]["name"])
 
 
 # -- one hole each: denied, naming the field -------------------------------------------
@@ -571,10 +626,8 @@ def test_an_update_that_changes_the_daemon_is_denied(mps_setup: Setup, hole: str
     created = s.api.request("POST", s.path, body=body)
     name = created["metadata"]["name"]
     try:
-        current = s.api.request("GET", f"{s.path}/{name}")
         change, field = HOLES[hole]
-        change(current)
-        ok, err = s.replace(current)
+        ok, err = s.update(name, change)
         assert not ok, f"{hole}: an update with it was admitted"
         assert s.policy in err and field in err, err
     finally:
@@ -586,14 +639,14 @@ def test_an_update_may_not_take_over_another_nodes_daemon(cluster: Any, mps_setu
     theirs = s.deployment(s.node_b, device="takeover")
     cluster.kubectl("create", "-f", "-", input=json.dumps(theirs))  # as the admin
     name = theirs["metadata"]["name"]
-    try:
-        current = json.loads(
-            cluster.kubectl("get", "deployment", name, "-n", s.ns, "-o", "json").stdout
-        )
-        mine = s.deployment(s.node_a, device="takeover")
+    mine = s.deployment(s.node_a, device="takeover")
+
+    def take_over(current: Doc) -> None:
         current["metadata"]["annotations"] = mine["metadata"]["annotations"]
         current["spec"]["template"]["spec"] = mine["spec"]["template"]["spec"]
-        ok, err = s.replace(current)
+
+    try:
+        ok, err = s.update(name, take_over)
         assert not ok and s.policy in err and "the Deployment it replaces" in err, err
     finally:
         cluster.kubectl("delete", "deployment", name, "-n", s.ns, "--wait=false", check=False)

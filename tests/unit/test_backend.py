@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from driver.nvml import backend as be
+from driver.nvml import selection
 from driver.nvml.calls import CountingModule
 from driver.nvml.discovery import format_cuda_driver_version, normalize_pci_bus_id
 from driver.nvml.events import HealthEventSet
@@ -225,14 +226,14 @@ def test_gpu_unavailable_event_maps_to_gpu_lost() -> None:
 
 def test_select_backend_mock_logs_loudly(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.WARNING, logger="driver.nvml.backend"):
-        backend = be.select_backend(mock=True, node_name="n1")
+        backend = selection.select_backend(mock=True, node_name="n1")
     assert isinstance(backend.module, MockNvml)
     assert backend.backend_name == "mock"
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert warnings and "MOCK NVML" in warnings[0].getMessage()
     assert "8x" in warnings[0].getMessage()
     with pytest.raises(ValueError, match="node name"):
-        be.select_backend(mock=True, node_name="")
+        selection.select_backend(mock=True, node_name="")
 
 
 def test_select_backend_real_uses_pynvml_without_calling_it(
@@ -241,7 +242,7 @@ def test_select_backend_real_uses_pynvml_without_calling_it(
     import pynvml
 
     with caplog.at_level(logging.WARNING):
-        backend = be.select_backend(mock=False, node_name="n1")
+        backend = selection.select_backend(mock=False, node_name="n1")
     assert backend.module is pynvml and backend.backend_name == "nvml"
     assert "MOCK" not in caplog.text
 
@@ -252,14 +253,14 @@ def test_select_backend_loads_nvml_from_the_driver_root_it_is_given(
     """The plugin's --nvidia-driver-root, not only the environment, names where
     libnvidia-ml is loaded from."""
     monkeypatch.delenv("NVIDIA_DRIVER_ROOT", raising=False)
-    with pytest.raises(be.NvmlUnavailableError, match=f"{tmp_path}: no libnvidia-ml"):
-        be.select_backend(mock=False, node_name="n1", driver_root=tmp_path)
+    with pytest.raises(selection.NvmlUnavailableError, match=f"{tmp_path}: no libnvidia-ml"):
+        selection.select_backend(mock=False, node_name="n1", driver_root=tmp_path)
 
 
 def test_select_backend_with_fleet_file(tmp_path: Any) -> None:
     path = tmp_path / "f.yaml"
     path.write_text("gpus:\n- model: example\n  count: 2\n")
-    backend = be.select_backend(mock=True, fleet_path=path, node_name="test-node")
+    backend = selection.select_backend(mock=True, fleet_path=path, node_name="test-node")
     inv = backend.discover()
     assert [g.uuid for g in inv.gpus] == [
         mock_gpu_uuid("test-node", i, prefix="gpu") for i in (0, 1)
@@ -268,7 +269,7 @@ def test_select_backend_with_fleet_file(tmp_path: Any) -> None:
 
 def test_only_the_backend_selection_reaches_the_mock() -> None:
     """The real NVML path never imports the mock: outside `driver/nvml/mock/`, only
-    the backend selection (`driver/nvml/backend.py`) names it, and `gpu-dra mock`
+    the backend selection (`driver/nvml/selection.py`) names it, and `gpu-dra mock`
     (`driver/cli/mock.py`, the mock's own client: the requests it sends, imported when
     it runs; tests/unit/test_real_backend_imports.py checks that building the CLI
     imports nothing of the mock)."""
@@ -279,4 +280,4 @@ def test_only_the_backend_selection_reaches_the_mock() -> None:
         if "mock" not in path.relative_to(driver_dir).parts[:2]
         and "driver.nvml.mock" in path.read_text()
     )
-    assert importers == ["driver/cli/mock.py", "driver/nvml/backend.py"]
+    assert importers == ["driver/cli/mock.py", "driver/nvml/selection.py"]

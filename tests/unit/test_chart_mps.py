@@ -1,12 +1,26 @@
 """The chart's MPS daemons (kubeletPlugin.mps.enabled, docs/mps.md): off by default
 (MPS_DAEMONS=off, no Role, no policy); on, the plugin gets MPS_DAEMONS=kubernetes, its
 namespace and image, a Role for its daemon Deployments in the release namespace only,
-and a ValidatingAdmissionPolicy confining them to its own node and the chart's image.
+and a ValidatingAdmissionPolicy confining them to its own node, the chart's image and
+the Deployment the plugin renders, with the paths the plugin renders it from.
 tests/integration/test_chart_mps_policy.py applies them to a real API server."""
 
 from __future__ import annotations
 
-from test_chart_render import NAMESPACE, Doc, one, render
+import os
+from pathlib import Path
+from typing import cast
+from unittest import mock
+
+import pytest
+from test_chart_render import MOCK_VALUES, NAMESPACE, Doc, one, render
+
+from driver.kube.api import KubeApi
+from driver.kube.mps_daemons import KubeDaemons
+from driver.nvml.backend import NvmlBackend
+from driver.nvml.mps import MpsControl
+from driver.plugin.flags import PluginOptions, parse_options
+from driver.plugin.mps_setup import mps_daemons
 
 MPS = ("--set", "kubeletPlugin.mps.enabled=true")
 
@@ -65,6 +79,8 @@ def test_enabled_the_policy_pins_daemons_to_the_plugins_node_label_and_image() -
     assert spec["failurePolicy"] == "Fail"
     (rule,) = spec["matchConstraints"]["resourceRules"]
     assert rule["resources"] == ["deployments"] and rule["apiGroups"] == ["apps"]
+    # No wildcard: the API server type-checks the validations against apps/v1.
+    assert rule["apiVersions"] == ["v1"]
     assert set(rule["operations"]) == {"CREATE", "UPDATE", "DELETE"}
     (cond,) = spec["matchConditions"]
     assert f"system:serviceaccount:{NAMESPACE}:gpu-dra-driver-kubeletplugin" in cond["expression"]
@@ -76,3 +92,67 @@ def test_enabled_the_policy_pins_daemons_to_the_plugins_node_label_and_image() -
     assert ":9.9.9'" in exprs
     binding = _named(docs, "ValidatingAdmissionPolicyBinding", "gpu-dra-driver-mps-daemons")
     assert binding["spec"]["validationActions"] == ["Deny"]
+
+
+class _Backend:
+    """`NvmlBackend.mps` where nvidia-cuda-mps-control is installed: real NVML's runs
+    from the driver root it is given, the mock's from its own root."""
+
+    def __init__(self, options: PluginOptions) -> None:
+        self.options = options
+
+    def mps(self, driver_root: Path | str) -> MpsControl:
+        return MpsControl(
+            self.options.plugin_mock_driver_root if self.options.mock else driver_root
+        )
+
+
+def _plugin_options(docs: list[Doc]) -> PluginOptions:
+    """The options the plugin's pod parses from its rendered env."""
+    fields = {"spec.nodeName": "n1", "metadata.namespace": NAMESPACE, "metadata.uid": "u"}
+    env = {
+        e["name"]: e["value"] if "value" in e else fields[e["valueFrom"]["fieldRef"]["fieldPath"]]
+        for e in _env(docs).values()
+        if e["name"] != "MOCK_FLEET"
+    }
+    with mock.patch.dict(os.environ, env, clear=True):
+        return parse_options([])
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        (),
+        ("--set", "nvidiaDriverRoot=/run/nvidia/driver/"),
+        ("--values", str(MOCK_VALUES)),
+        (
+            "--values",
+            str(MOCK_VALUES),
+            "--set",
+            "kubeletPlugin.kubeletPluginsDirectoryPath=/var/lib/kubelet/plugins-x/",
+            "--set-json",
+            'kubeletPlugin.containers.plugin.extraEnv=[{"name":"MOCK_DRIVER_ROOT",'
+            '"value":"/var/lib/gpu-dra-mock/root/"}]',
+        ),
+    ],
+    ids=["driver-on-host", "driver-root-dir", "mock", "mock-own-root"],
+)
+def test_the_policy_pins_the_paths_the_plugin_renders_its_daemons_with(
+    values: tuple[str, ...],
+) -> None:
+    """The policy's driver root, its host path and the daemons' directory are those of
+    the plugin's own KubeDaemons (driver/plugin/mps_setup.py) for the same values."""
+    docs = render(*MPS, *values)
+    options = _plugin_options(docs)
+    # Nothing is requested: mps_daemons only keeps the client.
+    daemons = mps_daemons(options, cast(NvmlBackend, _Backend(options)), cast(KubeApi, None))
+    assert isinstance(daemons, KubeDaemons)
+    settings = daemons.settings
+    vap = _named(docs, "ValidatingAdmissionPolicy", "gpu-dra-driver-mps-daemons")
+    variables = {v["name"]: v["expression"] for v in vap["spec"]["variables"]}
+    assert f"'{options.data_dir}/mps/' + variables.directory" == variables["base"]
+    assert f"'--driver-root={settings.driver_root}'" in variables["commandHead"]
+    assert f"'mountPath': dyn('{settings.driver_root}')" in variables["containerFixed"]
+    assert f"'path': '{settings.driver_root_host}'" in variables["volumes"]
+    assert f"'image': dyn('{settings.image}')" in variables["containerFixed"]
+    assert f"'imagePullPolicy': dyn('{settings.image_pull_policy}')" in variables["containerFixed"]

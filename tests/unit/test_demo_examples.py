@@ -15,7 +15,7 @@ import yaml
 
 from driver.devices.documents import parse_quantity
 from driver.devices.model import PoolOptions, build_pool
-from driver.nvml.backend import select_backend
+from driver.nvml.selection import select_backend
 from tests.unit.test_chart_device_classes import cel_selects, class_selectors
 from tests.unit.test_chart_render import render
 

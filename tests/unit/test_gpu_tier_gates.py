@@ -15,7 +15,8 @@ from typing import Any
 import pytest
 
 from driver.devices.model import MigStrategy
-from driver.nvml.backend import NvmlBackend, select_backend
+from driver.nvml.backend import NvmlBackend
+from driver.nvml.selection import select_backend
 from driver.nvml.types import GpuInfo, Inventory, MigInstance, PartitionProfile
 from tests.gpu import mig_scenarios
 from tests.gpu.crash_child import CRASH_POINTS, crash_prepare

@@ -122,7 +122,7 @@ def test_table_health_from_the_plugins_store(
 ) -> None:
     from driver.devices.model import build_pool
     from driver.health.store import HealthStore
-    from driver.nvml.backend import select_backend
+    from driver.nvml.selection import select_backend
 
     state = tmp_path / "state"
     state.mkdir()
@@ -165,7 +165,7 @@ def test_table_health_has_the_recovery_actions_of_the_running_plugin(
     only to the running plugin: inventory asks its /status, as `gpu-dra status` does,
     and shows the GPU unhealthy as status, the metric and the health stream do."""
     from driver.health.recovery import RecoveryFailure
-    from driver.nvml.backend import select_backend
+    from driver.nvml.selection import select_backend
     from driver.observability.status_socket import StatusSocketServer
 
     gpus = select_backend(mock=True, node_name="n1").discover().gpus
@@ -198,7 +198,7 @@ def test_table_health_shows_the_effect_the_plugin_publishes(
     capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from driver.health.store import HealthStore
-    from driver.nvml.backend import select_backend
+    from driver.nvml.selection import select_backend
 
     gpus = select_backend(mock=True, node_name="n1").discover().gpus
     HealthStore(tmp_path / "health.json").record_xid(gpus[3].uuid, 79)
@@ -223,7 +223,7 @@ def test_static_mig_gpus_without_mig_devices_are_rows_too(
 ) -> None:
     """Nothing of such a GPU is published; the table still lists it, with its health."""
     from driver.health.store import HealthStore
-    from driver.nvml.backend import select_backend
+    from driver.nvml.selection import select_backend
 
     gpus = select_backend(mock=True, node_name="n1").discover().gpus
     HealthStore(tmp_path / "health.json").record_xid(gpus[1].uuid, 48)
@@ -246,7 +246,7 @@ def test_table_columns_each_mean_one_thing(
     """INDEX, PCI BUS ID are the GPU's on every row; UUID is the row's own device;
     PARTITIONS counts published partitions on GPU rows only; PROFILE and PLACEMENT
     are the MIG device a row is delivered as."""
-    from driver.nvml.backend import select_backend
+    from driver.nvml.selection import select_backend
 
     fleet = tmp_path / "fleet.yaml"
     fleet.write_text(

@@ -30,7 +30,7 @@ OPAQUE = {
 START_AND_RESOLVE = f"""
 import json, sys
 from driver.plugin import main  # everything the start imports
-from driver.nvml.backend import check_mock_fleet, select_backend
+from driver.nvml.selection import check_mock_fleet, select_backend
 from driver.config import resolve_configs
 
 check_mock_fleet("default")

@@ -209,7 +209,7 @@ def test_help_shows_choices_and_daemon_defaults() -> None:
 
 def test_a_foreign_mig_device_under_dynamic_is_named_by_its_profile(tmp_path: Path) -> None:
     from driver.devices.model import MigStrategy, PoolError, PoolOptions, build_pool
-    from driver.nvml.backend import select_backend
+    from driver.nvml.selection import select_backend
 
     fleet = tmp_path / "fleet.yaml"
     fleet.write_text(

@@ -21,8 +21,8 @@ from driver.health.recovery import RecoveryActions
 from driver.health.store import HealthStore
 from driver.health.unmonitored import UnmonitoredGpus
 from driver.kube.publisher import PublisherStats
-from driver.nvml.backend import select_backend
 from driver.nvml.recovery import RecoveryReading
+from driver.nvml.selection import select_backend
 from driver.observability import metrics
 from driver.observability.status_socket import StatusSocketServer
 from driver.plugin.journal_summary import JournalReader

@@ -14,7 +14,7 @@ import yaml
 
 from driver.devices.model import PoolOptions, build_pool
 from driver.devices.slices import build_slice_documents
-from driver.nvml.backend import select_backend
+from driver.nvml.selection import select_backend
 from tests.unit.test_validate_cli import problems, run_cli
 
 REPO = Path(__file__).resolve().parents[2]

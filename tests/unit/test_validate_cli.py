@@ -263,7 +263,7 @@ def _shared_slices(tmp_path: Path) -> Path:
     `gpu-dra inventory -o json` prints them."""
     from driver.devices.model import PoolOptions, build_pool
     from driver.devices.slices import build_slice_documents
-    from driver.nvml.backend import select_backend
+    from driver.nvml.selection import select_backend
 
     inventory = select_backend(mock=True, fleet_path="example", node_name="node-a").discover()
     options = PoolOptions(allow_multiple_allocations=True)
@@ -360,7 +360,7 @@ def test_a_yaml_reader_error_names_line_and_column(tmp_path: Path) -> None:
 def _default_fleet_slices(tmp_path: Path, gpu_partitions: int) -> Path:
     from driver.devices.model import PoolOptions, build_pool
     from driver.devices.slices import build_slice_documents
-    from driver.nvml.backend import select_backend
+    from driver.nvml.selection import select_backend
 
     inventory = select_backend(mock=True, fleet_path=None, node_name="node-a").discover()
     assert {gpu.memory_bytes for gpu in inventory.gpus} == {85520809984}  # H100 80GB

@@ -13,7 +13,7 @@ import yaml
 from driver.cli.cel_device import Selector, device_activation, parse_semver
 from driver.devices.model import PoolOptions, build_pool
 from driver.devices.slices import build_slice_documents
-from driver.nvml.backend import select_backend
+from driver.nvml.selection import select_backend
 from tests.unit.test_validate_cli import run_cli
 
 DRIVER = "gpu.example.com"

@@ -20,7 +20,7 @@ from driver.cli.capacity import PolicyViolation, request_consumption
 from driver.cli.explain_summary import names_read
 from driver.devices.model import PoolOptions, build_pool
 from driver.devices.slices import build_slice_documents
-from driver.nvml.backend import select_backend
+from driver.nvml.selection import select_backend
 from tests.unit.test_validate_cli import run_cli
 
 DRIVER = "gpu.example.com"

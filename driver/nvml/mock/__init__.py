@@ -1,6 +1,6 @@
 """The mock NVML: fake GPUs that behave as NVML does, for CI and demo clusters.
 
-Reached only through `driver.nvml.backend.select_backend(mock=True)`; the real NVML
+Reached only through `driver.nvml.selection.select_backend(mock=True)`; the real NVML
 path (`driver.nvml`) never imports it. `backend.MockBackend` is the plugin's backend
 over it, which brings the mock's stand-ins along (its `control` actions,
 `gpu-dra mock ...`; `timeslice`; `mps_control`). `nvml.MockNvml` is the
