@@ -8,10 +8,13 @@ import signal
 import sys
 from collections.abc import Sequence
 
-from driver.cli import health, inventory, journal, mock, status, validate
+from driver.cli import inventory, mock, status
+from driver.cli.health import health_show
+from driver.cli.journal import journal_show
+from driver.cli.validate import validate_command
 from driver.cli.verbosity import add_verbosity_flag, configure_logging
+from driver.fileio import permission_denied
 from driver.plugin.flags import add_version_flag
-from driver.state.fileio import permission_denied
 
 SIGPIPE_EXIT = 128 + signal.SIGPIPE  # what a shell reports for a command SIGPIPE killed
 
@@ -20,7 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gpu-dra", description=__doc__)
     add_version_flag(parser)
     subcommands = parser.add_subparsers(dest="command", required=True)
-    for module in (inventory, validate, health, status, journal, mock):
+    for module in (inventory, validate_command, health_show, status, journal_show, mock):
         module.add_parser(subcommands)
     add_verbosity_flag(parser)
     return parser

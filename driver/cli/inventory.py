@@ -78,8 +78,8 @@ from driver.plugin.settings import (
     node_settings,
     read_settings,
 )
-from driver.state.checkpoint import Checkpoint
 from driver.state.instances import Held, owned_instances
+from driver.state.journal.checkpoint import Checkpoint
 
 log = logging.getLogger(__name__)
 

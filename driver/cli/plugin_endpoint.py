@@ -20,9 +20,9 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
+from driver.fileio import permission_denied
 from driver.health.recovery import KIND_RECOVERY_ACTION
 from driver.observability.status_socket import SOCKET_NAME, status_socket_path
-from driver.state.fileio import permission_denied
 
 DEFAULT_TIMEOUT = 5.0
 # Once the plugin took a control request, how much longer than the time it had to take

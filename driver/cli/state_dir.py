@@ -12,9 +12,9 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from driver.fileio import UnsafeFileError, permission_denied, read_file_nofollow
 from driver.health.persistence import HealthRecords, NewerSchemaError, parse_records
 from driver.health.store import DEFAULT_DRIVER_NAME, HealthStore
-from driver.state.fileio import UnsafeFileError, permission_denied, read_file_nofollow
 
 STATE_DIR_ENV = "GPU_DRA_STATE_DIR"
 PLUGINS_DIR = Path("/var/lib/kubelet/plugins")

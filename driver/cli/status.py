@@ -29,7 +29,7 @@ from typing import Any, TextIO
 
 import yaml
 
-from driver.cli.health_table import taint_text
+from driver.cli.health.health_table import taint_text
 from driver.cli.output import format_table
 from driver.cli.plugin_endpoint import (
     PluginUnreachable,
@@ -47,7 +47,7 @@ from driver.health.clear import record_json
 from driver.health.failures import DEFAULT_DRIVER_NAME
 from driver.plugin.host_inputs import driver_name_argument
 from driver.plugin.journal_summary import JournalSummary, summarise
-from driver.state.checkpoint import Checkpoint
+from driver.state.journal.checkpoint import Checkpoint
 
 GPU_HEADERS = ("GPU", "INDEX", "PCI BUS ID", "UUID", "MODEL", "MIG", "HEALTH")
 

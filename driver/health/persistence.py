@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from driver.fileio import UnsafeFileError, atomic_write, read_file_nofollow
 from driver.health.failures import KIND_RANK, GpuFailure, Placement
-from driver.state.fileio import UnsafeFileError, atomic_write, read_file_nofollow
 
 log = logging.getLogger(__name__)
 

@@ -27,7 +27,7 @@ from driver.errors import transient
 from driver.kube.api import ApiError, segment
 from driver.kube.mps_manifest import DaemonPodSettings, daemon_deployment, deployment_name
 from driver.nvml.mps import DaemonDirs
-from driver.state.mps_record import MpsRecord
+from driver.state.journal.mps_record import MpsRecord
 
 log = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ from typing import Any, Final
 
 from driver.config.mps_limits import MIB
 from driver.nvml.mps import DaemonDirs
-from driver.state.mps_record import MpsRecord
+from driver.state.journal.mps_record import MpsRecord
 
 CONTAINER: Final = "mps-control-daemon"
 COMMAND: Final = "gpu-dra-mps-daemon"

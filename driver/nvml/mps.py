@@ -82,7 +82,7 @@ def find_binary(driver_root: Path) -> Path | None:
 
 
 class MpsControl:
-    """`MpsOps` (driver/state/mps.py) with the driver root's binary."""
+    """`MpsOps` (driver/state/mps/claim_daemons.py) with the driver root's binary."""
 
     def __init__(self, driver_root: Path | str, *, timeout: float = DEFAULT_TIMEOUT) -> None:
         self.driver_root = Path(driver_root)

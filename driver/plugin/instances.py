@@ -35,7 +35,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from driver.state.locking import open_lock_file
+from driver.state.journal.locking import open_lock_file
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from driver.errors import DriverError
-from driver.state.checkpoint import Checkpoint, CheckpointCorruptError, ClaimState
+from driver.state.journal.checkpoint import Checkpoint, CheckpointCorruptError, ClaimState
 
 
 @dataclass(frozen=True)

@@ -13,9 +13,12 @@ from dataclasses import replace
 from pathlib import Path
 from types import FrameType
 
+from driver.cdi.driver_edits import DriverRoot
+from driver.cdi.hook import HOOK_NAME, cdi_hook_path, install_cdi_hook
 from driver.devices.gpu_view import gpu_views
 from driver.devices.model import PoolError, build_pool
 from driver.devices.slices import build_slice_specs
+from driver.fileio import UnsafeFileError, remove_durably, sweep_temp_files
 from driver.health.monitor import HealthMonitor
 from driver.health.prepare_health import KubeDeviceHealth, NoDeviceHealth
 from driver.health.recovery import RecoveryActions, RecoveryAwareHealth, RecoveryPoller
@@ -57,11 +60,8 @@ from driver.plugin.status import (
 )
 from driver.plugin.toolkit_config import check_toolkit_config, report_toolkit_check
 from driver.proto.pluginregistration.v1 import api_pb2_grpc as registration_grpc
-from driver.state.cdi_hook import HOOK_NAME, cdi_hook_path, install_cdi_hook
-from driver.state.driver_edits import DriverRoot
-from driver.state.fileio import UnsafeFileError, remove_durably, sweep_temp_files
 from driver.state.prepare import DeviceState
-from driver.state.recovery import compact_journal
+from driver.state.recovery.startup_recovery import compact_journal
 from driver.state.verdicts import parse_permanent_errors
 
 log = logging.getLogger("gpu-kubelet-plugin")

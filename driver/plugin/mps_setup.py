@@ -15,9 +15,9 @@ from driver.kube.mps_manifest import DaemonPodSettings
 from driver.nvml.backend import NvmlBackend
 from driver.plugin.flags import PluginOptions
 from driver.state.context import StepContext
-from driver.state.mps import MpsDaemons, NodeDaemons
+from driver.state.mps.claim_daemons import MpsDaemons, NodeDaemons
 from driver.state.mps_watch import MpsWatch
-from driver.state.recovery import RecoveryReport
+from driver.state.recovery.startup_recovery import RecoveryReport
 
 log = logging.getLogger(__name__)
 

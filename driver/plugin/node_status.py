@@ -32,7 +32,7 @@ from driver.observability import metrics
 from driver.plugin.instances import Succession, default_holder
 from driver.plugin.journal_summary import JournalReader, JournalSummary
 from driver.plugin.toolkit_config import ToolkitCheck
-from driver.state.checkpoint import Checkpoint
+from driver.state.journal.checkpoint import Checkpoint
 from driver.state.mps_watch import MpsCheck
 
 # A sync older than this means the reconcile keeps failing: it runs at least every

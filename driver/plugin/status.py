@@ -26,7 +26,7 @@ from datetime import UTC, datetime
 from typing import Protocol
 
 from driver.observability import metrics
-from driver.state.recovery import RecoveryReport
+from driver.state.recovery.startup_recovery import RecoveryReport
 
 Report = Callable[[], tuple[bool, str]]
 STARTING = "ok: starting\n"

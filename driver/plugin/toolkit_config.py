@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
+from driver.fileio import read_file_nofollow
 from driver.observability import metrics
-from driver.state.fileio import read_file_nofollow
 
 log = logging.getLogger(__name__)
 

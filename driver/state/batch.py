@@ -6,7 +6,7 @@ found half-done entries, then ONE `PrepareStarted` store (the intent). What foll
 rolled back alone; a failed journal store fails and rolls back the whole batch.
 
 A claim whose own request, or the request of the claim holding its device, is in
-flight outside the node lock (its claim lock is held, driver/state/locking.py) is
+flight outside the node lock (its claim lock is held, driver/state/journal/locking.py) is
 not planned but `Deferred`: the caller waits for that request, holding no lock, and
 plans it again."""
 
@@ -18,15 +18,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from driver.cdi.claim_specs import ClaimSpec
 from driver.errors import DriverError, transient
+from driver.failpoints import failpoint
 from driver.state.booking import HeldError, refuse_double_booking, refuse_over_capacity
-from driver.state.cdi import ClaimSpec
-from driver.state.checkpoint import ClaimEntry, ClaimState, PreparedDevice
 from driver.state.claims import ClaimRef, PrepareResult
 from driver.state.context import StepContext
-from driver.state.failpoints import failpoint
 from driver.state.instances import Place, other_entries, owns_mig
-from driver.state.locking import ClaimHolds
+from driver.state.journal.checkpoint import ClaimEntry, ClaimState, PreparedDevice
+from driver.state.journal.locking import ClaimHolds
 from driver.state.planning import CdiContext, PlannedDevice, for_batch, plan_claim
 from driver.state.teardown import unprepare_begun
 

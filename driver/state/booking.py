@@ -30,8 +30,8 @@ from decimal import Decimal
 
 from driver.devices.documents import parse_quantity
 from driver.errors import DriverError, ErrorClass, transient
-from driver.state.checkpoint import ClaimEntry, HardwareRecord, PreparedDevice
 from driver.state.claims import PreparableDevice
+from driver.state.journal.checkpoint import ClaimEntry, HardwareRecord, PreparedDevice
 
 
 class HeldError(DriverError):

@@ -11,7 +11,7 @@ from typing import Any, Protocol
 
 from driver.devices.types import MigBacking
 from driver.errors import DriverError, transient
-from driver.state.checkpoint import PreparedDevice
+from driver.state.journal.checkpoint import PreparedDevice
 
 log = logging.getLogger(__name__)
 

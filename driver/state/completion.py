@@ -19,6 +19,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import replace
 
 from driver.errors import DriverError, transient
+from driver.failpoints import failpoint
 from driver.state.batch import (
     Batch,
     Work,
@@ -29,10 +30,9 @@ from driver.state.batch import (
     fail_work,
     undo,
 )
-from driver.state.checkpoint import ClaimEntry, ClaimState, PreparedDevice
 from driver.state.claims import PrepareResult
 from driver.state.context import StepContext
-from driver.state.failpoints import failpoint
+from driver.state.journal.checkpoint import ClaimEntry, ClaimState, PreparedDevice
 from driver.state.planning import render_spec
 from driver.state.teardown import settled_journal
 

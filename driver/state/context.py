@@ -1,8 +1,9 @@
 """What the prepare, unprepare and recovery steps share: `StepContext`.
 
 `driver/state/batch.py` and `completion.py` (prepare), `driver/state/teardown.py`
-(unprepare) and `driver/state/recovery.py` (start-up recovery) take a `StepContext`;
-`DeviceState` (`driver/state/prepare.py`) is the facade on top that the plugin calls.
+(unprepare) and `driver/state/recovery/startup_recovery.py` (start-up recovery) take a
+`StepContext`; `DeviceState` (`driver/state/prepare.py`) is the facade on top that the
+plugin calls.
 The context holds the node's stores (journal, CDI specs, MIG and time-slice
 operations), the node lock and the claim locks, the remembered verdicts and counters,
 and the two steps every path takes: loading the journal and failing a claim (its
@@ -18,9 +19,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from driver.cdi.claim_specs import CdiSpecs
+from driver.cdi.common_spec import CommonSpec
+from driver.cdi.driver_edits import DriverRoot
 from driver.errors import DriverError, ErrorClass
-from driver.state.cdi import CdiSpecs
-from driver.state.checkpoint import Checkpoint, CheckpointCorruptError, ClaimEntry
 from driver.state.claims import (
     ClaimReader,
     ClaimRef,
@@ -29,12 +31,11 @@ from driver.state.claims import (
     PreparableDevice,
     PrepareResult,
 )
-from driver.state.common_spec import CommonSpec
 from driver.state.draining import InFlight
-from driver.state.driver_edits import DriverRoot
 from driver.state.instances import ClaimInstances, MigOps
-from driver.state.locking import ClaimLocks, SerializeLock
-from driver.state.mps import ClaimMps, MpsDaemons, MpsOps, NodeDaemons
+from driver.state.journal.checkpoint import Checkpoint, CheckpointCorruptError, ClaimEntry
+from driver.state.journal.locking import ClaimLocks, SerializeLock
+from driver.state.mps.claim_daemons import ClaimMps, MpsDaemons, MpsOps, NodeDaemons
 from driver.state.planning import CdiContext
 from driver.state.timeslice import ClaimTimeSlices, TimeSliceOps
 from driver.state.verdicts import (

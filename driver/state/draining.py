@@ -1,5 +1,5 @@
 """The prepare and unprepare calls in flight, so that the plugin's clean stop can wait
-for them (bounded) before it compacts the journal (driver/state/recovery.py,
+for them (bounded) before it compacts the journal (driver/state/recovery/startup_recovery.py,
 `compact_journal`; docs/state.md, "The log"). gRPC's `server.stop(grace)` stops
 accepting calls and cancels the ones still running after `grace`, but their handler
 threads go on; they are counted here."""

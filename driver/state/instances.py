@@ -28,11 +28,11 @@ from dataclasses import replace
 from typing import Protocol
 
 from driver.errors import DriverError, transient
+from driver.failpoints import failpoint
 from driver.nvml.mig import MigError, MigTarget, RecordedInstance
 from driver.nvml.types import MigInstance
-from driver.state.boot import boot_id
-from driver.state.checkpoint import ClaimEntry, MigRecord, PreparedDevice
-from driver.state.failpoints import failpoint
+from driver.state.journal.boot import boot_id
+from driver.state.journal.checkpoint import ClaimEntry, MigRecord, PreparedDevice
 from driver.state.planning import PlannedDevice, with_mig
 
 log = logging.getLogger(__name__)

@@ -38,11 +38,11 @@ from typing import Any, Final, Protocol
 
 from driver.errors import DriverError
 from driver.observability import metrics
-from driver.state.checkpoint import ClaimEntry, ClaimState
 from driver.state.claims import ClaimRef
 from driver.state.context import StepContext
-from driver.state.mps import MpsLoss, daemon_text
-from driver.state.mps_record import MpsRecord
+from driver.state.journal.checkpoint import ClaimEntry, ClaimState
+from driver.state.journal.mps_record import MpsRecord
+from driver.state.mps.claim_daemons import MpsLoss, daemon_text
 
 log = logging.getLogger(__name__)
 

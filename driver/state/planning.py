@@ -15,6 +15,17 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from driver.cdi.claim_specs import (
+    VISIBLE_DEVICES_VOID,
+    CdiDevice,
+    CdiMount,
+    ClaimSpec,
+    SharingEnv,
+    cdi_device_name,
+    claim_device_env,
+    gpu_env_id,
+)
+from driver.cdi.device_nodes import CharMajors, DeviceNode, DeviceNodeError
 from driver.config import (
     ConfigError,
     GpuConfig,
@@ -25,22 +36,11 @@ from driver.config import (
 from driver.errors import device_failed, transient
 from driver.nvml.caps import CapabilityError, mig_capabilities
 from driver.state.booking import hardware_of
-from driver.state.cdi import (
-    VISIBLE_DEVICES_VOID,
-    CdiDevice,
-    CdiMount,
-    ClaimSpec,
-    SharingEnv,
-    cdi_device_name,
-    claim_device_env,
-    gpu_env_id,
-)
-from driver.state.checkpoint import MigRecord, PreparedDevice
 from driver.state.claims import ClaimRef, DeviceHealth, PreparableDevice
-from driver.state.device_nodes import CharMajors, DeviceNode, DeviceNodeError
-from driver.state.mps import MpsSite, plan_mps
-from driver.state.mps_limits import allotment, mps_limits
-from driver.state.timeslice_record import TimeSliceRecord
+from driver.state.journal.checkpoint import MigRecord, PreparedDevice
+from driver.state.journal.timeslice_record import TimeSliceRecord
+from driver.state.mps.claim_daemons import MpsSite, plan_mps
+from driver.state.mps.prepared_limits import allotment, mps_limits
 
 
 @dataclass(frozen=True)
@@ -162,7 +162,7 @@ def plan_claim(
     """Raises ConfigError (permanent invalid-config) or a transient error. Device
     health is checked before (`check_health`), outside the node lock. `time_slices`:
     the backend sets time-slice intervals, so they are recorded. `mps_site`: where
-    MPS daemons live, None on a node without MPS (driver/state/mps.py)."""
+    MPS daemons live, None on a node without MPS (driver/state/mps/claim_daemons.py)."""
     configs = resolve_configs(claim["status"]["allocation"], driver_name)
     planned: list[PlannedDevice] = []
     for result in driver_results:

@@ -34,7 +34,7 @@ A claim that fails in steps 4-5 is rolled back alone (spec removed, MIG devices
 destroyed, entry dropped in the next store); only a failed journal store fails the
 whole batch, which is then rolled back. Steps 3-5 live in driver/state/batch.py and
 driver/state/completion.py, unprepare in driver/state/teardown.py, start-up
-recovery in driver/state/recovery.py; all take the
+recovery in driver/state/recovery/startup_recovery.py; all take the
 `StepContext` (driver/state/context.py) this facade extends.
 """
 
@@ -48,11 +48,8 @@ from typing import Any
 from driver.errors import DriverError, transient
 from driver.nvml.types import Inventory
 from driver.observability import metrics
-from driver.state import recovery, teardown
+from driver.state import teardown
 from driver.state.batch import Batch, Deferred, Todo, as_transient, plan_batch
-from driver.state.checkpoint import (
-    CheckpointCorruptError,
-)
 from driver.state.claims import (
     ClaimRef,
     PrepareResult,
@@ -63,8 +60,12 @@ from driver.state.claims import (
 from driver.state.completion import complete_batch, create_devices, finish_outside_lock
 from driver.state.context import StepContext
 from driver.state.instances import Held, owned_instances
+from driver.state.journal.checkpoint import (
+    CheckpointCorruptError,
+)
 from driver.state.planning import check_health
-from driver.state.recovery import RecoveryReport
+from driver.state.recovery import startup_recovery
+from driver.state.recovery.startup_recovery import RecoveryReport
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +74,7 @@ class DeviceState(StepContext):
     """Prepare/unprepare for one node: the facade the plugin calls. Thread-safe; safe
     across plugin instances that share `data_dir` (serialised by
     `<data_dir>/serialize.lock`, and the claim locks of requests in flight outside
-    it, driver/state/locking.py)."""
+    it, driver/state/journal/locking.py)."""
 
     # -- public ------------------------------------------------------------------------
 
@@ -162,7 +163,7 @@ class DeviceState(StepContext):
 
     def recover(self) -> RecoveryReport:
         """Start-up reconciliation of the journal, the CDI specs and the MIG devices."""
-        return recovery.recover(self)
+        return startup_recovery.recover(self)
 
     def owned_mig(self, inventory: Inventory | None = None) -> Held:
         """(GPU UUID, GPU-instance id) of every MIG device the journal owns: a

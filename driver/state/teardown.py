@@ -1,6 +1,6 @@
 """Unprepare: CDI specs, MIG devices and GPU time-slice intervals of claims, then their
 journal entries (docs/state.md, "Recovery rules"; docs/mig.md, "Crash safety").
-Start-up recovery lives in driver/state/recovery.py.
+Start-up recovery lives in driver/state/recovery/startup_recovery.py.
 
 Failures are per claim: a claim whose MIG device or spec cannot be handled gets its
 own transient error and keeps its entry; the other claims of the request go on. A MIG
@@ -15,13 +15,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from driver.errors import DriverError, transient
-from driver.state.boot import boot_id
-from driver.state.checkpoint import CheckpointCorruptError, ClaimEntry, ClaimState
+from driver.failpoints import failpoint
 from driver.state.claims import ClaimRef, unique
 from driver.state.context import StepContext
-from driver.state.failpoints import failpoint
 from driver.state.instances import other_entries, owns_mig
-from driver.state.locking import ClaimHolds
+from driver.state.journal.boot import boot_id
+from driver.state.journal.checkpoint import CheckpointCorruptError, ClaimEntry, ClaimState
+from driver.state.journal.locking import ClaimHolds
 
 log = logging.getLogger(__name__)
 

@@ -25,9 +25,9 @@ from pathlib import Path
 from typing import Any
 
 from driver.devices.model import MigStrategy
+from driver.failpoints import ENV_VAR, FAILPOINTS
 from driver.nvml.backend import NvmlBackend
 from driver.nvml.mig import MigManager
-from driver.state.failpoints import ENV_VAR, FAILPOINTS
 from tests.gpu.node import host_backend, open_node
 
 GPU_INSTANCE_CREATED = "gpu-instance-created"

@@ -21,7 +21,7 @@ from driver.devices.model import MigStrategy
 from driver.nvml.backend import NvmlBackend
 from driver.nvml.mig import MigError, MigTarget
 from driver.nvml.types import GpuInfo
-from driver.state.checkpoint import ClaimState
+from driver.state.journal.checkpoint import ClaimState
 from tests.gpu.crash_child import CRASH_POINTS, GPU_INSTANCE_CREATED
 from tests.gpu.gates import disjoint_placements, smallest_profile
 from tests.gpu.node import open_node, spec_mig_uuid

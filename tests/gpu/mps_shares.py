@@ -14,8 +14,8 @@ from typing import Any
 from driver.nvml.mps import DaemonDirs, DaemonId, MpsControl, is_running, process_start_time
 from driver.nvml.selection import select_backend
 from driver.state.claims import ClaimRef
-from driver.state.mps import NodeDaemons, daemon_dirs
-from driver.state.mps_record import MpsRecord
+from driver.state.journal.mps_record import MpsRecord
+from driver.state.mps.claim_daemons import NodeDaemons, daemon_dirs
 from tests.gpu.node import NODE, GpuNode, open_node
 
 MIB_PER_GIB = 1024

@@ -12,16 +12,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from driver.cdi.driver_edits import DriverRoot
 from driver.devices.model import MigStrategy, PoolDevices, PoolOptions, build_pool
 from driver.nvml.backend import NvmlBackend
 from driver.nvml.selection import select_backend
 from driver.nvml.types import MigInstance
 from driver.state.claims import ClaimRef
-from driver.state.driver_edits import DriverRoot
 from driver.state.instances import MigOps
-from driver.state.mps import MpsDaemons
+from driver.state.mps.claim_daemons import MpsDaemons
 from driver.state.prepare import DeviceState
-from driver.state.recovery import RecoveryReport
+from driver.state.recovery.startup_recovery import RecoveryReport
 from tests.state_fakes import Healthy, NoReports
 
 DRIVER = "gpu.example.com"

@@ -14,9 +14,9 @@ import os
 from pathlib import Path
 from typing import Any
 
+from driver.cdi.driver_edits import DriverRoot
 from driver.nvml.backend import NvmlBackend
 from driver.nvml.types import GpuInfo
-from driver.state.driver_edits import DriverRoot
 from tests import cdi_bundle
 from tests.gpu import containers
 from tests.gpu.node import open_node

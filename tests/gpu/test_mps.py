@@ -1,5 +1,5 @@
 """An MPS control daemon started by the driver's code for a claim's device
-(driver/state/mps.py, driver/nvml/mps.py) with the driver root's
+(driver/state/mps/claim_daemons.py, driver/nvml/mps.py) with the driver root's
 nvidia-cuda-mps-control, and CUDA clients (tests/gpu/cuda_alloc.py) connected to it as
 a container with the claim's CDI env would be: the pinned device-memory limit holds,
 a client's own lower limit holds, a higher one does not lift the daemon's, two
@@ -20,9 +20,9 @@ import pytest
 
 from driver.nvml.mps import MpsControl
 from driver.nvml.types import GpuInfo
-from driver.state.checkpoint import PreparedDevice
-from driver.state.mps import ClaimMps, NodeDaemons, daemon_dirs
-from driver.state.mps_record import MpsRecord
+from driver.state.journal.checkpoint import PreparedDevice
+from driver.state.journal.mps_record import MpsRecord
+from driver.state.mps.claim_daemons import ClaimMps, NodeDaemons, daemon_dirs
 from tests.gpu.mps_gate import compute_mode, require_mps
 
 ROOT = Path(os.environ.get("NVIDIA_DRIVER_ROOT") or "/")

@@ -29,13 +29,13 @@ from typing import Any
 
 import pytest
 
+from driver.cdi.device_nodes import CharMajors
+from driver.cdi.driver_edits import DriverRoot
 from driver.nvml.backend import NvmlBackend
 from driver.nvml.mps import DaemonId, MpsControl
 from driver.nvml.types import GpuInfo
 from driver.state.claims import ClaimRef
-from driver.state.device_nodes import CharMajors
-from driver.state.driver_edits import DriverRoot
-from driver.state.mps import NodeDaemons
+from driver.state.mps.claim_daemons import NodeDaemons
 from tests import cdi_bundle
 from tests.gpu import containers
 from tests.gpu.bound_clients import Allocation

@@ -288,9 +288,9 @@ def test_the_plugins_common_spec_carries_what_nvidia_ctk_generates(
     """The driver's own path: CommonSpec runs gpu-dra-cdi-common for a driver root
     mounted elsewhere than on the host, writes the common CDI spec, and a prepare after
     a driver upgrade (another libcuda.so.<version>) rewrites it for the new driver."""
-    from driver.state.cdi import CdiSpecs
-    from driver.state.common_spec import CommonSpec
-    from driver.state.driver_edits import DriverRoot as PluginDriverRoot
+    from driver.cdi.claim_specs import CdiSpecs
+    from driver.cdi.common_spec import CommonSpec
+    from driver.cdi.driver_edits import DriverRoot as PluginDriverRoot
 
     monkeypatch.setenv("PATH", PATH)
     monkeypatch.setenv("NVML_STANDIN_DRIVER_VERSION", DRIVER_VERSION)
@@ -371,10 +371,10 @@ def test_runc_started_with_the_specs_gets_the_driver_and_its_nodes(
     """The harness the real-GPU tier starts `nvidia-smi -L` with (tests/cdi_bundle.py):
     runc with exactly a claim's CDI devices, over a busybox root, gets the device nodes,
     the driver's nvidia-smi and libraries, and NVIDIA's hooks run (links, ld cache)."""
-    from driver.state.cdi import CdiDevice, CdiSpecs, ClaimSpec
-    from driver.state.common_spec import CommonSpec
-    from driver.state.device_nodes import DeviceNode
-    from driver.state.driver_edits import DriverRoot as PluginDriverRoot
+    from driver.cdi.claim_specs import CdiDevice, CdiSpecs, ClaimSpec
+    from driver.cdi.common_spec import CommonSpec
+    from driver.cdi.device_nodes import DeviceNode
+    from driver.cdi.driver_edits import DriverRoot as PluginDriverRoot
     from tests import cdi_bundle
 
     monkeypatch.setenv("PATH", PATH)

@@ -33,7 +33,7 @@ from typing import Any
 import pytest
 import yaml
 
-from driver.state.driver_edits import DriverEditsError, DriverRoot, generate
+from driver.cdi.driver_edits import DriverEditsError, DriverRoot, generate
 from tests.fake_driver import DRIVER_VERSION, FakeDriver, make_driver_root
 from tests.integration.test_cdi_generator import (
     HOOK_PATH,
@@ -239,7 +239,7 @@ def nvidia_ctk_edits(tools: Tools, host: Path, driver_root: Path) -> dict[str, A
 
 
 def plugin_edits(tools: Tools, view: PodView, tmp: Path) -> dict[str, Any]:
-    """The plugin's own generation (driver.state.driver_edits.generate, as CommonSpec
+    """The plugin's own generation (driver.cdi.driver_edits.generate, as CommonSpec
     runs it) for its driver root, over its mounts."""
     generator = in_mounts(tmp / "generator-in-mounts", view.plugin.binds, [str(tools.cdi_common)])
     root = DriverRoot(view.plugin.path(CONTAINER_DRIVER_ROOT), view.host_root, HOOK_PATH)

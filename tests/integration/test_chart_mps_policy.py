@@ -11,7 +11,8 @@ no host network, one replica, no finalizer, the security context, one container 
 nothing else, on CREATE and UPDATE. Every body admitted here is the plugin's own: its
 options are parsed from the env of the chart's rendered DaemonSet, `mps_daemons`
 (driver/plugin/mps_setup.py) makes its KubeDaemons, and `plan_mps`/`daemon_dirs`
-(driver/state/mps.py) the record and directories prepare gives `daemon_deployment`.
+(driver/state/mps/claim_daemons.py) the record and directories prepare gives
+`daemon_deployment`.
 Each denial test changes one thing in such a body. The chart's Role grants no
 `update`; a test Role adds it here, so that UPDATE reaches the policy.
 
@@ -39,6 +40,7 @@ from unittest import mock
 import pytest
 import yaml
 
+from driver.cdi.claim_specs import cdi_device_name
 from driver.kube.api import ApiError, KubeApi
 from driver.kube.mps_daemons import KubeDaemons
 from driver.kube.mps_manifest import daemon_deployment
@@ -47,10 +49,9 @@ from driver.nvml.mock.fleet import mock_gpu_uuid
 from driver.nvml.mps import DaemonDirs, MpsControl
 from driver.plugin.flags import PluginOptions, parse_options
 from driver.plugin.mps_setup import mps_daemons
-from driver.state.cdi import cdi_device_name
-from driver.state.mps import ClaimMps, daemon_dirs, plan_mps
-from driver.state.mps_limits import MpsLimits
-from driver.state.mps_record import MpsRecord
+from driver.state.journal.mps_record import MpsRecord
+from driver.state.mps.claim_daemons import ClaimMps, daemon_dirs, plan_mps
+from driver.state.mps.prepared_limits import MpsLimits
 from tests.conftest import REPO
 from tests.integration.test_chart import PluginIdentity, _dump, _template, _token_kubeconfig
 from tests.unit.test_chart_render import DRIVER, MOCK_VALUES

@@ -16,14 +16,14 @@ from typing import Any
 
 import pytest
 
+from driver.cdi.claim_specs import CdiSpecs
+from driver.failpoints import PREPARE_FAILPOINTS, UNPREPARE_FAILPOINTS
 from driver.nvml.backend import NvmlBackend
 from driver.nvml.mock.fleet import default_fleet
 from driver.nvml.mock.nvml import MockNvml
 from driver.nvml.types import MigInstance
 from driver.proto.dra.v1 import api_pb2
-from driver.state.cdi import CdiSpecs
-from driver.state.checkpoint import Checkpoint, ClaimState
-from driver.state.failpoints import PREPARE_FAILPOINTS, UNPREPARE_FAILPOINTS
+from driver.state.journal.checkpoint import Checkpoint, ClaimState
 from tests.conftest import Cluster, FakeNode
 from tests.integration.helpers import (
     allocation,

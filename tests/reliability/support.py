@@ -15,6 +15,7 @@ from typing import NamedTuple
 
 import grpc
 
+from driver.cdi.claim_specs import CdiSpecs
 from driver.devices.model import (
     MigStrategy,
     PoolDevices,
@@ -28,8 +29,7 @@ from driver.nvml.mock.fleet import resolve_fleet
 from driver.nvml.mock.nvml import MockNvml
 from driver.proto.dra.v1 import api_pb2 as dra
 from driver.proto.dra.v1 import api_pb2_grpc as dra_grpc
-from driver.state.cdi import CdiSpecs
-from driver.state.checkpoint import Checkpoint, ClaimEntry, ClaimState
+from driver.state.journal.checkpoint import Checkpoint, ClaimEntry, ClaimState
 from tests.conftest import Cluster, FakeNode
 from tests.integration.kubelet_standin import ClaimRef, KubeletStandin, RegisteredPlugin
 from tests.integration.plugin_process import DRIVER, PluginProcess

@@ -14,7 +14,8 @@ from driver.nvml.mock.backend import MockBackend
 from driver.nvml.mock.fleet import parse_fleet
 from driver.nvml.mock.nvml import MockNvml
 from driver.state.booking import overlap, refuse_double_booking
-from driver.state.checkpoint import (
+from driver.state.claims import ClaimRef
+from driver.state.journal.checkpoint import (
     Checkpoint,
     ClaimEntry,
     ClaimState,
@@ -22,7 +23,6 @@ from driver.state.checkpoint import (
     MigRecord,
     PreparedDevice,
 )
-from driver.state.claims import ClaimRef
 from tests.unit.test_prepare import (
     NODE,
     Env,

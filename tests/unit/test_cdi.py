@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from driver.state.cdi import (
+from driver.cdi.claim_specs import (
     CdiDevice,
     CdiSpecs,
     ClaimSpec,
@@ -20,9 +20,9 @@ from driver.state.cdi import (
     device_key,
     gpu_env_id,
 )
-from driver.state.device_nodes import DeviceNode
-from driver.state.driver_edits import DriverEdits
-from driver.state.fileio import UnsafeFileError
+from driver.cdi.device_nodes import DeviceNode
+from driver.cdi.driver_edits import DriverEdits
+from driver.fileio import UnsafeFileError
 
 UID = "11111111-2222-3333-4444-555555555555"
 

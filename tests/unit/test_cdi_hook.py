@@ -1,4 +1,4 @@
-"""Installing nvidia-cdi-hook into the plugin's host directory (driver/state/cdi_hook.py):
+"""Installing nvidia-cdi-hook into the plugin's host directory (driver/cdi/hook.py):
 atomic, mode 0755, never through a symlink, not rewritten when unchanged."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from driver.state.cdi_hook import (
+from driver.cdi.hook import (
     HOOK_NAME,
     CdiHookError,
     cdi_hook_path,

@@ -321,7 +321,7 @@ def _api_call_sites() -> set[tuple[str, str]]:
 
     sites: set[tuple[str, str]] = set()
     for path in sorted((REPO / "driver").rglob("*.py")):
-        if "proto" in path.parts or path.parent == REPO / "driver" / "cli":
+        if "proto" in path.parts or path.is_relative_to(REPO / "driver" / "cli"):
             continue
         module = ".".join(path.relative_to(REPO).with_suffix("").parts)
         tree = ast.parse(path.read_text())
@@ -356,7 +356,7 @@ def _mps_daemon_requests() -> tuple[set[Permission], set[tuple[str, str]]]:
     from driver.kube.mps_daemons import KubeDaemons
     from driver.kube.mps_manifest import DaemonPodSettings
     from driver.nvml.mps import DaemonDirs
-    from driver.state.mps_record import MpsRecord
+    from driver.state.journal.mps_record import MpsRecord
     from tests.unit.test_mps_kube import IMAGE, NAMESPACE, FakeCluster
 
     used: set[Permission] = set()

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from driver.errors import DriverError
-from driver.state.checkpoint import (
+from driver.state.journal.checkpoint import (
     SCHEMA_VERSION,
     SCHEMA_WITH_LOG,
     Checkpoint,
@@ -28,8 +28,8 @@ from driver.state.checkpoint import (
     PreparedDevice,
     checksum,
 )
-from driver.state.locking import SerializeLock
-from driver.state.quarantine import quarantine_checkpoint
+from driver.state.journal.locking import SerializeLock
+from driver.state.recovery.quarantine import quarantine_checkpoint
 
 DEVICE = PreparedDevice(
     pool_name="node-a",

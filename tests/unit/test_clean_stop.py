@@ -17,8 +17,8 @@ import pytest
 
 from driver.nvml.mig import MigManager, MigTarget
 from driver.nvml.types import MigInstance
-from driver.state.checkpoint import Checkpoint, ClaimState
-from driver.state.recovery import compact_journal
+from driver.state.journal.checkpoint import Checkpoint, ClaimState
+from driver.state.recovery.startup_recovery import compact_journal
 from tests.unit.test_mig_prepare import H100, Node, make_node
 
 DEVICE = "gpu-0-mig-1g10gb-0"

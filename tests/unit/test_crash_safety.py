@@ -22,9 +22,9 @@ from typing import Any
 
 import pytest
 
-from driver.state.checkpoint import Checkpoint, ClaimState
+from driver.failpoints import ENV_VAR, FAILPOINTS, PREPARE_FAILPOINTS, UNPREPARE_FAILPOINTS
 from driver.state.claims import ClaimRef
-from driver.state.failpoints import ENV_VAR, FAILPOINTS, PREPARE_FAILPOINTS, UNPREPARE_FAILPOINTS
+from driver.state.journal.checkpoint import Checkpoint, ClaimState
 from driver.state.prepare import DeviceState
 from driver.state.teardown import unprepare_begun
 

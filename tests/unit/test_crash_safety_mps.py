@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
+from driver.failpoints import FAILPOINTS
 from driver.nvml.mps import DaemonDirs, MpsControl
-from driver.state.checkpoint import Checkpoint, ClaimState
-from driver.state.failpoints import FAILPOINTS
+from driver.state.journal.checkpoint import Checkpoint, ClaimState
 from tests.unit.test_crash_safety import (
     _NS,
     SCENARIOS,

@@ -10,16 +10,16 @@ from pathlib import Path
 
 import pytest
 
-from driver.errors import DriverError
-from driver.state.cdi import CdiSpecs
-from driver.state.common_spec import CommonSpec
-from driver.state.driver_edits import (
+from driver.cdi.claim_specs import CdiSpecs
+from driver.cdi.common_spec import CommonSpec
+from driver.cdi.driver_edits import (
     DriverEdits,
     DriverEditsError,
     DriverRoot,
     generate,
     parse_generator_output,
 )
+from driver.errors import DriverError
 
 PROC_DEVICES = Path(__file__).parent / "data" / "proc-devices"
 LIBS = "/usr/lib/x86_64-linux-gnu"

@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 
 from driver.cli import build_parser
-from driver.cli.health import PluginRecovery, build_report
-from driver.cli.health_clear import DEFAULT_TIMEOUT
+from driver.cli.health.health_clear import DEFAULT_TIMEOUT
+from driver.cli.health.health_show import PluginRecovery, build_report
 from driver.cli.mock import MockSubmitError, submit
 from driver.cli.plugin_endpoint import fetch_control
 from driver.cli.published import PublishedView, devices_of
@@ -402,7 +402,7 @@ def plugin_status_served(
     from driver.devices.gpu_view import gpu_views
     from driver.plugin.journal_summary import JournalReader
     from driver.plugin.node_status import PluginStatus
-    from driver.state.checkpoint import Checkpoint
+    from driver.state.journal.checkpoint import Checkpoint
 
     inventory = MockBackend(plugin.mock).discover()
     state = FakeState(Checkpoint(short_dir))
@@ -446,7 +446,7 @@ def test_without_slices_devices_are_named_by_the_running_plugin(
 def test_without_slices_or_plugin_devices_are_named_by_nvml(
     plugin: Plugin, short_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from driver.cli import gpu_names
+    from driver.cli.health import gpu_names
 
     monkeypatch.setattr(gpu_names, "select_backend", lambda **_: MockBackend(plugin.mock))
     plugin.store.record_xid(plugin.uuid(6), 48)
@@ -611,7 +611,7 @@ def test_without_slices_plugin_or_nvml_devices_are_named_by_the_kernel_driver(
 ) -> None:
     """A debug container on the node: no API server, no plugin answering, no NVML in the
     image; the kernel driver's /proc files still name each GPU's minor."""
-    from driver.cli import gpu_names
+    from driver.cli.health import gpu_names
 
     def no_nvml(**_: Any) -> Any:
         raise RuntimeError("NVML Shared Library Not Found")

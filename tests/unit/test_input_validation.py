@@ -29,7 +29,7 @@ from driver.proto.dra.v1 import api_pb2 as v1
 from driver.proto.dra.v1 import api_pb2_grpc as v1_grpc
 from driver.state.claims import ClaimRef
 from driver.state.prepare import DeviceState
-from driver.state.quarantine import quarantine_checkpoint
+from driver.state.recovery.quarantine import quarantine_checkpoint
 from driver.webhook.admission import review
 
 DRIVER = "gpu.example.com"

@@ -9,11 +9,11 @@ from typing import Any
 
 import pytest
 
+from driver.cdi.claim_specs import CdiSpecs, ClaimSpec
 from driver.cli import build_parser
 from driver.cli.state_dir import node_path
 from driver.plugin.instances import InstanceLock
-from driver.state.cdi import CdiSpecs, ClaimSpec
-from driver.state.checkpoint import (
+from driver.state.journal.checkpoint import (
     CHECKPOINT_FILE,
     Checkpoint,
     ClaimEntry,

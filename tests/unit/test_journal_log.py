@@ -14,16 +14,16 @@ from typing import Any
 import pytest
 
 from driver.errors import DriverError
-from driver.state import checkpoint as checkpoint_module
-from driver.state.checkpoint import (
+from driver.state.journal import checkpoint as checkpoint_module
+from driver.state.journal.checkpoint import (
     Checkpoint,
     CheckpointCorruptError,
     ClaimEntry,
     ClaimState,
     PreparedDevice,
 )
-from driver.state.quarantine import quarantine_checkpoint, salvage_entries
-from driver.state.recovery import compact_journal
+from driver.state.recovery.quarantine import quarantine_checkpoint, salvage_entries
+from driver.state.recovery.startup_recovery import compact_journal
 from tests.unit.test_mig_prepare import make_node
 
 LOG = "checkpoint.log"

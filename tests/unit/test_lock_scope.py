@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from driver.state.checkpoint import Checkpoint, ClaimState
+from driver.state.journal.checkpoint import Checkpoint, ClaimState
 from driver.state.prepare import DeviceState
 from tests.state_fakes import Healthy, NoReports
 from tests.unit.test_crash_safety import UID_A, _crash, _live_mig, _root, _state

@@ -14,10 +14,10 @@ from typing import Any
 
 import pytest
 
+from driver.cdi.claim_specs import CdiSpecs
 from driver.errors import transient
-from driver.state.cdi import CdiSpecs
-from driver.state.checkpoint import Checkpoint, ClaimState
 from driver.state.instances import ClaimInstances
+from driver.state.journal.checkpoint import Checkpoint, ClaimState
 from tests.unit.test_journal_cli import gpu_dra
 from tests.unit.test_mig_prepare import H100, Node, make_node
 from tests.unit.test_mig_quarantine import DEVICE, _quarantine, _restart

@@ -23,7 +23,7 @@ import driver.nvml.mig_recorded as mig_module
 from driver.nvml.mig import MigError, MigManager, RecordedInstance
 from driver.nvml.mig_listing import ci_profiles
 from driver.nvml.types import MigInstance
-from driver.state.checkpoint import Checkpoint
+from driver.state.journal.checkpoint import Checkpoint
 from tests.unit.test_mig_foreign import _target
 from tests.unit.test_mig_prepare import H100, Node, make_node
 

@@ -16,7 +16,7 @@ import pytest
 from driver.nvml.mig_errors import MigError
 from driver.nvml.mig_listing import LISTING_ATTEMPTS, InstanceVanished, retried
 from driver.nvml.mock.nvml import MockNvml
-from driver.state.checkpoint import Checkpoint
+from driver.state.journal.checkpoint import Checkpoint
 from tests.unit.test_mig_foreign import _target
 from tests.unit.test_mig_prepare import H100, Node, make_node
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
-from driver.state.checkpoint import Checkpoint
+from driver.state.journal.checkpoint import Checkpoint
 from tests.unit.test_mig_prepare import H100, Node, make_node
 
 ONE_G = [f"gpu-0-mig-1g10gb-{i}" for i in range(7)]

@@ -12,8 +12,8 @@ import pytest
 from driver.devices.model import MigStrategy, PoolOptions, build_pool
 from driver.errors import DriverError
 from driver.nvml.types import Inventory, MigInstance
-from driver.state.checkpoint import Checkpoint, ClaimState
-from driver.state.locking import SerializeLock
+from driver.state.journal.checkpoint import Checkpoint, ClaimState
+from driver.state.journal.locking import SerializeLock
 from tests.unit.test_mig_foreign import _intent, _target
 from tests.unit.test_mig_prepare import H100, Node, make_node
 

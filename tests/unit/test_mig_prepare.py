@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from driver.cdi.device_nodes import CharMajors
 from driver.devices.model import MigStrategy, PoolDevices, PoolOptions, build_pool
 from driver.errors import transient
 from driver.nvml.backend import NvmlBackend
@@ -17,9 +18,8 @@ from driver.nvml.mock.backend import MockBackend
 from driver.nvml.mock.fleet import parse_fleet
 from driver.nvml.mock.mig_state import mig_minor
 from driver.nvml.mock.nvml import MockNvml
-from driver.state.checkpoint import Checkpoint, ClaimState
 from driver.state.claims import ClaimRef
-from driver.state.device_nodes import CharMajors
+from driver.state.journal.checkpoint import Checkpoint, ClaimState
 from driver.state.prepare import DeviceState
 from tests.state_fakes import Healthy, NoReports
 

@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from driver.state.checkpoint import Checkpoint, ClaimState
-from driver.state.quarantine import OwnedMig, pending_quarantine, quarantine_checkpoint
+from driver.state.journal.checkpoint import Checkpoint, ClaimState
+from driver.state.recovery.quarantine import OwnedMig, pending_quarantine, quarantine_checkpoint
 from tests.unit.test_journal_cli import gpu_dra
 from tests.unit.test_mig_prepare import H100, Node, make_node
 

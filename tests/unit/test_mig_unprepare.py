@@ -12,9 +12,10 @@ from pathlib import Path
 import pytest
 
 from driver.nvml.mig import MigError, MigManager, RecordedInstance
-from driver.state import recovery, teardown
-from driver.state.checkpoint import Checkpoint, ClaimEntry, ClaimState
+from driver.state import teardown
 from driver.state.claims import ClaimRef
+from driver.state.journal.checkpoint import Checkpoint, ClaimEntry, ClaimState
+from driver.state.recovery import startup_recovery
 from tests.unit.test_journal_log import _disk_with_free_bytes
 from tests.unit.test_mig_prepare import H100, Node, make_node, uuids_in
 
@@ -129,7 +130,7 @@ def test_after_a_reboot_a_marked_claim_is_restored_as_before(
     for path in (tmp_path / "cdi").iterdir():
         path.unlink()
     node.mock.mock_reboot()
-    for module in (teardown, recovery):
+    for module in (teardown, startup_recovery):
         monkeypatch.setattr(module, "boot_id", lambda: "the-next-boot")
     restarted = make_node(tmp_path, H100)
     assert len(restarted.live()) == 2

@@ -24,11 +24,11 @@ from driver.kube.mps_manifest import DaemonPodSettings, deployment_name
 from driver.nvml.mock.backend import MockBackend
 from driver.nvml.mock.nvml import MockNvml
 from driver.nvml.mps import DaemonDirs
-from driver.state.checkpoint import Checkpoint
-from driver.state.mps import daemon_directory
-from driver.state.mps_record import MpsRecord
+from driver.state.journal.checkpoint import Checkpoint
+from driver.state.journal.mps_record import MpsRecord
+from driver.state.mps.claim_daemons import daemon_directory
 from driver.state.prepare import DeviceState
-from driver.state.recovery import RecoveryReport
+from driver.state.recovery.startup_recovery import RecoveryReport
 from tests.state_fakes import Healthy, NoReports
 from tests.unit.test_mps_prepare import DRIVER, FLEET, NODE, Claims
 

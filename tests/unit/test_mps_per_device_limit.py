@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from driver.state.checkpoint import Checkpoint
+from driver.state.journal.checkpoint import Checkpoint
 from driver.state.prepare import DeviceState
 from tests.unit.test_mps_prepare import Node, mps_node, ok
 from tests.unit.test_mps_shares import FLEET, GIB, SHARES, claim, env, error, limits

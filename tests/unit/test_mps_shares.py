@@ -17,9 +17,9 @@ import pytest
 
 from driver.devices.model import PoolOptions, build_pool
 from driver.nvml.mock.fleet import parse_fleet
-from driver.state.checkpoint import Checkpoint
 from driver.state.claims import ClaimRef
-from driver.state.mps_record import MpsRecord
+from driver.state.journal.checkpoint import Checkpoint
+from driver.state.journal.mps_record import MpsRecord
 from driver.state.prepare import DeviceState
 from tests.unit.test_mps_prepare import Claims, Node, mps_node, ok
 

@@ -14,25 +14,25 @@ from typing import Any
 
 import pytest
 
-import driver.state.cdi as cdi_module
-import driver.state.checkpoint as checkpoint_module
+import driver.cdi.claim_specs as cdi_module
+import driver.state.journal.checkpoint as checkpoint_module
+from driver.cdi.claim_specs import ClaimSpec
 from driver.devices.model import PublishedDevice
 from driver.errors import DriverError, ErrorClass, transient
+from driver.fileio import atomic_write
 from driver.health.prepare_health import KubeDeviceHealth
 from driver.health.store import HealthStore
 from driver.observability import metrics
-from driver.state.cdi import ClaimSpec
-from driver.state.checkpoint import (
+from driver.state.claims import ClaimRef
+from driver.state.journal.checkpoint import (
     Checkpoint,
     ClaimEntry,
     ClaimState,
     HardwareRecord,
     PreparedDevice,
 )
-from driver.state.claims import ClaimRef
-from driver.state.fileio import atomic_write
 from driver.state.prepare import DeviceState
-from driver.state.quarantine import quarantine_checkpoint
+from driver.state.recovery.quarantine import quarantine_checkpoint
 from driver.state.verdicts import parse_permanent_errors
 
 DRIVER = "gpu.example.com"

@@ -22,8 +22,8 @@ from driver.cli import build_parser
 from driver.errors import DriverError
 from driver.plugin.instances import InstanceLock
 from driver.plugin.serving import BuiltServer, SocketServer, new_server
-from driver.state.checkpoint import CHECKPOINT_FILE
-from driver.state.locking import SerializeLock
+from driver.state.journal.checkpoint import CHECKPOINT_FILE
+from driver.state.journal.locking import SerializeLock
 
 # Seconds to wait for work that never waits on a FIFO to return: it returns at once,
 # one stuck opening a FIFO never does (until a writer comes), however busy the machine.

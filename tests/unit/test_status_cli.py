@@ -28,14 +28,14 @@ from driver.observability.status_socket import StatusSocketServer
 from driver.plugin.journal_summary import JournalReader
 from driver.plugin.node_status import PluginStatus, export_gpus, export_journal
 from driver.plugin.registration import RegistrationServicer
-from driver.state.checkpoint import (
+from driver.state.claims import ClaimRef
+from driver.state.journal.checkpoint import (
     CHECKPOINT_FILE,
     Checkpoint,
     ClaimEntry,
     ClaimState,
     PreparedDevice,
 )
-from driver.state.claims import ClaimRef
 from driver.state.mps_watch import DaemonState, MpsCheck
 
 NODE = "n1"

@@ -22,9 +22,9 @@ from typing import Any
 
 import pytest
 
+from driver.failpoints import ENV_VAR, FAILPOINTS, PREPARE_FAILPOINTS
 from driver.nvml.mock.timeslice import MockTimeSlice
-from driver.state.checkpoint import Checkpoint
-from driver.state.failpoints import ENV_VAR, FAILPOINTS, PREPARE_FAILPOINTS
+from driver.state.journal.checkpoint import Checkpoint
 from driver.state.timeslice import wanted
 
 HARNESS = r"""

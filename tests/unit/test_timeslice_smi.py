@@ -17,7 +17,7 @@ from driver.nvml.mock.fleet import parse_fleet
 from driver.nvml.mock.nvml import MockNvml
 from driver.nvml.mock.timeslice import STATE_FILE, MockTimeSlice
 from driver.nvml.timeslice import GpuLostError, NvidiaSmiTimeSlice
-from driver.state.checkpoint import (
+from driver.state.journal.checkpoint import (
     Checkpoint,
     CheckpointCorruptError,
     ClaimEntry,
@@ -25,7 +25,7 @@ from driver.state.checkpoint import (
     PreparedDevice,
     checksum,
 )
-from driver.state.timeslice_record import TimeSliceRecord
+from driver.state.journal.timeslice_record import TimeSliceRecord
 
 GPU = "GPU-4f021113-d9d9-4e5c-bcb4-6d2f9864ef5b"
 

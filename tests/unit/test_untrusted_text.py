@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from driver.cli import validate
 from driver.cli.output import format_table
+from driver.cli.validate import validate_command
 from driver.observability.logs import MAX_LOGGED_CHARS, escaped, setup_logging
 from driver.webhook import main as webhook_main
 
@@ -65,7 +65,7 @@ def test_validate_prints_a_manifests_strings_escaped(tmp_path: Path) -> None:
         'sharing: {strategy: TimeSlicing}\n"bad\\e[2J\\e]0;all valid\\akey\\nOK: fake": 1\n'
     )
     parser = argparse.ArgumentParser(prog="gpu-dra")
-    validate.add_parser(parser.add_subparsers(dest="command", required=True))
+    validate_command.add_parser(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(["validate", str(manifest)])
     out, err = io.StringIO(), io.StringIO()
     assert args.run(args, stdin=io.StringIO(), out=out, err=err) == 1

@@ -7,7 +7,7 @@ import io
 import json
 from pathlib import Path
 
-from driver.cli import validate
+from driver.cli.validate import validate_command
 
 DATA = Path(__file__).parent / "data" / "config"
 
@@ -44,7 +44,7 @@ def bad_claim(name: str) -> dict[str, object]:
 
 def run_cli(*argv: str, stdin: str = "") -> tuple[int, str, str]:
     parser = argparse.ArgumentParser(prog="gpu-dra")
-    validate.add_parser(parser.add_subparsers(dest="command", required=True))
+    validate_command.add_parser(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(["validate", *argv])
     out, err = io.StringIO(), io.StringIO()
     code = args.run(args, stdin=io.StringIO(stdin), out=out, err=err)

@@ -10,7 +10,7 @@ from typing import Any
 
 import yaml
 
-from driver.cli.cel_device import Selector, device_activation, parse_semver
+from driver.cli.validate.cel_device import Selector, device_activation, parse_semver
 from driver.devices.model import PoolOptions, build_pool
 from driver.devices.slices import build_slice_documents
 from driver.nvml.selection import select_backend

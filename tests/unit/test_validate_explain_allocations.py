@@ -16,8 +16,8 @@ from typing import Any
 
 import yaml
 
-from driver.cli.capacity import PolicyViolation, request_consumption
-from driver.cli.explain_summary import names_read
+from driver.cli.validate.capacity import PolicyViolation, request_consumption
+from driver.cli.validate.explain_summary import names_read
 from driver.devices.model import PoolOptions, build_pool
 from driver.devices.slices import build_slice_documents
 from driver.nvml.selection import select_backend

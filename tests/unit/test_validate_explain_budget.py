@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from driver.cli import explain_selectors
-from driver.cli.cel_device import CelError, Selector, device_activation
+from driver.cli.validate import explain_selectors
+from driver.cli.validate.cel_device import CelError, Selector, device_activation
 from tests.unit.test_validate_cli import run_cli
 from tests.unit.test_validate_explain import DRIVER, _mig_slices
 

@@ -1,0 +1,1 @@
+"""`gpu-dra health`: show and clear device health, per node or for all nodes."""

@@ -1,0 +1,1 @@
+"""`gpu-dra journal`: show the node's journal, quarantine a corrupt one."""

@@ -1,0 +1,1 @@
+"""`gpu-dra validate`: claim and class checks, selector explanations, CEL cost, capacity."""

@@ -1,0 +1,1 @@
+"""MPS for prepared claims: each claim's control daemon and its limits."""

@@ -1,0 +1,1 @@
+"""Start-up recovery: the CDI root from the journal, MIG adoption, journal quarantine."""
