@@ -37,12 +37,14 @@ import logging
 import socket
 import ssl
 import threading
+import time
 from collections.abc import Callable, Mapping
 from http import HTTPStatus
 from typing import Final
 
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestPayloadError
 
 from driver.observability.http_connections import Connection, ConnectionTable
 from driver.observability.http_limits import MAX_HEADERS, MAX_REQUEST_HEAD, HttpStats, Limits
@@ -207,6 +209,9 @@ class BoundedHttpServer:
         self, conn: Connection, transport: asyncio.Transport, context: ssl.SSLContext
     ) -> None:
         assert self._loop is not None
+        if transport.is_closing():  # closed (evicted) before this task started: its
+            self._drop(conn)  # connection_lost went to the first protocol, and start_tls
+            return  # would wait for the handshake's timeout, holding its buffers
         early = _Early()
         try:
             secure = await self._loop.start_tls(
@@ -259,7 +264,9 @@ class BoundedHttpServer:
         self._drop(conn)
 
     async def _serve_request(self, request: web.BaseRequest) -> web.StreamResponse:
-        conn = self._of_protocol[request.protocol]
+        conn = self._of_protocol.get(request.protocol)
+        if conn is None:  # closed (evicted, out of time) since its head was parsed
+            return _gone()
         keep_alive = self.limits.keep_alive and request.keep_alive
         probe = self._probes.get(request.path) if request.method in ("GET", "HEAD") else None
         if probe is not None:
@@ -279,6 +286,9 @@ class BoundedHttpServer:
             try:
                 if length:
                     body = await request.content.readexactly(length)  # within the deadline
+            except (asyncio.IncompleteReadError, ConnectionError, RequestPayloadError):
+                self._reserved -= reserved
+                return _gone()  # closed while sending its body: nobody to answer
             except BaseException:
                 self._reserved -= reserved
                 raise
@@ -332,22 +342,37 @@ class _WebServer(web.Server):
 
 
 class _ServerLog:
-    """aiohttp's server log. A request its parser refused is counted and logged in one
-    short debug line: the parser's message repeats the request's bytes (megabytes of
-    them, from a client that means harm). Anything else is a warning."""
+    """aiohttp's server log. A request its parser refused, or a connection lost, is
+    counted and logged in one short debug line: the parser's message repeats the
+    request's bytes (megabytes of them, from a client that means harm). Anything else
+    is a warning, at most one per `_WARN_EVERY` seconds: clients cannot flood the log
+    (a blocked log write would stall the event loop)."""
 
     _SHOWN: Final = 200
+    _WARN_EVERY: Final = 10.0
 
     def __init__(self, stats: HttpStats) -> None:
         self._stats = stats
+        self._warned_at = -self._WARN_EVERY
+        self._held_back = 0
 
     def exception(self, message: str, *args: object, exc_info: object = None, **_: object) -> None:
         text = f"{message % args}: {exc_info!r}"[: self._SHOWN]
         if isinstance(exc_info, HttpProcessingError):
             self._stats.bad_requests += 1
             log.debug("%s", text)
+        elif isinstance(exc_info, ConnectionError):
+            log.debug("%s", text)
         else:
-            log.warning("%s", text)
+            self._warn(text)
+
+    def _warn(self, text: str) -> None:
+        now = time.monotonic()
+        if now - self._warned_at < self._WARN_EVERY:
+            self._held_back += 1
+            return
+        held, self._held_back, self._warned_at = self._held_back, 0, now
+        log.warning("%s%s", text, f" ({held} more not logged)" if held else "")
 
     def debug(self, message: str, *args: object, exc_info: object = None, **_: object) -> None:
         if isinstance(exc_info, HttpProcessingError):  # not HTTP at all: a bad method
@@ -355,7 +380,7 @@ class _ServerLog:
         log.debug("%s", (message % args)[: self._SHOWN])
 
     def warning(self, message: str, *args: object, **_: object) -> None:
-        log.warning("%s", (message % args)[: self._SHOWN])
+        self._warn((message % args)[: self._SHOWN])
 
     error = warning
 
@@ -383,6 +408,11 @@ class _Early(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True
+
+
+def _gone() -> web.Response:
+    """The answer to a request whose connection closed while it was read: never sent."""
+    return web.Response(status=HTTPStatus.BAD_REQUEST)
 
 
 async def _cancel_tasks() -> None:

@@ -7,7 +7,10 @@ server's own `timeoutSeconds`)."""
 
 from __future__ import annotations
 
+import asyncio
+import asyncio.sslproto
 import contextlib
+import gc
 import socket
 import ssl
 import threading
@@ -160,3 +163,19 @@ def test_the_api_servers_address_at_the_per_address_cap_is_still_answered(
         for raw in idle:
             raw.close()
     assert answers == [{"uid": f"shared-{i}", "allowed": True} for i in range(3)]
+
+
+def test_connections_closed_before_their_handshake_leave_nothing_behind(
+    served: Served,
+) -> None:
+    """A connection evicted before its TLS handshake began is freed at once. Before:
+    each one's handshake waited for its timeout (10 s) holding a 256 KiB TLS buffer,
+    and a slowloris flood churning through one address's cap took the webhook to
+    1.3 GiB."""
+    for _ in range(200):  # each beyond the address's cap closes the oldest
+        with socket.create_connection(("127.0.0.1", served.server.port), timeout=10):
+            pass
+    legit_review(served)  # every connection above has been handled by now
+    gc.collect()
+    tls_connections = sum(isinstance(o, asyncio.sslproto.SSLProtocol) for o in gc.get_objects())
+    assert tls_connections <= served.server.limits.max_per_peer + 1
