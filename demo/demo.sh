@@ -116,8 +116,8 @@ else
   install_driver "472 0"
 fi
 
-MPS_EXAMPLE=$DEMO_DIR/mps/enforced-shares.yaml
-step "5/8 shares enforced through MPS (helm upgrade -f demo/mps/values.yaml: kubeletPlugin.mps.enabled=true)"
+MPS_EXAMPLE=$DEMO_DIR/mps/cooperative-shares.yaml
+step "5/8 shares limited per process through MPS, cooperative (helm upgrade -f demo/mps/values.yaml: kubeletPlugin.mps.enabled=true)"
 if [[ -n $(k get resourceclaims -A -o name) ]]; then
   say "skipped: ResourceClaims of an earlier run hold devices (GPU_DRA_DEMO_CLEAN=1 removes the examples at the end of a run)"
 else
@@ -130,6 +130,7 @@ else
     printf '  %s on GPU %s: %s\n' "$d" "$(k -n "$DRIVER_NS" get deployment "$d" -o jsonpath='{.metadata.annotations.gpu\.example\.com/gpu}')" \
       "$(k -n "$DRIVER_NS" logs "deployment/$d" | sed -n 's/.*MPS control daemon [0-9]* for GPU [^ ]* \(holds .*\)$/\1/p' | tail -n 1)"
   done
+  say "the limits bind each CUDA process of a share, not the share as a whole; a process that points CUDA_MPS_PIPE_DIRECTORY elsewhere is not limited (mpsIsolation: cooperative, docs/mps.md)"
   k delete -f "$MPS_EXAMPLE" --wait=true --timeout=240s >/dev/null
   left=$(k -n "$DRIVER_NS" get deployments -l gpu.example.com/mps-daemon -o name | wc -l)
   say "the pods deleted: their claims unprepared, $left MPS daemon Deployment(s) left; back to the demo values"

@@ -3,7 +3,7 @@
 It reads the plugin's settings, flags and environment variables alike
 (`driver.plugin.settings`: NODE_NAME, DRIVER_NAME, NVML_BACKEND, MOCK_FLEET,
 GPU_PARTITIONS, MIG_STRATEGY, GPU_ALLOW_MULTIPLE_ALLOCATIONS, XID_TAINT_EFFECT,
-MPS_DAEMONS: the attribute `mps`, ...),
+MPS_DAEMONS: the attribute `mpsIsolation`, ...),
 and the plugin's journal (`<state dir>/checkpoint.json`) for the MIG devices it created
 for prepared claims, so that in the plugin's pod it shows what the plugin publishes.
 Real NVML (pynvml) is used unless NVML_BACKEND=mock; `--mock [FLEET]` is short for
@@ -31,7 +31,13 @@ The table has one row per GPU, also for a GPU of which nothing is published (DEV
 the GPU's; UUID is the row's device as NVML names it (`-`: a MIG device created at
 prepare); MIG the GPU's MIG mode (unsupported, disabled, dynamic, static, ignored);
 PROFILE and PLACEMENT the MIG profile and memory slices a device is delivered as;
-PARTITIONS, on GPU rows, how many partitions of the GPU are published.
+PARTITIONS, on GPU rows, how many partitions of the GPU are published. SHARING says
+`MPS limits per process (cooperative)` where MPS daemons hold a share's or partition's
+limits (MPS_DAEMONS), and lines under the table say what those limits do not hold: they
+bind each CUDA process, not the claim; a process that bypasses MPS is not limited; a
+fatal fault in one process can end the others of its claim; the servers of different
+claims on a GPU are time-sliced; at most 48 clients per server; the servers' own
+contexts overcommit the published memory (docs/mps.md).
 
 Run it in the plugin's pod for real health:
 
@@ -63,7 +69,7 @@ from driver.cli.state_dir import STATE_DIR_ENV, HealthView, add_state_dir_argume
 from driver.devices.gpu_view import GpuView
 from driver.devices.model import PoolDevices, PoolError, PublishedDevice, build_pool
 from driver.devices.slices import build_slice_documents, validate_slice_specs
-from driver.devices.table import HEADERS, device_rows, taint_text
+from driver.devices.table import HEADERS, device_rows, mps_note, taint_text
 from driver.errors import DriverError
 from driver.nvml.library import NvmlUnavailableError
 from driver.nvml.selection import select_backend
@@ -224,6 +230,7 @@ def run(args: argparse.Namespace) -> int:
             f"\n{len(inventory.gpus)} GPU(s), {n_devices} device(s) in {len(docs)} slice(s) "
             f"({inventory.backend}, driver {inventory.driver_version})"
         )
+        sys.stdout.write(mps_note(pool.devices))
         if health.unknown is not None:
             print(f"health unknown: {health.unknown} (give --state-dir)")
         else:

@@ -58,6 +58,13 @@ GIB = 1 << 30
 SHARE_MEMORY_STEP = GIB  # shares of memory: min 1Gi, step 1Gi (the reference)
 SHARE_COMPUTE_STEP = 1
 PCI_BUS_ID_ATTRIBUTE = "resource.kubernetes.io/pciBusID"
+# What the MPS limits of a device's shares, partitions and SpacePartitioning hold
+# against (docs/mps.md, "What holds and what does not"). `cooperative`: MPS daemons in
+# the GPU's `Default` compute mode; the limits bind each client process, and only
+# processes that use MPS. (`strict` is kept for an EXCLUSIVE_PROCESS mode that does
+# not exist yet; nothing publishes it.)
+MPS_ISOLATION_ATTRIBUTE = "mpsIsolation"
+MPS_ISOLATION_COOPERATIVE = "cooperative"
 
 
 class PoolError(ValueError):
@@ -131,9 +138,12 @@ def _gpu_attributes(gpu: GpuInfo, inventory: Inventory) -> dict[str, Any]:
 
 
 def _mps_attr(options: PoolOptions) -> dict[str, Any]:
-    """`mps: true` on the devices of a GPU with MIG off where the node runs MPS: their
-    shares, partitions and SpacePartitioning are limited by MPS (docs/sharing.md)."""
-    return {"mps": bool_attr(True)} if options.mps else {}
+    """`mpsIsolation: "cooperative"` on the devices of a GPU with MIG off where the node
+    runs MPS: their shares, partitions and SpacePartitioning get MPS limits per client
+    process, which a process that bypasses MPS escapes (docs/mps.md)."""
+    if not options.mps:
+        return {}
+    return {MPS_ISOLATION_ATTRIBUTE: string_attr(MPS_ISOLATION_COOPERATIVE)}
 
 
 def _compute(gpu: GpuInfo) -> int:

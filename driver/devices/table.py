@@ -16,7 +16,9 @@ column means one thing on every row:
 - PARTITIONS: on a GPU row, how many partitions of the GPU are published; `-` on a
   partition row.
 - SHARING: `exclusive`, or the capacities that shares of the device consume; `MPS
-  limits` where an MPS daemon enforces a share's or a partition's (docs/sharing.md).
+  limits per process (cooperative)` where an MPS daemon holds a share's or a
+  partition's limits (attribute `mpsIsolation`; `MPS_NOTE` says what they do not
+  hold; docs/mps.md).
 - HEALTH: the health callback's text (taints as the plugin publishes them).
 """
 
@@ -27,7 +29,12 @@ from typing import Any
 
 from driver.devices.documents import binary_quantity
 from driver.devices.gpu_view import GpuView, gpu_views
-from driver.devices.model import PoolDevices, PublishedDevice
+from driver.devices.model import (
+    MPS_ISOLATION_ATTRIBUTE,
+    MPS_ISOLATION_COOPERATIVE,
+    PoolDevices,
+    PublishedDevice,
+)
 from driver.nvml.types import Inventory
 
 HEADERS = (
@@ -45,6 +52,22 @@ HEADERS = (
     "HEALTH",
 )
 NONE = "-"
+MPS_SHARING = f"MPS limits per process ({MPS_ISOLATION_COOPERATIVE})"
+# Under the table where a device carries `mpsIsolation` (docs/mps.md, "What holds and
+# what does not").
+MPS_NOTE = f"""\
+MPS limits ({MPS_ISOLATION_ATTRIBUTE}: {MPS_ISOLATION_COOPERATIVE}; docs/mps.md):
+  per CUDA process, not per claim: every process of a claim may pin the whole memory \
+limit and use the whole SM percentage
+  cooperative: a process that points CUDA_MPS_PIPE_DIRECTORY elsewhere runs outside MPS, \
+unlimited
+  faults: a fatal fault in one process can end the other processes of the same claim \
+(one MPS server per claim)
+  time: the MPS servers of different claims on one GPU are time-sliced against each other
+  clients: at most 48 client processes per server (Volta and later)
+  memory: each server's own CUDA context is outside every limit: shares that add up to \
+the published memory overcommit the GPU
+"""
 
 
 HealthText = Callable[[PublishedDevice | GpuView], str]
@@ -69,18 +92,30 @@ def _attr(device: PublishedDevice, key: str) -> str:
     return str(next(iter(value.values())))
 
 
+def has_mps_limits(device: PublishedDevice) -> bool:
+    """Whether the device publishes `mpsIsolation`: MPS daemons hold what its shares
+    and partitions are given, per client process."""
+    return MPS_ISOLATION_ATTRIBUTE in device.document.get("attributes", {})
+
+
+def mps_note(devices: Sequence[PublishedDevice]) -> str:
+    """`MPS_NOTE` where a device carries MPS limits, else nothing."""
+    return MPS_NOTE if any(has_mps_limits(d) for d in devices) else ""
+
+
 def _sharing(device: PublishedDevice) -> str:
     """`exclusive`, or the capacities a share consumes with their request step; `, MPS
-    limits` where MPS enforces what a share or partition is given (attribute `mps`)."""
-    enforced = ", MPS limits" if "mps" in device.document.get("attributes", {}) else ""
+    limits per process (cooperative)` where MPS daemons hold what a share or partition
+    is given (attribute `mpsIsolation`)."""
+    limited = f", {MPS_SHARING}" if has_mps_limits(device) else ""
     if device.document.get("allowMultipleAllocations") is not True:
-        return "exclusive" + (enforced if device.is_partition else "")
+        return "exclusive" + (limited if device.is_partition else "")
     parts = []
     for name, entry in sorted(device.document.get("capacity", {}).items()):
         step = ((entry.get("requestPolicy") or {}).get("validRange") or {}).get("step")
         if entry.get("requestPolicy"):
             parts.append(f"{name}" + (f" step {step}" if step else ""))
-    return ("shares: " + ", ".join(parts) if parts else "shares") + enforced
+    return ("shares: " + ", ".join(parts) if parts else "shares") + limited
 
 
 def _memory(device: PublishedDevice) -> str:

@@ -55,8 +55,9 @@ class PoolOptions:
     # whole GPU is published either way.
     mig_profiles: tuple[str, ...] = ()
     # The node runs MPS daemons (`--mps-daemons`, docs/sharing.md): every device on a
-    # GPU with MIG off carries `mps: true`, its shares, partitions and SpacePartitioning
-    # get limits MPS enforces, and a claim may ask for the MPS strategy.
+    # GPU with MIG off carries `mpsIsolation: "cooperative"`, its shares, partitions and
+    # SpacePartitioning get MPS limits per client process (docs/mps.md), and a claim
+    # may ask for the MPS strategy.
     mps: bool = False
 
     def __post_init__(self) -> None:

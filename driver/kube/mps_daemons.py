@@ -13,13 +13,18 @@ plugin adopts the Deployment of that UID, and creates it again where it is gone.
   with a transient error naming the device and what its pod waits for.
 - `stop` deletes it and waits until no pod of it is left (the daemon has quit), so
   the device's directories can go and a later daemon never meets an old one.
+- `observe` reads its pod: a pod of another UID than the one recorded, or more
+  restarts of its container, is a daemon Kubernetes started again (its clients' GPU
+  work lost), which the MPS watch reports.
+- `leftovers` lists this node's daemon Deployments (by their label) that no journal
+  record names; `remove` deletes one as `stop` does (the MPS watch's sweep).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import replace
 from typing import Any, Protocol
 
@@ -28,6 +33,7 @@ from driver.kube.api import ApiError, segment
 from driver.kube.mps_manifest import DaemonPodSettings, daemon_deployment, deployment_name
 from driver.nvml.mps import DaemonDirs
 from driver.state.journal.mps_record import MpsRecord
+from driver.state.mps.daemons import KIND_KUBERNETES
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +78,20 @@ def _ready(deployment: dict[str, Any]) -> bool:
     )
 
 
+def _current_pod(pods: list[dict[str, Any]]) -> tuple[str, int] | None:
+    """The UID and container restarts of the one pod not being deleted, None while
+    there is none or more than one (a replacement under way)."""
+    current = [p for p in pods if not p["metadata"].get("deletionTimestamp")]
+    if len(current) != 1:
+        return None
+    (pod,) = current
+    statuses = (pod.get("status") or {}).get("containerStatuses") or []
+    restarts = sum(int(s.get("restartCount") or 0) for s in statuses)
+    return str(pod["metadata"].get("uid") or ""), restarts
+
+
 class KubeDaemons:
+    kind = KIND_KUBERNETES
     private_shm = True
 
     def __init__(
@@ -145,7 +164,7 @@ class KubeDaemons:
             self.stop(stamped, dirs)
             raise
         log.info("%s is ready", self._what(stamped, name))
-        return stamped
+        return self.observe(replace(stamped, pod_uid="", pod_restarts=0))
 
     def _wait_ready(self, record: MpsRecord, name: str) -> None:
         deadline = self._clock() + self.ready_timeout
@@ -195,20 +214,64 @@ class KubeDaemons:
             return None
         return f"its pod is not ready: {pods}"
 
-    def stop(self, record: MpsRecord, dirs: DaemonDirs, *, any_instance: bool = False) -> None:
-        """Delete the device's Deployment (by its name, whichever UID) and wait until
-        it and its pods are gone. Raises a transient error (the caller keeps the
-        entry) when it cannot."""
+    def observe(self, record: MpsRecord) -> MpsRecord:
+        """The record with its pod's UID and restarts as they are now; unchanged while
+        there is no single current pod or its pods cannot be listed."""
         name = self._name(record)
-        what = self._what(record, name)
+        try:
+            current = _current_pod(self._pods(name))
+        except ApiError as err:
+            log.warning("cannot list the pods of %s: %s", self._what(record, name), err)
+            return record
+        if current is None or not current[0]:
+            return record
+        return replace(record, pod_uid=current[0], pod_restarts=current[1])
+
+    def leftovers(self, owned: Collection[MpsRecord]) -> list[str]:
+        """The daemon Deployments of this node that none of `owned` names."""
+        names = {self._name(r) for r in owned}
+        try:
+            found = self.api.request(
+                "GET", self._deployments, query={"labelSelector": self.settings.label}
+            )
+        except ApiError as err:
+            raise transient(f"listing the MPS daemon Deployments: {err}") from err
+        return sorted(
+            d["metadata"]["name"]
+            for d in found.get("items") or []
+            if d["metadata"]["name"] not in names
+            and (d.get("spec") or {}).get("template", {}).get("spec", {}).get("nodeName")
+            == self.settings.node_name
+        )
+
+    def remove(self, leftover: str) -> str:
+        what = f"Deployment {self.settings.namespace}/{leftover}"
+        self._delete(leftover, what)
+        return what
+
+    def stop(
+        self, record: MpsRecord, dirs: DaemonDirs, *, any_instance: bool = False
+    ) -> str | None:
+        """Delete the device's Deployment (by its name, whichever UID) and wait until
+        it and its pods are gone; what it deleted, None where there was none. Raises a
+        transient error (the caller keeps the entry) when it cannot."""
+        name = self._name(record)
+        deleted = self._delete(name, self._what(record, name))
+        return f"Deployment {self.settings.namespace}/{name}" if deleted else None
+
+    def _delete(self, name: str, what: str) -> bool:
+        """Delete Deployment `name` and wait until it and its pods are gone; whether
+        there was one to delete."""
         try:
             self.api.request(
                 "DELETE", f"{self._deployments}/{segment(name)}",
                 body={"propagationPolicy": "Background"},
             )  # fmt: skip
+            deleted = True
         except ApiError as err:
             if not err.not_found:
                 raise transient(f"deleting {what}: {err}") from err
+            deleted = False
         deadline = self._clock() + self.gone_timeout
         while True:
             try:
@@ -217,7 +280,7 @@ class KubeDaemons:
                 raise transient(f"waiting for {what} to be gone: {err}") from err
             if gone:
                 log.info("%s is gone", what)
-                return
+                return deleted
             if self._clock() > deadline:
                 raise transient(
                     f"{what} was deleted but its pod is not gone after {self.gone_timeout:g}s"

@@ -13,6 +13,11 @@ The device's directories are host paths shared with the plugin and the clients:
 `pipe/` (control pipe, clients mount it at /tmp/nvidia-mps), `log/`, and `shm/`,
 mounted at /dev/shm here and in every client container (MPS server and clients
 share memory through /dev/shm).
+
+The pod is QoS Guaranteed (requests equal limits for CPU and memory: under node
+pressure the kubelet evicts it last, and never for using more than it asked) and
+`system-node-critical` (the scheduler never preempts it for another pod): the pod
+going ends every client's GPU work. The chart's admission policy pins these values.
 """
 
 from __future__ import annotations
@@ -31,6 +36,17 @@ COMMAND: Final = "gpu-dra-mps-daemon"
 READY_FILE: Final = "/run/gpu-dra-mps/startup-complete"
 COMPONENT: Final = "mps-daemon"
 NAME_PREFIX: Final = "gpu-dra-mps-"
+PRIORITY_CLASS: Final = "system-node-critical"
+# What the pod runs: gpu-dra-mps-daemon (Python, 28 MiB RSS measured on the mock),
+# nvidia-cuda-mps-control (small; the mock's stand-in: 10 MiB) and the MPS server it
+# forks for the first client, a CUDA process of the driver's (host memory not
+# measured here; a CUDA process's after its context is commonly 100-300 MiB, much of
+# it libcuda's pages). The limit is the pod's end: reached, the server is killed with
+# every client's work, so memory errs high. CPU: the daemon and the server are idle
+# but when a client connects (clients submit their work to the GPU themselves);
+# 200m caps a runaway at a fifth of a core and only slows connects. Requests equal
+# limits: every daemon reserves this on its node.
+RESOURCES: Final = {"cpu": "200m", "memory": "512Mi"}
 
 
 @dataclass(frozen=True)
@@ -133,12 +149,17 @@ def daemon_deployment(
                     # the daemon of a claim that still runs.
                     "tolerations": [{"operator": "Exists"}],
                     "terminationGracePeriodSeconds": 30,
+                    "priorityClassName": PRIORITY_CLASS,
                     "containers": [
                         {
                             "name": CONTAINER,
                             "image": settings.image,
                             "imagePullPolicy": settings.image_pull_policy,
                             "command": daemon_args(settings, record, dirs),
+                            "resources": {
+                                "requests": dict(RESOURCES),
+                                "limits": dict(RESOURCES),
+                            },
                             # The image's user is not root; the daemon must be.
                             "securityContext": {
                                 "privileged": True,

@@ -1,12 +1,18 @@
 """An MPS control daemon of the driver root (docs/mps.md): `nvidia-cuda-mps-control`
 started with `-d` for the GPUs of one prepared device, told its limits through its
-control pipe, stopped with `quit`.
+control pipe, stopped with `quit -t QUIT_TIMEOUT_SECONDS`.
 
 The daemon daemonizes itself; it is started in a session of its own as well, so that
 nothing the plugin's process group receives reaches it: it outlives a plugin restart
-and is found again by what the journal records, its pid (the
-`nvidia-cuda-mps-control.pid` file it writes into its pipe directory) and the pid's
-start time (`/proc/<pid>/stat`), so a recycled pid is never mistaken for it.
+and is found again by what the journal records, its pid and the pid's start time
+(`/proc/<pid>/stat`), so a recycled pid is never mistaken for it.
+
+The daemon writes its pid to `nvidia-cuda-mps-control.pid` in its pipe directory,
+which the claim's containers mount read-write: a tenant can write any pid there. It
+is read once, while the daemon starts, and taken only for a process that started
+after the start began with the pipe directory in its environment; the driver keeps
+its own copy, `daemon.pid`, in the log directory, which no container mounts, and
+reads only that one afterwards.
 
 The mock's driver root holds a stand-in binary of the same name
 (driver/nvml/mock/mps_control.py); this module runs whichever it finds.
@@ -16,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import subprocess
 import time
 from collections.abc import Sequence
@@ -30,8 +37,14 @@ from driver.nvml.timeslice import BINARY_DIRS
 log = logging.getLogger(__name__)
 
 BINARY: Final = "nvidia-cuda-mps-control"
-PID_FILE: Final = "nvidia-cuda-mps-control.pid"
-DEFAULT_TIMEOUT: Final = 30.0
+PID_FILE: Final = "nvidia-cuda-mps-control.pid"  # the daemon's, in its pipe directory
+DAEMON_PID_FILE: Final = "daemon.pid"  # the driver's copy, in the log directory
+# `quit -t` (nvidia-cuda-mps-control(1)): the daemon stops taking clients and waits at
+# most this long for its MPS servers' clients to exit before it ends the servers. The
+# clients of a daemon being stopped have exited (unprepare comes after the claim's
+# pods) or lost the daemon already (a revival): nobody is cut short who would finish.
+QUIT_TIMEOUT_SECONDS: Final = 10
+DEFAULT_TIMEOUT: Final = 30.0  # > QUIT_TIMEOUT_SECONDS: the wait for a quit daemon
 _POLL: Final = 0.05
 
 
@@ -54,6 +67,11 @@ class DaemonDirs:
     log: Path
     shm: Path | None = None
 
+    @property
+    def pid_file(self) -> Path:
+        """The driver's copy of the daemon's pid, where no client can write it."""
+        return self.log / DAEMON_PID_FILE
+
 
 def process_start_time(pid: int, proc: Path = Path("/proc")) -> int | None:
     """The start time of process `pid`, None if there is no such process."""
@@ -70,6 +88,37 @@ def process_start_time(pid: int, proc: Path = Path("/proc")) -> int | None:
 
 def is_running(daemon: DaemonId) -> bool:
     return process_start_time(daemon.pid) == daemon.start_time
+
+
+def _ticks_since_boot() -> int:
+    """Now, in the unit of a process's start time."""
+    return int(time.clock_gettime(time.CLOCK_BOOTTIME) * os.sysconf("SC_CLK_TCK"))
+
+
+def _told(pid: int, pipe: Path, proc: Path = Path("/proc")) -> bool:
+    """Was process `pid` started with `pipe` as its CUDA_MPS_PIPE_DIRECTORY (as this
+    module starts a daemon)? A claim's container sees the directory at its mount
+    point, not at the host's path."""
+    try:
+        environ = (proc / str(pid) / "environ").read_bytes()
+    except OSError:
+        return False
+    return f"CUDA_MPS_PIPE_DIRECTORY={pipe}".encode() in environ.split(b"\0")
+
+
+def _signal(daemon: DaemonId, signum: int) -> None:
+    """Send `signum` to the daemon, not to a process that took its pid since."""
+    try:
+        pidfd = os.pidfd_open(daemon.pid)
+    except OSError:
+        return  # gone
+    try:
+        if is_running(daemon):  # the pidfd holds this very process from here on
+            signal.pidfd_send_signal(pidfd, signum)
+    except ProcessLookupError:
+        pass
+    finally:
+        os.close(pidfd)
 
 
 def find_binary(driver_root: Path) -> Path | None:
@@ -146,24 +195,45 @@ class MpsControl:
         if dirs.shm is not None:
             dirs.shm.mkdir(parents=True, exist_ok=True)
             argv = _with_shm(dirs.shm, argv)
+        launched = _ticks_since_boot() - 1  # a tick of rounding
         try:
             self._run(argv, self._env(dirs, gpu_uuids), None)
         except Exception as err:
             raise transient(f"{what}: {err}") from err
         deadline = time.monotonic() + self.timeout
         while True:
-            daemon = self.running(dirs)
+            daemon = self._started(dirs, launched)
             if daemon is not None:
+                temp = dirs.pid_file.with_name(f".{DAEMON_PID_FILE}.{os.getpid()}")
+                temp.write_text(f"{daemon.pid}\n")
+                temp.replace(dirs.pid_file)
                 log.info("MPS control daemon %d started in %s", daemon.pid, dirs.pipe)
                 return daemon
             if time.monotonic() > deadline:
                 raise transient(f"{what}: no running daemon wrote {dirs.pipe / PID_FILE}")
             time.sleep(_POLL)
 
-    def running(self, dirs: DaemonDirs) -> DaemonId | None:
-        """The daemon whose pid file is in `dirs.pipe`, if it is running."""
+    @staticmethod
+    def _started(dirs: DaemonDirs, launched: int) -> DaemonId | None:
+        """The daemon the pipe directory's pid file names, if it is one this start
+        made: started since `launched`, told this pipe directory."""
         try:
             pid = int((dirs.pipe / PID_FILE).read_text().strip())
+        except (OSError, ValueError):
+            return None
+        start = process_start_time(pid)
+        if start is None or start < launched or not _told(pid, dirs.pipe):
+            return None
+        return DaemonId(pid, start)
+
+    def running(self, dirs: DaemonDirs) -> DaemonId | None:
+        """The daemon the driver's pid file in `dirs.log` names, if it is running.
+        Without that file (a plugin killed while it started the daemon), the one the
+        pipe directory's pid file names if it was told this pipe directory."""
+        try:
+            pid = int(dirs.pid_file.read_text().strip())
+        except FileNotFoundError:
+            return self._started(dirs, 0)
         except (OSError, ValueError):
             return None
         start = process_start_time(pid)
@@ -177,20 +247,42 @@ class MpsControl:
             raise transient(f"MPS control daemon in {dirs.pipe}: {line!r} failed: {err}") from err
 
     def stop(self, dirs: DaemonDirs, daemon: DaemonId | None) -> None:
-        """`quit` the daemon and wait until it is gone. One that is not running (or
-        another process that reuses its pid) counts as stopped."""
+        """`quit -t QUIT_TIMEOUT_SECONDS` the daemon and wait until it is gone. One
+        that is not running (or another process that reuses its pid) counts as
+        stopped. Without the binary (MPS turned off by removing it) the daemon is sent
+        SIGTERM, then SIGKILL."""
         if daemon is None or not is_running(daemon):
+            dirs.pid_file.unlink(missing_ok=True)
             return
-        self.command(dirs, "quit")
-        deadline = time.monotonic() + self.timeout
+        if find_binary(self.driver_root) is not None:
+            self.command(dirs, f"quit -t {QUIT_TIMEOUT_SECONDS}")
+        else:
+            log.warning(
+                "no %s under the driver root %s to quit the MPS control daemon %d: "
+                "sending it SIGTERM",
+                BINARY,
+                self.driver_root,
+                daemon.pid,
+            )
+            _signal(daemon, signal.SIGTERM)
+            if not self._gone(daemon, self.timeout):
+                _signal(daemon, signal.SIGKILL)
+        if not self._gone(daemon, self.timeout):
+            raise transient(
+                f"the MPS control daemon {daemon.pid} in {dirs.pipe} did not quit "
+                f"in {self.timeout:g}s"
+            )
+        dirs.pid_file.unlink(missing_ok=True)
+        log.info("MPS control daemon %d in %s stopped", daemon.pid, dirs.pipe)
+
+    @staticmethod
+    def _gone(daemon: DaemonId, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
         while is_running(daemon):
             if time.monotonic() > deadline:
-                raise transient(
-                    f"the MPS control daemon {daemon.pid} in {dirs.pipe} did not quit "
-                    f"in {self.timeout:g}s"
-                )
+                return False
             time.sleep(_POLL)
-        log.info("MPS control daemon %d in %s stopped", daemon.pid, dirs.pipe)
+        return True
 
 
 def _with_shm(shm: Path, argv: list[str]) -> list[str]:

@@ -201,8 +201,17 @@ MPS_DAEMONS_LOST = Counter(
     "gpu_dra_mps_daemon_lost",
     "MPS control daemons of prepared claims found gone (at start or by the periodic check), "
     "by outcome (restarted, failed: starting it again failed, tried again at the next check); "
-    "and Deployments whose daemon pod is not ready (not-ready: Kubernetes restarts it).",
+    "Deployments whose daemon pod is not ready (not-ready: Kubernetes restarts it); and "
+    "daemon pods Kubernetes replaced or restarted (replaced). Each: its clients' GPU work lost.",
     ["outcome"],
+    registry=REGISTRY,
+)
+MPS_ORPHANS_REMOVED = Counter(
+    "gpu_dra_mps_orphans_removed",
+    "MPS daemon Deployments of this node and daemon directories that no prepare journal "
+    "entry owned, removed by the MPS watch (at start and with every check), by kind "
+    "(deployment, directory).",
+    ["kind"],
     registry=REGISTRY,
 )
 BUILD_INFO = Gauge(
@@ -222,7 +231,9 @@ for _class in (ErrorClass.INVALID_CONFIG, ErrorClass.DEVICE_FAILED):
     PERMANENT_VERDICT_REPLAYS.labels(error_class=_class.value)
 for _socket in ("service", "registration"):
     SOCKET_RECREATIONS.labels(socket=_socket)
-for _outcome in ("restarted", "failed", "not-ready"):
+for _outcome in ("restarted", "failed", "not-ready", "replaced"):
     MPS_DAEMONS_LOST.labels(outcome=_outcome)
+for _kind in ("deployment", "directory"):
+    MPS_ORPHANS_REMOVED.labels(kind=_kind)
 for _method in ("prepare", "unprepare"):
     REQUESTS_IN_FLIGHT.labels(method=_method)

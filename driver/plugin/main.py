@@ -45,7 +45,7 @@ from driver.plugin.dra import add_dra_services
 from driver.plugin.flags import PluginOptions, package_version, parse_options
 from driver.plugin.health import add_health_services
 from driver.plugin.instances import InstanceLock, Succession
-from driver.plugin.mps_setup import mps_daemons, watch_mps_daemons
+from driver.plugin.mps_setup import mps_daemons, mps_others, watch_mps_daemons
 from driver.plugin.node_overrides import NodeLabelRead
 from driver.plugin.node_status import PluginStatus, export_gpus, export_journal
 from driver.plugin.readiness import Readiness
@@ -170,6 +170,7 @@ class Plugin:
             permanent_errors=parse_permanent_errors(o.permanent_errors),
             timeslice=backend.timeslice(o.nvidia_driver_root),
             mps_daemons=mps_daemons(o, backend, api),
+            mps_others=mps_others(o, backend, api),
         )
         export_checkpoint_state(state)
         journal = export_journal(state)
@@ -183,7 +184,7 @@ class Plugin:
         # The listing and the journal snapshot of one moment, under the node lock (an
         # old instance may still be serving during a rolling update).
         inventory, owned_mig = state.discover_with_owned(backend.discover)
-        # `mps: true` where the node runs MPS daemons (docs/sharing.md).
+        # `mpsIsolation: "cooperative"` where the node runs MPS daemons (docs/mps.md).
         options = replace(o.pool_options(), mps=state.mps.site is not None)
         node_profiles = node_label.profiles()
         if node_profiles is not None:

@@ -24,7 +24,7 @@ from driver.config.mps_limits import MAX_ACTIVE_THREAD_PERCENTAGE, MIB
 from driver.errors import DriverError
 from driver.nvml.mps import DaemonDirs, MpsControl, is_running
 from driver.state.journal.mps_record import MpsRecord
-from driver.state.mps.claim_daemons import configure_limits
+from driver.state.mps.daemons import configure_limits
 
 log = logging.getLogger("gpu-dra-mps-daemon")
 WATCH_INTERVAL = 1.0

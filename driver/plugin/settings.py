@@ -147,7 +147,8 @@ ALLOW_MULTIPLE_ALLOCATIONS = Setting(
     "--gpu-allow-multiple-allocations",
     "publish whole GPUs and --gpu-partitions partitions with allowMultipleAllocations "
     "and memory/compute request policies (consumable capacity; shares are time-sliced, "
-    "limits enforced through MPS with --mps-daemons, else advisory: docs/sharing.md)",
+    "with --mps-daemons limited through MPS per client process and only for processes "
+    "that use MPS, else advisory: docs/sharing.md)",
     v.boolean,
     "false",
     switch=True,

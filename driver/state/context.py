@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,7 +35,8 @@ from driver.state.draining import InFlight
 from driver.state.instances import ClaimInstances, MigOps
 from driver.state.journal.checkpoint import Checkpoint, CheckpointCorruptError, ClaimEntry
 from driver.state.journal.locking import ClaimLocks, SerializeLock
-from driver.state.mps.claim_daemons import ClaimMps, MpsDaemons, MpsOps, NodeDaemons
+from driver.state.mps.claim_daemons import ClaimMps
+from driver.state.mps.daemons import MpsDaemons, MpsOps, NodeDaemons
 from driver.state.planning import CdiContext
 from driver.state.timeslice import ClaimTimeSlices, TimeSliceOps
 from driver.state.verdicts import (
@@ -92,6 +93,7 @@ class StepContext:
         timeslice: TimeSliceOps | None = None,
         mps: MpsOps | None = None,
         mps_daemons: MpsDaemons | None = None,
+        mps_others: Sequence[MpsDaemons] = (),
     ) -> None:
         self.driver_name = driver_name
         self.node_name = node_name
@@ -107,9 +109,10 @@ class StepContext:
         )
         self.instances = ClaimInstances(mig)
         self.timeslices = ClaimTimeSlices(timeslice)
-        # `mps_daemons` (the Kubernetes path) or node processes of `mps`'s binary.
+        # `mps_daemons` (the Kubernetes path) or node processes of `mps`'s binary; the
+        # other kinds stop what the journal names from another --mps-daemons setting.
         daemons = mps_daemons or (NodeDaemons(mps) if mps is not None else None)
-        self.mps = ClaimMps(daemons, Path(data_dir) / "mps")
+        self.mps = ClaimMps(daemons, Path(data_dir) / "mps", others=mps_others)
         self.permanent_errors = frozenset(permanent_errors)
         self.stats = StateStats()
         self.verdicts = VerdictMemory(ttl=verdict_ttl, limit=verdict_limit, clock=clock)

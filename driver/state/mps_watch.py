@@ -12,13 +12,22 @@ spec, which an unprepare removes first, is there):
   its record and is tried again after the interval, twice as long after each
   failure up to MPS_RETRY_MAX_SECONDS;
 - a Deployment whose pod is not ready (--mps-daemons=kubernetes) is left to
-  Kubernetes, which restarts its container or replaces its pod, and reported.
+  Kubernetes, which restarts its container or replaces its pod, and reported;
+- a pod Kubernetes replaced (a new UID) or whose container it restarted since the
+  journal recorded it is a daemon lost too (`ClaimMps.observe`): reported once, the
+  journal then names the pod seen.
 
 Each is made visible: a Warning Event on the claim (`MPSDaemonLost`: the device, the
-GPU, the daemon and what was done; `MPSDaemonNotReady`: what its pod waits for),
-`gpu_dra_mps_daemon_lost_total` by outcome, and the last check in the plugin's
-/status (`gpu-dra status`). A daemon that stays unrestartable or not ready is reported
-once, not at every check.
+GPU, the daemon and what was done or what Kubernetes did; `MPSDaemonNotReady`: what
+its pod waits for), `gpu_dra_mps_daemon_lost_total` by outcome, and the last check in
+the plugin's /status (`gpu-dra status`). A daemon that stays unrestartable or not
+ready is reported once, not at every check. A daemon started under another
+--mps-daemons setting is not checked: its claim's unprepare stops it.
+
+Then the check sweeps what no journal entry owns (driver/state/mps/orphans.py): this
+node's daemon Deployments and daemon directories, each removal a Node Event
+(`MPSOrphanRemoved`) and `gpu_dra_mps_orphans_removed_total`. With MPS off the plugin
+sweeps once at start (`sweep`) and does not check.
 
 A thread of its own, not a poller of the health monitor: starting a daemon takes
 seconds (its Deployment up to 40 s until its pod is ready), and NVML's health events
@@ -42,7 +51,8 @@ from driver.state.claims import ClaimRef
 from driver.state.context import StepContext
 from driver.state.journal.checkpoint import ClaimEntry, ClaimState
 from driver.state.journal.mps_record import MpsRecord
-from driver.state.mps.claim_daemons import MpsLoss, daemon_text
+from driver.state.mps.claim_daemons import MpsLoss, MpsReplaced, daemon_text
+from driver.state.mps.orphans import Orphan
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +63,7 @@ MPS_WATCH_SECONDS: Final = 30.0
 MPS_RETRY_MAX_SECONDS: Final = 600.0
 REASON_LOST: Final = "MPSDaemonLost"
 REASON_NOT_READY: Final = "MPSDaemonNotReady"
+REASON_ORPHAN: Final = "MPSOrphanRemoved"  # a Node Event
 THREAD_NAME: Final = "mps-watch"
 
 
@@ -130,9 +141,11 @@ class MpsWatch:
         *,
         interval: float = MPS_WATCH_SECONDS,
         clock: Callable[[], float] = time.time,
+        node_events: Callable[[str, str], None] | None = None,
     ) -> None:
         self._state = state
         self._events = events
+        self._node_events = node_events  # (reason, message) on this node's Node
         self._interval = interval
         self._clock = clock
         self._last = MpsCheck()
@@ -181,13 +194,14 @@ class MpsWatch:
 
     def check(self) -> tuple[DaemonState, ...]:
         """One round: every watched daemon checked, a gone one started again, each
-        loss reported. The daemons as found (those of the last check where the node
-        lock or the journal cannot be had)."""
+        loss reported, what no entry owns swept. The daemons as found (those of the
+        last check where the node lock or the journal cannot be had)."""
         notices: list[_Notice] = []
+        orphans: list[Orphan] = []
         now = self._clock()
         try:
             with self._state.lock.hold():
-                daemons = self._check_locked(notices, now)
+                daemons = self._check_locked(notices, orphans, now)
         except DriverError as err:  # lock timeout or closed (a stop), a corrupt journal
             if str(err) != self._skipped:
                 log.warning("MPS daemons not checked: %s; trying again", err)
@@ -197,23 +211,44 @@ class MpsWatch:
         self._last = MpsCheck(now, daemons)
         for notice in notices:
             self._events.post(notice.claim, notice.reason, notice.message)
+        self._post_orphans(orphans)
         return daemons
+
+    def sweep(self) -> None:
+        """Only the sweep (MPS off: nothing to check, what was left from before to
+        remove)."""
+        try:
+            with self._state.lock.hold():
+                orphans = self._state.mps.sweep(self._state.load_journal())
+        except DriverError as err:
+            log.warning("MPS daemons not swept: %s", err)
+            return
+        self._post_orphans(orphans)
+
+    def _post_orphans(self, orphans: Sequence[Orphan]) -> None:
+        if self._node_events is None:
+            return
+        for orphan in orphans:
+            message = f"removed {orphan.what}: no prepared claim owns it"
+            self._node_events(REASON_ORPHAN, message)
 
     def _watched(self, uid: str, entry: ClaimEntry) -> bool:
         state = self._state
         return (
             entry.state is ClaimState.PREPARE_COMPLETED
-            and any(d.mps for d in entry.devices)
+            and any(d.mps and state.mps.watched(d.mps) for d in entry.devices)
             and uid not in state.pending_removals
             and not state.claim_locks.busy(uid)
             and state.cdi.claim_spec_exists(uid)
         )
 
-    def _check_locked(self, notices: list[_Notice], now: float) -> tuple[DaemonState, ...]:
+    def _check_locked(
+        self, notices: list[_Notice], orphans: list[Orphan], now: float
+    ) -> tuple[DaemonState, ...]:
         state = self._state
         journal = state.load_journal()
         daemons: list[DaemonState] = []
-        revived = False
+        changed = False
         for uid, entry in sorted(journal.items()):
             if not self._watched(uid, entry):
                 continue
@@ -224,16 +259,19 @@ class MpsWatch:
             claim = ClaimRef(entry.namespace, entry.name, uid)
             updated, losses = state.mps.revive(uid, entry)
             by_directory = {loss.lost.directory: loss for loss in losses}
-            if any(loss.restarted is not None for loss in losses):
-                journal[uid] = updated
-                revived = True
             if any(loss.restarted is None for loss in losses):
                 delay = min(self._interval * 2**failures, MPS_RETRY_MAX_SECONDS)
                 self._retry[uid] = (failures + 1, now + delay)
             else:
                 self._retry.pop(uid, None)
+            updated, replaced = state.mps.observe(uid, updated)
+            for change in replaced:
+                notices.append(_replaced(claim, change))
+            if updated != entry:  # a daemon started again, a pod seen anew
+                journal[uid] = updated
+                changed = True
             for device in updated.devices:
-                if device.mps is None:
+                if device.mps is None or not state.mps.watched(device.mps):
                     continue
                 loss = by_directory.get(device.mps.directory)
                 seen = (
@@ -242,11 +280,12 @@ class MpsWatch:
                     else self._alive(claim, device.device_name, device.mps, notices)
                 )
                 daemons.append(seen)
-        if revived:
+        if changed:
             state.checkpoint.store(journal)
         watched = {r.directory for r in _records(journal)}
         self._reported = {k: v for k, v in self._reported.items() if k in watched}
         self._retry = {k: v for k, v in self._retry.items() if k in journal}
+        orphans += state.mps.sweep(journal)
         return tuple(daemons)
 
     def _lost(self, claim: ClaimRef, loss: MpsLoss, notices: list[_Notice]) -> DaemonState:
@@ -306,6 +345,17 @@ class MpsWatch:
                 )
             )
         return DaemonState(claim, device, record.gpu_uuid, daemon_text(record), False, why)
+
+
+def _replaced(claim: ClaimRef, change: MpsReplaced) -> _Notice:
+    record = change.record
+    return _Notice(
+        claim,
+        REASON_LOST,
+        f"the MPS daemon of device {change.device} (GPU {record.gpu_uuid}), "
+        f"{daemon_text(record)}: {change.change}, so its clients, if any, lost their GPU "
+        "work; Kubernetes started it again with its limits",
+    )
 
 
 def _records(journal: dict[str, ClaimEntry]) -> list[MpsRecord]:

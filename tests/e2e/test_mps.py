@@ -8,9 +8,9 @@ mount and the daemon's shm directory at /dev/shm. The plugin's pod is deleted: t
 daemon's pod keeps running (same UID, no restart), the new plugin adopts it, and the
 client still reaches it. Deleting the pod unprepares the claim, which deletes the
 Deployment and waits for its pod; so does a helm upgrade that replaces the plugin's
-pod. demo/mps/enforced-shares.yaml: two capacity shares
-of one GPU, each limited by a daemon of its own with its share's memory and SMs. Back
-to the demo values at the end."""
+pod. demo/mps/cooperative-shares.yaml: two capacity shares
+of one GPU, each limited by a daemon of its own with its share's memory and SMs (per
+client process, for processes that use MPS). Back to the demo values at the end."""
 
 from __future__ import annotations
 
@@ -229,10 +229,10 @@ def _ask(e: E2E, daemon: dict[str, Any], line: str) -> str:
 
 
 def test_two_shares_of_one_gpu_are_limited_by_daemons_of_their_own(mps: E2E) -> None:
-    """demo/mps/enforced-shares.yaml, as `make demo` runs it: no MPS strategy in the
-    claims, only capacity requests on a device with `mps: true`."""
+    """demo/mps/cooperative-shares.yaml, as `make demo` runs it: no MPS strategy in the
+    claims, only capacity requests on a device with `mpsIsolation: "cooperative"`."""
     e = mps
-    example = REPO / "demo" / "mps" / "enforced-shares.yaml"
+    example = REPO / "demo" / "mps" / "cooperative-shares.yaml"
     e.kubectl("apply", "-f", str(example))
     try:
         pods = e.wait_pods_ready("gpu-demo-mps", "app=gpu-demo", 2)

@@ -1,16 +1,16 @@
 """A rolling update on the real kubelet that changes what the node publishes: the
-driver upgraded from the demo values to MPS daemons (`mps: true` on the devices of the
-GPUs with MIG off), with claims that select `mps == true` created while the old and
-the new plugin pod both run (docs/rolling-updates.md).
+driver upgraded from the demo values to MPS daemons (`mpsIsolation: "cooperative"` on
+the devices of the GPUs with MIG off), with claims that select it created while the
+old and the new plugin pod both run (docs/rolling-updates.md).
 
 - The slices carry the new content within a bound taken from this run: a multiple of
   how long the serving plugin takes to publish the whole pool again after its slices
   were deleted. From then on, every sample shows the new content: the old pod never
   puts its own back.
 - Every claim is prepared by the instance whose content it was allocated against: a
-  claim selecting `mps == true` can only be allocated against the new pod's devices;
-  its containers see the MPS daemon's pipe (only an instance with MPS prepares that),
-  the new pod logged its prepare and the old pod prepared none of them.
+  claim selecting `mpsIsolation == "cooperative"` can only be allocated against the new
+  pod's devices; its containers see the MPS daemon's pipe (only an instance with MPS
+  prepares that), the new pod logged its prepare and the old pod prepared none of them.
 
 The measurements are printed: run with `-s` to see them.
 """
@@ -32,7 +32,7 @@ from driver.plugin.instances import POLL_SECONDS
 from tests.e2e.conftest import DEMO, DRIVER, E2E, NAMESPACE, helm_upgrade, install_chart, wait_for
 
 SELECTOR = "app.kubernetes.io/component=kubeletplugin"
-SHARES = DEMO / "mps" / "enforced-shares.yaml"
+SHARES = DEMO / "mps" / "cooperative-shares.yaml"
 NS = "gpu-e2e-rolling"
 # The new content must be published within this many baseline publishes.
 BOUND_FACTOR = 5
@@ -40,9 +40,10 @@ SAMPLE_SECONDS = 0.2
 
 
 def _mps_flags(e: E2E) -> tuple[float, dict[str, bool]]:
+    """Per device: whether it publishes `mpsIsolation: "cooperative"`."""
     devices = e.devices()
     flags = {
-        name: bool(d.get("attributes", {}).get("mps", {}).get("bool", False))
+        name: d.get("attributes", {}).get("mpsIsolation", {}).get("string") == "cooperative"
         for name, d in devices.items()
     }
     return time.monotonic(), flags
@@ -81,7 +82,7 @@ def test_an_upgrade_that_changes_an_attribute_publishes_the_new_content_and_prep
     baseline = _baseline_publish(e)
     bound = BOUND_FACTOR * baseline + 2 * POLL_SECONDS
     (old_name,) = list(_plugin_pods(e))
-    assert not any(_mps_flags(e)[1].values()), "the demo values publish no mps attribute"
+    assert not any(_mps_flags(e)[1].values()), "the demo values publish no mpsIsolation attribute"
 
     follower = subprocess.Popen(
         [str(e.bin_dir / "kubectl"), "--kubeconfig", str(e.kubeconfig), "logs", "-f",
@@ -131,7 +132,7 @@ def test_an_upgrade_that_changes_an_attribute_publishes_the_new_content_and_prep
         reader.join(10)
 
         final = samples[-1][1]
-        assert any(final.values()), "no device carries mps: true after the upgrade"
+        assert any(final.values()), "no device carries mpsIsolation: cooperative after the upgrade"
         # From the first sample showing the new content, every sample shows it.
         first = next(i for i, (_, flags) in enumerate(samples) if flags == final)
         regressed = [t for t, flags in samples[first:] if flags != final]
@@ -140,7 +141,7 @@ def test_an_upgrade_that_changes_an_attribute_publishes_the_new_content_and_prep
         print(
             f"\nbaseline publish {baseline:.2f}s; new content {converged:.2f}s after the new "
             f"pod's registration was seen (bound {bound:.2f}s); {len(samples)} samples, "
-            f"{sum(final.values())} of {len(final)} devices mps: true"
+            f"{sum(final.values())} of {len(final)} devices mpsIsolation: cooperative"
         )
         assert converged <= bound
 

@@ -15,7 +15,7 @@ from driver.nvml.mps import DaemonDirs, DaemonId, MpsControl, is_running, proces
 from driver.nvml.selection import select_backend
 from driver.state.claims import ClaimRef
 from driver.state.journal.mps_record import MpsRecord
-from driver.state.mps.claim_daemons import NodeDaemons, daemon_dirs
+from driver.state.mps.daemons import NodeDaemons, daemon_dirs
 from tests.gpu.node import NODE, GpuNode, open_node
 
 MIB_PER_GIB = 1024

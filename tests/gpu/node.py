@@ -19,7 +19,7 @@ from driver.nvml.selection import select_backend
 from driver.nvml.types import MigInstance
 from driver.state.claims import ClaimRef
 from driver.state.instances import MigOps
-from driver.state.mps.claim_daemons import MpsDaemons
+from driver.state.mps.daemons import MpsDaemons
 from driver.state.prepare import DeviceState
 from driver.state.recovery.startup_recovery import RecoveryReport
 from tests.state_fakes import Healthy, NoReports

@@ -22,7 +22,8 @@ from driver.nvml.mps import MpsControl
 from driver.nvml.types import GpuInfo
 from driver.state.journal.checkpoint import PreparedDevice
 from driver.state.journal.mps_record import MpsRecord
-from driver.state.mps.claim_daemons import ClaimMps, NodeDaemons, daemon_dirs
+from driver.state.mps.claim_daemons import ClaimMps
+from driver.state.mps.daemons import NodeDaemons, daemon_dirs
 from tests.gpu.mps_gate import compute_mode, require_mps
 
 ROOT = Path(os.environ.get("NVIDIA_DRIVER_ROOT") or "/")

@@ -35,7 +35,7 @@ from driver.nvml.backend import NvmlBackend
 from driver.nvml.mps import DaemonId, MpsControl
 from driver.nvml.types import GpuInfo
 from driver.state.claims import ClaimRef
-from driver.state.mps.claim_daemons import NodeDaemons
+from driver.state.mps.daemons import NodeDaemons
 from tests import cdi_bundle
 from tests.gpu import containers
 from tests.gpu.bound_clients import Allocation

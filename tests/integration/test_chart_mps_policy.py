@@ -48,9 +48,10 @@ from driver.nvml.backend import NvmlBackend
 from driver.nvml.mock.fleet import mock_gpu_uuid
 from driver.nvml.mps import DaemonDirs, MpsControl
 from driver.plugin.flags import PluginOptions, parse_options
-from driver.plugin.mps_setup import mps_daemons
+from driver.plugin.mps_setup import mps_daemons, mps_others
 from driver.state.journal.mps_record import MpsRecord
-from driver.state.mps.claim_daemons import ClaimMps, daemon_dirs, plan_mps
+from driver.state.mps.claim_daemons import ClaimMps, plan_mps
+from driver.state.mps.daemons import daemon_dirs
 from driver.state.mps.prepared_limits import MpsLimits
 from tests.conftest import REPO
 from tests.integration.test_chart import PluginIdentity, _dump, _template, _token_kubeconfig
@@ -145,9 +146,14 @@ class Setup:
         return plugin_options(self.daemonset, node, self.ns)
 
     def daemons(self, node: str) -> KubeDaemons:
-        """The plugin's KubeDaemons on `node`, made by its own setup code."""
+        """The plugin's KubeDaemons on `node`, made by its own setup code (with MPS
+        off, the one it keeps to remove daemons left from before)."""
         options = self.options(node)
-        daemons = mps_daemons(options, cast(NvmlBackend, _Backend(options)), self.api)
+        backend = cast(NvmlBackend, _Backend(options))
+        daemons = mps_daemons(options, backend, self.api)
+        if daemons is None:
+            others = mps_others(options, backend, self.api)
+            (daemons,) = [d for d in others if d.kind == "kubernetes"]
         assert isinstance(daemons, KubeDaemons)
         return daemons
 
@@ -200,10 +206,13 @@ class Setup:
         raise AssertionError(f"{path}: conflicts on every update")
 
 
-def _install(cluster: Any, release: str, *values: str) -> tuple[Setup, Callable[[], None]]:
+def _install(
+    cluster: Any, release: str, *values: str, mps_on: bool = True
+) -> tuple[Setup, Callable[[], None]]:
     """The chart's service account, Role and MPS policy of `release` in a namespace of
     its own, two nodes, the plugin's pod on node A and a kubectl with its pod-bound
-    token; a test Role that adds `update` to the chart's."""
+    token; a test Role that adds `update` to the chart's. `mps_on` False: the chart
+    with MPS off (its Role grants no create)."""
     suffix = uuid.uuid4().hex[:6]
     ns = f"chart-mps-{suffix}"
     node_a, node_b = f"mps-node-a-{suffix}", f"mps-node-b-{suffix}"
@@ -277,7 +286,14 @@ def _install(cluster: Any, release: str, *values: str) -> tuple[Setup, Callable[
             return False  # the policy is not in effect yet
         raise AssertionError(f"exit {proc.returncode}: {proc.stdout} {proc.stderr}")
 
-    cluster.wait_for(denied, timeout=60, what="the MPS policy to deny node B's daemon")
+    def can_delete() -> bool:
+        proc = setup.plugin.kubectl("auth", "can-i", "delete", "deployments", "-n", ns)
+        return proc.stdout.strip() == "yes"
+
+    if mps_on:
+        cluster.wait_for(denied, timeout=60, what="the MPS policy to deny node B's daemon")
+    else:
+        cluster.wait_for(can_delete, timeout=60, what="the chart Role's delete grant")
 
     def can_update() -> bool:
         proc = setup.plugin.kubectl("auth", "can-i", "update", "deployments", "-n", ns)
@@ -378,6 +394,23 @@ def test_every_command_shape_the_driver_renders_is_admitted(mps_setup: Setup, li
     s = mps_setup
     ok, err = s.create(s.deployment(s.node_a, LIMITS[limits]), dry_run=True)
     assert ok, err
+
+
+def test_the_admitted_daemon_is_guaranteed_and_node_critical(mps_setup: Setup) -> None:
+    """What the API server stores of the plugin's Deployment (quantities in their
+    canonical form) keeps requests equal to limits and the priority class."""
+    s = mps_setup
+    body = s.deployment(s.node_a, device="qos")
+    created = s.api.request("POST", s.path, body=body)
+    try:
+        pod = created["spec"]["template"]["spec"]
+        assert pod["priorityClassName"] == "system-node-critical"
+        resources = pod["containers"][0]["resources"]
+        assert resources == _container(body)["resources"]
+        assert resources["requests"] == resources["limits"]
+    finally:
+        s.plugin.kubectl("delete", "deployment", created["metadata"]["name"], "-n", s.ns,
+                         "--wait=false")  # fmt: skip
 
 
 def test_the_driver_renders_what_each_chart_configuration_admits(config_setup: Setup) -> None:
@@ -555,7 +588,38 @@ def _startup_probe(body: Doc) -> None:
 
 
 def _priority(body: Doc) -> None:
-    _pod(body)["priorityClassName"] = "system-node-critical"
+    _pod(body)["priorityClassName"] = "system-cluster-critical"
+
+
+def _no_priority(body: Doc) -> None:
+    del _pod(body)["priorityClassName"]
+
+
+def _priority_value(body: Doc) -> None:
+    _pod(body)["priority"] = 2000001000
+
+
+def _more_memory(body: Doc) -> None:
+    resources = _container(body)["resources"]
+    resources["limits"]["memory"] = resources["requests"]["memory"] = "64Gi"
+
+
+def _more_cpu(body: Doc) -> None:
+    resources = _container(body)["resources"]
+    resources["limits"]["cpu"] = resources["requests"]["cpu"] = "16"
+
+
+def _burstable(body: Doc) -> None:
+    del _container(body)["resources"]["limits"]
+
+
+def _best_effort(body: Doc) -> None:
+    del _container(body)["resources"]
+
+
+def _extended_resource(body: Doc) -> None:
+    for kind in ("requests", "limits"):
+        _container(body)["resources"][kind]["nvidia.com/gpu"] = "1"
 
 
 def _template_annotation(body: Doc) -> None:
@@ -601,6 +665,13 @@ HOLES: dict[str, tuple[Callable[[Doc], None], str]] = {
     "liveness-exec": (_liveness_exec, "spec.template.spec.containers[0].livenessProbe"),
     "startup-probe": (_startup_probe, "spec.template.spec.containers[0].startupProbe"),
     "priority-class": (_priority, "spec.template.spec.priorityClassName"),
+    "priority-class-removed": (_no_priority, "spec.template.spec.priorityClassName"),
+    "priority-value": (_priority_value, "spec.template.spec.priority"),
+    "resources-memory": (_more_memory, "spec.template.spec.containers[0].resources"),
+    "resources-cpu": (_more_cpu, "spec.template.spec.containers[0].resources"),
+    "resources-burstable": (_burstable, "spec.template.spec.containers[0].resources"),
+    "resources-removed": (_best_effort, "spec.template.spec.containers[0].resources"),
+    "resources-extended": (_extended_resource, "spec.template.spec.containers[0].resources"),
     "template-annotation": (_template_annotation, "spec.template.metadata"),
     "tolerations": (_tolerations, "spec.template.spec.tolerations"),
 }
@@ -651,6 +722,40 @@ def test_an_update_may_not_take_over_another_nodes_daemon(cluster: Any, mps_setu
         assert not ok and s.policy in err and "the Deployment it replaces" in err, err
     finally:
         cluster.kubectl("delete", "deployment", name, "-n", s.ns, "--wait=false", check=False)
+
+
+# -- MPS off: removing what is left, creating nothing ----------------------------------
+
+
+def test_with_mps_off_the_plugin_removes_its_nodes_daemons_and_creates_none(
+    cluster: Any,
+) -> None:
+    """Claims prepared while MPS was on keep their daemons; with it off the plugin's
+    unprepare and sweep delete them (driver/state/mps/orphans.py), on its own node
+    only, and it can start none."""
+    s, cleanup = _install(
+        cluster, "mps-off", "--set", "kubeletPlugin.mps.enabled=false", mps_on=False
+    )
+    kubelet = TerminatingPodsFinisher(cluster, s.ns)
+    kubelet.start()
+    try:
+        mine = s.deployment(s.node_a, device="off-a")
+        theirs = s.deployment(s.node_b, device="off-b")
+        for body in (mine, theirs):  # as the admin: what the plugins made while MPS was on
+            cluster.kubectl("create", "-f", "-", input=json.dumps(body))
+        ok, err = s.create(s.deployment(s.node_a, device="off-new"), dry_run=True)
+        assert not ok and "cannot create" in err, err
+        daemons = s.daemons(s.node_a)
+        daemons.gone_timeout = 60
+        assert daemons.leftovers([]) == [mine["metadata"]["name"]]  # its own node's only
+        daemons.remove(mine["metadata"]["name"])
+        assert daemons.leftovers([]) == []
+        name = theirs["metadata"]["name"]
+        proc = s.plugin.kubectl("delete", "deployment", name, "-n", s.ns, "--wait=false")
+        assert proc.returncode != 0 and s.policy in proc.stderr, proc.stderr
+    finally:
+        kubelet.done.set()
+        cleanup()
 
 
 # -- node, label, image, namespace ---------------------------------------------------

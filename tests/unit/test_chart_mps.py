@@ -1,8 +1,9 @@
 """The chart's MPS daemons (kubeletPlugin.mps.enabled, docs/mps.md): off by default
-(MPS_DAEMONS=off, no Role, no policy); on, the plugin gets MPS_DAEMONS=kubernetes, its
-namespace and image, a Role for its daemon Deployments in the release namespace only,
-and a ValidatingAdmissionPolicy confining them to its own node, the chart's image and
-the Deployment the plugin renders, with the paths the plugin renders it from.
+(MPS_DAEMONS=off; a Role and the policy only to remove daemons left from before); on,
+the plugin gets MPS_DAEMONS=kubernetes, its namespace and image, a Role for its daemon
+Deployments in the release namespace only, and a ValidatingAdmissionPolicy confining
+them to its own node, the chart's image and the Deployment the plugin renders, with the
+paths the plugin renders it from.
 tests/integration/test_chart_mps_policy.py applies them to a real API server."""
 
 from __future__ import annotations
@@ -36,11 +37,24 @@ def _named(docs: list[Doc], kind: str, name: str) -> Doc:
     return found
 
 
-def test_mps_is_off_by_default_with_no_role_and_no_policy() -> None:
+def _rules(role: Doc) -> dict[tuple[tuple[str, ...], tuple[str, ...]], set[str]]:
+    return {(tuple(r["apiGroups"]), tuple(r["resources"])): set(r["verbs"]) for r in role["rules"]}
+
+
+def test_off_by_default_the_plugin_may_only_remove_daemons_left_from_before() -> None:
+    """MPS off (the default): no daemon is created, but unprepare and the sweep remove
+    the daemon Deployments of claims prepared while it was on (docs/upgrade.md): a Role
+    to read, list and delete them, no create, confined by the same policy."""
     docs = render()
     assert _env(docs)["MPS_DAEMONS"]["value"] == "off"
-    assert not [d for d in docs if d["kind"] in ("Role", "RoleBinding")]
-    assert not [d for d in docs if d["metadata"]["name"] == "gpu-dra-driver-mps-daemons"]
+    role = _named(docs, "Role", "gpu-dra-driver-mps-daemons")
+    assert _rules(role) == {
+        (("apps",), ("deployments",)): {"get", "list", "delete"},
+        (("",), ("pods",)): {"list"},
+    }
+    _named(docs, "RoleBinding", "gpu-dra-driver-mps-daemons")
+    _named(docs, "ValidatingAdmissionPolicy", "gpu-dra-driver-mps-daemons")
+    _named(docs, "ValidatingAdmissionPolicyBinding", "gpu-dra-driver-mps-daemons")
 
 
 def test_enabled_the_plugin_learns_its_namespace_and_image() -> None:
@@ -54,9 +68,8 @@ def test_enabled_the_role_grants_daemon_deployments_in_the_release_namespace_onl
     docs = render(*MPS)
     role = _named(docs, "Role", "gpu-dra-driver-mps-daemons")
     assert role["metadata"]["namespace"] == NAMESPACE
-    rules = {(tuple(r["apiGroups"]), tuple(r["resources"])): set(r["verbs"]) for r in role["rules"]}
-    assert rules == {
-        (("apps",), ("deployments",)): {"create", "get", "delete"},
+    assert _rules(role) == {
+        (("apps",), ("deployments",)): {"create", "get", "list", "delete"},
         (("",), ("pods",)): {"list"},
     }
     binding = _named(docs, "RoleBinding", "gpu-dra-driver-mps-daemons")

@@ -189,14 +189,19 @@ def test_objects(default_docs: list[Doc], mock_docs: list[Doc]) -> None:
             ("DeviceClass", "partition.gpu.example.com"),
             ("NetworkPolicy", "gpu-dra-driver-kubeletplugin"),
             ("PodDisruptionBudget", "gpu-dra-driver-webhook"),
+            # MPS off: what removes daemons left from before (test_chart_mps.py).
+            ("Role", "gpu-dra-driver-mps-daemons"),
+            ("RoleBinding", "gpu-dra-driver-mps-daemons"),
             ("Secret", "gpu-dra-driver-webhook-tls"),
             ("Service", "gpu-dra-driver-kubeletplugin-metrics"),
             ("Service", "gpu-dra-driver-webhook"),
             ("ServiceAccount", "gpu-dra-driver-kubeletplugin"),
             ("ServiceAccount", "gpu-dra-driver-webhook"),
             ("ValidatingAdmissionPolicy", "gpu-dra-driver-events"),
+            ("ValidatingAdmissionPolicy", "gpu-dra-driver-mps-daemons"),
             ("ValidatingAdmissionPolicy", "gpu-dra-driver-resourceslices"),
             ("ValidatingAdmissionPolicyBinding", "gpu-dra-driver-events"),
+            ("ValidatingAdmissionPolicyBinding", "gpu-dra-driver-mps-daemons"),
             ("ValidatingAdmissionPolicyBinding", "gpu-dra-driver-resourceslices"),
             ("ValidatingWebhookConfiguration", "gpu-dra-driver-webhook"),
         ]
@@ -348,7 +353,8 @@ def _api_call_sites() -> set[tuple[str, str]]:
 
 def _mps_daemon_requests() -> tuple[set[Permission], set[tuple[str, str]]]:
     """The requests of KubeDaemons (driver/kube/mps_daemons.py), every path: a daemon
-    started, adopted, stopped, one that never gets ready, a conflict on create."""
+    started, adopted, observed, stopped, one that never gets ready, a conflict on
+    create, the sweep's listing and removal."""
     import sys
     from pathlib import Path
     from tempfile import TemporaryDirectory
@@ -377,8 +383,12 @@ def _mps_daemon_requests() -> tuple[set[Permission], set[tuple[str, str]]]:
         dirs = DaemonDirs(root / "pipe", root / "log", root / "shm")
         record = daemons.start(MpsRecord("GPU-x", "a-gpu-0", 50), dirs)
         assert daemons.alive(record)
+        assert daemons.observe(record) == record
         daemons.start(MpsRecord("GPU-x", "a-gpu-0", 50), dirs)  # conflict: replaced
         daemons.stop(record, dirs)
+        left = daemons.start(MpsRecord("GPU-x", "b-gpu-0", 50), dirs)
+        assert daemons.leftovers([]) == [left.deployment]
+        daemons.remove(left.deployment)
         cluster.ready_after = None
         with pytest.raises(Exception, match="did not get ready"):
             daemons.start(MpsRecord("GPU-x", "b-gpu-0"), dirs)
@@ -459,9 +469,12 @@ def test_rbac_rules_are_the_requests_the_plugin_sends() -> None:
     mps_used, mps_sites = _mps_daemon_requests()
     sites = recording.sites | mps_sites
     assert sites >= _api_call_sites(), "an API call site this test does not exercise"
-    # The MPS daemons' requests (kubeletPlugin.mps.enabled): exactly the Role's rules.
+    # The MPS daemons' requests (kubeletPlugin.mps.enabled): exactly the Role's rules;
+    # MPS off, all but create (daemons left from before are deleted, none created).
     mps_role = [d for d in render("--set", "kubeletPlugin.mps.enabled=true") if d["kind"] == "Role"]
     assert _granted(mps_role[0]["rules"]) == mps_used
+    off_role = [d for d in render() if d["kind"] == "Role"]
+    assert _granted(off_role[0]["rules"]) == mps_used - {("apps", "deployments", "create")}
     used = set(recording.used)
     if ("resource.k8s.io", "resourceclaims/status", "patch") in used:
         # 1.36+: the API server authorizes changed status.devices entries again as

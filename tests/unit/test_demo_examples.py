@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import yaml
 
+from driver.cli.validate.cel_device import Selector, device_activation
 from driver.devices.documents import parse_quantity
 from driver.devices.model import PoolOptions, build_pool
 from driver.nvml.selection import select_backend
@@ -23,7 +24,8 @@ REPO = Path(__file__).resolve().parents[2]
 DEMO = REPO / "demo"
 NUMBERED = sorted(DEMO.glob("[0-9]*.yaml"))
 PARTITION_EXAMPLE = DEMO / "partitions" / "shared-partition-capacity.yaml"
-EXAMPLES = [*NUMBERED, PARTITION_EXAMPLE]
+MPS_EXAMPLE = DEMO / "mps" / "cooperative-shares.yaml"
+EXAMPLES = [*NUMBERED, PARTITION_EXAMPLE, MPS_EXAMPLE]
 CLUSTER_SCOPED = {"Namespace", "DeviceClass", "DeviceTaintRule"}
 DEMO_LABEL = ("app", "gpu-demo")  # demo.sh and the e2e tests select pods and rules by it
 
@@ -75,14 +77,15 @@ def test_every_example_is_described_in_the_demo_readme() -> None:
 # --- consumable capacity against the demo fleet ----------------------------------------
 
 
-def demo_devices(gpu_partitions: int, tmp_path: Path) -> list[Doc]:
-    """The device documents the plugin publishes with values-demo.yaml (+ partitions)."""
+def demo_devices(gpu_partitions: int, tmp_path: Path, mps: bool = False) -> list[Doc]:
+    """The device documents the plugin publishes with values-demo.yaml (+ partitions, +
+    MPS daemons)."""
     values = yaml.safe_load((DEMO / "values-demo.yaml").read_text())
     assert values["kubeletPlugin"]["allowMultipleAllocations"] is True
     fleet = tmp_path / "fleet.yaml"
     fleet.write_text(values["nvml"]["mockFleet"])
     inventory = select_backend(mock=True, fleet_path=fleet, node_name="demo").discover()
-    options = PoolOptions(allow_multiple_allocations=True, gpu_partitions=gpu_partitions)
+    options = PoolOptions(allow_multiple_allocations=True, gpu_partitions=gpu_partitions, mps=mps)
     return [d.document for d in build_pool(inventory, options).devices]
 
 
@@ -180,3 +183,42 @@ def test_the_time_sliced_share_leaves_room_for_the_other_shares(tmp_path: Path) 
             gpu = next((g for g in gpus if fits([*g, share], limit)), None)
             assert gpu is not None, (order, limit)
             gpu.append(share)
+
+
+def test_the_mps_example_selects_the_devices_that_say_mps_isolation_cooperative(
+    tmp_path: Path,
+) -> None:
+    """demo/mps/cooperative-shares.yaml, with demo/mps/values.yaml (MPS daemons on):
+    its requests' selectors, evaluated as DRA's CEL (gpu-dra validate's evaluator),
+    pick the shareable GPUs that publish `mpsIsolation: "cooperative"`; without MPS
+    daemons none, so the example never lands where nothing limits it. Both shares fit
+    on one GPU."""
+    values = yaml.safe_load((DEMO / "mps" / "values.yaml").read_text())
+    assert values["kubeletPlugin"]["mps"]["enabled"] is True
+    assert "mpsIsolation" in MPS_EXAMPLE.read_text() and ".mps)" not in MPS_EXAMPLE.read_text()
+    classes = class_selectors(render("--values", str(DEMO / "values-demo.yaml")))
+    templates = [d for d in documents(MPS_EXAMPLE) if d["kind"] == "ResourceClaimTemplate"]
+    assert len(templates) == 2
+    with_mps, without = demo_devices(0, tmp_path, mps=True), demo_devices(0, tmp_path)
+    for template in templates:
+        (exactly,) = (r["exactly"] for r in template["spec"]["spec"]["devices"]["requests"])
+        selectors = [
+            Selector(classes[exactly["deviceClassName"]]),
+            *(Selector(s["cel"]["expression"]) for s in exactly["selectors"]),
+        ]
+
+        def picks(device: Doc, selectors: list[Selector] = selectors) -> bool:
+            activation = device_activation(device, "gpu.example.com")
+            return all(s.matches(activation) for s in selectors)
+
+        picked = [d for d in with_mps if picks(d)]
+        assert picked, template["metadata"]["name"]
+        assert all(
+            d.get("allowMultipleAllocations")
+            and d["attributes"]["mpsIsolation"] == {"string": "cooperative"}
+            for d in picked
+        )
+        assert not [d for d in without if picks(d)], template["metadata"]["name"]
+    shares = [s for _, s in share_requests(MPS_EXAMPLE)]
+    first = first_shareable(with_mps, partitions=False)
+    assert fits(shares, shareable(first)), (shares, shareable(first))

@@ -408,7 +408,7 @@ def test_table_shows_devices_shared_by_capacity(capsys: pytest.CaptureFixture[st
     assert devices[0]["capacity"]["memory"]["requestPolicy"]["validRange"]["step"] == "1Gi"
 
 
-def test_the_sharing_column_says_where_mps_enforces_shares_and_partitions(
+def test_the_sharing_column_says_where_mps_limits_shares_and_partitions(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
     fleet = tmp_path / "fleet.yaml"
@@ -416,11 +416,42 @@ def test_the_sharing_column_says_where_mps_enforces_shares_and_partitions(
     mock = ("--mock", str(fleet), "--node-name", "n1", "--mps-daemons", "node")
     code, out, err = run(capsys, *mock, "--gpu-allow-multiple-allocations")
     assert code == 0, err
-    assert table(out)[0]["SHARING"] == "shares: compute step 1, memory step 1Gi, MPS limits"
+    assert table(out)[0]["SHARING"] == (
+        "shares: compute step 1, memory step 1Gi, MPS limits per process (cooperative)"
+    )
     code, out, err = run(capsys, *mock, "--gpu-partitions", "2", "--partitions")
     assert code == 0, err
     rows = {r["DEVICE"]: r["SHARING"] for r in table(out)}
-    assert rows["gpu-0-partition-1"] == "exclusive, MPS limits"
+    assert rows["gpu-0-partition-1"] == "exclusive, MPS limits per process (cooperative)"
     assert rows["gpu-0-full"] == "exclusive"  # a whole GPU: nothing to limit
     code, out, err = run(capsys, *mock[:-2], "--gpu-allow-multiple-allocations")
     assert table(out)[0]["SHARING"] == "shares: compute step 1, memory step 1Gi"
+    assert "MPS limits" not in out
+
+
+def test_the_table_says_what_mps_limits_do_not_hold(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """Under the table, where devices carry `mpsIsolation`, what the MPS limits are:
+    per process, cooperative, one server's clients share faults, servers are
+    time-sliced, 48 clients per server, memory overcommitted by the servers' contexts."""
+    fleet = tmp_path / "fleet.yaml"
+    fleet.write_text('{"gpus": [{"model": "A100-40GB", "migMode": "disabled"}]}')
+    mock = ("--mock", str(fleet), "--node-name", "n1", "--gpu-allow-multiple-allocations")
+    code, out, err = run(capsys, *mock, "--mps-daemons", "node")
+    assert code == 0, err
+    note = out[out.index("MPS limits (mpsIsolation: cooperative") :]
+    for words in (
+        "per CUDA process, not per claim",
+        "CUDA_MPS_PIPE_DIRECTORY elsewhere runs outside MPS, unlimited",
+        "a fatal fault in one process can end the other processes of the same claim",
+        "time-sliced",
+        "48 client processes per server",
+        "overcommit",
+        "docs/mps.md",
+    ):
+        assert words in note, words
+    assert "enforce" not in out
+    code, out, err = run(capsys, *mock)
+    assert code == 0, err
+    assert "mpsIsolation" not in out

@@ -202,11 +202,12 @@ def test_a_fleet_named_on_the_command_line_is_not_mixed_with_the_plugins_mig_sta
     assert "gpu-0" in devices(listing)  # the file's fleet, fresh: dynamic, the whole GPU
 
 
-def test_inventory_marks_the_devices_mps_enforces_where_the_plugin_runs_mps_daemons(
+def test_inventory_marks_the_devices_mps_limits_where_the_plugin_runs_mps_daemons(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     """MPS_DAEMONS (the chart's kubeletPlugin.mps.enabled) is a node setting: the GPUs
-    with MIG off publish `mps: true`, MIG devices do not."""
+    with MIG off publish `mpsIsolation: "cooperative"`, MIG devices do not, and no
+    device publishes the former `mps` attribute."""
     fleet = str(tmp_path / "fleet.yaml")
     Path(fleet).write_text(
         yaml.safe_dump(
@@ -216,10 +217,13 @@ def test_inventory_marks_the_devices_mps_enforces_where_the_plugin_runs_mps_daem
     monkeypatch.setenv("MPS_DAEMONS", "kubernetes")
     code, listing, err = inventory(capsys, "--mock", fleet, "--node-name", "n1")
     assert code == 0, err
-    marked = {n for n, d in devices(listing).items() if "mps" in d["attributes"]}
-    assert marked == {"gpu-0"}
+    marked = {n: d["attributes"].get("mpsIsolation") for n, d in devices(listing).items()}
+    assert {n: v for n, v in marked.items() if v} == {"gpu-0": {"string": "cooperative"}}
+    assert not any("mps" in d["attributes"] for d in devices(listing).values())
     code, listing, err = inventory(
         capsys, "--mock", fleet, "--node-name", "n1", "--mps-daemons", "off"
     )
     assert code == 0, err
-    assert not any("mps" in d["attributes"] for d in devices(listing).values())
+    assert not any(
+        {"mps", "mpsIsolation"} & d["attributes"].keys() for d in devices(listing).values()
+    )

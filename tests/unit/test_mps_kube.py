@@ -26,7 +26,7 @@ from driver.nvml.mock.nvml import MockNvml
 from driver.nvml.mps import DaemonDirs
 from driver.state.journal.checkpoint import Checkpoint
 from driver.state.journal.mps_record import MpsRecord
-from driver.state.mps.claim_daemons import daemon_directory
+from driver.state.mps.daemons import daemon_directory
 from driver.state.prepare import DeviceState
 from driver.state.recovery.startup_recovery import RecoveryReport
 from tests.state_fakes import Healthy, NoReports
@@ -53,6 +53,18 @@ class FakeCluster:
         self.now = 0.0
         self.log: list[str] = []
         self._reads: dict[str, int] = {}
+        # Deployment name -> its pod's UID and its container's restarts
+        self.pod_uids: dict[str, str] = {}
+        self.restarts: dict[str, int] = {}
+
+    def replace_pod(self, name: str) -> None:
+        """The Deployment's pod deleted or evicted: the controller made a new one."""
+        self.pod_uids[name] = str(uuid.uuid4())
+        self.restarts[name] = 0
+
+    def restart_container(self, name: str) -> None:
+        """The daemon died in its pod: the kubelet restarted the container."""
+        self.restarts[name] += 1
 
     def tick(self, seconds: float) -> None:
         self.now += seconds
@@ -76,7 +88,13 @@ class FakeCluster:
             self.deployments[name] = doc
             self.pods[name] = -1
             self._reads[name] = 0
+            self.replace_pod(name)
             return doc
+        if path == DEPLOYMENTS and method == "GET":
+            assert query is not None
+            key = str(query["labelSelector"])
+            items = [d for d in self.deployments.values() if key in d["metadata"]["labels"]]
+            return {"items": json.loads(json.dumps(items))}
         if path == PODS and method == "GET":
             assert query is not None
             name = str(query["labelSelector"]).split("=", 1)[1]
@@ -88,9 +106,13 @@ class FakeCluster:
             elif left == 0:
                 del self.pods[name]
                 return {"items": []}
-            pod = {"metadata": {"name": f"{name}-x"}, "status": {"phase": "Pending"}}
+            uid = self.pod_uids.get(name, "")
+            pod = {"metadata": {"name": f"{name}-x", "uid": uid}, "status": {"phase": "Pending"}}
             pod["status"]["containerStatuses"] = [
-                {"state": {"waiting": {"reason": "ErrImagePull", "message": "no such image"}}}
+                {
+                    "state": {"waiting": {"reason": "ErrImagePull", "message": "no such image"}},
+                    "restartCount": self.restarts.get(name, 0),
+                }
             ]
             return {"items": [pod]}
         name = path.rsplit("/", 1)[1]
@@ -138,7 +160,11 @@ class Node:
             sleep=self.cluster.tick,
         )
 
-    def state(self) -> DeviceState:
+    def state(self, *, mps: bool = True) -> DeviceState:
+        """A plugin (re)start on this node; `mps` False: with --mps-daemons=off (it can
+        still delete the Deployments its journal names)."""
+        daemons = self.daemons()
+        others = {} if mps else {"mps_others": (daemons,)}
         state = DeviceState(
             driver_name=DRIVER,
             node_name=NODE,
@@ -149,7 +175,8 @@ class Node:
             health=Healthy(),
             reporter=NoReports(),
             mig=self.backend.mig(),
-            mps_daemons=self.daemons(),
+            mps_daemons=daemons if mps else None,
+            **others,
         )
         self.report = state.recover()
         pool = build_pool(self.backend.discover(), PoolOptions(), owned_mig=state.owned_mig())
@@ -211,9 +238,10 @@ def test_unprepare_deletes_the_deployment_and_waits_until_its_pod_is_gone(node: 
     ref = node.claims.add("a")
     assert state.prepare([ref])["a"].error is None
     name = node.record("a").deployment
+    listed = node.cluster.log.count(f"GET {PODS}")  # the prepare read its pod once
     assert state.unprepare([ref]) == {"a": None}
     assert name not in node.cluster.deployments and name not in node.cluster.pods
-    assert node.cluster.log.count(f"GET {PODS}") == node.cluster.terminating + 1
+    assert node.cluster.log.count(f"GET {PODS}") - listed == node.cluster.terminating + 1
     assert not (node.root / "plugin" / "mps" / daemon_directory("a-gpu-0")).exists()
     assert "a" not in Checkpoint(node.root / "plugin").load()
 

@@ -24,7 +24,7 @@ from driver.nvml.mps import DaemonDirs, DaemonId, MpsControl, is_running
 from driver.state.claims import ClaimRef
 from driver.state.journal.checkpoint import Checkpoint
 from driver.state.journal.mps_record import MpsRecord
-from driver.state.mps.claim_daemons import daemon_directory, daemon_dirs
+from driver.state.mps.daemons import NodeDaemons, daemon_directory, daemon_dirs
 from driver.state.prepare import DeviceState
 from driver.state.recovery.startup_recovery import RecoveryReport
 from tests.state_fakes import Healthy, NoReports
@@ -75,7 +75,9 @@ class Node:
         return control
 
     def state(self, *, mps: bool = True) -> DeviceState:
-        """A plugin (re)start on this node: a fresh DeviceState, recovered."""
+        """A plugin (re)start on this node: a fresh DeviceState, recovered. `mps`
+        False: with --mps-daemons=off (it can still stop the daemons its journal names)."""
+        others = {} if mps else {"mps_others": (NodeDaemons(self.control),)}
         state = DeviceState(
             driver_name=DRIVER,
             node_name=NODE,
@@ -87,6 +89,7 @@ class Node:
             reporter=NoReports(),
             mig=self.backend.mig(),
             mps=self.control if mps else None,
+            **others,
         )
         self.report = state.recover()
         pool = build_pool(self.backend.discover(), self.options, owned_mig=state.owned_mig())

@@ -1,7 +1,8 @@
-"""What an allocation is given of a GPU, enforced through MPS on a node that runs MPS
-daemons (docs/sharing.md, "Enforced through MPS"): capacity shares, `--gpu-partitions`
-partitions and SpacePartitioning get a daemon with their share of the GPU's memory and
-SMs; without MPS they stay advisory; an MPS config may not exceed its share.
+"""What an allocation is given of a GPU, limited through MPS on a node that runs MPS
+daemons (docs/sharing.md, "Limited through MPS (cooperative), or advisory"): capacity
+shares, `--gpu-partitions` partitions and SpacePartitioning get a daemon with their
+share of the GPU's memory and SMs as per-process limits; without MPS they stay
+advisory; an MPS config may not exceed its share.
 
 The mock H100 80GB has 81559Mi of memory and compute 100; a `--gpu-partitions=4`
 partition 20879104Ki (20389.75Mi) and compute 25."""
@@ -16,6 +17,7 @@ from typing import Any
 import pytest
 
 from driver.devices.model import PoolOptions, build_pool
+from driver.devices.slices import build_slice_documents, validate_slice_specs
 from driver.nvml.mock.fleet import parse_fleet
 from driver.state.claims import ClaimRef
 from driver.state.journal.checkpoint import Checkpoint
@@ -117,7 +119,7 @@ def test_without_mps_a_share_stays_advisory(node: Node) -> None:
 
 def test_a_share_that_leaves_nothing_of_the_gpu_gets_no_daemon(node: Node) -> None:
     """What a claim asking no capacity consumes: the request policies' defaults, 79Gi
-    of 81559Mi and all of the compute; no other share fits, nothing to enforce."""
+    of 81559Mi and all of the compute; no other share fits, nothing to limit."""
     node.options = SHARES
     state = node.state()
     a = claim(node.claims, "a", "gpu-0", consumed={"memory": "79Gi", "compute": "100"})
@@ -182,20 +184,31 @@ def test_an_mps_config_on_a_share_defaults_to_the_share_and_may_not_exceed_it(
     assert len(node.daemons()) == 1  # only a's
 
 
-def test_devices_of_a_node_with_mps_carry_the_mps_attribute(node: Node) -> None:
+def test_devices_of_a_node_with_mps_publish_mps_isolation_cooperative(node: Node) -> None:
+    """A node that runs MPS daemons publishes `mpsIsolation: "cooperative"` (a string)
+    on every device of a GPU with MIG off: the limits bind each client process and only
+    processes that use MPS (docs/mps.md, "What holds and what does not"). No device
+    publishes the former bare `mps: true`, which read as a guarantee."""
     inventory = node.backend.discover()
     for options in (PoolOptions(mps=True), PoolOptions(mps=True, gpu_partitions=2)):
         pool = build_pool(inventory, options)
-        marked = {d.name for d in pool.devices if "mps" in d.document["attributes"]}
+        marked = {d.name for d in pool.devices if "mpsIsolation" in d.document["attributes"]}
         on_gpu0 = {d.name for d in pool.devices if d.gpu_minor == 0}
         if options.gpu_partitions:
             # The mock publishes partitions of a MIG-mode GPU too; they run on the GPU.
             on_gpu0 |= {d.name for d in pool.devices if d.gpu_minor == 1}
         assert marked == on_gpu0
         assert all(
-            pool.device(name).document["attributes"]["mps"] == {"bool": True} for name in marked
+            pool.device(name).document["attributes"]["mpsIsolation"] == {"string": "cooperative"}
+            for name in marked
         )
-    assert not any("mps" in d.document["attributes"] for d in build_pool(inventory).devices)
+        slices = build_slice_documents(pool, driver=DRIVER, node_name=NODE)
+        published = [d for s in slices for d in s["spec"].get("devices", [])]
+        assert not validate_slice_specs([s["spec"] for s in slices])
+        assert {d["name"] for d in published if "mpsIsolation" in d["attributes"]} == on_gpu0
+        assert not any("mps" in d["attributes"] for d in published)
+    plain = build_pool(inventory).devices
+    assert not any({"mps", "mpsIsolation"} & d.document["attributes"].keys() for d in plain)
 
 
 def test_a_claim_with_two_mps_limited_devices_is_refused_for_good(node: Node) -> None:

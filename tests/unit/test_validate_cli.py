@@ -68,9 +68,10 @@ def test_valid_file_prints_a_summary() -> None:
 
 
 SPACE_NOTE = (
-    "{}: note: SpacePartitioning is enforced only on nodes that run MPS (devices with the "
-    "attribute mps: true: each process gets 1/partitionCount of the GPU's memory and "
-    "SMs); elsewhere it is advisory: the container gets GPU_DEVICE_<id>_PARTITION_COUNT"
+    "{}: note: SpacePartitioning is limited only on nodes that run MPS (devices with the "
+    "attribute mpsIsolation: cooperative): each CUDA process, not the claim, gets "
+    "1/partitionCount of the GPU's memory and SMs, and a process that bypasses MPS is not "
+    "limited; elsewhere it is advisory: the container gets GPU_DEVICE_<id>_PARTITION_COUNT"
 )
 
 

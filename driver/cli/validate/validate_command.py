@@ -45,8 +45,9 @@ Every problem is printed to stderr on one line:
     FILE: invalid YAML: line L, column C: <message>
 
 A document that asks for SpacePartitioning gets one note on stdout (it does not fail
-validation): on real GPUs the partition count is only passed to the container as env,
-no MPS daemon splits the GPU. On success one summary line goes to stdout, also when
+validation): only a node that runs MPS daemons limits it, per CUDA process and for
+processes that use MPS; elsewhere the partition count is only passed to the container
+as env. On success one summary line goes to stdout, also when
 the files hold nothing to check. Exit code 1 if any file or directory is missing,
 unreadable or empty, any document or config is invalid, or GpuConfigs or claims were
 found but none is for --driver-name (neither a GpuConfig, nor a claim asking for a
@@ -89,9 +90,10 @@ DEFAULT_DRIVER_NAME = "gpu.example.com"
 DIRECTORY_SUFFIXES = (".yaml", ".yml", ".json")
 PROG = "gpu-dra validate"
 SPACE_PARTITIONING_NOTE = (
-    "note: SpacePartitioning is enforced only on nodes that run MPS (devices with the "
-    "attribute mps: true: each process gets 1/partitionCount of the GPU's memory and "
-    "SMs); elsewhere it is advisory: the container gets GPU_DEVICE_<id>_PARTITION_COUNT"
+    "note: SpacePartitioning is limited only on nodes that run MPS (devices with the "
+    "attribute mpsIsolation: cooperative): each CUDA process, not the claim, gets "
+    "1/partitionCount of the GPU's memory and SMs, and a process that bypasses MPS is not "
+    "limited; elsewhere it is advisory: the container gets GPU_DEVICE_<id>_PARTITION_COUNT"
 )
 
 

@@ -13,8 +13,9 @@ driver uses it (driver/nvml/mps.py), with no GPU behind it.
   `get_default_active_thread_percentage`, `set_default_device_pinned_mem_limit <dev>
   <n>M|<n>G` (dev an index of its CUDA_VISIBLE_DEVICES),
   `get_default_device_pinned_mem_limit <dev>`, `get_server_list` (empty: no clients
-  ever connect) and `quit` (removes its pid file and socket and exits); anything else
-  is refused. Every command is logged, so the log records what it was told.
+  ever connect) and `quit [-t <seconds>]` (removes its pid file and socket and exits:
+  it has no clients to wait for); anything else is refused. Every command is logged,
+  so the log records what it was told.
 """
 
 from __future__ import annotations
@@ -87,7 +88,8 @@ class _Daemon:
         self.log(f"command {line!r}")
         words = line.split()
         name, args = (words[0], words[1:]) if words else ("", [])
-        if name == "quit" and not args:
+        timeout = len(args) == 2 and args[0] == "-t" and args[1].isdigit()
+        if name == "quit" and (not args or timeout):
             return "", True
         if name == "get_server_list" and not args:
             return "", False

@@ -17,17 +17,20 @@ def _optional_int(doc: Mapping[str, Any], key: str, low: int) -> int | None:
     return value
 
 
-def _deployment(doc: object) -> tuple[str, str]:
+def _deployment(doc: object) -> tuple[str, str, str, int]:
     if doc is None:
-        return "", ""
+        return "", "", "", 0
     if not isinstance(doc, Mapping):
         raise ValueError("mps.deployment must be an object")
-    name, uid = doc.get("name"), doc.get("uid", "")
+    name, uid, pod = doc.get("name"), doc.get("uid", ""), doc.get("pod", "")
     if not isinstance(name, str) or not name:
         raise ValueError("mps.deployment.name must be a Deployment name")
     if not isinstance(uid, str):
         raise ValueError("mps.deployment.uid must be a string")
-    return name, uid
+    if not isinstance(pod, str):
+        raise ValueError("mps.deployment.pod must be a string")
+    restarts = _optional_int(doc, "restarts", 0) or 0
+    return name, uid, pod, restarts
 
 
 @dataclass(frozen=True)
@@ -47,6 +50,10 @@ class MpsRecord:
     # UID once created.
     deployment: str = ""
     deployment_uid: str = ""
+    # Its pod as last seen (UID, its container's restarts): one replaced or restarted
+    # since is a daemon lost (driver/state/mps_watch.py). Empty: not seen yet.
+    pod_uid: str = ""
+    pod_restarts: int = 0
 
     def to_json(self) -> dict[str, Any]:
         doc: dict[str, Any] = {"gpu": self.gpu_uuid, "dir": self.directory}
@@ -56,7 +63,10 @@ class MpsRecord:
             doc["memory"] = self.pinned_memory_bytes
         doc["pid"], doc["start"] = self.pid, self.start_time
         if self.deployment:
-            doc["deployment"] = {"name": self.deployment, "uid": self.deployment_uid}
+            deployment: dict[str, Any] = {"name": self.deployment, "uid": self.deployment_uid}
+            if self.pod_uid:
+                deployment.update(pod=self.pod_uid, restarts=self.pod_restarts)
+            doc["deployment"] = deployment
         return doc
 
     @classmethod
@@ -68,7 +78,7 @@ class MpsRecord:
             raise ValueError("mps.gpu must be a GPU UUID")
         if not isinstance(directory, str) or not directory or "/" in directory:
             raise ValueError("mps.dir must be a directory name")
-        name, uid = _deployment(doc.get("deployment"))
+        name, uid, pod, restarts = _deployment(doc.get("deployment"))
         return cls(
             gpu,
             directory,
@@ -78,4 +88,6 @@ class MpsRecord:
             _optional_int(doc, "start", 0) or 0,
             name,
             uid,
+            pod,
+            restarts,
         )

@@ -1,0 +1,210 @@
+"""Where a prepared device's MPS control daemon runs, and its directories (docs/mps.md).
+
+An `MpsDaemons` runs daemons of one kind: `NodeDaemons` here (processes of the node,
+--mps-daemons=node) or driver/kube/mps_daemons.py (a Deployment per device,
+--mps-daemons=kubernetes). A journal record names the kind that started its daemon
+(`record_kind`): a pid, or a Deployment. The plugin keeps one of each kind it can reach
+whatever --mps-daemons says now, so that a daemon started under another setting is
+still stopped at unprepare and swept (driver/state/mps/claim_daemons.py).
+
+A daemon's directory `<plugin data dir>/mps/<digest of the CDI device name>/` holds
+`pipe/` (mounted into the device's containers at /tmp/nvidia-mps), `log/` and `shm/`
+(the daemon's and its clients' /dev/shm). A daemon started again keeps `pipe/` and
+`shm/` (`empty_directory`): the claim's running containers hold bind mounts of those
+very directories, and a new directory at the same path would be out of their reach.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+from collections.abc import Collection, Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Final, Protocol
+
+from driver.config.mps_limits import mps_memory_text
+from driver.errors import DriverError, transient
+from driver.nvml.mps import DaemonDirs, DaemonId, is_running
+from driver.state.journal.mps_record import MpsRecord
+
+log = logging.getLogger(__name__)
+
+DIRECTORY_DIGITS: Final = 16
+KIND_NODE: Final = "node"
+KIND_KUBERNETES: Final = "kubernetes"
+
+
+class MpsOps(Protocol):
+    """`driver.nvml.mps.MpsControl` (real binary or the mock's stand-in)."""
+
+    def start(self, dirs: DaemonDirs, gpu_uuids: Sequence[str]) -> DaemonId: ...
+
+    def running(self, dirs: DaemonDirs) -> DaemonId | None: ...
+
+    def command(self, dirs: DaemonDirs, line: str) -> str: ...
+
+    def stop(self, dirs: DaemonDirs, daemon: DaemonId | None) -> None: ...
+
+
+class MpsDaemons(Protocol):
+    """Where a device's daemon runs: a process of the node (`NodeDaemons`,
+    --mps-daemons=node) or a Deployment of its own (driver/kube/mps_daemons.py,
+    --mps-daemons=kubernetes)."""
+
+    kind: str  # KIND_NODE or KIND_KUBERNETES: which records' daemons it runs
+    # The daemon and its clients share `<dir>/shm` as /dev/shm.
+    private_shm: bool
+
+    def start(self, record: MpsRecord, dirs: DaemonDirs) -> MpsRecord:
+        """Start it with the record's limits set and checked; the record stamped with
+        what identifies it. Raises a transient error, leaving nothing running."""
+        ...
+
+    def alive(self, record: MpsRecord) -> bool: ...
+
+    def not_ready(self, record: MpsRecord) -> str | None:
+        """Why a daemon that is alive does not serve now (its pod not ready: Kubernetes
+        restarts it), None if it does."""
+        ...
+
+    def observe(self, record: MpsRecord) -> MpsRecord:
+        """The record with what runs for it now (its pod's UID and restarts); the
+        record itself where nothing more is known."""
+        ...
+
+    def leftovers(self, owned: Collection[MpsRecord]) -> list[str]:
+        """This node's daemons that none of `owned` names and that no directory
+        leads to (Deployments); raises a transient error when they cannot be listed."""
+        ...
+
+    def remove(self, leftover: str) -> str:
+        """Stop one of `leftovers` and wait until it is gone; what it was."""
+        ...
+
+    def stop(
+        self, record: MpsRecord, dirs: DaemonDirs, *, any_instance: bool = False
+    ) -> str | None:
+        """Stop it and wait until it is gone: the recorded one, or whatever runs in its
+        place for an intent (nothing recorded yet) or with `any_instance`. What was
+        stopped (`pid 12`, `Deployment ns/name`), None where nothing ran."""
+        ...
+
+
+def record_kind(record: MpsRecord) -> str | None:
+    """The kind of `MpsDaemons` that started the record's daemon; None for an intent
+    (it may have started it under either)."""
+    if record.deployment:
+        return KIND_KUBERNETES
+    return KIND_NODE if record.pid else None
+
+
+def daemon_directory(cdi_name: str) -> str:
+    """The daemon's directory under the MPS root: a digest of the CDI device name (a
+    claim UID, the device and a share id: 80 characters and more). The daemon's
+    control sockets live in its pipe directory, and a unix socket's path is at most
+    107 bytes; the digest is also a valid label value (63 at most)."""
+    return hashlib.sha256(cdi_name.encode()).hexdigest()[:DIRECTORY_DIGITS]
+
+
+def daemon_dirs(root: Path, record: MpsRecord) -> DaemonDirs:
+    base = root / record.directory
+    return DaemonDirs(base / "pipe", base / "log", base / "shm")
+
+
+def empty_directory(directory: Path) -> None:
+    """Remove what `directory` holds and keep the directory itself (its inode: what
+    a container's bind mount of it holds). Links are removed, never followed."""
+    try:
+        entries = list(os.scandir(directory))
+    except FileNotFoundError:
+        return
+    for entry in entries:
+        try:
+            if entry.is_dir(follow_symlinks=False):
+                shutil.rmtree(entry.path)
+            else:
+                os.unlink(entry.path)
+        except FileNotFoundError:
+            pass
+        except OSError as err:
+            raise transient(f"emptying {directory}: {err}") from err
+
+
+def _megabytes(answer: str) -> int | None:
+    """`8192M` / `8G` (what the daemon answers) as MiB."""
+    text = answer.strip()
+    if text[:-1].isdigit() and text[-1:] in ("M", "G"):
+        return int(text[:-1]) * (1024 if text[-1] == "G" else 1)
+    return None
+
+
+def configure_limits(ops: MpsOps, dirs: DaemonDirs, record: MpsRecord) -> None:
+    """Tell the daemon in `dirs` the record's limits through its control pipe and read
+    them back (transient error when it does not hold them)."""
+    if record.active_thread_percentage is not None:
+        wanted = record.active_thread_percentage
+        ops.command(dirs, f"set_default_active_thread_percentage {wanted}")
+        answer = ops.command(dirs, "get_default_active_thread_percentage")
+        if answer.strip() not in (str(wanted), f"{wanted}.0"):
+            raise transient(
+                f"MPS daemon in {dirs.pipe} did not take active thread percentage "
+                f"{wanted}: it answers {answer!r}"
+            )
+    if record.pinned_memory_bytes is not None:
+        text = mps_memory_text(record.pinned_memory_bytes)
+        ops.command(dirs, f"set_default_device_pinned_mem_limit 0 {text}")
+        answer = ops.command(dirs, "get_default_device_pinned_mem_limit 0")
+        if _megabytes(answer) != record.pinned_memory_bytes >> 20:
+            raise transient(
+                f"MPS daemon in {dirs.pipe} did not take pinned memory limit {text}: "
+                f"it answers {answer!r}"
+            )
+
+
+class NodeDaemons:
+    """`MpsDaemons` as processes of the node, started by the plugin in a session and
+    a mount namespace of their own (the plugin outside Kubernetes, the real-GPU tier):
+    their /dev/shm is the directory the claim's containers mount there."""
+
+    kind = KIND_NODE
+    private_shm = True
+
+    def __init__(self, ops: MpsOps) -> None:
+        self.ops = ops
+
+    def start(self, record: MpsRecord, dirs: DaemonDirs) -> MpsRecord:
+        daemon = self.ops.start(dirs, [record.gpu_uuid])
+        stamped = replace(record, pid=daemon.pid, start_time=daemon.start_time)
+        try:
+            configure_limits(self.ops, dirs, stamped)
+        except DriverError:
+            self.ops.stop(dirs, daemon)
+            raise
+        return stamped
+
+    def alive(self, record: MpsRecord) -> bool:
+        return is_running(DaemonId(record.pid, record.start_time))
+
+    def not_ready(self, record: MpsRecord) -> str | None:
+        return None  # a process of the node that runs serves
+
+    def observe(self, record: MpsRecord) -> MpsRecord:
+        return record  # a new process is a new pid: `alive` tells
+
+    def leftovers(self, owned: Collection[MpsRecord]) -> list[str]:
+        return []  # found by their directories (their pid files are there)
+
+    def remove(self, leftover: str) -> str:
+        raise ValueError(f"no leftover {leftover!r}: node daemons are found by directory")
+
+    def stop(
+        self, record: MpsRecord, dirs: DaemonDirs, *, any_instance: bool = False
+    ) -> str | None:
+        recorded = record.pid and not any_instance
+        daemon = DaemonId(record.pid, record.start_time) if recorded else self.ops.running(dirs)
+        ran = daemon is not None and is_running(daemon)
+        self.ops.stop(dirs, daemon)
+        return f"pid {daemon.pid}" if ran and daemon is not None else None
