@@ -24,7 +24,6 @@ it is blocked again.
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import time
@@ -36,11 +35,6 @@ import pytest
 
 from tests.e2e.conftest import DRIVER, wait_for
 from tests.e2e_kind.conftest import Kind, _tail
-
-pytestmark = pytest.mark.skipif(
-    os.environ.get("KIND_NETWORK_POLICIES") == "0",
-    reason="KIND_NETWORK_POLICIES=0: the kind cluster enforces no NetworkPolicy",
-)
 
 DRIVER_NS = "gpu-dra-driver"
 RELEASE = "gpu-dra-driver"
@@ -181,9 +175,10 @@ def _drops(kind: Kind) -> float:
 
 @pytest.fixture(scope="module")
 def clients(kind: Kind) -> Iterator[Clients]:
-    if _daemon(kind) is None:
-        # The registry node image: kindnetd enforces the policies; not exercised here.
-        pytest.skip(f"no DaemonSet {DAEMON_NS}/{DAEMON} (cluster not on the offline node image?)")
+    assert _daemon(kind) is not None, (
+        f"no DaemonSet {DAEMON_NS}/{DAEMON}: hack/kind/create-cluster.sh installs it "
+        "(hack/kind/network-policies.sh); without it no NetworkPolicy is enforced"
+    )
     node = kind.workers()[0]
     for ns in (SCRAPER_NS, OUTSIDE_NS):
         kind.e2e.kubectl("apply", "-f", "-", input=_client_pod(ns, node))
