@@ -62,7 +62,7 @@ from driver.kube.claims import ApiClaimReader
 from driver.nvml.selection import select_backend
 from driver.observability.logs import setup_logging
 from driver.plugin import dra
-from driver.plugin.serving import new_server
+from driver.plugin.transport.serving import new_server
 from driver.proto.dra.v1 import api_pb2 as v1
 from driver.proto.dra.v1 import api_pb2_grpc as v1_grpc
 from driver.state.claims import ClaimRef, PrepareResult

@@ -49,9 +49,6 @@ from driver.plugin.mps_setup import mps_daemons, mps_others, watch_mps_daemons
 from driver.plugin.node_overrides import NodeLabelRead
 from driver.plugin.node_status import PluginStatus, export_gpus, export_journal
 from driver.plugin.readiness import Readiness
-from driver.plugin.registration import DRA_SERVICES, HEALTH_SERVICES, RegistrationServicer
-from driver.plugin.serving import BuiltServer, SocketServer, SocketWatcher, new_server
-from driver.plugin.sockets import socket_paths
 from driver.plugin.status import (
     Healthz,
     describe_recovery,
@@ -59,6 +56,9 @@ from driver.plugin.status import (
     health_report,
 )
 from driver.plugin.toolkit_config import check_toolkit_config, report_toolkit_check
+from driver.plugin.transport.registration import DRA_SERVICES, HEALTH_SERVICES, RegistrationServicer
+from driver.plugin.transport.serving import BuiltServer, SocketServer, SocketWatcher, new_server
+from driver.plugin.transport.sockets import socket_paths
 from driver.proto.pluginregistration.v1 import api_pb2_grpc as registration_grpc
 from driver.state.prepare import DeviceState
 from driver.state.recovery.startup_recovery import compact_journal

@@ -55,7 +55,7 @@ class RegisteredFlag(Protocol):
 
 
 class Registration(Protocol):
-    """What /status needs of `driver.plugin.registration.RegistrationServicer`."""
+    """What /status needs of `driver.plugin.transport.registration.RegistrationServicer`."""
 
     @property
     def registered(self) -> RegisteredFlag: ...

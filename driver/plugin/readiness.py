@@ -22,8 +22,8 @@ from pathlib import Path
 
 import grpc
 
-from driver.plugin.registration import RegistrationServicer
-from driver.plugin.sockets import SocketPaths
+from driver.plugin.transport.registration import RegistrationServicer
+from driver.plugin.transport.sockets import SocketPaths
 from driver.proto.dra.v1 import api_pb2 as dra_v1
 from driver.proto.dra.v1 import api_pb2_grpc as dra_v1_grpc
 from driver.proto.pluginregistration.v1 import api_pb2 as reg

@@ -21,8 +21,8 @@ import grpc
 import yaml
 
 from driver.plugin.readiness import Readiness
-from driver.plugin.registration import RegistrationServicer
-from driver.plugin.sockets import SocketPaths
+from driver.plugin.transport.registration import RegistrationServicer
+from driver.plugin.transport.sockets import SocketPaths
 from driver.proto.pluginregistration.v1 import api_pb2_grpc as reg_grpc
 from tests.e2e.conftest import (
     DEMO,

@@ -39,7 +39,7 @@ from driver.nvml.mock.fleet import default_fleet
 from driver.nvml.mock.nvml import MockNvml
 from driver.nvml.recovery import RecoveryReading
 from driver.observability.status_socket import StatusSocketServer, status_socket_path
-from driver.plugin.registration import RegistrationServicer
+from driver.plugin.transport.registration import RegistrationServicer
 from tests.control_socket import control_socket
 from tests.node_events import RecordedNodeEvents
 

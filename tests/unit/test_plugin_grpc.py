@@ -14,8 +14,8 @@ import pytest
 from driver.errors import DriverError, device_failed, invalid_config, transient
 from driver.observability import metrics
 from driver.plugin.dra import add_dra_services
-from driver.plugin.registration import DRA_SERVICES, HEALTH_SERVICES, RegistrationServicer
-from driver.plugin.sockets import SUN_PATH_MAX, socket_paths
+from driver.plugin.transport.registration import DRA_SERVICES, HEALTH_SERVICES, RegistrationServicer
+from driver.plugin.transport.sockets import SUN_PATH_MAX, socket_paths
 from driver.proto.dra.v1 import api_pb2 as v1
 from driver.proto.dra.v1 import api_pb2_grpc as v1_grpc
 from driver.proto.dra.v1beta1 import api_pb2 as v1beta1

@@ -18,8 +18,8 @@ import pytest
 from driver.observability.http import HttpServer
 from driver.plugin.dra import add_dra_services
 from driver.plugin.readiness import Readiness
-from driver.plugin.registration import DRA_SERVICES, HEALTH_SERVICES, RegistrationServicer
-from driver.plugin.sockets import SocketPaths
+from driver.plugin.transport.registration import DRA_SERVICES, HEALTH_SERVICES, RegistrationServicer
+from driver.plugin.transport.sockets import SocketPaths
 from driver.proto.pluginregistration.v1 import api_pb2 as reg
 from driver.proto.pluginregistration.v1 import api_pb2_grpc as reg_grpc
 from tests.unit.test_plugin_grpc import FakeState

@@ -11,8 +11,8 @@ import grpc
 import pytest
 
 from driver.observability import metrics
-from driver.plugin.registration import DRA_SERVICES, RegistrationServicer
-from driver.plugin.serving import BuiltServer, SocketServer, SocketWatcher, new_server
+from driver.plugin.transport.registration import DRA_SERVICES, RegistrationServicer
+from driver.plugin.transport.serving import BuiltServer, SocketServer, SocketWatcher, new_server
 from driver.proto.pluginregistration.v1 import api_pb2, api_pb2_grpc
 
 

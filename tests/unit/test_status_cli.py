@@ -27,7 +27,7 @@ from driver.observability import metrics
 from driver.observability.status_socket import StatusSocketServer
 from driver.plugin.journal_summary import JournalReader
 from driver.plugin.node_status import PluginStatus, export_gpus, export_journal
-from driver.plugin.registration import RegistrationServicer
+from driver.plugin.transport.registration import RegistrationServicer
 from driver.state.claims import ClaimRef
 from driver.state.journal.checkpoint import (
     CHECKPOINT_FILE,
