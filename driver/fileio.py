@@ -152,9 +152,10 @@ def read_regular_file(path: Path) -> tuple[bytes, os.stat_result]:
         return f.read(), status
 
 
-def open_nofollow(path: Path, flags: int, mode: int = 0o600) -> int:
+def open_nofollow(path: Path, flags: int, mode: int = 0o600, *, use: str = "read") -> int:
     """`os.open(path, flags | O_NOFOLLOW | O_CLOEXEC)` of a regular file; a symlink
-    or anything but a regular file at `path` is refused (`UnsafeFileError`)."""
+    (ELOOP) or anything but a regular file (EINVAL; "refusing to <use> it") at `path`
+    is refused (`UnsafeFileError`). Other OSErrors propagate."""
     try:
         fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
     except OSError as err:
@@ -165,5 +166,7 @@ def open_nofollow(path: Path, flags: int, mode: int = 0o600) -> int:
         raise
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
-        raise UnsafeFileError(errno.EINVAL, "is not a regular file; refusing to read it", str(path))
+        raise UnsafeFileError(
+            errno.EINVAL, f"is not a regular file; refusing to {use} it", str(path)
+        )
     return fd

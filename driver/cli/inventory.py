@@ -57,6 +57,7 @@ from typing import Any
 
 import yaml
 
+from driver.cli.arguments import add_command, add_output_argument
 from driver.cli.output import format_table
 from driver.cli.plugin_endpoint import (
     PluginUnreachable,
@@ -90,14 +91,14 @@ from driver.state.journal.checkpoint import Checkpoint
 log = logging.getLogger(__name__)
 
 
+HELP = (
+    "discover GPUs and show what this node would publish: a table, or the "
+    "ResourceSlices (-o yaml, -o json)"
+)
+
+
 def add_parser(subcommands: Any) -> None:
-    parser: argparse.ArgumentParser = subcommands.add_parser(
-        "inventory",
-        help="discover GPUs and show what this node would publish: a table, or the "
-        "ResourceSlices (-o yaml, -o json)",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    parser = add_command(subcommands, "inventory", __doc__, HELP)
     parser.add_argument(
         "--mock",
         nargs="?",
@@ -111,13 +112,7 @@ def add_parser(subcommands: Any) -> None:
     parser.add_argument(
         "--partitions", action="store_true", help="table output: also list partitions"
     )
-    parser.add_argument(
-        "-o",
-        "--output",
-        choices=("table", "yaml", "json"),
-        default="table",
-        help="output format (default: %(default)s)",
-    )
+    add_output_argument(parser)
     add_state_dir_argument(parser, default=None)
     add_socket_argument(parser)
     parser.set_defaults(run=run)

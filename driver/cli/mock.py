@@ -29,11 +29,11 @@ error.
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
-from driver.cli.arguments import positive_seconds
+from driver.cli.arguments import add_command, positive_seconds
+from driver.cli.output import std_streams
 from driver.cli.plugin_endpoint import (
     ControlRefused,
     PluginUnreachable,
@@ -89,16 +89,11 @@ def _common(parser: argparse.ArgumentParser) -> None:
     )
 
 
+HELP = "inject health events (Xid, GPU lost, reset, recovery action) into a running mock plugin"
+
+
 def add_parser(subcommands: Any) -> None:
-    parser: argparse.ArgumentParser = subcommands.add_parser(
-        "mock",
-        help=(
-            "inject health events (Xid, GPU lost, reset, recovery action) into a running "
-            "mock plugin"
-        ),
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    parser = add_command(subcommands, "mock", __doc__, HELP)
     actions = parser.add_subparsers(dest="mock_action", required=True, metavar="ACTION")
 
     xid = actions.add_parser("xid", help="report an Xid error on a device's GPU")
@@ -193,9 +188,8 @@ def submit(
     return message
 
 
-def run(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None = None) -> int:
-    out = out if out is not None else sys.stdout
-    err = err if err is not None else sys.stderr
+@std_streams
+def run(args: argparse.Namespace, out: TextIO, err: TextIO, stdin: TextIO) -> int:
     try:
         message = submit(
             args.state_dir, request_from_args(args), timeout=args.timeout, socket=args.socket

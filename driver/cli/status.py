@@ -22,81 +22,53 @@ Exit codes: 0 shown (healthy or not, unless --fail-on-unhealthy); 1 with
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 from pathlib import Path
 from typing import Any, TextIO
 
-import yaml
-
+from driver.cli.arguments import add_command, add_output_argument, add_state_arguments
 from driver.cli.health.health_table import taint_text
-from driver.cli.output import format_table
+from driver.cli.output import format_table, print_report, std_streams
 from driver.cli.plugin_endpoint import (
     PluginUnreachable,
     add_socket_argument,
     fetch_status,
     socket_path,
 )
-from driver.cli.state_dir import (
-    add_host_root_argument,
-    add_state_dir_argument,
-    read_health,
-    state_dir_of,
-)
+from driver.cli.state_dir import read_health, state_dir_of
 from driver.health.clear import record_json
-from driver.health.failures import DEFAULT_DRIVER_NAME
-from driver.plugin.host_inputs import driver_name_argument
 from driver.plugin.journal_summary import JournalSummary, summarise
 from driver.state.journal.checkpoint import Checkpoint
 
 GPU_HEADERS = ("GPU", "INDEX", "PCI BUS ID", "UUID", "MODEL", "MIG", "HEALTH")
 
 
+HELP = "this node's plugin at a glance: registration, sync, GPUs, claims, health"
+
+
 def add_parser(subcommands: Any) -> None:
-    parser: argparse.ArgumentParser = subcommands.add_parser(
-        "status",
-        help="this node's plugin at a glance: registration, sync, GPUs, claims, health",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    parser = add_command(subcommands, "status", __doc__, HELP)
     add_socket_argument(parser)
-    parser.add_argument(
-        "--driver-name",
-        type=driver_name_argument,
-        default=DEFAULT_DRIVER_NAME,
-        help="DRA driver name, for the default --state-dir (default: %(default)s)",
+    add_state_arguments(
+        parser, "DRA driver name, for the default --state-dir (default: %(default)s)"
     )
-    add_state_dir_argument(parser, default=None)
-    add_host_root_argument(parser)
     parser.add_argument(
         "--fail-on-unhealthy",
         action="store_true",
         help="exit 1 when a problem is listed (node-problem-detector style checks)",
     )
-    parser.add_argument(
-        "-o",
-        "--output",
-        choices=("table", "json", "yaml"),
-        default="table",
-        help="output format (default: %(default)s)",
-    )
+    add_output_argument(parser)
     parser.set_defaults(run=run)
 
 
-def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
-    out = out if out is not None else sys.stdout
+@std_streams
+def run(args: argparse.Namespace, out: TextIO, err: TextIO, stdin: TextIO) -> int:
     state_dir = state_dir_of(args)
     try:
         document = fetch_status(socket_path(args.socket, state_dir))
         report = {"reachable": True, "problem": None, **document}
-    except PluginUnreachable as err:
-        report = local_report(state_dir, args.driver_name, f"the plugin does not answer: {err}")
-    if args.output == "json":
-        print(json.dumps(report, indent=2), file=out)
-    elif args.output == "yaml":
-        out.write(yaml.safe_dump(report, sort_keys=False))
-    else:
-        out.write(render(report))
+    except PluginUnreachable as error:
+        report = local_report(state_dir, args.driver_name, f"the plugin does not answer: {error}")
+    print_report(report, args.output, out, render)
     return 1 if args.fail_on_unhealthy and report["problems"] else 0
 
 

@@ -7,8 +7,9 @@ from typing import Any, Final
 
 from driver.config.decode import gpu_config_errors
 from driver.config.errors import FieldError
-from driver.config.gpu import GROUP, KIND, GpuConfig
+from driver.config.gpu import GROUP, KIND
 from driver.config.loader import join_path
+from driver.config.opaque import driver_entries, entry_config
 
 RESOURCE_GROUP: Final = "resource.k8s.io"
 
@@ -38,33 +39,6 @@ def is_checked_document(doc: object) -> bool:
     return group == RESOURCE_GROUP and kind in CONFIG_LIST_PATHS
 
 
-def opaque_parameters_errors(
-    parameters: object, path: str
-) -> tuple[GpuConfig | None, list[FieldError]]:
-    """`gpu_config_errors` for the `opaque.parameters` of an API object (claim, claim
-    template, device class, allocation), which the API server only accepts as a JSON
-    object. Anything else, JSON or YAML text in a string included, is refused unparsed:
-    only a forged review or a manifest the API server would refuse carries it, and
-    parsing it would hand its sender the YAML parser."""
-    if not isinstance(parameters, dict):
-        return None, [FieldError(path, f"must be a JSON object, got {_json_type(parameters)}")]
-    return gpu_config_errors(parameters, path)
-
-
-def _json_type(value: object) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "a boolean"
-    if isinstance(value, int | float):
-        return "a number"
-    if isinstance(value, str):
-        return "a string"
-    if isinstance(value, list):
-        return "an array"
-    return type(value).__name__
-
-
 def validate_configs(configs: object, path: str, driver_name: str) -> list[FieldError]:
     """Check a list of device configs (`spec.devices.config` and the like).
 
@@ -79,25 +53,8 @@ def validate_configs(configs: object, path: str, driver_name: str) -> list[Field
     if not isinstance(configs, list):
         return [FieldError(path, "must be a list")]
     errors: list[FieldError] = []
-    for index, entry in enumerate(configs):
-        entry_path = join_path(path, index)
-        if not isinstance(entry, Mapping):
-            errors.append(FieldError(entry_path, "must be an object"))
-            continue
-        opaque = entry.get("opaque")
-        if opaque is None:
-            continue
-        if not isinstance(opaque, Mapping):
-            errors.append(FieldError(join_path(entry_path, "opaque"), "must be an object"))
-            continue
-        if opaque.get("driver") != driver_name:
-            continue
-        params_path = join_path(join_path(entry_path, "opaque"), "parameters")
-        if "parameters" not in opaque:
-            errors.append(FieldError(params_path, "required field missing"))
-            continue
-        _, problems = opaque_parameters_errors(opaque["parameters"], params_path)
-        errors.extend(problems)
+    for _, entry_path, opaque in driver_entries(configs, path, driver_name, errors):
+        errors.extend(entry_config(opaque, entry_path)[1])
     return errors
 
 

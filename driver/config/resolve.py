@@ -13,6 +13,7 @@ from typing import Any, Final
 from driver.config.errors import ConfigError, FieldError
 from driver.config.gpu import GpuConfig, default_gpu_config
 from driver.config.loader import join_path
+from driver.config.opaque import driver_entries, entry_config
 
 SOURCE_CLASS: Final = "FromClass"
 SOURCE_CLAIM: Final = "FromClaim"
@@ -72,22 +73,14 @@ def resolve_configs(
 
     # (source order, list index, requests or None for "all", config)
     candidates: list[tuple[int, int, list[str] | None, GpuConfig]] = []
-    for index, entry in enumerate(raw_configs):
-        entry_path = join_path(path_prefix, index)
-        if not isinstance(entry, Mapping):
-            errors.append(FieldError(entry_path, "must be an object"))
-            continue
-        opaque = entry.get("opaque")
-        if opaque is None:
-            errors.append(
-                FieldError(entry_path, "only opaque parameters are supported by this driver")
-            )
-            continue
-        if not isinstance(opaque, Mapping):
-            errors.append(FieldError(join_path(entry_path, "opaque"), "must be an object"))
-            continue
-        if opaque.get("driver") != driver_name:
-            continue
+    for index, entry_path, opaque in driver_entries(
+        raw_configs,
+        path_prefix,
+        driver_name,
+        errors,
+        not_opaque="only opaque parameters are supported by this driver",
+    ):
+        entry = raw_configs[index]
         source = entry.get("source")
         if source not in _SOURCE_ORDER:
             errors.append(
@@ -100,15 +93,7 @@ def resolve_configs(
                 FieldError(join_path(entry_path, "requests"), "must be a list of strings")
             )
             continue
-        params_path = join_path(join_path(entry_path, "opaque"), "parameters")
-        if "parameters" not in opaque:
-            errors.append(FieldError(params_path, "required field missing"))
-            continue
-        # Here only: the strict decoder (pydantic) loads for a claim that carries this
-        # driver's opaque config, never at the plugin's start or for a plain claim.
-        from driver.config.documents import opaque_parameters_errors
-
-        config, problems = opaque_parameters_errors(opaque["parameters"], params_path)
+        config, problems = entry_config(opaque, entry_path)
         if config is None:
             errors.extend(problems)
             continue

@@ -206,53 +206,42 @@ def _reference_partitions(
     part["compute"] = decimal_quantity(_compute(gpu) // n)
     counter_set = {"name": set_name, "counters": {k: quantity(v) for k, v in whole.items()}}
 
+    def counted(
+        name: str, extra: dict[str, Any], amounts: dict[str, str]
+    ) -> tuple[dict[str, Any], dict[str, int] | None]:
+        """A partition's or the full GPU's document: capacity `amounts`, consumed from
+        the GPU's counter set, shareable if the pool allows it; and the share's limits."""
+        attrs = {**gpu_attrs, **_mps_attr(options), **extra}
+        doc = device_doc(name, attrs, {k: quantity(v) for k, v in amounts.items()})
+        doc["consumesCounters"] = [
+            {"counterSet": set_name, "counters": {k: quantity(v) for k, v in amounts.items()}}
+        ]
+        share = make_shareable(doc) if options.allow_multiple_allocations else None
+        if gpu.reference_example and share is None:
+            doc["allowMultipleAllocations"] = False
+        return doc, share
+
     devices: list[PublishedDevice] = []
     for j in range(n):
         name = f"gpu-{gpu.minor}-partition-{j}"
         # `isolated: false`: time-shared on the whole GPU, no memory or fault isolation
         # from its other partitions (MIG partitions publish `isolated: true`).
-        attrs = {
-            **gpu_attrs,
-            **_mps_attr(options),
+        extra = {
             "partition": int_attr(j),
             "partitionable": bool_attr(True),
             "isolated": bool_attr(False),
         }
-        doc = device_doc(name, attrs, {k: quantity(v) for k, v in part.items()})
-        doc["consumesCounters"] = [
-            {"counterSet": set_name, "counters": {k: quantity(v) for k, v in part.items()}}
-        ]
-        share = make_shareable(doc) if options.allow_multiple_allocations else None
-        if gpu.reference_example and share is None:
-            doc["allowMultipleAllocations"] = False
+        doc, share = counted(name, extra, part)
         devices.append(
             PublishedDevice(
                 name, doc, gpu.uuid, gpu.minor, True, None, placement=None, share_capacity=share
             )
         )
     name = f"gpu-{gpu.minor}-full"
-    attrs = {
-        **gpu_attrs,
-        **_mps_attr(options),
-        "partitionable": bool_attr(True),
-        "full": bool_attr(True),
-    }
-    doc = device_doc(name, attrs, {k: quantity(v) for k, v in whole.items()})
-    doc["consumesCounters"] = [
-        {"counterSet": set_name, "counters": {k: quantity(v) for k, v in whole.items()}}
-    ]
-    share = make_shareable(doc) if options.allow_multiple_allocations else None
-    if gpu.reference_example and share is None:
-        doc["allowMultipleAllocations"] = False
+    doc, share = counted(name, {"partitionable": bool_attr(True), "full": bool_attr(True)}, whole)
     devices.append(
         PublishedDevice(
-            name,
-            doc,
-            gpu.uuid,
-            gpu.minor,
-            False,
-            gpu_max_partitions(gpu),
-            share_capacity=share,
+            name, doc, gpu.uuid, gpu.minor, False, gpu_max_partitions(gpu), share_capacity=share
         )
     )
     return devices, counter_set

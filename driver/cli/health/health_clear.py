@@ -24,13 +24,12 @@ slices not yet accepted; 2 usage error.
 from __future__ import annotations
 
 import argparse
-import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
 
-from driver.cli.arguments import positive_seconds
+from driver.cli.arguments import add_command, add_state_arguments, positive_seconds
 from driver.cli.confirm import NotConfirmed, add_yes_argument, confirm
+from driver.cli.output import std_streams
 from driver.cli.plugin_endpoint import (
     ControlRefused,
     PluginUnreachable,
@@ -49,17 +48,13 @@ class ClearFailed(Exception):
     """No answer, or the plugin refused; the message says why."""
 
 
-def add_parser(
-    actions: Any, add_common_arguments: Callable[[argparse.ArgumentParser], None]
-) -> None:
-    parser: argparse.ArgumentParser = actions.add_parser(
-        "clear",
-        help="forget a repaired GPU's or partition's failure: its taint is removed",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+HELP = "forget a repaired GPU's or partition's failure: its taint is removed"
+
+
+def add_parser(actions: Any) -> None:
+    parser = add_command(actions, "clear", __doc__, HELP)
     parser.add_argument("device", help="gpu-<n>, a GPU UUID, or a MIG partition name")
-    add_common_arguments(parser)
+    add_state_arguments(parser)
     add_socket_argument(parser)
     add_yes_argument(parser)
     parser.add_argument(
@@ -74,15 +69,8 @@ def add_parser(
     parser.set_defaults(run=run)
 
 
-def run(
-    args: argparse.Namespace,
-    out: TextIO | None = None,
-    err: TextIO | None = None,
-    stdin: TextIO | None = None,
-) -> int:
-    out = out if out is not None else sys.stdout
-    err = err if err is not None else sys.stderr
-    stdin = stdin if stdin is not None else sys.stdin
+@std_streams
+def run(args: argparse.Namespace, out: TextIO, err: TextIO, stdin: TextIO) -> int:
     state_dir = Path(args.state_dir) if args.state_dir else default_state_dir(args.driver_name)
     path = socket_path(args.socket, state_dir)
     try:

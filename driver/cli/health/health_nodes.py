@@ -13,15 +13,12 @@ stay as long as the plugin publishes them. Only each pool's newest generation co
 from __future__ import annotations
 
 import argparse
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, TextIO
 
-import yaml
-
 from driver.cli.health.gpu_taints import GpuTaints, name_order, taints_by_gpu, taints_text
-from driver.cli.output import format_table
+from driver.cli.output import format_table, print_report
 from driver.cli.published import devices_of, list_slices
 
 HEADERS = ("NODE", "GPU", "DEVICES", "TAINTS", "SINCE")
@@ -98,10 +95,5 @@ def run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         print(f"gpu-dra health --all-nodes: {listing.problem}", file=err)
         return 1
     report = build_report(args.driver_name, listing.source, nodes_of(listing.items))
-    if args.output == "json":
-        print(json.dumps(report, indent=2), file=out)
-    elif args.output == "yaml":
-        out.write(yaml.safe_dump(report, sort_keys=False))
-    else:
-        out.write(render_table(report))
+    print_report(report, args.output, out, render_table)
     return 1 if args.fail_on_unhealthy and report["unhealthyGPUs"] else 0

@@ -36,20 +36,18 @@ unhealthy), 2 usage error.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import socket
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
-import yaml
-
+from driver.cli.arguments import add_command, add_output_argument, add_state_arguments
 from driver.cli.health import health_clear, health_nodes
 from driver.cli.health.gpu_names import local_gpu_names
 from driver.cli.health.gpu_taints import taints_by_gpu
 from driver.cli.health.health_table import render_table, taint_text
+from driver.cli.output import print_report, std_streams
 from driver.cli.plugin_endpoint import (
     PluginUnreachable,
     add_socket_argument,
@@ -59,18 +57,11 @@ from driver.cli.plugin_endpoint import (
     socket_path,
 )
 from driver.cli.published import PublishedView, SliceDevice, read_published
-from driver.cli.state_dir import (
-    HealthView,
-    add_host_root_argument,
-    add_state_dir_argument,
-    read_health,
-    state_dir_of,
-)
+from driver.cli.state_dir import HealthView, read_health, state_dir_of
 from driver.health.clear import record_json
-from driver.health.failures import DEFAULT_DRIVER_NAME, KIND_RANK, GpuFailure
+from driver.health.failures import KIND_RANK, GpuFailure
 from driver.health.recovery import KIND_RECOVERY_ACTION
 from driver.health.unmonitored import KIND_UNMONITORED
-from driver.plugin.host_inputs import driver_name_argument
 
 UNMONITORED_REASON = (
     "NVML does not report this GPU's health events: its failures go unseen "
@@ -78,26 +69,15 @@ UNMONITORED_REASON = (
 )
 
 
-def add_common_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--driver-name",
-        type=driver_name_argument,
-        default=DEFAULT_DRIVER_NAME,
-        help="DRA driver name (default: %(default)s)",
-    )
-    add_state_dir_argument(parser, default=None)
-    add_host_root_argument(parser)
+HELP = (
+    "show GPU health and taints with their reasons, of this node or of every "
+    "node (--all-nodes); clear: after a repair"
+)
 
 
 def add_parser(subcommands: Any) -> None:
-    parser: argparse.ArgumentParser = subcommands.add_parser(
-        "health",
-        help="show GPU health and taints with their reasons, of this node or of every "
-        "node (--all-nodes); clear: after a repair",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    add_common_arguments(parser)
+    parser = add_command(subcommands, "health", __doc__, HELP)
+    add_state_arguments(parser)
     parser.add_argument(
         "--node-name",
         default=os.environ.get("NODE_NAME") or socket.gethostname(),
@@ -111,13 +91,7 @@ def add_parser(subcommands: Any) -> None:
         action="store_true",
         help="send the kubeconfig's token to an http:// server (readable on the network)",
     )
-    parser.add_argument(
-        "-o",
-        "--output",
-        choices=("table", "json", "yaml"),
-        default="table",
-        help="output format (default: %(default)s)",
-    )
+    add_output_argument(parser)
     parser.add_argument(
         "--devices",
         action="store_true",
@@ -137,7 +111,7 @@ def add_parser(subcommands: Any) -> None:
     add_socket_argument(parser)
     parser.set_defaults(run=run)
     actions = parser.add_subparsers(dest="health_action", metavar="ACTION")
-    health_clear.add_parser(actions, add_common_arguments)
+    health_clear.add_parser(actions)
 
 
 @dataclass(frozen=True)
@@ -158,9 +132,8 @@ class PluginRecovery:
 NOT_READ = PluginRecovery({}, "not read")
 
 
-def run(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None = None) -> int:
-    out = out if out is not None else sys.stdout
-    err = err if err is not None else sys.stderr
+@std_streams
+def run(args: argparse.Namespace, out: TextIO, err: TextIO, stdin: TextIO) -> int:
     if args.all_nodes:
         return health_nodes.run(args, out, err)
     if args.fail_on_unhealthy:
@@ -199,12 +172,7 @@ def run(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None 
         recovery=PluginRecovery.read(status_socket),
         status_socket=status_socket,
     )
-    if args.output == "json":
-        print(json.dumps(report, indent=2), file=out)
-    elif args.output == "yaml":
-        out.write(yaml.safe_dump(report, sort_keys=False))
-    else:
-        out.write(render_table(report, devices=args.devices))
+    print_report(report, args.output, out, lambda r: render_table(r, devices=args.devices))
     if view.store is None and published.problem is not None:
         print(
             f"gpu-dra health: nothing could be read: {view.unknown}; {published.problem}",

@@ -9,30 +9,17 @@ import os
 from pathlib import Path
 
 from driver.cdi.claim_specs import CdiSpecs
-from driver.cli.state_dir import (
-    add_host_root_argument,
-    add_state_dir_argument,
-    node_path,
-    state_dir_of,
-)
-from driver.health.failures import DEFAULT_DRIVER_NAME
-from driver.plugin.host_inputs import driver_name_argument
+from driver.cli.arguments import add_state_arguments
+from driver.cli.state_dir import node_path, state_dir_of
 
 
 def add_common_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--driver-name",
-        type=driver_name_argument,
-        default=DEFAULT_DRIVER_NAME,
-        help="DRA driver name (default: %(default)s)",
-    )
-    add_state_dir_argument(parser, default=None)
+    add_state_arguments(parser)
     parser.add_argument(
         "--cdi-root",
         default=os.environ.get("CDI_ROOT") or "/var/run/cdi",
         help="CDI spec directory, to check each claim's spec ($CDI_ROOT; default %(default)s)",
     )
-    add_host_root_argument(parser)
 
 
 def cdi_root_of(args: argparse.Namespace) -> Path:

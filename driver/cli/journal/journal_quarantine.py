@@ -10,7 +10,6 @@ import contextlib
 import errno
 import fcntl
 import os
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TextIO
@@ -22,6 +21,7 @@ from driver.cli.journal.journal_args import (
     cdi_specs,
     state_dir_of,
 )
+from driver.cli.output import std_streams
 from driver.errors import DriverError
 from driver.fileio import permission_denied
 from driver.state.journal.checkpoint import Checkpoint, CheckpointCorruptError, ClaimEntry
@@ -119,15 +119,8 @@ def _owned_mig_choice(choice: str | None, owning: dict[str, ClaimEntry]) -> Owne
     return OwnedMig.FOREIGN
 
 
-def run_quarantine(
-    args: argparse.Namespace,
-    out: TextIO | None = None,
-    err: TextIO | None = None,
-    stdin: TextIO | None = None,
-) -> int:
-    out = out if out is not None else sys.stdout
-    err = err if err is not None else sys.stderr
-    stdin = stdin if stdin is not None else sys.stdin
+@std_streams
+def run_quarantine(args: argparse.Namespace, out: TextIO, err: TextIO, stdin: TextIO) -> int:
     prog = "gpu-dra journal quarantine"
     state_dir = state_dir_of(args)
     if not state_dir.is_dir():

@@ -33,15 +33,12 @@ aside or no journal, 1 refused or not confirmed. 2: usage error.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import sys
 from pathlib import Path
 from typing import Any, TextIO
 
-import yaml
-
 from driver.cdi.claim_specs import CdiSpecs
+from driver.cli.arguments import add_command, add_output_argument
 from driver.cli.journal import journal_quarantine
 from driver.cli.journal.journal_args import (
     add_common_arguments,
@@ -49,7 +46,7 @@ from driver.cli.journal.journal_args import (
     cdi_specs,
     state_dir_of,
 )
-from driver.cli.output import format_table
+from driver.cli.output import format_table, print_report, std_streams
 from driver.errors import DriverError
 from driver.state.journal.boot import boot_id
 from driver.state.journal.checkpoint import (
@@ -66,19 +63,15 @@ from driver.state.recovery.quarantine import (
 HEADERS = ("CLAIM", "UID", "STATE", "DEVICES", "CDI SPEC", "NEXT START")
 
 
+HELP = "show the plugin's prepare journal; quarantine a corrupt one"
+
+
 def add_parser(subcommands: Any) -> None:
-    parser: argparse.ArgumentParser = subcommands.add_parser(
-        "journal",
-        help="show the plugin's prepare journal; quarantine a corrupt one",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    parser = add_command(subcommands, "journal", __doc__, HELP)
     actions = parser.add_subparsers(dest="journal_action", required=True, metavar="ACTION")
     show = actions.add_parser("show", help="prepared claims, devices, MIG records, corruption")
     add_common_arguments(show)
-    show.add_argument(
-        "-o", "--output", choices=("table", "json", "yaml"), default="table", help="output format"
-    )
+    add_output_argument(show)
     show.set_defaults(run=run_show)
     journal_quarantine.add_parser(actions)
 
@@ -153,20 +146,14 @@ def _entry_json(uid: str, entry: ClaimEntry, specs: CdiSpecs | None, boot: str) 
     }
 
 
-def run_show(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None = None) -> int:
-    out = out if out is not None else sys.stdout
-    err = err if err is not None else sys.stderr
+@std_streams
+def run_show(args: argparse.Namespace, out: TextIO, err: TextIO, stdin: TextIO) -> int:
     state_dir = state_dir_of(args)
     if not state_dir.is_dir():
         print(f"gpu-dra journal show: no plugin data directory {state_dir}", file=err)
         return 1
     report = read_journal(state_dir, cdi_root_of(args), args.driver_name)
-    if args.output == "json":
-        print(json.dumps(report, indent=2), file=out)
-    elif args.output == "yaml":
-        out.write(yaml.safe_dump(report, sort_keys=False))
-    else:
-        out.write(render_table(report))
+    print_report(report, args.output, out, render_table)
     if report["status"] in ("corrupt", "unreadable"):
         print(f"gpu-dra journal show: {report['path']} is {report['status']}", file=err)
         return 1

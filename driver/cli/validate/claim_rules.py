@@ -51,8 +51,9 @@ from driver.config import (
     request_matches,
 )
 from driver.config import validate_for_device as device_rule
-from driver.config.documents import config_list_of, opaque_parameters_errors
+from driver.config.documents import config_list_of
 from driver.config.errors import FieldError
+from driver.config.opaque import opaque_parameters_errors
 
 #: How alike (difflib ratio) an unknown class name and one of the driver's must be to
 #: be reported in a claim not otherwise for the driver: `gpu.exmaple.com` (0.93) is,
@@ -320,7 +321,7 @@ def _interval_refusal(
     devices: list[OfferedDevice] | None,
 ) -> str | None:
     """Why prepare refuses the config's time-slice interval on every device the request
-    may get (each a MIG device, `driver.state.planning._no_time_slice`), or None."""
+    may get (each a MIG device, `driver.state.plan._no_time_slice`), or None."""
     interval, device_class = config.interval, request.device_class
     if interval in (None, Interval.DEFAULT):
         return None

@@ -32,7 +32,7 @@ class OfferedDevice:
     max_partitions: int | None = None
     shared: bool = False  # allowMultipleAllocations: every allocation of it is a share
     # A MIG partition or the whole GPU of a GPU in MIG mode: prepare sets no time-slice
-    # interval on it (driver/state/planning.py, `_no_time_slice`).
+    # interval on it (driver/state/plan.py, `_no_time_slice`).
     mig: bool = False
 
     @property

@@ -58,12 +58,13 @@ driver - a claim with capacity requests checked against them); else 0.
 from __future__ import annotations
 
 import argparse
-import sys
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
+from driver.cli.arguments import add_command
+from driver.cli.output import std_streams
 from driver.cli.validate.capacity import capacity_problems, requests_capacity
 from driver.cli.validate.claim_rules import (
     DeviceClasses,
@@ -97,14 +98,14 @@ SPACE_PARTITIONING_NOTE = (
 )
 
 
+HELP = (
+    "validate GpuConfigs and claims in YAML files (GpuConfig, ResourceClaim, "
+    "ResourceClaimTemplate, DeviceClass)"
+)
+
+
 def add_parser(subcommands: Any) -> None:
-    parser: argparse.ArgumentParser = subcommands.add_parser(
-        "validate",
-        help="validate GpuConfigs and claims in YAML files (GpuConfig, ResourceClaim, "
-        "ResourceClaimTemplate, DeviceClass)",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    parser = add_command(subcommands, "validate", __doc__, HELP)
     parser.add_argument(
         "files", nargs="+", metavar="FILE", help="YAML/JSON file, directory, or - for stdin"
     )
@@ -382,15 +383,8 @@ def _summary(result: Result, driver_name: str) -> tuple[int, str]:
     )
 
 
-def run(
-    args: argparse.Namespace,
-    stdin: TextIO | None = None,
-    out: TextIO | None = None,
-    err: TextIO | None = None,
-) -> int:
-    stdin = stdin if stdin is not None else sys.stdin
-    out = out if out is not None else sys.stdout
-    err = err if err is not None else sys.stderr
+@std_streams
+def run(args: argparse.Namespace, out: TextIO, err: TextIO, stdin: TextIO) -> int:
     if args.explain:
         return run_explain(args, stdin, out, err)
     if args.devices:

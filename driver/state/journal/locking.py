@@ -8,7 +8,6 @@ import contextlib
 import errno
 import fcntl
 import os
-import stat
 import threading
 import time
 from collections.abc import Iterable, Iterator
@@ -16,7 +15,7 @@ from pathlib import Path
 from typing import Final
 
 from driver.errors import transient
-from driver.fileio import DATA_DIR_MODE, UnsafeFileError
+from driver.fileio import DATA_DIR_MODE, open_nofollow
 
 LOCK_FILE: Final = "serialize.lock"
 
@@ -29,19 +28,7 @@ def open_lock_file(path: Path, *, create: bool = True) -> int:
     (else FileNotFoundError). A symlink at `path` is refused, never followed
     (UnsafeFileError, ELOOP: opening through it would create or lock the file it
     names), as is anything but a regular file (EINVAL). Other OSErrors propagate."""
-    flags = os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW | (os.O_CREAT if create else 0)
-    try:
-        fd = os.open(path, flags, 0o600)
-    except OSError as err:
-        if err.errno == errno.ELOOP:
-            raise UnsafeFileError(
-                errno.ELOOP, "is a symbolic link; refusing to follow it", str(path)
-            ) from err
-        raise
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise UnsafeFileError(errno.EINVAL, "is not a regular file; refusing to lock it", str(path))
-    return fd
+    return open_nofollow(path, os.O_RDWR | (os.O_CREAT if create else 0), use="lock")
 
 
 def _process_lock(path: Path) -> threading.Lock:
