@@ -65,8 +65,8 @@ from driver.plugin import dra
 from driver.plugin.transport.serving import new_server
 from driver.proto.dra.v1 import api_pb2 as v1
 from driver.proto.dra.v1 import api_pb2_grpc as v1_grpc
-from driver.state.claims import ClaimRef, PrepareResult
 from driver.state.prepare import DeviceState
+from driver.state.request import ClaimRef, PrepareResult
 
 DRIVER = "gpu.example.com"
 CLAIM_NAME = "profile-call"

@@ -21,8 +21,8 @@ from typing import Any
 
 from driver.devices.model import PoolOptions, build_pool
 from driver.nvml.selection import select_backend
-from driver.state.claims import ClaimRef
 from driver.state.prepare import DeviceState
+from driver.state.request import ClaimRef
 
 UID = "0a0a0a0a-0000-4000-8000-00000000000a"
 NODE = "node-a"

@@ -1,4 +1,4 @@
-"""Device health as prepare asks for it (`driver.state.claims.DeviceHealth`): the
+"""Device health as prepare asks for it (`driver.state.request.DeviceHealth`): the
 health store's answer, and the taint made sure of before a refusal."""
 
 from __future__ import annotations

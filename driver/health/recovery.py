@@ -44,7 +44,7 @@ from driver.health.failures import Devices, device_list, now_rfc3339, time_added
 from driver.health.node_events import REASON_CLEARED, REASON_TAINTED, device_names_text
 from driver.kube.events import NodeEvent
 from driver.nvml.recovery import ACTION_NONE, RecoveryReading, action_name
-from driver.state.claims import DeviceHealth
+from driver.state.request import DeviceHealth
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ from typing import Any
 
 from driver.errors import DriverError, transient
 from driver.kube.api import APPLY_PATCH, JSON, ApiError, KubeApi, segment
-from driver.state.claims import ClaimRef
+from driver.state.request import ClaimRef
 
 log = logging.getLogger(__name__)
 

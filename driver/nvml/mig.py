@@ -82,7 +82,7 @@ class MigManager:
     """MIG devices of this node's GPUs. Each call opens its own NVML session (NVML
     is thread-safe and counts its initialisations). Creates and destroys on one GPU
     run one at a time; on different GPUs, and listings, side by side: the plugin
-    makes them outside its node lock (driver/state/completion.py), and a create on a
+    makes them outside its node lock (driver/state/apply.py), and a create on a
     real GPU takes hundreds of milliseconds to seconds."""
 
     def __init__(self, module: Any) -> None:

@@ -39,7 +39,7 @@ from driver.proto.dra.v1 import api_pb2 as v1
 from driver.proto.dra.v1 import api_pb2_grpc as v1_grpc
 from driver.proto.dra.v1beta1 import api_pb2 as v1beta1
 from driver.proto.dra.v1beta1 import api_pb2_grpc as v1beta1_grpc
-from driver.state.claims import ClaimRef, PrepareResult
+from driver.state.request import ClaimRef, PrepareResult
 
 log = logging.getLogger(__name__)
 

@@ -30,14 +30,14 @@ from decimal import Decimal
 
 from driver.devices.documents import parse_quantity
 from driver.errors import DriverError, ErrorClass, transient
-from driver.state.claims import PreparableDevice
 from driver.state.journal.checkpoint import ClaimEntry, HardwareRecord, PreparedDevice
+from driver.state.request import PreparableDevice
 
 
 class HeldError(DriverError):
     """A planned device overlaps one another journal entry holds: transient, and
     `holder` names that claim (a prepare waits for it while its request is in
-    flight, driver/state/batch.py)."""
+    flight, driver/state/plan.py)."""
 
     def __init__(self, holder: str, message: str) -> None:
         super().__init__(ErrorClass.TRANSIENT, message)

@@ -1,9 +1,9 @@
 """What the prepare, unprepare and recovery steps share: `StepContext`.
 
-`driver/state/batch.py` and `completion.py` (prepare), `driver/state/teardown.py`
-(unprepare) and `driver/state/recovery/startup_recovery.py` (start-up recovery) take a
-`StepContext`; `DeviceState` (`driver/state/prepare.py`) is the facade on top that the
-plugin calls.
+The prepare stages (`driver/state/plan.py`, `apply.py`, `commit.py`), unprepare
+(`driver/state/teardown.py`) and start-up recovery
+(`driver/state/recovery/startup_recovery.py`) take a `StepContext`; `DeviceState`
+(`driver/state/prepare.py`) is the facade on top that the plugin calls.
 The context holds the node's stores (journal, CDI specs, MIG and time-slice
 operations), the node lock and the claim locks, the remembered verdicts and counters,
 and the two steps every path takes: loading the journal and failing a claim (its
@@ -23,7 +23,13 @@ from driver.cdi.claim_specs import CdiSpecs
 from driver.cdi.common_spec import CommonSpec
 from driver.cdi.driver_edits import DriverRoot
 from driver.errors import DriverError, ErrorClass
-from driver.state.claims import (
+from driver.state.draining import InFlight
+from driver.state.instances import ClaimInstances, MigOps
+from driver.state.journal.checkpoint import Checkpoint, CheckpointCorruptError, ClaimEntry
+from driver.state.journal.locking import ClaimLocks, SerializeLock
+from driver.state.mps.claim_daemons import ClaimMps
+from driver.state.mps.daemons import MpsDaemons, MpsOps, NodeDaemons
+from driver.state.request import (
     ClaimReader,
     ClaimRef,
     DeviceHealth,
@@ -31,13 +37,7 @@ from driver.state.claims import (
     PreparableDevice,
     PrepareResult,
 )
-from driver.state.draining import InFlight
-from driver.state.instances import ClaimInstances, MigOps
-from driver.state.journal.checkpoint import Checkpoint, CheckpointCorruptError, ClaimEntry
-from driver.state.journal.locking import ClaimLocks, SerializeLock
-from driver.state.mps.claim_daemons import ClaimMps
-from driver.state.mps.daemons import MpsDaemons, MpsOps, NodeDaemons
-from driver.state.planning import CdiContext
+from driver.state.spec_render import CdiContext
 from driver.state.timeslice import ClaimTimeSlices, TimeSliceOps
 from driver.state.verdicts import (
     DEFAULT_PERMANENT_ERRORS,
@@ -123,7 +123,7 @@ class StepContext:
         self.health = health  # replaced by the plugin once discovery ran
         self._reporter = reporter
         # Claims whose unprepare ran while the journal was unreadable: their specs are
-        # gone, their MIG devices and entries are owed (`teardown.settled_journal`).
+        # gone, their MIG devices and entries are owed (`teardown.finish_owed`).
         self.pending_removals: set[str] = set()
         self.last_swept: list[Path] = []
         self._checkpoint_problem: str | None = None

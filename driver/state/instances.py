@@ -33,7 +33,7 @@ from driver.nvml.mig import MigError, MigTarget, RecordedInstance
 from driver.nvml.types import MigInstance
 from driver.state.journal.boot import boot_id
 from driver.state.journal.checkpoint import ClaimEntry, MigRecord, PreparedDevice
-from driver.state.planning import PlannedDevice, with_mig
+from driver.state.spec_render import PlannedDevice, with_mig
 
 log = logging.getLogger(__name__)
 

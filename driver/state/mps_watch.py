@@ -47,12 +47,12 @@ from typing import Any, Final, Protocol
 
 from driver.errors import DriverError
 from driver.observability import metrics
-from driver.state.claims import ClaimRef
 from driver.state.context import StepContext
 from driver.state.journal.checkpoint import ClaimEntry, ClaimState
 from driver.state.journal.mps_record import MpsRecord
 from driver.state.mps.claim_daemons import MpsLoss, MpsReplaced, daemon_text
 from driver.state.mps.orphans import Orphan
+from driver.state.request import ClaimRef
 
 log = logging.getLogger(__name__)
 

@@ -1,41 +1,32 @@
-"""Prepare ResourceClaims on this node (docs/state.md, docs/mig.md).
+"""Prepare ResourceClaims on this node: the facade the plugin calls, and the walk of
+one request through its stages (docs/architecture.md, docs/state.md, docs/mig.md).
 
-`DeviceState` is transport-free: the gRPC servicer hands it `ClaimRef`s and turns the
-results into protobuf; the Kubernetes API, device health, failure reporting and the
-MIG lifecycle come in as small protocols (driver/state/claims.py, instances.py).
+1. Decode (driver/state/request.py), per claim, outside the node lock: a remembered
+   permanent verdict for the UID is answered again at once (no API read, no NVML, no
+   disk); the others are read from the API (several reads in flight) and checked:
+   UID, allocated to this node with results for this driver, healthy devices (a
+   failed device is tainted - the wait for the API server happens here, so an API
+   outage never stalls other claims - then permanent device-failed).
+2. Plan (driver/state/plan.py), under the node lock with the journal loaded and the
+   unprepares owed finished (driver/state/teardown.py): a completed claim is answered
+   as before (idempotent; a lost CDI spec is rewritten from the journal); the others
+   are planned (configs -> invalid-config; device rules) and booked against the
+   hardware every other entry holds. A claim held up by a request in flight outside
+   the lock is deferred: it waits, holding no lock, and is planned again.
+3. Apply (driver/state/apply.py): found half-done entries rolled back; then, after
+   the intent of step 5, MIG devices created (outside the node lock, holding the
+   claims' locks), time-slice intervals set, MPS daemons started.
+4. and 5. Commit (driver/state/commit.py): ONE `PrepareStarted` store (the intent) for
+   a batch that changes the node, before step 3 creates anything; the CDI specs
+   written (not fsynced; rendered by driver/state/spec_render.py); ONE
+   `PrepareCompleted` store, whose directory fsync is the only one.
+6. Answer: one `PrepareResult` per claim.
 
-`prepare` of a request (a batch of claims) does:
-
-1. per claim, a remembered permanent verdict for the UID is answered again at once (no
-   API read, no NVML, no disk access, not even the lock file);
-2. per claim, outside the node lock: read it (a batch with several reads in
-   flight); its UID must match, it must be
-   allocated, to this node, with results for this driver (failures: transient); its
-   devices must be healthy (a failed device is tainted - the wait for the API server
-   happens here, so an API outage never stalls other claims - then permanent
-   device-failed);
-3. under the serialize lock, with the journal loaded, per claim: a `PrepareCompleted`
-   entry is answered as before (idempotent; a lost CDI spec is rewritten from the
-   journal); otherwise plan it (configs -> invalid-config; device rules) and refuse
-   hardware another entry holds (driver/state/booking.py). A claim whose own
-   request, or the request of the claim holding its device, is in flight outside the
-   lock (its claim lock is held) is deferred: it waits, holding no lock, and is
-   planned again;
-4. found entries of planned claims (half-done prepares) are rolled back: CDI specs
-   removed, their MIG devices destroyed;
-5. ONE journal store with every planned claim's `PrepareStarted` entry (MIG devices
-   named by placement: the intent) -> the MIG devices created -> every CDI spec
-   (not fsynced) -> ONE journal store with the `PrepareCompleted` entries (MIG ids,
-   UUIDs and the spec content), whose directory fsync is the only one. A batch that
-   creates MIG devices releases the lock for the creates, holding its claims' locks,
-   and takes it again (the journal read again) for the rest.
-
-A claim that fails in steps 4-5 is rolled back alone (spec removed, MIG devices
-destroyed, entry dropped in the next store); only a failed journal store fails the
-whole batch, which is then rolled back. Steps 3-5 live in driver/state/batch.py and
-driver/state/completion.py, unprepare in driver/state/teardown.py, start-up
-recovery in driver/state/recovery/startup_recovery.py; all take the
-`StepContext` (driver/state/context.py) this facade extends.
+A claim that fails in steps 3-5 is undone alone (spec removed, MIG devices destroyed,
+entry dropped in the next store); only a failed journal store fails the whole batch,
+which is then undone. Unprepare lives in driver/state/teardown.py, start-up recovery
+in driver/state/recovery/startup_recovery.py; all take the `StepContext`
+(driver/state/context.py) this facade extends.
 """
 
 from __future__ import annotations
@@ -48,24 +39,21 @@ from typing import Any
 from driver.errors import DriverError, transient
 from driver.nvml.types import Inventory
 from driver.observability import metrics
-from driver.state import teardown
-from driver.state.batch import Batch, Deferred, Todo, as_transient, plan_batch
-from driver.state.claims import (
+from driver.state import apply, commit, plan, teardown
+from driver.state.context import StepContext
+from driver.state.instances import Held, owned_instances
+from driver.state.journal.checkpoint import CheckpointCorruptError, ClaimEntry
+from driver.state.plan import Batch, Deferred, Todo, Work, as_transient
+from driver.state.recovery import startup_recovery
+from driver.state.recovery.startup_recovery import RecoveryReport
+from driver.state.request import (
     ClaimRef,
     PrepareResult,
     check_claim,
+    check_health,
     read_claims,
     unique,
 )
-from driver.state.completion import complete_batch, create_devices, finish_outside_lock
-from driver.state.context import StepContext
-from driver.state.instances import Held, owned_instances
-from driver.state.journal.checkpoint import (
-    CheckpointCorruptError,
-)
-from driver.state.planning import check_health
-from driver.state.recovery import startup_recovery
-from driver.state.recovery.startup_recovery import RecoveryReport
 
 log = logging.getLogger(__name__)
 
@@ -138,13 +126,17 @@ class DeviceState(StepContext):
         with self.claim_locks.round() as holds:
             try:
                 with self.lock.hold():
-                    journal = teardown.settled_journal(self)
-                    batch, deferred = plan_batch(self, todo, journal, results, holds)
+                    journal = self._journal()
+                    batch, deferred = plan.plan_batch(self, todo, journal, results, holds)
+                    if batch is not None:
+                        batch = apply.clear_the_way(self, batch, journal, results)
+                    if batch is not None:
+                        batch = commit.store_intent(self, batch, journal, results)
                     if batch is not None and not batch.leaves_lock:
-                        create_devices(self, batch)
-                        complete_batch(self, batch, journal, results)
+                        apply.create_mig(self, batch)
+                        self._write(batch, batch.work, journal, results)
                 if batch is not None and batch.leaves_lock:
-                    finish_outside_lock(self, batch, results)
+                    self._write_outside_lock(batch, results)
             except Exception as exc:  # lock timeout, unreadable/corrupt journal, a bug
                 if isinstance(exc, CheckpointCorruptError):
                     self.stats.checkpoint_corrupt += 1
@@ -155,6 +147,42 @@ class DeviceState(StepContext):
                     if ref.uid not in results and ref.uid not in deferred:
                         results[ref.uid] = self.fail(ref, claim, error)
         return deferred
+
+    def _journal(self) -> dict[str, ClaimEntry]:
+        """The journal, under the node lock, with the unprepares owed finished."""
+        journal = self.load_journal()
+        teardown.finish_owed(self, journal)
+        return journal
+
+    def _write(
+        self,
+        batch: Batch,
+        work: Sequence[Work],
+        journal: dict[str, ClaimEntry],
+        results: dict[str, PrepareResult],
+    ) -> None:
+        """Steps 3 to 6 under the node lock, once the MIG devices exist."""
+        apply.share(self, work, journal)
+        commit.write_specs(self, batch, work)
+        commit.complete(self, work, journal, results)
+
+    def _write_outside_lock(self, batch: Batch, results: dict[str, PrepareResult]) -> None:
+        """A batch that creates MIG devices creates them outside the node lock, then
+        takes it again and reads the journal again (other requests stored theirs
+        meanwhile) for the rest. If the lock or the journal cannot be had, its MIG
+        devices are destroyed again and every claim fails; its `PrepareStarted`
+        entries are rolled back by the kubelet's retry or the next start."""
+        apply.create_mig(self, batch)
+        try:
+            with self.lock.hold():
+                journal = self._journal()
+                work = apply.still_journaled(self, batch.work, journal, results)
+                self._write(batch, work, journal, results)
+        except Exception as exc:
+            if not isinstance(exc, DriverError):
+                log.exception("completing a prepare failed")
+            error = exc if isinstance(exc, DriverError) else as_transient(exc)
+            apply.abandon(self, batch.work, batch.work, (), error, results)
 
     def unprepare(self, claims: Sequence[ClaimRef]) -> dict[str, DriverError | None]:
         """Remove each claim's local state. Never permanent; unknown claims succeed."""

@@ -16,12 +16,13 @@ from dataclasses import dataclass, field, replace
 
 from driver.errors import DriverError, transient
 from driver.failpoints import failpoint
-from driver.state.claims import ClaimRef, unique
 from driver.state.context import StepContext
 from driver.state.instances import other_entries, owns_mig
 from driver.state.journal.boot import boot_id
 from driver.state.journal.checkpoint import CheckpointCorruptError, ClaimEntry, ClaimState
+from driver.state.journal.journal_entries import unprepare_begun
 from driver.state.journal.locking import ClaimHolds
+from driver.state.request import ClaimRef, unique
 
 log = logging.getLogger(__name__)
 
@@ -86,15 +87,18 @@ def _journal_or_none(state: StepContext) -> dict[str, ClaimEntry] | None:
     """The settled journal, or None while it is corrupt (unprepare then removes CDI
     specs only and owes the rest)."""
     try:
-        return settled_journal(state)
+        journal = state.load_journal()
     except CheckpointCorruptError as err:
         state.stats.checkpoint_corrupt += 1
         log.error("%s; unprepare removes CDI specs only", err)
         return None
+    finish_owed(state, journal)
+    return journal
 
 
-def settled_journal(state: StepContext) -> dict[str, ClaimEntry]:
-    """The journal (`load_journal`), with the unprepares owed finished first: those of
+def finish_owed(state: StepContext, journal: dict[str, ClaimEntry]) -> None:
+    """Finish the unprepares owed, before a prepare or unprepare uses the loaded
+    `journal` (their entries leave it): those of
     a time it was unreadable, and those begun and not finished (`unprepare_begun`: an
     unprepare of this boot removed the spec; one of this process that failed half
     way, or another instance's that could not drop the entry - the release before the
@@ -103,7 +107,6 @@ def settled_journal(state: StepContext) -> dict[str, ClaimEntry]:
     its placement is free at once. A claim whose teardown fails, or whose claim lock
     a request in flight holds, keeps its entry, and so its devices, and stays owed:
     the next call tries again."""
-    journal = state.load_journal()
     boot = boot_id()
     begun = {
         uid
@@ -128,7 +131,6 @@ def settled_journal(state: StepContext) -> dict[str, ClaimEntry]:
             if err is not None:
                 log.error("claim %s: its owed unprepare failed, entry kept: %s", uid, err)
                 state.pending_removals.add(uid)
-    return journal
 
 
 @dataclass
@@ -232,18 +234,6 @@ def _end(
     for uid in done:
         results[uid] = None
     state.stats.unprepared += len(done)
-
-
-def unprepare_begun(entry: ClaimEntry, spec_exists: bool, boot: str | None = None) -> bool:
-    """Had an unprepare of the completed claim begun removing things? Its entry is
-    marked in this boot and its spec is gone (an unprepare removes the spec before any
-    MIG device). Not after a reboot (which also destroys MIG devices and empties the
-    CDI root), nor while the spec exists: the claim is then as prepared (an earlier
-    release, which keeps the mark without knowing it, may have prepared it again).
-    `boot`: this boot's id, if already read."""
-    if entry.state is not ClaimState.PREPARE_COMPLETED or entry.unpreparing is None:
-        return False
-    return not spec_exists and entry.unpreparing == (boot_id() if boot is None else boot) != ""
 
 
 def _mark_unpreparing(

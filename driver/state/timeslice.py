@@ -36,7 +36,7 @@ from typing import Final, Protocol
 from driver.errors import DriverError, transient
 from driver.nvml.timeslice import GpuLostError
 from driver.state.journal.checkpoint import ClaimEntry, ClaimState, PreparedDevice
-from driver.state.planning import PlannedDevice
+from driver.state.spec_render import PlannedDevice
 
 log = logging.getLogger(__name__)
 

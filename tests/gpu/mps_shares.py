@@ -13,9 +13,9 @@ from typing import Any
 
 from driver.nvml.mps import DaemonDirs, DaemonId, MpsControl, is_running, process_start_time
 from driver.nvml.selection import select_backend
-from driver.state.claims import ClaimRef
 from driver.state.journal.mps_record import MpsRecord
 from driver.state.mps.daemons import NodeDaemons, daemon_dirs
+from driver.state.request import ClaimRef
 from tests.gpu.node import NODE, GpuNode, open_node
 
 MIB_PER_GIB = 1024

@@ -17,11 +17,11 @@ from driver.devices.model import MigStrategy, PoolDevices, PoolOptions, build_po
 from driver.nvml.backend import NvmlBackend
 from driver.nvml.selection import select_backend
 from driver.nvml.types import MigInstance
-from driver.state.claims import ClaimRef
 from driver.state.instances import MigOps
 from driver.state.mps.daemons import MpsDaemons
 from driver.state.prepare import DeviceState
 from driver.state.recovery.startup_recovery import RecoveryReport
+from driver.state.request import ClaimRef
 from tests.state_fakes import Healthy, NoReports
 
 DRIVER = "gpu.example.com"

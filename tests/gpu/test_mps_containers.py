@@ -34,8 +34,8 @@ from driver.cdi.driver_edits import DriverRoot
 from driver.nvml.backend import NvmlBackend
 from driver.nvml.mps import DaemonId, MpsControl
 from driver.nvml.types import GpuInfo
-from driver.state.claims import ClaimRef
 from driver.state.mps.daemons import NodeDaemons
+from driver.state.request import ClaimRef
 from tests import cdi_bundle
 from tests.gpu import containers
 from tests.gpu.bound_clients import Allocation

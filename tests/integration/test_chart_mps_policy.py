@@ -159,7 +159,7 @@ class Setup:
 
     def planned(self, node: str, limits: MpsLimits, device: str) -> tuple[MpsRecord, DaemonDirs]:
         """The record and directories a prepare on `node` gives the daemon of a claim's
-        `device` (driver/state/planning.py, ClaimMps)."""
+        `device` (driver/state/plan.py, ClaimMps)."""
         options = self.options(node)
         site = ClaimMps(self.daemons(node), options.data_dir / "mps").site
         cdi_name = cdi_device_name(str(uuid.uuid4()), device, None)

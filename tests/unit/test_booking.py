@@ -14,7 +14,6 @@ from driver.nvml.mock.backend import MockBackend
 from driver.nvml.mock.fleet import parse_fleet
 from driver.nvml.mock.nvml import MockNvml
 from driver.state.booking import overlap, refuse_double_booking
-from driver.state.claims import ClaimRef
 from driver.state.journal.checkpoint import (
     Checkpoint,
     ClaimEntry,
@@ -23,6 +22,7 @@ from driver.state.journal.checkpoint import (
     MigRecord,
     PreparedDevice,
 )
+from driver.state.request import ClaimRef
 from tests.unit.test_prepare import (
     NODE,
     Env,

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from driver.errors import DriverError, transient
-from driver.state.claims import PARALLEL_READS, ClaimRef, read_claims
+from driver.state.request import PARALLEL_READS, ClaimRef, read_claims
 
 
 class BarrierReader:

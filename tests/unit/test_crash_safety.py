@@ -23,10 +23,10 @@ from typing import Any
 import pytest
 
 from driver.failpoints import ENV_VAR, FAILPOINTS, PREPARE_FAILPOINTS, UNPREPARE_FAILPOINTS
-from driver.state.claims import ClaimRef
 from driver.state.journal.checkpoint import Checkpoint, ClaimState
+from driver.state.journal.journal_entries import unprepare_begun
 from driver.state.prepare import DeviceState
-from driver.state.teardown import unprepare_begun
+from driver.state.request import ClaimRef
 
 HARNESS = r"""
 import json
@@ -39,7 +39,7 @@ from driver.errors import transient
 from driver.nvml.mock.backend import MockBackend
 from driver.nvml.mock.fleet import parse_fleet
 from driver.nvml.mock.nvml import MockNvml
-from driver.state.claims import ClaimRef
+from driver.state.request import ClaimRef
 from driver.state.prepare import DeviceState
 
 PROC_DEVICES = Path(__import__("driver").__file__).parents[1] / "tests/unit/data/proc-devices"

@@ -27,9 +27,9 @@ from driver.plugin.dra import add_dra_services
 from driver.plugin.status import export_checkpoint_state, health_report
 from driver.proto.dra.v1 import api_pb2 as v1
 from driver.proto.dra.v1 import api_pb2_grpc as v1_grpc
-from driver.state.claims import ClaimRef
 from driver.state.prepare import DeviceState
 from driver.state.recovery.quarantine import quarantine_checkpoint
+from driver.state.request import ClaimRef
 from driver.webhook.admission import review
 
 DRIVER = "gpu.example.com"

@@ -22,9 +22,9 @@ from driver.nvml.mock import api as m
 from driver.nvml.mock.backend import MockBackend
 from driver.nvml.mock.fleet import parse_fleet
 from driver.nvml.mock.nvml import MockNvml
-from driver.state.claims import ClaimRef
 from driver.state.journal.checkpoint import Checkpoint, ClaimState
 from driver.state.prepare import DeviceState
+from driver.state.request import ClaimRef
 from tests.state_fakes import Healthy, NoReports
 from tests.unit.test_mig_prepare import DRIVER, NODE, PROC_DEVICES, Node, make_node
 

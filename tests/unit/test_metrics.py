@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from driver.observability import metrics
 from driver.plugin.dra import DraService
 from driver.proto.dra.v1 import api_pb2 as v1
-from driver.state.claims import PrepareResult
+from driver.state.request import PrepareResult
 
 
 def _exposed_types() -> dict[str, str]:

@@ -14,8 +14,8 @@ import pytest
 
 from driver.nvml.mig import MigManager, MigTarget, RecordedInstance
 from driver.nvml.types import MigInstance
-from driver.state.claims import ClaimRef
 from driver.state.journal.checkpoint import Checkpoint, ClaimEntry, ClaimState, PreparedDevice
+from driver.state.request import ClaimRef
 from tests.unit.test_crash_safety import (
     _NS,
     UID_A,

@@ -18,9 +18,9 @@ from driver.nvml.mock.backend import MockBackend
 from driver.nvml.mock.fleet import parse_fleet
 from driver.nvml.mock.mig_state import mig_minor
 from driver.nvml.mock.nvml import MockNvml
-from driver.state.claims import ClaimRef
 from driver.state.journal.checkpoint import Checkpoint, ClaimState
 from driver.state.prepare import DeviceState
+from driver.state.request import ClaimRef
 from tests.state_fakes import Healthy, NoReports
 
 DRIVER = "gpu.example.com"

@@ -13,9 +13,9 @@ import pytest
 
 from driver.nvml.mig import MigError, MigManager, RecordedInstance
 from driver.state import teardown
-from driver.state.claims import ClaimRef
 from driver.state.journal.checkpoint import Checkpoint, ClaimEntry, ClaimState
 from driver.state.recovery import startup_recovery
+from driver.state.request import ClaimRef
 from tests.unit.test_journal_log import _disk_with_free_bytes
 from tests.unit.test_mig_prepare import H100, Node, make_node, uuids_in
 

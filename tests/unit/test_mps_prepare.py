@@ -21,12 +21,12 @@ from driver.nvml.mock.backend import MockBackend
 from driver.nvml.mock.fleet import Fleet, parse_fleet
 from driver.nvml.mock.nvml import MockNvml
 from driver.nvml.mps import DaemonDirs, DaemonId, MpsControl, is_running
-from driver.state.claims import ClaimRef
 from driver.state.journal.checkpoint import Checkpoint
 from driver.state.journal.mps_record import MpsRecord
 from driver.state.mps.daemons import NodeDaemons, daemon_directory, daemon_dirs
 from driver.state.prepare import DeviceState
 from driver.state.recovery.startup_recovery import RecoveryReport
+from driver.state.request import ClaimRef
 from tests.state_fakes import Healthy, NoReports
 
 DRIVER = "gpu.example.com"

@@ -19,10 +19,10 @@ import pytest
 from driver.devices.model import PoolOptions, build_pool
 from driver.devices.slices import build_slice_documents, validate_slice_specs
 from driver.nvml.mock.fleet import parse_fleet
-from driver.state.claims import ClaimRef
 from driver.state.journal.checkpoint import Checkpoint
 from driver.state.journal.mps_record import MpsRecord
 from driver.state.prepare import DeviceState
+from driver.state.request import ClaimRef
 from tests.unit.test_mps_prepare import Claims, Node, mps_node, ok
 
 DRIVER = "gpu.example.com"

@@ -20,10 +20,10 @@ import pytest
 from driver.nvml.mock.fleet import parse_fleet
 from driver.nvml.mps import DaemonId, find_binary, is_running
 from driver.observability import metrics
-from driver.state.claims import ClaimRef
 from driver.state.journal.checkpoint import Checkpoint, ClaimState
 from driver.state.journal.mps_record import MpsRecord
 from driver.state.mps_watch import REASON_LOST, REASON_NOT_READY, MpsWatch
+from driver.state.request import ClaimRef
 from tests.unit import test_mps_kube as kube
 from tests.unit.test_mps_prepare import Node, mps_node, ok
 

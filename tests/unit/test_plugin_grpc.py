@@ -22,8 +22,8 @@ from driver.proto.dra.v1beta1 import api_pb2 as v1beta1
 from driver.proto.dra.v1beta1 import api_pb2_grpc as v1beta1_grpc
 from driver.proto.pluginregistration.v1 import api_pb2 as reg
 from driver.proto.pluginregistration.v1 import api_pb2_grpc as reg_grpc
-from driver.state.claims import ClaimRef, PrepareResult
 from driver.state.journal.checkpoint import PreparedDevice
+from driver.state.request import ClaimRef, PrepareResult
 
 
 class FakeState:

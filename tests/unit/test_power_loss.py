@@ -28,9 +28,9 @@ from pathlib import Path
 import pytest
 
 from driver.cdi.claim_specs import ClaimSpec
-from driver.state.claims import ClaimRef
 from driver.state.journal.checkpoint import Checkpoint, ClaimEntry, ClaimState, PreparedDevice
 from driver.state.recovery.quarantine import quarantine_checkpoint
+from driver.state.request import ClaimRef
 from tests.unit.test_mig_prepare import Node, make_node
 
 LOG_FILE = "checkpoint.log"  # the journal's log, appended to in place

@@ -23,7 +23,6 @@ from driver.fileio import atomic_write
 from driver.health.prepare_health import KubeDeviceHealth
 from driver.health.store import HealthStore
 from driver.observability import metrics
-from driver.state.claims import ClaimRef
 from driver.state.journal.checkpoint import (
     Checkpoint,
     ClaimEntry,
@@ -33,6 +32,7 @@ from driver.state.journal.checkpoint import (
 )
 from driver.state.prepare import DeviceState
 from driver.state.recovery.quarantine import quarantine_checkpoint
+from driver.state.request import ClaimRef
 from driver.state.verdicts import parse_permanent_errors
 
 DRIVER = "gpu.example.com"

@@ -31,8 +31,7 @@ from driver.nvml.recovery import RecoveryReading, parse_action
 from driver.nvml.types import HealthEvent
 from driver.observability.metrics import REGISTRY
 from driver.plugin.health import HealthSource
-from driver.state.claims import ClaimRef
-from driver.state.planning import check_health
+from driver.state.request import ClaimRef, check_health
 from tests.node_events import RecordedNodeEvents
 from tests.taints import untimed
 

@@ -28,7 +28,6 @@ from driver.observability.status_socket import StatusSocketServer
 from driver.plugin.journal_summary import JournalReader
 from driver.plugin.node_status import PluginStatus, export_gpus, export_journal
 from driver.plugin.transport.registration import RegistrationServicer
-from driver.state.claims import ClaimRef
 from driver.state.journal.checkpoint import (
     CHECKPOINT_FILE,
     Checkpoint,
@@ -37,6 +36,7 @@ from driver.state.journal.checkpoint import (
     PreparedDevice,
 )
 from driver.state.mps_watch import DaemonState, MpsCheck
+from driver.state.request import ClaimRef
 
 NODE = "n1"
 FLEET = """\

@@ -17,10 +17,10 @@ from driver.nvml.mock.backend import MockBackend
 from driver.nvml.mock.fleet import parse_fleet
 from driver.nvml.mock.nvml import MockNvml
 from driver.nvml.mock.timeslice import MockTimeSlice
-from driver.state.claims import ClaimRef
 from driver.state.journal.checkpoint import Checkpoint, ClaimState
 from driver.state.prepare import DeviceState
 from driver.state.recovery.startup_recovery import RecoveryReport
+from driver.state.request import ClaimRef
 from driver.state.timeslice import TimeSliceOps
 from tests.state_fakes import Healthy, NoReports
 

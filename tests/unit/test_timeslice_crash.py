@@ -36,7 +36,7 @@ from driver.devices.model import PoolOptions, build_pool
 from driver.nvml.mock.backend import MockBackend
 from driver.nvml.mock.fleet import parse_fleet
 from driver.nvml.mock.nvml import MockNvml
-from driver.state.claims import ClaimRef
+from driver.state.request import ClaimRef
 from driver.state.prepare import DeviceState
 
 FLEET = parse_fleet({"gpus": [{"model": "H100-80GB", "count": 1, "migMode": "disabled"}]})

@@ -24,6 +24,7 @@ from typing import Any, Final, TypeGuard
 
 from driver.cdi.claim_specs import ClaimSpec
 from driver.errors import DriverError, ErrorClass
+from driver.state.journal.boot import boot_id
 from driver.state.journal.hardware_record import HardwareRecord, MigRecord
 from driver.state.journal.mps_record import MpsRecord
 from driver.state.journal.timeslice_record import TimeSliceRecord
@@ -175,7 +176,7 @@ class ClaimEntry:
     cdi_spec: ClaimSpec | None = None
     # The boot id when an unprepare of a claim holding MIG devices the driver created
     # began (key `unpreparing`, only when set): a restart finishes the teardown rather
-    # than recreate them (driver/state/teardown.py, `unprepare_begun`; docs/state.md).
+    # than recreate them (`unprepare_begun` below; docs/state.md).
     unpreparing: str | None = None
     # On a `PrepareStarted` entry that `gpu-dra journal quarantine --owned-mig adopt`
     # carried over (key `adopt`, only when set): the next start completes it from its
@@ -244,6 +245,18 @@ class CheckpointCorruptError(DriverError):
             f"stopped on this node renames the journal's files to "
             f"<name>{CORRUPT_SUFFIX}<timestamp>)",
         )
+
+
+def unprepare_begun(entry: ClaimEntry, spec_exists: bool, boot: str | None = None) -> bool:
+    """Had an unprepare of the completed claim begun removing things? Its entry is
+    marked in this boot and its spec is gone (an unprepare removes the spec before any
+    MIG device). Not after a reboot (which also destroys MIG devices and empties the
+    CDI root), nor while the spec exists: the claim is then as prepared (an earlier
+    release, which keeps the mark without knowing it, may have prepared it again).
+    `boot`: this boot's id, if already read."""
+    if entry.state is not ClaimState.PREPARE_COMPLETED or entry.unpreparing is None:
+        return False
+    return not spec_exists and entry.unpreparing == (boot_id() if boot is None else boot) != ""
 
 
 def canonical(value: object) -> bytes:

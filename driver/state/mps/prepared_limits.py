@@ -35,7 +35,7 @@ from driver.config.mps_limits import (
 )
 from driver.devices.documents import parse_quantity
 from driver.devices.model import SHARE_COMPUTE_STEP, SHARE_MEMORY_STEP
-from driver.state.claims import PreparableDevice
+from driver.state.request import PreparableDevice
 
 MIN_ACTIVE_THREAD_PERCENTAGE: Final = 1
 

@@ -17,20 +17,21 @@ from pathlib import Path
 
 from driver.errors import DriverError, transient
 from driver.failpoints import failpoint
-from driver.state.claims import ClaimRef
 from driver.state.context import StepContext
 from driver.state.instances import other_entries
 from driver.state.journal.boot import boot_id
 from driver.state.journal.checkpoint import CheckpointCorruptError, ClaimEntry, ClaimState
+from driver.state.journal.journal_entries import unprepare_begun
 from driver.state.mps.claim_daemons import MpsLoss
-from driver.state.planning import respec_restored
 from driver.state.recovery.adoption import adopt_intents
 from driver.state.recovery.quarantine import (
     finish_pending_quarantine,
     orphan_log_copy,
     salvage_entries,
 )
-from driver.state.teardown import claim_error, unprepare_begun
+from driver.state.request import ClaimRef
+from driver.state.spec_render import respec_restored
+from driver.state.teardown import claim_error
 
 log = logging.getLogger(__name__)
 

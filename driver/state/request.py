@@ -1,5 +1,7 @@
-"""Claims as the kubelet names them, what prepare answers, the collaborators prepare
-talks to (as protocols), and the checks a claim read from the API must pass."""
+"""Stage 1 of a prepare (driver/state/prepare.py): the request decoded. Claims as the
+kubelet names them, what prepare answers, the collaborators prepare talks to (as
+protocols), and the checks a claim read from the API must pass before the node lock:
+allocated to this node, for this driver, on healthy devices (`check_health`)."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from driver.devices.types import MigBacking
-from driver.errors import DriverError, transient
+from driver.errors import DriverError, device_failed, transient
 from driver.state.journal.checkpoint import PreparedDevice
 
 log = logging.getLogger(__name__)
@@ -171,3 +173,26 @@ def _term_admits(term: dict[str, Any], node_name: str) -> bool:
         if req.get("operator") == "NotIn" and node_name in values:
             return False
     return True
+
+
+def check_health(ref: ClaimRef, results: Sequence[dict[str, Any]], health: DeviceHealth) -> None:
+    """A failed allocated device is tainted (waiting until the API server accepted
+    the taint), then the claim fails permanently with device-failed."""
+    failed: list[str] = []
+    for result in results:
+        name = str(result.get("device"))
+        reason = health.failure(name)
+        if reason is not None:
+            failed.append(f"{name}: {reason}")
+            try:
+                health.ensure_tainted(name)
+            except Exception as err:  # not permanent until the API accepted the taint
+                raise transient(
+                    f"device {name} failed ({reason}) but tainting it failed: {err}"
+                ) from err
+    if failed:
+        raise device_failed(
+            f"allocated device(s) unusable for claim {ref.namespace}/{ref.name}: "
+            + "; ".join(failed)
+            + " (tainted; the scheduler will not pick them again)"
+        )

@@ -1,0 +1,173 @@
+"""Stage 4 of a prepare (driver/state/prepare.py): each claim's CDI spec, rendered
+from its planned devices once their MIG devices exist, and written.
+
+Per device the spec has its env, `NVIDIA_VISIBLE_DEVICES=void` and, on real GPUs, its
+own device nodes, so a container that references one request of the claim gets that
+request's devices only; the control nodes and the driver's files are in the common
+spec (driver/cdi/common_spec.py). `respec_restored` is start-up recovery's: the spec
+after recreated MIG devices got new UUIDs and ids.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from driver.cdi.claim_specs import (
+    VISIBLE_DEVICES_VOID,
+    CdiDevice,
+    CdiMount,
+    ClaimSpec,
+    gpu_env_id,
+)
+from driver.cdi.device_nodes import CharMajors, DeviceNode, DeviceNodeError
+from driver.errors import transient
+from driver.nvml.caps import CapabilityError, mig_capabilities
+from driver.state.journal.checkpoint import MigRecord, PreparedDevice
+
+
+@dataclass(frozen=True)
+class PlannedDevice:
+    prepared: PreparedDevice
+    cdi_name: str
+    env: tuple[str, ...]
+    gpu_uuid: str
+    gpu_minor: int | None
+    mounts: tuple[CdiMount, ...] = ()
+
+
+def with_mig(planned: PlannedDevice, record: MigRecord) -> PlannedDevice:
+    return replace(planned, prepared=replace(planned.prepared, mig=record))
+
+
+@dataclass(frozen=True)
+class CdiContext:
+    """How specs are rendered on this node."""
+
+    real_devices: bool  # device nodes for real GPUs
+    caps_root: Path  # where /proc/driver/nvidia/capabilities is read (real: "/")
+    proc_devices: Path = Path("/proc/devices")  # the kernel's device majors
+    # The majors already read for this batch (`with_majors`): one read per request.
+    read_majors: CharMajors | None = None
+
+    def majors(self) -> CharMajors:
+        if self.read_majors is not None:
+            return self.read_majors
+        try:
+            return CharMajors.read(self.proc_devices)
+        except OSError as err:
+            raise transient(f"cannot read device majors from {self.proc_devices}: {err}") from err
+
+
+def for_batch(context: CdiContext, known: CharMajors | None) -> CdiContext:
+    """The context for one request's specs: the majors read once (`known`: what the
+    common spec's refresh just read), not once per claim."""
+    if not context.real_devices:
+        return context
+    return replace(context, read_majors=known if known is not None else context.majors())
+
+
+def _uuid_env(planned: PlannedDevice) -> tuple[str, ...]:
+    """A MIG device's UUID, which exists only once prepare created it."""
+    mig = planned.prepared.mig
+    if mig is None:
+        return ()
+    if mig.uuid is None:
+        raise transient(f"device {planned.prepared.device_name}: its MIG device has no UUID")
+    return (f"GPU_DEVICE_{gpu_env_id(planned.prepared.device_name)}_UUID={mig.uuid}",)
+
+
+def _mig_nodes(
+    majors: CharMajors, context: CdiContext, gpu_minor: int, gi_id: int, ci_id: int
+) -> tuple[DeviceNode, ...]:
+    try:
+        caps = mig_capabilities(context.caps_root, gpu_minor, gi_id, ci_id)
+        return tuple(majors.capability_node(cap) for cap in caps)
+    except (CapabilityError, DeviceNodeError) as err:
+        raise transient(str(err)) from err
+
+
+def _device_nodes(
+    planned: PlannedDevice, context: CdiContext, majors: CharMajors
+) -> tuple[DeviceNode, ...]:
+    if planned.gpu_minor is None:
+        return ()
+    try:
+        parent = majors.gpu_node(planned.gpu_minor)
+    except DeviceNodeError as err:
+        raise transient(str(err)) from err
+    mig = planned.prepared.mig
+    if mig is None:
+        return (parent,)
+    if mig.gi_id is None or mig.ci_id is None:
+        raise transient(f"device {planned.prepared.device_name}: MIG device ids unknown")
+    return (parent, *_mig_nodes(majors, context, planned.gpu_minor, mig.gi_id, mig.ci_id))
+
+
+def render_spec(planned: Sequence[PlannedDevice], context: CdiContext) -> ClaimSpec:
+    """The claim's CDI spec: one device per prepared device with only its own env and
+    nodes (the control nodes and the driver's files are in the common spec)."""
+    majors = context.majors() if context.real_devices else None
+    devices = tuple(
+        CdiDevice(
+            name=p.cdi_name,
+            env=(*p.env, *_uuid_env(p), VISIBLE_DEVICES_VOID),
+            device_nodes=_device_nodes(p, context, majors) if majors is not None else (),
+            mounts=p.mounts,
+        )
+        for p in planned
+    )
+    return ClaimSpec(devices)
+
+
+def respec_restored(
+    spec: ClaimSpec,
+    old: Sequence[PreparedDevice],
+    new: Sequence[PreparedDevice],
+    context: CdiContext,
+) -> ClaimSpec:
+    """The claim's spec after `restore` recreated MIG devices (new UUIDs and ids):
+    the old UUIDs in every env replaced, and the capability nodes of the recreated
+    devices re-read. Everything else stays byte for byte."""
+    uuids: dict[str, str] = {}
+    nodes: dict[str, tuple[DeviceNode, ...]] = {}
+    majors = context.majors() if context.real_devices else None
+    for before, after in zip(old, new, strict=True):
+        if before.mig is None or after.mig is None or before.mig == after.mig:
+            continue
+        if before.mig.uuid and after.mig.uuid:
+            uuids[before.mig.uuid] = after.mig.uuid
+        name = after.cdi_device_ids[0].split("=", 1)[-1]
+        if majors is not None and after.mig.gi_id is not None and after.mig.ci_id is not None:
+            parent = _parent_node(spec, name)
+            minor = _gpu_minor(parent)
+            if parent is not None and minor is not None:
+                caps = _mig_nodes(majors, context, minor, after.mig.gi_id, after.mig.ci_id)
+                nodes[name] = (parent, *caps)
+
+    def env(values: tuple[str, ...]) -> tuple[str, ...]:
+        out = []
+        for value in values:
+            for before, after in uuids.items():
+                value = value.replace(before, after)
+            out.append(value)
+        return tuple(out)
+
+    devices = tuple(
+        CdiDevice(d.name, env(d.env), nodes.get(d.name, d.device_nodes), d.mounts)
+        for d in spec.devices
+    )
+    return ClaimSpec(devices, spec.device_nodes)
+
+
+def _parent_node(spec: ClaimSpec, name: str) -> DeviceNode | None:
+    for device in spec.devices:
+        if device.name == name and device.device_nodes:
+            return device.device_nodes[0]
+    return None
+
+
+def _gpu_minor(node: DeviceNode | None) -> int | None:
+    tail = node.path.removeprefix("/dev/nvidia") if node is not None else ""
+    return int(tail) if tail.isdigit() else None
