@@ -1,5 +1,5 @@
-"""`gpu-dra mock xid|lost|reset|recovery-action`: inject health events into a running
-mock plugin.
+"""`gpu-dra mock xid|lost|reset|recovery-action|process`: inject health events, or
+processes, into a running mock plugin.
 
 Works only against a kubelet plugin started with the mock NVML backend. The request
 goes to the plugin's status socket (`POST /control/<action>` on
@@ -14,6 +14,9 @@ stream). Run it inside the plugin's pod:
     kubectl exec -n <ns> <plugin-pod> -- gpu-dra mock reset --all
     kubectl exec -n <ns> <plugin-pod> -- gpu-dra mock recovery-action --device gpu-3 \
         --action drain-and-reset
+    kubectl exec -n <ns> <plugin-pod> -- gpu-dra mock process --device gpu-0 \
+        --memory-mib 512 --pod-uid <uid>
+    kubectl exec -n <ns> <plugin-pod> -- gpu-dra mock process --end <pid>
 
 A partition name means its GPU, unless `xid --instance` attributes the Xid to the
 partition's live MIG GPU instance (as NVML does for an Xid inside a partition): then
@@ -21,7 +24,10 @@ only the devices on its memory slices are tainted. A dynamic partition has a GPU
 instance only while it is prepared. `reset` clears the GPU and all its partitions.
 `recovery-action` sets the NVML recovery action of a device's GPU, which the plugin
 reads at its next poll (`none` takes it back; an Xid that needs a reset, e.g. 48,
-sets `gpu-reset` by itself, and `reset` sets `none`).
+sets `gpu-reset` by itself, and `reset` sets `none`). `process` starts a compute
+process on a device's GPU as NVML lists it (`--kind mps-client`: an MPS client; a
+`--pod-uid` puts it in that pod's cgroup), prints its pid, and `--end` ends it: no CUDA
+runs on a mock GPU, so this is how a demo or a test shows an MPS escape (docs/mps.md).
 Exit codes: 0 injected, 1 refused, or no plugin on the mock backend answers, 2 usage
 error.
 """
@@ -48,6 +54,7 @@ if TYPE_CHECKING:  # the mock's own modules: imported by `run` only
     from driver.nvml.mock.control import MockRequest
 
 RECOVERY_ACTION = "recovery-action"
+PROCESS = "process"
 
 
 class MockSubmitError(Exception):
@@ -139,6 +146,23 @@ def add_parser(subcommands: Any) -> None:
     _common(recovery)
     recovery.set_defaults(run=run)
 
+    process = actions.add_parser(
+        PROCESS, help="start a compute process on a device's GPU (or --end one), as NVML lists it"
+    )
+    which = process.add_mutually_exclusive_group(required=True)
+    which.add_argument("--device", help="gpu-<n>, a partition name, or a GPU UUID")
+    which.add_argument("--end", type=int, metavar="PID", help="end the mock process PID")
+    process.add_argument(
+        "--kind",
+        choices=("compute", "mps-client"),
+        default="compute",
+        help="outside MPS (compute) or an MPS client (default: %(default)s)",
+    )
+    process.add_argument("--memory-mib", type=int, default=0, help="GPU memory it uses")
+    process.add_argument("--pod-uid", help="the pod whose cgroup it runs in")
+    _common(process)
+    process.set_defaults(run=run_process)
+
 
 def request_from_args(args: argparse.Namespace) -> MockRequest:
     from driver.nvml.mock.control import MockRequest
@@ -198,4 +222,29 @@ def run(args: argparse.Namespace, out: TextIO, err: TextIO, stdin: TextIO) -> in
         print(f"gpu-dra mock {args.mock_action}: {error}", file=err)
         return 1
     print(f"injected: {message}", file=out)
+    return 0
+
+
+def process_document(args: argparse.Namespace) -> dict[str, Any]:
+    """The `process` action's request (validated by the plugin's mock)."""
+    if args.end is not None:
+        return {"end": args.end}
+    doc: dict[str, Any] = {"device": args.device, "kind": args.kind, "memoryMiB": args.memory_mib}
+    if args.pod_uid:
+        doc["podUID"] = args.pod_uid
+    return doc
+
+
+@std_streams
+def run_process(args: argparse.Namespace, out: TextIO, err: TextIO, stdin: TextIO) -> int:
+    path = socket_path(args.socket, Path(args.state_dir))
+    try:
+        answer = post_control(path, PROCESS, process_document(args), timeout=args.timeout)
+    except PluginUnreachable as error:
+        print(f"gpu-dra mock process: no kubelet plugin answers: {error}", file=err)
+        return 1
+    except ControlRefused as error:
+        print(f"gpu-dra mock process: the plugin refused the request: {error}", file=err)
+        return 1
+    print(f"{answer.get('message', '')}", file=out)
     return 0

@@ -34,6 +34,7 @@ from driver.kube.mps_manifest import DaemonPodSettings, daemon_deployment, deplo
 from driver.nvml.mps import DaemonDirs
 from driver.state.journal.mps_record import MpsRecord
 from driver.state.mps.daemons import KIND_KUBERNETES
+from driver.state.mps.shm import ShmBound
 
 log = logging.getLogger(__name__)
 
@@ -104,9 +105,11 @@ class KubeDaemons:
         poll: float = 0.5,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
+        shm: ShmBound | None = None,
     ) -> None:
         self.api = api
         self.settings = settings
+        self.shm = shm  # the tmpfs on each device's shm directory, mounted by the plugin
         self.ready_timeout = ready_timeout
         self.gone_timeout = gone_timeout
         self.poll = poll

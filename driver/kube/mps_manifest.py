@@ -12,7 +12,12 @@ only then writes the startup-complete file the startup probe waits for.
 The device's directories are host paths shared with the plugin and the clients:
 `pipe/` (control pipe, clients mount it at /tmp/nvidia-mps), `log/`, and `shm/`,
 mounted at /dev/shm here and in every client container (MPS server and clients
-share memory through /dev/shm).
+share memory through /dev/shm). The plugin makes them, with their modes, and mounts
+the tmpfs on `shm/` before it creates the Deployment (driver/state/mps/daemons.py,
+driver/state/mps/shm.py): the pod's bind mount of the host path holds that tmpfs.
+The MPS server that the daemon starts for a non-root client runs as the client's uid
+and reaches `pipe/` and `log/` through their mounts here, whose parents in the
+container are the runtime's (0755).
 
 The pod is QoS Guaranteed (requests equal limits for CPU and memory: under node
 pressure the kubelet evicts it last, and never for using more than it asked) and

@@ -5,7 +5,9 @@ only calls functions that exist in real pynvml (tests/unit/test_pynvml_contract.
 checks names and signatures). Discovery lives in `driver.nvml.discovery`, the health
 event set in `driver.nvml.events`, the recovery action in `driver.nvml.recovery`, the
 counted calls in `driver.nvml.calls` and loading the library in
-`driver.nvml.library`; this module puts them together for one process.
+`driver.nvml.library`, a GPU's compute processes in `driver.nvml.processes` and its
+per-cgroup memory limits in `driver.nvml.memory_limits`; this module puts them
+together for one process.
 
 The mock's backend subclasses `NvmlBackend`: its hooks (`control_actions`,
 `event_wait_ms`, the time-slice and MPS stand-ins) are where it differs; the selection
@@ -22,8 +24,10 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from driver.nvml.calls import CountingModule
 from driver.nvml.discovery import discover_inventory
 from driver.nvml.events import HealthEventSet
+from driver.nvml.memory_limits import GpuMemoryLimits
 from driver.nvml.mig import MigManager
 from driver.nvml.mps import MpsControl
+from driver.nvml.processes import GpuProcesses, ProcessReader
 from driver.nvml.recovery import RecoveryActionReader, RecoveryReading
 from driver.nvml.timeslice import NvidiaSmiTimeSlice
 from driver.nvml.types import HealthEvent, Inventory
@@ -58,6 +62,8 @@ class NvmlBackend:
         self._recovery = RecoveryActionReader(self._nvml)
         self._timeslice: TimeSliceOps | None = None
         self._mig = MigManager(self._nvml)
+        self._processes = ProcessReader(self._nvml)
+        self._memory_limits = GpuMemoryLimits(self._nvml)
 
     @property
     def module(self) -> Any:
@@ -118,6 +124,15 @@ class NvmlBackend:
     def recovery_actions(self, uuids: Iterable[str]) -> list[RecoveryReading]:
         """NVML's recovery action of each GPU (`driver.nvml.recovery`)."""
         return self._recovery.read(uuids)
+
+    def gpu_processes(self, gpu_uuid: str) -> GpuProcesses:
+        """The GPU's compute processes and which use MPS (`driver.nvml.processes`)."""
+        return self._processes.read(gpu_uuid)
+
+    def memory_limits(self) -> GpuMemoryLimits:
+        """Per-cgroup GPU memory limits kept by the kernel driver, where the driver
+        has them (R615 and later; `driver.nvml.memory_limits`)."""
+        return self._memory_limits
 
     def wait_event(self, timeout_ms: int) -> HealthEvent | None:
         """The next health event, or None when `timeout_ms` passes without one

@@ -214,6 +214,14 @@ MPS_ORPHANS_REMOVED = Counter(
     ["kind"],
     registry=REGISTRY,
 )
+MPS_ESCAPES = Counter(
+    "gpu_dra_mps_escapes",
+    "Processes seen running outside MPS (a CUDA context of their own, neither MPS server "
+    "nor MPS client) on a GPU that carries MPS shares of prepared claims, each counted "
+    "once when first seen, by GPU UUID.",
+    ["gpu"],
+    registry=REGISTRY,
+)
 BUILD_INFO = Gauge(
     "gpu_dra_build_info",
     "1, labelled with the version of the running plugin.",

@@ -11,7 +11,7 @@ from pathlib import Path
 from driver.health.recovery import DEFAULT_POLL_SECONDS
 from driver.observability.logs import DAEMON_VERBOSITY, VERBOSITY_HELP
 from driver.plugin import settings as s
-from driver.plugin.setting_values import integer
+from driver.plugin.setting_values import boolean, integer
 from driver.plugin.settings import (
     MIG_STRATEGIES,
     NodeSettings,
@@ -21,6 +21,8 @@ from driver.plugin.settings import (
     flag_env,
     read_settings,
 )
+from driver.state.mps.shm import DEFAULT_SIZE as DEFAULT_MPS_SHM_SIZE
+from driver.state.mps.shm import shm_size
 
 __all__ = [
     "MIG_STRATEGIES",
@@ -57,6 +59,24 @@ RECOVERY_ACTION_POLL_INTERVAL = Setting(
     str(DEFAULT_POLL_SECONDS),
     metavar="SECONDS",
 )
+MPS_SHM_SIZE = Setting(
+    "mps_shm_size",
+    "--mps-shm-size",
+    "the size of the tmpfs the plugin mounts as each MPS daemon's and its clients' "
+    "/dev/shm (docs/mps.md), a quantity (1Gi, 512Mi); 0: no tmpfs, a plain directory",
+    shm_size,
+    DEFAULT_MPS_SHM_SIZE,
+    metavar="SIZE",
+)
+MPS_ESCAPE_TAINT = Setting(
+    "mps_escape_taint",
+    "--mps-escape-taint",
+    "taint every device of a GPU with MPS shares <driver>/mps-escape:NoSchedule while a "
+    "process runs on it outside MPS (docs/mps.md, Escapes)",
+    boolean,
+    "false",
+    switch=True,
+)
 # In --help order.
 PLUGIN_SETTINGS: tuple[Setting, ...] = (
     s.NODE_NAME,
@@ -82,8 +102,10 @@ PLUGIN_SETTINGS: tuple[Setting, ...] = (
     s.PERMANENT_ERRORS,
     s.DEVICE_STATUS,
     s.MPS_DAEMONS,
+    MPS_ESCAPE_TAINT,
     s.POD_NAMESPACE,
     s.MPS_DAEMON_IMAGE,
+    MPS_SHM_SIZE,
     s.HTTP_PORT,
     s.LOG_FORMAT,
     VERBOSITY,
@@ -134,6 +156,8 @@ class PluginOptions(NodeSettings):
     device_status: bool
     pod_namespace: str
     mps_daemon_image: str
+    mps_escape_taint: bool
+    mps_shm_size: int
     http_port: int
     log_format: str
     verbosity: int

@@ -20,13 +20,14 @@ from driver.devices.model import PoolError, build_pool
 from driver.devices.slices import build_slice_specs
 from driver.fileio import UnsafeFileError, remove_durably, sweep_temp_files
 from driver.health.monitor import HealthMonitor
+from driver.health.mps_escapes import MpsEscapes, claim_pods_from
 from driver.health.prepare_health import KubeDeviceHealth, NoDeviceHealth
 from driver.health.recovery import RecoveryActions, RecoveryAwareHealth, RecoveryPoller
 from driver.health.store import HealthStore
 from driver.health.unmonitored import UnmonitoredGpus
 from driver.health.xid import XidPolicy
 from driver.kube.api import KubeApi
-from driver.kube.claims import ApiClaimReader, ClaimFailureReporter
+from driver.kube.claims import ApiClaimReader, ClaimEvents, ClaimFailureReporter
 from driver.kube.events import NodeEvents
 from driver.kube.publisher import SlicePublisher
 from driver.nvml.library import NvmlUnavailableError
@@ -208,9 +209,22 @@ class Plugin:
         recovery = RecoveryActions(devices, driver=o.driver_name)
         unmonitored = UnmonitoredGpus(devices, driver=o.driver_name)
 
+        # Processes outside MPS on GPUs with MPS shares, looked for after each check of
+        # the MPS daemons (docs/mps.md, "Escapes"); their taint with --mps-escape-taint.
+        escapes = MpsEscapes(
+            backend.gpu_processes,
+            ClaimEvents(api, driver=o.driver_name, node_name=o.node_name),
+            devices,
+            driver=o.driver_name,
+            claim_pods=claim_pods_from(ApiClaimReader(api)),
+            taint=o.mps_escape_taint,
+            on_taints_changed=lambda: publisher.trigger(),
+            proc_root=backend.kernel_root / "proc",
+        )
+
         def desired_slices() -> list[dict[str, object]]:
             taints = store.device_taints(devices, driver=o.driver_name, effect=o.xid_taint_effect)
-            taints = unmonitored.add_taints(recovery.add_taints(taints))
+            taints = escapes.add_taints(unmonitored.add_taints(recovery.add_taints(taints)))
             return build_slice_specs(
                 pool, driver=o.driver_name, node_name=o.node_name, taints=taints
             )
@@ -261,7 +275,8 @@ class Plugin:
         # Runs after the service socket stopped (callbacks run in reverse): the journal's
         # log folded into a snapshot every release reads (docs/state.md, "The log").
         running.callback(compact_journal, state, drain_seconds=SHUTDOWN_DRAIN_SECONDS)
-        mps_watch = watch_mps_daemons(o, state, api, running, recovered)  # before compaction
+        # before compaction
+        mps_watch = watch_mps_daemons(o, state, api, running, recovered, after_check=escapes)
 
         paths = socket_paths(o.driver_name, o.registrar_dir, o.data_dir, o.pod_uid or None)
 

@@ -2,7 +2,12 @@
 the node, or a Deployment per device (the plugin under Kubernetes); the kinds it can
 still stop whatever the setting (`mps_others`: a claim prepared under another setting
 is unprepared all the same); and the check of them while it runs
-(driver/state/mps_watch.py)."""
+(driver/state/mps_watch.py).
+
+Every kind carries the tmpfs of `--mps-shm-size` that the plugin mounts on a daemon's
+shm directory (driver/state/mps/shm.py): the kind that runs mounts it before its
+daemon starts, whichever kind stops a daemon unmounts it. Under Kubernetes the plugin
+is in a pod, so its mount must propagate to the node."""
 
 from __future__ import annotations
 
@@ -20,7 +25,8 @@ from driver.nvml.mps import MpsControl
 from driver.plugin.flags import PluginOptions
 from driver.state.context import StepContext
 from driver.state.mps.daemons import MpsDaemons, NodeDaemons
-from driver.state.mps_watch import MpsWatch
+from driver.state.mps.shm import ShmBound
+from driver.state.mps_watch import AfterCheck, MpsWatch
 from driver.state.recovery.startup_recovery import RecoveryReport
 
 log = logging.getLogger(__name__)
@@ -38,7 +44,11 @@ def _kube_daemons(o: PluginOptions, control: MpsControl, api: KubeApi) -> KubeDa
         driver_root_host=host_root,
         driver_root=control.driver_root,
     )
-    return KubeDaemons(api, settings)
+    return KubeDaemons(api, settings, shm=ShmBound(o.mps_shm_size, needs_propagation=True))
+
+
+def _node_daemons(o: PluginOptions, control: MpsControl) -> NodeDaemons:
+    return NodeDaemons(control, shm=ShmBound(o.mps_shm_size))
 
 
 def mps_daemons(o: PluginOptions, backend: NvmlBackend, api: KubeApi) -> MpsDaemons | None:
@@ -56,7 +66,7 @@ def mps_daemons(o: PluginOptions, backend: NvmlBackend, api: KubeApi) -> MpsDaem
         )
         return None
     if o.mps_daemons == "node":
-        return NodeDaemons(control)
+        return _node_daemons(o, control)
     log.info(
         "MPS daemons run as Deployments in namespace %s, image %s",
         o.pod_namespace,
@@ -71,7 +81,7 @@ def mps_others(o: PluginOptions, backend: NvmlBackend, api: KubeApi) -> tuple[Mp
     binary's `quit`, or by signals where it is gone) and, in a pod (--pod-namespace),
     Deployments. `StepContext` leaves out the kind that runs now; these only stop."""
     control = backend.mps(o.nvidia_driver_root) or MpsControl(o.nvidia_driver_root)
-    others: list[MpsDaemons] = [NodeDaemons(control)]
+    others: list[MpsDaemons] = [_node_daemons(o, control)]
     if o.pod_namespace:
         others.append(_kube_daemons(o, control, api))
     return tuple(others)
@@ -83,10 +93,12 @@ def watch_mps_daemons(
     api: KubeApi,
     running: contextlib.ExitStack,
     recovered: RecoveryReport,
+    after_check: AfterCheck | None = None,
 ) -> MpsWatch | None:
     """Report the daemons the start found gone (`recovered`) and start the periodic
     check of the prepared claims' daemons and the sweep of what no claim owns, stopped
-    by `running`; None where this node has no MPS (then swept once, here)."""
+    by `running`, each check followed by `after_check` (the look for processes outside
+    MPS); None where this node has no MPS (then swept once, here)."""
     node_events = NodeEvents(api, driver=o.driver_name, node_name=o.node_name)
     node_events.start()
     running.callback(node_events.stop)
@@ -94,6 +106,7 @@ def watch_mps_daemons(
         state,
         ClaimEvents(api, driver=o.driver_name, node_name=o.node_name),
         node_events=lambda reason, message: node_events.post(NodeEvent(reason, message)),
+        after_check=after_check,
     )
     if state.mps.site is None:
         watch.sweep()

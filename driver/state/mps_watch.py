@@ -29,6 +29,9 @@ node's daemon Deployments and daemon directories, each removal a Node Event
 (`MPSOrphanRemoved`) and `gpu_dra_mps_orphans_removed_total`. With MPS off the plugin
 sweeps once at start (`sweep`) and does not check.
 
+After each check, outside the node lock, `after_check` looks at the GPUs of the
+daemons found for processes outside MPS (driver/health/mps_escapes.py).
+
 A thread of its own, not a poller of the health monitor: starting a daemon takes
 seconds (its Deployment up to 40 s until its pod is ready), and NVML's health events
 must not wait for it. Holding the node lock meanwhile is what a prepare that starts a
@@ -71,6 +74,13 @@ class ClaimEventSink(Protocol):
     """What the watch needs of `driver.kube.claims.ClaimEvents`."""
 
     def post(self, claim: ClaimRef, reason: str, message: str) -> None: ...
+
+
+class AfterCheck(Protocol):
+    """What runs after each check, given its daemons: the look for processes outside
+    MPS on their GPUs (`driver.health.mps_escapes.MpsEscapes`)."""
+
+    def check(self, shares: Sequence[DaemonState]) -> object: ...
 
 
 @dataclass(frozen=True)
@@ -142,8 +152,10 @@ class MpsWatch:
         interval: float = MPS_WATCH_SECONDS,
         clock: Callable[[], float] = time.time,
         node_events: Callable[[str, str], None] | None = None,
+        after_check: AfterCheck | None = None,
     ) -> None:
         self._state = state
+        self._after_check = after_check
         self._events = events
         self._node_events = node_events  # (reason, message) on this node's Node
         self._interval = interval
@@ -212,6 +224,8 @@ class MpsWatch:
         for notice in notices:
             self._events.post(notice.claim, notice.reason, notice.message)
         self._post_orphans(orphans)
+        if self._after_check is not None:  # outside the node lock
+            self._after_check.check(daemons)
         return daemons
 
     def sweep(self) -> None:

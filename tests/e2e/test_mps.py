@@ -35,61 +35,87 @@ CLIENT_SCRIPT = (
     f"env | grep -E '^CUDA_MPS' | sort; grep -E ' ({PIPE}|/dev/shm) ' /proc/mounts; "
     "trap 'exit 0' TERM; sleep 9999 & wait"
 )
-CLIENT = f"""
-apiVersion: v1
-kind: Namespace
-metadata:
-  name: {NS}
----
-apiVersion: resource.k8s.io/v1
-kind: ResourceClaimTemplate
-metadata:
-  namespace: {NS}
-  name: mps-gpu
-spec:
-  spec:
-    devices:
-      requests:
-      - name: gpu
-        exactly:
-          deviceClassName: gpu.example.com
-          selectors:
-          - cel:
-              expression: {json.dumps(SELECTOR)}
-      config:
-      - requests: ["gpu"]
-        opaque:
-          driver: gpu.example.com
-          parameters:
-            apiVersion: gpu.resource.example.com/v1alpha1
-            kind: GpuConfig
-            sharing:
-              strategy: MPS
-              mpsConfig:
-                defaultActiveThreadPercentage: 50
-                defaultPinnedDeviceMemoryLimit: 4Gi
----
-apiVersion: v1
-kind: Pod
-metadata:
-  namespace: {NS}
-  name: client
-  labels: {{app: mps-client}}
-spec:
-  automountServiceAccountToken: false
-  terminationGracePeriodSeconds: 5
-  containers:
-  - name: ctr0
-    image: localhost/gpu-dra/busybox:1.35
-    imagePullPolicy: Never
-    command: {json.dumps(["sh", "-c", CLIENT_SCRIPT])}
-    resources:
-      claims:
-      - name: gpu
-  resourceClaims:
-  - name: gpu
-    resourceClaimTemplateName: mps-gpu
-"""
+
+
+def _client_manifest(
+    namespace: str,
+    pod: str,
+    script: str,
+    mps_config: dict[str, Any],
+    *,
+    run_as: int | None = None,
+) -> str:
+    """A namespace, a claim template asking MPS of an A100 (`mps_config`) and a pod
+    `pod` (label app=mps-<pod>) of busybox running `script` with the claim. `run_as`: a
+    non-root uid, the namespace enforcing Pod Security `restricted` and the pod
+    meeting it."""
+    namespace_doc: dict[str, Any] = {
+        "apiVersion": "v1",
+        "kind": "Namespace",
+        "metadata": {"name": namespace},
+    }
+    request = {
+        "name": "gpu",
+        "exactly": {
+            "deviceClassName": "gpu.example.com",
+            "selectors": [{"cel": {"expression": SELECTOR}}],
+        },
+    }
+    parameters = {
+        "apiVersion": "gpu.resource.example.com/v1alpha1",
+        "kind": "GpuConfig",
+        "sharing": {"strategy": "MPS", "mpsConfig": mps_config},
+    }
+    config = {
+        "requests": ["gpu"],
+        "opaque": {"driver": "gpu.example.com", "parameters": parameters},
+    }
+    template = {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceClaimTemplate",
+        "metadata": {"namespace": namespace, "name": "mps-gpu"},
+        "spec": {"spec": {"devices": {"requests": [request], "config": [config]}}},
+    }
+    container: dict[str, Any] = {
+        "name": "ctr0",
+        "image": "localhost/gpu-dra/busybox:1.35",
+        "imagePullPolicy": "Never",
+        "command": ["sh", "-c", script],
+        "resources": {"claims": [{"name": "gpu"}]},
+    }
+    pod_spec: dict[str, Any] = {
+        "automountServiceAccountToken": False,
+        "terminationGracePeriodSeconds": 5,
+        "containers": [container],
+        "resourceClaims": [{"name": "gpu", "resourceClaimTemplateName": "mps-gpu"}],
+    }
+    if run_as is not None:
+        namespace_doc["metadata"]["labels"] = {"pod-security.kubernetes.io/enforce": "restricted"}
+        pod_spec["securityContext"] = {
+            "runAsNonRoot": True,
+            "runAsUser": run_as,
+            "runAsGroup": run_as,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        }
+        container["securityContext"] = {
+            "allowPrivilegeEscalation": False,
+            "capabilities": {"drop": ["ALL"]},
+        }
+    pod_doc = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"namespace": namespace, "name": pod, "labels": {"app": f"mps-{pod}"}},
+        "spec": pod_spec,
+    }
+    return yaml.safe_dump_all([namespace_doc, template, pod_doc])
+
+
+CLIENT = _client_manifest(
+    NS,
+    "client",
+    CLIENT_SCRIPT,
+    {"defaultActiveThreadPercentage": 50, "defaultPinnedDeviceMemoryLimit": "4Gi"},
+)
 
 
 def _daemons(e: E2E) -> list[dict[str, Any]]:
@@ -265,4 +291,63 @@ def test_two_shares_of_one_gpu_are_limited_by_daemons_of_their_own(mps: E2E) -> 
         lambda: not _daemons(e) and not _daemon_pods(e),
         120,
         "the shares' daemons to be deleted at unprepare",
+    )
+
+
+NON_ROOT_NS = "gpu-e2e-mps-nonroot"
+TENANT_UID = 1000
+TENANT_SCRIPT = (
+    "id -u; stat -c '%n %a' /dev/shm /tmp/nvidia-mps; "
+    "touch /dev/shm/tenant && echo shm-writable; "
+    "touch /tmp/nvidia-mps/tenant && echo pipe-writable; "
+    "ls /tmp/nvidia-mps; "
+    "rm -f /tmp/nvidia-mps/nvidia-cuda-mps-control.pid && echo pid-removed || echo pid-kept; "
+    "echo \"top $(grep ' /dev/shm ' /proc/mounts | tail -1)\"; "
+    "trap 'exit 0' TERM; sleep 9999 & wait"
+)
+NON_ROOT_CLIENT = _client_manifest(
+    NON_ROOT_NS, "tenant", TENANT_SCRIPT, {"defaultActiveThreadPercentage": 50}, run_as=TENANT_UID
+)
+
+
+def test_a_non_root_restricted_pod_writes_its_shm_and_pipe_but_not_the_daemons_files(
+    mps: E2E,
+) -> None:
+    """Issue 44, items 5 and 6 (docs/mps.md, "Directories, users and /dev/shm"): a pod
+    of a namespace that enforces Pod Security `restricted`, running as uid 1000, gets
+    a /dev/shm and a pipe directory it can write (1777), cannot remove the daemon's
+    pid file there (the sticky bit), and its /dev/shm is the plugin's tmpfs, or, where
+    the plugin may not mount one (the mock's unprivileged plugin), the plugin's log
+    says that it stays a plain directory."""
+    e = mps
+    e.kubectl("apply", "-f", "-", input=NON_ROOT_CLIENT)
+    try:
+        e.wait_pods_ready(NON_ROOT_NS, "app=mps-tenant", 1)
+        (daemon,) = [p for p in _daemon_pods(e) if p["metadata"].get("deletionTimestamp") is None]
+        assert _ready(daemon), daemon["status"]
+
+        def logged() -> str | None:
+            text = e.kubectl("logs", "-n", NON_ROOT_NS, "tenant", "-c", "ctr0").stdout
+            return text if "top " in text else None
+
+        log = wait_for(logged, 60, "the tenant's checks in its log")
+        lines = log.splitlines()
+        assert lines[0] == str(TENANT_UID), log
+        assert "/dev/shm 1777" in lines and "/tmp/nvidia-mps 1777" in lines, log
+        assert "shm-writable" in lines and "pipe-writable" in lines, log
+        assert "control" in log.split() and "pid-kept" in lines, log
+        assert "pid-removed" not in lines, log
+        (top,) = [line for line in lines if line.startswith("top ")]
+        if top.split()[3:4] != ["tmpfs"]:  # `top <source> /dev/shm <type> ...`
+            plugin_log = e.kubectl(
+                "logs", "-n", NAMESPACE, e.plugin_pod()["metadata"]["name"], "-c", "plugin"
+            ).stdout
+            assert "/dev/shm directories are not bounded" in plugin_log, (top, plugin_log[-3000:])
+        assert _ask(e, daemon, "get_default_active_thread_percentage") == "50.0"
+    finally:
+        e.kubectl("delete", "namespace", NON_ROOT_NS, "--wait=true", "--timeout=120s", check=False)
+    wait_for(
+        lambda: not _daemons(e) and not _daemon_pods(e),
+        120,
+        "the tenant's daemon to be deleted at unprepare",
     )

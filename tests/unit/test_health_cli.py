@@ -280,7 +280,7 @@ def test_clear_works_on_the_real_backend_and_mock_actions_do_not(short_dir: Path
 def test_mock_backend_accepts_clear_and_the_mock_actions(plugin: Plugin, short_dir: Path) -> None:
     plugin.start()
     actions = fetch_control(status_socket_path(short_dir))["actions"]
-    assert actions == ["clear", "lost", "recovery-action", "reset", "xid"]
+    assert actions == ["clear", "lost", "process", "recovery-action", "reset", "xid"]
 
 
 def test_clear_without_a_plugin_fails(short_dir: Path) -> None:

@@ -47,7 +47,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 def cli(argv: list[str]) -> tuple[int, str, str]:
     out, err = io.StringIO(), io.StringIO()
-    code = mock_cli.run(parse(argv), out=out, err=err)
+    args = parse(argv)
+    code = args.run(args, out=out, err=err)
     return code, out.getvalue(), err.getvalue()
 
 
@@ -144,7 +145,7 @@ def test_the_requests_go_to_the_root_only_status_socket(plugin: Plugin, short_di
     assert stat.S_IMODE(socket_file.lstat().st_mode) == 0o600
     described = fetch_control(socket_file)
     assert described["pid"] == os.getpid() and described["node"] == "node-1"
-    assert described["actions"] == ["clear", "lost", "recovery-action", "reset", "xid"]
+    assert described["actions"] == ["clear", "lost", "process", "recovery-action", "reset", "xid"]
 
 
 def test_unknown_device_is_refused(plugin: Plugin, short_dir: Path) -> None:
@@ -487,3 +488,31 @@ def test_plugin_predating_recovery_action_is_reported(short_dir: Path) -> None:
         code, _, err = cli([*argv, "--state-dir", str(short_dir)])
     assert code == 1
     assert "does not accept 'recovery-action'" in err and "it accepts: clear, lost" in err
+
+
+def test_a_process_started_and_ended_through_the_cli_is_listed_as_nvml_lists_it(
+    plugin: Plugin, short_dir: Path
+) -> None:
+    code, out, err = cli(
+        [
+            "mock",
+            "process",
+            "--device",
+            "gpu-1",
+            "--memory-mib",
+            "64",
+            "--state-dir",
+            str(short_dir),
+        ]
+    )
+    assert (code, err) == (0, "")
+    pid = int(out.split("process ", 1)[1].split()[0])
+    handle = plugin.mock.nvmlDeviceGetHandleByUUID(plugin.uuid(1))
+    assert [p.pid for p in plugin.mock.nvmlDeviceGetComputeRunningProcesses(handle)] == [pid]
+
+    code, out, _ = cli(["mock", "process", "--end", str(pid), "--state-dir", str(short_dir)])
+    assert code == 0 and f"process {pid}" in out
+    assert plugin.mock.nvmlDeviceGetComputeRunningProcesses(handle) == []
+
+    code, _, err = cli(["mock", "process", "--end", str(pid), "--state-dir", str(short_dir)])
+    assert code == 1 and f"no mock process {pid}" in err

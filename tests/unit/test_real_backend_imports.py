@@ -213,4 +213,4 @@ def test_the_plugin_started_on_the_mock_does_load_it(short_dir: Path) -> None:
     modules, actions = start_plugin(short_dir, "mock")
     loaded = [m for m in modules if is_mock_module(m)]
     assert {"driver.nvml.mock.backend", "driver.nvml.mock.control"} <= set(loaded), loaded
-    assert actions == ["clear", "lost", "recovery-action", "reset", "xid"]
+    assert actions == ["clear", "lost", "process", "recovery-action", "reset", "xid"]

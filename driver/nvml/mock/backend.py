@@ -63,7 +63,8 @@ class MockBackend(NvmlBackend):
     def control_actions(
         self, devices: Any, mig_instances: MigInstances | None = None
     ) -> dict[str, ControlHandler]:
-        """`xid`, `lost`, `reset` and `recovery-action` on the published `devices`; a
+        """`xid`, `lost`, `reset`, `recovery-action` and `process` on the published
+        `devices`; a
         GPU instance is looked up by `mig_instances` (default: this backend's MIG
         manager, its calls counted)."""
         instances = mig_instances if mig_instances is not None else self.mig().instances

@@ -1,4 +1,5 @@
-"""The mock NVML's control actions: `gpu-dra mock xid|lost|reset|recovery-action`.
+"""The mock NVML's control actions: `gpu-dra mock xid|lost|reset|recovery-action`, and
+`process` (a compute process started on a mock GPU, or ended).
 
 Offered only by a plugin on the mock backend (`MockBackend.control_actions`, which the
 plugin registers on its control requests, `driver.health.control`): they arrive as
@@ -18,6 +19,13 @@ does not accept them).
 - `recovery-action` sets the GPU's NVML recovery action (`"recoveryAction"`: the
   number, `driver.nvml.recovery`), the field the plugin polls
   (`driver.health.recovery`).
+- `process` starts a process on a GPU as NVML would list it
+  (`driver/nvml/mock/processes.py`): `{"device": <name>, "kind": "compute" |
+  "mps-client", "memoryMiB": <n>, "podUID": <uid>}` (kind `compute`, a process
+  outside MPS, 1024 MiB and no pod by default; with a pod UID the mock writes the
+  process's cgroup where the plugin looks for it), answered with its `pid`; `{"end":
+  <pid>}` ends one. No CUDA process runs on a mock GPU: this is how a test or a demo
+  shows the plugin one (docs/mps.md, "Escapes").
 """
 
 from __future__ import annotations
@@ -37,7 +45,11 @@ from driver.nvml.types import HealthEvent, MigInstance
 log = logging.getLogger(__name__)
 
 RECOVERY_ACTION = "recovery-action"
+PROCESS = "process"
 ACTIONS = ("xid", "lost", "reset", RECOVERY_ACTION)
+PROCESS_KINDS = ("compute", "mps-client")
+MAX_PROCESS_MIB = 1 << 24
+_POD_UID_RE = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")
 
 _DEVICE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
@@ -163,6 +175,18 @@ class InjectableNvml(Protocol):
 
     def set_recovery_action(self, uuid: str, action: int) -> None: ...
 
+    def start_process(
+        self,
+        gpu_uuid: str,
+        kind: str = "compute",
+        *,
+        used_bytes: int = 1 << 30,
+        name: str | None = None,
+        pod_uid: str | None = None,
+    ) -> Any: ...
+
+    def end_process(self, pid: int) -> Any: ...
+
 
 MigInstances = Callable[[str], Iterable[MigInstance]]  # GPU UUID -> live GPU instances
 
@@ -197,8 +221,52 @@ class MockActions:
         self._mig_instances = mig_instances or _live_instances(nvml)
 
     def handlers(self) -> dict[str, Handler]:
-        log.warning("mock control: gpu-dra mock %s accepted", "|".join(ACTIONS))
-        return dict.fromkeys(ACTIONS, self.handle)
+        log.warning("mock control: gpu-dra mock %s accepted", "|".join((*ACTIONS, PROCESS)))
+        handlers: dict[str, Handler] = dict.fromkeys(ACTIONS, self.handle)
+        handlers[PROCESS] = self.handle_process
+        return handlers
+
+    def handle_process(self, doc: dict[str, Any]) -> dict[str, Any]:
+        """`process`: start a mock process on a GPU, or end one (`{"end": <pid>}`)."""
+        doc = {k: v for k, v in doc.items() if k != "action"}  # the status socket names it
+        if "end" in doc:
+            if set(doc) != {"end"}:
+                raise MockControlError("give either end or a process to start, not both")
+            pid = _optional_int(doc["end"]) if not isinstance(doc["end"], str) else None
+            if pid is None:
+                raise MockControlError(f"invalid pid {doc['end']!r}")
+            try:
+                ended = self._nvml.end_process(pid)
+            except KeyError:
+                raise MockControlError(f"no mock process {pid}") from None
+            message = f"ended {ended.kind} process {pid}"
+            log.warning("mock control: %s", message)
+            return {"message": message, "pid": pid}
+        unknown = set(doc) - {"device", "kind", "memoryMiB", "podUID"}
+        if unknown:
+            raise MockControlError(f"unknown field(s): {', '.join(sorted(unknown))}")
+        device = doc.get("device")
+        if not isinstance(device, str) or not _DEVICE_RE.match(device):
+            raise MockControlError(f"invalid device name {device!r}")
+        kind = doc.get("kind", "compute")
+        if kind not in PROCESS_KINDS:
+            raise MockControlError(f"invalid kind {kind!r} (one of {', '.join(PROCESS_KINDS)})")
+        try:
+            mib = _optional_int(doc.get("memoryMiB"))
+        except TypeError:
+            mib = -1
+        mib = 1024 if mib is None else mib
+        if not 0 <= mib <= MAX_PROCESS_MIB:
+            raise MockControlError(f"invalid memoryMiB {doc.get('memoryMiB')!r}")
+        pod = doc.get("podUID")
+        if pod is not None and (not isinstance(pod, str) or not _POD_UID_RE.match(pod)):
+            raise MockControlError(f"invalid podUID {pod!r} (a pod's metadata.uid)")
+        uuid = self.resolve(device)
+        process = self._nvml.start_process(uuid, kind, used_bytes=mib << 20, pod_uid=pod)
+        where = f" in pod {pod}" if pod else ""
+        message = f"started {kind} process {process.pid} on {device} ({uuid}){where}"
+        log.warning("mock control: %s", message)
+        return {"message": message, "pid": process.pid}
 
     def handle(self, doc: dict[str, Any]) -> dict[str, Any]:
         """One control request: inject it, answer what was injected."""

@@ -22,6 +22,11 @@ Extras for tests and demos (not part of pynvml):
 - The recovery action per GPU (`driver/nvml/mock/recovery.py`): set by the faults
   that need a reset and by `set_recovery_action(uuid, action)`, read with
   `nvmlDeviceGetFieldValues`, cleared by a reset.
+- Compute processes (`driver/nvml/mock/processes.py`): `start_process(uuid, kind)`
+  and `end_process(pid)`, listed by `nvmlDeviceGetComputeRunningProcesses` and
+  `nvmlDeviceGetMPSComputeRunningProcesses` as NVML lists them, outside MPS or not.
+- Per-cgroup memory limits (`driver/nvml/mock/memory_limits.py`): the driver version
+  of the fleet decides whether the calls exist (R615 and later).
 """
 
 from __future__ import annotations
@@ -77,12 +82,14 @@ from driver.nvml.mock.api import (
 from driver.nvml.mock.devices import ensure_proc_devices
 from driver.nvml.mock.events import EventFunctions, PendingEvent
 from driver.nvml.mock.fleet import Fleet, MigProfileSpec, MockGpu, expand_fleet
+from driver.nvml.mock.memory_limits import MemoryLimitFunctions
 from driver.nvml.mock.mig import MigFunctions
 from driver.nvml.mock.mig_state import (
     MockMigDeviceHandle,
     c_nvmlComputeInstance_t,
     c_nvmlGpuInstance_t,
 )
+from driver.nvml.mock.processes import ProcessFunctions
 from driver.nvml.mock.recovery import RecoveryFunctions
 from driver.nvml.types import Inventory
 
@@ -114,7 +121,9 @@ def _slot_value(slot: str) -> int:
     return value
 
 
-class MockNvml(EventFunctions, MigFunctions, RecoveryFunctions):
+class MockNvml(
+    EventFunctions, MigFunctions, RecoveryFunctions, ProcessFunctions, MemoryLimitFunctions
+):
     """A pynvml-compatible module object for one mock node.
 
     `driver_root`: keep MIG instances in a state file under it (shared by every
@@ -141,6 +150,8 @@ class MockNvml(EventFunctions, MigFunctions, RecoveryFunctions):
         self._recovery_actions: dict[int, int] = {}
         self.calls: collections.Counter[str] = collections.Counter()
         self._init_mig(None if driver_root is None else Path(driver_root))
+        self._init_processes()
+        self._init_memory_limits()
         if driver_root is not None:
             ensure_proc_devices(Path(driver_root))
 
@@ -154,6 +165,12 @@ class MockNvml(EventFunctions, MigFunctions, RecoveryFunctions):
         raise AttributeError(name)
 
     # ------------------------------------------------------------ mock controls
+
+    @property
+    def mock_kernel_root(self) -> Path | None:
+        """The driver root the mock writes its kernel files into (`proc/devices`, MIG
+        capabilities, its processes' `proc/<pid>/cgroup`); None: it writes none."""
+        return self.mig_store.root
 
     def mock_gpu(self, uuid: str) -> MockGpu:
         try:

@@ -15,8 +15,8 @@ the daemon starts (the intent: no pid, no Deployment) and carries what identifie
 
 - prepare starts each daemon, sets and reads back its limits (`apply`);
 - a rollback stops every daemon the claim's devices may have started, found in their
-  place (pipe directory, derived Deployment name) when nothing is recorded yet, and
-  removes their directories (`restore`);
+  place (pipe directory, derived Deployment name) when nothing is recorded yet,
+  unmounts their /dev/shm tmpfs and removes their directories (`restore`);
 - unprepare does the same before the entry is dropped (`release`), whatever
   --mps-daemons says now: the record names the kind that started the daemon;
 - start (`adopt`) finds each completed claim's daemon of the current kind; one that is
@@ -45,14 +45,18 @@ from driver.observability import metrics
 from driver.state.journal.checkpoint import ClaimEntry, ClaimState, PreparedDevice
 from driver.state.journal.mps_record import MpsRecord
 from driver.state.mps.daemons import (
+    KIND_NODE,
     MpsDaemons,
     daemon_directory,
     daemon_dirs,
     empty_directory,
+    make_directories,
     record_kind,
+    unsearchable_parent,
 )
 from driver.state.mps.orphans import Orphan, sweep_orphans
 from driver.state.mps.prepared_limits import MpsLimits
+from driver.state.mps.shm import ShmBound
 
 log = logging.getLogger(__name__)
 
@@ -149,6 +153,7 @@ class ClaimMps:
         self._daemons = daemons
         self._others = tuple(o for o in others if daemons is None or o.kind != daemons.kind)
         self.root = root
+        self._reach_checked = False
 
     @property
     def site(self) -> MpsSite | None:
@@ -166,19 +171,49 @@ class ClaimMps:
         again)? One started under another setting is left to its claim's unprepare."""
         return self._daemons is not None and record_kind(record) in (None, self._daemons.kind)
 
-    def _start(self, record: MpsRecord) -> MpsRecord:
+    @property
+    def shm(self) -> ShmBound | None:
+        """What unmounts a daemon's tmpfs, whichever kind started it (the plugin gives
+        every kind the same)."""
+        return next((d.shm for d in self.every_kind if d.shm is not None), None)
+
+    def _start(self, record: MpsRecord, *, prepare: bool) -> MpsRecord:
         """Start the daemon in its directories, made where missing and kept where
-        they are (the claim's containers may hold them)."""
+        they are (the claim's containers may hold them), with their modes. At
+        `prepare` its /dev/shm becomes a tmpfs where the plugin may mount one; a
+        daemon started again keeps whatever its clients' containers hold there (a
+        tmpfs mounted now would be another /dev/shm than theirs)."""
         assert self._daemons is not None
         dirs = daemon_dirs(self.root, record)
-        assert dirs.shm is not None
-        for directory in (dirs.pipe, dirs.log, *((dirs.shm,) if self._daemons.private_shm else ())):
-            directory.mkdir(parents=True, exist_ok=True)
+        private = self._daemons.private_shm
+        make_directories(self.root, dirs if private else replace(dirs, shm=None))
+        if prepare and private and dirs.shm is not None and self._daemons.shm is not None:
+            self._daemons.shm.apply(dirs.shm)
+        if self._daemons.kind == KIND_NODE:
+            self._check_reach()
         return self._daemons.start(record, dirs)
+
+    def _check_reach(self) -> None:
+        """A node daemon's MPS server runs as its client's uid and reaches its pipe
+        directory by the host's path: say once when a non-root one cannot."""
+        if self._reach_checked:
+            return
+        self._reach_checked = True
+        blocked = unsearchable_parent(self.root)
+        if blocked is not None:
+            log.warning(
+                "with --mps-daemons=node the MPS server of a client that does not run as "
+                "root runs as the client's uid and cannot reach %s: %s is not searchable "
+                "by other users; such clients get no MPS server (docs/mps.md, "
+                '"Directories, users and /dev/shm")',
+                self.root,
+                blocked,
+            )
 
     def _stop(self, record: MpsRecord, *, any_instance: bool = False) -> None:
         """Stop the daemon (the recorded one, or whatever runs in its place for an
-        intent) by the kind that started it, and remove its directory."""
+        intent) by the kind that started it, unmount its /dev/shm and remove its
+        directory."""
         kind = record_kind(record)
         stoppers = [d for d in self.every_kind if kind is None or d.kind == kind]
         if not stoppers and kind is not None:
@@ -187,8 +222,12 @@ class ClaimMps:
                 f"{record.gpu_uuid}), started with --mps-daemons={kind}, and this plugin "
                 "cannot stop such a daemon (docs/upgrade.md)"
             )
+        dirs = daemon_dirs(self.root, record)
         for daemons in stoppers:
-            daemons.stop(record, daemon_dirs(self.root, record), any_instance=any_instance)
+            daemons.stop(record, dirs, any_instance=any_instance)
+        shm = self.shm
+        if shm is not None and dirs.shm is not None:
+            shm.release(dirs.shm)
         shutil.rmtree(self.root / record.directory, ignore_errors=True)
 
     # -- prepare -----------------------------------------------------------------------
@@ -212,7 +251,7 @@ class ClaimMps:
 
     def _started(self, device: PreparedDevice, record: MpsRecord) -> MpsRecord:
         try:
-            return self._start(record)
+            return self._start(record, prepare=True)
         except DriverError as err:
             raise transient(f"device {device.device_name}: {err}") from err
 
@@ -297,7 +336,7 @@ class ClaimMps:
                 for kept in (dirs.pipe, dirs.shm):
                     if kept is not None:
                         empty_directory(kept)
-                started = self._start(record)
+                started = self._start(record, prepare=False)
             except DriverError as err:
                 log.error("restarting the MPS daemon of claim %s failed: %s", uid, err)
                 losses.append(MpsLoss(device.device_name, record, error=str(err)))
@@ -343,4 +382,4 @@ class ClaimMps:
     def sweep(self, journal: Mapping[str, ClaimEntry]) -> list[Orphan]:
         """Under the node lock: remove the daemons and directories no entry of
         `journal` owns (driver/state/mps/orphans.py)."""
-        return sweep_orphans(self.root, journal, self.every_kind)
+        return sweep_orphans(self.root, journal, self.every_kind, self.shm)

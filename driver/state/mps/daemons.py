@@ -9,9 +9,18 @@ still stopped at unprepare and swept (driver/state/mps/claim_daemons.py).
 
 A daemon's directory `<plugin data dir>/mps/<digest of the CDI device name>/` holds
 `pipe/` (mounted into the device's containers at /tmp/nvidia-mps), `log/` and `shm/`
-(the daemon's and its clients' /dev/shm). A daemon started again keeps `pipe/` and
-`shm/` (`empty_directory`): the claim's running containers hold bind mounts of those
-very directories, and a new directory at the same path would be out of their reach.
+(the daemon's and its clients' /dev/shm, a tmpfs where the plugin may mount one:
+driver/state/mps/shm.py). A daemon started again keeps `pipe/` and `shm/`
+(`empty_directory`): the claim's running containers hold bind mounts of those very
+directories, and a new directory at the same path would be out of their reach.
+
+Their modes (`make_directories`; docs/mps.md, "Directories, users and /dev/shm"): the
+MPS control daemon runs as root, but the MPS server it starts for a client runs as
+that client's uid, and the claim's containers may run as any uid. `pipe/` and `shm/`
+are 1777 (every uid makes its sockets and files there; only their owner removes
+them); the MPS root and the device's directory 0711 (searched on the way to them,
+never listed); `log/` 0755, root's: the control daemon writes the logs, and the
+driver's copy of the daemon's pid lives there, where no client can write it.
 """
 
 from __future__ import annotations
@@ -20,6 +29,7 @@ import hashlib
 import logging
 import os
 import shutil
+import stat
 from collections.abc import Collection, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -29,12 +39,17 @@ from driver.config.mps_limits import mps_memory_text
 from driver.errors import DriverError, transient
 from driver.nvml.mps import DaemonDirs, DaemonId, is_running
 from driver.state.journal.mps_record import MpsRecord
+from driver.state.mps.shm import SHM_MODE, ShmBound
 
 log = logging.getLogger(__name__)
 
 DIRECTORY_DIGITS: Final = 16
 KIND_NODE: Final = "node"
 KIND_KUBERNETES: Final = "kubernetes"
+ROOT_MODE: Final = 0o711  # <data dir>/mps: searched, not listed, by other users
+DEVICE_MODE: Final = 0o711  # <data dir>/mps/<digest>
+PIPE_MODE: Final = 0o1777
+LOG_MODE: Final = 0o755
 
 
 class MpsOps(Protocol):
@@ -57,6 +72,9 @@ class MpsDaemons(Protocol):
     kind: str  # KIND_NODE or KIND_KUBERNETES: which records' daemons it runs
     # The daemon and its clients share `<dir>/shm` as /dev/shm.
     private_shm: bool
+    # The tmpfs on `<dir>/shm` (mounted before the daemon starts, unmounted before the
+    # directory goes); None: a plain directory, nothing mounted or unmounted.
+    shm: ShmBound | None
 
     def start(self, record: MpsRecord, dirs: DaemonDirs) -> MpsRecord:
         """Start it with the record's limits set and checked; the record stamped with
@@ -112,6 +130,56 @@ def daemon_directory(cdi_name: str) -> str:
 def daemon_dirs(root: Path, record: MpsRecord) -> DaemonDirs:
     base = root / record.directory
     return DaemonDirs(base / "pipe", base / "log", base / "shm")
+
+
+def _set_mode(directory: Path, mode: int) -> None:
+    """`directory`'s mode, set on the directory itself (never through a link; the
+    umask, which the plugin narrows while it binds its sockets, plays no part). One
+    that another user owns is refused: the driver made it, or someone else did."""
+    try:
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as err:
+        raise transient(f"opening the MPS directory {directory}: {err}") from err
+    try:
+        found = os.fstat(fd)
+        if found.st_uid != os.geteuid():
+            raise transient(
+                f"the MPS directory {directory} belongs to uid {found.st_uid}, not to the plugin's"
+            )
+        if stat.S_IMODE(found.st_mode) != mode:
+            os.fchmod(fd, mode)
+    except OSError as err:
+        raise transient(f"setting the mode of the MPS directory {directory}: {err}") from err
+    finally:
+        os.close(fd)
+
+
+def make_directories(root: Path, dirs: DaemonDirs) -> None:
+    """A daemon's directories under the MPS root `root`, made where missing and kept
+    where they are (a claim's containers may hold them), each with its mode."""
+    wanted = [(root, ROOT_MODE), (dirs.pipe.parent, DEVICE_MODE)]
+    wanted += [(dirs.pipe, PIPE_MODE), (dirs.log, LOG_MODE)]
+    if dirs.shm is not None:
+        wanted.append((dirs.shm, SHM_MODE))
+    for directory, mode in wanted:
+        try:
+            directory.mkdir(parents=directory == root, exist_ok=True)
+        except OSError as err:
+            raise transient(f"making the MPS directory {directory}: {err}") from err
+        _set_mode(directory, mode)
+
+
+def unsearchable_parent(root: Path) -> Path | None:
+    """The first directory above `root` that users other than its owner and group may
+    not search, None where they may reach `root`: an MPS server of a node daemon runs
+    as its client's uid and opens its pipe directory by the host's path."""
+    for parent in root.parents:
+        try:
+            if not os.stat(parent).st_mode & stat.S_IXOTH:
+                return parent
+        except OSError:
+            return parent
+    return None
 
 
 def empty_directory(directory: Path) -> None:
@@ -172,8 +240,9 @@ class NodeDaemons:
     kind = KIND_NODE
     private_shm = True
 
-    def __init__(self, ops: MpsOps) -> None:
+    def __init__(self, ops: MpsOps, *, shm: ShmBound | None = None) -> None:
         self.ops = ops
+        self.shm = shm
 
     def start(self, record: MpsRecord, dirs: DaemonDirs) -> MpsRecord:
         daemon = self.ops.start(dirs, [record.gpu_uuid])

@@ -9,7 +9,8 @@ that no record names, intents included (a prepare journals its intent before it
 makes either, under the same lock). Deployments go first, each waited for until its
 pod is gone; directories only once every Deployment went, so no daemon still uses
 one: whatever runs in a directory's place (the node daemon its pid file names, the
-Deployment its name derives to) is stopped, then the directory removed.
+Deployment its name derives to) is stopped, the tmpfs on its `shm/` unmounted, then
+the directory removed.
 
 Each removal is counted (`gpu_dra_mps_orphans_removed_total` by kind) and returned,
 for a Node Event. One that fails is logged and tried again at the next sweep.
@@ -29,6 +30,7 @@ from driver.observability import metrics
 from driver.state.journal.checkpoint import ClaimEntry
 from driver.state.journal.mps_record import MpsRecord
 from driver.state.mps.daemons import MpsDaemons, daemon_dirs
+from driver.state.mps.shm import ShmBound
 
 log = logging.getLogger(__name__)
 
@@ -45,10 +47,14 @@ class Orphan:
 
 
 def sweep_orphans(
-    root: Path, journal: Mapping[str, ClaimEntry], kinds: Sequence[MpsDaemons]
+    root: Path,
+    journal: Mapping[str, ClaimEntry],
+    kinds: Sequence[MpsDaemons],
+    shm: ShmBound | None = None,
 ) -> list[Orphan]:
     """Remove, with each kind of daemon in `kinds`, this node's daemons and the
-    directories under `root` that no record of `journal` names."""
+    directories under `root` that no record of `journal` names (`shm` unmounts the
+    tmpfs on a directory's `shm/` first)."""
     owned = [d.mps for entry in journal.values() for d in entry.devices if d.mps is not None]
     removed: list[Orphan] = []
     settled = True
@@ -68,11 +74,13 @@ def sweep_orphans(
                 continue
             removed.append(_removed(KIND_DEPLOYMENT, f"the MPS daemon {what}"))
     if settled:  # else a daemon left may still use a directory
-        removed += _sweep_directories(root, {r.directory for r in owned}, kinds)
+        removed += _sweep_directories(root, {r.directory for r in owned}, kinds, shm)
     return removed
 
 
-def _sweep_directories(root: Path, owned: set[str], kinds: Sequence[MpsDaemons]) -> list[Orphan]:
+def _sweep_directories(
+    root: Path, owned: set[str], kinds: Sequence[MpsDaemons], shm: ShmBound | None
+) -> list[Orphan]:
     try:
         found = sorted(p for p in root.iterdir() if p.name not in owned)
     except FileNotFoundError:
@@ -85,14 +93,21 @@ def _sweep_directories(root: Path, owned: set[str], kinds: Sequence[MpsDaemons])
         if path.is_symlink() or not path.is_dir():
             continue  # not the driver's
         record = MpsRecord("", path.name)
+        dirs = daemon_dirs(root, record)
         stopped: list[str] = []
         try:
             for daemons in kinds:
-                what = daemons.stop(record, daemon_dirs(root, record), any_instance=True)
+                what = daemons.stop(record, dirs, any_instance=True)
                 if what is not None:
                     stopped.append(what)
+            if shm is not None and dirs.shm is not None:
+                shm.release(dirs.shm)
         except DriverError as err:
-            log.warning("stopping the MPS daemon in %s failed: %s; trying again", path, err)
+            log.warning(
+                "stopping the MPS daemon in %s or unmounting its /dev/shm failed: %s; trying again",
+                path,
+                err,
+            )
             continue
         shutil.rmtree(path, ignore_errors=True)
         if path.exists():

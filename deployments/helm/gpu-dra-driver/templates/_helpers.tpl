@@ -86,6 +86,21 @@ host's GPU device nodes (/dev/nvidiactl, /dev/nvidia<N>, /dev/nvidia-caps/* for 
 and a pod can get host device nodes only by being privileged (allowPrivilegeEscalation
 cannot be false then). An explicit value wins.
 */}}
+{{/*
+"true" where the plugin mounts a tmpfs on each MPS daemon's shm directory that must
+reach the node: MPS on, a size, and a privileged plugin container (Bidirectional
+mount propagation is for privileged containers only; an unprivileged plugin may not
+mount and keeps plain directories). Empty otherwise.
+*/}}
+{{- define "gpu-dra-driver.mpsShmPropagation" -}}
+{{- $kp := .Values.kubeletPlugin }}
+{{- $privileged := eq .Values.nvml.backend "nvml" }}
+{{- with $kp.containers.plugin.securityContext }}
+{{- $privileged = .privileged | default false }}
+{{- end }}
+{{- if and $kp.mps.enabled $privileged (ne (toString $kp.mps.shmSize) "0") }}true{{- end }}
+{{- end }}
+
 {{- define "gpu-dra-driver.pluginSecurityContext" -}}
 {{- if .Values.kubeletPlugin.containers.plugin.securityContext }}
 {{- toYaml .Values.kubeletPlugin.containers.plugin.securityContext }}
@@ -319,12 +334,16 @@ the driver's files. A YAML list; kubeletPlugin.containers.plugin.extraEnv follow
   value: {{ $kp.gpuPartitions | quote }}
 - name: MPS_DAEMONS
   value: {{ ternary "kubernetes" "off" $kp.mps.enabled | quote }}
+- name: MPS_ESCAPE_TAINT
+  value: {{ $kp.mps.escapeTaint | default false | quote }}
 - name: POD_NAMESPACE
   valueFrom:
     fieldRef:
       fieldPath: metadata.namespace
 - name: MPS_DAEMON_IMAGE
   value: {{ include "gpu-dra-driver.image" . | quote }}
+- name: MPS_SHM_SIZE
+  value: {{ $kp.mps.shmSize | toString | quote }}
 - name: MIG_STRATEGY
   value: {{ $kp.migStrategy | quote }}
 - name: MIG_PROFILES
@@ -372,8 +391,10 @@ NVIDIA_DRIVER_ROOT_HOST: nvidiaDriverRoot
 NVIDIA_CDI_HOOK_PATH: nvidiaCDIHookPath
 GPU_PARTITIONS: kubeletPlugin.gpuPartitions
 MPS_DAEMONS: kubeletPlugin.mps.enabled
+MPS_ESCAPE_TAINT: kubeletPlugin.mps.escapeTaint
 POD_NAMESPACE: the pod's metadata.namespace
 MPS_DAEMON_IMAGE: image
+MPS_SHM_SIZE: kubeletPlugin.mps.shmSize
 MIG_STRATEGY: kubeletPlugin.migStrategy
 MIG_PROFILES: kubeletPlugin.migProfiles
 GPU_ALLOW_MULTIPLE_ALLOCATIONS: kubeletPlugin.allowMultipleAllocations
