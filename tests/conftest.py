@@ -27,9 +27,12 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NamedTuple, TypeVar
+from typing import TYPE_CHECKING, NamedTuple, TypeVar
 
 import pytest
+
+if TYPE_CHECKING:
+    from driver.kube.api import KubeApi
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "hack" / "local-cluster.sh"
@@ -123,11 +126,11 @@ class Cluster:
         """Run the built kubectl against this cluster (text mode)."""
         return run_kubectl(self.bin_dir, self.kubeconfig, args, input, check, timeout)
 
-    def api_client(self) -> Any:
-        """A ``kubernetes.client.ApiClient`` for the admin kubeconfig."""
-        from kubernetes import config
+    def api_client(self) -> KubeApi:
+        """The driver's API client for the admin kubeconfig."""
+        from driver.kube.api import KubeApi
 
-        return config.new_client_from_config(config_file=str(self.kubeconfig))
+        return KubeApi.from_kubeconfig(str(self.kubeconfig))
 
     def script(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
         """Run hack/local-cluster.sh with this cluster's run dir and ports."""

@@ -39,8 +39,6 @@ VERBOSITY_HELP: Final = (
     "HTTP client's lines"
 )
 HTTP_CLIENT_LOGGER: Final = "urllib3"
-# Logs request headers and bodies (bearer tokens) at debug: never below WARNING.
-KUBERNETES_CLIENT_LOGGER: Final = "kubernetes"
 RETRY_LOG_INTERVAL: Final = 60.0
 # A message longer than this is cut (a forged review once made a 3 MB log line).
 MAX_LOGGED_CHARS: Final = 16384
@@ -63,7 +61,6 @@ def apply_verbosity(verbosity: int) -> None:
     logging.getLogger().setLevel(log_level(verbosity))
     client = logging.DEBUG if verbosity >= CLIENT_DEBUG_VERBOSITY else logging.ERROR
     logging.getLogger(HTTP_CLIENT_LOGGER).setLevel(client)
-    logging.getLogger(KUBERNETES_CLIENT_LOGGER).setLevel(logging.WARNING)
 
 
 @contextmanager

@@ -34,7 +34,6 @@ injection into containers, pod status. Those need the real kubelet.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import re
 import stat
@@ -47,6 +46,7 @@ from typing import Any, NamedTuple
 
 import grpc
 
+from driver.kube.api import ApiError, KubeApi
 from driver.proto.dra.v1 import api_pb2 as dra_v1
 from driver.proto.dra.v1 import api_pb2_grpc as dra_v1_grpc
 from driver.proto.dra.v1beta1 import api_pb2 as dra_v1beta1
@@ -222,7 +222,7 @@ class HealthWatch:
 class KubeletStandin:
     """Test stand-in for the kubelet's plugin watcher and DRA manager.
 
-    ``api_client`` (a ``kubernetes.client.ApiClient``) is only needed for the pod
+    ``api_client`` (a ``driver.kube.api.KubeApi``) is only needed for the pod
     helpers and :meth:`delete_node_slices`.
     """
 
@@ -230,7 +230,7 @@ class KubeletStandin:
         self,
         registry_dir: str | os.PathLike[str],
         *,
-        api_client: Any = None,
+        api_client: KubeApi | None = None,
         node_name: str | None = None,
         poll_interval: float = 0.1,
     ) -> None:
@@ -517,23 +517,13 @@ class KubeletStandin:
     # --- pods (needs api_client) ----------------------------------------------------------
 
     def _api(self, method: str, path: str, query: Sequence[tuple[str, str]] = ()) -> dict[str, Any]:
-        """A raw JSON request through ``api_client`` (no lossy typed models)."""
+        """A JSON request through ``api_client``."""
         if self.api_client is None:
             raise KubeletStandinError("KubeletStandin needs api_client for API calls")
-        method, url, headers, body, post = self.api_client.param_serialize(
-            method=method,
-            resource_path=path,
-            query_params=list(query),
-            header_params={"Accept": "application/json"},
-            auth_settings=["BearerToken"],
-        )
-        resp = self.api_client.call_api(
-            method, url, header_params=headers, body=body, post_params=post
-        )
-        data = resp.read()
-        if not 200 <= resp.status < 300:
-            raise KubeletStandinError(f"{method} {path}: HTTP {resp.status}: {data[:500]!r}")
-        return dict(json.loads(data))
+        try:
+            return self.api_client.request(method, path, query=dict(query))
+        except ApiError as err:
+            raise KubeletStandinError(f"{method} {path}: HTTP {err}") from err
 
     def _get(self, path: str) -> dict[str, Any]:
         return self._api("GET", path)

@@ -34,7 +34,7 @@ def _document() -> dict[str, Any]:
         "finished": "2026-12-06T09:03:00Z",
         "machine": "2 CPUs",
         "trees": {
-            "a": {"commit": "24ca0739c9efe8af", "changed": []},
+            "a": {"commit": "24ca0739c9efe8af", "changed": [], "sha256": {"api.py": "ab" * 32}},
             "b": {"commit": "", "changed": []},
         },
         "turns": [
@@ -57,7 +57,7 @@ def test_cells_are_pooled_medians_with_the_per_turn_spread_and_the_difference() 
     )
     # pooled over both turns: a [4, 5, 6, 3, 3, 3] -> 3.5; b [4, 4, 4, 5, 5, 5] -> 4.5
     assert "| 3.5 (3-5) | 4.5 (4-5) | +1 (+29%) |" in rows["| prepare, 1 claim: p50 (ms)"]
-    assert "`a`: 24ca0739c9ef; `b`: not a git checkout" in text
+    assert "`a`: 24ca0739c9ef, api.py abababababab; `b`: not a git checkout" in text
     assert "2 rounds" in text and "3 timed prepare/unprepare cycles" in text
     assert text.rstrip().endswith("--tree b=<b tree>`.")
 

@@ -1,8 +1,10 @@
-"""API server settings (driver/kube/connection.py) and the plugin's import footprint."""
+"""API server settings and credentials (driver/kube/connection.py), requests through
+KubeApi, and the plugin's import footprint."""
 
 from __future__ import annotations
 
 import base64
+import datetime as dt
 import http.server
 import json
 import os
@@ -12,6 +14,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -19,8 +22,10 @@ import pytest
 import urllib3
 import yaml
 
+from driver.kube import connection
 from driver.kube.api import ApiError, KubeApi
 from driver.kube.connection import (
+    ExecPlugin,
     InsecureServerError,
     KubeconfigError,
     Pem,
@@ -93,20 +98,59 @@ def test_kubeconfig_file_references_are_relative_to_the_kubeconfig(tmp_path: Pat
     assert settings.token_file == tmp_path / "t"
 
 
+def test_exec_and_proxy_settings_are_read(tmp_path: Path) -> None:
+    exec_section = {
+        "apiVersion": "client.authentication.k8s.io/v1",
+        "command": "bin/credential",  # relative to the kubeconfig, as in kubectl
+        "args": ["--region", "x"],
+        "env": [{"name": "PROFILE", "value": "dev"}],
+        "interactiveMode": "Never",
+    }
+    path = kubeconfig(
+        tmp_path,
+        {"server": "https://api:6443", "proxy-url": "http://proxy:3128"},
+        {"exec": exec_section},
+    )
+    settings = read_kubeconfig(path)
+    assert settings.proxy_url == "http://proxy:3128"
+    assert settings.exec_plugin == ExecPlugin(
+        where="users[u].user.exec",
+        command=str(tmp_path / "bin/credential"),
+        args=("--region", "x"),
+        env=(("PROFILE", "dev"),),
+        api_version="client.authentication.k8s.io/v1",
+    )
+
+
 @pytest.mark.parametrize(
-    ("cluster_extra", "user"),
+    ("cluster_extra", "user", "field"),
     [
-        ({}, {"exec": {"apiVersion": "client.authentication.k8s.io/v1", "command": "x"}}),
-        ({}, {"auth-provider": {"name": "oidc"}}),
-        ({}, {"username": "admin", "password": "pw"}),
-        ({"proxy-url": "http://proxy:3128"}, {"token": "t"}),
+        ({}, {"auth-provider": {"name": "oidc"}}, "users[u].user.auth-provider: auth providers"),
+        ({}, {"username": "admin", "password": "pw"}, "users[u].user.password: basic auth"),
+        ({}, {"token": "t", "as": "someone"}, "users[u].user.as: impersonation"),
+        ({"proxy-url": "socks5://proxy:1080"}, {}, "clusters[k].cluster.proxy-url must be"),
+        ({"something-new": True}, {}, "clusters[k].cluster.something-new is not supported"),
+        ({}, {"exec": {"command": "x"}}, "users[u].user.exec.apiVersion must be one of"),
+        (
+            {},
+            {
+                "exec": {
+                    "apiVersion": "client.authentication.k8s.io/v1",
+                    "command": "x",
+                    "provideClusterInfo": True,
+                }
+            },
+            "users[u].user.exec.provideClusterInfo is not supported",
+        ),
     ],
 )
-def test_other_auth_and_proxies_are_left_to_the_official_loader(
-    tmp_path: Path, cluster_extra: dict[str, Any], user: dict[str, Any]
+def test_unsupported_settings_are_refused_by_name(
+    tmp_path: Path, cluster_extra: dict[str, Any], user: dict[str, Any], field: str
 ) -> None:
     path = kubeconfig(tmp_path, {"server": "https://api:6443", **cluster_extra}, user)
-    assert read_kubeconfig(path) is None
+    with pytest.raises(KubeconfigError, match=re.escape(field)) as refused:
+        read_kubeconfig(path)
+    assert str(path) in str(refused.value) and "\n" not in str(refused.value)
 
 
 @pytest.mark.parametrize(
@@ -224,35 +268,191 @@ def test_bearer_token_sources(
     assert Recorder.seen == [("GET", "/apis/x", sent, b"")]
 
 
-def test_exec_credentials_go_through_the_official_loader(tmp_path: Path, server: str) -> None:
-    plugin = tmp_path / "credential"
-    credential = {
-        "apiVersion": "client.authentication.k8s.io/v1",
-        "kind": "ExecCredential",
-        "status": {"token": "from-exec"},
-    }
-    plugin.write_text(f"#!/bin/sh\necho '{json.dumps(credential)}'\n")
+CREDENTIAL_PLUGIN = """\
+import json, os, sys
+from pathlib import Path
+runs = Path(os.environ["RUNS_FILE"])
+runs.write_text(runs.read_text() + "x" if runs.exists() else "x")
+info = json.loads(os.environ["KUBERNETES_EXEC_INFO"])
+assert info["kind"] == "ExecCredential" and info["spec"]["interactive"] is False, info
+status = {"expirationTimestamp": os.environ["EXPIRES"]}
+if os.environ.get("CERT"):
+    status["clientCertificateData"] = Path(os.environ["CERT"]).read_text()
+    status["clientKeyData"] = Path(os.environ["KEY"]).read_text()
+else:
+    status["token"] = f"{sys.argv[1]}-{len(runs.read_text())}"
+print(json.dumps({"apiVersion": info["apiVersion"], "kind": "ExecCredential", "status": status}))
+"""
+
+
+def exec_user(tmp_path: Path, expires: dt.datetime, **env: str) -> dict[str, Any]:
+    """A kubeconfig user whose exec plugin (bin/credential, relative to the kubeconfig
+    as kubectl resolves it) answers `<its argument>-<how many times it ran>` as the
+    token, or with CERT and KEY, that client certificate."""
+    plugin = tmp_path / "bin" / "credential"
+    plugin.parent.mkdir(exist_ok=True)
+    plugin.write_text(f"#!{sys.executable}\n{CREDENTIAL_PLUGIN}")
     plugin.chmod(0o755)
-    user = {"exec": {"apiVersion": "client.authentication.k8s.io/v1", "command": str(plugin)}}
-    path = kubeconfig(tmp_path, {"server": server}, user)
-    plain_http(path).request("GET", "/apis/x")
-    assert Recorder.seen == [("GET", "/apis/x", "Bearer from-exec", b"")]
+    env = {"RUNS_FILE": str(tmp_path / "runs"), "EXPIRES": expires.isoformat(), **env}
+    exec_section = {
+        "apiVersion": "client.authentication.k8s.io/v1",
+        "command": "bin/credential",
+        "args": ["from-exec"],
+        "env": [{"name": k, "value": v} for k, v in env.items()],
+        "interactiveMode": "IfAvailable",
+    }
+    return {"exec": exec_section}
+
+
+def runs(tmp_path: Path) -> int:
+    return len((tmp_path / "runs").read_text()) if (tmp_path / "runs").exists() else 0
+
+
+def test_an_exec_token_is_kept_until_it_expires(tmp_path: Path, server: str) -> None:
+    in_an_hour = dt.datetime.now(dt.UTC) + dt.timedelta(hours=1)
+    path = kubeconfig(tmp_path, {"server": server}, exec_user(tmp_path, in_an_hour))
+    api = plain_http(path)
+    api.request("GET", "/apis/x")
+    api.request("GET", "/apis/y")
+    assert [auth for _, _, auth, _ in Recorder.seen] == ["Bearer from-exec-1"] * 2
+    assert runs(tmp_path) == 1
+
+
+def test_an_expired_exec_token_is_renewed(tmp_path: Path, server: str) -> None:
+    expired = dt.datetime.now(dt.UTC) - dt.timedelta(seconds=1)
+    path = kubeconfig(tmp_path, {"server": server}, exec_user(tmp_path, expired))
+    api = plain_http(path)  # runs the plugin once
+    api.request("GET", "/apis/x")
+    api.request("GET", "/apis/y")
+    assert [auth for _, _, auth, _ in Recorder.seen] == ["Bearer from-exec-2", "Bearer from-exec-3"]
+
+
+def test_an_exec_token_never_goes_to_a_plain_http_server(tmp_path: Path, server: str) -> None:
+    in_an_hour = dt.datetime.now(dt.UTC) + dt.timedelta(hours=1)
+    path = kubeconfig(tmp_path, {"server": server}, exec_user(tmp_path, in_an_hour))
     with pytest.raises(InsecureServerError, match=f"refusing to send credentials to {server} "):
-        connect(str(path))  # the exec plugin's token would cross the network in clear
+        connect(str(path))
+    assert runs(tmp_path) == 0 and Recorder.seen == []
 
 
-def test_a_kubeconfig_list_is_merged_by_the_official_loader(tmp_path: Path, server: str) -> None:
-    first = kubeconfig(tmp_path, {"server": server}, {"token": "merged"})
-    second = tmp_path / "second"
-    second.write_text(yaml.safe_dump({"apiVersion": "v1", "kind": "Config", "users": []}))
-    plain_http(f"{first}{os.pathsep}{second}").request("GET", "/apis/x")
-    assert Recorder.seen == [("GET", "/apis/x", "Bearer merged", b"")]
+def test_an_exec_client_certificate_is_presented(tmp_path: Path) -> None:
+    cert, key = make_cert(tmp_path)
+    in_an_hour = dt.datetime.now(dt.UTC) + dt.timedelta(hours=1)
+    with tls_server(cert, key, client_ca=cert) as server:
+        ca = {"server": server, "certificate-authority-data": b64(Path(cert).read_bytes())}
+        with_exec = kubeconfig(tmp_path, ca, exec_user(tmp_path, in_an_hour, CERT=cert, KEY=key))
+        assert KubeApi.from_kubeconfig(str(with_exec)).request("GET", "/apis/x") == {"ok": True}
+        without = kubeconfig(tmp_path, ca, {})
+        with pytest.raises(urllib3.exceptions.MaxRetryError):  # the server asks for one
+            KubeApi.from_kubeconfig(str(without)).request("GET", "/apis/x", timeout=5)
+    assert runs(tmp_path) == 1
+
+
+@pytest.mark.parametrize(
+    ("script", "message"),
+    [
+        ("echo broken >&2; exit 3", "exited with 3: broken"),
+        ("echo not json", "the plugin's output is not JSON"),
+        ('echo \'{"kind": "ExecCredential"}\'', "answered apiVersion None"),
+    ],
+)
+def test_a_failing_exec_plugin_is_a_config_error_naming_the_field(
+    tmp_path: Path, server: str, script: str, message: str
+) -> None:
+    plugin = tmp_path / "bin" / "credential"
+    plugin.parent.mkdir()
+    plugin.write_text(f"#!/bin/sh\n{script}\n")
+    plugin.chmod(0o755)
+    user = {"exec": {"apiVersion": "client.authentication.k8s.io/v1", "command": "bin/credential"}}
+    path = kubeconfig(tmp_path, {"server": server}, user)
+    with pytest.raises(KubeconfigError, match=re.escape(message)) as failed:
+        plain_http(path)
+    assert "users[u].user.exec" in str(failed.value) and str(path) in str(failed.value)
+
+
+def test_a_kubeconfig_list_is_merged_as_kubectl_merges_it(tmp_path: Path, server: str) -> None:
+    """current-context and every entry from the first file that names them; a relative
+    path from the directory of the file that named it; a missing file skipped."""
+    first, second = tmp_path / "a" / "config", tmp_path / "b" / "config"
+    first.parent.mkdir()
+    second.parent.mkdir()
+    (second.parent / "token").write_text("from-b\n")
+    first.write_text(
+        yaml.safe_dump(
+            {
+                "current-context": "c",
+                "contexts": [{"name": "c", "context": {"cluster": "k", "user": "u"}}],
+                "clusters": [{"name": "k", "cluster": {"server": server}}],
+            }
+        )
+    )
+    second.write_text(
+        yaml.safe_dump(
+            {
+                "current-context": "other",
+                "clusters": [{"name": "k", "cluster": {"server": "https://not-this:6443"}}],
+                "users": [{"name": "u", "user": {"tokenFile": "token"}}],
+            }
+        )
+    )
+    listed = os.pathsep.join([str(first), str(tmp_path / "absent"), str(second)])
+    plain_http(listed).request("GET", "/apis/x")
+    assert Recorder.seen == [("GET", "/apis/x", "Bearer from-b", b"")]
+    with pytest.raises(KubeconfigError, match="none of its files exists"):
+        read_kubeconfig(f"{tmp_path / 'absent'}{os.pathsep}{tmp_path / 'absent2'}")
+
+
+def test_requests_go_through_the_kubeconfig_proxy(tmp_path: Path, server: str) -> None:
+    target = "http://kube-api.invalid:6443"
+    path = kubeconfig(tmp_path, {"server": target, "proxy-url": server}, {})
+    KubeApi.from_kubeconfig(str(path)).request("GET", "/apis/x")
+    assert Recorder.seen == [("GET", f"{target}/apis/x", None, b"")]
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def time(self) -> float:
+        return self.now
+
+
+def test_the_in_cluster_token_is_re_read_as_it_rotates(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cert, key = make_cert(tmp_path)
+    secrets = tmp_path / "serviceaccount"
+    secrets.mkdir()
+    (secrets / "ca.crt").write_bytes(Path(cert).read_bytes())
+    (secrets / "token").write_text("first\n")
+    clock = FakeClock()
+    monkeypatch.setattr(connection, "IN_CLUSTER_DIR", secrets)
+    monkeypatch.setattr(connection, "time", clock)
+    with tls_server(cert, key) as server:
+        host, port = server.removeprefix("https://").rsplit(":", 1)
+        monkeypatch.setenv("KUBERNETES_SERVICE_HOST", host)
+        monkeypatch.setenv("KUBERNETES_SERVICE_PORT", port)
+        api = KubeApi.from_kubeconfig(None)
+        api.request("GET", "/apis/x")
+        (secrets / "token").write_text("rotated\n")
+        clock.now += connection.TOKEN_REFRESH_SECONDS - 1
+        api.request("GET", "/apis/x")
+        clock.now += 1
+        api.request("GET", "/apis/x")
+    assert [auth for _, _, auth, _ in Recorder.seen] == [
+        "Bearer first",
+        "Bearer first",
+        "Bearer rotated",
+    ]
 
 
 def test_the_plugin_does_not_import_the_official_client() -> None:
     """The official client's package (and requests, oauthlib, websocket) cost most of
-    the plugin's start-up and a third of its memory; the plugin reads its kubeconfig
-    itself (the official loader is imported only for exec plugins and the like)."""
+    the plugin's start-up and a quarter of its memory; the plugin reads its kubeconfig
+    itself (driver/kube/connection.py's docstring)."""
     heavy = ("kubernetes", "requests", "oauthlib", "websocket", "dateutil")
     code = (
         "import sys, driver.plugin.main; "
@@ -269,39 +469,51 @@ def test_the_plugin_does_not_import_the_official_client() -> None:
     assert out.stdout.strip() == "[]"
 
 
-def test_https_trusts_the_kubeconfig_ca_only(tmp_path: Path) -> None:
-    cert, key = make_cert(tmp_path)
+def b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+@contextmanager
+def tls_server(cert: str, key: str, client_ca: str | None = None) -> Iterator[str]:
+    """A Recorder over TLS at https://127.0.0.1:<port>; with `client_ca`, it requires a
+    client certificate that CA signed."""
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     context.load_cert_chain(cert, key)
+    if client_ca is not None:
+        context.verify_mode = ssl.CERT_REQUIRED
+        context.load_verify_locations(client_ca)
     httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Recorder)
     httpd.socket = context.wrap_socket(httpd.socket, server_side=True)
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     Recorder.seen = []
-    server = f"https://127.0.0.1:{httpd.server_address[1]}"
+    try:
+        yield f"https://127.0.0.1:{httpd.server_address[1]}"
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+def test_https_trusts_the_kubeconfig_ca_only(tmp_path: Path) -> None:
+    cert, key = make_cert(tmp_path)
     pem = Path(cert).read_bytes()
     user = {
-        "client-certificate-data": base64.b64encode(pem).decode(),
-        "client-key-data": base64.b64encode(Path(key).read_bytes()).decode(),
+        "client-certificate-data": b64(pem),
+        "client-key-data": b64(Path(key).read_bytes()),
         "token": "t1",
     }
-    try:
+    with tls_server(cert, key) as server:
         with_ca = kubeconfig(
-            tmp_path,
-            {"server": server, "certificate-authority-data": base64.b64encode(pem).decode()},
-            user,
+            tmp_path, {"server": server, "certificate-authority-data": b64(pem)}, user
         )
-        connection = connect(str(with_ca))
-        trusted = connection.pool.connection_pool_kw["ssl_context"].cert_store_stats()
+        api_connection = connect(str(with_ca))
+        trusted = api_connection.pool.connection_pool_kw["ssl_context"].cert_store_stats()
         assert trusted["x509_ca"] == 1  # the cluster's CA, no public ones
-        assert KubeApi(connection).request("GET", "/apis/x") == {"ok": True}
+        assert KubeApi(api_connection).request("GET", "/apis/x") == {"ok": True}
         assert Recorder.seen == [("GET", "/apis/x", "Bearer t1", b"")]
 
         without_ca = kubeconfig(tmp_path, {"server": server}, user)
         with pytest.raises(urllib3.exceptions.MaxRetryError, match="CERTIFICATE_VERIFY_FAILED"):
             KubeApi.from_kubeconfig(str(without_ca)).request("GET", "/apis/x")
-    finally:
-        httpd.shutdown()
-        httpd.server_close()
 
 
 @pytest.mark.parametrize("user", [{"token": "secret"}, {"tokenFile": "token-file"}])

@@ -42,12 +42,6 @@ def test_nested_scopes_restore_the_outer_id(capsys: pytest.CaptureFixture[str]) 
     assert outer != inner
 
 
-def test_api_client_debug_logging_is_silenced() -> None:
-    setup_logging("text", 10)
-    assert logging.getLogger().level == logging.DEBUG
-    assert logging.getLogger("kubernetes").level == logging.WARNING  # bearer tokens
-
-
 @pytest.fixture
 def restore_logging() -> Iterator[None]:
     root = logging.getLogger()
@@ -58,7 +52,7 @@ def restore_logging() -> Iterator[None]:
         logging.getLogger(name).setLevel(level)
 
 
-LOGGERS = ("", "urllib3", "kubernetes")
+LOGGERS = ("", "urllib3")
 
 
 def unreachable_api(tmp_path: Path) -> KubeApi:
