@@ -44,14 +44,14 @@ from bench.scenarios import SliceWatcher, complete_pool, delete_node_slices, dev
 from driver.devices.model import build_pool
 from driver.devices.slices import build_slice_specs
 from driver.health.monitor import HealthMonitor
-from driver.health.recovery import RecoveryActions
+from driver.health.recovery_taints import RecoveryActions
 from driver.health.store import HealthStore
 from driver.health.xid import XidPolicy
 from driver.kube.api import KubeApi
-from driver.kube.events import NodeEvents
+from driver.kube.kube_events import NodeEvents
 from driver.kube.publisher import SLICES_PATH, SlicePublisher
-from driver.nvml.mock.backend import MockBackend
-from driver.nvml.mock.control import MockRequest
+from driver.nvml.mock.mock_backend import MockBackend
+from driver.nvml.mock.mock_control import MockRequest
 from driver.nvml.selection import select_backend
 from driver.plugin.flags import parse_options
 

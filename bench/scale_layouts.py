@@ -25,7 +25,7 @@ import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from driver.devices.documents import MIG_DIMENSIONS, parse_quantity
+from driver.devices.formatting import MIG_DIMENSIONS, parse_quantity
 from driver.devices.slices import (
     MAX_COUNTER_SETS_PER_SLICE,
     MAX_DEVICES_PER_SLICE_WITH_COUNTERS_OR_TAINTS,

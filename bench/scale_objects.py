@@ -23,8 +23,8 @@ from typing import Any
 from bench import scale_layouts
 from driver.devices.model import PoolOptions, build_pool
 from driver.devices.slices import build_slice_specs, slice_documents
-from driver.nvml.mock.backend import MockBackend
 from driver.nvml.mock.fleet import Fleet, parse_fleet
+from driver.nvml.mock.mock_backend import MockBackend
 from driver.nvml.mock.nvml import MockNvml
 
 DRIVER = "gpu.example.com"

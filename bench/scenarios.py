@@ -360,7 +360,7 @@ def xid_to_taint(
     plugin: OursPlugin, watcher: SliceWatcher, n: int, gpus: int = 8
 ) -> dict[str, Any]:
     from driver.cli.mock import submit
-    from driver.nvml.mock.control import MockRequest
+    from driver.nvml.mock.mock_control import MockRequest
 
     key = f"{DRIVER}/xid"
 

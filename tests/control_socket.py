@@ -7,7 +7,7 @@ import contextlib
 from collections.abc import Iterator
 from pathlib import Path
 
-from driver.health.control import ControlQueue
+from driver.health.control_queue import ControlQueue
 from driver.observability.status_socket import StatusSocketServer, status_socket_path
 
 

@@ -1,8 +1,8 @@
-"""A stand-in for `driver.kube.events.NodeEvents`: the Node Events posted, in order."""
+"""A stand-in for `driver.kube.kube_events.NodeEvents`: the Node Events posted, in order."""
 
 from __future__ import annotations
 
-from driver.kube.events import NodeEvent
+from driver.kube.kube_events import NodeEvent
 
 
 class RecordedNodeEvents:

@@ -72,9 +72,9 @@ from driver.devices.model import PoolDevices, PoolError, PublishedDevice, build_
 from driver.devices.slices import build_slice_documents, validate_slice_specs
 from driver.devices.table import HEADERS, device_rows, mps_note, taint_text
 from driver.errors import DriverError
+from driver.nvml.discovered import Inventory
 from driver.nvml.library import NvmlUnavailableError
 from driver.nvml.selection import select_backend
-from driver.nvml.types import Inventory
 from driver.observability.logs import stderr_handler
 from driver.plugin.settings import (
     NODE_NAME,
@@ -85,8 +85,8 @@ from driver.plugin.settings import (
     node_settings,
     read_settings,
 )
-from driver.state.instances import Held, owned_instances
 from driver.state.journal.checkpoint import Checkpoint
+from driver.state.mig_instances import Held, owned_instances
 
 log = logging.getLogger(__name__)
 

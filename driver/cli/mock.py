@@ -48,10 +48,10 @@ from driver.cli.plugin_endpoint import (
     socket_path,
 )
 from driver.cli.state_dir import STATE_DIR_ENV, default_state_dir
-from driver.nvml.recovery import ACTION_NAMES, parse_action
+from driver.nvml.recovery_action import ACTION_NAMES, parse_action
 
 if TYPE_CHECKING:  # the mock's own modules: imported by `run` only
-    from driver.nvml.mock.control import MockRequest
+    from driver.nvml.mock.mock_control import MockRequest
 
 RECOVERY_ACTION = "recovery-action"
 PROCESS = "process"
@@ -165,7 +165,7 @@ def add_parser(subcommands: Any) -> None:
 
 
 def request_from_args(args: argparse.Namespace) -> MockRequest:
-    from driver.nvml.mock.control import MockRequest
+    from driver.nvml.mock.mock_control import MockRequest
 
     return MockRequest(
         action=args.mock_action,
@@ -186,7 +186,7 @@ def submit(
 ) -> str:
     """Deliver `request` to the running plugin's status socket (`socket`, else the one
     in `state_dir`) and return its answer. Raises MockSubmitError."""
-    from driver.nvml.mock.control import MockControlError
+    from driver.nvml.mock.mock_control import MockControlError
 
     try:
         request.validate()

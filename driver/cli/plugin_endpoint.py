@@ -1,6 +1,6 @@
 """The running plugin's status socket: its /status (`gpu-dra status`, `gpu-dra health`,
 `gpu-dra inventory`) and its control requests, /control (`gpu-dra health clear`,
-`gpu-dra mock ...`; `driver.health.control` says what the plugin answers).
+`gpu-dra mock ...`; `driver.health.control_queue` says what the plugin answers).
 
 Where: `--socket`, else `status.sock` in the plugin's data directory (`--state-dir`,
 else the standard one): the same path on the node and in the plugin's pod, so
@@ -21,7 +21,7 @@ from typing import Any
 from urllib.parse import quote
 
 from driver.fileio import permission_denied
-from driver.health.recovery import KIND_RECOVERY_ACTION
+from driver.health.recovery_taints import KIND_RECOVERY_ACTION
 from driver.observability.status_socket import SOCKET_NAME, status_socket_path
 
 DEFAULT_TIMEOUT = 5.0
@@ -161,7 +161,7 @@ def _document(path: Path, body: bytes, what: str) -> dict[str, Any]:
 
 def recovery_failures(document: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """GPU UUID -> the NVML recovery action that taints it (`gpus[].failures` of a
-    /status document; `driver.health.recovery.RecoveryFailure.to_json`). Only the
+    /status document; `driver.health.recovery_taints.RecoveryFailure.to_json`). Only the
     running plugin knows them: it reads NVML, and keeps them in memory."""
     found: dict[str, dict[str, Any]] = {}
     for gpu in document.get("gpus") or []:

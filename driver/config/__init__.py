@@ -8,7 +8,7 @@ Public API:
 - `ConfigError` (permanent invalid-config DriverError with `.errors`)
 - `loads_json`, `load_yaml_documents`: loaders that keep duplicate keys detectable
 
-The decoding names (`driver.config.decode`, `driver.config.documents`) and the YAML
+The decoding names (`driver.config.decode`, `driver.config.document_checks`) and the YAML
 loader load on first use: they bring pydantic and PyYAML, which the plugin's start and
 its prepares of claims without opaque config do not need (its API client imports
 `loads_json` from here).
@@ -19,7 +19,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-from driver.config.errors import ConfigError, FieldError
+from driver.config.config_error import ConfigError, FieldError
 from driver.config.gpu import (
     API_VERSION,
     KIND,
@@ -37,7 +37,7 @@ from driver.config.resolve import request_matches, resolve_configs
 
 if TYPE_CHECKING:
     from driver.config.decode import decode_gpu_config, gpu_config_errors
-    from driver.config.documents import (
+    from driver.config.document_checks import (
         CONFIG_LIST_PATHS,
         config_list_of,
         is_checked_document,
@@ -50,12 +50,12 @@ if TYPE_CHECKING:
 _LAZY_MODULES = {
     "decode_gpu_config": "driver.config.decode",
     "gpu_config_errors": "driver.config.decode",
-    "CONFIG_LIST_PATHS": "driver.config.documents",
-    "config_list_of": "driver.config.documents",
-    "is_checked_document": "driver.config.documents",
-    "validate_claim_document": "driver.config.documents",
-    "validate_configs": "driver.config.documents",
-    "validate_object_configs": "driver.config.documents",
+    "CONFIG_LIST_PATHS": "driver.config.document_checks",
+    "config_list_of": "driver.config.document_checks",
+    "is_checked_document": "driver.config.document_checks",
+    "validate_claim_document": "driver.config.document_checks",
+    "validate_configs": "driver.config.document_checks",
+    "validate_object_configs": "driver.config.document_checks",
     "load_yaml_documents": "driver.config.yaml_loader",
 }
 

@@ -12,7 +12,7 @@ from typing import Final
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from driver.config.errors import ConfigError, FieldError
+from driver.config.config_error import ConfigError, FieldError
 from driver.config.gpu import (
     API_VERSION,
     DEFAULT_PARTITION_COUNT,

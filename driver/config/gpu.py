@@ -51,7 +51,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
-from driver.config.errors import ConfigError
+from driver.config.config_error import ConfigError
 from driver.config.loader import join_path
 
 GROUP: Final = "gpu.resource.example.com"

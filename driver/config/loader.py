@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 from typing import Any, Final
 
-from driver.config.errors import FieldError
+from driver.config.config_error import FieldError
 
 
 class KeyTrackingDict(dict[Any, Any]):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 from typing import Final
 
-from driver.devices.documents import parse_quantity
+from driver.devices.formatting import parse_quantity
 
 MAX_ACTIVE_THREAD_PERCENTAGE: Final = 100
 MIB: Final = 1 << 20

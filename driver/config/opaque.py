@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
-from driver.config.errors import FieldError
+from driver.config.config_error import FieldError
 from driver.config.loader import join_path
 
 if TYPE_CHECKING:

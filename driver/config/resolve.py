@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Final
 
-from driver.config.errors import ConfigError, FieldError
+from driver.config.config_error import ConfigError, FieldError
 from driver.config.gpu import GpuConfig, default_gpu_config
 from driver.config.loader import join_path
 from driver.config.opaque import driver_entries, entry_config

@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from driver.nvml.types import GpuInfo, Inventory
+from driver.nvml.discovered import GpuInfo, Inventory
 
 
 class MigMode(enum.StrEnum):

@@ -21,9 +21,9 @@ from collections import Counter
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
-from driver.devices.documents import MIG_DIMENSIONS, counters, quantity
-from driver.devices.types import PublishedDevice
-from driver.nvml.types import GpuInfo, PartitionProfile
+from driver.devices.device_types import PublishedDevice
+from driver.devices.formatting import MIG_DIMENSIONS, counters, quantity
+from driver.nvml.discovered import GpuInfo, PartitionProfile
 
 MEMORY_SLICE_PREFIX = "memory-slice-"
 

@@ -4,7 +4,7 @@ Device documents are resource.k8s.io/v1 `Device` dicts (bare attribute keys live
 the driver's domain). Per GPU, one of:
 
 - MIG mode on (and `gpu_partitions` 0): MIG partitions sharing the GPU's counter
-  set, dynamic or static by `--mig-strategy` (driver/devices/mig.py, docs/mig.md);
+  set, dynamic or static by `--mig-strategy` (driver/devices/mig_devices.py, docs/mig.md);
 - `gpu_partitions=N` (the Go reference's --gpu-partitions): per GPU a counter set
   `gpu-<i>-counters` {memory, compute}, N devices `gpu-<i>-partition-<j>` of equal size
   (time-shared, attribute `isolated: false`) and `gpu-<i>-full`;
@@ -22,8 +22,14 @@ from collections.abc import Set
 from dataclasses import dataclass, field
 from typing import Any
 
-from driver.devices import mig, mig_counters
-from driver.devices.documents import (
+from driver.devices import mig_counters, mig_devices
+from driver.devices.device_types import (
+    DEFAULT_DRIVER_NAME,
+    MigStrategy,
+    PoolOptions,
+    PublishedDevice,
+)
+from driver.devices.formatting import (
     binary_quantity,
     bool_attr,
     decimal_quantity,
@@ -35,13 +41,7 @@ from driver.devices.documents import (
     string_attr,
     version_attr,
 )
-from driver.devices.types import (
-    DEFAULT_DRIVER_NAME,
-    MigStrategy,
-    PoolOptions,
-    PublishedDevice,
-)
-from driver.nvml.types import GpuInfo, Inventory
+from driver.nvml.discovered import GpuInfo, Inventory
 
 __all__ = [
     "DEFAULT_DRIVER_NAME",
@@ -274,7 +274,7 @@ def _mig_gpu(
             "-dci and -dgi) or use --mig-strategy=auto, which publishes exactly them"
         )
     if strategy is MigStrategy.STATIC or (strategy is MigStrategy.AUTO and foreign):
-        devices, skipped = mig.static_partitions(gpu, attrs, owned)
+        devices, skipped = mig_devices.static_partitions(gpu, attrs, owned)
         notes = [f"GPU {gpu.minor} ({gpu.uuid}): {why}; not published" for why in skipped]
         if not devices:
             notes.append(
@@ -282,15 +282,15 @@ def _mig_gpu(
                 "and --mig-strategy=static: nothing of it is published"
             )
         return devices, "static", notes
-    unknown = mig.unselected_profiles(gpu, options.mig_profiles)
+    unknown = mig_devices.unselected_profiles(gpu, options.mig_profiles)
     if unknown:
         offered = ", ".join(p.name for p in gpu.partition_profiles)
         raise PoolError(
             f"--mig-profiles: GPU {gpu.minor} ({gpu.product_name}, {gpu.uuid}) has no MIG "
             f"profile {', '.join(unknown)}; its profiles: {offered}"
         )
-    whole = mig.whole_gpu(gpu, attrs, _base_capacity(gpu), gpu_max_partitions(gpu))
-    partitions = mig.dynamic_partitions(gpu, attrs, options.mig_profiles)
+    whole = mig_devices.whole_gpu(gpu, attrs, _base_capacity(gpu), gpu_max_partitions(gpu))
+    partitions = mig_devices.dynamic_partitions(gpu, attrs, options.mig_profiles)
     return ([whole] if whole is not None else []) + partitions, "dynamic", []
 
 

@@ -12,7 +12,7 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from driver.devices.documents import parse_quantity
+from driver.devices.formatting import parse_quantity
 from driver.devices.model import PoolDevices
 
 API_VERSION = "resource.k8s.io/v1"

@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from driver.devices.documents import binary_quantity
+from driver.devices.formatting import binary_quantity
 from driver.devices.gpu_view import GpuView, gpu_views
 from driver.devices.model import (
     MPS_ISOLATION_ATTRIBUTE,
@@ -35,7 +35,7 @@ from driver.devices.model import (
     PoolDevices,
     PublishedDevice,
 )
-from driver.nvml.types import Inventory
+from driver.nvml.discovered import Inventory
 
 HEADERS = (
     "DEVICE",

@@ -1,4 +1,4 @@
-"""`clear`, a control request (`driver.health.control`): an operator repaired a GPU or a
+"""`clear`, a control request (`driver.health.control_queue`): an operator repaired a GPU or a
 MIG partition.
 
 `gpu-dra health clear <device>` asks the running plugin, which applies it itself (the
@@ -18,7 +18,7 @@ Request (`POST /control/clear`): `{"device": "<name or GPU UUID>", "dryRun": boo
   clear is refused when they changed meanwhile (a new Xid since the preview).
 
 A clear forgets only the health store's failures: a taint of NVML's recovery action
-(`driver.health.recovery`) stays on every device of the GPU until NVML reports no
+(`driver.health.recovery_taints`) stays on every device of the GPU until NVML reports no
 action. The plan names it (`keptTaint`), and so do the answers and the Event.
 
 After a clear the slices are republished and the answer says whether the API server
@@ -35,7 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from driver.health.control import ControlError, ControlQueue
+from driver.health.control_queue import ControlError, ControlQueue
 from driver.health.failures import (
     Devices,
     GpuFailure,

@@ -16,7 +16,7 @@ UNKNOWN_GPU = "unknown"  # the device label of a GPU discovery did not name
 
 
 class RecoveryTaints(Protocol):
-    """What the metrics need of `driver.health.recovery.RecoveryActions`."""
+    """What the metrics need of `driver.health.recovery_taints.RecoveryActions`."""
 
     def device_failure(self, device_name: str) -> object | None: ...
 

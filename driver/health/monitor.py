@@ -16,7 +16,7 @@ the instance is gone already (or the lookup fails), the whole GPU is failed: a
 fatal error must never be dropped for want of an address.
 
 The monitor also applies the plugin's control requests (`control`, a
-`driver.health.control.ControlQueue`, which the status socket hands them to): it takes
+`driver.health.control_queue.ControlQueue`, which the status socket hands them to): it takes
 them before every event wait, and refuses those still pending on `stop()`. It accepts
 `clear` (`driver.health.clear`, `gpu-dra health clear`) and the `control_actions` it
 is given: the plugin passes its backend's (`NvmlBackend.control_actions`; the mock's
@@ -39,14 +39,14 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Protocol
 
 from driver.health.clear import ClearAction, Publisher
-from driver.health.control import ControlQueue, Handler
+from driver.health.control_queue import ControlQueue, Handler
 from driver.health.gpu_metrics import (
     GpuHealthMetrics,
     published_gpu_names,
     tainted_device_names,
 )
 from driver.health.node_events import EventSink, TaintEvents
-from driver.health.recovery import RecoveryActions, RecoveryChange, recovery_event
+from driver.health.recovery_taints import RecoveryActions, RecoveryChange, recovery_event
 from driver.health.store import Devices, HealthStore, Placement, device_list
 from driver.health.unmonitored import UnmonitoredGpus
 from driver.health.xid import (
@@ -54,7 +54,7 @@ from driver.health.xid import (
     XidPolicy,
     attributed_instance,
 )
-from driver.nvml.types import HealthEvent, MigInstance
+from driver.nvml.discovered import HealthEvent, MigInstance
 from driver.observability import metrics
 
 log = logging.getLogger(__name__)
@@ -80,7 +80,7 @@ RECORDED_CAUSE = "a new failure was recorded"  # a record never removes a taint
 
 
 class NodeEventSink(EventSink, Protocol):
-    """`driver.kube.events.NodeEvents`, started and stopped with the monitor."""
+    """`driver.kube.kube_events.NodeEvents`, started and stopped with the monitor."""
 
     def start(self) -> None: ...
     def stop(self, timeout: float = 5.0) -> None: ...

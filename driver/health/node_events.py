@@ -22,7 +22,7 @@ from typing import Protocol
 
 from driver.health.failures import Devices, GpuFailure, HealthDevice, device_list
 from driver.health.store import HealthStore
-from driver.kube.events import NodeEvent
+from driver.kube.kube_events import NodeEvent
 
 REASON_TAINTED = "GpuTainted"
 REASON_CLEARED = "GpuTaintCleared"
@@ -30,14 +30,14 @@ NAMES_SHOWN = 5
 
 
 class TaintingAction(Protocol):
-    """What the health code needs of `driver.health.recovery.RecoveryFailure`."""
+    """What the health code needs of `driver.health.recovery_taints.RecoveryFailure`."""
 
     def taint(self, driver: str) -> dict[str, str] | None: ...
     def message(self) -> str: ...
 
 
 class RecoveryTaints(Protocol):
-    """What the health code needs of `driver.health.recovery.RecoveryActions`."""
+    """What the health code needs of `driver.health.recovery_taints.RecoveryActions`."""
 
     @property
     def driver(self) -> str: ...
@@ -58,7 +58,7 @@ def kept_taint(recovery: RecoveryTaints | None, gpu_uuid: str) -> str | None:
 
 
 class EventSink(Protocol):
-    """What the health code needs of `driver.kube.events.NodeEvents`."""
+    """What the health code needs of `driver.kube.kube_events.NodeEvents`."""
 
     def post(self, event: NodeEvent) -> None: ...
 

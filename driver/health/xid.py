@@ -22,7 +22,7 @@ import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from driver.nvml.types import HealthEvent
+from driver.nvml.discovered import HealthEvent
 
 DEFAULT_IGNORED_XIDS: frozenset[int] = frozenset({13, 31, 43, 45, 68, 109})
 ALL = "all"

@@ -2,7 +2,7 @@
 
 One pool per node, owned by the Node object, written by one plugin instance at a time:
 while `may_write()` is false (a newer instance serves the node during a rolling update,
-`driver.plugin.instances`) the publisher writes nothing and its reconciles wait for a
+`driver.plugin.serving_instance`) the publisher writes nothing and its reconciles wait for a
 `trigger()`. A watch on the driver's slices of this
 node triggers a reconcile, so slices deleted by someone else (the kubelet wipes a
 node's slices when it starts) come back by themselves. A reconcile that finds nothing

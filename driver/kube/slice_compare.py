@@ -8,7 +8,7 @@ import copy
 from decimal import Decimal
 from typing import Any
 
-from driver.devices.documents import parse_quantity
+from driver.devices.formatting import parse_quantity
 from driver.kube.api import JSON
 
 

@@ -3,7 +3,7 @@
 `NvmlBackend(module)` takes the real `pynvml` module (or a pynvml-compatible one) and
 only calls functions that exist in real pynvml (tests/unit/test_pynvml_contract.py
 checks names and signatures). Discovery lives in `driver.nvml.discovery`, the health
-event set in `driver.nvml.events`, the recovery action in `driver.nvml.recovery`, the
+event set in `driver.nvml.health_events`, the recovery action in `driver.nvml.recovery_action`, the
 counted calls in `driver.nvml.calls` and loading the library in
 `driver.nvml.library`, a GPU's compute processes in `driver.nvml.processes` and its
 per-cgroup memory limits in `driver.nvml.memory_limits`; this module puts them
@@ -22,23 +22,23 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from driver.nvml.calls import CountingModule
+from driver.nvml.discovered import HealthEvent, Inventory
 from driver.nvml.discovery import discover_inventory
-from driver.nvml.events import HealthEventSet
+from driver.nvml.health_events import HealthEventSet
 from driver.nvml.memory_limits import GpuMemoryLimits
-from driver.nvml.mig import MigManager
+from driver.nvml.mig_manager import MigManager
 from driver.nvml.mps import MpsControl
 from driver.nvml.processes import GpuProcesses, ProcessReader
-from driver.nvml.recovery import RecoveryActionReader, RecoveryReading
-from driver.nvml.timeslice import NvidiaSmiTimeSlice
-from driver.nvml.types import HealthEvent, Inventory
+from driver.nvml.recovery_action import RecoveryActionReader, RecoveryReading
+from driver.nvml.smi_timeslice import NvidiaSmiTimeSlice
 
 if TYPE_CHECKING:
-    from driver.state.timeslice import TimeSliceOps
+    from driver.state.claim_timeslices import TimeSliceOps
 
 log = logging.getLogger(__name__)
 
-# A control action's handler (`driver.health.control.Handler`): the request's JSON
-# object -> the answer's fields; raises `driver.health.control.ControlError` to refuse.
+# A control action's handler (`driver.health.control_queue.Handler`): the request's JSON
+# object -> the answer's fields; raises `driver.health.control_queue.ControlError` to refuse.
 ControlHandler = Callable[[dict[str, Any]], dict[str, Any]]
 MigInstances = Callable[[str], Iterable[Any]]  # GPU UUID -> its live GPU instances
 
@@ -91,7 +91,7 @@ class NvmlBackend:
         return control if control.available() else None
 
     def control_actions(self, devices: Any) -> Mapping[str, ControlHandler]:
-        """The control actions this backend adds to the plugin's (`driver.health.control`)
+        """The control actions this backend adds to the plugin's (`driver.health.control_queue`)
         for the published `devices`: none on real NVML."""
         return {}
 
@@ -122,7 +122,7 @@ class NvmlBackend:
         return self._events.unmonitored
 
     def recovery_actions(self, uuids: Iterable[str]) -> list[RecoveryReading]:
-        """NVML's recovery action of each GPU (`driver.nvml.recovery`)."""
+        """NVML's recovery action of each GPU (`driver.nvml.recovery_action`)."""
         return self._recovery.read(uuids)
 
     def gpu_processes(self, gpu_uuid: str) -> GpuProcesses:

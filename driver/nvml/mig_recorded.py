@@ -16,7 +16,7 @@ from typing import Any
 from driver.nvml.calls import is_nvml_error
 from driver.nvml.mig_listing import compute_instances, is_mig_device
 
-log = logging.getLogger("driver.nvml.mig")
+log = logging.getLogger("driver.nvml.mig_manager")
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ from typing import Final
 
 from driver.errors import transient
 from driver.nvml.library import LIBRARY_DIRS
-from driver.nvml.timeslice import BINARY_DIRS
+from driver.nvml.smi_timeslice import BINARY_DIRS
 
 log = logging.getLogger(__name__)
 

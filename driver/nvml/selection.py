@@ -35,7 +35,7 @@ def select_backend(
     accident on a real GPU node.
     """
     if mock:
-        from driver.nvml.mock.backend import mock_backend  # the only way to the mock
+        from driver.nvml.mock.mock_backend import mock_backend  # the only way to the mock
 
         return mock_backend(fleet_path, node_name, mock_driver_root)
     try:

@@ -8,7 +8,7 @@ any of these paths:
 - `GET /healthz`.
 - `GET /control` and `POST /control/<action>`: the plugin's control requests
   (`gpu-dra health clear`, and on the mock backend `gpu-dra mock ...`), handed to
-  `control` (`driver.health.control.ControlQueue.respond`, whose docstring gives the
+  `control` (`driver.health.control_queue.ControlQueue.respond`, whose docstring gives the
   requests and answers); 404 where the server has no `control`.
 
 Served by the same bounded server as the HTTP port (`driver.observability.bounded_http`),
@@ -18,7 +18,7 @@ one until the health monitor applied it, and /status is rendered at most once a
 second while requests wait.
 
 During a rolling update the socket belongs to the plugin instance that serves the node
-(`ServingStatusSocket`, driver.plugin.instances): an instance binds it each time it
+(`ServingStatusSocket`, driver.plugin.serving_instance): an instance binds it each time it
 starts serving, replacing the other's, and one that never serves (a new pod the
 kubelet never registers) never binds it.
 """

@@ -130,7 +130,7 @@ def _outcome(error: DriverError | None) -> str:
 class DraService:
     """One implementation, registered under both the v1 and v1beta1 service names.
     `serving_instead()` names the newer plugin instance that serves the node when
-    this one has yielded to it (driver.plugin.instances), else None: a yielded
+    this one has yielded to it (driver.plugin.serving_instance), else None: a yielded
     instance prepares nothing, since the claims it is asked for may have been
     allocated against what the newer one published; its answer is an error the
     kubelet retries, and the retry reaches the newer instance."""

@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from driver.health.recovery import DEFAULT_POLL_SECONDS
+from driver.health.recovery_taints import DEFAULT_POLL_SECONDS
 from driver.observability.logs import DAEMON_VERBOSITY, VERBOSITY_HELP
 from driver.plugin import settings as s
 from driver.plugin.setting_values import boolean, integer

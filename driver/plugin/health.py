@@ -21,7 +21,7 @@ from typing import Any
 
 import grpc
 
-from driver.health.recovery import RecoveryActions
+from driver.health.recovery_taints import RecoveryActions
 from driver.health.store import Devices, HealthStore, device_list
 from driver.proto.dra_health.v1 import api_pb2 as v1
 from driver.proto.dra_health.v1 import api_pb2_grpc as v1_grpc

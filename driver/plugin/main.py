@@ -22,13 +22,13 @@ from driver.fileio import UnsafeFileError, remove_durably, sweep_temp_files
 from driver.health.monitor import HealthMonitor
 from driver.health.mps_escapes import MpsEscapes, claim_pods_from
 from driver.health.prepare_health import KubeDeviceHealth, NoDeviceHealth
-from driver.health.recovery import RecoveryActions, RecoveryAwareHealth, RecoveryPoller
+from driver.health.recovery_taints import RecoveryActions, RecoveryAwareHealth, RecoveryPoller
 from driver.health.store import HealthStore
 from driver.health.unmonitored import UnmonitoredGpus
 from driver.health.xid import XidPolicy
 from driver.kube.api import KubeApi
 from driver.kube.claims import ApiClaimReader, ClaimEvents, ClaimFailureReporter
-from driver.kube.events import NodeEvents
+from driver.kube.kube_events import NodeEvents
 from driver.kube.publisher import SlicePublisher
 from driver.nvml.library import NvmlUnavailableError
 from driver.nvml.selection import select_backend
@@ -45,17 +45,17 @@ from driver.observability.status_socket import (
 from driver.plugin.dra import add_dra_services
 from driver.plugin.flags import PluginOptions, package_version, parse_options
 from driver.plugin.health import add_health_services
-from driver.plugin.instances import InstanceLock, Succession
 from driver.plugin.mps_setup import mps_daemons, mps_others, watch_mps_daemons
 from driver.plugin.node_overrides import NodeLabelRead
 from driver.plugin.node_status import PluginStatus, export_gpus, export_journal
-from driver.plugin.readiness import Readiness
-from driver.plugin.status import (
+from driver.plugin.plugin_status import (
     Healthz,
     describe_recovery,
     export_checkpoint_state,
     health_report,
 )
+from driver.plugin.readiness import Readiness
+from driver.plugin.serving_instance import InstanceLock, Succession
 from driver.plugin.toolkit_config import check_toolkit_config, report_toolkit_check
 from driver.plugin.transport.registration import DRA_SERVICES, HEALTH_SERVICES, RegistrationServicer
 from driver.plugin.transport.serving import BuiltServer, SocketServer, SocketWatcher, new_server

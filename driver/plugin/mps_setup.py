@@ -17,7 +17,7 @@ from pathlib import Path
 
 from driver.kube.api import KubeApi
 from driver.kube.claims import ClaimEvents
-from driver.kube.events import NodeEvent, NodeEvents
+from driver.kube.kube_events import NodeEvent, NodeEvents
 from driver.kube.mps_daemons import KubeDaemons
 from driver.kube.mps_manifest import DaemonPodSettings
 from driver.nvml.backend import NvmlBackend

@@ -24,13 +24,13 @@ from driver.devices.gpu_view import GpuView, MigMode
 from driver.health.clear import record_json
 from driver.health.failures import HealthDevice
 from driver.health.gpu_metrics import tainted_device_names
-from driver.health.recovery import RecoveryActions
+from driver.health.recovery_taints import RecoveryActions
 from driver.health.store import HealthStore
 from driver.health.unmonitored import UnmonitoredGpus
 from driver.kube.publisher import RESYNC_SECONDS, PublisherStats
 from driver.observability import metrics
-from driver.plugin.instances import Succession, default_holder
 from driver.plugin.journal_summary import JournalReader, JournalSummary
+from driver.plugin.serving_instance import Succession, default_holder
 from driver.plugin.toolkit_config import ToolkitCheck
 from driver.state.journal.checkpoint import Checkpoint
 from driver.state.mps_watch import MpsCheck

@@ -7,8 +7,8 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
-from driver.devices.documents import profile_label
-from driver.devices.types import MigStrategy
+from driver.devices.device_types import MigStrategy
+from driver.devices.formatting import profile_label
 from driver.health.xid import TAINT_EFFECTS, parse_taint_effect, parse_xid_list
 from driver.plugin.host_inputs import check_driver_name, check_path
 from driver.state.verdicts import parse_permanent_errors

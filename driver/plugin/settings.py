@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from driver.devices.types import MigStrategy, PoolOptions
+from driver.devices.device_types import MigStrategy, PoolOptions
 from driver.health.xid import TAINT_EFFECTS
 from driver.plugin import setting_values as v
 from driver.plugin.setting_values import MIG_STRATEGIES

@@ -18,8 +18,8 @@ from dataclasses import replace
 from driver.errors import DriverError, transient
 from driver.failpoints import failpoint
 from driver.state.context import StepContext
-from driver.state.instances import Place, other_entries
 from driver.state.journal.checkpoint import ClaimEntry, PreparedDevice
+from driver.state.mig_instances import Place, other_entries
 from driver.state.plan import PREPARE_STARTED, Batch, Work, claim_failure, devices_of, fail_work
 from driver.state.request import PrepareResult
 
@@ -111,7 +111,7 @@ def _note_occupants(
 ) -> list[Work]:
     """Each MIG intent records the instances already at its placement (normally none)
     before it is journaled: a rollback destroys only an instance that was not there
-    (driver/state/instances.py). After `_roll_back_found`, whose destroys free ids a
+    (driver/state/mig_instances.py). After `_roll_back_found`, whose destroys free ids a
     create may reuse. A claim whose GPU cannot be read fails; its found entry, rolled
     back, goes with it."""
     seen: dict[Place, tuple[int, ...]] = {}

@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from decimal import Decimal
 
-from driver.devices.documents import parse_quantity
+from driver.devices.formatting import parse_quantity
 from driver.errors import DriverError, ErrorClass, transient
 from driver.state.journal.checkpoint import ClaimEntry, HardwareRecord, PreparedDevice
 from driver.state.request import PreparableDevice

@@ -23,10 +23,11 @@ from driver.cdi.claim_specs import CdiSpecs
 from driver.cdi.common_spec import CommonSpec
 from driver.cdi.driver_edits import DriverRoot
 from driver.errors import DriverError, ErrorClass
+from driver.state.claim_timeslices import ClaimTimeSlices, TimeSliceOps
 from driver.state.draining import InFlight
-from driver.state.instances import ClaimInstances, MigOps
 from driver.state.journal.checkpoint import Checkpoint, CheckpointCorruptError, ClaimEntry
 from driver.state.journal.locking import ClaimLocks, SerializeLock
+from driver.state.mig_instances import ClaimInstances, MigOps
 from driver.state.mps.claim_daemons import ClaimMps
 from driver.state.mps.daemons import MpsDaemons, MpsOps, NodeDaemons
 from driver.state.request import (
@@ -38,7 +39,6 @@ from driver.state.request import (
     PrepareResult,
 )
 from driver.state.spec_render import CdiContext
-from driver.state.timeslice import ClaimTimeSlices, TimeSliceOps
 from driver.state.verdicts import (
     DEFAULT_PERMANENT_ERRORS,
     DEFAULT_VERDICT_LIMIT,

@@ -35,11 +35,11 @@ from driver.config import (
 from driver.errors import DriverError, transient
 from driver.state.booking import HeldError, hardware_of, refuse_double_booking, refuse_over_capacity
 from driver.state.context import StepContext
-from driver.state.instances import owns_mig
 from driver.state.journal.checkpoint import ClaimEntry, ClaimState, MigRecord, PreparedDevice
 from driver.state.journal.journal_entries import unprepare_begun
 from driver.state.journal.locking import ClaimHolds
 from driver.state.journal.timeslice_record import TimeSliceRecord
+from driver.state.mig_instances import owns_mig
 from driver.state.mps.claim_daemons import MpsSite, plan_mps
 from driver.state.mps.prepared_limits import allotment, mps_limits
 from driver.state.request import ClaimRef, PreparableDevice, PrepareResult
@@ -89,7 +89,7 @@ def _no_time_slice(device: PreparableDevice, admin: bool) -> str | None:
 
 
 def _time_slice(config: GpuConfig, device: PreparableDevice, admin: bool) -> TimeSliceRecord | None:
-    """The interval to set on the device's GPU (driver/state/timeslice.py): TimeSlicing
+    """The interval to set on the device's GPU (driver/state/claim_timeslices.py): TimeSlicing
     with a non-Default interval, on a device that can take one (`_no_time_slice`)."""
     interval = config.interval
     if interval is None or interval is Interval.DEFAULT or _no_time_slice(device, admin):

@@ -37,12 +37,12 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from driver.errors import DriverError, transient
-from driver.nvml.types import Inventory
+from driver.nvml.discovered import Inventory
 from driver.observability import metrics
 from driver.state import apply, commit, plan, teardown
 from driver.state.context import StepContext
-from driver.state.instances import Held, owned_instances
 from driver.state.journal.checkpoint import CheckpointCorruptError, ClaimEntry
+from driver.state.mig_instances import Held, owned_instances
 from driver.state.plan import Batch, Deferred, Todo, Work, as_transient
 from driver.state.recovery import startup_recovery
 from driver.state.recovery.startup_recovery import RecoveryReport

@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from driver.devices.types import MigBacking
+from driver.devices.device_types import MigBacking
 from driver.errors import DriverError, device_failed, transient
 from driver.state.journal.checkpoint import PreparedDevice
 
@@ -67,7 +67,7 @@ class FailureReporter(Protocol):
 
 
 class PreparableDevice(Protocol):
-    """What prepare needs of a published device (`driver.devices.types.PublishedDevice`)."""
+    """What prepare needs of a published device (`driver.devices.device_types.PublishedDevice`)."""
 
     @property
     def name(self) -> str: ...

@@ -4,7 +4,7 @@ Start-up recovery lives in driver/state/recovery/startup_recovery.py.
 
 Failures are per claim: a claim whose MIG device or spec cannot be handled gets its
 own transient error and keeps its entry; the other claims of the request go on. A MIG
-device on a lost GPU counts as destroyed (driver/state/instances.py; docs/mig.md, "A
+device on a lost GPU counts as destroyed (driver/state/mig_instances.py; docs/mig.md, "A
 lost GPU")."""
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ from dataclasses import dataclass, field, replace
 from driver.errors import DriverError, transient
 from driver.failpoints import failpoint
 from driver.state.context import StepContext
-from driver.state.instances import other_entries, owns_mig
 from driver.state.journal.boot import boot_id
 from driver.state.journal.checkpoint import CheckpointCorruptError, ClaimEntry, ClaimState
 from driver.state.journal.journal_entries import unprepare_begun
 from driver.state.journal.locking import ClaimHolds
+from driver.state.mig_instances import other_entries, owns_mig
 from driver.state.request import ClaimRef, unique
 
 log = logging.getLogger(__name__)

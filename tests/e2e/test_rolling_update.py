@@ -28,7 +28,7 @@ from typing import Any
 
 import yaml
 
-from driver.plugin.instances import POLL_SECONDS
+from driver.plugin.serving_instance import POLL_SECONDS
 from tests.e2e.conftest import DEMO, DRIVER, E2E, NAMESPACE, helm_upgrade, install_chart, wait_for
 
 SELECTOR = "app.kubernetes.io/component=kubeletplugin"

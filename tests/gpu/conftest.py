@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 
 from driver.nvml.backend import NvmlBackend
+from driver.nvml.discovered import GpuInfo, Inventory
 from driver.nvml.library import NvmlUnavailableError
-from driver.nvml.types import GpuInfo, Inventory
 from tests.gpu.gates import Gate, TierGates, summary_lines
 from tests.gpu.node import host_backend
 

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from driver.devices.model import MigStrategy, foreign_instances
-from driver.nvml.types import GpuInfo, Inventory, PartitionProfile
+from driver.nvml.discovered import GpuInfo, Inventory, PartitionProfile
 
 MIG_OFF_HINT = (
     "MIG tests need a GPU an administrator put in MIG mode (this suite never changes MIG mode)"

@@ -15,9 +15,9 @@ from typing import Any
 from driver.cdi.driver_edits import DriverRoot
 from driver.devices.model import MigStrategy, PoolDevices, PoolOptions, build_pool
 from driver.nvml.backend import NvmlBackend
+from driver.nvml.discovered import MigInstance
 from driver.nvml.selection import select_backend
-from driver.nvml.types import MigInstance
-from driver.state.instances import MigOps
+from driver.state.mig_instances import MigOps
 from driver.state.mps.daemons import MpsDaemons
 from driver.state.prepare import DeviceState
 from driver.state.recovery.startup_recovery import RecoveryReport

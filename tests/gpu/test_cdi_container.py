@@ -16,7 +16,7 @@ from typing import Any
 
 from driver.cdi.driver_edits import DriverRoot
 from driver.nvml.backend import NvmlBackend
-from driver.nvml.types import GpuInfo
+from driver.nvml.discovered import GpuInfo
 from tests import cdi_bundle
 from tests.gpu import containers
 from tests.gpu.node import open_node

@@ -19,8 +19,8 @@ import pytest
 
 from driver.nvml.backend import NvmlBackend
 from driver.nvml.cgroups import DEFAULT_CGROUP_ROOT
+from driver.nvml.discovered import GpuInfo
 from driver.nvml.memory_limits import GpuMemoryLimits, MemoryLimitError
-from driver.nvml.types import GpuInfo
 
 REPO = Path(__file__).resolve().parents[2]
 GIB = 1 << 30

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from driver.nvml.backend import NvmlBackend
-from driver.nvml.types import GpuInfo
+from driver.nvml.discovered import GpuInfo
 from tests.gpu import mig_scenarios
 from tests.gpu.crash_child import CRASH_POINTS
 from tests.gpu.gates import TierGates

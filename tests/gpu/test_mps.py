@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from driver.nvml.discovered import GpuInfo
 from driver.nvml.mps import MpsControl
-from driver.nvml.types import GpuInfo
 from driver.state.journal.checkpoint import PreparedDevice
 from driver.state.journal.mps_record import MpsRecord
 from driver.state.mps.claim_daemons import ClaimMps

@@ -32,8 +32,8 @@ import pytest
 from driver.cdi.device_nodes import CharMajors
 from driver.cdi.driver_edits import DriverRoot
 from driver.nvml.backend import NvmlBackend
+from driver.nvml.discovered import GpuInfo
 from driver.nvml.mps import DaemonId, MpsControl
-from driver.nvml.types import GpuInfo
 from driver.state.mps.daemons import NodeDaemons
 from driver.state.request import ClaimRef
 from tests import cdi_bundle

@@ -16,8 +16,8 @@ import sys
 import time
 from pathlib import Path
 
+from driver.nvml.discovered import GpuInfo
 from driver.nvml.mps import DaemonDirs, MpsControl
-from driver.nvml.types import GpuInfo
 from tests.gpu.mps_gate import compute_mode, require_mps
 
 ROOT = Path(os.environ.get("NVIDIA_DRIVER_ROOT") or "/")

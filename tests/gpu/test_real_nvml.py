@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 
 from driver.nvml.backend import NvmlBackend
-from driver.nvml.mig import MigError, MigTarget
-from driver.nvml.types import GpuInfo, Inventory
+from driver.nvml.discovered import GpuInfo, Inventory
+from driver.nvml.mig_manager import MigError, MigTarget
 from tests.gpu.node import open_node
 
 

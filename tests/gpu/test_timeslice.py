@@ -1,5 +1,5 @@
 """The time-slice interval set with the host's nvidia-smi, as the driver runs it for a
-claim's TimeSlicing config (driver/nvml/timeslice.py): the same argv, the driver root's
+claim's TimeSlicing config (driver/nvml/smi_timeslice.py): the same argv, the driver root's
 binary and NVML library. The GPU is left at `Default`, the interval it had."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from driver.errors import DriverError
-from driver.nvml.timeslice import NvidiaSmiTimeSlice
-from driver.nvml.types import GpuInfo
+from driver.nvml.discovered import GpuInfo
+from driver.nvml.smi_timeslice import NvidiaSmiTimeSlice
 from tests.nvml_probe import UNKNOWN_GPU_UUID
 
 

@@ -194,7 +194,7 @@ def test_the_plugins_own_events_pass(cluster: Any, events_policy: Any) -> None:
     from driver.errors import invalid_config
     from driver.kube.api import KubeApi
     from driver.kube.claims import ClaimFailureReporter
-    from driver.kube.events import EVENT_NAMESPACE, NodeEvent, NodeEvents
+    from driver.kube.kube_events import EVENT_NAMESPACE, NodeEvent, NodeEvents
 
     plugin, ns, node_a, _ = events_policy
     api = KubeApi.from_kubeconfig(str(plugin.kubeconfig))

@@ -101,7 +101,7 @@ TEST_ROLE = "mps-policy-test-update"
 class _Backend:
     """`NvmlBackend.mps` on a node with the driver's nvidia-cuda-mps-control installed:
     real NVML's control runs from the driver root it is given (--nvidia-driver-root),
-    the mock's from its own root (driver/nvml/mock/backend.py). Nothing is installed
+    the mock's from its own root (driver/nvml/mock/mock_backend.py). Nothing is installed
     here, so the binary is not looked for."""
 
     def __init__(self, options: PluginOptions) -> None:

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from driver.devices.model import build_pool
-from driver.nvml.mock.backend import MockBackend
 from driver.nvml.mock.fleet import default_fleet, parse_fleet
+from driver.nvml.mock.mock_backend import MockBackend
 from driver.nvml.mock.nvml import MockNvml
 from tests.conftest import Cluster, FakeNode
 from tests.integration.helpers import (

@@ -19,9 +19,9 @@ import pytest
 from driver.cdi.claim_specs import CdiSpecs
 from driver.failpoints import PREPARE_FAILPOINTS, UNPREPARE_FAILPOINTS
 from driver.nvml.backend import NvmlBackend
+from driver.nvml.discovered import MigInstance
 from driver.nvml.mock.fleet import default_fleet
 from driver.nvml.mock.nvml import MockNvml
-from driver.nvml.types import MigInstance
 from driver.proto.dra.v1 import api_pb2
 from driver.state.journal.checkpoint import Checkpoint, ClaimState
 from tests.conftest import Cluster, FakeNode

@@ -23,8 +23,8 @@ import pytest
 
 from driver.kube.api import KubeApi
 from driver.kube.publisher import SLICES_PATH, SlicePublisher
-from driver.plugin import instances
-from driver.plugin.instances import Succession
+from driver.plugin import serving_instance
+from driver.plugin.serving_instance import Succession
 from tests.conftest import Cluster, FakeNode
 from tests.integration.plugin_process import DRIVER
 
@@ -141,7 +141,7 @@ def test_the_newest_registered_instance_content_remains_however_the_writes_inter
     assert wait(lambda: published(api, node.name) == wanted(False, -1), 120) is not None
     baseline = time.monotonic() - started
     alone.stop()
-    bound = BOUND_FACTOR * baseline + 2 * instances.POLL_SECONDS
+    bound = BOUND_FACTOR * baseline + 2 * serving_instance.POLL_SECONDS
     print(f"\nbaseline publish {baseline:.3f}s; convergence bound {bound:.3f}s")
 
     rounds = [tmp_path / f"round-{r}" for r in range(ROUNDS)]
@@ -203,7 +203,7 @@ def one_round(
     )
     converged = time.monotonic() - registered
     # It stays: the old instance's triggers keep coming and write nothing.
-    deadline = time.monotonic() + HOLD_FACTOR * baseline + instances.POLL_SECONDS
+    deadline = time.monotonic() + HOLD_FACTOR * baseline + serving_instance.POLL_SECONDS
     while time.monotonic() < deadline:
         assert published(api, node) == wanted(True, round_), f"round {round_}"
         time.sleep(0.05)

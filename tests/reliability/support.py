@@ -24,8 +24,8 @@ from driver.devices.model import (
     build_pool,
 )
 from driver.kube.api import ApiError, KubeApi
-from driver.nvml.mock.backend import MockBackend
 from driver.nvml.mock.fleet import resolve_fleet
+from driver.nvml.mock.mock_backend import MockBackend
 from driver.nvml.mock.nvml import MockNvml
 from driver.proto.dra.v1 import api_pb2 as dra
 from driver.proto.dra.v1 import api_pb2_grpc as dra_grpc

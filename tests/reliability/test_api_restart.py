@@ -22,7 +22,7 @@ from pathlib import Path
 
 from driver.cli.mock import submit
 from driver.kube.api import KubeApi
-from driver.nvml.mock.control import MockRequest
+from driver.nvml.mock.mock_control import MockRequest
 from driver.proto.dra.v1 import api_pb2
 from tests.conftest import SCRIPT, Cluster, FakeNode
 from tests.integration.helpers import complete_pool, published_devices

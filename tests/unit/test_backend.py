@@ -11,14 +11,14 @@ import pytest
 from driver.nvml import backend as be
 from driver.nvml import selection
 from driver.nvml.calls import CountingModule
+from driver.nvml.discovered import HealthEvent
 from driver.nvml.discovery import format_cuda_driver_version, normalize_pci_bus_id
-from driver.nvml.events import HealthEventSet
+from driver.nvml.health_events import HealthEventSet
 from driver.nvml.library import NvmlUnavailableError
-from driver.nvml.mock import api as m
-from driver.nvml.mock.backend import MockBackend
+from driver.nvml.mock import mock_api as m
 from driver.nvml.mock.fleet import default_fleet, example_fleet, mock_gpu_uuid, parse_fleet
+from driver.nvml.mock.mock_backend import MockBackend
 from driver.nvml.mock.nvml import MockNvml
-from driver.nvml.types import HealthEvent
 
 
 class Faulty:

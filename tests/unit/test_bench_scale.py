@@ -19,7 +19,7 @@ from bench import scale_report as report
 from bench.scale import _int_list, _layout_list
 from bench.scale import main as scale_main
 from bench.scale_scheduler import UNTHROTTLED_SCHEDULER, parse_totals
-from driver.devices.documents import parse_quantity
+from driver.devices.formatting import parse_quantity
 from driver.devices.slices import (
     MAX_DEVICES_PER_SLICE_WITH_COUNTERS_OR_TAINTS,
     validate_slice_specs,

@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 
 from driver.devices.model import PoolOptions, PublishedDevice, build_pool
-from driver.nvml.mock.backend import MockBackend
 from driver.nvml.mock.fleet import parse_fleet
+from driver.nvml.mock.mock_backend import MockBackend
 from driver.nvml.mock.nvml import MockNvml
 from driver.state.booking import overlap, refuse_double_booking
 from driver.state.journal.checkpoint import (

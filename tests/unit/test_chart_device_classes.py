@@ -17,10 +17,10 @@ from typing import Any
 import pytest
 
 from driver.devices import model as dm
-from driver.nvml.mock.backend import MockBackend
+from driver.nvml.discovered import MigInstance
 from driver.nvml.mock.fleet import example_fleet, parse_fleet
+from driver.nvml.mock.mock_backend import MockBackend
 from driver.nvml.mock.nvml import MockNvml
-from driver.nvml.types import MigInstance
 from tests.unit.test_chart_render import DRIVER, render
 
 Doc = dict[str, Any]

@@ -8,7 +8,7 @@ import pytest
 from test_chart_render import Doc, env_of, helm_template, one, plugin_container, render
 
 from driver.nvml.library import LIBRARY_DIRS, NVML_LIBRARY
-from driver.nvml.timeslice import BINARY, BINARY_DIRS
+from driver.nvml.smi_timeslice import BINARY, BINARY_DIRS
 from driver.plugin.toolkit_config import TOOLKIT_CONFIG
 
 DEFAULT_DIRS = [

@@ -408,7 +408,7 @@ def test_rbac_rules_are_the_requests_the_plugin_sends() -> None:
 
     from driver.errors import invalid_config
     from driver.kube.claims import ApiClaimReader, ClaimFailureReporter
-    from driver.kube.events import NodeEvent, NodeEvents
+    from driver.kube.kube_events import NodeEvent, NodeEvents
     from driver.kube.publisher import SlicePublisher
     from driver.plugin.node_overrides import node_mig_profiles
     from tests.unit.test_publisher import NODE, FakeApi, device, spec
@@ -780,7 +780,7 @@ def test_plugin_env_parses_with_plugin_flags(
 
 def test_mig_strategy_value(monkeypatch: pytest.MonkeyPatch) -> None:
     """kubeletPlugin.migStrategy: the plugin's --mig-strategy choices, passed as MIG_STRATEGY."""
-    from driver.devices.types import MigStrategy
+    from driver.devices.device_types import MigStrategy
     from driver.plugin.flags import MIG_STRATEGIES, parse_options
 
     schema = yaml.safe_load((CHART / "values.schema.json").read_text())

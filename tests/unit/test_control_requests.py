@@ -1,4 +1,4 @@
-"""The plugin's control requests on its status socket (`driver.health.control`): what
+"""The plugin's control requests on its status socket (`driver.health.control_queue`): what
 the socket answers, and the hand-off to the health monitor's thread."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from driver.cli.plugin_endpoint import (
     fetch_control,
     post_control,
 )
-from driver.health.control import ControlError, ControlQueue, NotTaken
+from driver.health.control_queue import ControlError, ControlQueue, NotTaken
 from driver.observability.status_socket import LIMITS, StatusSocketServer
 from tests.control_socket import control_socket
 
@@ -136,7 +136,7 @@ def test_a_request_not_taken_in_time_is_withdrawn(short_dir: Path, control: Cont
 
 
 def test_the_take_timeout_is_bounded(control: ControlQueue) -> None:
-    from driver.health.control import MAX_TAKE_SECONDS, _take_timeout
+    from driver.health.control_queue import MAX_TAKE_SECONDS, _take_timeout
 
     assert _take_timeout("/control/echo") == 5.0
     assert _take_timeout("/control/echo?timeout=0.5") == 0.5

@@ -36,7 +36,7 @@ from pathlib import Path
 
 from driver.devices.model import PoolOptions, build_pool
 from driver.errors import transient
-from driver.nvml.mock.backend import MockBackend
+from driver.nvml.mock.mock_backend import MockBackend
 from driver.nvml.mock.fleet import parse_fleet
 from driver.nvml.mock.nvml import MockNvml
 from driver.state.request import ClaimRef

@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from driver.cli.validate.cel_device import Selector, device_activation
-from driver.devices.documents import parse_quantity
+from driver.devices.formatting import parse_quantity
 from driver.devices.model import PoolOptions, build_pool
 from driver.nvml.selection import select_backend
 from tests.unit.test_chart_device_classes import cel_selects, class_selectors

@@ -10,12 +10,12 @@ from typing import Any
 
 import pytest
 
-from driver.devices import documents
+from driver.devices import formatting
 from driver.devices import model as dm
-from driver.nvml.mock.backend import MockBackend
+from driver.nvml.discovered import GpuInfo, Inventory, MigInstance
 from driver.nvml.mock.fleet import default_fleet, example_fleet, mock_gpu_uuid, parse_fleet
+from driver.nvml.mock.mock_backend import MockBackend
 from driver.nvml.mock.nvml import MockNvml
-from driver.nvml.types import GpuInfo, Inventory, MigInstance
 
 UNITS = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
 
@@ -48,16 +48,16 @@ def fits(pool: dm.PoolDevices, names: Iterable[str]) -> bool:
 
 
 def test_quantities() -> None:
-    assert documents.binary_quantity(80 * 2**30) == "80Gi"
-    assert documents.binary_quantity(20 * 2**30) == "20Gi"
-    assert documents.binary_quantity(28633115306) == "28633115306"
-    assert documents.binary_quantity(9984 * 2**20) == "9984Mi"
-    assert documents.binary_quantity(1536) == "1536"
-    assert documents.binary_quantity(1024) == "1Ki"
-    assert documents.binary_quantity(0) == "0"
+    assert formatting.binary_quantity(80 * 2**30) == "80Gi"
+    assert formatting.binary_quantity(20 * 2**30) == "20Gi"
+    assert formatting.binary_quantity(28633115306) == "28633115306"
+    assert formatting.binary_quantity(9984 * 2**20) == "9984Mi"
+    assert formatting.binary_quantity(1536) == "1536"
+    assert formatting.binary_quantity(1024) == "1Ki"
+    assert formatting.binary_quantity(0) == "0"
     with pytest.raises(ValueError):
-        documents.binary_quantity(-1)
-    assert documents.decimal_quantity(25) == "25"
+        formatting.binary_quantity(-1)
+    assert formatting.decimal_quantity(25) == "25"
 
 
 @pytest.mark.parametrize(
@@ -75,14 +75,14 @@ def test_quantities() -> None:
     ],
 )
 def test_normalize_version(raw: str | None, semver: str | None) -> None:
-    assert documents.normalize_version(raw) == semver
+    assert formatting.normalize_version(raw) == semver
 
 
 def test_profile_label() -> None:
-    assert documents.profile_label("1g.10gb") == "1g10gb"
-    assert documents.profile_label("1g.10gb+me") == "1g10gb-me"
-    assert documents.profile_label("1c.2g.10gb") == "1c2g10gb"
-    assert documents.profile_label("+++") == "profile"
+    assert formatting.profile_label("1g.10gb") == "1g10gb"
+    assert formatting.profile_label("1g.10gb+me") == "1g10gb-me"
+    assert formatting.profile_label("1c.2g.10gb") == "1c2g10gb"
+    assert formatting.profile_label("+++") == "profile"
 
 
 def test_pool_options_validation() -> None:
@@ -424,15 +424,15 @@ def test_reference_partitions_on_a_real_mig_gpu_fail_at_start() -> None:
 
 
 def test_quantity_parsing() -> None:
-    assert documents.quantity_int("16Gi") == 16 << 30
-    assert documents.quantity_int("20") == 20
-    assert documents.quantity_int("1.5G") == 1_500_000_000
-    assert documents.quantity_int("500m") == 1  # rounded up to a whole unit
-    assert documents.quantity_int("1e3") == 1000
-    assert documents.quantity_int(7) == 7
+    assert formatting.quantity_int("16Gi") == 16 << 30
+    assert formatting.quantity_int("20") == 20
+    assert formatting.quantity_int("1.5G") == 1_500_000_000
+    assert formatting.quantity_int("500m") == 1  # rounded up to a whole unit
+    assert formatting.quantity_int("1e3") == 1000
+    assert formatting.quantity_int(7) == 7
     for bad in ("", "Gi", "16GB", "1..2", None, True, "abc"):
         with pytest.raises(ValueError):
-            documents.quantity_int(bad)
+            formatting.quantity_int(bad)
 
 
 def test_multiple_allocations_off_by_default() -> None:
@@ -460,8 +460,8 @@ def test_whole_gpus_are_multi_allocatable_with_request_policies() -> None:
         "validRange": {"min": "1", "step": "1", "max": compute["value"]},
     }
     assert gpu.share_capacity == {
-        "memory": documents.quantity_int(memory["value"]),
-        "compute": documents.quantity_int(compute["value"]),
+        "memory": formatting.quantity_int(memory["value"]),
+        "compute": formatting.quantity_int(compute["value"]),
     }
     # The pool's other documents are not touched by another pool's options.
     assert "allowMultipleAllocations" not in dm.build_pool(inv).device("gpu-1").document

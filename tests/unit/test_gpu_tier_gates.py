@@ -16,8 +16,8 @@ import pytest
 
 from driver.devices.model import MigStrategy
 from driver.nvml.backend import NvmlBackend
+from driver.nvml.discovered import GpuInfo, Inventory, MigInstance, PartitionProfile
 from driver.nvml.selection import select_backend
-from driver.nvml.types import GpuInfo, Inventory, MigInstance, PartitionProfile
 from tests.gpu import mig_scenarios
 from tests.gpu.crash_child import CRASH_POINTS, crash_prepare
 from tests.gpu.gates import (

@@ -26,18 +26,18 @@ from driver.cli.published import PublishedView, devices_of
 from driver.cli.state_dir import read_health
 from driver.devices.model import PoolDevices, build_pool
 from driver.health.clear import ClearAction
-from driver.health.control import ControlError, ControlQueue
+from driver.health.control_queue import ControlError, ControlQueue
 from driver.health.monitor import HealthMonitor
-from driver.health.recovery import RecoveryActions
+from driver.health.recovery_taints import RecoveryActions
 from driver.health.store import HealthStore
 from driver.health.unmonitored import UnmonitoredGpus
 from driver.health.xid import XidPolicy
 from driver.nvml.backend import NvmlBackend
-from driver.nvml.mock.backend import MockBackend
-from driver.nvml.mock.control import MockRequest
 from driver.nvml.mock.fleet import default_fleet
+from driver.nvml.mock.mock_backend import MockBackend
+from driver.nvml.mock.mock_control import MockRequest
 from driver.nvml.mock.nvml import MockNvml
-from driver.nvml.recovery import RecoveryReading
+from driver.nvml.recovery_action import RecoveryReading
 from driver.observability.status_socket import StatusSocketServer, status_socket_path
 from driver.plugin.transport.registration import RegistrationServicer
 from tests.control_socket import control_socket

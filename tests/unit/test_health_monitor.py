@@ -17,11 +17,11 @@ from driver.health.prepare_health import KubeDeviceHealth
 from driver.health.store import HealthStore
 from driver.health.xid import XidPolicy
 from driver.nvml.backend import NvmlBackend
-from driver.nvml.mig import MigTarget
-from driver.nvml.mock.backend import MockBackend
+from driver.nvml.discovered import HealthEvent, MigInstance
+from driver.nvml.mig_manager import MigTarget
 from driver.nvml.mock.fleet import Fleet, default_fleet, parse_fleet
+from driver.nvml.mock.mock_backend import MockBackend
 from driver.nvml.mock.nvml import MockNvml
-from driver.nvml.types import HealthEvent, MigInstance
 from driver.observability.metrics import REGISTRY
 from tests.taints import untimed
 

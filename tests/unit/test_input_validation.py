@@ -17,14 +17,14 @@ import grpc
 import pytest
 
 from driver.config import loads_json
-from driver.devices.types import PublishedDevice
+from driver.devices.device_types import PublishedDevice
 from driver.errors import DriverError, ErrorClass
 from driver.health.store import HealthStore
 from driver.kube.api import KubeApi, segment
 from driver.kube.claims import ApiClaimReader, ClaimFailureReporter
 from driver.observability import metrics
 from driver.plugin.dra import add_dra_services
-from driver.plugin.status import export_checkpoint_state, health_report
+from driver.plugin.plugin_status import export_checkpoint_state, health_report
 from driver.proto.dra.v1 import api_pb2 as v1
 from driver.proto.dra.v1 import api_pb2_grpc as v1_grpc
 from driver.state.prepare import DeviceState
@@ -355,7 +355,7 @@ def test_health_report_text() -> None:
     ok, text = health_report(
         registered=False, last_synced=0, checkpoint_problem="checkpoint /x is corrupt (y)"
     )
-    # Still healthy: a liveness restart cannot repair the file (see driver.plugin.status).
+    # Still healthy: a liveness restart cannot repair the file (see driver.plugin.plugin_status).
     assert ok is True
     assert text == (
         "ok: not registered, slices not synced yet; "
@@ -448,7 +448,7 @@ def test_corrupt_health_store_is_in_the_health_text(tmp_path: Path) -> None:
         checkpoint_problem=None,
         health_store_problem=store.problem,
     )
-    assert ok  # a restart cannot repair it either (driver.plugin.status)
+    assert ok  # a restart cannot repair it either (driver.plugin.plugin_status)
     assert f"HEALTH STORE CORRUPT, every GPU failed: health store {path} is corrupt" in text
     assert metrics.REGISTRY.get_sample_value("gpu_dra_health_store_corrupt") == 1.0
     assert (

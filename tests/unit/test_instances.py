@@ -14,12 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from driver.plugin.instances import InstanceLock, Place, Succession
+from driver.plugin.serving_instance import InstanceLock, Place, Succession
 
 HOLD_IN_OTHER_PROCESS = """
 import sys, time
 from pathlib import Path
-from driver.plugin.instances import InstanceLock
+from driver.plugin.serving_instance import InstanceLock
 lock = InstanceLock(Path(sys.argv[1]))
 print("held", flush=True)
 sys.stdin.readline()
@@ -74,7 +74,7 @@ def test_last_instance_cleans_up_while_holding_the_lock(tmp_path: Path) -> None:
 HOLD_A_PLACE = """
 import sys
 from pathlib import Path
-from driver.plugin.instances import Succession
+from driver.plugin.serving_instance import Succession
 s = Succession(Path(sys.argv[1]), holder="crashing pod")
 s.registered()
 print(s.place.number, flush=True)

@@ -164,7 +164,7 @@ def test_table_health_has_the_recovery_actions_of_the_running_plugin(
     """A recovery action that taints a GPU (NoSchedule on every device of it) is known
     only to the running plugin: inventory asks its /status, as `gpu-dra status` does,
     and shows the GPU unhealthy as status, the metric and the health stream do."""
-    from driver.health.recovery import RecoveryFailure
+    from driver.health.recovery_taints import RecoveryFailure
     from driver.nvml.selection import select_backend
     from driver.observability.status_socket import StatusSocketServer
 

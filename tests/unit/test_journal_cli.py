@@ -12,7 +12,7 @@ import pytest
 from driver.cdi.claim_specs import CdiSpecs, ClaimSpec
 from driver.cli import build_parser
 from driver.cli.state_dir import node_path
-from driver.plugin.instances import InstanceLock
+from driver.plugin.serving_instance import InstanceLock
 from driver.state.journal.checkpoint import (
     CHECKPOINT_FILE,
     Checkpoint,

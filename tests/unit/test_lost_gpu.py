@@ -17,10 +17,10 @@ import pytest
 
 from driver.errors import DriverError
 from driver.nvml.backend import NvmlBackend
-from driver.nvml.mig import MigError, MigManager, MigTarget
-from driver.nvml.mock import api as m
-from driver.nvml.mock.backend import MockBackend
+from driver.nvml.mig_manager import MigError, MigManager, MigTarget
+from driver.nvml.mock import mock_api as m
 from driver.nvml.mock.fleet import parse_fleet
+from driver.nvml.mock.mock_backend import MockBackend
 from driver.nvml.mock.nvml import MockNvml
 from driver.state.journal.checkpoint import Checkpoint, ClaimState
 from driver.state.prepare import DeviceState

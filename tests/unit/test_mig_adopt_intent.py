@@ -16,8 +16,8 @@ import pytest
 
 from driver.cdi.claim_specs import CdiSpecs
 from driver.errors import transient
-from driver.state.instances import ClaimInstances
 from driver.state.journal.checkpoint import Checkpoint, ClaimState
+from driver.state.mig_instances import ClaimInstances
 from tests.unit.test_journal_cli import gpu_dra
 from tests.unit.test_mig_prepare import H100, Node, make_node
 from tests.unit.test_mig_quarantine import DEVICE, _quarantine, _restart

@@ -17,12 +17,12 @@ import pytest
 
 from driver.devices import mig_counters
 from driver.devices import model as dm
-from driver.devices.documents import MIG_DIMENSIONS
+from driver.devices.formatting import MIG_DIMENSIONS
 from driver.devices.slices import build_slice_specs, validate_slice_specs
-from driver.nvml.mock.backend import MockBackend
+from driver.nvml.discovered import GpuInfo, Inventory, MigInstance, PartitionProfile
 from driver.nvml.mock.fleet import parse_fleet
+from driver.nvml.mock.mock_backend import MockBackend
 from driver.nvml.mock.nvml import MockNvml
-from driver.nvml.types import GpuInfo, Inventory, MigInstance, PartitionProfile
 from tests.unit.test_device_model import fits, qty
 
 THREE = ("1g10gb", "3g40gb", "7g80gb")

@@ -11,7 +11,7 @@ import pytest
 
 from driver.devices.model import MigStrategy, PoolOptions, build_pool
 from driver.errors import DriverError
-from driver.nvml.types import Inventory, MigInstance
+from driver.nvml.discovered import Inventory, MigInstance
 from driver.state.journal.checkpoint import Checkpoint, ClaimState
 from driver.state.journal.locking import SerializeLock
 from tests.unit.test_mig_foreign import _intent, _target

@@ -13,8 +13,8 @@ import pytest
 from driver.devices import slices as sl
 from driver.devices.model import PoolError, PoolOptions, build_pool
 from driver.kube.api import ApiError
-from driver.nvml.mock.backend import MockBackend
 from driver.nvml.mock.fleet import default_fleet
+from driver.nvml.mock.mock_backend import MockBackend
 from driver.nvml.mock.nvml import MockNvml
 from driver.plugin.node_overrides import node_mig_profiles
 from driver.plugin.settings import MIG_PROFILES, SettingError, read_settings

@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
-from driver.nvml.mock.api import NVML_ERROR_NOT_FOUND, NVMLError
-from driver.nvml.types import MigInstance
+from driver.nvml.discovered import MigInstance
+from driver.nvml.mock.mock_api import NVML_ERROR_NOT_FOUND, NVMLError
 from driver.state.journal.boot import boot_id
 from driver.state.journal.checkpoint import Checkpoint, ClaimEntry, ClaimState
 from tests.unit.test_mig_foreign import _intent, _target

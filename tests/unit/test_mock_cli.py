@@ -19,17 +19,17 @@ from driver.cli import mock as mock_cli
 from driver.cli.mock import MockSubmitError, submit
 from driver.cli.plugin_endpoint import fetch_control
 from driver.devices.model import PoolDevices, build_pool
-from driver.health.control import ControlQueue
+from driver.health.control_queue import ControlQueue
 from driver.health.monitor import DEFAULT_WAIT_TIMEOUT_MS, HealthMonitor
 from driver.health.store import HealthStore
 from driver.health.xid import XidPolicy
 from driver.nvml.backend import NvmlBackend
-from driver.nvml.mig import MigTarget
-from driver.nvml.mock.backend import MockBackend
-from driver.nvml.mock.control import MockActions, MockControlError, MockRequest
+from driver.nvml.discovered import MigInstance
+from driver.nvml.mig_manager import MigTarget
 from driver.nvml.mock.fleet import default_fleet
+from driver.nvml.mock.mock_backend import MockBackend
+from driver.nvml.mock.mock_control import MockActions, MockControlError, MockRequest
 from driver.nvml.mock.nvml import MockNvml
-from driver.nvml.types import MigInstance
 from driver.observability.status_socket import status_socket_path
 from tests.control_socket import control_socket
 

@@ -15,9 +15,9 @@ from typing import Any
 import pynvml
 import pytest
 
-from driver.nvml.mock import memory_limits as mock_limits
-from driver.nvml.mock.api import NVMLError
+from driver.nvml.mock import mock_memory_limits as mock_limits
 from driver.nvml.mock.fleet import parse_fleet
+from driver.nvml.mock.mock_api import NVMLError
 from driver.nvml.mock.nvml import MockNvml
 
 MAX = 0xFFFFFFFFFFFFFFFF

@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from driver.nvml.mock import api as m
 from driver.nvml.mock import mig_state as ms
+from driver.nvml.mock import mock_api as m
 from driver.nvml.mock.fleet import FleetError, parse_fleet
 from driver.nvml.mock.nvml import MockNvml
 

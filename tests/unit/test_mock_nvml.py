@@ -9,10 +9,10 @@ import time
 
 import pytest
 
-from driver.nvml.mock import api as m
+from driver.nvml.discovered import HealthEvent
+from driver.nvml.mock import mock_api as m
 from driver.nvml.mock.fleet import example_fleet, parse_fleet
 from driver.nvml.mock.nvml import MockNvml
-from driver.nvml.types import HealthEvent
 
 
 @pytest.fixture

@@ -17,7 +17,7 @@ from typing import Any
 import pynvml
 import pytest
 
-from driver.health.control import ControlError
+from driver.health.control_queue import ControlError
 from driver.health.mps_escapes import (
     KIND_MPS_ESCAPE,
     REASON_ESCAPE,
@@ -26,9 +26,9 @@ from driver.health.mps_escapes import (
     reserved_pods,
 )
 from driver.nvml.backend import NvmlBackend
-from driver.nvml.mock.api import NVMLError
-from driver.nvml.mock.control import MockActions
 from driver.nvml.mock.fleet import parse_fleet
+from driver.nvml.mock.mock_api import NVMLError
+from driver.nvml.mock.mock_control import MockActions
 from driver.nvml.mock.nvml import MockNvml
 from driver.nvml.processes import GpuProcess, GpuProcesses
 from driver.observability import metrics

@@ -21,7 +21,7 @@ from driver.devices.model import PoolOptions, build_pool
 from driver.kube.api import ApiError
 from driver.kube.mps_daemons import KubeDaemons
 from driver.kube.mps_manifest import DaemonPodSettings, deployment_name
-from driver.nvml.mock.backend import MockBackend
+from driver.nvml.mock.mock_backend import MockBackend
 from driver.nvml.mock.nvml import MockNvml
 from driver.nvml.mps import DaemonDirs
 from driver.state.journal.checkpoint import Checkpoint

@@ -17,8 +17,8 @@ import pytest
 
 from driver.devices.model import PoolOptions, build_pool
 from driver.nvml.backend import NvmlBackend
-from driver.nvml.mock.backend import MockBackend
 from driver.nvml.mock.fleet import Fleet, parse_fleet
+from driver.nvml.mock.mock_backend import MockBackend
 from driver.nvml.mock.nvml import MockNvml
 from driver.nvml.mps import DaemonDirs, DaemonId, MpsControl, is_running
 from driver.state.journal.checkpoint import Checkpoint

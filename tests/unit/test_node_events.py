@@ -18,11 +18,11 @@ from driver.health.monitor import RECOVERED_CAUSE, HealthMonitor, MigInstances
 from driver.health.store import HealthStore
 from driver.health.xid import XidPolicy
 from driver.kube.api import ApiError
-from driver.kube.events import NodeEvent, NodeEvents
-from driver.nvml.mock.backend import MockBackend
+from driver.kube.kube_events import NodeEvent, NodeEvents
+from driver.nvml.discovered import HealthEvent, MigInstance
 from driver.nvml.mock.fleet import default_fleet
+from driver.nvml.mock.mock_backend import MockBackend
 from driver.nvml.mock.nvml import MockNvml
-from driver.nvml.types import HealthEvent, MigInstance
 from driver.observability import metrics
 from tests.control_socket import control_socket
 

@@ -235,7 +235,7 @@ class Report:
 
 
 def test_the_start_up_recovery_is_logged_as_text_not_a_repr() -> None:
-    from driver.plugin.status import describe_recovery
+    from driver.plugin.plugin_status import describe_recovery
 
     assert describe_recovery(Report()) == "nothing to do"
     text = describe_recovery(Report(rolled_back=("uid-1", "uid-2"), checkpoint_problem="bad"))
@@ -243,7 +243,7 @@ def test_the_start_up_recovery_is_logged_as_text_not_a_repr() -> None:
 
 
 def test_healthz_before_the_first_sync_says_so() -> None:
-    from driver.plugin.status import health_report
+    from driver.plugin.plugin_status import health_report
 
     ok, text = health_report(registered=False, last_synced=0.0, checkpoint_problem=None)
     assert ok and text == "ok: not registered, slices not synced yet\n"

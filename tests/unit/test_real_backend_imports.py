@@ -52,7 +52,7 @@ def test_the_real_backend_discovers_and_serves_without_the_mock_package() -> Non
 
         import driver.plugin.main  # the gpu-kubelet-plugin entry point
         from driver.nvml.backend import NvmlBackend
-        from driver.nvml.timeslice import NvidiaSmiTimeSlice
+        from driver.nvml.smi_timeslice import NvidiaSmiTimeSlice
 
         class NoGpus:
             # pynvml's errors and constants, a driver with no GPUs.
@@ -212,5 +212,5 @@ def test_the_plugin_started_on_the_mock_does_load_it(short_dir: Path) -> None:
     # Guards the test above: the same start on the mock is seen to load the mock.
     modules, actions = start_plugin(short_dir, "mock")
     loaded = [m for m in modules if is_mock_module(m)]
-    assert {"driver.nvml.mock.backend", "driver.nvml.mock.control"} <= set(loaded), loaded
+    assert {"driver.nvml.mock.mock_backend", "driver.nvml.mock.mock_control"} <= set(loaded), loaded
     assert actions == ["clear", "lost", "process", "recovery-action", "reset", "xid"]

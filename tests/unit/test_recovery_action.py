@@ -16,19 +16,19 @@ from driver.devices.model import PoolDevices, build_pool
 from driver.errors import DriverError, ErrorClass
 from driver.health.monitor import HealthMonitor
 from driver.health.prepare_health import KubeDeviceHealth
-from driver.health.recovery import (
+from driver.health.recovery_taints import (
     RecoveryActions,
     RecoveryAwareHealth,
     RecoveryPoller,
 )
 from driver.health.store import HealthStore
 from driver.health.xid import XidPolicy
-from driver.nvml.mock import api as m
-from driver.nvml.mock.backend import MockBackend
+from driver.nvml.discovered import HealthEvent
+from driver.nvml.mock import mock_api as m
 from driver.nvml.mock.fleet import default_fleet
+from driver.nvml.mock.mock_backend import MockBackend
 from driver.nvml.mock.nvml import MockNvml
-from driver.nvml.recovery import RecoveryReading, parse_action
-from driver.nvml.types import HealthEvent
+from driver.nvml.recovery_action import RecoveryReading, parse_action
 from driver.observability.metrics import REGISTRY
 from driver.plugin.health import HealthSource
 from driver.state.request import ClaimRef, check_health
@@ -216,7 +216,7 @@ def test_imex_domain_recovery_is_logged_but_taints_nothing(
     node: Node, caplog: pytest.LogCaptureFixture
 ) -> None:
     node.mock.set_recovery_action(node.uuid(2), m.NVML_GPU_RECOVERY_ACTION_RECOVER_IMEX_DOMAIN)
-    with caplog.at_level(logging.WARNING, logger="driver.health.recovery"):
+    with caplog.at_level(logging.WARNING, logger="driver.health.recovery_taints"):
         node.step()
     assert node.taints() == {}
     assert node.health.failure("gpu-2") is None  # prepare goes on
@@ -337,7 +337,7 @@ def test_an_old_driver_never_taints_and_says_so_once(
     clock = Clock()
     poller = RecoveryPoller(backend.recovery_actions, actions, None, clock=clock)
     mock.set_recovery_action(mock.gpus[0].uuid, m.NVML_GPU_RECOVERY_ACTION_GPU_RESET)
-    with caplog.at_level(logging.INFO, logger="driver.health.recovery"):
+    with caplog.at_level(logging.INFO, logger="driver.health.recovery_taints"):
         poller()
         clock.now += INTERVAL
         poller()
@@ -345,7 +345,7 @@ def test_an_old_driver_never_taints_and_says_so_once(
     said = [
         r
         for r in caplog.records
-        if r.name == "driver.health.recovery" and mock.gpus[0].uuid in r.getMessage()
+        if r.name == "driver.health.recovery_taints" and mock.gpus[0].uuid in r.getMessage()
     ]
     assert len(said) == 1 and "NVML reports no recovery action" in said[0].getMessage()
 

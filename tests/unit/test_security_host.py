@@ -20,7 +20,7 @@ import pytest
 
 from driver.cli import build_parser
 from driver.errors import DriverError
-from driver.plugin.instances import InstanceLock
+from driver.plugin.serving_instance import InstanceLock
 from driver.plugin.transport.serving import BuiltServer, SocketServer, new_server
 from driver.state.journal.checkpoint import CHECKPOINT_FILE
 from driver.state.journal.locking import SerializeLock

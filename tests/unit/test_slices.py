@@ -9,8 +9,8 @@ import pytest
 
 from driver.devices import slices as sl
 from driver.devices.model import PoolDevices, PoolOptions, build_pool
-from driver.nvml.mock.backend import MockBackend
 from driver.nvml.mock.fleet import default_fleet, example_fleet, mock_gpu_uuid, parse_fleet
+from driver.nvml.mock.mock_backend import MockBackend
 from driver.nvml.mock.nvml import MockNvml
 
 DRIVER = "gpu.example.com"

@@ -17,11 +17,11 @@ import pytest
 from driver.cli import build_parser
 from driver.devices.gpu_view import gpu_views
 from driver.devices.model import PoolOptions, build_pool
-from driver.health.recovery import RecoveryActions
+from driver.health.recovery_taints import RecoveryActions
 from driver.health.store import HealthStore
 from driver.health.unmonitored import UnmonitoredGpus
 from driver.kube.publisher import PublisherStats
-from driver.nvml.recovery import RecoveryReading
+from driver.nvml.recovery_action import RecoveryReading
 from driver.nvml.selection import select_backend
 from driver.observability import metrics
 from driver.observability.status_socket import StatusSocketServer

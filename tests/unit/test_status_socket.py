@@ -20,7 +20,7 @@ from driver.cli import build_parser
 from driver.cli.mock import submit
 from driver.cli.plugin_endpoint import PluginUnreachable, fetch_status
 from driver.kube.api import ApiError, KubeApi
-from driver.nvml.mock.control import MockRequest
+from driver.nvml.mock.mock_control import MockRequest
 from driver.observability.http_limits import Limits
 from driver.observability.listeners import listen_unix
 from driver.observability.status_socket import StatusSocketServer

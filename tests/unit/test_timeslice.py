@@ -13,15 +13,15 @@ import pytest
 from driver.devices.model import PoolOptions, build_pool
 from driver.errors import DriverError, transient
 from driver.nvml.backend import NvmlBackend
-from driver.nvml.mock.backend import MockBackend
 from driver.nvml.mock.fleet import parse_fleet
+from driver.nvml.mock.mock_backend import MockBackend
+from driver.nvml.mock.mock_timeslice import MockTimeSlice
 from driver.nvml.mock.nvml import MockNvml
-from driver.nvml.mock.timeslice import MockTimeSlice
+from driver.state.claim_timeslices import TimeSliceOps
 from driver.state.journal.checkpoint import Checkpoint, ClaimState
 from driver.state.prepare import DeviceState
 from driver.state.recovery.startup_recovery import RecoveryReport
 from driver.state.request import ClaimRef
-from driver.state.timeslice import TimeSliceOps
 from tests.state_fakes import Healthy, NoReports
 
 DRIVER = "gpu.example.com"

@@ -23,9 +23,9 @@ from typing import Any
 import pytest
 
 from driver.failpoints import ENV_VAR, FAILPOINTS, PREPARE_FAILPOINTS
-from driver.nvml.mock.timeslice import MockTimeSlice
+from driver.nvml.mock.mock_timeslice import MockTimeSlice
+from driver.state.claim_timeslices import wanted
 from driver.state.journal.checkpoint import Checkpoint
-from driver.state.timeslice import wanted
 
 HARNESS = r"""
 import json
@@ -33,7 +33,7 @@ import sys
 from pathlib import Path
 
 from driver.devices.model import PoolOptions, build_pool
-from driver.nvml.mock.backend import MockBackend
+from driver.nvml.mock.mock_backend import MockBackend
 from driver.nvml.mock.fleet import parse_fleet
 from driver.nvml.mock.nvml import MockNvml
 from driver.state.request import ClaimRef

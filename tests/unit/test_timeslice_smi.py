@@ -12,11 +12,11 @@ import pytest
 
 from driver.errors import DriverError
 from driver.nvml.backend import NvmlBackend
-from driver.nvml.mock.backend import MockBackend
 from driver.nvml.mock.fleet import parse_fleet
+from driver.nvml.mock.mock_backend import MockBackend
+from driver.nvml.mock.mock_timeslice import STATE_FILE, MockTimeSlice
 from driver.nvml.mock.nvml import MockNvml
-from driver.nvml.mock.timeslice import STATE_FILE, MockTimeSlice
-from driver.nvml.timeslice import GpuLostError, NvidiaSmiTimeSlice
+from driver.nvml.smi_timeslice import GpuLostError, NvidiaSmiTimeSlice
 from driver.state.journal.checkpoint import (
     Checkpoint,
     CheckpointCorruptError,

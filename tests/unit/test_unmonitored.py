@@ -18,9 +18,9 @@ from driver.health.monitor import HealthMonitor
 from driver.health.store import HealthStore
 from driver.health.unmonitored import UnmonitoredGpus
 from driver.health.xid import XidPolicy
-from driver.nvml.mock.api import NVML_ERROR_NOT_SUPPORTED, NVMLError
-from driver.nvml.mock.backend import MockBackend
 from driver.nvml.mock.fleet import default_fleet
+from driver.nvml.mock.mock_api import NVML_ERROR_NOT_SUPPORTED, NVMLError
+from driver.nvml.mock.mock_backend import MockBackend
 from driver.nvml.mock.nvml import MockNvml
 from driver.observability.metrics import REGISTRY
 from tests.unit.test_health_monitor import FakePublisher

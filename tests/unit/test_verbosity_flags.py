@@ -156,7 +156,7 @@ def test_debug_records_reach_stderr_only_with_v4() -> None:
     loud = gpu_dra("-v", "4", *inventory)
     assert quiet.returncode == info.returncode == loud.returncode == 0, loud.stderr
     assert quiet.stdout == loud.stdout  # the command's output does not change
-    assert "WARNING driver.nvml.mock.backend: USING MOCK NVML" in quiet.stderr
+    assert "WARNING driver.nvml.mock.mock_backend: USING MOCK NVML" in quiet.stderr
     assert "DEBUG" not in quiet.stderr + info.stderr
     assert "DEBUG driver.nvml.discovery: GPU GPU-" in loud.stderr
 

@@ -10,13 +10,13 @@ import pytest
 from driver.cli import main
 from driver.cli.published import devices_of
 from driver.devices import model as dm
-from driver.devices.documents import MIG_DIMENSIONS, binary_quantity, decimal_quantity
-from driver.devices.mig import full_size_profile
+from driver.devices.formatting import MIG_DIMENSIONS, binary_quantity, decimal_quantity
+from driver.devices.mig_devices import full_size_profile
 from driver.devices.slices import build_slice_specs
-from driver.nvml.mock.backend import MockBackend
+from driver.nvml.discovered import GpuInfo, Inventory, PartitionProfile
 from driver.nvml.mock.fleet import default_fleet, parse_fleet
+from driver.nvml.mock.mock_backend import MockBackend
 from driver.nvml.mock.nvml import MockNvml
-from driver.nvml.types import GpuInfo, Inventory, PartitionProfile
 
 MODELS = ["A100-40GB", "A100-80GB", "H100-80GB", "H200-141GB"]
 

@@ -16,7 +16,7 @@ from driver.health.xid import (
     parse_taint_effect,
     parse_xid_list,
 )
-from driver.nvml.types import HealthEvent
+from driver.nvml.discovered import HealthEvent
 
 UUID = "GPU-00000000-0000-4000-8000-000000000000"
 

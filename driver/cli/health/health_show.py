@@ -60,7 +60,7 @@ from driver.cli.published import PublishedView, SliceDevice, read_published
 from driver.cli.state_dir import HealthView, read_health, state_dir_of
 from driver.health.clear import record_json
 from driver.health.failures import KIND_RANK, GpuFailure
-from driver.health.recovery import KIND_RECOVERY_ACTION
+from driver.health.recovery_taints import KIND_RECOVERY_ACTION
 from driver.health.unmonitored import KIND_UNMONITORED
 
 UNMONITORED_REASON = (

@@ -36,7 +36,7 @@ from driver.state.recovery.quarantine import (
 )
 
 # The lock every running plugin instance holds shared for its lifetime
-# (`driver.plugin.instances.InstanceLock`).
+# (`driver.plugin.serving_instance.InstanceLock`).
 INSTANCE_LOCK_FILE = "instances.lock"
 
 AFTER_QUARANTINE = """\

@@ -25,7 +25,7 @@ from typing import Any
 
 from driver.cli.validate.capacity import Consumption, show_quantity
 from driver.cli.validate.slice_devices import SliceDevice, counter_amounts
-from driver.devices.documents import parse_quantity
+from driver.devices.formatting import parse_quantity
 
 #: Kinds of exclusion by allocations, in the order the summary counts them.
 CAPACITY, WHOLE, COUNTERS = "capacity", "whole", "counters"

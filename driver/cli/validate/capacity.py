@@ -17,8 +17,8 @@ from typing import Any
 from driver.cli.validate.claim_requests import device_requests
 from driver.cli.validate.claim_rules import DeviceClasses
 from driver.cli.validate.slice_devices import OfferedDevice
-from driver.config.errors import FieldError
-from driver.devices.documents import binary_quantity, parse_quantity
+from driver.config.config_error import FieldError
+from driver.devices.formatting import binary_quantity, parse_quantity
 
 
 def requests_capacity(doc: Any) -> bool:

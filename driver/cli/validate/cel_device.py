@@ -34,7 +34,7 @@ import celpy
 from celpy import celtypes
 
 from driver.cli.validate.cel_cost import COST_LIMIT, CostLimitExceeded, Meter, MeteredRunner
-from driver.devices.documents import parse_quantity
+from driver.devices.formatting import parse_quantity
 
 _SEMVER = re.compile(
     r"^(0|[1-9]\d*)\.(0|[1-9]\d*)\.(0|[1-9]\d*)"

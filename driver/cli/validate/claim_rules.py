@@ -51,8 +51,8 @@ from driver.config import (
     request_matches,
 )
 from driver.config import validate_for_device as device_rule
-from driver.config.documents import config_list_of
-from driver.config.errors import FieldError
+from driver.config.config_error import FieldError
+from driver.config.document_checks import config_list_of
 from driver.config.opaque import opaque_parameters_errors
 
 #: How alike (difflib ratio) an unknown class name and one of the driver's must be to

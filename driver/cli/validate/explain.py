@@ -47,7 +47,7 @@ from driver.cli.validate.explain_summary import (
 )
 from driver.cli.validate.slice_devices import SliceDevice, shared_counters, slice_devices
 from driver.config import LoadError, load_yaml_documents
-from driver.devices.documents import parse_quantity
+from driver.devices.formatting import parse_quantity
 from driver.observability.logs import escaped
 
 NOT_COUNTED = (

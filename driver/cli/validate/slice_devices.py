@@ -9,14 +9,14 @@ from dataclasses import dataclass
 from decimal import Decimal
 from typing import Any
 
-from driver.devices.documents import parse_quantity
+from driver.devices.formatting import parse_quantity
 
 #: The attribute that makes a device a MIG partition (class `mig.<driver>`), and a
 #: `--gpu-partitions` partition (class `partition.<driver>`), as the chart's selectors say.
 MIG_ATTRIBUTE = "profile"
 GPU_PARTITION_ATTRIBUTE = "partition"
 #: The attribute of the whole GPU of a GPU in MIG mode, delivered as a full-size MIG
-#: device (driver/devices/mig.py).
+#: device (driver/devices/mig_devices.py).
 MIG_WHOLE_GPU_ATTRIBUTE = "migProfile"
 
 

@@ -82,8 +82,8 @@ from driver.config import (
     load_yaml_documents,
 )
 from driver.config import validate_claim_document as check_document
-from driver.config.documents import CONFIG_LIST_PATHS, config_list_of
-from driver.config.errors import FieldError
+from driver.config.config_error import FieldError
+from driver.config.document_checks import CONFIG_LIST_PATHS, config_list_of
 from driver.config.loader import join_path
 from driver.observability.logs import escaped
 

@@ -12,12 +12,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
-from driver.nvml.mock.api import (
+from driver.nvml.mock.fleet import MigPlacement, MigProfileSpec, MigSpec, MockGpu, mig_conflict
+from driver.nvml.mock.mock_api import (
     NVML_ERROR_INSUFFICIENT_RESOURCES,
     NVML_ERROR_INVALID_ARGUMENT,
     MigError,
 )
-from driver.nvml.mock.fleet import MigPlacement, MigProfileSpec, MigSpec, MockGpu, mig_conflict
 
 STATE_FILE = Path("run/nvidia-mock/mig-state.json")
 CAPABILITIES_DIR = Path("proc/driver/nvidia/capabilities")

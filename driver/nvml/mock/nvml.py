@@ -2,30 +2,30 @@
 
 An instance stands in for the `pynvml` module: the same function names, arguments,
 return shapes, constants and `NVMLError` subclasses (with NVML's numeric codes, in
-`driver/nvml/mock/api.py`), so
+`driver/nvml/mock/mock_api.py`), so
 `NvmlBackend` runs unchanged on real pynvml and on the mock. Nothing here imports or
 copies pynvml; names and values mirror its public API (nvidia-ml-py 13.x).
 
 Extras for tests and demos (not part of pynvml):
 - `calls`: a `collections.Counter` of every NVML function called through the mock
   (`mock.calls.total() == 0` asserts "no NVML call").
-- `inject(event)`: thread-safe health injection (`driver/nvml/mock/events.py`). A lost
+- `inject(event)`: thread-safe health injection (`driver/nvml/mock/mock_events.py`). A lost
   GPU answers GPU_IS_LOST to every query and, as nvml.h documents, makes every
   `nvmlDeviceGetHandleByUUID` answer it too (any GPU, MIG devices included) until
   it is reset; `nvmlDeviceGetHandleByIndex` fails for the lost GPU only, and a
   handle taken before the loss answers GPU_IS_LOST to every query.
 - `mock_gpu(uuid)`: the fleet entry behind a GPU; `as_published(inventory)` what
   the reference `example` profile publishes instead of NVML's model.
-- MIG instances (`driver/nvml/mock/mig.py`): GPU and compute instances and MIG device
+- MIG instances (`driver/nvml/mock/mock_mig.py`): GPU and compute instances and MIG device
   handles, kept in memory or, given `driver_root`, in a state file under it shared by
   every process on that root; `mock_reboot()` drops the dynamic ones.
-- The recovery action per GPU (`driver/nvml/mock/recovery.py`): set by the faults
+- The recovery action per GPU (`driver/nvml/mock/mock_recovery.py`): set by the faults
   that need a reset and by `set_recovery_action(uuid, action)`, read with
   `nvmlDeviceGetFieldValues`, cleared by a reset.
-- Compute processes (`driver/nvml/mock/processes.py`): `start_process(uuid, kind)`
+- Compute processes (`driver/nvml/mock/mock_processes.py`): `start_process(uuid, kind)`
   and `end_process(pid)`, listed by `nvmlDeviceGetComputeRunningProcesses` and
   `nvmlDeviceGetMPSComputeRunningProcesses` as NVML lists them, outside MPS or not.
-- Per-cgroup memory limits (`driver/nvml/mock/memory_limits.py`): the driver version
+- Per-cgroup memory limits (`driver/nvml/mock/mock_memory_limits.py`): the driver version
   of the fleet decides whether the calls exist (R615 and later).
 """
 
@@ -37,9 +37,17 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from driver.nvml.mock import api as mock_api
-from driver.nvml.mock import mig as mock_mig
-from driver.nvml.mock.api import (
+from driver.nvml.discovered import Inventory
+from driver.nvml.mock import mock_api as mock_api
+from driver.nvml.mock import mock_mig as mock_mig
+from driver.nvml.mock.devices import ensure_proc_devices
+from driver.nvml.mock.fleet import Fleet, MigProfileSpec, MockGpu, expand_fleet
+from driver.nvml.mock.mig_state import (
+    MockMigDeviceHandle,
+    c_nvmlComputeInstance_t,
+    c_nvmlGpuInstance_t,
+)
+from driver.nvml.mock.mock_api import (
     ERROR_CLASSES,
     NVML_BRAND_GEFORCE,
     NVML_BRAND_NVIDIA,
@@ -79,19 +87,11 @@ from driver.nvml.mock.api import (
     nvmlGpuInstanceProfileInfo_v2,
     set_out_uint,
 )
-from driver.nvml.mock.devices import ensure_proc_devices
-from driver.nvml.mock.events import EventFunctions, PendingEvent
-from driver.nvml.mock.fleet import Fleet, MigProfileSpec, MockGpu, expand_fleet
-from driver.nvml.mock.memory_limits import MemoryLimitFunctions
-from driver.nvml.mock.mig import MigFunctions
-from driver.nvml.mock.mig_state import (
-    MockMigDeviceHandle,
-    c_nvmlComputeInstance_t,
-    c_nvmlGpuInstance_t,
-)
-from driver.nvml.mock.processes import ProcessFunctions
-from driver.nvml.mock.recovery import RecoveryFunctions
-from driver.nvml.types import Inventory
+from driver.nvml.mock.mock_events import EventFunctions, PendingEvent
+from driver.nvml.mock.mock_memory_limits import MemoryLimitFunctions
+from driver.nvml.mock.mock_mig import MigFunctions
+from driver.nvml.mock.mock_processes import ProcessFunctions
+from driver.nvml.mock.mock_recovery import RecoveryFunctions
 
 _ARCH_BY_NAME = {
     "kepler": NVML_DEVICE_ARCH_KEPLER,

@@ -33,7 +33,7 @@ from driver.config.mps_limits import (
     is_device_index,
     memory_limit_bytes,
 )
-from driver.devices.documents import parse_quantity
+from driver.devices.formatting import parse_quantity
 from driver.devices.model import SHARE_COMPUTE_STEP, SHARE_MEMORY_STEP
 from driver.state.request import PreparableDevice
 

@@ -32,7 +32,7 @@ import threading
 from pathlib import Path
 from typing import Final, Protocol
 
-from driver.devices.documents import parse_quantity
+from driver.devices.formatting import parse_quantity
 from driver.errors import transient
 
 log = logging.getLogger(__name__)

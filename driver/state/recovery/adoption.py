@@ -34,8 +34,8 @@ from driver.cdi.claim_specs import ClaimSpec
 from driver.errors import DriverError
 from driver.fileio import UnsafeFileError
 from driver.state.context import StepContext
-from driver.state.instances import completed_record, other_entries
 from driver.state.journal.checkpoint import ClaimEntry, ClaimState, PreparedDevice
+from driver.state.mig_instances import completed_record, other_entries
 
 log = logging.getLogger(__name__)
 

@@ -16,8 +16,8 @@ from collections import deque
 from typing import Any
 
 from driver.nvml.calls import CountingModule, is_nvml_error, nvml_text, optional_query
+from driver.nvml.discovered import HealthEvent
 from driver.nvml.library import init_nvml
-from driver.nvml.types import HealthEvent
 
 log = logging.getLogger(__name__)
 

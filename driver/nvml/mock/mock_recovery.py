@@ -24,7 +24,9 @@ import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from driver.nvml.mock.api import (
+from driver.nvml.discovered import HealthEvent
+from driver.nvml.mock.fleet import MockGpu
+from driver.nvml.mock.mock_api import (
     NVML_ERROR_INVALID_ARGUMENT,
     NVML_ERROR_NOT_SUPPORTED,
     NVML_FI_DEV_GET_GPU_RECOVERY_ACTION,
@@ -36,8 +38,6 @@ from driver.nvml.mock.api import (
     c_nvmlFieldValue_t,
     nvml_call,
 )
-from driver.nvml.mock.fleet import MockGpu
-from driver.nvml.types import HealthEvent
 
 # Xids whose resolution in NVIDIA's Xid catalog is a GPU reset.
 RESET_XIDS = frozenset({48, 62, 95, 119, 120, 140})

@@ -2,7 +2,7 @@
 `process` (a compute process started on a mock GPU, or ended).
 
 Offered only by a plugin on the mock backend (`MockBackend.control_actions`, which the
-plugin registers on its control requests, `driver.health.control`): they arrive as
+plugin registers on its control requests, `driver.health.control_queue`): they arrive as
 `POST /control/<action>` on its status socket. A plugin on real NVML answers 404 (it
 does not accept them).
 
@@ -17,10 +17,10 @@ does not accept them).
   talks to a plugin that predates it (which injected a whole-GPU Xid). The key is
   written only when true, so every other request is byte-for-byte what it was.
 - `recovery-action` sets the GPU's NVML recovery action (`"recoveryAction"`: the
-  number, `driver.nvml.recovery`), the field the plugin polls
-  (`driver.health.recovery`).
+  number, `driver.nvml.recovery_action`), the field the plugin polls
+  (`driver.health.recovery_taints`).
 - `process` starts a process on a GPU as NVML would list it
-  (`driver/nvml/mock/processes.py`): `{"device": <name>, "kind": "compute" |
+  (`driver/nvml/mock/mock_processes.py`): `{"device": <name>, "kind": "compute" |
   "mps-client", "memoryMiB": <n>, "podUID": <uid>}` (kind `compute`, a process
   outside MPS, 1024 MiB and no pod by default; with a pod UID the mock writes the
   process's cgroup where the plugin looks for it), answered with its `pid`; `{"end":
@@ -37,10 +37,10 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from driver.health.control import ControlError, Handler
+from driver.health.control_queue import ControlError, Handler
 from driver.health.failures import Devices, HealthDevice, device_list, device_placement
-from driver.nvml.recovery import MAX_ACTION, action_name
-from driver.nvml.types import HealthEvent, MigInstance
+from driver.nvml.discovered import HealthEvent, MigInstance
+from driver.nvml.recovery_action import MAX_ACTION, action_name
 
 log = logging.getLogger(__name__)
 
@@ -192,7 +192,7 @@ MigInstances = Callable[[str], Iterable[MigInstance]]  # GPU UUID -> live GPU in
 
 
 def _live_instances(nvml: InjectableNvml) -> MigInstances:
-    from driver.nvml.mig import MigManager
+    from driver.nvml.mig_manager import MigManager
 
     def instances(gpu_uuid: str) -> Iterable[MigInstance]:
         return MigManager(nvml).instances(gpu_uuid)

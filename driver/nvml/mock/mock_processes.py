@@ -3,7 +3,7 @@
 
 `ProcessFunctions` is mixed into `MockNvml`. No CUDA process ever runs on a mock GPU,
 so its processes are started by hand (`start_process`; the plugin's mock control
-action `process`, driver/nvml/mock/control.py) and listed as NVML lists them:
+action `process`, driver/nvml/mock/mock_control.py) and listed as NVML lists them:
 
 - `compute`: a CUDA context of its own (a process outside MPS): in the compute list;
 - `mps-client`: a client of an MPS server: in the MPS list and in the compute list
@@ -32,8 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
-from driver.nvml.mock.api import NO_INSTANCE, NVML_ERROR_NOT_FOUND, NVMLError, nvml_call
 from driver.nvml.mock.fleet import MockGpu
+from driver.nvml.mock.mock_api import NO_INSTANCE, NVML_ERROR_NOT_FOUND, NVMLError, nvml_call
 from driver.nvml.processes import MPS_SERVER
 
 FIRST_PID: Final = (1 << 22) + 1  # above the largest pid_max Linux allows

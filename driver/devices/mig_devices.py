@@ -21,7 +21,8 @@ from __future__ import annotations
 from collections.abc import Sequence, Set
 from typing import Any
 
-from driver.devices.documents import (
+from driver.devices.device_types import MigBacking, PublishedDevice
+from driver.devices.formatting import (
     MIG_DIMENSIONS,
     bool_attr,
     counter_quantity,
@@ -37,8 +38,7 @@ from driver.devices.mig_counters import (
     counter_set_name,
     counter_values,
 )
-from driver.devices.types import MigBacking, PublishedDevice
-from driver.nvml.types import GpuInfo, MigInstance, PartitionProfile
+from driver.nvml.discovered import GpuInfo, MigInstance, PartitionProfile
 
 PARENT_ATTRIBUTES = (
     "model",

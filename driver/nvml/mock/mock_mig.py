@@ -44,22 +44,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
-from driver.nvml.mock.api import (
-    NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED,
-    NVML_COMPUTE_INSTANCE_PROFILE_COUNT,
-    NVML_ERROR_FUNCTION_NOT_FOUND,
-    NVML_ERROR_IN_USE,
-    NVML_ERROR_INSUFFICIENT_SIZE,
-    NVML_ERROR_INVALID_ARGUMENT,
-    NVML_ERROR_NOT_FOUND,
-    NVML_ERROR_NOT_SUPPORTED,
-    NVML_SUCCESS,
-    MigError,
-    nvml_call,
-    nvmlComputeInstanceProfileInfo_v2,
-    ref_target,
-    set_out_uint,
-)
 from driver.nvml.mock.fleet import MigProfileSpec, MigSpec, MockGpu
 from driver.nvml.mock.latency import latency_from_env
 from driver.nvml.mock.mig_state import (
@@ -81,6 +65,22 @@ from driver.nvml.mock.mig_state import (
     mig_uuid,
 )
 from driver.nvml.mock.mig_store import MigStore
+from driver.nvml.mock.mock_api import (
+    NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED,
+    NVML_COMPUTE_INSTANCE_PROFILE_COUNT,
+    NVML_ERROR_FUNCTION_NOT_FOUND,
+    NVML_ERROR_IN_USE,
+    NVML_ERROR_INSUFFICIENT_SIZE,
+    NVML_ERROR_INVALID_ARGUMENT,
+    NVML_ERROR_NOT_FOUND,
+    NVML_ERROR_NOT_SUPPORTED,
+    NVML_SUCCESS,
+    MigError,
+    nvml_call,
+    nvmlComputeInstanceProfileInfo_v2,
+    ref_target,
+    set_out_uint,
+)
 
 _CI_COUNT = NVML_COMPUTE_INSTANCE_PROFILE_COUNT
 

@@ -6,7 +6,7 @@ import enum
 from dataclasses import dataclass
 from typing import Any
 
-from driver.nvml.types import MigInstance
+from driver.nvml.discovered import MigInstance
 
 DEFAULT_DRIVER_NAME = "gpu.example.com"
 

@@ -6,7 +6,7 @@ event-set functions that deliver them.
 their IDs in the event data); `gpu-lost` makes every query on that GPU raise
 `GPU_IS_LOST` (and the next wait raise it) until a `recovered` (reset) injection, which
 the next wait reports as a `GpuRecoveryAction` event with action NONE. An injection
-also sets the GPU's recovery action as the driver would (`driver/nvml/mock/recovery.py`).
+also sets the GPU's recovery action as the driver would (`driver/nvml/mock/mock_recovery.py`).
 """
 
 from __future__ import annotations
@@ -17,7 +17,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from driver.nvml.mock.api import (
+from driver.nvml.discovered import HealthEvent
+from driver.nvml.mock.fleet import MockGpu
+from driver.nvml.mock.mock_api import (
     NO_INSTANCE,
     NVML_ERROR_GPU_IS_LOST,
     NVML_ERROR_INVALID_ARGUMENT,
@@ -33,8 +35,6 @@ from driver.nvml.mock.api import (
     nvmlEventTypeGpuRecoveryAction,
     nvmlEventTypeXidCriticalError,
 )
-from driver.nvml.mock.fleet import MockGpu
-from driver.nvml.types import HealthEvent
 
 
 @dataclass

@@ -1,5 +1,5 @@
 """The mock fleet's GPU time-slice intervals: what `nvidia-smi compute-policy
---set-timeslice` would set on a real GPU (driver/nvml/timeslice.py).
+--set-timeslice` would set on a real GPU (driver/nvml/smi_timeslice.py).
 
 Kept in memory, or, with a driver root, in `<root>/run/nvidia-mock/timeslice.json`
 (`{"version": 1, "gpus": {"<GPU UUID>": "Long"}}`; a GPU at `Default` is not
@@ -23,14 +23,14 @@ from pathlib import Path
 from typing import Final
 
 from driver.errors import transient
-from driver.nvml.timeslice import EXIT_GPU_LOST, GpuLostError
+from driver.nvml.smi_timeslice import EXIT_GPU_LOST, GpuLostError
 
 STATE_FILE: Final = Path("run/nvidia-mock/timeslice.json")
 INTERVALS: Final = ("Default", "Short", "Medium", "Long")
 
 
 class MockTimeSlice:
-    """`TimeSliceOps` (driver/state/timeslice.py) for the mock fleet's GPUs."""
+    """`TimeSliceOps` (driver/state/claim_timeslices.py) for the mock fleet's GPUs."""
 
     def __init__(
         self,

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Final
 
+from driver.config.config_error import FieldError
 from driver.config.decode import gpu_config_errors
-from driver.config.errors import FieldError
 from driver.config.gpu import GROUP, KIND
 from driver.config.loader import join_path
 from driver.config.opaque import driver_entries, entry_config

@@ -52,7 +52,7 @@ def _last_line(text: str) -> str:
 
 
 class NvidiaSmiTimeSlice:
-    """`TimeSliceOps` (driver/state/timeslice.py) on real GPUs."""
+    """`TimeSliceOps` (driver/state/claim_timeslices.py) on real GPUs."""
 
     def __init__(self, driver_root: Path | str, *, timeout: float = DEFAULT_TIMEOUT) -> None:
         self.driver_root = Path(driver_root)

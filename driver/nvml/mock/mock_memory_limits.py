@@ -35,7 +35,8 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
-from driver.nvml.mock.api import (
+from driver.nvml.mock.fleet import Fleet, MockGpu
+from driver.nvml.mock.mock_api import (
     NVML_ERROR_FUNCTION_NOT_FOUND,
     NVML_ERROR_INVALID_ARGUMENT,
     NVML_ERROR_NO_PERMISSION,
@@ -45,7 +46,6 @@ from driver.nvml.mock.api import (
     nvml_call,
     ref_target,
 )
-from driver.nvml.mock.fleet import Fleet, MockGpu
 
 NVML_DEVICE_MEMORY_LIMIT_MAX: Final = 0xFFFFFFFFFFFFFFFF
 FIRST_DRIVER_BRANCH: Final = 615

@@ -2,7 +2,7 @@
 goes by itself once the GPU is fine again.
 
 Beside the Xid lists (`driver.health.xid`), the health monitor thread reads every
-GPU's recovery action (`driver.nvml.recovery`, through `NvmlBackend.recovery_actions`)
+GPU's recovery action (`driver.nvml.recovery_action`, through `NvmlBackend.recovery_actions`)
 every `--recovery-action-poll-interval` seconds (5 s by default; the first read at
 start). A GPU whose action is not NONE gets the taint
 `<driver>/recovery-action=<action>` on every device of it (the full GPU and every
@@ -42,8 +42,8 @@ from driver.errors import transient
 from driver.health.clear import Publisher
 from driver.health.failures import Devices, device_list, now_rfc3339, time_added
 from driver.health.node_events import REASON_CLEARED, REASON_TAINTED, device_names_text
-from driver.kube.events import NodeEvent
-from driver.nvml.recovery import ACTION_NONE, RecoveryReading, action_name
+from driver.kube.kube_events import NodeEvent
+from driver.nvml.recovery_action import ACTION_NONE, RecoveryReading, action_name
 from driver.state.request import DeviceHealth
 
 log = logging.getLogger(__name__)

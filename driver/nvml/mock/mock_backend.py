@@ -4,7 +4,7 @@ nothing on the real NVML path imports this module.
 Over a `MockNvml`, the backend's hooks bring the mock's stand-ins along: time-slice
 settings kept under the mock's own driver root (`MockTimeSlice`), its stand-in for
 `nvidia-cuda-mps-control` there, the reference's published model for the `example`
-profile, and its control actions (`driver.nvml.mock.control`: `gpu-dra mock ...`),
+profile, and its control actions (`driver.nvml.mock.mock_control`: `gpu-dra mock ...`),
 which the plugin registers on its control requests. Those are taken between NVML event
 waits: over the mock the wait is short (`event_wait_ms`), standing in for NVML waking
 a wait at once, so an injected event is not delayed by its transport.
@@ -17,13 +17,13 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from driver.nvml.backend import ControlHandler, MigInstances, NvmlBackend
-from driver.nvml.mock.control import MockActions
+from driver.nvml.discovered import Inventory
 from driver.nvml.mock.fleet import resolve_fleet
+from driver.nvml.mock.mock_control import MockActions
+from driver.nvml.mock.mock_timeslice import MockTimeSlice
 from driver.nvml.mock.mps_control import install_mps_control
 from driver.nvml.mock.nvml import MockNvml
-from driver.nvml.mock.timeslice import MockTimeSlice
 from driver.nvml.mps import MpsControl
-from driver.nvml.types import Inventory
 
 log = logging.getLogger(__name__)
 

@@ -34,7 +34,7 @@ from dataclasses import replace
 from typing import Final, Protocol
 
 from driver.errors import DriverError, transient
-from driver.nvml.timeslice import GpuLostError
+from driver.nvml.smi_timeslice import GpuLostError
 from driver.state.journal.checkpoint import ClaimEntry, ClaimState, PreparedDevice
 from driver.state.spec_render import PlannedDevice
 
@@ -44,7 +44,7 @@ DEFAULT: Final = "Default"
 
 
 class TimeSliceOps(Protocol):
-    """`driver.nvml.timeslice.NvidiaSmiTimeSlice`, the mock's `MockTimeSlice`, or a
+    """`driver.nvml.smi_timeslice.NvidiaSmiTimeSlice`, the mock's `MockTimeSlice`, or a
     test double."""
 
     def set(self, gpu_uuid: str, interval: str) -> None:

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from driver.nvml.calls import is_nvml_error, nvml_text
+from driver.nvml.discovered import MigInstance
 from driver.nvml.mig_errors import MigError, mig_error
 from driver.nvml.mig_gone import GoneDevices
 from driver.nvml.mig_listing import (
@@ -58,7 +59,6 @@ from driver.nvml.mig_recorded import (
     destroy_left,
     found_at_id,
 )
-from driver.nvml.types import MigInstance
 
 log = logging.getLogger(__name__)
 
