@@ -5,6 +5,8 @@
 #
 #   hack/gpu-tier-bundle.sh pack DIR        wheels + tools into DIR (needs network)
 #   hack/gpu-tier-bundle.sh run DIR [ARGS]  install DIR's wheels, run pytest tests/gpu ARGS
+#   hack/gpu-tier-bundle.sh exec DIR CMD... install them, run CMD in that environment
+#                                           (hack/gpu-tier-mps.sh runs its checks so)
 #
 # pack: the packages the tier needs (hack/bundle_requirements.py derives them from the
 # lock, pyproject.toml and what driver/ and tests/gpu/ import; it runs in the project's
@@ -68,9 +70,10 @@ host_facts() {
   python3 --version
 }
 
-run() {
+# DIR's wheels and tools installed into a temporary directory (removed on exit), and
+# the environment that runs the tier with them; the host's facts printed.
+install() {
   local dir=$1
-  shift
   [[ -d $dir/wheels && -f $dir/tools.tar.xz ]] || die "$dir is not a bundle (pack it first)"
   dir=$(cd "$dir" && pwd)
   WORK=$(mktemp -d)
@@ -83,13 +86,26 @@ run() {
   ldconfig -p | grep -q 'libseccomp\.so\.2' || export LD_LIBRARY_PATH=$WORK/cache/lib
   export GPU_DRA_CACHE=$WORK/cache PYTHONPATH=$WORK/site:$REPO_DIR PYTHONDONTWRITEBYTECODE=1
   host_facts
-  printf '== tier\n'
   cd "$REPO_DIR"
+}
+
+run() {
+  install "$1"
+  shift
+  printf '== tier\n'
   python3 -m pytest -p no:cacheprovider tests/gpu "$@"
+}
+
+run_command() {
+  install "$1"
+  shift
+  # Not exec: the EXIT trap removes the temporary directory afterwards.
+  "$@"
 }
 
 case ${1:-} in
   pack) [[ $# -eq 2 ]] || die "usage: $0 pack DIR"; pack "$2" ;;
   run) [[ $# -ge 2 ]] || die "usage: $0 run DIR [PYTEST_ARGS...]"; run "${@:2}" ;;
-  *) die "usage: $0 pack DIR | run DIR [PYTEST_ARGS...]" ;;
+  exec) [[ $# -ge 3 ]] || die "usage: $0 exec DIR COMMAND..."; run_command "${@:2}" ;;
+  *) die "usage: $0 pack DIR | run DIR [PYTEST_ARGS...] | exec DIR COMMAND..." ;;
 esac

@@ -55,7 +55,9 @@ class PoolOptions:
     # whole GPU is published either way.
     mig_profiles: tuple[str, ...] = ()
     # The node runs MPS daemons (`--mps-daemons`, docs/sharing.md): every device on a
-    # GPU with MIG off carries `mpsIsolation: "cooperative"`, its shares, partitions and
+    # GPU with MIG off carries `mpsIsolation`, `"strict"` on a whole GPU of Volta or
+    # later that is not shared by capacity (its one daemon holds it in
+    # EXCLUSIVE_PROCESS), `"cooperative"` on the others; its shares, partitions and
     # SpacePartitioning get MPS limits per client process (docs/mps.md), and a claim
     # may ask for the MPS strategy.
     mps: bool = False

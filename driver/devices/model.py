@@ -58,13 +58,18 @@ GIB = 1 << 30
 SHARE_MEMORY_STEP = GIB  # shares of memory: min 1Gi, step 1Gi (the reference)
 SHARE_COMPUTE_STEP = 1
 PCI_BUS_ID_ATTRIBUTE = "resource.kubernetes.io/pciBusID"
-# What the MPS limits of a device's shares, partitions and SpacePartitioning hold
-# against (docs/mps.md, "What holds and what does not"). `cooperative`: MPS daemons in
-# the GPU's `Default` compute mode; the limits bind each client process, and only
-# processes that use MPS. (`strict` is kept for an EXCLUSIVE_PROCESS mode that does
-# not exist yet; nothing publishes it.)
+# What the MPS limits of a device hold against (docs/mps.md, "What holds and what does
+# not"). `cooperative`: MPS daemons in the GPU's `Default` compute mode (shares and
+# partitions: several servers per GPU); the limits bind each client process, and only
+# processes that use MPS. `strict`: a whole GPU, neither a partition nor shared by
+# capacity, of Volta or later: its one MPS daemon holds it in EXCLUSIVE_PROCESS, so a
+# process outside MPS cannot open it (driver/state/mps/compute_modes.py).
 MPS_ISOLATION_ATTRIBUTE = "mpsIsolation"
 MPS_ISOLATION_COOPERATIVE = "cooperative"
+MPS_ISOLATION_STRICT = "strict"
+# EXCLUSIVE_PROCESS with MPS needs Volta (compute capability 7.0) or later: before it
+# an MPS server is not isolated from its clients' faults and has 16 clients at most.
+STRICT_MPS_MIN_CC_MAJOR = 7
 
 
 class PoolError(ValueError):
@@ -137,13 +142,24 @@ def _gpu_attributes(gpu: GpuInfo, inventory: Inventory) -> dict[str, Any]:
     return attrs
 
 
-def _mps_attr(options: PoolOptions) -> dict[str, Any]:
-    """`mpsIsolation: "cooperative"` on the devices of a GPU with MIG off where the node
-    runs MPS: their shares, partitions and SpacePartitioning get MPS limits per client
-    process, which a process that bypasses MPS escapes (docs/mps.md)."""
+def strict_mps_capable(gpu: GpuInfo) -> bool:
+    """Volta or later (CUDA compute capability 7.0 and up; unknown: not), MIG mode off
+    (NVML sets a compute mode there per MIG device)."""
+    major = (gpu.cuda_compute_capability or "").split(".")[0]
+    return not gpu.mig_enabled and major.isdigit() and int(major) >= STRICT_MPS_MIN_CC_MAJOR
+
+
+def _mps_attr(options: PoolOptions, gpu: GpuInfo, *, whole: bool) -> dict[str, Any]:
+    """`mpsIsolation` on the devices of a GPU with MIG off where the node runs MPS:
+    `strict` on a `whole` GPU (not a partition) that is not shared by capacity, on
+    Volta or later (its one daemon holds the GPU in EXCLUSIVE_PROCESS); `cooperative`
+    on the others, whose shares, partitions and SpacePartitioning get MPS limits per
+    client process, which a process that bypasses MPS escapes (docs/mps.md)."""
     if not options.mps:
         return {}
-    return {MPS_ISOLATION_ATTRIBUTE: string_attr(MPS_ISOLATION_COOPERATIVE)}
+    strict = whole and not options.allow_multiple_allocations and strict_mps_capable(gpu)
+    value = MPS_ISOLATION_STRICT if strict else MPS_ISOLATION_COOPERATIVE
+    return {MPS_ISOLATION_ATTRIBUTE: string_attr(value)}
 
 
 def _compute(gpu: GpuInfo) -> int:
@@ -211,7 +227,8 @@ def _reference_partitions(
     ) -> tuple[dict[str, Any], dict[str, int] | None]:
         """A partition's or the full GPU's document: capacity `amounts`, consumed from
         the GPU's counter set, shareable if the pool allows it; and the share's limits."""
-        attrs = {**gpu_attrs, **_mps_attr(options), **extra}
+        whole = "partition" not in extra  # gpu-<i>-full
+        attrs = {**gpu_attrs, **_mps_attr(options, gpu, whole=whole), **extra}
         doc = device_doc(name, attrs, {k: quantity(v) for k, v in amounts.items()})
         doc["consumesCounters"] = [
             {"counterSet": set_name, "counters": {k: quantity(v) for k, v in amounts.items()}}
@@ -335,7 +352,9 @@ def build_pool(
             notes += why
         else:
             doc = device_doc(
-                f"gpu-{gpu.minor}", {**attrs, **_mps_attr(options)}, _base_capacity(gpu)
+                f"gpu-{gpu.minor}",
+                {**attrs, **_mps_attr(options, gpu, whole=True)},
+                _base_capacity(gpu),
             )
             share = make_shareable(doc) if options.allow_multiple_allocations else None
             if gpu.reference_example and share is None:

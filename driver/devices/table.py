@@ -17,8 +17,9 @@ column means one thing on every row:
   partition row.
 - SHARING: `exclusive`, or the capacities that shares of the device consume; `MPS
   limits per process (cooperative)` where an MPS daemon holds a share's or a
-  partition's limits (attribute `mpsIsolation`; `MPS_NOTE` says what they do not
-  hold; docs/mps.md).
+  partition's limits, `MPS strict (EXCLUSIVE_PROCESS)` on a whole GPU whose one MPS
+  daemon holds it in that compute mode (attribute `mpsIsolation`; `mps_note` says
+  what they do not hold; docs/mps.md).
 - HEALTH: the health callback's text (taints as the plugin publishes them).
 """
 
@@ -32,6 +33,7 @@ from driver.devices.gpu_view import GpuView, gpu_views
 from driver.devices.model import (
     MPS_ISOLATION_ATTRIBUTE,
     MPS_ISOLATION_COOPERATIVE,
+    MPS_ISOLATION_STRICT,
     PoolDevices,
     PublishedDevice,
 )
@@ -53,6 +55,7 @@ HEADERS = (
 )
 NONE = "-"
 MPS_SHARING = f"MPS limits per process ({MPS_ISOLATION_COOPERATIVE})"
+MPS_STRICT_SHARING = f"MPS {MPS_ISOLATION_STRICT} (EXCLUSIVE_PROCESS)"
 # Under the table where a device carries `mpsIsolation` (docs/mps.md, "What holds and
 # what does not").
 MPS_NOTE = f"""\
@@ -67,6 +70,15 @@ unlimited
   clients: at most 48 client processes per server (Volta and later)
   memory: each server's own CUDA context is outside every limit: shares that add up to \
 the published memory overcommit the GPU
+"""
+# Under the table where a device carries `mpsIsolation: strict`.
+MPS_STRICT_NOTE = f"""\
+MPS {MPS_ISOLATION_STRICT} ({MPS_ISOLATION_ATTRIBUTE}: {MPS_ISOLATION_STRICT}; docs/mps.md):
+  a whole GPU prepared with an MPS daemon is set to compute mode EXCLUSIVE_PROCESS: its \
+one MPS server holds the GPU's only CUDA context, a process outside MPS fails to open one
+  still per CUDA process, not per claim; one claim's processes share its server's faults
+  before the first MPS client starts the server, a process outside MPS can take the \
+GPU's one context (the MPS clients then fail)
 """
 
 
@@ -92,6 +104,10 @@ def _attr(device: PublishedDevice, key: str) -> str:
     return str(next(iter(value.values())))
 
 
+def _mps_isolation(device: PublishedDevice) -> str:
+    return _attr(device, MPS_ISOLATION_ATTRIBUTE)
+
+
 def has_mps_limits(device: PublishedDevice) -> bool:
     """Whether the device publishes `mpsIsolation`: MPS daemons hold what its shares
     and partitions are given, per client process."""
@@ -99,14 +115,20 @@ def has_mps_limits(device: PublishedDevice) -> bool:
 
 
 def mps_note(devices: Sequence[PublishedDevice]) -> str:
-    """`MPS_NOTE` where a device carries MPS limits, else nothing."""
-    return MPS_NOTE if any(has_mps_limits(d) for d in devices) else ""
+    """What the MPS limits of the devices hold and do not (`MPS_NOTE` where a device
+    is cooperative, `MPS_STRICT_NOTE` where one is strict), else nothing."""
+    kinds = {_mps_isolation(d) for d in devices if has_mps_limits(d)}
+    note = MPS_NOTE if MPS_ISOLATION_COOPERATIVE in kinds else ""
+    return note + (MPS_STRICT_NOTE if MPS_ISOLATION_STRICT in kinds else "")
 
 
 def _sharing(device: PublishedDevice) -> str:
     """`exclusive`, or the capacities a share consumes with their request step; `, MPS
     limits per process (cooperative)` where MPS daemons hold what a share or partition
-    is given (attribute `mpsIsolation`)."""
+    is given, `, MPS strict (EXCLUSIVE_PROCESS)` on a strict whole GPU (attribute
+    `mpsIsolation`)."""
+    if _mps_isolation(device) == MPS_ISOLATION_STRICT:
+        return f"exclusive, {MPS_STRICT_SHARING}"
     limited = f", {MPS_SHARING}" if has_mps_limits(device) else ""
     if device.document.get("allowMultipleAllocations") is not True:
         return "exclusive" + (limited if device.is_partition else "")

@@ -5,8 +5,9 @@ only calls functions that exist in real pynvml (tests/unit/test_pynvml_contract.
 checks names and signatures). Discovery lives in `driver.nvml.discovery`, the health
 event set in `driver.nvml.health_events`, the recovery action in `driver.nvml.recovery_action`, the
 counted calls in `driver.nvml.calls` and loading the library in
-`driver.nvml.library`, a GPU's compute processes in `driver.nvml.processes` and its
-per-cgroup memory limits in `driver.nvml.memory_limits`; this module puts them
+`driver.nvml.library`, a GPU's compute processes in `driver.nvml.processes`, its
+compute mode in `driver.nvml.compute_mode` and its per-cgroup memory limits in
+`driver.nvml.memory_limits`; this module puts them
 together for one process.
 
 The mock's backend subclasses `NvmlBackend`: its hooks (`control_actions`,
@@ -22,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from driver.nvml.calls import CountingModule
+from driver.nvml.compute_mode import NvmlComputeModes
 from driver.nvml.discovered import HealthEvent, Inventory
 from driver.nvml.discovery import discover_inventory
 from driver.nvml.health_events import HealthEventSet
@@ -64,6 +66,7 @@ class NvmlBackend:
         self._mig = MigManager(self._nvml)
         self._processes = ProcessReader(self._nvml)
         self._memory_limits = GpuMemoryLimits(self._nvml)
+        self._compute_modes = NvmlComputeModes(self._nvml)
 
     @property
     def module(self) -> Any:
@@ -128,6 +131,11 @@ class NvmlBackend:
     def gpu_processes(self, gpu_uuid: str) -> GpuProcesses:
         """The GPU's compute processes and which use MPS (`driver.nvml.processes`)."""
         return self._processes.read(gpu_uuid)
+
+    def compute_modes(self) -> NvmlComputeModes:
+        """The GPUs' compute modes (`driver.nvml.compute_mode`): EXCLUSIVE_PROCESS for
+        a GPU whose one MPS daemon holds it whole (docs/mps.md)."""
+        return self._compute_modes
 
     def memory_limits(self) -> GpuMemoryLimits:
         """Per-cgroup GPU memory limits kept by the kernel driver, where the driver

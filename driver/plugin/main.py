@@ -172,6 +172,7 @@ class Plugin:
             timeslice=backend.timeslice(o.nvidia_driver_root),
             mps_daemons=mps_daemons(o, backend, api),
             mps_others=mps_others(o, backend, api),
+            compute_modes=backend.compute_modes(),
         )
         export_checkpoint_state(state)
         journal = export_journal(state)
@@ -185,7 +186,8 @@ class Plugin:
         # The listing and the journal snapshot of one moment, under the node lock (an
         # old instance may still be serving during a rolling update).
         inventory, owned_mig = state.discover_with_owned(backend.discover)
-        # `mpsIsolation: "cooperative"` where the node runs MPS daemons (docs/mps.md).
+        # `mpsIsolation` where the node runs MPS daemons (docs/mps.md): "strict" on a
+        # whole GPU its one daemon holds in EXCLUSIVE_PROCESS, else "cooperative".
         options = replace(o.pool_options(), mps=state.mps.site is not None)
         node_profiles = node_label.profiles()
         if node_profiles is not None:

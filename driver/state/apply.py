@@ -111,13 +111,16 @@ def _note_occupants(
 ) -> list[Work]:
     """Each MIG intent records the instances already at its placement (normally none)
     before it is journaled: a rollback destroys only an instance that was not there
-    (driver/state/mig_instances.py). After `_roll_back_found`, whose destroys free ids a
-    create may reuse. A claim whose GPU cannot be read fails; its found entry, rolled
-    back, goes with it."""
+    (driver/state/mig_instances.py); each strict MPS device records its GPU's compute
+    mode, which a rollback puts back (driver/state/mps/compute_modes.py). After
+    `_roll_back_found`, whose destroys free ids a create may reuse and whose restores
+    put the modes back. A claim whose GPU cannot be read fails; its found entry,
+    rolled back, goes with it."""
     seen: dict[Place, tuple[int, ...]] = {}
     for w in work:
         try:
             w.planned = state.instances.note_occupants(w.planned, seen)
+            w.planned = state.mps.note_compute_modes(w.planned, state.devices)
         except Exception as exc:
             w.error = claim_failure(exc, w.ref.uid)
             journal.pop(w.ref.uid, None)

@@ -29,6 +29,7 @@ from driver.state.journal.checkpoint import Checkpoint, CheckpointCorruptError, 
 from driver.state.journal.locking import ClaimLocks, SerializeLock
 from driver.state.mig_instances import ClaimInstances, MigOps
 from driver.state.mps.claim_daemons import ClaimMps
+from driver.state.mps.compute_modes import ComputeModeOps
 from driver.state.mps.daemons import MpsDaemons, MpsOps, NodeDaemons
 from driver.state.request import (
     ClaimReader,
@@ -94,6 +95,7 @@ class StepContext:
         mps: MpsOps | None = None,
         mps_daemons: MpsDaemons | None = None,
         mps_others: Sequence[MpsDaemons] = (),
+        compute_modes: ComputeModeOps | None = None,
     ) -> None:
         self.driver_name = driver_name
         self.node_name = node_name
@@ -112,7 +114,10 @@ class StepContext:
         # `mps_daemons` (the Kubernetes path) or node processes of `mps`'s binary; the
         # other kinds stop what the journal names from another --mps-daemons setting.
         daemons = mps_daemons or (NodeDaemons(mps) if mps is not None else None)
-        self.mps = ClaimMps(daemons, Path(data_dir) / "mps", others=mps_others)
+        # `compute_modes`: a strict GPU's EXCLUSIVE_PROCESS (driver/state/mps/compute_modes.py).
+        self.mps = ClaimMps(
+            daemons, Path(data_dir) / "mps", others=mps_others, compute_modes=compute_modes
+        )
         self.permanent_errors = frozenset(permanent_errors)
         self.stats = StateStats()
         self.verdicts = VerdictMemory(ttl=verdict_ttl, limit=verdict_limit, clock=clock)

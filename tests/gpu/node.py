@@ -3,8 +3,10 @@
 `recover()` first, then discovery and the journal's owned MIG devices under the node
 lock, then the published pool. The claims are in memory; every device is healthy.
 MPS daemons run where the plugin's `--mps-daemons` puts them (`mps_daemons`: e.g.
-`NodeDaemons`, processes of the node); `allow_multiple_allocations` publishes whole GPUs
-for shares (`--gpu-allow-multiple-allocations`)."""
+`NodeDaemons`, processes of the node), a whole GPU published `mpsIsolation: "strict"`
+held in EXCLUSIVE_PROCESS through the backend's compute modes, as the plugin does;
+`allow_multiple_allocations` publishes whole GPUs for shares
+(`--gpu-allow-multiple-allocations`)."""
 
 from __future__ import annotations
 
@@ -71,6 +73,15 @@ class ClaimDocs:
         }
         return ClaimRef("default", uid, uid)
 
+    def add_configured(self, uid: str, device: str, parameters: dict[str, Any]) -> ClaimRef:
+        """A claim given a whole device with its own opaque config (`parameters`: a
+        GpuConfig) for the driver."""
+        ref = self.add(uid, device)
+        opaque: dict[str, Any] = {"driver": DRIVER, "parameters": parameters}
+        config = [{"source": "FromClaim", "requests": [], "opaque": opaque}]
+        self.docs[uid]["status"]["allocation"]["devices"]["config"] = config
+        return ref
+
     def get(self, namespace: str, name: str) -> dict[str, Any]:
         return self.docs[name]
 
@@ -110,9 +121,12 @@ def open_node(
     driver_root: DriverRoot | None = None,
     mps_daemons: MpsDaemons | None = None,
     allow_multiple_allocations: bool = False,
+    gpu_partitions: int = 0,
 ) -> GpuNode:
     """The node whose journal and CDI specs live under `root`; a second call on the
-    same root is a plugin restart. `mig`: the MIG manager, if not the backend's."""
+    same root is a plugin restart. `mig`: the MIG manager, if not the backend's;
+    `gpu_partitions`: `--gpu-partitions`. Its devices carry `mpsIsolation` where it
+    runs MPS daemons, as the plugin publishes them."""
     claims = ClaimDocs()
     state = DeviceState(
         driver_name=DRIVER,
@@ -129,11 +143,15 @@ def open_node(
         proc_devices=backend.kernel_root / "proc" / "devices",
         driver_root=driver_root,
         mps_daemons=mps_daemons,
+        compute_modes=backend.compute_modes(),
     )
     recovered = state.recover()
     inventory, owned = state.discover_with_owned(backend.discover)
     options = PoolOptions(
-        mig_strategy=strategy, allow_multiple_allocations=allow_multiple_allocations
+        mig_strategy=strategy,
+        allow_multiple_allocations=allow_multiple_allocations,
+        gpu_partitions=gpu_partitions,
+        mps=state.mps.site is not None,
     )
     pool = build_pool(inventory, options, owned_mig=owned)
     state.devices = {d.name: d for d in pool.devices}

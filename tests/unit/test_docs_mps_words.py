@@ -79,9 +79,10 @@ def test_the_mps_doc_has_a_table_of_what_holds_and_what_does_not() -> None:
     assert "## What holds and what does not" in text
     assert "| mode | what holds | what does not |" in text
     assert '`mpsIsolation: "cooperative"`' in text
-    # "strict" is reserved, not offered.
-    strict = next(p for p in paragraphs(text) if '`"strict"`' in p)
-    assert "not implemented" in strict and "no device publishes it" in strict
+    # "strict": a whole GPU held in EXCLUSIVE_PROCESS, with what it still does not hold.
+    (strict,) = [row for row in text.splitlines() if row.startswith('| `mpsIsolation: "strict"`')]
+    assert "EXCLUSIVE_PROCESS" in strict and "before the claim's first MPS client" in strict
+    assert "## Strict: one MPS server, EXCLUSIVE_PROCESS" in text
 
 
 @pytest.mark.parametrize(

@@ -423,7 +423,8 @@ def test_the_sharing_column_says_where_mps_limits_shares_and_partitions(
     assert code == 0, err
     rows = {r["DEVICE"]: r["SHARING"] for r in table(out)}
     assert rows["gpu-0-partition-1"] == "exclusive, MPS limits per process (cooperative)"
-    assert rows["gpu-0-full"] == "exclusive"  # a whole GPU: nothing to limit
+    # A whole GPU no share divides: its one daemon holds it in EXCLUSIVE_PROCESS.
+    assert rows["gpu-0-full"] == "exclusive, MPS strict (EXCLUSIVE_PROCESS)"
     code, out, err = run(capsys, *mock[:-2], "--gpu-allow-multiple-allocations")
     assert table(out)[0]["SHARING"] == "shares: compute step 1, memory step 1Gi"
     assert "MPS limits" not in out

@@ -206,8 +206,8 @@ def test_inventory_marks_the_devices_mps_limits_where_the_plugin_runs_mps_daemon
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     """MPS_DAEMONS (the chart's kubeletPlugin.mps.enabled) is a node setting: the GPUs
-    with MIG off publish `mpsIsolation: "cooperative"`, MIG devices do not, and no
-    device publishes the former `mps` attribute."""
+    with MIG off publish `mpsIsolation` (`"strict"` on a whole GPU no share divides),
+    MIG devices do not, and no device publishes the former `mps` attribute."""
     fleet = str(tmp_path / "fleet.yaml")
     Path(fleet).write_text(
         yaml.safe_dump(
@@ -218,7 +218,7 @@ def test_inventory_marks_the_devices_mps_limits_where_the_plugin_runs_mps_daemon
     code, listing, err = inventory(capsys, "--mock", fleet, "--node-name", "n1")
     assert code == 0, err
     marked = {n: d["attributes"].get("mpsIsolation") for n, d in devices(listing).items()}
-    assert {n: v for n, v in marked.items() if v} == {"gpu-0": {"string": "cooperative"}}
+    assert {n: v for n, v in marked.items() if v} == {"gpu-0": {"string": "strict"}}
     assert not any("mps" in d["attributes"] for d in devices(listing).values())
     code, listing, err = inventory(
         capsys, "--mock", fleet, "--node-name", "n1", "--mps-daemons", "off"

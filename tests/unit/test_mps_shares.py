@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from driver.devices.model import PoolOptions, build_pool
+from driver.devices.model import PoolOptions, PublishedDevice, build_pool
 from driver.devices.slices import build_slice_documents, validate_slice_specs
 from driver.nvml.mock.fleet import parse_fleet
 from driver.state.journal.checkpoint import Checkpoint
@@ -184,11 +184,18 @@ def test_an_mps_config_on_a_share_defaults_to_the_share_and_may_not_exceed_it(
     assert len(node.daemons()) == 1  # only a's
 
 
+def _strict(device: PublishedDevice) -> bool:
+    """A whole GPU (`gpu-0`, `gpu-0-full`) of the GPU with MIG off (gpu-0)."""
+    return not device.is_partition and device.gpu_minor == 0
+
+
 def test_devices_of_a_node_with_mps_publish_mps_isolation_cooperative(node: Node) -> None:
-    """A node that runs MPS daemons publishes `mpsIsolation: "cooperative"` (a string)
-    on every device of a GPU with MIG off: the limits bind each client process and only
-    processes that use MPS (docs/mps.md, "What holds and what does not"). No device
-    publishes the former bare `mps: true`, which read as a guarantee."""
+    """A node that runs MPS daemons publishes `mpsIsolation` (a string) on every device
+    of a GPU with MIG off: `"cooperative"` on partitions, whose limits bind each client
+    process and only processes that use MPS, `"strict"` on the whole GPU that no
+    capacity share divides (its one daemon holds it in EXCLUSIVE_PROCESS; docs/mps.md,
+    "What holds and what does not"). No device publishes the former bare `mps: true`,
+    which read as a guarantee."""
     inventory = node.backend.discover()
     for options in (PoolOptions(mps=True), PoolOptions(mps=True, gpu_partitions=2)):
         pool = build_pool(inventory, options)
@@ -199,7 +206,8 @@ def test_devices_of_a_node_with_mps_publish_mps_isolation_cooperative(node: Node
             on_gpu0 |= {d.name for d in pool.devices if d.gpu_minor == 1}
         assert marked == on_gpu0
         assert all(
-            pool.device(name).document["attributes"]["mpsIsolation"] == {"string": "cooperative"}
+            pool.device(name).document["attributes"]["mpsIsolation"]
+            == {"string": "strict" if _strict(pool.device(name)) else "cooperative"}
             for name in marked
         )
         slices = build_slice_documents(pool, driver=DRIVER, node_name=NODE)

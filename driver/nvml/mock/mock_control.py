@@ -25,7 +25,10 @@ does not accept them).
   outside MPS, 1024 MiB and no pod by default; with a pod UID the mock writes the
   process's cgroup where the plugin looks for it), answered with its `pid`; `{"end":
   <pid>}` ends one. No CUDA process runs on a mock GPU: this is how a test or a demo
-  shows the plugin one (docs/mps.md, "Escapes").
+  shows the plugin one (docs/mps.md, "Escapes"). A process the GPU's compute mode
+  refuses is refused as CUDA refuses it ("all CUDA-capable devices are busy or
+  unavailable": a `compute` process on a GPU in EXCLUSIVE_PROCESS that another
+  process holds, e.g. the MPS server of a strict claim; its `mps-client` is accepted).
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from typing import Any, Protocol
 from driver.health.control_queue import ControlError, Handler
 from driver.health.failures import Devices, HealthDevice, device_list, device_placement
 from driver.nvml.discovered import HealthEvent, MigInstance
+from driver.nvml.mock.mock_compute_mode import DevicesUnavailable
 from driver.nvml.recovery_action import MAX_ACTION, action_name
 
 log = logging.getLogger(__name__)
@@ -262,7 +266,10 @@ class MockActions:
         if pod is not None and (not isinstance(pod, str) or not _POD_UID_RE.match(pod)):
             raise MockControlError(f"invalid podUID {pod!r} (a pod's metadata.uid)")
         uuid = self.resolve(device)
-        process = self._nvml.start_process(uuid, kind, used_bytes=mib << 20, pod_uid=pod)
+        try:
+            process = self._nvml.start_process(uuid, kind, used_bytes=mib << 20, pod_uid=pod)
+        except DevicesUnavailable as err:  # the GPU's compute mode refuses its context
+            raise MockControlError(f"{kind} process on {device}: {err}") from None
         where = f" in pod {pod}" if pod else ""
         message = f"started {kind} process {process.pid} on {device} ({uuid}){where}"
         log.warning("mock control: %s", message)

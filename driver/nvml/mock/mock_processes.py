@@ -12,6 +12,14 @@ action `process`, driver/nvml/mock/mock_control.py) and listed as NVML lists the
 - `mps-server`: `nvidia-cuda-mps-server`, the MPS server's own context: in the
   compute list only.
 
+A process that opens a CUDA context of its own (`compute`, or the server of a first
+`mps-client`) is refused where the GPU's compute mode forbids it
+(`DevicesUnavailable`, "all CUDA-capable devices are busy or unavailable": in
+`EXCLUSIVE_PROCESS` while another process holds a context, in `PROHIBITED` always;
+driver/nvml/mock/mock_compute_mode.py); a client of a running server is not. The
+stand-in MPS control daemon starts no server: as NVIDIA's, its server comes with the
+first client.
+
 pids start above Linux's largest `pid_max` (2^22), so a mock process is never taken
 for a live process of the node. With a driver root, a process started with a pod UID
 gets `<driver root>/proc/<pid>/cgroup` naming a container cgroup of that pod (cgroup
@@ -28,6 +36,7 @@ import hashlib
 import itertools
 import shutil
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
@@ -87,6 +96,8 @@ class ProcessFunctions:
 
         def _target(self, handle: Any) -> tuple[MockGpu, Any]: ...
 
+        def refuse_context(self, gpu: MockGpu, processes: Sequence[Any]) -> None: ...
+
         @property
         def mock_kernel_root(self) -> Path | None: ...
 
@@ -112,10 +123,13 @@ class ProcessFunctions:
             raise ValueError(f"used memory {used_bytes} is negative")
         gpu = self.mock_gpu(gpu_uuid)
         with self._lock:
-            if kind == "mps-client" and not any(
-                p.gpu_index == gpu.index and p.kind == "mps-server"
-                for p in self._processes.values()
-            ):
+            on_gpu = [p for p in self._processes.values() if p.gpu_index == gpu.index]
+            server = any(p.kind == "mps-server" for p in on_gpu)
+            if kind != "mps-client" or not server:
+                # A context of its own (the client's: its server's): the compute mode
+                # may refuse it (driver/nvml/mock/mock_compute_mode.py).
+                self.refuse_context(gpu, on_gpu)
+            if kind == "mps-client" and not server:
                 self._add(gpu.index, "mps-server", _SERVER_BYTES, None, None)
             return self._add(gpu.index, kind, used_bytes, name, pod_uid)
 

@@ -27,6 +27,9 @@ Extras for tests and demos (not part of pynvml):
   `nvmlDeviceGetMPSComputeRunningProcesses` as NVML lists them, outside MPS or not.
 - Per-cgroup memory limits (`driver/nvml/mock/mock_memory_limits.py`): the driver version
   of the fleet decides whether the calls exist (R615 and later).
+- Compute modes (`driver/nvml/mock/mock_compute_mode.py`): per GPU, under the driver
+  root when there is one, reset by `mock_reboot()`; a mode that refuses a CUDA context
+  refuses the mock's processes as CUDA would.
 """
 
 from __future__ import annotations
@@ -87,6 +90,7 @@ from driver.nvml.mock.mock_api import (
     nvmlGpuInstanceProfileInfo_v2,
     set_out_uint,
 )
+from driver.nvml.mock.mock_compute_mode import ComputeModeFunctions
 from driver.nvml.mock.mock_events import EventFunctions, PendingEvent
 from driver.nvml.mock.mock_memory_limits import MemoryLimitFunctions
 from driver.nvml.mock.mock_mig import MigFunctions
@@ -122,7 +126,12 @@ def _slot_value(slot: str) -> int:
 
 
 class MockNvml(
-    EventFunctions, MigFunctions, RecoveryFunctions, ProcessFunctions, MemoryLimitFunctions
+    EventFunctions,
+    MigFunctions,
+    RecoveryFunctions,
+    ProcessFunctions,
+    MemoryLimitFunctions,
+    ComputeModeFunctions,
 ):
     """A pynvml-compatible module object for one mock node.
 
@@ -152,6 +161,7 @@ class MockNvml(
         self._init_mig(None if driver_root is None else Path(driver_root))
         self._init_processes()
         self._init_memory_limits()
+        self._init_compute_modes()
         if driver_root is not None:
             ensure_proc_devices(Path(driver_root))
 
@@ -189,6 +199,12 @@ class MockNvml(
                 gpu = replace(gpu, model=profile.productName, reference_example=True)
             gpus.append(gpu)
         return replace(inventory, gpus=tuple(gpus))
+
+    def mock_reboot(self) -> None:
+        """Reboot the node: dynamic MIG instances vanish, the fleet's `migInstances`
+        return, every GPU's compute mode is DEFAULT again."""
+        super().mock_reboot()
+        self._reset_compute_modes()
 
     # ------------------------------------------------------------ helpers
 

@@ -1,5 +1,8 @@
 """The journal's record of a prepared device's MPS control daemon
-(`PreparedDevice.mps`, key `mps`; docs/mps.md)."""
+(`PreparedDevice.mps`, key `mps`; docs/mps.md). `computeModeBefore`, on a whole GPU
+whose one daemon holds it in EXCLUSIVE_PROCESS (docs/mps.md, "Strict: one MPS server,
+EXCLUSIVE_PROCESS"), is the compute mode the GPU had before; an entry without it
+(cooperative, or written by an earlier release) leaves the mode alone."""
 
 from __future__ import annotations
 
@@ -54,6 +57,15 @@ class MpsRecord:
     # since is a daemon lost (driver/state/mps_watch.py). Empty: not seen yet.
     pod_uid: str = ""
     pod_restarts: int = 0
+    # Strict (driver/state/mps/compute_modes.py): the GPU's compute mode (NVML's
+    # number) before the claim set EXCLUSIVE_PROCESS, read before the intent is
+    # stored, put back when the daemon goes. None: cooperative, the mode is left alone.
+    compute_mode_before: int | None = None
+
+    @property
+    def strict(self) -> bool:
+        """Does the claim hold its GPU in EXCLUSIVE_PROCESS?"""
+        return self.compute_mode_before is not None
 
     def to_json(self) -> dict[str, Any]:
         doc: dict[str, Any] = {"gpu": self.gpu_uuid, "dir": self.directory}
@@ -67,6 +79,8 @@ class MpsRecord:
             if self.pod_uid:
                 deployment.update(pod=self.pod_uid, restarts=self.pod_restarts)
             doc["deployment"] = deployment
+        if self.compute_mode_before is not None:
+            doc["computeModeBefore"] = self.compute_mode_before
         return doc
 
     @classmethod
@@ -90,4 +104,5 @@ class MpsRecord:
             uid,
             pod,
             restarts,
+            _optional_int(doc, "computeModeBefore", 0),
         )

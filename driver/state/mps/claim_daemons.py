@@ -13,13 +13,17 @@ others the plugin can reach stop what the journal names from another setting
 the daemon starts (the intent: no pid, no Deployment) and carries what identifies it
 (pid and start time, or the Deployment's name and UID) in the `PrepareCompleted` entry:
 
-- prepare starts each daemon, sets and reads back its limits (`apply`);
+- prepare starts each daemon, sets and reads back its limits (`apply`); a whole GPU
+  published strict is put in EXCLUSIVE_PROCESS first, the mode found recorded before
+  the intent is stored (`note_compute_modes`; driver/state/mps/compute_modes.py);
 - a rollback stops every daemon the claim's devices may have started, found in their
   place (pipe directory, derived Deployment name) when nothing is recorded yet,
-  unmounts their /dev/shm tmpfs and removes their directories (`restore`);
+  unmounts their /dev/shm tmpfs, removes their directories and puts a strict GPU's
+  compute mode back (`restore`);
 - unprepare does the same before the entry is dropped (`release`), whatever
   --mps-daemons says now: the record names the kind that started the daemon;
-- start (`adopt`) finds each completed claim's daemon of the current kind; one that is
+- start (`adopt`) puts each completed strict claim's GPU in EXCLUSIVE_PROCESS again
+  and finds each completed claim's daemon of the current kind; one that is
   gone (killed, a reboot, a deleted Deployment) is reported and started again with
   its limits in the directories its clients' containers mount (`revive`: emptied,
   never replaced), so new clients there are limited again (running clients of the
@@ -44,6 +48,8 @@ from driver.errors import DriverError, transient
 from driver.observability import metrics
 from driver.state.journal.checkpoint import ClaimEntry, ClaimState, PreparedDevice
 from driver.state.journal.mps_record import MpsRecord
+from driver.state.mps.compute_modes import ClaimComputeModes, ComputeModeOps
+from driver.state.mps.daemon_changes import MpsLoss, MpsReplaced, change_seen, daemon_text
 from driver.state.mps.daemons import (
     KIND_NODE,
     MpsDaemons,
@@ -57,6 +63,8 @@ from driver.state.mps.daemons import (
 from driver.state.mps.orphans import Orphan, sweep_orphans
 from driver.state.mps.prepared_limits import MpsLimits
 from driver.state.mps.shm import ShmBound
+from driver.state.request import PreparableDevice
+from driver.state.spec_render import PlannedDevice
 
 log = logging.getLogger(__name__)
 
@@ -70,27 +78,6 @@ class MpsSite:
 
     root: Path
     private_shm: bool
-
-
-@dataclass(frozen=True)
-class MpsLoss:
-    """A device's daemon found gone, and what became of it: started again
-    (`restarted`, its new record) or not (`error`)."""
-
-    device: str
-    lost: MpsRecord
-    restarted: MpsRecord | None = None
-    error: str | None = None
-
-    @property
-    def outcome(self) -> str:
-        """The label of gpu_dra_mps_daemon_lost_total."""
-        return "failed" if self.restarted is None else "restarted"
-
-
-def daemon_text(record: MpsRecord) -> str:
-    """`Deployment <name>` or `pid <pid>`: which daemon the record names."""
-    return f"Deployment {record.deployment}" if record.deployment else f"pid {record.pid}"
 
 
 @dataclass(frozen=True)
@@ -123,37 +110,25 @@ def plan_mps(
     return MpsPlan(record, tuple(env), tuple(mounts))
 
 
-@dataclass(frozen=True)
-class MpsReplaced:
-    """A device's daemon that Kubernetes started again behind the driver's back: its
-    pod replaced (a new UID) or its container restarted. Its clients' work is gone."""
-
-    device: str
-    record: MpsRecord  # as observed now
-    change: str  # `its pod was replaced (...)`, `its container restarted (...)`
-
-
-def _change(before: MpsRecord, now: MpsRecord) -> str | None:
-    """How the daemon's pod changed since `before` was recorded, None if it did not."""
-    if before.pod_uid and now.pod_uid and now.pod_uid != before.pod_uid:
-        return f"its pod was replaced (pod UID {before.pod_uid} -> {now.pod_uid})"
-    if now.pod_restarts > before.pod_restarts:
-        return f"its container restarted ({now.pod_restarts} restart(s) of pod {now.pod_uid})"
-    return None
-
-
 class ClaimMps:
     """The MPS side of prepare, unprepare and start. `daemons` None: no MPS on this
     node (no daemon is started). `others`: the kinds of daemon the plugin can still
-    stop (those of the other --mps-daemons settings)."""
+    stop (those of the other --mps-daemons settings). `compute_modes`: what sets a
+    strict GPU's compute mode (None: a device published strict is refused)."""
 
     def __init__(
-        self, daemons: MpsDaemons | None, root: Path, *, others: Sequence[MpsDaemons] = ()
+        self,
+        daemons: MpsDaemons | None,
+        root: Path,
+        *,
+        others: Sequence[MpsDaemons] = (),
+        compute_modes: ComputeModeOps | None = None,
     ) -> None:
         self._daemons = daemons
         self._others = tuple(o for o in others if daemons is None or o.kind != daemons.kind)
         self.root = root
         self._reach_checked = False
+        self.compute_modes = ClaimComputeModes(compute_modes)
 
     @property
     def site(self) -> MpsSite | None:
@@ -232,21 +207,33 @@ class ClaimMps:
 
     # -- prepare -----------------------------------------------------------------------
 
+    def note_compute_modes(
+        self, planned: Sequence[PlannedDevice], devices: Mapping[str, PreparableDevice]
+    ) -> tuple[PlannedDevice, ...]:
+        """Before the intent is stored: each strict device's record notes its GPU's
+        compute mode (`ClaimComputeModes.note`)."""
+        return self.compute_modes.note(planned, devices)
+
     def apply(self, devices: Sequence[PreparedDevice]) -> tuple[PreparedDevice, ...]:
-        """Start the daemons of the devices (their intent is durable); the devices with
-        their records stamped. A failure stops those started (transient error)."""
+        """Start the daemons of the devices (their intent is durable), a strict GPU put
+        in EXCLUSIVE_PROCESS first; the devices with their records stamped. A failure
+        stops those started and puts the modes back (transient error)."""
         if self._daemons is None or not any(d.mps for d in devices):
             return tuple(devices)
         out: list[PreparedDevice] = []
-        try:
-            for device in devices:
-                record = device.mps
-                out.append(
-                    device if record is None else replace(device, mps=self._started(device, record))
-                )
-        except DriverError:
-            self.restore(out)
-            raise
+        for device in devices:
+            record = device.mps
+            try:
+                if record is not None:
+                    self.compute_modes.make_exclusive(record)
+                    device = replace(device, mps=self._started(device, record))
+            except DriverError:
+                try:
+                    self.restore([*out, device])
+                except DriverError as err:  # the rollback of the entry repeats it
+                    log.error("undoing the MPS daemons of device %s: %s", device.device_name, err)
+                raise
+            out.append(device)
         return tuple(out)
 
     def _started(self, device: PreparedDevice, record: MpsRecord) -> MpsRecord:
@@ -257,10 +244,12 @@ class ClaimMps:
 
     def restore(self, devices: Sequence[PreparedDevice]) -> None:
         """Stop every daemon the devices may have started, whatever --mps-daemons says
-        now. Raises a transient error (the caller keeps the entry)."""
+        now, then put a strict GPU's compute mode back. Raises a transient error (the
+        caller keeps the entry)."""
         for device in devices:
             if device.mps is not None:
                 self._stop(device.mps)
+                self.compute_modes.restore(device.mps)
 
     # -- unprepare ---------------------------------------------------------------------
 
@@ -286,11 +275,13 @@ class ClaimMps:
     def adopt(
         self, journal: dict[str, ClaimEntry], exclude: Collection[str] = ()
     ) -> tuple[list[str], dict[str, tuple[MpsLoss, ...]]]:
-        """At start: each completed claim's daemons (but those of `exclude`, claims
-        another instance has in flight), found running by pid and start
+        """At start: each completed strict claim's GPU in EXCLUSIVE_PROCESS again; each
+        completed claim's daemons (but those of `exclude`, claims another instance has
+        in flight), found running by pid and start
         time, are adopted; one that is gone is reported and started again (`revive`,
         its entry in `journal` updated). Returns (the claims adopted, per claim whose
         daemon was gone what became of it)."""
+        self.compute_modes.reapply(journal, exclude)  # a reboot reset them to Default
         adopted: list[str] = []
         lost: dict[str, tuple[MpsLoss, ...]] = {}
         for uid, entry in sorted(journal.items()):
@@ -357,7 +348,7 @@ class ClaimMps:
             record = device.mps
             if self._daemons is not None and record is not None and self.watched(record):
                 seen = self._daemons.observe(record)
-                change = _change(record, seen)
+                change = change_seen(record, seen)
                 if change is not None:
                     log.error(
                         "the MPS daemon %s of claim %s (GPU %s) was started again by "

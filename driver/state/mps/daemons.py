@@ -27,11 +27,14 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import os
+import re
 import shutil
 import stat
 from collections.abc import Collection, Sequence
 from dataclasses import replace
+from fractions import Fraction
 from pathlib import Path
 from typing import Final, Protocol
 
@@ -201,12 +204,41 @@ def empty_directory(directory: Path) -> None:
             raise transient(f"emptying {directory}: {err}") from err
 
 
-def _megabytes(answer: str) -> int | None:
-    """`8192M` / `8G` (what the daemon answers) as MiB."""
-    text = answer.strip()
-    if text[:-1].isdigit() and text[-1:] in ("M", "G"):
-        return int(text[:-1]) * (1024 if text[-1] == "G" else 1)
-    return None
+# The control daemon's answer to `get_default_device_pinned_mem_limit <dev>`: a number,
+# whole or with decimals, and a binary unit (`M` is MiB: what `set_...` and
+# CUDA_MPS_PINNED_DEVICE_MEM_LIMIT take), perhaps spelt `MB`/`MiB`, perhaps after a
+# space, or none (bytes); a label ending in `:` before it is ignored.
+_LIMIT_ANSWER: Final = re.compile(
+    r"(?:[^:]*:)?\s*(\d+)(?:\.(\d+))?\s*([KMGT]?)(?:I?B)?\s*", re.IGNORECASE
+)
+_UNIT_BYTES: Final = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def pinned_limit_range(answer: str) -> tuple[int, int] | None:
+    """The bytes (lowest, highest) that the daemon's answer for a pinned limit stands
+    for; None where it is not one. A whole number with its unit (`20389M`, `8G`,
+    `20878336K`, `21379416064`) is exact; one with decimals (`19.91G`) is the limit
+    rounded or cut to the digits shown: from half a last digit below to a whole last
+    digit above (19.91G: 20382.72 MiB up to, not including, 20398.08 MiB)."""
+    found = _LIMIT_ANSWER.fullmatch(answer.strip())
+    if found is None:
+        return None
+    whole, decimals, unit = found.group(1), found.group(2) or "", found.group(3).upper()
+    scale = 10 ** len(decimals)
+    shown = Fraction(int(whole + decimals), scale) * _UNIT_BYTES[unit]
+    if not decimals:
+        return int(shown), int(shown)
+    step = Fraction(_UNIT_BYTES[unit], scale)
+    return math.ceil(shown - step / 2), math.ceil(shown + step) - 1
+
+
+def pinned_limit_matches(answer: str, limit_bytes: int) -> bool:
+    """Does the daemon's answer say it holds the pinned limit that
+    `set_default_device_pinned_mem_limit` was told for `limit_bytes`: whole MiB, rounded
+    down (`mps_memory_text`)?"""
+    found = pinned_limit_range(answer)
+    told = limit_bytes - limit_bytes % (1 << 20)
+    return found is not None and found[0] <= told <= found[1]
 
 
 def configure_limits(ops: MpsOps, dirs: DaemonDirs, record: MpsRecord) -> None:
@@ -225,7 +257,7 @@ def configure_limits(ops: MpsOps, dirs: DaemonDirs, record: MpsRecord) -> None:
         text = mps_memory_text(record.pinned_memory_bytes)
         ops.command(dirs, f"set_default_device_pinned_mem_limit 0 {text}")
         answer = ops.command(dirs, "get_default_device_pinned_mem_limit 0")
-        if _megabytes(answer) != record.pinned_memory_bytes >> 20:
+        if not pinned_limit_matches(answer, record.pinned_memory_bytes):
             raise transient(
                 f"MPS daemon in {dirs.pipe} did not take pinned memory limit {text}: "
                 f"it answers {answer!r}"
