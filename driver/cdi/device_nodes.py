@@ -7,7 +7,7 @@ Majors come from the kernel's `/proc/devices` (the NVIDIA driver registers `nvid
 `/dev/nvidia-modeset`; `nvidia-uvm` for `/dev/nvidia-uvm` and `/dev/nvidia-uvm-tools`;
 `nvidia-caps` for the MIG capability nodes). Minors of the fixed nodes are the
 driver's constants; a GPU's is its NVML minor number; a MIG capability's is in its
-`/proc/driver/nvidia/capabilities/.../access` file (driver/nvml/caps.py). The NVIDIA
+`/proc/driver/nvidia/capabilities/.../access` file (driver/nvml/mig/caps.py). The NVIDIA
 driver creates its nodes world read-write (0666); capability nodes take the mode
 their access file gives.
 """
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
-from driver.nvml.caps import CAPS_DEVICE_DIR, CapabilityNode
+from driver.nvml.mig.caps import CAPS_DEVICE_DIR, CapabilityNode
 
 GPU_MAJOR_NAMES: Final = ("nvidia", "nvidia-frontend")
 UVM_MAJOR_NAME: Final = "nvidia-uvm"

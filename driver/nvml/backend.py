@@ -28,7 +28,7 @@ from driver.nvml.discovered import HealthEvent, Inventory
 from driver.nvml.discovery import discover_inventory
 from driver.nvml.health_events import HealthEventSet
 from driver.nvml.memory_limits import GpuMemoryLimits
-from driver.nvml.mig_manager import MigManager
+from driver.nvml.mig.mig_manager import MigManager
 from driver.nvml.mps import MpsControl
 from driver.nvml.processes import GpuProcesses, ProcessReader
 from driver.nvml.recovery_action import RecoveryActionReader, RecoveryReading

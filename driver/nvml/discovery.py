@@ -11,7 +11,7 @@ from typing import Any
 from driver.nvml.calls import CountingModule, is_nvml_error, nvml_text, optional_query
 from driver.nvml.discovered import GpuInfo, Inventory, PartitionProfile
 from driver.nvml.library import init_nvml
-from driver.nvml.mig_manager import MigManager
+from driver.nvml.mig.mig_manager import MigManager
 
 log = logging.getLogger(__name__)
 

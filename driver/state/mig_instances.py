@@ -30,7 +30,7 @@ from typing import Protocol
 from driver.errors import DriverError, transient
 from driver.failpoints import failpoint
 from driver.nvml.discovered import MigInstance
-from driver.nvml.mig_manager import MigError, MigTarget, RecordedInstance
+from driver.nvml.mig.mig_manager import MigError, MigTarget, RecordedInstance
 from driver.state.journal.boot import boot_id
 from driver.state.journal.checkpoint import ClaimEntry, MigRecord, PreparedDevice
 from driver.state.spec_render import PlannedDevice, with_mig
@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 
 
 class MigOps(Protocol):
-    """`driver.nvml.mig_manager.MigManager`, or a test double."""
+    """`driver.nvml.mig.mig_manager.MigManager`, or a test double."""
 
     def create(self, target: MigTarget) -> MigInstance: ...
     def destroy(

@@ -23,7 +23,7 @@ from driver.cdi.claim_specs import (
 )
 from driver.cdi.device_nodes import CharMajors, DeviceNode, DeviceNodeError
 from driver.errors import transient
-from driver.nvml.caps import CapabilityError, mig_capabilities
+from driver.nvml.mig.caps import CapabilityError, mig_capabilities
 from driver.state.journal.checkpoint import MigRecord, PreparedDevice
 
 

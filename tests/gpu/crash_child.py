@@ -27,7 +27,7 @@ from typing import Any
 from driver.devices.model import MigStrategy
 from driver.failpoints import ENV_VAR, FAILPOINTS
 from driver.nvml.backend import NvmlBackend
-from driver.nvml.mig_manager import MigManager
+from driver.nvml.mig.mig_manager import MigManager
 from tests.gpu.node import host_backend, open_node
 
 GPU_INSTANCE_CREATED = "gpu-instance-created"

@@ -20,7 +20,7 @@ from driver.devices.mig_devices import partition_name
 from driver.devices.model import MigStrategy
 from driver.nvml.backend import NvmlBackend
 from driver.nvml.discovered import GpuInfo
-from driver.nvml.mig_manager import MigError, MigTarget
+from driver.nvml.mig.mig_manager import MigError, MigTarget
 from driver.state.journal.checkpoint import ClaimState
 from tests.gpu.crash_child import CRASH_POINTS, GPU_INSTANCE_CREATED
 from tests.gpu.gates import disjoint_placements, smallest_profile

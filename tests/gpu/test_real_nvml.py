@@ -13,7 +13,7 @@ import pytest
 
 from driver.nvml.backend import NvmlBackend
 from driver.nvml.discovered import GpuInfo, Inventory
-from driver.nvml.mig_manager import MigError, MigTarget
+from driver.nvml.mig.mig_manager import MigError, MigTarget
 from tests.gpu.node import open_node
 
 

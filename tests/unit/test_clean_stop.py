@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from driver.nvml.discovered import MigInstance
-from driver.nvml.mig_manager import MigManager, MigTarget
+from driver.nvml.mig.mig_manager import MigManager, MigTarget
 from driver.state.journal.checkpoint import Checkpoint, ClaimState
 from driver.state.recovery.startup_recovery import compact_journal
 from tests.unit.test_mig_prepare import H100, Node, make_node

@@ -18,7 +18,7 @@ from driver.health.store import HealthStore
 from driver.health.xid import XidPolicy
 from driver.nvml.backend import NvmlBackend
 from driver.nvml.discovered import HealthEvent, MigInstance
-from driver.nvml.mig_manager import MigTarget
+from driver.nvml.mig.mig_manager import MigTarget
 from driver.nvml.mock.fleet import Fleet, default_fleet, parse_fleet
 from driver.nvml.mock.mock_backend import MockBackend
 from driver.nvml.mock.nvml import MockNvml

@@ -17,7 +17,7 @@ import pytest
 
 from driver.errors import DriverError
 from driver.nvml.backend import NvmlBackend
-from driver.nvml.mig_manager import MigError, MigManager, MigTarget
+from driver.nvml.mig.mig_manager import MigError, MigManager, MigTarget
 from driver.nvml.mock import mock_api as m
 from driver.nvml.mock.fleet import parse_fleet
 from driver.nvml.mock.mock_backend import MockBackend

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from driver.nvml.discovered import MigInstance
-from driver.nvml.mig_manager import MigManager, MigTarget, RecordedInstance
+from driver.nvml.mig.mig_manager import MigManager, MigTarget, RecordedInstance
 from driver.state.journal.checkpoint import Checkpoint, ClaimEntry, ClaimState, PreparedDevice
 from driver.state.request import ClaimRef
 from tests.unit.test_crash_safety import (

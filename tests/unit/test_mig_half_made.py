@@ -19,10 +19,10 @@ from typing import Any
 
 import pytest
 
-import driver.nvml.mig_recorded as mig_module
+import driver.nvml.mig.mig_recorded as mig_module
 from driver.nvml.discovered import MigInstance
-from driver.nvml.mig_listing import ci_profiles
-from driver.nvml.mig_manager import MigError, MigManager, RecordedInstance
+from driver.nvml.mig.mig_listing import ci_profiles
+from driver.nvml.mig.mig_manager import MigError, MigManager, RecordedInstance
 from driver.state.journal.checkpoint import Checkpoint
 from tests.unit.test_mig_foreign import _target
 from tests.unit.test_mig_prepare import H100, Node, make_node

@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from driver.nvml.mig_errors import MigError
-from driver.nvml.mig_listing import LISTING_ATTEMPTS, InstanceVanished, retried
+from driver.nvml.mig.mig_errors import MigError
+from driver.nvml.mig.mig_listing import LISTING_ATTEMPTS, InstanceVanished, retried
 from driver.nvml.mock.nvml import MockNvml
 from driver.state.journal.checkpoint import Checkpoint
 from tests.unit.test_mig_foreign import _target

@@ -13,9 +13,9 @@ from driver.cdi.device_nodes import CharMajors
 from driver.devices.model import MigStrategy, PoolDevices, PoolOptions, build_pool
 from driver.errors import transient
 from driver.nvml.backend import NvmlBackend
-from driver.nvml.mig_manager import MigTarget
+from driver.nvml.mig.mig_manager import MigTarget
 from driver.nvml.mock.fleet import parse_fleet
-from driver.nvml.mock.mig_state import mig_minor
+from driver.nvml.mock.mig.mig_state import mig_minor
 from driver.nvml.mock.mock_backend import MockBackend
 from driver.nvml.mock.nvml import MockNvml
 from driver.state.journal.checkpoint import Checkpoint, ClaimState

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from driver.nvml.mig_manager import MigError, MigManager, RecordedInstance
+from driver.nvml.mig.mig_manager import MigError, MigManager, RecordedInstance
 from driver.state import teardown
 from driver.state.journal.checkpoint import Checkpoint, ClaimEntry, ClaimState
 from driver.state.recovery import startup_recovery

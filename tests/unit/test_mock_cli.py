@@ -25,7 +25,7 @@ from driver.health.store import HealthStore
 from driver.health.xid import XidPolicy
 from driver.nvml.backend import NvmlBackend
 from driver.nvml.discovered import MigInstance
-from driver.nvml.mig_manager import MigTarget
+from driver.nvml.mig.mig_manager import MigTarget
 from driver.nvml.mock.fleet import default_fleet
 from driver.nvml.mock.mock_backend import MockBackend
 from driver.nvml.mock.mock_control import MockActions, MockControlError, MockRequest

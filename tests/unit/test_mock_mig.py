@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
-from driver.nvml.mock import mig_state as ms
 from driver.nvml.mock import mock_api as m
 from driver.nvml.mock.fleet import FleetError, parse_fleet
+from driver.nvml.mock.mig import mig_state as ms
 from driver.nvml.mock.nvml import MockNvml
 
 MIG_UUID = re.compile(r"MIG-[0-9a-f]{8}-[0-9a-f]{4}-5[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}")

@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 
 from driver.nvml.backend import NvmlBackend
-from driver.nvml.mock import mig_state as ms
-from driver.nvml.mock import mig_store
 from driver.nvml.mock.fleet import default_fleet
+from driver.nvml.mock.mig import mig_state as ms
+from driver.nvml.mock.mig import mig_store
 from driver.nvml.mock.nvml import MockNvml
 from driver.nvml.selection import select_backend
 

@@ -21,10 +21,10 @@ from driver.nvml.backend import NvmlBackend
 from driver.nvml.calls import CountingModule
 from driver.nvml.discovered import HealthEvent
 from driver.nvml.health_events import HealthEventSet
-from driver.nvml.mock import mig_state as mock_mig_state
 from driver.nvml.mock import mock_api as m
-from driver.nvml.mock import mock_mig as mock_mig
 from driver.nvml.mock.fleet import parse_fleet
+from driver.nvml.mock.mig import mig_state as mock_mig_state
+from driver.nvml.mock.mig import mock_mig
 from driver.nvml.mock.nvml import MockNvml
 from driver.nvml.recovery_action import ACTION_NAMES, FIELD_RECOVERY_ACTION, RecoveryActionReader
 

@@ -19,7 +19,7 @@ from driver.observability.logs import setup_logging
 from driver.plugin.flags import parse_options
 from driver.webhook import main as webhook_main
 
-CLIENT_LOGGERS = ("urllib3", "kubernetes")
+CLIENT_LOGGERS = ("urllib3",)
 
 WEBHOOK_ENV = ("TLS_CERT_FILE", "TLS_PRIVATE_KEY_FILE", "PORT", "BIND_ADDRESS", "DRIVER_NAME")
 WEBHOOK_ENV_ALL = (*WEBHOOK_ENV, "LOG_LEVEL", "V")
@@ -89,7 +89,6 @@ def test_verbosity_sets_the_log_level(tmp_path: Path, flags: list[str], level: i
     assert run_validate(tmp_path, flags) == 0
     assert logging.getLogger().level == level
     # Bearer tokens in the Kubernetes client's debug logs.
-    assert logging.getLogger("kubernetes").level == logging.WARNING
 
 
 def plugin_level(verbosity: str | None) -> int:
@@ -129,7 +128,6 @@ def test_one_verbosity_scale_for_the_three_binaries(
     assert binary(verbosity) == level
     http_client = logging.getLogger("urllib3").level
     assert http_client == (logging.DEBUG if int(verbosity) >= 5 else logging.ERROR)
-    assert logging.getLogger("kubernetes").level == logging.WARNING
 
 
 def test_daemons_log_info_by_default_and_the_cli_warnings() -> None:

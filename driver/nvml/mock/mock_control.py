@@ -196,7 +196,7 @@ MigInstances = Callable[[str], Iterable[MigInstance]]  # GPU UUID -> live GPU in
 
 
 def _live_instances(nvml: InjectableNvml) -> MigInstances:
-    from driver.nvml.mig_manager import MigManager
+    from driver.nvml.mig.mig_manager import MigManager
 
     def instances(gpu_uuid: str) -> Iterable[MigInstance]:
         return MigManager(nvml).instances(gpu_uuid)

@@ -16,7 +16,7 @@ Extras for tests and demos (not part of pynvml):
   handle taken before the loss answers GPU_IS_LOST to every query.
 - `mock_gpu(uuid)`: the fleet entry behind a GPU; `as_published(inventory)` what
   the reference `example` profile publishes instead of NVML's model.
-- MIG instances (`driver/nvml/mock/mock_mig.py`): GPU and compute instances and MIG device
+- MIG instances (`driver/nvml/mock/mig/mock_mig.py`): GPU and compute instances and MIG device
   handles, kept in memory or, given `driver_root`, in a state file under it shared by
   every process on that root; `mock_reboot()` drops the dynamic ones.
 - The recovery action per GPU (`driver/nvml/mock/mock_recovery.py`): set by the faults
@@ -42,14 +42,15 @@ from typing import Any
 
 from driver.nvml.discovered import Inventory
 from driver.nvml.mock import mock_api as mock_api
-from driver.nvml.mock import mock_mig as mock_mig
-from driver.nvml.mock.devices import ensure_proc_devices
 from driver.nvml.mock.fleet import Fleet, MigProfileSpec, MockGpu, expand_fleet
-from driver.nvml.mock.mig_state import (
+from driver.nvml.mock.mig import mock_mig
+from driver.nvml.mock.mig.devices import ensure_proc_devices
+from driver.nvml.mock.mig.mig_state import (
     MockMigDeviceHandle,
     c_nvmlComputeInstance_t,
     c_nvmlGpuInstance_t,
 )
+from driver.nvml.mock.mig.mock_mig import MigFunctions
 from driver.nvml.mock.mock_api import (
     ERROR_CLASSES,
     NVML_BRAND_GEFORCE,
@@ -93,7 +94,6 @@ from driver.nvml.mock.mock_api import (
 from driver.nvml.mock.mock_compute_mode import ComputeModeFunctions
 from driver.nvml.mock.mock_events import EventFunctions, PendingEvent
 from driver.nvml.mock.mock_memory_limits import MemoryLimitFunctions
-from driver.nvml.mock.mock_mig import MigFunctions
 from driver.nvml.mock.mock_processes import ProcessFunctions
 from driver.nvml.mock.mock_recovery import RecoveryFunctions
 

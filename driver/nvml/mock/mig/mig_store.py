@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import cast
 
 from driver.nvml.mock.fleet import MockGpu
-from driver.nvml.mock.mig_state import (
+from driver.nvml.mock.mig.mig_state import (
     CAP_GPUS,
     CAPABILITIES_DIR,
     CI_SLOT,

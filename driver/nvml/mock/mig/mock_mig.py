@@ -2,7 +2,7 @@
 
 `MigFunctions` is mixed into `MockNvml`; its `nvml*` methods carry pynvml's names and
 signatures and raise NVML's codes. Instances live in a `MigStore`: in memory, or, with
-a driver root, in `<root>/run/nvidia-mock/mig-state.json` (`driver.nvml.mock.mig_store`:
+a driver root, in `<root>/run/nvidia-mock/mig-state.json` (`driver.nvml.mock.mig.mig_store`:
 changed under `fcntl.flock` on `mig-state.lock` and written atomically, read without
 the lock), so a restarted plugin or a CLI sees the instances a plugin created, as on
 a real GPU. `mock_reboot()` drops the
@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from driver.nvml.mock.fleet import MigProfileSpec, MigSpec, MockGpu
 from driver.nvml.mock.latency import latency_from_env
-from driver.nvml.mock.mig_state import (
+from driver.nvml.mock.mig.mig_state import (
     CiProfile,
     CiRecord,
     ComputeInstanceInfo,
@@ -64,7 +64,7 @@ from driver.nvml.mock.mig_state import (
     create_gi,
     mig_uuid,
 )
-from driver.nvml.mock.mig_store import MigStore
+from driver.nvml.mock.mig.mig_store import MigStore
 from driver.nvml.mock.mock_api import (
     NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED,
     NVML_COMPUTE_INSTANCE_PROFILE_COUNT,

@@ -41,9 +41,9 @@ from typing import Any
 
 from driver.nvml.calls import is_nvml_error, nvml_text
 from driver.nvml.discovered import MigInstance
-from driver.nvml.mig_errors import MigError, mig_error
-from driver.nvml.mig_gone import GoneDevices
-from driver.nvml.mig_listing import (
+from driver.nvml.mig.mig_errors import MigError, mig_error
+from driver.nvml.mig.mig_gone import GoneDevices
+from driver.nvml.mig.mig_listing import (
     ci_profiles,
     describe,
     gpu_instances,
@@ -52,7 +52,7 @@ from driver.nvml.mig_listing import (
     retried,
     unsupported,
 )
-from driver.nvml.mig_recorded import (
+from driver.nvml.mig.mig_recorded import (
     Found,
     RecordedInstance,
     destroy_instance,

@@ -1,5 +1,5 @@
 """NVML's errors of a MIG operation as a `MigError`: the NVML code's name, whether a
-retry can help, whether the parent GPU is gone (driver/nvml/mig_manager.py, docs/mig.md)."""
+retry can help, whether the parent GPU is gone (driver/nvml/mig/mig_manager.py, docs/mig.md)."""
 
 from __future__ import annotations
 

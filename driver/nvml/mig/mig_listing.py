@@ -1,7 +1,7 @@
 """Reading a GPU's MIG layout through a pynvml-compatible module: its GPU instances of
 a profile, each one's compute instances and MIG device UUID, and whether a recorded
 MIG UUID still names the MIG device of given ids. Read-only: `MigManager`
-(driver/nvml/mig_manager.py) opens the NVML session and turns NVML's errors into MigErrors.
+(driver/nvml/mig/mig_manager.py) opens the NVML session and turns NVML's errors into MigErrors.
 
 A listing races the destroys other processes make (an unprepare, which runs outside
 the node lock; a rolling update's other instance; an administrator): an instance a
@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 
 from driver.nvml.calls import is_nvml_error, nvml_text
 from driver.nvml.discovered import MigInstance
-from driver.nvml.mig_errors import MigError, error_code
+from driver.nvml.mig.mig_errors import MigError, error_code
 
 log = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
 """The model behind the mock NVML's MIG devices: instance records, placement, IDs, and
-the numbering of the capability files (`mig_minor`). `driver.nvml.mock.mig_store`
+the numbering of the capability files (`mig_minor`). `driver.nvml.mock.mig.mig_store`
 keeps the records of a node.
 """
 

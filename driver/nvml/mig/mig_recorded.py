@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from driver.nvml.calls import is_nvml_error
-from driver.nvml.mig_listing import compute_instances, is_mig_device
+from driver.nvml.mig.mig_listing import compute_instances, is_mig_device
 
-log = logging.getLogger("driver.nvml.mig_manager")
+log = logging.getLogger("driver.nvml.mig.mig_manager")
 
 
 @dataclass(frozen=True)

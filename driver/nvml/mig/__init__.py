@@ -1,0 +1,2 @@
+"""MIG devices through NVML: the manager, its errors, listings, and capability nodes
+(docs/mig.md)."""
