@@ -135,6 +135,43 @@ class CdiMount:
 
 
 @dataclass(frozen=True)
+class CdiHook:
+    """An OCI hook the runtime runs for the container (the CDI spec's `hooks` edit:
+    `hookName`, `path`, `args` with argv[0], `env`, `timeout` in seconds)."""
+
+    hook_name: str  # "createRuntime", ...
+    path: str
+    args: tuple[str, ...] = ()
+    env: tuple[str, ...] = ()
+    timeout: int | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        doc: dict[str, Any] = {"hookName": self.hook_name, "path": self.path}
+        if self.args:
+            doc["args"] = list(self.args)
+        if self.env:
+            doc["env"] = list(self.env)
+        if self.timeout is not None:
+            doc["timeout"] = self.timeout
+        return doc
+
+    @classmethod
+    def from_json(cls, doc: object) -> CdiHook:
+        if not isinstance(doc, Mapping):
+            raise ValueError("hook must be an object")
+        name, path = doc.get("hookName"), doc.get("path")
+        if not isinstance(name, str) or not isinstance(path, str):
+            raise ValueError("hook needs string hookName and path")
+        args, env, timeout = doc.get("args", []), doc.get("env", []), doc.get("timeout")
+        for field_name, values in (("args", args), ("env", env)):
+            if not isinstance(values, list) or not all(isinstance(v, str) for v in values):
+                raise ValueError(f"hook {field_name} must be a list of strings")
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, int)):
+            raise ValueError("hook timeout must be an integer")
+        return cls(name, path, tuple(args), tuple(env), timeout)
+
+
+@dataclass(frozen=True)
 class CdiDevice:
     """One device of a claim spec: its CDI name and container edits."""
 
@@ -142,6 +179,7 @@ class CdiDevice:
     env: tuple[str, ...]
     device_nodes: tuple[DeviceNode, ...] = ()
     mounts: tuple[CdiMount, ...] = ()
+    hooks: tuple[CdiHook, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         edits: dict[str, Any] = {"env": list(self.env)}
@@ -149,6 +187,8 @@ class CdiDevice:
             edits["deviceNodes"] = [n.to_json() for n in self.device_nodes]
         if self.mounts:
             edits["mounts"] = [m.to_json() for m in self.mounts]
+        if self.hooks:  # absent where there are none: specs without stay as they were
+            edits["hooks"] = [h.to_json() for h in self.hooks]
         return {"name": self.name, "containerEdits": edits}
 
     @classmethod
@@ -165,15 +205,18 @@ class CdiDevice:
             raise ValueError(f"CDI device {name}: env must be a list of strings")
         if not isinstance(nodes, list) or not all(isinstance(n, Mapping) for n in nodes):
             raise ValueError(f"CDI device {name}: deviceNodes must be objects with a path")
-        mounts = edits.get("mounts", [])
+        mounts, hooks = edits.get("mounts", []), edits.get("hooks", [])
         if not isinstance(mounts, list):
             raise ValueError(f"CDI device {name}: mounts must be a list")
+        if not isinstance(hooks, list):
+            raise ValueError(f"CDI device {name}: hooks must be a list")
         try:
             parsed = tuple(DeviceNode.from_json(n) for n in nodes)
             bound = tuple(CdiMount.from_json(m) for m in mounts)
+            run = tuple(CdiHook.from_json(h) for h in hooks)
         except ValueError as err:
             raise ValueError(f"CDI device {name}: {err}") from None
-        return cls(name, tuple(env), parsed, bound)
+        return cls(name, tuple(env), parsed, bound, run)
 
 
 @dataclass(frozen=True)

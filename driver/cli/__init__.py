@@ -14,7 +14,7 @@ from driver.cli.journal import journal_show
 from driver.cli.validate import validate_command
 from driver.cli.verbosity import add_verbosity_flag, configure_logging
 from driver.fileio import permission_denied
-from driver.plugin.flags import add_version_flag
+from driver.plugin.options.flags import add_version_flag
 
 SIGPIPE_EXIT = 128 + signal.SIGPIPE  # what a shell reports for a command SIGPIPE killed
 

@@ -8,7 +8,7 @@ from typing import Any
 
 from driver.cli.state_dir import add_host_root_argument, add_state_dir_argument
 from driver.health.failures import DEFAULT_DRIVER_NAME
-from driver.plugin.host_inputs import driver_name_argument
+from driver.plugin.options.host_inputs import driver_name_argument
 
 
 def add_command(

@@ -1,7 +1,7 @@
 """`gpu-dra inventory`: discover GPUs and show what this node would publish.
 
 It reads the plugin's settings, flags and environment variables alike
-(`driver.plugin.settings`: NODE_NAME, DRIVER_NAME, NVML_BACKEND, MOCK_FLEET,
+(`driver.plugin.options.settings`: NODE_NAME, DRIVER_NAME, NVML_BACKEND, MOCK_FLEET,
 GPU_PARTITIONS, MIG_STRATEGY, GPU_ALLOW_MULTIPLE_ALLOCATIONS, XID_TAINT_EFFECT,
 MPS_DAEMONS: the attribute `mpsIsolation`, ...),
 and the plugin's journal (`<state dir>/checkpoint.json`) for the MIG devices it created
@@ -76,7 +76,7 @@ from driver.nvml.discovered import Inventory
 from driver.nvml.library import NvmlUnavailableError
 from driver.nvml.selection import select_backend
 from driver.observability.logs import stderr_handler
-from driver.plugin.settings import (
+from driver.plugin.options.settings import (
     NODE_NAME,
     NODE_SETTINGS,
     NodeSettings,

@@ -7,7 +7,7 @@ import argparse
 import logging
 
 from driver.observability.logs import VERBOSITY_HELP, apply_verbosity, stderr_handler
-from driver.plugin.flags import non_negative_int
+from driver.plugin.options.flags import non_negative_int
 
 LOG_FORMAT = "%(levelname)s %(name)s: %(message)s"
 HELP = f"{VERBOSITY_HELP} (default: 0)"

@@ -30,6 +30,8 @@ from driver.kube.api import KubeApi
 from driver.kube.claims import ApiClaimReader, ClaimEvents, ClaimFailureReporter
 from driver.kube.kube_events import NodeEvents
 from driver.kube.publisher import SlicePublisher
+from driver.nvml.backend import NvmlBackend
+from driver.nvml.discovered import Inventory
 from driver.nvml.library import NvmlUnavailableError
 from driver.nvml.selection import select_backend
 from driver.observability import metrics
@@ -43,11 +45,17 @@ from driver.observability.status_socket import (
     status_socket_path,
 )
 from driver.plugin.dra import add_dra_services
-from driver.plugin.flags import PluginOptions, package_version, parse_options
 from driver.plugin.health import add_health_services
+from driver.plugin.memory_limit_requests import (
+    ForgetRequestsOnUnprepare,
+    MemoryLimitRequests,
+    probe_site,
+    stale_after,
+)
 from driver.plugin.mps_setup import mps_daemons, mps_others, watch_mps_daemons
-from driver.plugin.node_overrides import NodeLabelRead
 from driver.plugin.node_status import PluginStatus, export_gpus, export_journal
+from driver.plugin.options.flags import PluginOptions, package_version, parse_options
+from driver.plugin.options.node_overrides import NodeLabelRead
 from driver.plugin.plugin_status import (
     Healthz,
     describe_recovery,
@@ -239,6 +247,11 @@ class Plugin:
             may_write=succession.serving,
         )
         state.devices = devices
+        limit_requests = (
+            serve_memory_limits(backend, o.data_dir, inventory, state, running)
+            if o.gpu_memory_limits
+            else None
+        )
         state.health = RecoveryAwareHealth(
             KubeDeviceHealth(store, publisher, devices, effect=o.xid_taint_effect),
             recovery,
@@ -285,7 +298,12 @@ class Plugin:
         def build_service() -> BuiltServer:
             # Each open health stream holds a worker thread for its lifetime.
             server = new_server(max_workers=16)
-            add_dra_services(server, state, serving_instead=succession.newer)
+            preparer = (
+                state
+                if limit_requests is None
+                else ForgetRequestsOnUnprepare(state, limit_requests)
+            )
+            add_dra_services(server, preparer, serving_instead=succession.newer)
             health = add_health_services(
                 server, store, devices, pool_name=o.node_name, recovery=recovery
             )
@@ -381,6 +399,39 @@ class Plugin:
             return instance.release(on_last=remove_common_spec)
 
         return leave
+
+
+def serve_memory_limits(
+    backend: NvmlBackend,
+    data_dir: Path,
+    inventory: Inventory,
+    state: DeviceState,
+    running: contextlib.ExitStack,
+) -> MemoryLimitRequests | None:
+    """Where the node's driver has per-cgroup memory limits (R615 and later): devices
+    with a memory share get the hook that hands their containers to the thread started
+    here, which sets the share as a hard limit on each container's cgroup
+    (docs/mps.md, "Memory limits the kernel driver keeps"). None elsewhere."""
+    cgroup_root = backend.kernel_root / "sys" / "fs" / "cgroup"
+    site = probe_site(
+        backend.memory_limits(),
+        data_dir,
+        (gpu.uuid for gpu in inventory.gpus),
+        cgroup_root=cgroup_root,
+    )
+    if site is None:
+        return None
+    requests = MemoryLimitRequests(
+        site.directory,
+        backend.memory_limits(),
+        proc_root=backend.kernel_root / "proc",
+        cgroup_root=cgroup_root,
+        stale_seconds=stale_after(site),
+    )
+    requests.start()
+    running.callback(requests.stop)
+    state.context = replace(state.context, memory_limits=site)
+    return requests
 
 
 def bind_http(port: int, healthz: Healthz) -> HttpServer | None:

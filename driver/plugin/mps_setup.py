@@ -22,7 +22,7 @@ from driver.kube.mps_daemons import KubeDaemons
 from driver.kube.mps_manifest import DaemonPodSettings
 from driver.nvml.backend import NvmlBackend
 from driver.nvml.mps import MpsControl
-from driver.plugin.flags import PluginOptions
+from driver.plugin.options.flags import PluginOptions
 from driver.state.context import StepContext
 from driver.state.mps.daemons import MpsDaemons, NodeDaemons
 from driver.state.mps.shm import ShmBound

@@ -20,11 +20,13 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from driver.cdi.claim_specs import (
+    CdiHook,
     ClaimSpec,
     SharingEnv,
     cdi_device_name,
     claim_device_env,
 )
+from driver.cdi.memory_limit_hook import MemoryLimitSite, memory_share_bytes
 from driver.config import (
     ConfigError,
     GpuConfig,
@@ -107,11 +109,14 @@ def plan_claim(
     cdi_ids: Callable[[str, str, str | None], list[str]],
     time_slices: bool = False,
     mps_site: MpsSite | None = None,
+    memory_limits: MemoryLimitSite | None = None,
 ) -> tuple[PlannedDevice, ...]:
     """Raises ConfigError (permanent invalid-config) or a transient error. Device
     health is checked before (`check_health`), outside the node lock. `time_slices`:
     the backend sets time-slice intervals, so they are recorded. `mps_site`: where
-    MPS daemons live, None on a node without MPS (driver/state/mps/claim_daemons.py)."""
+    MPS daemons live, None on a node without MPS (driver/state/mps/claim_daemons.py).
+    `memory_limits`: where memory shares become cgroup limits (a hook per device that
+    has one; driver/cdi/memory_limit_hook.py), None where no GPU's driver has them."""
     configs = resolve_configs(claim["status"]["allocation"], driver_name)
     planned: list[PlannedDevice] = []
     for result in driver_results:
@@ -179,10 +184,32 @@ def plan_claim(
                 gpu_uuid=device.gpu_uuid,
                 gpu_minor=device.gpu_minor,
                 mounts=mps.mounts if mps is not None else (),
+                hooks=_memory_limit_hooks(
+                    memory_limits, ref.uid, device.gpu_uuid, prepared, consumed
+                ),
             )
         )
     _one_mps_device(planned)
     return tuple(planned)
+
+
+def _memory_limit_hooks(
+    site: MemoryLimitSite | None,
+    claim_uid: str,
+    gpu_uuid: str,
+    prepared: PreparedDevice,
+    consumed: Mapping[str, Any],
+) -> tuple[CdiHook, ...]:
+    """The device's memory-limit hook: a GPU with MIG off (NVML takes no MIG device
+    handle; a MIG device's memory is its own) with a memory share, not observed."""
+    if site is None or prepared.mig is not None or prepared.admin_access:
+        return ()
+    share = memory_share_bytes(
+        pinned_memory_bytes=prepared.mps.pinned_memory_bytes if prepared.mps else None,
+        share_id=prepared.share_id,
+        consumed=consumed,
+    )
+    return site.hooks(claim_uid, gpu_uuid, share)
 
 
 def _one_mps_device(planned: Sequence[PlannedDevice]) -> None:
@@ -368,6 +395,7 @@ def _plan(
         cdi_ids=state.cdi.device_ids,
         time_slices=state.timeslices.enabled,
         mps_site=state.mps.site,
+        memory_limits=state.context.memory_limits,
     )
 
 

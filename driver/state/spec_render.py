@@ -17,11 +17,13 @@ from pathlib import Path
 from driver.cdi.claim_specs import (
     VISIBLE_DEVICES_VOID,
     CdiDevice,
+    CdiHook,
     CdiMount,
     ClaimSpec,
     gpu_env_id,
 )
 from driver.cdi.device_nodes import CharMajors, DeviceNode, DeviceNodeError
+from driver.cdi.memory_limit_hook import MemoryLimitSite
 from driver.errors import transient
 from driver.nvml.mig.caps import CapabilityError, mig_capabilities
 from driver.state.journal.checkpoint import MigRecord, PreparedDevice
@@ -35,6 +37,9 @@ class PlannedDevice:
     gpu_uuid: str
     gpu_minor: int | None
     mounts: tuple[CdiMount, ...] = ()
+    # The memory-limit hook of a device with a memory share, where the GPU's driver
+    # has per-cgroup limits (driver/cdi/memory_limit_hook.py).
+    hooks: tuple[CdiHook, ...] = ()
 
 
 def with_mig(planned: PlannedDevice, record: MigRecord) -> PlannedDevice:
@@ -50,6 +55,8 @@ class CdiContext:
     proc_devices: Path = Path("/proc/devices")  # the kernel's device majors
     # The majors already read for this batch (`with_majors`): one read per request.
     read_majors: CharMajors | None = None
+    # Where the plugin sets memory shares as cgroup limits; None: nowhere, no hooks.
+    memory_limits: MemoryLimitSite | None = None
 
     def majors(self) -> CharMajors:
         if self.read_majors is not None:
@@ -115,6 +122,7 @@ def render_spec(planned: Sequence[PlannedDevice], context: CdiContext) -> ClaimS
             env=(*p.env, *_uuid_env(p), VISIBLE_DEVICES_VOID),
             device_nodes=_device_nodes(p, context, majors) if majors is not None else (),
             mounts=p.mounts,
+            hooks=p.hooks,
         )
         for p in planned
     )
@@ -155,7 +163,7 @@ def respec_restored(
         return tuple(out)
 
     devices = tuple(
-        CdiDevice(d.name, env(d.env), nodes.get(d.name, d.device_nodes), d.mounts)
+        replace(d, env=env(d.env), device_nodes=nodes.get(d.name, d.device_nodes))
         for d in spec.devices
     )
     return ClaimSpec(devices, spec.device_nodes)

@@ -18,13 +18,13 @@ from driver.observability.logs import (
     apply_verbosity,
     stderr_handler,
 )
-from driver.plugin.flags import (
+from driver.plugin.options.flags import (
     add_version_flag,
     document_env_and_defaults,
     non_negative_int,
     package_version,
 )
-from driver.plugin.host_inputs import driver_name_argument
+from driver.plugin.options.host_inputs import driver_name_argument
 from driver.webhook.server import VALIDATE_PATH, WebhookServer
 
 log = logging.getLogger("gpu-dra-webhook")

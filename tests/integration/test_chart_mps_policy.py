@@ -47,8 +47,8 @@ from driver.kube.mps_manifest import daemon_deployment
 from driver.nvml.backend import NvmlBackend
 from driver.nvml.mock.fleet import mock_gpu_uuid
 from driver.nvml.mps import DaemonDirs, MpsControl
-from driver.plugin.flags import PluginOptions, parse_options
 from driver.plugin.mps_setup import mps_daemons, mps_others
+from driver.plugin.options.flags import PluginOptions, parse_options
 from driver.state.journal.mps_record import MpsRecord
 from driver.state.mps.claim_daemons import ClaimMps, plan_mps
 from driver.state.mps.daemons import daemon_dirs

@@ -1,12 +1,12 @@
 """The chart refuses the directory values the plugin would refuse at start
-(driver/plugin/host_inputs.py): a bad value fails `helm install`, not the pods."""
+(driver/plugin/options/host_inputs.py): a bad value fails `helm install`, not the pods."""
 
 from __future__ import annotations
 
 import pytest
 from test_chart_render import helm_template, one, render
 
-from driver.plugin.host_inputs import check_path
+from driver.plugin.options.host_inputs import check_path
 
 WRITTEN = (
     "kubeletPlugin.cdiRoot",

@@ -20,8 +20,8 @@ from driver.kube.api import KubeApi
 from driver.kube.mps_daemons import KubeDaemons
 from driver.nvml.backend import NvmlBackend
 from driver.nvml.mps import MpsControl
-from driver.plugin.flags import PluginOptions, parse_options
 from driver.plugin.mps_setup import mps_daemons
+from driver.plugin.options.flags import PluginOptions, parse_options
 
 MPS = ("--set", "kubeletPlugin.mps.enabled=true")
 

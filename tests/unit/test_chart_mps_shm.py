@@ -72,3 +72,18 @@ def test_a_real_nvml_plugin_with_mps_sees_the_hosts_processes_and_no_other_does(
     assert host_pid(*MPS)
     assert not host_pid()
     assert not host_pid(*MPS, "-f", str(MOCK_VALUES))
+
+
+def test_gpu_memory_limits_are_off_unless_asked_and_then_see_the_hosts_processes() -> None:
+    def plugin_pod(*args: str) -> Doc:
+        return one(render(*args), "DaemonSet", "kubeletplugin")["spec"]["template"]["spec"]
+
+    def env(pod: Doc) -> str:
+        (value,) = [
+            e["value"] for e in pod["containers"][0]["env"] if e["name"] == "GPU_MEMORY_LIMITS"
+        ]
+        return str(value)
+
+    off, on = plugin_pod(), plugin_pod("--set", "kubeletPlugin.gpuMemoryLimits=true")
+    assert (env(off), bool(off.get("hostPID"))) == ("false", False)
+    assert (env(on), bool(on.get("hostPID"))) == ("true", True)

@@ -25,7 +25,7 @@ NAMESPACE = "gpu-dra-driver"
 RELEASE = "gpu-dra-driver"
 DRIVER = "gpu.example.com"
 
-# gpu-kubelet-plugin's environment variables (driver/plugin/flags.py), each the env
+# gpu-kubelet-plugin's environment variables (driver/plugin/options/flags.py), each the env
 # form of a flag; NVIDIA_DRIVER_ROOT(_HOST) tell the nvml backend where the host's
 # driver (libnvidia-ml.so.1) is mounted.
 PLUGIN_FLAG_ENV = {
@@ -40,6 +40,7 @@ PLUGIN_FLAG_ENV = {
     "GPU_PARTITIONS",
     "MPS_DAEMONS",
     "MPS_ESCAPE_TAINT",
+    "GPU_MEMORY_LIMITS",
     "POD_NAMESPACE",
     "MPS_DAEMON_IMAGE",
     "MPS_SHM_SIZE",
@@ -410,7 +411,7 @@ def test_rbac_rules_are_the_requests_the_plugin_sends() -> None:
     from driver.kube.claims import ApiClaimReader, ClaimFailureReporter
     from driver.kube.kube_events import NodeEvent, NodeEvents
     from driver.kube.publisher import SlicePublisher
-    from driver.plugin.node_overrides import node_mig_profiles
+    from driver.plugin.options.node_overrides import node_mig_profiles
     from tests.unit.test_publisher import NODE, FakeApi, device, spec
 
     class RecordingApi(FakeApi):
@@ -757,7 +758,7 @@ def test_plugin_env_parses_with_plugin_flags(
     mock_docs: list[Doc], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The chart's env, fed to the plugin's own flag parser, gives the intended options."""
-    from driver.plugin.flags import parse_options
+    from driver.plugin.options.flags import parse_options
 
     for name in PLUGIN_FLAG_ENV | DRIVER_ROOT_ENV:
         monkeypatch.delenv(name, raising=False)
@@ -781,7 +782,7 @@ def test_plugin_env_parses_with_plugin_flags(
 def test_mig_strategy_value(monkeypatch: pytest.MonkeyPatch) -> None:
     """kubeletPlugin.migStrategy: the plugin's --mig-strategy choices, passed as MIG_STRATEGY."""
     from driver.devices.device_types import MigStrategy
-    from driver.plugin.flags import MIG_STRATEGIES, parse_options
+    from driver.plugin.options.flags import MIG_STRATEGIES, parse_options
 
     schema = yaml.safe_load((CHART / "values.schema.json").read_text())
     enum = schema["properties"]["kubeletPlugin"]["properties"]["migStrategy"]["enum"]
@@ -1231,7 +1232,7 @@ def test_kind_config_uses_the_local_cluster_feature_gates() -> None:
 
 def test_allow_multiple_allocations_value(monkeypatch: pytest.MonkeyPatch) -> None:
     """kubeletPlugin.allowMultipleAllocations -> GPU_ALLOW_MULTIPLE_ALLOCATIONS, off by default."""
-    from driver.plugin.flags import parse_options
+    from driver.plugin.options.flags import parse_options
 
     assert "GPU_ALLOW_MULTIPLE_ALLOCATIONS" not in env_of(plugin_container(render()))
     monkeypatch.delenv("GPU_ALLOW_MULTIPLE_ALLOCATIONS", raising=False)

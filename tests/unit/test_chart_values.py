@@ -87,7 +87,7 @@ def test_nvidia_driver_root(args: list[str]) -> None:
     ids=["new", "new-as-string", "old", "both-alike", "over-mock-values"],
 )
 def test_log_verbosity(args: list[str], expected: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    from driver.plugin.flags import parse_options
+    from driver.plugin.options.flags import parse_options
 
     value = verbosity(render(*args))
     assert value == expected

@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from driver.cli import build_parser as cli_parser
-from driver.plugin.flags import build_parser as plugin_parser
+from driver.plugin.options.flags import build_parser as plugin_parser
 from driver.webhook.main import build_parser as webhook_parser
 
 REPO = Path(__file__).resolve().parents[2]

@@ -69,7 +69,7 @@ def test_bad_permanent_errors_is_one_line(
 @pytest.mark.parametrize(
     ("entry", "prog"),
     [
-        ("driver.plugin.flags:build_parser", "gpu-kubelet-plugin"),
+        ("driver.plugin.options.flags:build_parser", "gpu-kubelet-plugin"),
         ("driver.webhook.main:build_parser", "gpu-dra-webhook"),
         ("driver.cli:build_parser", "gpu-dra"),
     ],
@@ -87,7 +87,7 @@ def test_version_flag(entry: str, prog: str, capsys: pytest.CaptureFixture[str])
 
 
 def test_every_plugin_flag_help_shows_env_and_default(monkeypatch: pytest.MonkeyPatch) -> None:
-    from driver.plugin.flags import build_parser
+    from driver.plugin.options.flags import build_parser
 
     monkeypatch.delenv("MIG_STRATEGY", raising=False)
     text = " ".join(build_parser().format_help().split())
@@ -170,7 +170,7 @@ def test_env_values_are_checked_like_flags(
 
 
 def test_usual_values_pass(monkeypatch: pytest.MonkeyPatch) -> None:
-    from driver.plugin.flags import parse_options
+    from driver.plugin.options.flags import parse_options
 
     for name in ("DRIVER_NAME", "CDI_ROOT", "NVIDIA_DRIVER_ROOT", "NVIDIA_CDI_HOOK_PATH"):
         monkeypatch.delenv(name, raising=False)

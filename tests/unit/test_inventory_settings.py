@@ -127,8 +127,8 @@ def test_a_bad_setting_is_one_line_as_in_the_plugin(
 def test_the_plugin_and_inventory_read_the_same_settings(monkeypatch: pytest.MonkeyPatch) -> None:
     from driver.cli import build_parser
     from driver.cli.inventory import read_inventory_settings
-    from driver.plugin.flags import parse_options
-    from driver.plugin.settings import NodeSettings
+    from driver.plugin.options.flags import parse_options
+    from driver.plugin.options.settings import NodeSettings
 
     env = {
         "NODE_NAME": "n1",

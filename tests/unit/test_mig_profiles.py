@@ -16,8 +16,8 @@ from driver.kube.api import ApiError
 from driver.nvml.mock.fleet import default_fleet
 from driver.nvml.mock.mock_backend import MockBackend
 from driver.nvml.mock.nvml import MockNvml
-from driver.plugin.node_overrides import node_mig_profiles
-from driver.plugin.settings import MIG_PROFILES, SettingError, read_settings
+from driver.plugin.options.node_overrides import node_mig_profiles
+from driver.plugin.options.settings import MIG_PROFILES, SettingError, read_settings
 from tests.unit.test_chart_render import env_of, helm_template, plugin_container, render
 
 THREE = ("1g10gb", "3g40gb", "7g80gb")

@@ -24,7 +24,7 @@ import pytest
 from driver.devices.model import build_pool
 from driver.errors import DriverError
 from driver.nvml.mps import DaemonDirs, DaemonId, MpsControl
-from driver.plugin.flags import parse_options
+from driver.plugin.options.flags import parse_options
 from driver.state.journal.boot import boot_id
 from driver.state.journal.checkpoint import Checkpoint, ClaimState
 from driver.state.journal.mps_record import MpsRecord

@@ -26,7 +26,7 @@ from driver.kube.mps_daemons import KubeDaemons
 from driver.nvml.backend import NvmlBackend
 from driver.nvml.mps import DaemonId, MpsControl, find_binary, is_running
 from driver.observability import metrics
-from driver.plugin.flags import parse_options
+from driver.plugin.options.flags import parse_options
 from driver.state.journal.checkpoint import Checkpoint
 from driver.state.journal.mps_record import MpsRecord
 from driver.state.mps.claim_daemons import ClaimMps

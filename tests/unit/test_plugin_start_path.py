@@ -14,9 +14,9 @@ import pytest
 from driver.kube.api import ApiError, KubeApi
 from driver.nvml.backend import NvmlBackend
 from driver.plugin import main as plugin_main
-from driver.plugin.flags import parse_options
-from driver.plugin.node_overrides import NodeLabelRead
-from driver.plugin.settings import SettingError
+from driver.plugin.options.flags import parse_options
+from driver.plugin.options.node_overrides import NodeLabelRead
+from driver.plugin.options.settings import SettingError
 
 NODE = "n1"
 REPO = Path(__file__).resolve().parents[2]

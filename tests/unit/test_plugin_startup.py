@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from driver.plugin import main as plugin_main
-from driver.plugin.flags import build_parser
+from driver.plugin.options.flags import build_parser
 
 PLUGIN_ENV = {
     action.option_strings[-1].lstrip("-").upper().replace("-", "_")
@@ -134,7 +134,7 @@ def test_a_bad_value_is_one_line_and_exit_1_before_the_host_is_touched(
 def test_good_values_from_the_environment(
     monkeypatch: pytest.MonkeyPatch, env: dict[str, str], attribute: str, value: object
 ) -> None:
-    from driver.plugin.flags import parse_options
+    from driver.plugin.options.flags import parse_options
 
     for name, text in env.items():
         monkeypatch.setenv(name, text)
@@ -142,7 +142,7 @@ def test_good_values_from_the_environment(
 
 
 def test_a_switch_takes_a_value_on_the_command_line(monkeypatch: pytest.MonkeyPatch) -> None:
-    from driver.plugin.flags import parse_options
+    from driver.plugin.options.flags import parse_options
 
     monkeypatch.setenv("DEVICE_STATUS", "true")
     assert parse_options(["--node-name=n", "--device-status=false"]).device_status is False

@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from driver.plugin.flags import PLUGIN_SETTINGS, flag_env
+from driver.plugin.options.flags import PLUGIN_SETTINGS, flag_env
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 

@@ -25,7 +25,7 @@ from driver.observability.http_limits import Limits
 from driver.observability.listeners import listen_unix
 from driver.observability.status_socket import StatusSocketServer
 from driver.plugin import main as plugin_main
-from driver.plugin.flags import parse_options
+from driver.plugin.options.flags import parse_options
 
 NODE = "n1"
 WAIT = 10.0

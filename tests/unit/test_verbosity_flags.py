@@ -16,7 +16,7 @@ import pytest
 from driver import cli
 from driver.cli.verbosity import configure_logging
 from driver.observability.logs import setup_logging
-from driver.plugin.flags import parse_options
+from driver.plugin.options.flags import parse_options
 from driver.webhook import main as webhook_main
 
 CLIENT_LOGGERS = ("urllib3",)

@@ -19,8 +19,8 @@ import threading
 from typing import Protocol
 
 from driver.kube.api import segment
-from driver.plugin import setting_values
-from driver.plugin.settings import SettingError
+from driver.plugin.options import setting_values
+from driver.plugin.options.settings import SettingError
 
 log = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
 """Command-line flags of gpu-kubelet-plugin. Every flag can also come from its env var;
-each is parsed and checked by `driver.plugin.settings`."""
+each is parsed and checked by `driver.plugin.options.settings`."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from pathlib import Path
 
 from driver.health.recovery_taints import DEFAULT_POLL_SECONDS
 from driver.observability.logs import DAEMON_VERBOSITY, VERBOSITY_HELP
-from driver.plugin import settings as s
-from driver.plugin.setting_values import boolean, integer
-from driver.plugin.settings import (
+from driver.plugin.options import settings as s
+from driver.plugin.options.setting_values import boolean, integer
+from driver.plugin.options.settings import (
     MIG_STRATEGIES,
     NodeSettings,
     Setting,
@@ -77,6 +77,16 @@ MPS_ESCAPE_TAINT = Setting(
     "false",
     switch=True,
 )
+GPU_MEMORY_LIMITS = Setting(
+    "gpu_memory_limits",
+    "--gpu-memory-limits",
+    "where the GPU driver has per-cgroup memory limits (R615 and later), hold each "
+    "container of a claim with a memory share to that share (a CDI hook at container "
+    "creation; the plugin needs the host's PID and cgroup namespaces; docs/mps.md)",
+    boolean,
+    "false",
+    switch=True,
+)
 # In --help order.
 PLUGIN_SETTINGS: tuple[Setting, ...] = (
     s.NODE_NAME,
@@ -103,6 +113,7 @@ PLUGIN_SETTINGS: tuple[Setting, ...] = (
     s.DEVICE_STATUS,
     s.MPS_DAEMONS,
     MPS_ESCAPE_TAINT,
+    GPU_MEMORY_LIMITS,
     s.POD_NAMESPACE,
     s.MPS_DAEMON_IMAGE,
     MPS_SHM_SIZE,
@@ -157,6 +168,7 @@ class PluginOptions(NodeSettings):
     pod_namespace: str
     mps_daemon_image: str
     mps_escape_taint: bool
+    gpu_memory_limits: bool
     mps_shm_size: int
     http_port: int
     log_format: str
@@ -182,7 +194,7 @@ def env_name(action: argparse.Action) -> str:
 
 def document_env_and_defaults(parser: argparse.ArgumentParser) -> None:
     """Append "(env X, default: Y)" to every flag's help (for parsers whose flags do not
-    come from `driver.plugin.settings`)."""
+    come from `driver.plugin.options.settings`)."""
     for action in parser._actions:
         if not action.option_strings or action.dest in ("help", "version"):
             continue

@@ -1,4 +1,4 @@
-"""The value types of the plugin's settings (`driver.plugin.settings`): each turns a
+"""The value types of the plugin's settings (`driver.plugin.options.settings`): each turns a
 flag's or variable's text into its value, or raises ValueError saying why."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 from driver.devices.device_types import MigStrategy
 from driver.devices.formatting import profile_label
 from driver.health.xid import TAINT_EFFECTS, parse_taint_effect, parse_xid_list
-from driver.plugin.host_inputs import check_driver_name, check_path
+from driver.plugin.options.host_inputs import check_driver_name, check_path
 from driver.state.verdicts import parse_permanent_errors
 
 MIG_STRATEGIES = tuple(m.value for m in MigStrategy)

@@ -24,8 +24,8 @@ from typing import Any
 
 from driver.devices.device_types import MigStrategy, PoolOptions
 from driver.health.xid import TAINT_EFFECTS
-from driver.plugin import setting_values as v
-from driver.plugin.setting_values import MIG_STRATEGIES
+from driver.plugin.options import setting_values as v
+from driver.plugin.options.setting_values import MIG_STRATEGIES
 
 NVML_BACKENDS = ("nvml", "mock")
 LOG_FORMATS = ("text", "json")
