@@ -53,7 +53,7 @@ from driver.kube.publisher import SLICES_PATH, SlicePublisher
 from driver.nvml.mock.mock_backend import MockBackend
 from driver.nvml.mock.mock_control import MockRequest
 from driver.nvml.selection import select_backend
-from driver.plugin.flags import parse_options
+from driver.plugin.options.flags import parse_options
 
 DRIVER = "gpu.example.com"
 STAGES = (
