@@ -18,7 +18,8 @@ from typing import Any
 
 from driver.health.failures import Placement
 from driver.kube.api import ApiError, KubeApi
-from driver.kube.connection import InsecureServerError, connect
+from driver.kube.connection import connect
+from driver.kube.kubeconfig import InsecureServerError
 from driver.kube.publisher import SLICES_PATH
 
 IN_CLUSTER_ENV = "KUBERNETES_SERVICE_HOST"

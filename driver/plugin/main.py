@@ -30,34 +30,25 @@ from driver.kube.api import KubeApi
 from driver.kube.claims import ApiClaimReader, ClaimEvents, ClaimFailureReporter
 from driver.kube.kube_events import NodeEvents
 from driver.kube.publisher import SlicePublisher
-from driver.nvml.backend import NvmlBackend
-from driver.nvml.discovered import Inventory
 from driver.nvml.library import NvmlUnavailableError
 from driver.nvml.selection import select_backend
 from driver.observability import metrics
 from driver.observability.http import HttpServer
 from driver.observability.logs import setup_logging
 from driver.observability.status_socket import (
-    Control,
     ServingStatusSocket,
-    Status,
-    StatusSocketServer,
-    status_socket_path,
 )
 from driver.plugin.dra import add_dra_services
 from driver.plugin.health import add_health_services
-from driver.plugin.memory_limit_requests import (
-    ForgetRequestsOnUnprepare,
-    MemoryLimitRequests,
-    probe_site,
-    stale_after,
-)
+from driver.plugin.memory_limit_requests import ForgetRequestsOnUnprepare, serve_memory_limits
 from driver.plugin.mps_setup import mps_daemons, mps_others, watch_mps_daemons
 from driver.plugin.node_status import PluginStatus, export_gpus, export_journal
 from driver.plugin.options.flags import PluginOptions, package_version, parse_options
 from driver.plugin.options.node_overrides import NodeLabelRead
 from driver.plugin.plugin_status import (
     Healthz,
+    bind_http,
+    bind_status_socket,
     describe_recovery,
     export_checkpoint_state,
     health_report,
@@ -399,62 +390,6 @@ class Plugin:
             return instance.release(on_last=remove_common_spec)
 
         return leave
-
-
-def serve_memory_limits(
-    backend: NvmlBackend,
-    data_dir: Path,
-    inventory: Inventory,
-    state: DeviceState,
-    running: contextlib.ExitStack,
-) -> MemoryLimitRequests | None:
-    """Where the node's driver has per-cgroup memory limits (R615 and later): devices
-    with a memory share get the hook that hands their containers to the thread started
-    here, which sets the share as a hard limit on each container's cgroup
-    (docs/mps.md, "Memory limits the kernel driver keeps"). None elsewhere."""
-    cgroup_root = backend.kernel_root / "sys" / "fs" / "cgroup"
-    site = probe_site(
-        backend.memory_limits(),
-        data_dir,
-        (gpu.uuid for gpu in inventory.gpus),
-        cgroup_root=cgroup_root,
-    )
-    if site is None:
-        return None
-    requests = MemoryLimitRequests(
-        site.directory,
-        backend.memory_limits(),
-        proc_root=backend.kernel_root / "proc",
-        cgroup_root=cgroup_root,
-        stale_seconds=stale_after(site),
-    )
-    requests.start()
-    running.callback(requests.stop)
-    state.context = replace(state.context, memory_limits=site)
-    return requests
-
-
-def bind_http(port: int, healthz: Healthz) -> HttpServer | None:
-    """The /metrics, /healthz and /readyz server, its port bound but not yet served; None for
-    port -1. A port that cannot be bound is a configuration error."""
-    if port < 0:
-        return None
-    try:
-        return HttpServer(port, healthz)
-    except OSError as err:
-        raise ValueError(f"--http-port {port}: cannot listen: {err.strerror or err}") from err
-
-
-def bind_status_socket(
-    data_dir: Path, status: Status, healthz: Healthz, *, control: Control | None = None
-) -> StatusSocketServer:
-    """The status socket in `data_dir`, bound (mode 0600) but not yet served; it hands
-    /control to `control` (the health monitor's control requests)."""
-    path = status_socket_path(data_dir)
-    try:
-        return StatusSocketServer(path, status, healthz, control=control)
-    except OSError as err:
-        raise ValueError(f"status socket {path}: cannot listen: {err.strerror or err}") from err
 
 
 def real_driver_root(o: PluginOptions) -> DriverRoot:

@@ -23,6 +23,7 @@ import os
 import threading
 import time
 from collections.abc import Iterable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Final, Protocol
 
@@ -35,8 +36,11 @@ from driver.cdi.memory_limit_hook import (
 )
 from driver.errors import DriverError
 from driver.fileio import atomic_write
+from driver.nvml.backend import NvmlBackend
 from driver.nvml.cgroups import DEFAULT_CGROUP_ROOT, DEFAULT_PROC_ROOT
+from driver.nvml.discovered import Inventory
 from driver.nvml.memory_limits import MemoryLimitError
+from driver.state.prepare import DeviceState
 from driver.state.request import ClaimRef, PrepareResult
 
 log = logging.getLogger(__name__)
@@ -270,3 +274,36 @@ def probe_site(
 def stale_after(site: MemoryLimitSite) -> float:
     """How old a request file is before it is stale: past any hook's wait."""
     return float(2 * (site.wait_seconds + TIMEOUT_MARGIN_SECONDS))
+
+
+def serve_memory_limits(
+    backend: NvmlBackend,
+    data_dir: Path,
+    inventory: Inventory,
+    state: DeviceState,
+    running: contextlib.ExitStack,
+) -> MemoryLimitRequests | None:
+    """Where the node's driver has per-cgroup memory limits (R615 and later): devices
+    with a memory share get the hook that hands their containers to the thread started
+    here, which sets the share as a hard limit on each container's cgroup
+    (docs/mps.md, "Memory limits the kernel driver keeps"). None elsewhere."""
+    cgroup_root = backend.kernel_root / "sys" / "fs" / "cgroup"
+    site = probe_site(
+        backend.memory_limits(),
+        data_dir,
+        (gpu.uuid for gpu in inventory.gpus),
+        cgroup_root=cgroup_root,
+    )
+    if site is None:
+        return None
+    requests = MemoryLimitRequests(
+        site.directory,
+        backend.memory_limits(),
+        proc_root=backend.kernel_root / "proc",
+        cgroup_root=cgroup_root,
+        stale_seconds=stale_after(site),
+    )
+    requests.start()
+    running.callback(requests.stop)
+    state.context = replace(state.context, memory_limits=site)
+    return requests

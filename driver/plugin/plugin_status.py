@@ -23,9 +23,17 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Protocol
 
 from driver.observability import metrics
+from driver.observability.http import HttpServer
+from driver.observability.status_socket import (
+    Control,
+    Status,
+    StatusSocketServer,
+    status_socket_path,
+)
 from driver.state.recovery.startup_recovery import RecoveryReport
 
 Report = Callable[[], tuple[bool, str]]
@@ -100,3 +108,26 @@ def describe_recovery(report: RecoveryReport) -> str:
 def export_checkpoint_state(state: CheckpointHealth) -> None:
     """Make `gpu_dra_checkpoint_corrupt` read `state.checkpoint_problem` at each scrape."""
     metrics.CHECKPOINT_CORRUPT.set_function(lambda: float(state.checkpoint_problem is not None))
+
+
+def bind_http(port: int, healthz: Healthz) -> HttpServer | None:
+    """The /metrics, /healthz and /readyz server, its port bound but not yet served; None for
+    port -1. A port that cannot be bound is a configuration error."""
+    if port < 0:
+        return None
+    try:
+        return HttpServer(port, healthz)
+    except OSError as err:
+        raise ValueError(f"--http-port {port}: cannot listen: {err.strerror or err}") from err
+
+
+def bind_status_socket(
+    data_dir: Path, status: Status, healthz: Healthz, *, control: Control | None = None
+) -> StatusSocketServer:
+    """The status socket in `data_dir`, bound (mode 0600) but not yet served; it hands
+    /control to `control` (the health monitor's control requests)."""
+    path = status_socket_path(data_dir)
+    try:
+        return StatusSocketServer(path, status, healthz, control=control)
+    except OSError as err:
+        raise ValueError(f"status socket {path}: cannot listen: {err.strerror or err}") from err

@@ -17,10 +17,11 @@ from dataclasses import replace
 
 from driver.errors import DriverError, transient
 from driver.failpoints import failpoint
+from driver.state.batch import Batch, Work, claim_failure, devices_of, fail_work
 from driver.state.context import StepContext
 from driver.state.journal.checkpoint import ClaimEntry, PreparedDevice
 from driver.state.mig_instances import Place, other_entries
-from driver.state.plan import PREPARE_STARTED, Batch, Work, claim_failure, devices_of, fail_work
+from driver.state.plan import PREPARE_STARTED
 from driver.state.request import PrepareResult
 
 log = logging.getLogger(__name__)

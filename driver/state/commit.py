@@ -15,10 +15,10 @@ from collections.abc import Sequence
 from driver.errors import DriverError
 from driver.failpoints import failpoint
 from driver.state.apply import undo
+from driver.state.batch import Batch, Work, claim_failure, devices_of, fail_work
 from driver.state.context import StepContext
 from driver.state.journal.checkpoint import ClaimEntry, ClaimState
 from driver.state.mig_instances import owns_mig
-from driver.state.plan import Batch, Work, claim_failure, devices_of, fail_work
 from driver.state.request import PrepareResult
 from driver.state.spec_render import render_spec
 

@@ -21,7 +21,6 @@ from typing import Any
 
 from driver.cdi.claim_specs import (
     CdiHook,
-    ClaimSpec,
     SharingEnv,
     cdi_device_name,
     claim_device_env,
@@ -35,6 +34,7 @@ from driver.config import (
     validate_for_device,
 )
 from driver.errors import DriverError, transient
+from driver.state.batch import Batch, Deferred, Work, claim_failure, devices_of
 from driver.state.booking import HeldError, hardware_of, refuse_double_booking, refuse_over_capacity
 from driver.state.context import StepContext
 from driver.state.journal.checkpoint import ClaimEntry, ClaimState, MigRecord, PreparedDevice
@@ -45,7 +45,7 @@ from driver.state.mig_instances import owns_mig
 from driver.state.mps.claim_daemons import MpsSite, plan_mps
 from driver.state.mps.prepared_limits import allotment, mps_limits
 from driver.state.request import ClaimRef, PreparableDevice, PrepareResult
-from driver.state.spec_render import CdiContext, PlannedDevice, for_batch
+from driver.state.spec_render import PlannedDevice, for_batch
 
 log = logging.getLogger(__name__)
 
@@ -231,44 +231,6 @@ def _one_mps_device(planned: Sequence[PlannedDevice]) -> None:
         )
 
 
-@dataclass
-class Work:
-    """A claim of the current batch that is being written."""
-
-    ref: ClaimRef
-    claim: dict[str, Any]
-    planned: tuple[PlannedDevice, ...]
-    spec: ClaimSpec | None = None
-    error: DriverError | None = None
-    intent: ClaimEntry | None = None  # its PrepareStarted entry, as journaled
-
-    def entry(self, state: ClaimState) -> ClaimEntry:
-        devices = tuple(p.prepared for p in self.planned)
-        spec = self.spec if state is ClaimState.PREPARE_COMPLETED else None
-        return ClaimEntry(state, self.ref.namespace, self.ref.name, devices, spec)
-
-
-@dataclass(frozen=True)
-class Deferred:
-    """A claim planned again once `blocker`'s request in flight is done; `error` is
-    its answer if that takes longer than the lock timeout."""
-
-    blocker: str
-    error: DriverError
-
-
-@dataclass
-class Batch:
-    """The planned claims of a request, to be written."""
-
-    work: list[Work]
-    context: CdiContext  # how their specs are rendered
-    # It creates MIG devices: the NVML calls run outside the node lock, its claims'
-    # locks held (`ClaimHolds`), and the journal is read again for the rest.
-    leaves_lock: bool
-    found: dict[str, ClaimEntry]  # half-done entries of its claims, rolled back first
-
-
 def plan_batch(
     state: StepContext,
     todo: Todo,
@@ -429,24 +391,3 @@ def _unmark(
         for uid, (ref, claim, entry) in unmarked.items():
             journal[uid] = entry
             results[uid] = state.fail(ref, claim, err)
-
-
-def claim_failure(exc: BaseException, uid: str) -> DriverError:
-    if isinstance(exc, DriverError):
-        return exc
-    log.error("prepare of claim %s failed", uid, exc_info=exc)
-    return as_transient(exc)
-
-
-def fail_work(state: StepContext, work: Sequence[Work], results: dict[str, PrepareResult]) -> None:
-    for w in work:
-        if w.error is not None and w.ref.uid not in results:
-            results[w.ref.uid] = state.fail(w.ref, w.claim, w.error)
-
-
-def devices_of(w: Work) -> tuple[PreparedDevice, ...]:
-    return tuple(p.prepared for p in w.planned)
-
-
-def as_transient(exc: BaseException) -> DriverError:
-    return transient(f"{type(exc).__name__}: {exc}")

@@ -40,10 +40,11 @@ from driver.errors import DriverError, transient
 from driver.nvml.discovered import Inventory
 from driver.observability import metrics
 from driver.state import apply, commit, plan, teardown
+from driver.state.batch import Batch, Deferred, Work, as_transient
 from driver.state.context import StepContext
 from driver.state.journal.checkpoint import CheckpointCorruptError, ClaimEntry
 from driver.state.mig_instances import Held, owned_instances
-from driver.state.plan import Batch, Deferred, Todo, Work, as_transient
+from driver.state.plan import Todo
 from driver.state.recovery import startup_recovery
 from driver.state.recovery.startup_recovery import RecoveryReport
 from driver.state.request import (

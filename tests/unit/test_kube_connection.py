@@ -1,4 +1,4 @@
-"""API server settings and credentials (driver/kube/connection.py), requests through
+"""API server settings and credentials (driver/kube/kubeconfig.py, connection.py), requests through
 KubeApi, and the plugin's import footprint."""
 
 from __future__ import annotations
@@ -24,12 +24,12 @@ import yaml
 
 from driver.kube import connection
 from driver.kube.api import ApiError, KubeApi
-from driver.kube.connection import (
+from driver.kube.connection import connect
+from driver.kube.kubeconfig import (
     ExecPlugin,
     InsecureServerError,
     KubeconfigError,
     Pem,
-    connect,
     in_cluster_settings,
     read_kubeconfig,
 )

@@ -31,12 +31,12 @@ from driver.nvml.memory_limits import GpuMemoryLimits, MemoryLimitError
 from driver.nvml.mock.fleet import parse_fleet
 from driver.nvml.mock.mock_processes import container_cgroup
 from driver.nvml.mock.nvml import MockNvml
-from driver.plugin.main import serve_memory_limits
 from driver.plugin.memory_limit_requests import (
     ForgetRequestsOnUnprepare,
     MemoryLimitRequests,
     parse_request,
     probe_site,
+    serve_memory_limits,
 )
 from driver.state.prepare import DeviceState
 from tests.unit.test_mps_prepare import Node, mps_node, ok

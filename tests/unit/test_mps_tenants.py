@@ -96,7 +96,6 @@ def test_the_daemons_directories_let_any_uid_reach_pipe_and_shm_and_keep_the_pid
     assert not os.lstat(pid_file).st_mode & (stat.S_IWGRP | stat.S_IWOTH)
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="drops to another uid: needs root")
 def test_a_client_of_uid_1000_writes_its_shm_and_pipe_but_not_the_log_or_anothers_files(
     node: Node,
 ) -> None:

@@ -116,8 +116,9 @@ class ClaimComputeModes:
 
     def make_exclusive(self, record: MpsRecord) -> None:
         """Before a strict record's daemon starts: its GPU in EXCLUSIVE_PROCESS (the
-        intent, with the mode found, is durable)."""
-        if record.strict and self._get(record.gpu_uuid) != EXCLUSIVE_PROCESS:
+        intent, with the mode found, is durable). Set even where it is already (a
+        retry, a start after a crash): NVML's set is idempotent, and one read fewer."""
+        if record.strict and record.compute_mode_before != EXCLUSIVE_PROCESS:
             self._set(record.gpu_uuid, EXCLUSIVE_PROCESS)
 
     def restore(self, record: MpsRecord) -> None:
