@@ -69,6 +69,7 @@ CHECKS=(
   "uid 1000 client|tests/gpu/test_mps_processes.py::test_a_client_of_uid_1000_reaches_the_daemon_and_is_limited|60"
   "escape under cooperative|tests/gpu/test_mps_escape.py::test_a_process_outside_mps_is_reported_under_cooperative_mode|60"
   "escape under strict|tests/gpu/test_mps_escape.py::test_a_process_outside_mps_is_refused_under_strict_mode|60"
+  "strict partitions share one server|tests/gpu/test_mps_strict_partitions.py|90"
   "two busy shares against one|tests/gpu/test_mps_throughput.py|90"
   "two claims in two containers|tests/gpu/test_mps_containers.py|120"
 )

@@ -61,6 +61,10 @@ class PoolOptions:
     # SpacePartitioning get MPS limits per client process (docs/mps.md), and a claim
     # may ask for the MPS strategy.
     mps: bool = False
+    # `--mps-strict-partitions`: with `mps`, the `--gpu-partitions` partitions of a GPU
+    # of Volta or later are `"strict"` too: one MPS server per GPU serves them all,
+    # with the partition's limits, in EXCLUSIVE_PROCESS (driver/state/mps/shared.py).
+    mps_strict_partitions: bool = False
 
     def __post_init__(self) -> None:
         if self.gpu_partitions < 0:

@@ -61,9 +61,10 @@ PCI_BUS_ID_ATTRIBUTE = "resource.kubernetes.io/pciBusID"
 # What the MPS limits of a device hold against (docs/mps.md, "What holds and what does
 # not"). `cooperative`: MPS daemons in the GPU's `Default` compute mode (shares and
 # partitions: several servers per GPU); the limits bind each client process, and only
-# processes that use MPS. `strict`: a whole GPU, neither a partition nor shared by
-# capacity, of Volta or later: its one MPS daemon holds it in EXCLUSIVE_PROCESS, so a
-# process outside MPS cannot open it (driver/state/mps/compute_modes.py).
+# processes that use MPS. `strict`: a whole GPU not shared by capacity, of Volta or
+# later (or, with --mps-strict-partitions, its partitions): its one MPS server holds it
+# in EXCLUSIVE_PROCESS, so a process outside MPS cannot open it
+# (driver/state/mps/compute_modes.py, driver/state/mps/shared.py).
 MPS_ISOLATION_ATTRIBUTE = "mpsIsolation"
 MPS_ISOLATION_COOPERATIVE = "cooperative"
 MPS_ISOLATION_STRICT = "strict"
@@ -152,12 +153,15 @@ def strict_mps_capable(gpu: GpuInfo) -> bool:
 def _mps_attr(options: PoolOptions, gpu: GpuInfo, *, whole: bool) -> dict[str, Any]:
     """`mpsIsolation` on the devices of a GPU with MIG off where the node runs MPS:
     `strict` on a `whole` GPU (not a partition) that is not shared by capacity, on
-    Volta or later (its one daemon holds the GPU in EXCLUSIVE_PROCESS); `cooperative`
-    on the others, whose shares, partitions and SpacePartitioning get MPS limits per
-    client process, which a process that bypasses MPS escapes (docs/mps.md)."""
+    Volta or later (its one daemon holds the GPU in EXCLUSIVE_PROCESS), and on such a
+    GPU's partitions with `mps_strict_partitions` (one server serves them all);
+    `cooperative` on the others, whose shares, partitions and SpacePartitioning get
+    MPS limits per client process, which a process that bypasses MPS escapes
+    (docs/mps.md)."""
     if not options.mps:
         return {}
-    strict = whole and not options.allow_multiple_allocations and strict_mps_capable(gpu)
+    one_server = whole or options.mps_strict_partitions
+    strict = one_server and not options.allow_multiple_allocations and strict_mps_capable(gpu)
     value = MPS_ISOLATION_STRICT if strict else MPS_ISOLATION_COOPERATIVE
     return {MPS_ISOLATION_ATTRIBUTE: string_attr(value)}
 

@@ -76,7 +76,9 @@ MPS_STRICT_NOTE = f"""\
 MPS {MPS_ISOLATION_STRICT} ({MPS_ISOLATION_ATTRIBUTE}: {MPS_ISOLATION_STRICT}; docs/mps.md):
   a whole GPU prepared with an MPS daemon is set to compute mode EXCLUSIVE_PROCESS: its \
 one MPS server holds the GPU's only CUDA context, a process outside MPS fails to open one
-  still per CUDA process, not per claim; one claim's processes share its server's faults
+  still per CUDA process, not per claim; one server's processes share its faults
+  strict partitions (--mps-strict-partitions): every claim on the GPU is a client of \
+its one multi-user server, sharing its faults, its 48 clients and its /dev/shm
   before the first MPS client starts the server, a process outside MPS can take the \
 GPU's one context (the MPS clients then fail)
 """

@@ -98,6 +98,7 @@ def daemon_args(settings: DaemonPodSettings, record: MpsRecord, dirs: DaemonDirs
         f"--log-directory={dirs.log}",
         f"--gpu={record.gpu_uuid}",
         f"--ready-file={READY_FILE}",
+        *(["--multi-user"] if record.shared else []),
     ]
     if record.active_thread_percentage is not None:
         args.append(f"--active-thread-percentage={record.active_thread_percentage}")

@@ -185,13 +185,16 @@ class MpsControl:
             raise transient(f"{argv[0]} exited with status {proc.returncode}: {detail}")
         return out
 
-    def start(self, dirs: DaemonDirs, gpu_uuids: Sequence[str]) -> DaemonId:
+    def start(
+        self, dirs: DaemonDirs, gpu_uuids: Sequence[str], *, multi_user: bool = False
+    ) -> DaemonId:
         """Start a daemon for `gpu_uuids` on `dirs` (created here) and return it once
-        its pid file names a running process."""
+        its pid file names a running process. `multi_user`: `-M`, one server for
+        clients of any uid (NVIDIA's `multiUser`; Volta and later)."""
         dirs.pipe.mkdir(parents=True, exist_ok=True)
         dirs.log.mkdir(parents=True, exist_ok=True)
         what = f"starting the MPS control daemon in {dirs.pipe}"
-        argv = [str(self._binary()), "-d"]
+        argv = [str(self._binary()), "-d", *(["-M"] if multi_user else [])]
         if dirs.shm is not None:
             dirs.shm.mkdir(parents=True, exist_ok=True)
             argv = _with_shm(dirs.shm, argv)

@@ -1,7 +1,8 @@
 """gpu-dra-mps-daemon: the main process of an MPS daemon's pod (--mps-daemons=
 kubernetes; driver/kube/mps_manifest.py, docs/mps.md).
 
-It starts `nvidia-cuda-mps-control -d` from the driver root for one GPU, tells it
+It starts `nvidia-cuda-mps-control -d` from the driver root for one GPU (`-d -M`,
+multi-user, for a GPU's shared server: `--multi-user`), tells it
 the limits through the control pipe and reads them back, then writes the
 startup-complete file that the pod's startup probe waits for (the plugin's prepare
 waits for the pod to be ready). It then watches the daemon: a daemon that dies ends
@@ -53,6 +54,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--ready-file", type=Path, required=True)
     parser.add_argument("--active-thread-percentage", type=_percentage)
     parser.add_argument("--pinned-memory-mib", type=_positive)
+    parser.add_argument("--multi-user", action="store_true", help="the GPU's shared server")
     return parser
 
 
@@ -72,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, on_term)
     try:
         control.stop(dirs, control.running(dirs))  # one left by an earlier container
-        daemon = control.start(dirs, [args.gpu])
+        daemon = control.start(dirs, [args.gpu], multi_user=args.multi_user)
         try:
             configure_limits(control, dirs, record)
         except DriverError:

@@ -65,10 +65,11 @@ def share(state: StepContext, work: Sequence[Work], journal: dict[str, ClaimEntr
             continue
         try:
             w.planned = state.timeslices.apply(w.ref.uid, w.planned, journal)
-            started = state.mps.apply(devices_of(w))
+            started = state.mps.apply(w.ref.uid, devices_of(w), journal)
             w.planned = tuple(
                 replace(p, prepared=d) for p, d in zip(w.planned, started, strict=True)
             )
+            journal[w.ref.uid] = w.entry(PREPARE_STARTED)  # a daemon the next claim joins
         except Exception as exc:
             w.error = claim_failure(exc, w.ref.uid)
 
@@ -96,7 +97,7 @@ def _roll_back_found(
                 raise transient(f"rolling back claim {uid}: {errors[uid]}")
             state.instances.destroy(found[uid].devices, other_entries(uid, journal))
             state.timeslices.restore(uid, found[uid].devices, journal, intent=True)
-            state.mps.restore(found[uid].devices)
+            state.mps.restore(uid, found[uid].devices, journal)
         except DriverError as err:
             journal[uid] = found[uid]
             w.error = err
@@ -121,7 +122,7 @@ def _note_occupants(
     for w in work:
         try:
             w.planned = state.instances.note_occupants(w.planned, seen)
-            w.planned = state.mps.note_compute_modes(w.planned, state.devices)
+            w.planned = state.mps.note_compute_modes(w.ref.uid, w.planned, state.devices, journal)
         except Exception as exc:
             w.error = claim_failure(exc, w.ref.uid)
             journal.pop(w.ref.uid, None)
@@ -154,7 +155,7 @@ def undo(
                 devices_of(w), itertools.chain(other_entries(uid, journal), batch_others)
             )
             state.timeslices.restore(uid, devices_of(w), journal)
-            state.mps.restore(devices_of(w))
+            state.mps.restore(uid, devices_of(w), journal)
         except DriverError as err:
             journal[uid] = w.entry(PREPARE_STARTED)
             log.error("rolling back claim %s failed: %s", uid, err)

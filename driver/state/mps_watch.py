@@ -271,7 +271,7 @@ class MpsWatch:
                 daemons += [d for d in self._last.daemons if d.claim.uid == uid]
                 continue
             claim = ClaimRef(entry.namespace, entry.name, uid)
-            updated, losses = state.mps.revive(uid, entry)
+            updated, losses = state.mps.revive(uid, entry, journal)
             by_directory = {loss.lost.directory: loss for loss in losses}
             if any(loss.restarted is None for loss in losses):
                 delay = min(self._interval * 2**failures, MPS_RETRY_MAX_SECONDS)

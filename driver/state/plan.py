@@ -42,8 +42,9 @@ from driver.state.journal.journal_entries import unprepare_begun
 from driver.state.journal.locking import ClaimHolds
 from driver.state.journal.timeslice_record import TimeSliceRecord
 from driver.state.mig_instances import owns_mig
-from driver.state.mps.claim_daemons import MpsSite, plan_mps
+from driver.state.mps.daemon_plan import MpsSite, plan_mps
 from driver.state.mps.prepared_limits import allotment, mps_limits
+from driver.state.mps.shared import server_limits
 from driver.state.request import ClaimRef, PreparableDevice, PrepareResult
 from driver.state.spec_render import PlannedDevice, for_batch
 
@@ -143,13 +144,15 @@ def plan_claim(
         # MPS serves a GPU with MIG off, never with admin access (observing); the
         # allotment (a walk of the pool) only where a daemon may limit the device.
         mps_here = mps_site is not None and _no_time_slice(device, admin) is None
-        limits = mps_limits(
-            config,
-            allotment(device, devices, consumed if share_id else {}) if mps_here else None,
-            device_name=name,
+        given = allotment(device, devices, consumed if share_id else {}) if mps_here else None
+        limits = mps_limits(config, given, device_name=name, gpu_uuid=device.gpu_uuid)
+        mps = plan_mps(
+            limits,
             gpu_uuid=device.gpu_uuid,
+            cdi_name=cdi_name,
+            site=mps_site,
+            server=server_limits(device, given),
         )
-        mps = plan_mps(limits, gpu_uuid=device.gpu_uuid, cdi_name=cdi_name, site=mps_site)
         prepared = PreparedDevice(
             pool_name=str(result.get("pool")),
             device_name=name,

@@ -80,11 +80,11 @@ def node_daemons(
         record = MpsRecord(gpu_uuid, f"claim-{share.name}", share.threads, memory)
         cdi = (f"k8s.x/gpu=claim-{share.name}",)
         devices.append(PreparedDevice(f"claim-{share.name}", f"gpu-{i}", ("r0",), cdi, mps=record))
-    started = list(mps.apply(devices))
+    started = list(mps.apply("gpu-tier", devices, {}))
     try:
         yield mps, [Daemon(s, d) for s, d in zip(shares, started, strict=True)]
     finally:
-        mps.restore(started)
+        mps.restore("gpu-tier", started, {})
         for device in started:
             assert device.mps is not None
             assert control.running(daemon_dirs(mps.root, device.mps)) is None

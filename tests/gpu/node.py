@@ -122,10 +122,12 @@ def open_node(
     mps_daemons: MpsDaemons | None = None,
     allow_multiple_allocations: bool = False,
     gpu_partitions: int = 0,
+    mps_strict_partitions: bool = False,
 ) -> GpuNode:
     """The node whose journal and CDI specs live under `root`; a second call on the
     same root is a plugin restart. `mig`: the MIG manager, if not the backend's;
-    `gpu_partitions`: `--gpu-partitions`. Its devices carry `mpsIsolation` where it
+    `gpu_partitions`: `--gpu-partitions`, `mps_strict_partitions`:
+    `--mps-strict-partitions`. Its devices carry `mpsIsolation` where it
     runs MPS daemons, as the plugin publishes them."""
     claims = ClaimDocs()
     state = DeviceState(
@@ -152,6 +154,7 @@ def open_node(
         allow_multiple_allocations=allow_multiple_allocations,
         gpu_partitions=gpu_partitions,
         mps=state.mps.site is not None,
+        mps_strict_partitions=mps_strict_partitions,
     )
     pool = build_pool(inventory, options, owned_mig=owned)
     state.devices = {d.name: d for d in pool.devices}

@@ -37,11 +37,11 @@ def daemon(whole_gpu: GpuInfo, tmp_path: Path) -> Iterator[tuple[ClaimMps, Prepa
     mps = ClaimMps(NodeDaemons(MpsControl(ROOT)), tmp_path / "mps")
     record = MpsRecord(whole_gpu.uuid, "claim-gpu-0", 50, LIMIT_MIB << 20)
     device = PreparedDevice("node", "gpu-0", ("r0",), ("k8s.x/gpu=claim-gpu-0",), mps=record)
-    (started,) = mps.apply([device])
+    (started,) = mps.apply("gpu-tier", [device], {})
     try:
         yield mps, started
     finally:
-        mps.restore([started])
+        mps.restore("gpu-tier", [started], {})
         assert MpsControl(ROOT).running(daemon_dirs(mps.root, record)) is None
         assert compute_mode(whole_gpu.uuid) == mode
 

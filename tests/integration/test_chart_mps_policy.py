@@ -50,7 +50,8 @@ from driver.nvml.mps import DaemonDirs, MpsControl
 from driver.plugin.mps_setup import mps_daemons, mps_others
 from driver.plugin.options.flags import PluginOptions, parse_options
 from driver.state.journal.mps_record import MpsRecord
-from driver.state.mps.claim_daemons import ClaimMps, plan_mps
+from driver.state.mps.claim_daemons import ClaimMps
+from driver.state.mps.daemon_plan import plan_mps
 from driver.state.mps.daemons import daemon_dirs
 from driver.state.mps.prepared_limits import MpsLimits
 from tests.conftest import REPO
@@ -157,13 +158,22 @@ class Setup:
         assert isinstance(daemons, KubeDaemons)
         return daemons
 
-    def planned(self, node: str, limits: MpsLimits, device: str) -> tuple[MpsRecord, DaemonDirs]:
+    def planned(
+        self, node: str, limits: MpsLimits, device: str, *, shared: bool = False
+    ) -> tuple[MpsRecord, DaemonDirs]:
         """The record and directories a prepare on `node` gives the daemon of a claim's
-        `device` (driver/state/plan.py, ClaimMps)."""
+        `device` (driver/state/plan.py, ClaimMps); `shared`: its GPU's shared server (a
+        strict partition's, driver/state/mps/shared.py)."""
         options = self.options(node)
         site = ClaimMps(self.daemons(node), options.data_dir / "mps").site
         cdi_name = cdi_device_name(str(uuid.uuid4()), device, None)
-        plan = plan_mps(limits, gpu_uuid=mock_gpu_uuid(node, 0), cdi_name=cdi_name, site=site)
+        plan = plan_mps(
+            limits,
+            gpu_uuid=mock_gpu_uuid(node, 0),
+            cdi_name=cdi_name,
+            site=site,
+            server=limits if shared else None,
+        )
         assert plan is not None and site is not None
         return plan.record, daemon_dirs(site.root, plan.record)
 
@@ -175,13 +185,14 @@ class Setup:
         device: str = "gpu-0",
         image: str | None = None,
         ns: str | None = None,
+        shared: bool = False,
     ) -> Doc:
         """The Deployment KubeDaemons.start posts for a claim's device on `node`."""
         settings = self.daemons(node).settings
         settings = replace(
             settings, image=image or settings.image, namespace=ns or settings.namespace
         )
-        return daemon_deployment(settings, *self.planned(node, limits, device))
+        return daemon_deployment(settings, *self.planned(node, limits, device, shared=shared))
 
     def create(self, body: Doc, *, dry_run: bool = False) -> tuple[bool, str]:
         args = ("create", "--dry-run=server") if dry_run else ("create",)
@@ -389,10 +400,16 @@ def test_the_plugins_daemon_code_creates_updates_and_deletes_its_nodes_deploymen
     assert not daemons.alive(stamped)
 
 
+@pytest.mark.parametrize("shared", [False, True], ids=["own", "shared"])
 @pytest.mark.parametrize("limits", sorted(LIMITS))
-def test_every_command_shape_the_driver_renders_is_admitted(mps_setup: Setup, limits: str) -> None:
+def test_every_command_shape_the_driver_renders_is_admitted(
+    mps_setup: Setup, limits: str, shared: bool
+) -> None:
+    """A device's own daemon, and a GPU's shared one (`--multi-user` after the head)."""
     s = mps_setup
-    ok, err = s.create(s.deployment(s.node_a, LIMITS[limits]), dry_run=True)
+    body = s.deployment(s.node_a, LIMITS[limits], shared=shared)
+    assert ("--multi-user" in _container(body)["command"]) is shared
+    ok, err = s.create(body, dry_run=True)
     assert ok, err
 
 
@@ -492,6 +509,14 @@ def _set_argument(body: Doc) -> None:
 
 def _add_argument(body: Doc) -> None:
     _container(body)["command"].append("--log-directory=/etc")
+
+
+def _multi_user_late(body: Doc) -> None:
+    _container(body)["command"].append("--multi-user")
+
+
+def _multi_user_twice(body: Doc) -> None:
+    _container(body)["command"][6:6] = ["--multi-user", "--multi-user"]
 
 
 def _set_args(body: Doc) -> None:
@@ -637,6 +662,8 @@ HOLES: dict[str, tuple[Callable[[Doc], None], str]] = {
     "command-argument": (_set_argument, "spec.template.spec.containers[0].command"),
     "command-extra-argument": (_add_argument, "spec.template.spec.containers[0].command"),
     "args": (_set_args, "spec.template.spec.containers[0].args"),
+    "multi-user-after-limits": (_multi_user_late, "spec.template.spec.containers[0].command"),
+    "multi-user-twice": (_multi_user_twice, "spec.template.spec.containers[0].command"),
     "hostpath-root": (_add_host_root, "spec.template.spec.volumes"),
     "image-volume": (_add_image_volume, "spec.template.spec.volumes"),
     "host-network": (_host_network, "spec.template.spec.hostNetwork"),

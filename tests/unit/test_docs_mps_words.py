@@ -81,8 +81,11 @@ def test_the_mps_doc_has_a_table_of_what_holds_and_what_does_not() -> None:
     assert '`mpsIsolation: "cooperative"`' in text
     # "strict": a whole GPU held in EXCLUSIVE_PROCESS, with what it still does not hold.
     (strict,) = [row for row in text.splitlines() if row.startswith('| `mpsIsolation: "strict"`')]
-    assert "EXCLUSIVE_PROCESS" in strict and "before the claim's first MPS client" in strict
+    assert "EXCLUSIVE_PROCESS" in strict and "before the first MPS client" in strict
+    # Strict partitions share one server: its faults, its clients and its /dev/shm.
+    assert "every claim's on the GPU" in strict and "all claims' together" in strict
     assert "## Strict: one MPS server, EXCLUSIVE_PROCESS" in text
+    assert "## Strict partitions: one server per GPU" in text
 
 
 @pytest.mark.parametrize(

@@ -28,7 +28,9 @@ class Daemon:
         self.answer = answer
         self.told: list[str] = []
 
-    def start(self, dirs: DaemonDirs, gpu_uuids: Sequence[str]) -> DaemonId:
+    def start(
+        self, dirs: DaemonDirs, gpu_uuids: Sequence[str], *, multi_user: bool = False
+    ) -> DaemonId:
         raise AssertionError("not started here")
 
     def running(self, dirs: DaemonDirs) -> DaemonId | None:

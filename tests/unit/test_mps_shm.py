@@ -80,7 +80,9 @@ class RecordingControl(MpsControl):
         self.events = events
         self.fail = fail
 
-    def start(self, dirs: DaemonDirs, gpu_uuids: Sequence[str]) -> DaemonId:
+    def start(
+        self, dirs: DaemonDirs, gpu_uuids: Sequence[str], *, multi_user: bool = False
+    ) -> DaemonId:
         self.events.append(("start", dirs.shm))
         if self.fail:
             from driver.errors import transient

@@ -228,11 +228,11 @@ def test_a_record_without_the_key_leaves_the_mode_alone(node: StrictNode) -> Non
     assert old.compute_mode_before is None and not old.strict
     assert "computeModeBefore" not in old.to_json()
     before = node.sets()
-    state.mps.restore([replace(device, mps=old)])
+    state.mps.restore("c", [replace(device, mps=old)], {})
     assert not node.daemons()
     assert node.sets() == before
     assert node.mode() == NVML_COMPUTEMODE_EXCLUSIVE_PROCESS  # nothing recorded to restore
-    state.mps.restore([device])  # the record that knows it
+    state.mps.restore("c", [device], {})  # the record that knows it
     assert node.mode() == NVML_COMPUTEMODE_DEFAULT
 
 

@@ -6,7 +6,8 @@ driver uses it (driver/nvml/mps.py), with no GPU behind it.
   `$CUDA_MPS_PIPE_DIRECTORY/control`, writes `nvidia-cuda-mps-control.pid` there and
   logs to `$CUDA_MPS_LOG_DIRECTORY/control.log`; the command returns once the daemon
   answers. A second `-d` on a pipe directory whose daemon runs fails, as the real one
-  does ("An instance of this daemon is already running").
+  does ("An instance of this daemon is already running"). `-d -M` is the same daemon
+  in multi-user mode (NVIDIA's `multiUser`): its log says so.
 - Without arguments it is the client: each line of stdin is sent to the daemon and its
   answer printed; no daemon: "Cannot find MPS control daemon process", status 1.
 - The daemon answers `set_default_active_thread_percentage <1..100>`,
@@ -136,7 +137,7 @@ class _Daemon:
                 return
 
 
-def _daemonize(pipe: Path, logs: Path) -> int:
+def _daemonize(pipe: Path, logs: Path, *, multi_user: bool = False) -> int:
     if _ask(pipe, "get_server_list") is not None:
         print("An instance of this daemon is already running", file=sys.stderr)
         return 1
@@ -161,7 +162,8 @@ def _daemonize(pipe: Path, logs: Path) -> int:
         os.dup2(devnull, fd)
     daemon = _Daemon(pipe, logs, devices=max(len(visible), 1))
     (pipe / PID_FILE).write_text(f"{os.getpid()}\n")
-    daemon.log(f"daemon started for CUDA_VISIBLE_DEVICES={','.join(visible)}")
+    mode = " in multi-user mode" if multi_user else ""
+    daemon.log(f"daemon started{mode} for CUDA_VISIBLE_DEVICES={','.join(visible)}")
     os.write(ready_write, b"1")
     os.close(ready_write)
     daemon.serve(server)
@@ -170,8 +172,8 @@ def _daemonize(pipe: Path, logs: Path) -> int:
 
 def main(argv: list[str]) -> int:
     pipe, logs = _dirs()
-    if argv == ["-d"]:
-        return _daemonize(pipe, logs)
+    if argv in (["-d"], ["-d", "-M"]):
+        return _daemonize(pipe, logs, multi_user="-M" in argv)
     if argv:
         print(f"{BINARY} (mock): unsupported arguments {' '.join(argv)}", file=sys.stderr)
         return 2

@@ -245,6 +245,16 @@ MPS_DAEMONS = Setting(
     "off",
     metavar="{" + ",".join(MPS_DAEMON_PLACES) + "}",
 )
+MPS_STRICT_PARTITIONS = Setting(
+    "mps_strict_partitions",
+    "--mps-strict-partitions",
+    "with --gpu-partitions and MPS daemons: the partitions of a GPU of Volta or later "
+    "share one MPS server held in EXCLUSIVE_PROCESS, published mpsIsolation strict "
+    "(docs/mps.md); off: a daemon per claim, cooperative",
+    v.boolean,
+    "false",
+    switch=True,
+)
 POD_NAMESPACE = Setting(
     "pod_namespace",
     "--pod-namespace",
@@ -278,6 +288,7 @@ NODE_SETTINGS = (
     ALLOW_MULTIPLE_ALLOCATIONS,
     XID_TAINT_EFFECT,
     MPS_DAEMONS,
+    MPS_STRICT_PARTITIONS,
 )
 
 
@@ -298,6 +309,7 @@ class NodeSettings:
     allow_multiple_allocations: bool
     xid_taint_effect: str
     mps_daemons: str
+    mps_strict_partitions: bool
 
     @property
     def data_dir(self) -> Path:
@@ -321,6 +333,7 @@ class NodeSettings:
             mig_profiles=self.mig_profiles,
             # The plugin also checks for nvidia-cuda-mps-control in the driver root.
             mps=self.mps_daemons != "off",
+            mps_strict_partitions=self.mps_strict_partitions,
         )
 
 

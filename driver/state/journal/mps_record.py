@@ -2,7 +2,8 @@
 (`PreparedDevice.mps`, key `mps`; docs/mps.md). `computeModeBefore`, on a whole GPU
 whose one daemon holds it in EXCLUSIVE_PROCESS (docs/mps.md, "Strict: one MPS server,
 EXCLUSIVE_PROCESS"), is the compute mode the GPU had before; an entry without it
-(cooperative, or written by an earlier release) leaves the mode alone."""
+(cooperative, or written by an earlier release) leaves the mode alone. `shared`: the
+daemon is its GPU's one server for every strict partition claim of the GPU."""
 
 from __future__ import annotations
 
@@ -61,6 +62,10 @@ class MpsRecord:
     # number) before the claim set EXCLUSIVE_PROCESS, read before the intent is
     # stored, put back when the daemon goes. None: cooperative, the mode is left alone.
     compute_mode_before: int | None = None
+    # The GPU's one server, shared by every strict partition claim of the GPU
+    # (driver/state/mps/shared.py): its directory is the GPU's, not the device's, its
+    # limits the partition's; it stops, and the mode goes back, with the last claim.
+    shared: bool = False
 
     @property
     def strict(self) -> bool:
@@ -81,6 +86,8 @@ class MpsRecord:
             doc["deployment"] = deployment
         if self.compute_mode_before is not None:
             doc["computeModeBefore"] = self.compute_mode_before
+        if self.shared:
+            doc["shared"] = True
         return doc
 
     @classmethod
@@ -93,6 +100,9 @@ class MpsRecord:
         if not isinstance(directory, str) or not directory or "/" in directory:
             raise ValueError("mps.dir must be a directory name")
         name, uid, pod, restarts = _deployment(doc.get("deployment"))
+        shared = doc.get("shared", False)
+        if not isinstance(shared, bool):
+            raise ValueError("mps.shared must be a boolean")
         return cls(
             gpu,
             directory,
@@ -105,4 +115,5 @@ class MpsRecord:
             pod,
             restarts,
             _optional_int(doc, "computeModeBefore", 0),
+            shared,
         )

@@ -15,7 +15,9 @@ the daemon starts (the intent: no pid, no Deployment) and carries what identifie
 
 - prepare starts each daemon, sets and reads back its limits (`apply`); a whole GPU
   published strict is put in EXCLUSIVE_PROCESS first, the mode found recorded before
-  the intent is stored (`note_compute_modes`; driver/state/mps/compute_modes.py);
+  the intent is stored (`note_compute_modes`; driver/state/mps/compute_modes.py); a
+  strict partition joins its GPU's shared daemon where another claim's runs, and
+  only the GPU's last claim stops it (driver/state/mps/shared.py);
 - a rollback stops every daemon the claim's devices may have started, found in their
   place (pipe directory, derived Deployment name) when nothing is recorded yet,
   unmounts their /dev/shm tmpfs, removes their directories and puts a strict GPU's
@@ -38,22 +40,19 @@ from __future__ import annotations
 import logging
 import shutil
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
-from typing import Final
 
-from driver.cdi.claim_specs import CdiMount
-from driver.config.mps_limits import mps_memory_text
 from driver.errors import DriverError, transient
 from driver.observability import metrics
 from driver.state.journal.checkpoint import ClaimEntry, ClaimState, PreparedDevice
 from driver.state.journal.mps_record import MpsRecord
 from driver.state.mps.compute_modes import ClaimComputeModes, ComputeModeOps
 from driver.state.mps.daemon_changes import MpsLoss, MpsReplaced, change_seen, daemon_text
+from driver.state.mps.daemon_plan import MpsSite
 from driver.state.mps.daemons import (
     KIND_NODE,
     MpsDaemons,
-    daemon_directory,
     daemon_dirs,
     empty_directory,
     make_directories,
@@ -61,53 +60,18 @@ from driver.state.mps.daemons import (
     unsearchable_parent,
 )
 from driver.state.mps.orphans import Orphan, sweep_orphans
-from driver.state.mps.prepared_limits import MpsLimits
+from driver.state.mps.shared import (
+    holders,
+    identified,
+    inherited_modes,
+    same_limits,
+    with_daemon_of,
+)
 from driver.state.mps.shm import ShmBound
 from driver.state.request import PreparableDevice
 from driver.state.spec_render import PlannedDevice
 
 log = logging.getLogger(__name__)
-
-CONTAINER_PIPE_DIRECTORY: Final = "/tmp/nvidia-mps"
-CONTAINER_SHM_DIRECTORY: Final = "/dev/shm"
-
-
-@dataclass(frozen=True)
-class MpsSite:
-    """Where this node's daemons keep their directories (what planning is told)."""
-
-    root: Path
-    private_shm: bool
-
-
-@dataclass(frozen=True)
-class MpsPlan:
-    record: MpsRecord
-    env: tuple[str, ...]
-    mounts: tuple[CdiMount, ...]
-
-
-def plan_mps(
-    limits: MpsLimits | None, *, gpu_uuid: str, cdi_name: str, site: MpsSite | None
-) -> MpsPlan | None:
-    """The daemon of a device prepared with `limits` (driver/state/mps/prepared_limits.py), None
-    for no daemon; `site` None only with no limits (a node without MPS)."""
-    if limits is None or site is None:
-        return None
-    memory = limits.pinned_memory_bytes
-    record = MpsRecord(
-        gpu_uuid, daemon_directory(cdi_name), limits.active_thread_percentage, memory
-    )
-    env = [f"CUDA_MPS_PIPE_DIRECTORY={CONTAINER_PIPE_DIRECTORY}"]
-    if record.active_thread_percentage is not None:
-        env.append(f"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE={record.active_thread_percentage}")
-    if memory is not None:
-        env.append(f"CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0={mps_memory_text(memory)}")
-    dirs = daemon_dirs(site.root, record)
-    mounts = [CdiMount(str(dirs.pipe), CONTAINER_PIPE_DIRECTORY)]
-    if site.private_shm:
-        mounts.append(CdiMount(str(dirs.shm), CONTAINER_SHM_DIRECTORY))
-    return MpsPlan(record, tuple(env), tuple(mounts))
 
 
 class ClaimMps:
@@ -208,16 +172,24 @@ class ClaimMps:
     # -- prepare -----------------------------------------------------------------------
 
     def note_compute_modes(
-        self, planned: Sequence[PlannedDevice], devices: Mapping[str, PreparableDevice]
+        self,
+        uid: str,
+        planned: Sequence[PlannedDevice],
+        devices: Mapping[str, PreparableDevice],
+        journal: Mapping[str, ClaimEntry],
     ) -> tuple[PlannedDevice, ...]:
         """Before the intent is stored: each strict device's record notes its GPU's
-        compute mode (`ClaimComputeModes.note`)."""
-        return self.compute_modes.note(planned, devices)
+        compute mode (`ClaimComputeModes.note`); a shared server's, the mode its first
+        claim found."""
+        return self.compute_modes.note(planned, devices, inherited_modes(journal, uid))
 
-    def apply(self, devices: Sequence[PreparedDevice]) -> tuple[PreparedDevice, ...]:
-        """Start the daemons of the devices (their intent is durable), a strict GPU put
-        in EXCLUSIVE_PROCESS first; the devices with their records stamped. A failure
-        stops those started and puts the modes back (transient error)."""
+    def apply(
+        self, uid: str, devices: Sequence[PreparedDevice], journal: Mapping[str, ClaimEntry]
+    ) -> tuple[PreparedDevice, ...]:
+        """Start the daemons of the claim's devices (their intent is durable), a strict
+        GPU put in EXCLUSIVE_PROCESS first, or join its GPU's shared daemon where one
+        runs; the devices with their records stamped. A failure stops those started
+        and puts the modes back (transient error)."""
         if self._daemons is None or not any(d.mps for d in devices):
             return tuple(devices)
         out: list[PreparedDevice] = []
@@ -225,11 +197,15 @@ class ClaimMps:
             record = device.mps
             try:
                 if record is not None:
-                    self.compute_modes.make_exclusive(record)
-                    device = replace(device, mps=self._started(device, record))
+                    running = self._joinable(uid, record, journal)
+                    if running is not None:
+                        device = replace(device, mps=with_daemon_of(record, running))
+                    else:
+                        self.compute_modes.make_exclusive(record)
+                        device = replace(device, mps=self._started(device, record))
             except DriverError:
                 try:
-                    self.restore([*out, device])
+                    self.restore(uid, [*out, device], journal)
                 except DriverError as err:  # the rollback of the entry repeats it
                     log.error("undoing the MPS daemons of device %s: %s", device.device_name, err)
                 raise
@@ -242,14 +218,50 @@ class ClaimMps:
         except DriverError as err:
             raise transient(f"device {device.device_name}: {err}") from err
 
-    def restore(self, devices: Sequence[PreparedDevice]) -> None:
-        """Stop every daemon the devices may have started, whatever --mps-daemons says
-        now, then put a strict GPU's compute mode back. Raises a transient error (the
-        caller keeps the entry)."""
+    def _joinable(
+        self, uid: str, record: MpsRecord, journal: Mapping[str, ClaimEntry]
+    ) -> MpsRecord | None:
+        """For a shared record: another claim's record of the GPU's daemon that runs
+        (the claim joins it), None where none does (the claim starts it). Raises a
+        transient error where it runs with other limits (partitions republished)."""
+        if not record.shared:
+            return None
+        for other in holders(journal, record, besides=(uid,)):
+            if not identified(other) or not self.watched(other):
+                continue
+            assert self._daemons is not None
+            if not self._daemons.alive(other):
+                continue
+            if not same_limits(record, other):
+                raise transient(
+                    f"the MPS server of GPU {record.gpu_uuid} serves its partitions with "
+                    f"other limits ({other.active_thread_percentage}%, "
+                    f"{other.pinned_memory_bytes} bytes) than this claim's partition; it "
+                    "takes new claims once the claims it serves are unprepared"
+                )
+            return other
+        return None
+
+    def restore(
+        self,
+        uid: str,
+        devices: Sequence[PreparedDevice],
+        journal: Mapping[str, ClaimEntry],
+        *,
+        besides: Collection[str] = (),
+    ) -> None:
+        """Stop every daemon the claim's devices may have started, whatever
+        --mps-daemons says now, then put a strict GPU's compute mode back; a shared
+        daemon only where no claim but `uid` and `besides` names it. Raises a transient
+        error (the caller keeps the entry)."""
         for device in devices:
-            if device.mps is not None:
-                self._stop(device.mps)
-                self.compute_modes.restore(device.mps)
+            record = device.mps
+            if record is None:
+                continue
+            if record.shared and any(holders(journal, record, besides=(uid, *besides))):
+                continue  # the GPU's server goes with its last claim
+            self._stop(record)
+            self.compute_modes.restore(record)
 
     # -- unprepare ---------------------------------------------------------------------
 
@@ -259,15 +271,18 @@ class ClaimMps:
         """Before the entries of `uids` are dropped: stop their daemons. Returns the
         claims whose daemon could not be stopped (they keep their entries)."""
         errors: dict[str, DriverError] = {}
+        released: list[str] = []
         for uid in uids:
             entry = journal.get(uid)
             if entry is None:
                 continue
             try:
-                self.restore(entry.devices)
+                self.restore(uid, entry.devices, journal, besides=released)
             except DriverError as err:
                 log.error("unprepare: stopping the MPS daemon of claim %s failed: %s", uid, err)
                 errors[uid] = err
+            else:
+                released.append(uid)
         return errors
 
     # -- start and while running ---------------------------------------------------------
@@ -289,14 +304,16 @@ class ClaimMps:
                 continue
             if not any(d.mps and self.watched(d.mps) for d in entry.devices):
                 continue
-            journal[uid], losses = self.revive(uid, entry)
+            journal[uid], losses = self.revive(uid, entry, journal)
             if losses:
                 lost[uid] = losses
             else:
                 adopted.append(uid)
         return adopted, lost
 
-    def revive(self, uid: str, entry: ClaimEntry) -> tuple[ClaimEntry, tuple[MpsLoss, ...]]:
+    def revive(
+        self, uid: str, entry: ClaimEntry, journal: Mapping[str, ClaimEntry]
+    ) -> tuple[ClaimEntry, tuple[MpsLoss, ...]]:
         """Under the node lock: the completed claim's daemons that are gone (killed, a
         reboot, a deleted Deployment) started again with their limits, whatever is left
         in their place stopped first, so new clients are limited again (running clients
@@ -321,6 +338,16 @@ class ClaimMps:
                 uid,
                 record.gpu_uuid,
             )
+            try:
+                running = self._joinable(uid, record, journal)
+            except DriverError:
+                running = None
+            if running is not None:  # another claim's check started the GPU's again
+                joined = with_daemon_of(record, running)
+                losses.append(MpsLoss(device.device_name, record, restarted=joined))
+                metrics.MPS_DAEMONS_LOST.labels(outcome="restarted").inc()
+                devices.append(replace(device, mps=joined))
+                continue
             dirs = daemon_dirs(self.root, record)
             try:
                 self._daemons.stop(record, dirs, any_instance=True)  # what is left in its place

@@ -100,16 +100,23 @@ class ClaimComputeModes:
     # -- prepare -----------------------------------------------------------------------
 
     def note(
-        self, planned: Sequence[PlannedDevice], devices: Mapping[str, PreparableDevice]
+        self,
+        planned: Sequence[PlannedDevice],
+        devices: Mapping[str, PreparableDevice],
+        inherited: Mapping[str, int] | None = None,
     ) -> tuple[PlannedDevice, ...]:
         """Before the intent is stored: each device with an MPS daemon that is
-        published strict records the compute mode its GPU has now. Raises a transient
-        error (the claim fails; nothing was changed)."""
+        published strict records the compute mode its GPU has now, or, for a shared
+        daemon another claim started, the mode it found (`inherited`, by directory:
+        driver/state/mps/shared.py). Raises a transient error (the claim fails;
+        nothing was changed)."""
         out: list[PlannedDevice] = []
         for p in planned:
             record = p.prepared.mps
             if record is not None and published_strict(devices.get(p.prepared.device_name)):
-                record = replace(record, compute_mode_before=self._get(record.gpu_uuid))
+                found = (inherited or {}).get(record.directory) if record.shared else None
+                before = found if found is not None else self._get(record.gpu_uuid)
+                record = replace(record, compute_mode_before=before)
                 p = replace(p, prepared=replace(p.prepared, mps=record))
             out.append(p)
         return tuple(out)

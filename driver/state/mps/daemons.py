@@ -58,7 +58,9 @@ LOG_MODE: Final = 0o755
 class MpsOps(Protocol):
     """`driver.nvml.mps.MpsControl` (real binary or the mock's stand-in)."""
 
-    def start(self, dirs: DaemonDirs, gpu_uuids: Sequence[str]) -> DaemonId: ...
+    def start(
+        self, dirs: DaemonDirs, gpu_uuids: Sequence[str], *, multi_user: bool = False
+    ) -> DaemonId: ...
 
     def running(self, dirs: DaemonDirs) -> DaemonId | None: ...
 
@@ -277,7 +279,7 @@ class NodeDaemons:
         self.shm = shm
 
     def start(self, record: MpsRecord, dirs: DaemonDirs) -> MpsRecord:
-        daemon = self.ops.start(dirs, [record.gpu_uuid])
+        daemon = self.ops.start(dirs, [record.gpu_uuid], multi_user=record.shared)
         stamped = replace(record, pid=daemon.pid, start_time=daemon.start_time)
         try:
             configure_limits(self.ops, dirs, stamped)

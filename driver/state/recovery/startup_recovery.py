@@ -265,7 +265,7 @@ def _roll_back_started(
                 raise transient(str(errors[uid]))
             state.instances.destroy(journal[uid].devices, other_entries(uid, journal))
             state.timeslices.restore(uid, journal[uid].devices, journal, intent=True)
-            state.mps.restore(journal[uid].devices)
+            state.mps.restore(uid, journal[uid].devices, journal)
         except Exception as err:  # the entry keeps holding its devices
             _problem(problems, uid, "rolling back its prepare failed", err)
             continue

@@ -336,6 +336,8 @@ the driver's files. A YAML list; kubeletPlugin.containers.plugin.extraEnv follow
   value: {{ ternary "kubernetes" "off" $kp.mps.enabled | quote }}
 - name: MPS_ESCAPE_TAINT
   value: {{ $kp.mps.escapeTaint | default false | quote }}
+- name: MPS_STRICT_PARTITIONS
+  value: {{ $kp.mps.strictPartitions | default false | quote }}
 - name: GPU_MEMORY_LIMITS
   value: {{ $kp.gpuMemoryLimits | default false | quote }}
 - name: POD_NAMESPACE
@@ -394,6 +396,7 @@ NVIDIA_CDI_HOOK_PATH: nvidiaCDIHookPath
 GPU_PARTITIONS: kubeletPlugin.gpuPartitions
 MPS_DAEMONS: kubeletPlugin.mps.enabled
 MPS_ESCAPE_TAINT: kubeletPlugin.mps.escapeTaint
+MPS_STRICT_PARTITIONS: kubeletPlugin.mps.strictPartitions
 GPU_MEMORY_LIMITS: kubeletPlugin.gpuMemoryLimits
 POD_NAMESPACE: the pod's metadata.namespace
 MPS_DAEMON_IMAGE: image

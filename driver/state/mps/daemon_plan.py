@@ -1,0 +1,77 @@
+"""What a device's MPS daemon will be, decided at planning (pure; docs/mps.md): its
+journal record (GPU, directory, limits) and the CDI edits that lead the device's
+containers to it. The daemon itself is started at the apply stage
+(driver/state/mps/claim_daemons.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Final
+
+from driver.cdi.claim_specs import CdiMount
+from driver.config.mps_limits import mps_memory_text
+from driver.state.journal.mps_record import MpsRecord
+from driver.state.mps.daemons import daemon_directory, daemon_dirs
+from driver.state.mps.prepared_limits import MpsLimits
+from driver.state.mps.shared import shared_directory
+
+CONTAINER_PIPE_DIRECTORY: Final = "/tmp/nvidia-mps"
+CONTAINER_SHM_DIRECTORY: Final = "/dev/shm"
+
+
+@dataclass(frozen=True)
+class MpsSite:
+    """Where this node's daemons keep their directories (what planning is told)."""
+
+    root: Path
+    private_shm: bool
+
+
+@dataclass(frozen=True)
+class MpsPlan:
+    record: MpsRecord
+    env: tuple[str, ...]
+    mounts: tuple[CdiMount, ...]
+
+
+def plan_mps(
+    limits: MpsLimits | None,
+    *,
+    gpu_uuid: str,
+    cdi_name: str,
+    site: MpsSite | None,
+    server: MpsLimits | None = None,
+) -> MpsPlan | None:
+    """The daemon of a device prepared with `limits` (driver/state/mps/prepared_limits.py), None
+    for no daemon; `site` None only with no limits (a node without MPS). `server`: the
+    limits of the GPU's shared server (a strict partition, driver/state/mps/shared.py),
+    whose clients' env carries the claim's `limits`, which can only lower them."""
+    if limits is None or site is None:
+        return None
+    if server is not None:
+        record = MpsRecord(
+            gpu_uuid,
+            shared_directory(gpu_uuid),
+            server.active_thread_percentage,
+            server.pinned_memory_bytes,
+            shared=True,
+        )
+    else:
+        record = MpsRecord(
+            gpu_uuid,
+            daemon_directory(cdi_name),
+            limits.active_thread_percentage,
+            limits.pinned_memory_bytes,
+        )
+    memory = limits.pinned_memory_bytes
+    env = [f"CUDA_MPS_PIPE_DIRECTORY={CONTAINER_PIPE_DIRECTORY}"]
+    if limits.active_thread_percentage is not None:
+        env.append(f"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE={limits.active_thread_percentage}")
+    if memory is not None:
+        env.append(f"CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0={mps_memory_text(memory)}")
+    dirs = daemon_dirs(site.root, record)
+    mounts = [CdiMount(str(dirs.pipe), CONTAINER_PIPE_DIRECTORY)]
+    if site.private_shm:
+        mounts.append(CdiMount(str(dirs.shm), CONTAINER_SHM_DIRECTORY))
+    return MpsPlan(record, tuple(env), tuple(mounts))
