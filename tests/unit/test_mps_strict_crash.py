@@ -136,9 +136,10 @@ def _mode(root: Path) -> int:
     return int(mock.compute_mode(mock.gpus[0].uuid))
 
 
-def _crash(root: Path, op: str, failpoint: str) -> None:
+def _crash(root: Path, op: str, failpoint: str, *, harness: str = HARNESS, uid: str = UID) -> None:
+    """`op` of claim `uid` in a process of `harness`, killed at `failpoint`."""
     proc = subprocess.run(
-        [sys.executable, "-c", HARNESS + "\nmain()\n", str(root), op, UID],
+        [sys.executable, "-c", harness + "\nmain()\n", str(root), op, uid],
         env={**os.environ, ENV_VAR: failpoint},
         capture_output=True,
         text=True,

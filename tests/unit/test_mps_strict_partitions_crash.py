@@ -8,19 +8,12 @@ the last one's unprepare stops the server and puts back the mode found."""
 
 from __future__ import annotations
 
-import os
-import shutil
-import signal
-import subprocess
-import sys
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from driver.failpoints import ENV_VAR, PREPARE_FAILPOINTS
+from driver.failpoints import PREPARE_FAILPOINTS
 from driver.state.journal.checkpoint import Checkpoint, ClaimState
 from driver.state.request import ClaimRef
 from tests.unit import test_mps_strict_crash as whole
@@ -50,27 +43,10 @@ def _ref(uid: str) -> ClaimRef:
 
 
 def _crash(root: Path, op: str, failpoint: str) -> None:
-    proc = subprocess.run(
-        [sys.executable, "-c", HARNESS + "\nmain()\n", str(root), op, JOINER],
-        env={**os.environ, ENV_VAR: failpoint},
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == -signal.SIGKILL, (
-        f"{op} did not die at {failpoint}: rc={proc.returncode}\n{proc.stdout}\n{proc.stderr}"
-    )
+    whole._crash(root, op, failpoint, harness=HARNESS, uid=JOINER)
 
 
-@pytest.fixture
-def root() -> Iterator[Path]:
-    short = Path(tempfile.mkdtemp(prefix="crash-parts-"))  # a short socket path
-    try:
-        yield short
-    finally:
-        for pid in whole._daemons(short):
-            os.kill(pid, signal.SIGKILL)
-        shutil.rmtree(short)
+root = whole.root  # a short temporary directory; its daemons killed at the end
 
 
 @pytest.mark.parametrize("failpoint", whole.STRICT_FAILPOINTS)
