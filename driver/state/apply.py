@@ -47,7 +47,7 @@ def create_mig(state: StepContext, batch: Batch) -> None:
     and, where the batch leaves the lock, the claims' locks are held. A claim that
     fails keeps its error (a failed create destroys what it created)."""
     for w in batch.work:
-        if w.error is not None:
+        if w.error is not None or not any(p.prepared.owns_mig for p in w.planned):
             continue
         try:
             w.planned, failure = state.instances.create(w.planned)
@@ -61,7 +61,7 @@ def share(state: StepContext, work: Sequence[Work], journal: dict[str, ClaimEntr
     """Under the node lock, with `journal` loaded: set the GPUs' time-slice intervals
     and start the claims' MPS daemons."""
     for w in work:
-        if w.error is not None:
+        if w.error is not None or not w.changes_the_node:
             continue
         try:
             w.planned = state.timeslices.apply(w.ref.uid, w.planned, journal)
@@ -121,8 +121,11 @@ def _note_occupants(
     seen: dict[Place, tuple[int, ...]] = {}
     for w in work:
         try:
-            w.planned = state.instances.note_occupants(w.planned, seen)
-            w.planned = state.mps.note_compute_modes(w.ref.uid, w.planned, state.devices, journal)
+            if w.changes_the_node:
+                w.planned = state.instances.note_occupants(w.planned, seen)
+                w.planned = state.mps.note_compute_modes(
+                    w.ref.uid, w.planned, state.devices, journal
+                )
         except Exception as exc:
             w.error = claim_failure(exc, w.ref.uid)
             journal.pop(w.ref.uid, None)

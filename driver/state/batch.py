@@ -30,6 +30,14 @@ class Work:
     error: DriverError | None = None
     intent: ClaimEntry | None = None  # its PrepareStarted entry, as journaled
 
+    @property
+    def changes_the_node(self) -> bool:
+        """Does the claim's prepare change state outside the data directory (a MIG
+        device to create, a GPU's time-slice interval to set, an MPS daemon)? Then its
+        intent is journaled first and the apply stage has work; a plain claim goes
+        straight to `PrepareCompleted`, entering no feature's code."""
+        return any(p.prepared.changes_the_node for p in self.planned)
+
     def entry(self, state: ClaimState) -> ClaimEntry:
         devices = tuple(p.prepared for p in self.planned)
         spec = self.spec if state is ClaimState.PREPARE_COMPLETED else None

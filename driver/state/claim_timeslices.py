@@ -93,13 +93,10 @@ class ClaimTimeSlices:
 
     def __init__(self, ops: TimeSliceOps | None) -> None:
         self._ops = ops
+        self.enabled = ops is not None  # intervals are planned (what planning is told)
         self._last_seq = 0
         # GPUs a failed `apply` had already set, per claim, until a rollback restored them.
         self._unrestored: dict[str, list[str]] = {}
-
-    @property
-    def enabled(self) -> bool:
-        return self._ops is not None
 
     def _set(self, gpu_uuid: str, interval: str) -> None:
         assert self._ops is not None

@@ -18,7 +18,6 @@ from driver.state.apply import undo
 from driver.state.batch import Batch, Work, claim_failure, devices_of, fail_work
 from driver.state.context import StepContext
 from driver.state.journal.checkpoint import ClaimEntry, ClaimState
-from driver.state.mig_instances import owns_mig
 from driver.state.request import PrepareResult
 from driver.state.spec_render import render_spec
 
@@ -34,7 +33,7 @@ def store_intent(
     """The intent, before MIG devices are created or GPU intervals set: the batch,
     or None when its store failed (every claim failed and undone)."""
     failpoint("prepare-before-started")
-    if any(_changes_the_node(w) for w in batch.work):
+    if any(w.changes_the_node for w in batch.work):
         try:
             # Not synced: a crash of the process keeps the record (page cache), and a
             # power loss, which could lose it, also resets every MIG device and
@@ -49,14 +48,6 @@ def store_intent(
     for w in batch.work:
         w.intent = journal[w.ref.uid]
     return batch
-
-
-def _changes_the_node(w: Work) -> bool:
-    """Does the claim's prepare change state outside the data directory (a MIG device
-    to create, a GPU's time-slice interval to set)? Then its intent is journaled
-    first; a whole-GPU or partition claim goes straight to `PrepareCompleted`."""
-    devices = devices_of(w)
-    return owns_mig(devices) or any(d.time_slice is not None or d.mps is not None for d in devices)
 
 
 def write_specs(state: StepContext, batch: Batch, work: Sequence[Work]) -> None:

@@ -133,11 +133,6 @@ def other_entries(
     return (entry.devices for key, entry in journal.items() if key != uid)
 
 
-def owns_mig(devices: Sequence[PreparedDevice]) -> bool:
-    """Does any of the devices have a MIG device the driver created for it?"""
-    return any(d.mig is not None and d.mig.owned for d in devices)
-
-
 def _same_place(instance: MigInstance, record: MigRecord) -> bool:
     return (instance.placement, instance.profile_id) == (record.placement, record.profile_id)
 

@@ -30,6 +30,7 @@ from driver.config import (
     ConfigError,
     GpuConfig,
     Interval,
+    Strategy,
     resolve_configs,
     validate_for_device,
 )
@@ -41,10 +42,7 @@ from driver.state.journal.checkpoint import ClaimEntry, ClaimState, MigRecord, P
 from driver.state.journal.journal_entries import unprepare_begun
 from driver.state.journal.locking import ClaimHolds
 from driver.state.journal.timeslice_record import TimeSliceRecord
-from driver.state.mig_instances import owns_mig
-from driver.state.mps.daemon_plan import MpsSite, plan_mps
-from driver.state.mps.prepared_limits import allotment, mps_limits
-from driver.state.mps.shared import server_limits
+from driver.state.mps.daemon_plan import MpsSite, plan_device_mps
 from driver.state.request import ClaimRef, PreparableDevice, PrepareResult
 from driver.state.spec_render import PlannedDevice, for_batch
 
@@ -141,17 +139,12 @@ def plan_claim(
         share_id = result.get("shareID") or None
         consumed = result.get("consumedCapacity") or {}
         cdi_name = cdi_device_name(ref.uid, name, share_id)
-        # MPS serves a GPU with MIG off, never with admin access (observing); the
-        # allotment (a walk of the pool) only where a daemon may limit the device.
-        mps_here = mps_site is not None and _no_time_slice(device, admin) is None
-        given = allotment(device, devices, consumed if share_id else {}) if mps_here else None
-        limits = mps_limits(config, given, device_name=name, gpu_uuid=device.gpu_uuid)
-        mps = plan_mps(
-            limits,
-            gpu_uuid=device.gpu_uuid,
-            cdi_name=cdi_name,
-            site=mps_site,
-            server=server_limits(device, given),
+        # MPS serves a GPU with MIG off, never with admin access (observing).
+        site = mps_site if _no_time_slice(device, admin) is None else None
+        mps = (
+            plan_device_mps(config, device, devices, consumed if share_id else {}, cdi_name, site)
+            if site is not None or config.strategy == Strategy.MPS
+            else None
         )
         prepared = PreparedDevice(
             pool_name=str(result.get("pool")),
@@ -249,7 +242,7 @@ def plan_batch(
     if plans.unmarked:
         _unmark(state, plans.unmarked, journal, results)
     work, deferred = plans.work, plans.deferred
-    leaves_lock = any(owns_mig(devices_of(w)) for w in work)
+    leaves_lock = any(d.owns_mig for w in work for d in devices_of(w))
     if leaves_lock:
         work = _hold(work, holds, deferred)
     if not work:

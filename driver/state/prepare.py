@@ -152,7 +152,8 @@ class DeviceState(StepContext):
     def _journal(self) -> dict[str, ClaimEntry]:
         """The journal, under the node lock, with the unprepares owed finished."""
         journal = self.load_journal()
-        teardown.finish_owed(self, journal)
+        if self.pending_removals or any(e.unpreparing is not None for e in journal.values()):
+            teardown.finish_owed(self, journal)
         return journal
 
     def _write(

@@ -21,7 +21,7 @@ from driver.state.journal.boot import boot_id
 from driver.state.journal.checkpoint import CheckpointCorruptError, ClaimEntry, ClaimState
 from driver.state.journal.journal_entries import unprepare_begun
 from driver.state.journal.locking import ClaimHolds
-from driver.state.mig_instances import other_entries, owns_mig
+from driver.state.mig_instances import other_entries
 from driver.state.request import ClaimRef, unique
 
 log = logging.getLogger(__name__)
@@ -168,7 +168,8 @@ def _begin(
     if not targets:
         return None
     leaves_lock = holds is not None and any(
-        journal is not None and uid in journal and owns_mig(journal[uid].devices) for uid in targets
+        journal is not None and uid in journal and any(d.owns_mig for d in journal[uid].devices)
+        for uid in targets
     )
     if holds is not None and leaves_lock:
         taken = [uid for uid in targets if holds.take(uid)]
@@ -195,12 +196,18 @@ def _destroy(state: StepContext, removal: _Removal, results: dict[str, DriverErr
     for uid in removal.claims:
         entry = journal.get(uid) if journal is not None else None
         try:
-            if entry is not None and journal is not None:
+            if journal is not None and entry is not None and any(d.owns_mig for d in entry.devices):
                 state.instances.destroy(entry.devices, other_entries(uid, journal))
         except Exception as err:  # this claim keeps its entry; the others go on
             results[uid] = claim_error(uid, err)
             continue
         removal.done.append(uid)
+
+
+def _changed_the_node(entry: ClaimEntry) -> bool:
+    """Did the claim's prepare set a time-slice interval or start an MPS daemon (what
+    `_end` puts back)? A plain claim's unprepare enters no feature's code."""
+    return any(d.time_slice is not None or d.mps is not None for d in entry.devices)
 
 
 def _end(
@@ -214,8 +221,10 @@ def _end(
     interval cannot be restored, or whose entry the store failed to drop, keeps it."""
     done = removal.done
     if journal is not None:  # GPUs back to what the remaining claims want, before the store
-        failed = state.timeslices.release(journal, done)
-        failed.update(state.mps.release(journal, [u for u in done if u not in failed]))
+        changed = [u for u in done if u in journal and _changed_the_node(journal[u])]
+        failed = state.timeslices.release(journal, changed) if changed else {}
+        if changed:
+            failed.update(state.mps.release(journal, [u for u in changed if u not in failed]))
         results.update(failed)
         done = [uid for uid in done if uid not in failed]
     if journal is None:
@@ -257,7 +266,7 @@ def _mark_unpreparing(
         if (entry := journal.get(uid)) is not None
         and entry.state is ClaimState.PREPARE_COMPLETED
         and entry.unpreparing != boot
-        and owns_mig(entry.devices)
+        and any(d.owns_mig for d in entry.devices)
     ]
     if not marks:
         return targets

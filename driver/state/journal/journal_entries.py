@@ -87,6 +87,17 @@ class PreparedDevice:
     # Keys a newer release wrote that this one does not know, kept on rewrite.
     extra: Extra = ()
 
+    @property
+    def owns_mig(self) -> bool:
+        """Has the driver created a MIG device for it (and so destroys it)?"""
+        return self.mig is not None and self.mig.owned
+
+    @property
+    def changes_the_node(self) -> bool:
+        """Does preparing it change the node outside the data directory (a MIG device,
+        a time-slice interval, an MPS daemon)? A plain device's prepare does not."""
+        return self.owns_mig or self.time_slice is not None or self.mps is not None
+
     def to_json(self) -> dict[str, Any]:
         doc: dict[str, Any] = {
             "pool": self.pool_name,

@@ -19,7 +19,7 @@ ADOPT_CONDITIONS = (
 def next_start(entry: ClaimEntry, spec_present: bool | None, boot: str) -> str:
     """`spec_present`: is the claim's CDI spec on disk (None: not known, no CDI root
     given); `boot`: this boot's id."""
-    owns_mig = any(d.mig is not None and d.mig.owned for d in entry.devices)
+    owns_mig = any(d.owns_mig for d in entry.devices)
     if entry.state is ClaimState.PREPARE_STARTED:
         rolled_back = ROLLED_BACK_MIG if owns_mig else ROLLED_BACK
         if not entry.adopt or not _adoptable(entry):

@@ -91,15 +91,10 @@ class ClaimMps:
         self._daemons = daemons
         self._others = tuple(o for o in others if daemons is None or o.kind != daemons.kind)
         self.root = root
+        # Where daemons live, None where there is no MPS (what planning is told).
+        self.site = MpsSite(root, daemons.private_shm) if daemons is not None else None
         self._reach_checked = False
         self.compute_modes = ClaimComputeModes(compute_modes)
-
-    @property
-    def site(self) -> MpsSite | None:
-        """Where daemons live, None where there is no MPS (what planning is told)."""
-        if self._daemons is None:
-            return None
-        return MpsSite(self.root, self._daemons.private_shm)
 
     @property
     def every_kind(self) -> tuple[MpsDaemons, ...]:

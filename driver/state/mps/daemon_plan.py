@@ -5,16 +5,19 @@ containers to it. The daemon itself is started at the apply stage
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Final
+from typing import Any, Final
 
 from driver.cdi.claim_specs import CdiMount
+from driver.config import GpuConfig
 from driver.config.mps_limits import mps_memory_text
 from driver.state.journal.mps_record import MpsRecord
 from driver.state.mps.daemons import daemon_directory, daemon_dirs
-from driver.state.mps.prepared_limits import MpsLimits
-from driver.state.mps.shared import shared_directory
+from driver.state.mps.prepared_limits import MpsLimits, allotment, mps_limits
+from driver.state.mps.shared import server_limits, shared_directory
+from driver.state.request import PreparableDevice
 
 CONTAINER_PIPE_DIRECTORY: Final = "/tmp/nvidia-mps"
 CONTAINER_SHM_DIRECTORY: Final = "/dev/shm"
@@ -75,3 +78,26 @@ def plan_mps(
     if site.private_shm:
         mounts.append(CdiMount(str(dirs.shm), CONTAINER_SHM_DIRECTORY))
     return MpsPlan(record, tuple(env), tuple(mounts))
+
+
+def plan_device_mps(
+    config: GpuConfig,
+    device: PreparableDevice,
+    devices: Mapping[str, PreparableDevice],
+    consumed: Mapping[str, Any],
+    cdi_name: str,
+    site: MpsSite | None,
+) -> MpsPlan | None:
+    """The daemon of `device` as `config` and its allocation (`consumed`: a share's
+    capacity) give it, None for none. `site` None: no daemon may limit the device
+    here (a node without MPS, a MIG device, admin access), and an `MPS` config is
+    refused (ConfigError)."""
+    given = allotment(device, devices, consumed) if site is not None else None
+    limits = mps_limits(config, given, device_name=device.name, gpu_uuid=device.gpu_uuid)
+    return plan_mps(
+        limits,
+        gpu_uuid=device.gpu_uuid,
+        cdi_name=cdi_name,
+        site=site,
+        server=server_limits(device, given),
+    )
