@@ -7,6 +7,8 @@
 #      partition-sharing example, then back to the demo values
 #   5. demo/mps/: the driver upgraded to run MPS daemons; two shares of one GPU, each
 #      limited by a daemon of its own; then back to the demo values
+#   5b. demo/mps/strict-partitions.yaml: two partitions of one GPU under one MPS
+#      server in EXCLUSIVE_PROCESS (--mps-strict-partitions); then back again
 #   6. apply demo/[0-9]*.yaml, print per pod and container the GPUs it sees (the
 #      GPU_DEVICE_* variables CDI put into the container environment)
 #   7. the permanent-error scenario (KEP-5322) and the Xid/NoExecute scenario; the
@@ -34,12 +36,12 @@ step() { printf '\n\033[1m[demo %4ss] == %s\033[0m\n' "$(( $(date +%s) - START )
 say() { printf '[demo %4ss] %s\n' "$(( $(date +%s) - START ))" "$*"; }
 die() { printf 'demo: %s\n' "$*" >&2; exit 1; }
 
-step "1/8 build what is missing (cold: about an hour on 2 cores; warm: seconds)"
+step "1/9 build what is missing (cold: about an hour on 2 cores; warm: seconds)"
 "$CLUSTER" build
 HELM=$("$REPO/hack/install-helm.sh" | tail -n 1)
 "$REPO/hack/build-kubelet-kep5322.sh" >/dev/null # the KEP-5322 prototype kubelet
 
-step "2/8 start the local cluster with its node"
+step "2/9 start the local cluster with its node"
 "$CLUSTER" up --with-node
 eval "$("$CLUSTER" env)"
 k() { kubectl "$@"; }
@@ -95,14 +97,14 @@ wait_ready() { # <namespace|-A> <what>
   k get pods "${scope[@]}" -l app=gpu-demo -o wide
 }
 
-step "3/8 helm install the driver gpu-dra-driver:$IMAGE_TAG (mock GPUs, values-mock.yaml + demo/values-demo.yaml)"
+step "3/9 helm install the driver gpu-dra-driver:$IMAGE_TAG (mock GPUs, values-mock.yaml + demo/values-demo.yaml)"
 install_driver "472 0"
 
 # Reference partitions replace the MIG devices node-wide, so this example runs alone,
 # before the others (nothing may hold a MIG device or a whole GPU while the layout
 # changes) and the driver goes back to the demo values afterwards.
 PARTITION_EXAMPLE=$DEMO_DIR/partitions/shared-partition-capacity.yaml
-step "4/8 sharing a partition by capacity (helm upgrade -f demo/partitions/values.yaml: kubeletPlugin.gpuPartitions=4)"
+step "4/9 sharing a partition by capacity (helm upgrade -f demo/partitions/values.yaml: kubeletPlugin.gpuPartitions=4)"
 if [[ -n $(k get resourceclaims -A -o name) ]]; then
   say "skipped: ResourceClaims of an earlier run hold devices of the MIG layout (GPU_DRA_DEMO_CLEAN=1 removes the examples at the end of a run)"
 else
@@ -117,7 +119,7 @@ else
 fi
 
 MPS_EXAMPLE=$DEMO_DIR/mps/cooperative-shares.yaml
-step "5/8 shares limited per process through MPS, cooperative (helm upgrade -f demo/mps/values.yaml: kubeletPlugin.mps.enabled=true)"
+step "5/9 shares limited per process through MPS, cooperative (helm upgrade -f demo/mps/values.yaml: kubeletPlugin.mps.enabled=true)"
 if [[ -n $(k get resourceclaims -A -o name) ]]; then
   say "skipped: ResourceClaims of an earlier run hold devices (GPU_DRA_DEMO_CLEAN=1 removes the examples at the end of a run)"
 else
@@ -137,7 +139,35 @@ else
   install_driver "472 0"
 fi
 
-step "6/8 apply the examples"
+STRICT_EXAMPLE=$DEMO_DIR/mps/strict-partitions.yaml
+step "6/9 the partitions of one GPU under one MPS server, strict (helm upgrade -f demo/mps/values-strict-partitions.yaml: kubeletPlugin.mps.strictPartitions=true)"
+if [[ -n $(k get resourceclaims -A -o name) ]]; then
+  say "skipped: ResourceClaims of an earlier run hold devices (GPU_DRA_DEMO_CLEAN=1 removes the examples at the end of a run)"
+else
+  install_driver "66 44" "$DEMO_DIR/mps/values-strict-partitions.yaml"
+  k apply -f "$STRICT_EXAMPLE" >/dev/null
+  wait_ready gpu-demo-mps-strict "strict partition pods"
+  show_gpus "$STRICT_EXAMPLE"
+  say "the GPUs' MPS daemons (Deployments in $DRIVER_NS): one per GPU, multi-user, with the partition's limits:"
+  for d in $(k -n "$DRIVER_NS" get deployments -l gpu.example.com/mps-daemon -o jsonpath='{.items[*].metadata.name}'); do
+    printf '  %s on GPU %s (%s): %s\n' "$d" "$(k -n "$DRIVER_NS" get deployment "$d" -o jsonpath='{.metadata.annotations.gpu\.example\.com/gpu}')" \
+      "$(k -n "$DRIVER_NS" get deployment "$d" -o jsonpath='{.spec.template.spec.containers[0].command}' | grep -o -- '--multi-user' || echo 'one user')" \
+      "$(k -n "$DRIVER_NS" logs "deployment/$d" | sed -n 's/.*MPS control daemon [0-9]* for GPU [^ ]* \(holds .*\)$/\1/p' | tail -n 1)"
+  done
+  mock_process() { k -n "$DRIVER_NS" exec "$PLUGIN_POD" -c plugin -- gpu-dra mock process "$@" 2>&1 || true; }
+  dev=$(k -n gpu-demo-mps-strict logs pod0 -c ctr0 | sed -n 's/^GPU_DEVICE_[0-9]*=\(gpu-.*\)$/\1/p' | head -n 1)
+  client=$(mock_process --device "$dev" --kind mps-client)
+  say "an MPS client of pod0's claim (the mock's): $client"
+  say "a process outside MPS on that GPU, in EXCLUSIVE_PROCESS: $(mock_process --device "$dev" --kind compute)"
+  pid=$(sed -n 's/.*process \([0-9]*\) on.*/\1/p' <<<"$client")
+  [[ -n $pid ]] && mock_process --end "$pid" >/dev/null
+  k delete -f "$STRICT_EXAMPLE" --wait=true --timeout=240s >/dev/null
+  left=$(k -n "$DRIVER_NS" get deployments -l gpu.example.com/mps-daemon -o name | wc -l)
+  say "the pods deleted: the last claim's unprepare stopped the daemon and put the compute mode back, $left MPS daemon Deployment(s) left; back to the demo values"
+  install_driver "472 0"
+fi
+
+step "7/9 apply the examples"
 # Cluster-scoped objects of the examples outlive their namespaces: delete them however
 # the demo ends (at the end, or on a failure through the trap; the examples' pods keep
 # running, NoSchedule evicts nothing).
@@ -153,12 +183,12 @@ done
 say "waiting for every example pod to be Ready"
 wait_ready -A "example pods"
 
-step "7/8 the GPUs each container sees (kubectl logs: env | grep GPU_DEVICE)"
+step "8/9 the GPUs each container sees (kubectl logs: env | grep GPU_DEVICE)"
 for f in "$DEMO_DIR"/[0-9]*.yaml; do show_gpus "$f"; done
 say "prioritized alternatives: $(k -n gpu-demo-prioritized get resourceclaims -o jsonpath='{range .items[*]}{.metadata.name}={.status.allocation.devices.results[0].request} {end}')"
 say "extended resources: $(k -n gpu-demo-extended-resources get pods -o jsonpath='{range .items[*]}{.metadata.name}: claim {.status.extendedResourceClaimStatus.resourceClaimName} for {.status.extendedResourceClaimStatus.requestMappings[0].resourceName}; {end}')"
 
-step "8/8 failure scenarios"
+step "9/9 failure scenarios"
 say "permanent error: a claim asks for 64 partitions (demo/scenarios/permanent-error.yaml)"
 k apply -f "$DEMO_DIR/scenarios/permanent-error.yaml" >/dev/null
 msg=

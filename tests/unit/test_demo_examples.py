@@ -25,7 +25,8 @@ DEMO = REPO / "demo"
 NUMBERED = sorted(DEMO.glob("[0-9]*.yaml"))
 PARTITION_EXAMPLE = DEMO / "partitions" / "shared-partition-capacity.yaml"
 MPS_EXAMPLE = DEMO / "mps" / "cooperative-shares.yaml"
-EXAMPLES = [*NUMBERED, PARTITION_EXAMPLE, MPS_EXAMPLE]
+STRICT_PARTITIONS_EXAMPLE = DEMO / "mps" / "strict-partitions.yaml"
+EXAMPLES = [*NUMBERED, PARTITION_EXAMPLE, MPS_EXAMPLE, STRICT_PARTITIONS_EXAMPLE]
 CLUSTER_SCOPED = {"Namespace", "DeviceClass", "DeviceTaintRule"}
 DEMO_LABEL = ("app", "gpu-demo")  # demo.sh and the e2e tests select pods and rules by it
 
@@ -222,3 +223,49 @@ def test_the_mps_example_selects_the_devices_that_say_mps_isolation_cooperative(
     shares = [s for _, s in share_requests(MPS_EXAMPLE)]
     first = first_shareable(with_mps, partitions=False)
     assert fits(shares, shareable(first)), (shares, shareable(first))
+
+
+def test_the_strict_partitions_example_gets_the_two_partitions_of_one_gpu(
+    tmp_path: Path,
+) -> None:
+    """demo/mps/strict-partitions.yaml, with demo/mps/values-strict-partitions.yaml: its
+    request (class and selector, as DRA's CEL) picks only partitions that publish
+    `mpsIsolation: "strict"` (the A100 40GB, MIG off), and the first two in publishing
+    order, what the scheduler gives its two pods, are the two partitions of one GPU:
+    one server serves both. Without --mps-strict-partitions it picks nothing."""
+    values = yaml.safe_load((DEMO / "mps" / "values-strict-partitions.yaml").read_text())
+    plugin = values["kubeletPlugin"]
+    assert plugin["mps"] == {"enabled": True, "strictPartitions": True}
+    assert plugin["allowMultipleAllocations"] is False
+    classes = class_selectors(render("--values", str(DEMO / "values-demo.yaml")))
+    (template,) = [
+        d for d in documents(STRICT_PARTITIONS_EXAMPLE) if d["kind"] == "ResourceClaimTemplate"
+    ]
+    (request,) = template["spec"]["spec"]["devices"]["requests"]
+    selectors = [
+        Selector(classes[request["exactly"]["deviceClassName"]]),
+        *(Selector(s["cel"]["expression"]) for s in request["exactly"]["selectors"]),
+    ]
+    fleet = tmp_path / "fleet.yaml"
+    fleet.write_text(yaml.safe_load((DEMO / "values-demo.yaml").read_text())["nvml"]["mockFleet"])
+    inventory = select_backend(mock=True, fleet_path=fleet, node_name="demo").discover()
+
+    def picked(strict: bool) -> list[Doc]:
+        options = PoolOptions(
+            gpu_partitions=plugin["gpuPartitions"], mps=True, mps_strict_partitions=strict
+        )
+        return [
+            d.document
+            for d in build_pool(inventory, options).devices
+            if all(s.matches(device_activation(d.document, "gpu.example.com")) for s in selectors)
+        ]
+
+    devices = picked(True)
+    assert devices and all(
+        "partition" in d["attributes"]
+        and d["attributes"]["productName"] == {"string": "NVIDIA A100-SXM4-40GB"}
+        for d in devices
+    ), [d["name"] for d in devices]
+    first, second = devices[:2]
+    assert first["attributes"]["uuid"] == second["attributes"]["uuid"]
+    assert picked(False) == []
