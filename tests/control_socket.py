@@ -7,7 +7,9 @@ import contextlib
 from collections.abc import Iterator
 from pathlib import Path
 
+from driver.devices.model import PoolDevices
 from driver.health.control_queue import ControlQueue
+from driver.health.monitor import HealthMonitor
 from driver.observability.status_socket import StatusSocketServer, status_socket_path
 
 
@@ -19,3 +21,25 @@ def control_socket(state_dir: Path, control: ControlQueue) -> Iterator[Path]:
     server = StatusSocketServer(path, dict, lambda: (True, "ok\n"), control=control.respond)
     with server.start():
         yield path
+
+
+class ServedMonitor:
+    """A health monitor over `pool` with its control requests on the status socket in
+    `state_dir`, as the plugin wires them (`start`, `stop`); the subclass sets the
+    attributes, `_serving` an empty ExitStack."""
+
+    state_dir: Path
+    pool: PoolDevices
+    monitor: HealthMonitor
+    _serving: contextlib.ExitStack[bool | None]
+
+    def start(self) -> None:
+        self.monitor.start()
+        self._serving.enter_context(control_socket(self.state_dir, self.monitor.control))
+
+    def stop(self) -> None:
+        self._serving.close()
+        self.monitor.stop()
+
+    def uuid(self, minor: int) -> str:
+        return self.pool.device(f"gpu-{minor}").gpu_uuid

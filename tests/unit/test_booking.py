@@ -26,10 +26,8 @@ from driver.state.request import ClaimRef
 from tests.unit.test_prepare import (
     NODE,
     Env,
-    FakeClaims,
-    FakeHealth,
-    FakeReporter,
     make_claim,
+    make_env,
     result,
 )
 
@@ -49,18 +47,7 @@ def pool(partitions: int = 0, shared: bool = False) -> dict[str, PublishedDevice
 
 @pytest.fixture
 def env(tmp_path: Path) -> Env:
-    health = FakeHealth()
-    e = Env(
-        state=None,  # type: ignore[arg-type]
-        claims=FakeClaims(),
-        health=health,
-        reporter=FakeReporter(health=health),
-        cdi_root=tmp_path / "cdi",
-        data_dir=tmp_path / "plugin",
-        now=[1000.0],
-    )
-    e.state = e.new_state(devices=pool())
-    return e
+    return make_env(tmp_path, devices=pool())
 
 
 def share(uid: str, device: str, share_id: str, memory: str = "10Gi") -> dict[str, Any]:

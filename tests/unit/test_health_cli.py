@@ -40,7 +40,7 @@ from driver.nvml.mock.nvml import MockNvml
 from driver.nvml.recovery_action import RecoveryReading
 from driver.observability.status_socket import StatusSocketServer, status_socket_path
 from driver.plugin.transport.registration import RegistrationServicer
-from tests.control_socket import control_socket
+from tests.control_socket import ServedMonitor, control_socket
 from tests.node_events import RecordedNodeEvents
 
 DRIVER = "gpu.example.com"
@@ -70,7 +70,7 @@ class RealNvmlStandIn:
         return getattr(self._mock, name)
 
 
-class Plugin:
+class Plugin(ServedMonitor):
     """The health monitor and its control requests on the status socket in
     `state_dir`, as the plugin wires them (`start`, `stop`)."""
 
@@ -95,17 +95,6 @@ class Plugin:
             control_actions=backend.control_actions(self.pool.devices),
         )
         self._serving = contextlib.ExitStack()
-
-    def start(self) -> None:
-        self.monitor.start()
-        self._serving.enter_context(control_socket(self.state_dir, self.monitor.control))
-
-    def stop(self) -> None:
-        self._serving.close()
-        self.monitor.stop()
-
-    def uuid(self, minor: int) -> str:
-        return self.pool.device(f"gpu-{minor}").gpu_uuid
 
 
 @pytest.fixture

@@ -21,10 +21,8 @@ from typing import Any
 import pytest
 
 from driver.state.journal.checkpoint import Checkpoint, ClaimState
-from driver.state.prepare import DeviceState
-from tests.state_fakes import Healthy, NoReports
 from tests.unit.test_crash_safety import UID_A, _crash, _live_mig, _root, _state
-from tests.unit.test_mig_prepare import Node, make_node
+from tests.unit.test_mig_prepare import Node, make_node, mig_state
 
 # Seconds to wait for an event that, with the behaviour under test intact, comes at
 # once: only a regression (or a deadlock) waits this long, and then the test fails.
@@ -288,20 +286,7 @@ def test_a_starting_instance_leaves_a_prepare_in_flight_alone(
     ref = node.claims.add("u", "gpu-0-mig-1g10gb-0")
     creating = Background(lambda: node.state.prepare([ref]))
     creates.wait_entered(1)
-    other = DeviceState(
-        driver_name="gpu.example.com",
-        node_name="node-a",
-        devices=node.state.devices,
-        cdi_root=node.root / "cdi",
-        data_dir=node.root / "plugin",
-        claims=node.claims,
-        health=Healthy(),
-        reporter=NoReports(),
-        real_devices=True,
-        mig=node.backend.mig(),
-        caps_root=node.root / "driver-root",
-        proc_devices=node.state.context.proc_devices,
-    )
+    other = mig_state(node.root, node.backend, node.claims, node.state.devices)
     report = other.recover()  # the create is held all along
     assert report.rolled_back == () and report.problems == ()
     creates.release()

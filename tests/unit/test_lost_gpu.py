@@ -25,8 +25,7 @@ from driver.nvml.mock.nvml import MockNvml
 from driver.state.journal.checkpoint import Checkpoint, ClaimState
 from driver.state.prepare import DeviceState
 from driver.state.request import ClaimRef
-from tests.state_fakes import Healthy, NoReports
-from tests.unit.test_mig_prepare import DRIVER, NODE, PROC_DEVICES, Node, make_node
+from tests.unit.test_mig_prepare import NODE, Node, make_node, mig_state
 
 TWO = {"gpus": [{"model": "H100-80GB", "count": 2}]}
 ONE_G = 19  # the H100's 1g.10gb GPU-instance profile
@@ -160,20 +159,7 @@ def _prepared(node: Node, *claims: tuple[str, str]) -> list[ClaimRef]:
 
 def _restarted(node: Node) -> DeviceState:
     """A new plugin process on the same node (same NVML: GPU 1 stays lost)."""
-    return DeviceState(
-        driver_name=DRIVER,
-        node_name=NODE,
-        devices=node.state.devices,
-        cdi_root=node.root / "cdi",
-        data_dir=node.root / "plugin",
-        claims=node.claims,
-        health=Healthy(),
-        reporter=NoReports(),
-        real_devices=True,
-        mig=node.backend.mig(),
-        caps_root=node.root / "driver-root",
-        proc_devices=PROC_DEVICES,
-    )
+    return mig_state(node.root, node.backend, node.claims, node.state.devices)
 
 
 def _journal(node: Node) -> dict[str, Any]:

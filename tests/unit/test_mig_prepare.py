@@ -21,7 +21,7 @@ from driver.nvml.mock.nvml import MockNvml
 from driver.state.journal.checkpoint import Checkpoint, ClaimState
 from driver.state.prepare import DeviceState
 from driver.state.request import ClaimRef
-from tests.state_fakes import Healthy, NoReports
+from tests.state_fakes import device_state
 
 DRIVER = "gpu.example.com"
 NODE = "node-a"
@@ -73,20 +73,7 @@ def make_node(root: Path, fleet: dict[str, Any], strategy: MigStrategy = MigStra
     driver_root = root / "driver-root"
     backend = MockBackend(MockNvml(parse_fleet(fleet), NODE, driver_root=driver_root))
     claims = Claims()
-    state = DeviceState(
-        driver_name=DRIVER,
-        node_name=NODE,
-        devices={},
-        cdi_root=root / "cdi",
-        data_dir=root / "plugin",
-        claims=claims,
-        health=Healthy(),
-        reporter=NoReports(),
-        real_devices=True,
-        mig=backend.mig(),
-        caps_root=driver_root,
-        proc_devices=PROC_DEVICES,
-    )
+    state = mig_state(root, backend, claims)
     state.recover()
     inventory, owned = state.discover_with_owned(backend.discover)  # as the plugin does
     pool = build_pool(inventory, PoolOptions(mig_strategy=strategy), owned_mig=owned)
@@ -95,6 +82,22 @@ def make_node(root: Path, fleet: dict[str, Any], strategy: MigStrategy = MigStra
 
 
 PROC_DEVICES = Path(__file__).parent / "data" / "proc-devices"
+
+
+def mig_state(
+    root: Path, backend: NvmlBackend, claims: Claims, devices: dict[str, Any] | None = None
+) -> DeviceState:
+    """The plugin's DeviceState on `make_node`'s node under `root`: real device nodes,
+    the backend's MIG manager; `devices` (default: none yet), not recovered."""
+    return device_state(
+        root,
+        claims,
+        devices={} if devices is None else devices,
+        real_devices=True,
+        mig=backend.mig(),
+        caps_root=root / "driver-root",
+        proc_devices=PROC_DEVICES,
+    )
 
 
 def uuids_in(env: list[str]) -> list[str]:

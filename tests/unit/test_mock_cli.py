@@ -31,7 +31,7 @@ from driver.nvml.mock.mock_backend import MockBackend
 from driver.nvml.mock.mock_control import MockActions, MockControlError, MockRequest
 from driver.nvml.mock.nvml import MockNvml
 from driver.observability.status_socket import status_socket_path
-from tests.control_socket import control_socket
+from tests.control_socket import ServedMonitor, control_socket
 
 DRIVER = "gpu.example.com"
 # Seconds to wait for the plugin (or the test's stand-in for one) to act: it acts at
@@ -52,7 +52,7 @@ def cli(argv: list[str]) -> tuple[int, str, str]:
     return code, out.getvalue(), err.getvalue()
 
 
-class Plugin:
+class Plugin(ServedMonitor):
     """A monitor over a mock backend with its control requests on the status socket in
     `state_dir`, as the plugin wires them (`start`, `stop`)."""
 
@@ -73,17 +73,6 @@ class Plugin:
             wait_timeout_ms=backend.event_wait_ms,
         )
         self._serving = contextlib.ExitStack()
-
-    def start(self) -> None:
-        self.monitor.start()
-        self._serving.enter_context(control_socket(self.state_dir, self.monitor.control))
-
-    def stop(self) -> None:
-        self._serving.close()
-        self.monitor.stop()
-
-    def uuid(self, minor: int) -> str:
-        return self.pool.device(f"gpu-{minor}").gpu_uuid
 
     def wait_for(self, predicate: Callable[[], bool]) -> None:
         deadline = time.monotonic() + EVENT_WAIT

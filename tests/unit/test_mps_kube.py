@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from driver.devices.model import PoolOptions, build_pool
+from driver.devices.model import PoolOptions
 from driver.kube.api import ApiError
 from driver.kube.mps_daemons import KubeDaemons
 from driver.kube.mps_manifest import DaemonPodSettings, deployment_name
@@ -29,7 +29,7 @@ from driver.state.journal.mps_record import MpsRecord
 from driver.state.mps.daemons import daemon_directory
 from driver.state.prepare import DeviceState
 from driver.state.recovery.startup_recovery import RecoveryReport
-from tests.state_fakes import Healthy, NoReports
+from tests.state_fakes import node_state
 from tests.unit.test_mps_prepare import DRIVER, FLEET, NODE, Claims
 
 NAMESPACE = "gpu-dra-driver"
@@ -165,22 +165,10 @@ class Node:
         still delete the Deployments its journal names)."""
         daemons = self.daemons()
         others = {} if mps else {"mps_others": (daemons,)}
-        state = DeviceState(
-            driver_name=DRIVER,
-            node_name=NODE,
-            devices={},
-            cdi_root=self.root / "cdi",
-            data_dir=self.root / "plugin",
-            claims=self.claims,
-            health=Healthy(),
-            reporter=NoReports(),
-            mig=self.backend.mig(),
-            mps_daemons=daemons if mps else None,
-            **others,
+        kube = daemons if mps else None
+        state, self.report = node_state(
+            self.root, self.claims, self.backend, PoolOptions(), mps_daemons=kube, **others
         )
-        self.report = state.recover()
-        pool = build_pool(self.backend.discover(), PoolOptions(), owned_mig=state.owned_mig())
-        state.devices = {d.name: d for d in pool.devices}
         return state
 
     def record(self, uid: str) -> MpsRecord:

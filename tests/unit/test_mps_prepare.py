@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from driver.devices.model import PoolOptions, build_pool
+from driver.devices.model import PoolOptions
 from driver.nvml.backend import NvmlBackend
 from driver.nvml.mock.fleet import Fleet, parse_fleet
 from driver.nvml.mock.mock_backend import MockBackend
@@ -27,7 +27,7 @@ from driver.state.mps.daemons import NodeDaemons, daemon_directory, daemon_dirs
 from driver.state.prepare import DeviceState
 from driver.state.recovery.startup_recovery import RecoveryReport
 from driver.state.request import ClaimRef
-from tests.state_fakes import Healthy, NoReports
+from tests.state_fakes import node_state
 
 DRIVER = "gpu.example.com"
 NODE = "node-a"
@@ -78,22 +78,10 @@ class Node:
         """A plugin (re)start on this node: a fresh DeviceState, recovered. `mps`
         False: with --mps-daemons=off (it can still stop the daemons its journal names)."""
         others = {} if mps else {"mps_others": (NodeDaemons(self.control),)}
-        state = DeviceState(
-            driver_name=DRIVER,
-            node_name=NODE,
-            devices={},
-            cdi_root=self.root / "cdi",
-            data_dir=self.root / "plugin",
-            claims=self.claims,
-            health=Healthy(),
-            reporter=NoReports(),
-            mig=self.backend.mig(),
-            mps=self.control if mps else None,
-            **others,
+        mps_control = self.control if mps else None
+        state, self.report = node_state(
+            self.root, self.claims, self.backend, self.options, mps=mps_control, **others
         )
-        self.report = state.recover()
-        pool = build_pool(self.backend.discover(), self.options, owned_mig=state.owned_mig())
-        state.devices = {d.name: d for d in pool.devices}
         return state
 
     def record(self, uid: str) -> MpsRecord:

@@ -38,8 +38,8 @@ from driver.state.mps.shm import (
     shm_size,
 )
 from driver.state.prepare import DeviceState
-from tests.state_fakes import Healthy, NoReports
-from tests.unit.test_mps_prepare import DRIVER, NODE, Node, mps_node, ok
+from tests.state_fakes import device_state
+from tests.unit.test_mps_prepare import Node, mps_node, ok
 
 SIZE = 64 << 20
 OPTIONS = f"size={SIZE},mode=1777"
@@ -103,15 +103,9 @@ class ShmNode:
     def state(self) -> DeviceState:
         control = RecordingControl(self.node.control.driver_root, self.mounts.events)
         control.fail = self.fail_start
-        state = DeviceState(
-            driver_name=DRIVER,
-            node_name=NODE,
-            devices={},
-            cdi_root=self.node.root / "cdi",
-            data_dir=self.node.root / "plugin",
-            claims=self.node.claims,
-            health=Healthy(),
-            reporter=NoReports(),
+        state = device_state(
+            self.node.root,
+            self.node.claims,
             mig=self.node.backend.mig(),
             mps_daemons=NodeDaemons(control, shm=self.shm),
         )

@@ -35,7 +35,7 @@ from driver.state.mps.daemons import NodeDaemons
 from driver.state.prepare import DeviceState
 from driver.state.request import ClaimRef
 from driver.state.spec_render import PlannedDevice
-from tests.state_fakes import Healthy, NoReports
+from tests.state_fakes import node_state
 from tests.unit.test_mps_prepare import DRIVER, NODE, Claims, Node, mps_node
 
 FLEET = parse_fleet({"gpus": [{"model": "H100-80GB", "count": 2, "migMode": "disabled"}]})
@@ -58,22 +58,14 @@ class StrictNode(Node):
 
     def state(self, *, mps: bool = True) -> DeviceState:
         self.mock.privileged = True
-        state = DeviceState(
-            driver_name=DRIVER,
-            node_name=NODE,
-            devices={},
-            cdi_root=self.root / "cdi",
-            data_dir=self.root / "plugin",
-            claims=self.claims,
-            health=Healthy(),
-            reporter=NoReports(),
-            mig=self.backend.mig(),
+        state, self.report = node_state(
+            self.root,
+            self.claims,
+            self.backend,
+            self.options,
             mps=self.control if mps else None,
             compute_modes=self.backend.compute_modes() if self.compute else None,
         )
-        self.report = state.recover()
-        pool = build_pool(self.backend.discover(), self.options, owned_mig=state.owned_mig())
-        state.devices = {d.name: d for d in pool.devices}
         return state
 
     def uuid(self, minor: int = 0) -> str:

@@ -14,13 +14,13 @@ from typing import Any
 
 import pytest
 
-from driver.devices.model import PoolOptions, build_pool
+from driver.devices.model import PoolOptions
 from driver.nvml.mock.fleet import parse_fleet
 from driver.nvml.mock.mock_backend import MockBackend
 from driver.nvml.mock.nvml import MockNvml
 from driver.state.prepare import DeviceState
 from driver.state.request import ClaimRef
-from tests.state_fakes import Healthy, NoReports
+from tests.state_fakes import node_state
 
 DRIVER, NODE = "gpu.example.com", "node-a"
 DRIVER_DIR = Path(__file__).resolve().parents[2] / "driver"
@@ -76,20 +76,7 @@ def node(tmp_path: Path) -> Iterator[tuple[DeviceState, Claims]]:
     )
     backend = MockBackend(MockNvml(fleet, NODE, driver_root=tmp_path / "root"))
     claims = Claims()
-    state = DeviceState(
-        driver_name=DRIVER,
-        node_name=NODE,
-        devices={},
-        cdi_root=tmp_path / "cdi",
-        data_dir=tmp_path / "plugin",
-        claims=claims,
-        health=Healthy(),
-        reporter=NoReports(),
-        mig=backend.mig(),
-    )
-    state.recover()
-    pool = build_pool(backend.discover(), PoolOptions(), owned_mig=state.owned_mig())
-    state.devices = {d.name: d for d in pool.devices}
+    state, _ = node_state(tmp_path, claims, backend, PoolOptions())
     yield state, claims
 
 

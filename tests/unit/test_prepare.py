@@ -222,8 +222,8 @@ class Env:
         return DeviceState(**args)
 
 
-@pytest.fixture
-def env(tmp_path: Path) -> Env:
+def make_env(tmp_path: Path, **state_kwargs: Any) -> Env:
+    """An Env under `tmp_path` whose state is `new_state(**state_kwargs)`."""
     health = FakeHealth()
     e = Env(
         state=None,  # type: ignore[arg-type]
@@ -234,8 +234,13 @@ def env(tmp_path: Path) -> Env:
         data_dir=tmp_path / "plugin",
         now=[1000.0],
     )
-    e.state = e.new_state()
+    e.state = e.new_state(**state_kwargs)
     return e
+
+
+@pytest.fixture
+def env(tmp_path: Path) -> Env:
+    return make_env(tmp_path)
 
 
 # -- happy paths ---------------------------------------------------------------------------

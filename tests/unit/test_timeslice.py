@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from driver.devices.model import PoolOptions, build_pool
+from driver.devices.model import PoolOptions
 from driver.errors import DriverError, transient
 from driver.nvml.backend import NvmlBackend
 from driver.nvml.mock.fleet import parse_fleet
@@ -22,7 +22,7 @@ from driver.state.journal.checkpoint import Checkpoint, ClaimState
 from driver.state.prepare import DeviceState
 from driver.state.recovery.startup_recovery import RecoveryReport
 from driver.state.request import ClaimRef
-from tests.state_fakes import Healthy, NoReports
+from tests.state_fakes import node_state
 
 DRIVER = "gpu.example.com"
 NODE = "node-a"
@@ -130,25 +130,13 @@ class Node:
 
     def state(self, ops: TimeSliceOps | None = None, *, timeslice: bool = True) -> DeviceState:
         """A plugin (re)start on this node: a fresh DeviceState, recovered."""
-        state = DeviceState(
-            driver_name=DRIVER,
-            node_name=NODE,
-            devices={},
-            cdi_root=self.root / "cdi",
-            data_dir=self.root / "plugin",
-            claims=self.claims,
-            health=Healthy(),
-            reporter=NoReports(),
-            mig=self.backend.mig(),
+        state, self.report = node_state(
+            self.root,
+            self.claims,
+            self.backend,
+            PoolOptions(allow_multiple_allocations=True),
             timeslice=(ops or self.ts) if timeslice else None,
         )
-        self.report = state.recover()
-        pool = build_pool(
-            self.backend.discover(),
-            PoolOptions(allow_multiple_allocations=True),
-            owned_mig=state.owned_mig(),
-        )
-        state.devices = {d.name: d for d in pool.devices}
         return state
 
 
