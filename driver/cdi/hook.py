@@ -17,8 +17,6 @@ from driver.fileio import DATA_DIR_MODE, temp_name
 log = logging.getLogger(__name__)
 
 HOOK_NAME: Final = "nvidia-cdi-hook"
-# Where the image ships the hook (a static binary).
-IMAGE_HOOK_PATH: Final = Path("/usr/local/bin") / HOOK_NAME
 HOOK_MODE: Final = 0o755
 
 

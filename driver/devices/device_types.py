@@ -91,7 +91,3 @@ class PublishedDevice:
     @property
     def multi_allocatable(self) -> bool:
         return self.share_capacity is not None
-
-    @property
-    def uses_counters(self) -> bool:
-        return bool(self.document.get("consumesCounters"))

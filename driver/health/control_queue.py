@@ -8,11 +8,11 @@ to `ControlQueue.respond`:
 
 - `GET /control`: the plugin (`pid`, `node`, `started`) and the `actions` it accepts.
 - `POST /control/<action>[?timeout=<seconds>]`, a JSON object as the body (at most
-  `MAX_REQUEST_BYTES`): the request. The answer is a JSON object with `ok` and
-  `message`, plus what the action adds: 200 applied; 400 not a JSON object; 404 an
-  action this plugin does not accept (with `actions`); 422 refused by the action (the
-  message says why); 503 not taken by the health monitor within `timeout` seconds
-  (default 5, at most 30): withdrawn, nothing applied.
+  64 KiB: the status socket's `max_body`): the request. The answer is a JSON object
+  with `ok` and `message`, plus what the action adds: 200 applied; 400 not a JSON
+  object; 404 an action this plugin does not accept (with `actions`); 422 refused by
+  the action (the message says why); 503 not taken by the health monitor within
+  `timeout` seconds (default 5, at most 30): withdrawn, nothing applied.
 
 The socket's worker hands the request to the health monitor's thread
 (`ControlQueue.submit`), which takes it on its next `poll()` (before every NVML event
@@ -42,7 +42,6 @@ from driver.observability.http_messages import Request, Response
 log = logging.getLogger(__name__)
 
 PATH: Final = "/control"
-MAX_REQUEST_BYTES: Final = 64 << 10
 DEFAULT_TAKE_SECONDS: Final = 5.0
 MAX_TAKE_SECONDS: Final = 30.0
 # Taken requests are answered once applied: a handler returns within seconds (`clear`

@@ -153,12 +153,6 @@ class MpsEscapes:
         with self._lock:
             return sorted(self._escapes.values(), key=lambda e: (e.gpu_uuid, e.pid))
 
-    def tainted_gpus(self) -> set[str]:
-        if not self.taint:
-            return set()
-        with self._lock:
-            return {e.gpu_uuid for e in self._escapes.values()}
-
     def add_taints(self, taints: Taints) -> dict[str, list[dict[str, str]]]:
         """`taints` with `<driver>/mps-escape:NoSchedule` on every device of a GPU that
         runs a process outside MPS (with the option on)."""

@@ -16,10 +16,8 @@ Both flags take a comma-separated list of Xids, or `all`:
 
 from __future__ import annotations
 
-import argparse
 import enum
-import os
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from driver.nvml.discovered import HealthEvent
@@ -31,9 +29,6 @@ MAX_XID = 0xFFFFFFFF  # NVML reports the Xid as an unsigned 32-bit value
 IGNORE_FLAG = "--additional-xids-to-ignore"
 FATAL_FLAG = "--fatal-xids"
 EFFECT_FLAG = "--xid-taint-effect"
-IGNORE_ENV = "ADDITIONAL_XIDS_TO_IGNORE"
-FATAL_ENV = "FATAL_XIDS"
-EFFECT_ENV = "XID_TAINT_EFFECT"
 
 TAINT_EFFECTS = ("NoSchedule", "NoExecute", "None")
 DEFAULT_TAINT_EFFECT = "NoSchedule"
@@ -122,11 +117,6 @@ class XidPolicy:
             fatal=forced,
         )
 
-    @classmethod
-    def from_args(cls, args: argparse.Namespace) -> XidPolicy:
-        """The policy from options registered by `add_arguments`."""
-        return cls.from_flags(args.additional_xids_to_ignore, args.fatal_xids)
-
     def xid_verdict(self, xid: int) -> Verdict:
         if xid in self.fatal:
             return Verdict.FATAL
@@ -167,57 +157,3 @@ def _as_list(value: str | Iterable[int] | None, flag: str) -> XidList:
     if value is None or isinstance(value, str):
         return parse_xid_list(value, flag)
     return parse_xid_list(",".join(str(int(v)) for v in value), flag)
-
-
-def _arg_type(flag: str) -> Callable[[str], str]:
-    def check(text: str) -> str:
-        try:
-            parse_xid_list(text, flag)
-        except XidListError as err:
-            raise argparse.ArgumentTypeError(str(err)) from None
-        return text
-
-    return check
-
-
-def _effect_type(text: str) -> str:
-    try:
-        return parse_taint_effect(text)
-    except XidListError as err:
-        raise argparse.ArgumentTypeError(str(err)) from None
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """`--additional-xids-to-ignore`, `--fatal-xids`, `--xid-taint-effect` (env defaults)."""
-    parser.add_argument(
-        IGNORE_FLAG,
-        dest="additional_xids_to_ignore",
-        type=_arg_type(IGNORE_FLAG),
-        default=os.environ.get(IGNORE_ENV, ""),
-        metavar="XIDS",
-        help=(
-            "comma-separated Xids to ignore in addition to the application Xids "
-            f"{','.join(map(str, sorted(DEFAULT_IGNORED_XIDS)))}, or 'all' "
-            f"(env {IGNORE_ENV})"
-        ),
-    )
-    parser.add_argument(
-        FATAL_FLAG,
-        dest="fatal_xids",
-        type=_arg_type(FATAL_FLAG),
-        default=os.environ.get(FATAL_ENV, ""),
-        metavar="XIDS",
-        help=f"comma-separated Xids that are always fatal, beating ignore lists (env {FATAL_ENV})",
-    )
-    parser.add_argument(
-        EFFECT_FLAG,
-        dest="xid_taint_effect",
-        type=_effect_type,
-        default=os.environ.get(EFFECT_ENV) or DEFAULT_TAINT_EFFECT,  # argparse applies type
-        metavar="EFFECT",
-        help=(
-            "effect of the taint on a failed device: NoSchedule (default), NoExecute "
-            "(evicts running pods), None (informational: the device stays schedulable "
-            f"and preparable) (env {EFFECT_ENV})"
-        ),
-    )

@@ -31,7 +31,6 @@ log = logging.getLogger(__name__)
 
 JSON = dict[str, Any]
 
-MERGE_PATCH = "application/merge-patch+json"
 APPLY_PATCH = "application/apply-patch+yaml"
 
 

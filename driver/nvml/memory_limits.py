@@ -38,7 +38,6 @@ from driver.nvml.library import init_nvml
 log = logging.getLogger(__name__)
 
 NVML_DEVICE_MEMORY_LIMIT_MAX: Final = 0xFFFFFFFFFFFFFFFF
-FIRST_DRIVER_BRANCH: Final = 615  # NVML's change log: added between v610 and v615
 
 _UNAVAILABLE = ("NVML_ERROR_FUNCTION_NOT_FOUND", "NVML_ERROR_NOT_SUPPORTED")
 _ERROR_NAMES = (

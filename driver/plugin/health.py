@@ -110,7 +110,6 @@ class HealthServicer:
         self._timeout = timeout_seconds
         self._lock = threading.Lock()
         self.active_streams = 0
-        self.messages_sent = 0
 
     def _response(self, statuses: list[DeviceStatus]) -> Any:
         pb2 = self._pb2
@@ -143,7 +142,6 @@ class HealthServicer:
         try:
             version, statuses = self._source.snapshot()
             yield self._response(statuses)
-            self.messages_sent += 1
             next_beat = time.monotonic() + self._heartbeat
             while not (self._stopping.is_set() or ended.is_set()):
                 wait = min(max(next_beat - time.monotonic(), 0.0), CANCEL_CHECK_SECONDS)
@@ -153,7 +151,6 @@ class HealthServicer:
                 if current != version or time.monotonic() >= next_beat:
                     version, statuses = self._source.snapshot()
                     yield self._response(statuses)
-                    self.messages_sent += 1
                     next_beat = time.monotonic() + self._heartbeat
         finally:
             with self._lock:

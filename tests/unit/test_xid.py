@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
-
 import pytest
 
 from driver.health.xid import (
@@ -11,7 +9,6 @@ from driver.health.xid import (
     Verdict,
     XidListError,
     XidPolicy,
-    add_arguments,
     attributed_instance,
     parse_taint_effect,
     parse_xid_list,
@@ -105,25 +102,6 @@ def test_taint_effect_parsing() -> None:
     assert parse_taint_effect("None") == "None"
     with pytest.raises(XidListError, match=r"^--xid-taint-effect: 'Evict' is not one of"):
         parse_taint_effect("Evict")
-
-
-def test_argparse_flags(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
-    monkeypatch.setenv("ADDITIONAL_XIDS_TO_IGNORE", "94")
-    monkeypatch.delenv("FATAL_XIDS", raising=False)
-    monkeypatch.delenv("XID_TAINT_EFFECT", raising=False)
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
-    args = parser.parse_args(["--fatal-xids", "13"])
-    assert args.xid_taint_effect == "NoSchedule"
-    policy = XidPolicy.from_args(args)
-    assert policy.classify(xid(94)) is Verdict.IGNORED  # from the environment
-    assert policy.classify(xid(13)) is Verdict.FATAL
-    assert parser.parse_args(["--xid-taint-effect", "noexecute"]).xid_taint_effect == "NoExecute"
-    with pytest.raises(SystemExit):
-        parser.parse_args(["--fatal-xids", "x"])
-    assert "--fatal-xids: 'x' is not an Xid" in capsys.readouterr().err
 
 
 def test_attribution_decides_scope_not_verdict() -> None:

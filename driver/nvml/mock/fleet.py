@@ -48,7 +48,6 @@ MAX_GPUS = 1024
 # at every mock start, ten times faster than by the pure-Python one.
 SAFE_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
-_UUID_NAMESPACE = uuidlib.UUID("6f1c7b1e-3c0e-4d0b-9a51-6e9b1f3d2a10")
 _PCI_BUSES = (0x18, 0x2A, 0x3A, 0x5D, 0x9A, 0xAB, 0xBA, 0xDB)  # DGX-like bus numbers
 
 
