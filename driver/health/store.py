@@ -109,7 +109,6 @@ class HealthStore:
         self._failures: dict[str, GpuFailure] = {}
         self._instances: dict[str, dict[Placement, GpuFailure]] = {}
         # device name -> (GPU UUID, placement)
-        self._devices: dict[str, tuple[str, Placement | None]] = {}
         self._version = 0
         self._dirty = False
         self._unknown: UnknownHealth | None = None
@@ -374,19 +373,6 @@ class HealthStore:
                 if failure is not None:
                     out[device.name] = failure
         return out
-
-    def set_devices(self, devices: Devices) -> None:
-        """The published devices, for `failure(device_name)`."""
-        mapping = {d.name: (d.gpu_uuid, device_placement(d)) for d in device_list(devices)}
-        with self._cond:
-            self._devices = mapping
-
-    def failure(self, device_name: str) -> str | None:
-        """Why the device is unusable, or None. Non-blocking; needs `set_devices`."""
-        with self._cond:
-            where = self._devices.get(device_name)
-            failure = self._failure_locked(*where) if where is not None else None
-        return failure.message() if failure is not None else None
 
     def device_taints(
         self,

@@ -144,9 +144,3 @@ class CachedRender:
 
 def _starting() -> tuple[bool, str]:
     return False, "not ready: starting\n"
-
-
-def serve_http(port: int, healthy: Healthy, host: str = "") -> HttpServer:
-    """Starts serving with the default bounds in background threads; `shutdown()` stops
-    it (`HttpServer(...).start()` for other bounds)."""
-    return HttpServer(port, healthy, host).start()

@@ -113,14 +113,13 @@ def test_clear(tmp_path: Path) -> None:
     assert HealthStore(path).failed_gpus() == {}
 
 
-def test_failure_by_device_name(tmp_path: Path) -> None:
+def test_failure_by_device(tmp_path: Path) -> None:
     store = HealthStore(tmp_path / "health.json")
-    store.set_devices(DEVICES)
     store.record_xid(GPU0, 79)
-    message = store.failure("gpu-0-mig-1g10gb-0")
-    assert message is not None and message.startswith("Xid 79")
-    assert store.failure("gpu-1") is None
-    assert store.failure("no-such-device") is None
+    by_name = {d.name: d for d in DEVICES}
+    failure = store.device_failure(by_name["gpu-0-mig-1g10gb-0"])
+    assert failure is not None and failure.message().startswith("Xid 79")
+    assert store.device_failure(by_name["gpu-1"]) is None
 
 
 UNKNOWN_TAINT = {"key": "gpu.example.com/health-store-corrupt", "effect": "NoSchedule"}
@@ -137,9 +136,9 @@ def test_corrupt_file_keeps_every_gpu_failed(tmp_path: Path) -> None:
     store = HealthStore(path)
     assert store.problem is not None and f"health store {path} is corrupt" in store.problem
     assert untimed(store.device_taints(DEVICES)) == {d.name: [UNKNOWN_TAINT] for d in DEVICES}
-    store.set_devices(DEVICES)
-    assert store.failure("gpu-1") == store.device_failures(DEVICES)["gpu-1"].message()
-    assert "every GPU is kept failed" in (store.failure("gpu-1") or "")
+    failure = store.device_failure(next(d for d in DEVICES if d.name == "gpu-1"))
+    assert failure == store.device_failures(DEVICES)["gpu-1"]
+    assert "every GPU is kept failed" in failure.message()
     assert corrupt_gauge() == 1.0
     assert [p.name for p in tmp_path.iterdir()] == ["health.json"]  # left where it is
 
@@ -281,9 +280,9 @@ def test_instance_failure_taints_devices_on_its_slices(tmp_path: Path) -> None:
     version, by_device = store.device_snapshot(MIG_DEVICES)  # for the health stream
     assert version == store.version and set(by_device) == set(taints)
     assert by_device["gpu-2"] == failure
-    store.set_devices(MIG_DEVICES)
-    assert store.failure("gpu-2") == failure.message()
-    assert store.failure("gpu-2-mig-3g40gb-4") is None
+    by_name = {d.name: d for d in MIG_DEVICES}
+    assert store.device_failure(by_name["gpu-2"]) == failure
+    assert store.device_failure(by_name["gpu-2-mig-3g40gb-4"]) is None
 
 
 def test_whole_gpu_failure_still_taints_every_partition(tmp_path: Path) -> None:

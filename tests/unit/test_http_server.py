@@ -20,7 +20,6 @@ from driver.observability.http import (
     DEFAULT_MAX_CONNECTIONS,
     DEFAULT_TIMEOUT,
     HttpServer,
-    serve_http,
 )
 from driver.observability.http_limits import Limits
 from driver.observability.http_messages import Request, Response
@@ -41,11 +40,8 @@ def start() -> Iterator[Callable[..., HttpServer]]:
     servers: list[HttpServer] = []
 
     def _start(healthy: Callable[[], tuple[bool, str]] = _ok, **kwargs: Any) -> HttpServer:
-        # serve_http is what the plugin runs: the default bounds
-        if kwargs:
-            server = HttpServer(0, healthy, "127.0.0.1", **kwargs).start()
-        else:
-            server = serve_http(0, healthy, "127.0.0.1")
+        # Without kwargs: the default bounds, what the plugin runs (plugin_status.py).
+        server = HttpServer(0, healthy, "127.0.0.1", **kwargs).start()
         servers.append(server)
         return server
 
