@@ -88,6 +88,10 @@ class Succession:
         self._holder = holder or default_holder()
         self._mutex = threading.Lock()
         self._place: Place | None = None
+        # The place `_take` is moving this instance to: its file is there, locked by
+        # this process, before `_place` names it; `newer()` (a prepare's question,
+        # which does not wait for the registration) must not take it for another's.
+        self._taking: int | None = None
         self._fd: int | None = None
         self._listeners: list[Callable[[bool], object]] = []
         self._was_serving = False
@@ -108,6 +112,8 @@ class Succession:
         for number in sorted(self._numbers(), reverse=True):
             if mine is not None and number <= mine.number:
                 return None
+            if number == self._taking:  # this instance's own, being taken (`_take`)
+                continue
             holder = _live_holder(self._path(number))
             if holder is not None:
                 return Place(number, holder)
@@ -207,6 +213,7 @@ class Succession:
             number = max(number, other + 1)
             if (self._place is None or other != self._place.number) and _live_holder(path) is None:
                 path.unlink(missing_ok=True)
+        self._taking = number
         temp = self._dir / f".{number}.{secrets.token_hex(4)}"
         fd = os.open(temp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:

@@ -214,3 +214,27 @@ def test_a_fifo_or_symlink_planted_as_a_place_is_no_instance(tmp_path: Path) -> 
         assert only.serving() and only.newer() is None
     finally:
         only.stop()
+
+
+def test_an_instance_never_yields_to_its_own_new_place(tmp_path: Path) -> None:
+    """While the kubelet's registration moves this instance to a new place, the new
+    place file is there, locked by this very process, before the instance records it:
+    a prepare asking `newer()` in that window must not be told to yield to itself."""
+    mine = Succession(tmp_path, holder="node pid 7")
+    assert mine.start()
+    real_rename = os.rename
+    seen: list[object] = []
+
+    def rename_then_ask(src: object, dst: object) -> None:
+        real_rename(src, dst)  # the new place file is there and locked ...
+        seen.append(mine.newer())  # ... and a prepare asks before `_place` names it
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(os, "rename", rename_then_ask)
+        mine.registered()
+    try:
+        assert seen == [None]
+        place = mine.place
+        assert place is not None and place.number == 2 and mine.serving()
+    finally:
+        mine.stop()

@@ -7,8 +7,6 @@ goes back, with the GPU's last claim, at unprepare, rollback or recovery."""
 from __future__ import annotations
 
 import json
-import os
-import signal
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -29,6 +27,7 @@ from driver.state.mps.shared import shared_directory
 from driver.state.request import ClaimRef
 from tests.unit.test_mps_prepare import mps_node
 from tests.unit.test_mps_strict import FLEET, StrictNode
+from tests.unit.test_mps_watch import kill
 
 PARTITIONS = PoolOptions(mps=True, gpu_partitions=2, mps_strict_partitions=True)
 
@@ -167,7 +166,7 @@ def test_a_lost_server_is_started_again_once_for_all_its_claims(node: StrictNode
     refs = [_partition(node, "a", 0), _partition(node, "b", 1)]
     assert all(r.ok for r in state.prepare(refs).values())
     (pid,) = node.daemons()
-    os.kill(pid, signal.SIGKILL)
+    kill(_records(node)["a"])  # and wait until it is gone: a signal is not yet an exit
     node.state()  # a plugin restart adopts: the daemon is gone
     (new,) = node.daemons()
     assert new != pid

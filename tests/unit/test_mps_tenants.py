@@ -16,7 +16,6 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import signal
 import stat
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -26,6 +25,7 @@ import pytest
 from driver.nvml.mps import DAEMON_PID_FILE, PID_FILE
 from driver.state.mps.daemons import daemon_dirs, unsearchable_parent
 from tests.unit.test_mps_prepare import Node, mps_node, ok
+from tests.unit.test_mps_watch import kill
 
 TENANT = 1000
 OTHER_TENANT = 1001
@@ -158,7 +158,7 @@ def test_a_revived_daemon_gets_the_modes_a_directory_from_an_older_release_lacks
     assert dirs.shm is not None
     for directory in (dirs.pipe, dirs.shm):
         directory.chmod(0o755)
-    os.kill(record.pid, signal.SIGKILL)
+    kill(record)  # and wait until it is gone: a signal is not yet an exit
 
     node.state()
 
