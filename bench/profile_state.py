@@ -1,5 +1,6 @@
 """Prepare/unprepare of one claim in-process, without gRPC or an API server:
-`python -m bench.profile_state [--cycles N]` prints p50 of each and the cProfile top.
+`python -m bench.profile_state [--cycles N]` prints p50 of each, the max RSS and the
+cProfile top; bench/ab_state.sh runs it for two revisions in turn.
 
 The state machine alone (`DeviceState` over the reference's `example` GPUs, a claim
 reader that answers from memory, the plugin directories under --dir on the disk under
@@ -12,6 +13,7 @@ import argparse
 import copy
 import cProfile
 import pstats
+import resource
 import shutil
 import statistics
 import tempfile
@@ -98,7 +100,8 @@ def main(argv: list[str] | None = None) -> int:
             unprepare_s.append(t2 - t1)
     print(
         f"{args.cycles} cycles in {root}: prepare p50 {statistics.median(prepare_s) * 1000:.2f} ms,"
-        f" unprepare p50 {statistics.median(unprepare_s) * 1000:.2f} ms"
+        f" unprepare p50 {statistics.median(unprepare_s) * 1000:.2f} ms,"
+        f" max RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss} KiB"
     )
     profile = cProfile.Profile()
     profile.enable()
