@@ -154,8 +154,8 @@ else
       "$(k -n "$DRIVER_NS" get deployment "$d" -o jsonpath='{.spec.template.spec.containers[0].command}' | grep -o -- '--multi-user' || echo 'one user')" \
       "$(k -n "$DRIVER_NS" logs "deployment/$d" | sed -n 's/.*MPS control daemon [0-9]* for GPU [^ ]* \(holds .*\)$/\1/p' | tail -n 1)"
   done
-  mock_process() { k -n "$DRIVER_NS" exec "$PLUGIN_POD" -c plugin -- gpu-dra mock process "$@" 2>&1 || true; }
-  dev=$(k -n gpu-demo-mps-strict logs pod0 -c ctr0 | sed -n 's/^GPU_DEVICE_[0-9]*=\(gpu-.*\)$/\1/p' | head -n 1)
+  mock_process() { k -n "$DRIVER_NS" exec "$PLUGIN_POD" -c plugin -- gpu-dra mock process "$@" 2>&1 | grep -v '^command terminated' || true; }
+  dev=$(k -n gpu-demo-mps-strict logs pod0 -c ctr0 | sed -n 's/^GPU_DEVICE_[A-Z0-9_]*=\(gpu-.*\)$/\1/p' | head -n 1)
   client=$(mock_process --device "$dev" --kind mps-client)
   say "an MPS client of pod0's claim (the mock's): $client"
   say "a process outside MPS on that GPU, in EXCLUSIVE_PROCESS: $(mock_process --device "$dev" --kind compute)"
