@@ -13,7 +13,6 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import signal
 import subprocess
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
@@ -40,6 +39,7 @@ from driver.state.mps.shm import (
 from driver.state.prepare import DeviceState
 from tests.state_fakes import device_state
 from tests.unit.test_mps_prepare import Node, mps_node, ok
+from tests.unit.test_mps_watch import kill
 
 SIZE = 64 << 20
 OPTIONS = f"size={SIZE},mode=1777"
@@ -212,7 +212,7 @@ def test_a_daemon_started_again_keeps_the_tmpfs_its_clients_hold(site: ShmNode) 
     killed = site.node.record("a")
     shm = site.shm_dir(killed)
     (shm / "client-file").write_text("x")  # what the fake's tmpfs holds
-    os.kill(killed.pid, signal.SIGKILL)
+    kill(killed)  # and wait until it is gone: a signal is not yet an exit
 
     site.state()  # the start finds it gone and starts it again
 
@@ -412,7 +412,7 @@ def test_a_daemon_started_again_on_a_plain_directory_gets_no_tmpfs_over_it(
     refused = ShmNode(node, FakeMounts(events, refuse=errno.EPERM))
     ok(refused.state(), node.claims.add("a"))
     killed = node.record("a")
-    os.kill(killed.pid, signal.SIGKILL)
+    kill(killed)  # and wait until it is gone: a signal is not yet an exit
     mounting = ShmNode(node, FakeMounts(events))  # a plugin that may mount now
 
     mounting.state()

@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,7 @@ from typing import Any
 import pytest
 
 from driver.failpoints import ENV_VAR, FAILPOINTS, PREPARE_FAILPOINTS
-from driver.nvml.mps import DaemonDirs
+from driver.nvml.mps import DaemonDirs, process_start_time
 from driver.state.journal.checkpoint import Checkpoint, ClaimState
 from driver.state.request import ClaimRef
 
@@ -222,6 +223,8 @@ def test_a_reboot_resets_the_mode_and_the_start_applies_it_again(root: Path) -> 
     assert state.prepare([_ref()])[UID].ok
     (pid,) = _daemons(root)
     os.kill(pid, signal.SIGKILL)  # a reboot ends the daemon ...
+    while process_start_time(pid) is not None:
+        time.sleep(0.01)  # no child of this process: init reaps it
     _NS["node"](root).module.mock_reboot()  # ... and resets the GPU's compute mode
     assert _mode(root) == DEFAULT
     state, report = _NS["build_state"](root)
