@@ -204,12 +204,6 @@ def _destroy(state: StepContext, removal: _Removal, results: dict[str, DriverErr
         removal.done.append(uid)
 
 
-def _changed_the_node(entry: ClaimEntry) -> bool:
-    """Did the claim's prepare set a time-slice interval or start an MPS daemon (what
-    `_end` puts back)? A plain claim's unprepare enters no feature's code."""
-    return any(d.time_slice is not None or d.mps is not None for d in entry.devices)
-
-
 def _end(
     state: StepContext,
     removal: _Removal,
@@ -221,9 +215,13 @@ def _end(
     interval cannot be restored, or whose entry the store failed to drop, keeps it."""
     done = removal.done
     if journal is not None:  # GPUs back to what the remaining claims want, before the store
-        changed = [u for u in done if u in journal and _changed_the_node(journal[u])]
-        failed = state.timeslices.release(journal, changed) if changed else {}
+        # A plain claim's unprepare enters no feature's code (PreparedDevice.changes_the_node).
+        changed = [
+            u for u in done if u in journal and any(d.changes_the_node for d in journal[u].devices)
+        ]
+        failed: dict[str, DriverError] = {}
         if changed:
+            failed = state.timeslices.release(journal, changed)
             failed.update(state.mps.release(journal, [u for u in changed if u not in failed]))
         results.update(failed)
         done = [uid for uid in done if uid not in failed]

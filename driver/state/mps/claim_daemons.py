@@ -63,7 +63,7 @@ from driver.state.mps.orphans import Orphan, sweep_orphans
 from driver.state.mps.shared import (
     holders,
     identified,
-    inherited_modes,
+    inherited_mode,
     same_limits,
     with_daemon_of,
 )
@@ -176,7 +176,9 @@ class ClaimMps:
         """Before the intent is stored: each strict device's record notes its GPU's
         compute mode (`ClaimComputeModes.note`); a shared server's, the mode its first
         claim found."""
-        return self.compute_modes.note(planned, devices, inherited_modes(journal, uid))
+        return self.compute_modes.note(
+            planned, devices, lambda record: inherited_mode(journal, record, besides=(uid,))
+        )
 
     def apply(
         self, uid: str, devices: Sequence[PreparedDevice], journal: Mapping[str, ClaimEntry]
@@ -221,9 +223,12 @@ class ClaimMps:
         transient error where it runs with other limits (partitions republished)."""
         if not record.shared:
             return None
+        asked: set[tuple[int, int, str]] = set()  # the claims of one daemon share its identity
         for other in holders(journal, record, besides=(uid,)):
-            if not identified(other) or not self.watched(other):
+            identity = (other.pid, other.start_time, other.deployment_uid)
+            if not identified(other) or not self.watched(other) or identity in asked:
                 continue
+            asked.add(identity)  # `alive` is a Deployment GET on Kubernetes: once each
             assert self._daemons is not None
             if not self._daemons.alive(other):
                 continue

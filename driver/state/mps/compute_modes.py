@@ -26,7 +26,7 @@ at restore.
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import replace
 from typing import Any, Final, Protocol
 
@@ -103,18 +103,18 @@ class ClaimComputeModes:
         self,
         planned: Sequence[PlannedDevice],
         devices: Mapping[str, PreparableDevice],
-        inherited: Mapping[str, int] | None = None,
+        inherited: Callable[[MpsRecord], int | None] | None = None,
     ) -> tuple[PlannedDevice, ...]:
         """Before the intent is stored: each device with an MPS daemon that is
         published strict records the compute mode its GPU has now, or, for a shared
-        daemon another claim started, the mode it found (`inherited`, by directory:
+        daemon another claim started, the mode it found (`inherited`, from its records:
         driver/state/mps/shared.py). Raises a transient error (the claim fails;
         nothing was changed)."""
         out: list[PlannedDevice] = []
         for p in planned:
             record = p.prepared.mps
             if record is not None and published_strict(devices.get(p.prepared.device_name)):
-                found = (inherited or {}).get(record.directory) if record.shared else None
+                found = inherited(record) if record.shared and inherited is not None else None
                 before = found if found is not None else self._get(record.gpu_uuid)
                 record = replace(record, compute_mode_before=before)
                 p = replace(p, prepared=replace(p.prepared, mps=record))

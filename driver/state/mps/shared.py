@@ -14,7 +14,7 @@ GPU's: `shared_directory`). What is per device elsewhere is per GPU here, decide
 from the journal under the node lock:
 
 - the first claim reads the compute mode and starts the daemon; a later one takes
-  the mode found from a record of the daemon (`inherited_modes`, before its intent
+  the mode found from a record of the daemon (`inherited_mode`, before its intent
   is stored: the GPU is in EXCLUSIVE_PROCESS by then) and joins the daemon running
   (`joinable`), never starting a second one;
 - a rollback or an unprepare stops the daemon and puts the mode back only when no
@@ -64,18 +64,14 @@ def holders(
                 yield other
 
 
-def inherited_modes(journal: Mapping[str, ClaimEntry], uid: str) -> dict[str, int]:
-    """Per shared directory, the compute mode its GPU had before its daemon's first
-    claim (what the last claim puts back), from the records of claims but `uid`."""
-    modes: dict[str, int] = {}
-    for other_uid, entry in journal.items():
-        for device in entry.devices:
-            record = device.mps
-            if other_uid == uid or record is None or not record.shared:
-                continue
-            if record.compute_mode_before is not None:
-                modes.setdefault(record.directory, record.compute_mode_before)
-    return modes
+def inherited_mode(
+    journal: Mapping[str, ClaimEntry], record: MpsRecord, *, besides: Collection[str]
+) -> int | None:
+    """The compute mode the GPU of `record`'s shared daemon had before its first claim
+    (what the last claim puts back), from another claim's record; None where no
+    other claim names the daemon."""
+    found = (h.compute_mode_before for h in holders(journal, record, besides=besides))
+    return next((mode for mode in found if mode is not None), None)
 
 
 def with_daemon_of(record: MpsRecord, running: MpsRecord) -> MpsRecord:
