@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import enum
+from typing import Final
 
 
 class ErrorClass(enum.Enum):
     TRANSIENT = "transient"
     INVALID_CONFIG = "invalid-config"
     DEVICE_FAILED = "device-failed"
+
+
+DEFAULT_PERMANENT_ERRORS: Final = frozenset({ErrorClass.INVALID_CONFIG, ErrorClass.DEVICE_FAILED})
 
 
 class DriverError(Exception):
@@ -43,3 +47,22 @@ def invalid_config(message: str) -> DriverError:
 
 def device_failed(message: str) -> DriverError:
     return DriverError(ErrorClass.DEVICE_FAILED, message)
+
+
+def parse_permanent_errors(value: str) -> frozenset[ErrorClass]:
+    """`--permanent-errors invalid-config,device-failed` -> the set of classes; ''
+    means none. Raises ValueError naming an unknown or transient class."""
+    classes: set[ErrorClass] = set()
+    for part in (p.strip() for p in value.split(",")):
+        if not part:
+            continue
+        try:
+            cls = ErrorClass(part)
+        except ValueError:
+            raise ValueError(
+                f"unknown error class {part!r} (known: invalid-config, device-failed)"
+            ) from None
+        if cls is ErrorClass.TRANSIENT:
+            raise ValueError("transient is not a permanent error class")
+        classes.add(cls)
+    return frozenset(classes)

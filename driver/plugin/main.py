@@ -18,6 +18,7 @@ from driver.cdi.hook import HOOK_NAME, cdi_hook_path, install_cdi_hook
 from driver.devices.gpu_view import gpu_views
 from driver.devices.model import PoolError, build_pool
 from driver.devices.slices import build_slice_specs
+from driver.errors import parse_permanent_errors
 from driver.fileio import UnsafeFileError, remove_durably, sweep_temp_files
 from driver.health.monitor import HealthMonitor
 from driver.health.mps_escapes import MpsEscapes, claim_pods_from
@@ -62,7 +63,6 @@ from driver.plugin.transport.sockets import socket_paths
 from driver.proto.pluginregistration.v1 import api_pb2_grpc as registration_grpc
 from driver.state.prepare import DeviceState
 from driver.state.recovery.startup_recovery import compact_journal
-from driver.state.verdicts import parse_permanent_errors
 
 log = logging.getLogger("gpu-kubelet-plugin")
 

@@ -5,26 +5,30 @@ The prepare stages (`driver/state/plan.py`, `apply.py`, `commit.py`), unprepare
 (`driver/state/recovery/startup_recovery.py`) take a `StepContext`; `DeviceState`
 (`driver/state/prepare.py`) is the facade on top that the plugin calls.
 The context holds the node's stores (journal, CDI specs, MIG and time-slice
-operations), the node lock and the claim locks, the remembered verdicts and counters,
-and the two steps every path takes: loading the journal and failing a claim (its
-verdict remembered and reported when permanent).
+operations), the node lock and the claim locks, the calls in flight (`InFlight`), the
+remembered permanent verdicts (`VerdictMemory`, KEP-5322: a retried claim is answered
+at once, with no API read, no NVML, no disk) and counters, and the two steps every path
+takes: loading the journal and failing a claim (its verdict remembered and reported
+when permanent).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 from driver.cdi.claim_specs import CdiSpecs
 from driver.cdi.common_spec import CommonSpec
 from driver.cdi.driver_edits import DriverRoot
-from driver.errors import DriverError, ErrorClass
+from driver.errors import DEFAULT_PERMANENT_ERRORS, DriverError, ErrorClass
 from driver.state.claim_timeslices import ClaimTimeSlices, TimeSliceOps
-from driver.state.draining import InFlight
 from driver.state.journal.checkpoint import Checkpoint, CheckpointCorruptError, ClaimEntry
 from driver.state.journal.locking import ClaimLocks, SerializeLock
 from driver.state.mig_instances import ClaimInstances, MigOps
@@ -40,14 +44,96 @@ from driver.state.request import (
     PrepareResult,
 )
 from driver.state.spec_render import CdiContext
-from driver.state.verdicts import (
-    DEFAULT_PERMANENT_ERRORS,
-    DEFAULT_VERDICT_LIMIT,
-    DEFAULT_VERDICT_TTL,
-    VerdictMemory,
-)
 
 log = logging.getLogger(__name__)
+
+DEFAULT_VERDICT_TTL: Final = 300.0
+DEFAULT_VERDICT_LIMIT: Final = 4096
+
+
+@dataclass
+class _Verdict:
+    error: DriverError
+    expires: float
+
+
+class VerdictMemory:
+    """Permanent verdicts by claim UID: at most `limit`, each for `ttl` seconds."""
+
+    def __init__(
+        self,
+        *,
+        ttl: float = DEFAULT_VERDICT_TTL,
+        limit: int = DEFAULT_VERDICT_LIMIT,
+        clock: Callable[[], float],
+    ) -> None:
+        self._ttl = ttl
+        self._limit = limit
+        self._clock = clock
+        self._verdicts: OrderedDict[str, _Verdict] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, uid: str) -> DriverError | None:
+        with self._lock:
+            verdict = self._verdicts.get(uid)
+            if verdict is None:
+                return None
+            if self._clock() >= verdict.expires:
+                del self._verdicts[uid]
+                return None
+            return verdict.error
+
+    def remember(self, uid: str, err: DriverError) -> None:
+        with self._lock:
+            self._verdicts[uid] = _Verdict(err, self._clock() + self._ttl)
+            self._verdicts.move_to_end(uid)
+            while len(self._verdicts) > self._limit:
+                self._verdicts.popitem(last=False)
+
+    def forget(self, uids: Iterable[str]) -> None:
+        with self._lock:
+            for uid in uids:
+                self._verdicts.pop(uid, None)
+
+
+class InFlight:
+    """How many prepare/unprepare calls are running. The plugin's clean stop `drain`s
+    them (bounded) before it compacts the journal: gRPC's `server.stop(grace)` cancels
+    the calls still running, but their handler threads go on."""
+
+    def __init__(self) -> None:
+        self._idle = threading.Condition()
+        self._running = 0
+
+    @property
+    def running(self) -> int:
+        with self._idle:
+            return self._running
+
+    @contextlib.contextmanager
+    def call(self) -> Iterator[None]:
+        """Counts the block as a call in flight."""
+        with self._idle:
+            self._running += 1
+        try:
+            yield
+        finally:
+            with self._idle:
+                self._running -= 1
+                if not self._running:
+                    self._idle.notify_all()
+
+    def drain(self, timeout: float) -> bool:
+        """Wait until no call is in flight, at most `timeout` seconds; False if some
+        still are."""
+        deadline = time.monotonic() + timeout
+        with self._idle:
+            while self._running:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._idle.wait(left)
+            return True
 
 
 @dataclass

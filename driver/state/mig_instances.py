@@ -31,8 +31,8 @@ from driver.errors import DriverError, transient
 from driver.failpoints import failpoint
 from driver.nvml.discovered import MigInstance
 from driver.nvml.mig.mig_manager import MigError, MigTarget, RecordedInstance
-from driver.state.journal.boot import boot_id
 from driver.state.journal.checkpoint import ClaimEntry, MigRecord, PreparedDevice
+from driver.state.journal.journal_entries import boot_id
 from driver.state.spec_render import PlannedDevice, with_mig
 
 log = logging.getLogger(__name__)

@@ -17,8 +17,8 @@ import pytest
 
 from driver.nvml.discovered import MigInstance
 from driver.nvml.mock.mock_api import NVML_ERROR_NOT_FOUND, NVMLError
-from driver.state.journal.boot import boot_id
 from driver.state.journal.checkpoint import Checkpoint, ClaimEntry, ClaimState
+from driver.state.journal.journal_entries import boot_id
 from tests.unit.test_mig_foreign import _intent, _target
 from tests.unit.test_mig_owned import _published_uuids
 from tests.unit.test_mig_prepare import H100, Node, make_node

@@ -24,8 +24,8 @@ from driver.devices.model import build_pool
 from driver.errors import DriverError
 from driver.nvml.mps import DaemonDirs, DaemonId, MpsControl
 from driver.plugin.options.flags import parse_options
-from driver.state.journal.boot import boot_id
 from driver.state.journal.checkpoint import Checkpoint, ClaimState
+from driver.state.journal.journal_entries import boot_id
 from driver.state.journal.mps_record import MpsRecord
 from driver.state.mps.daemons import NodeDaemons, daemon_dirs
 from driver.state.mps.orphans import sweep_orphans

@@ -18,7 +18,7 @@ import driver.cdi.claim_specs as cdi_module
 import driver.state.journal.checkpoint as checkpoint_module
 from driver.cdi.claim_specs import ClaimSpec
 from driver.devices.model import PublishedDevice
-from driver.errors import DriverError, ErrorClass, transient
+from driver.errors import DriverError, ErrorClass, parse_permanent_errors, transient
 from driver.fileio import atomic_write
 from driver.health.prepare_health import KubeDeviceHealth
 from driver.health.store import HealthStore
@@ -33,7 +33,6 @@ from driver.state.journal.checkpoint import (
 from driver.state.prepare import DeviceState
 from driver.state.recovery.quarantine import quarantine_checkpoint
 from driver.state.request import ClaimRef
-from driver.state.verdicts import parse_permanent_errors
 
 DRIVER = "gpu.example.com"
 NODE = "node-a"

@@ -48,13 +48,13 @@ from driver.cli.journal.journal_args import (
 )
 from driver.cli.output import format_table, print_report, std_streams
 from driver.errors import DriverError
-from driver.state.journal.boot import boot_id
 from driver.state.journal.checkpoint import (
     Checkpoint,
     CheckpointCorruptError,
     ClaimEntry,
     ClaimState,
 )
+from driver.state.journal.journal_entries import boot_id
 from driver.state.journal.start_fate import next_start
 from driver.state.recovery.quarantine import (
     salvage_entries,

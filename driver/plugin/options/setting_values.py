@@ -9,9 +9,9 @@ from pathlib import Path
 
 from driver.devices.device_types import MigStrategy
 from driver.devices.formatting import profile_label
+from driver.errors import parse_permanent_errors
 from driver.health.xid import TAINT_EFFECTS, parse_taint_effect, parse_xid_list
 from driver.plugin.options.host_inputs import check_driver_name, check_path
-from driver.state.verdicts import parse_permanent_errors
 
 MIG_STRATEGIES = tuple(m.value for m in MigStrategy)
 TRUE_WORDS = frozenset({"true", "1", "yes", "on"})

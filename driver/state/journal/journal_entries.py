@@ -10,6 +10,9 @@ device that this reader does not know (written by a newer release) are kept and
 written back when it stores the journal; releases before this one dropped them.
 Unknown keys inside a nested record (`mig`, `timeSlice`, `hardware`, `cdiSpec`) are
 not kept.
+
+An entry names the boot it was made in (`boot_id`): a reboot empties the CDI root and
+destroys every MIG device, so a record of an earlier boot is judged accordingly.
 """
 
 from __future__ import annotations
@@ -24,13 +27,21 @@ from typing import Any, Final, TypeGuard
 
 from driver.cdi.claim_specs import ClaimSpec
 from driver.errors import DriverError, ErrorClass
-from driver.state.journal.boot import boot_id
 from driver.state.journal.hardware_record import HardwareRecord, MigRecord
 from driver.state.journal.mps_record import MpsRecord
 from driver.state.journal.timeslice_record import TimeSliceRecord
 
 CORRUPT_SUFFIX: Final = ".corrupt-"
 CHECKSUM_PREFIX: Final = "sha256:"
+BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
+
+
+def boot_id() -> str:
+    """This boot of the node's kernel (the same in every container); "" if unknown."""
+    try:
+        return BOOT_ID.read_text().strip()
+    except OSError:
+        return ""
 
 
 class ClaimState(enum.StrEnum):

@@ -38,7 +38,6 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from driver.fileio import atomic_write, fsync_dir, read_file_nofollow
-from driver.state.journal.boot import boot_id
 from driver.state.journal.checkpoint import (
     CHECKPOINT_FILE,
     CORRUPT_SUFFIX,
@@ -48,6 +47,7 @@ from driver.state.journal.checkpoint import (
     ClaimEntry,
     ClaimState,
 )
+from driver.state.journal.journal_entries import boot_id
 from driver.state.journal.journal_log import LOG_FILE
 from driver.state.journal.locking import SerializeLock
 from driver.state.journal.start_fate import next_start

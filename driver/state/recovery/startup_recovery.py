@@ -18,9 +18,8 @@ from pathlib import Path
 from driver.errors import DriverError, transient
 from driver.failpoints import failpoint
 from driver.state.context import StepContext
-from driver.state.journal.boot import boot_id
 from driver.state.journal.checkpoint import CheckpointCorruptError, ClaimEntry, ClaimState
-from driver.state.journal.journal_entries import unprepare_begun
+from driver.state.journal.journal_entries import boot_id, unprepare_begun
 from driver.state.mig_instances import other_entries
 from driver.state.mps.claim_daemons import MpsLoss
 from driver.state.recovery.adoption import adopt_intents
