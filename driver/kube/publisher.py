@@ -53,10 +53,6 @@ DRY_RUN = {"dryRun": "All"}
 
 @dataclass
 class PublisherStats:
-    reconciles: int = 0
-    creates: int = 0
-    updates: int = 0
-    deletes: int = 0
     last_synced: float = 0.0
     errors: list[str] = field(default_factory=list)
     failing: str | None = None  # why the last reconcile failed; None once one succeeded
@@ -163,7 +159,6 @@ class SlicePublisher:
         self._reconciled()
 
     def _reconciled(self) -> None:
-        self.stats.reconciles += 1
         self.stats.last_synced = time.time()
 
     # -- reconcile ---------------------------------------------------------------------
@@ -351,7 +346,6 @@ class SlicePublisher:
         created = self._api.request(
             "POST", SLICES_PATH, body=self._create_body(index, spec), strict=False
         )
-        self.stats.creates += 1
         self._check_dropped(spec, created["spec"], created["metadata"]["name"])
         return created
 
@@ -361,7 +355,6 @@ class SlicePublisher:
         updated = self._api.request(
             "PUT", f"{SLICES_PATH}/{segment(name)}", body=body, strict=False
         )
-        self.stats.updates += 1
         self._check_dropped(spec, updated["spec"], name)
         return updated
 
@@ -374,7 +367,6 @@ class SlicePublisher:
         }
         try:
             self._api.request("DELETE", f"{SLICES_PATH}/{segment(meta['name'])}", body=body)
-            self.stats.deletes += 1
         except ApiError as err:
             if not (err.not_found or err.conflict):
                 raise

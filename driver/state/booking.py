@@ -118,12 +118,6 @@ def conflict(
     return None
 
 
-def overlap(
-    held: PreparedDevice, new: PreparedDevice, devices: Mapping[str, PreparableDevice]
-) -> bool:
-    return conflict(held, new, devices) is not None
-
-
 def consumed(device: PreparedDevice, capacity: Mapping[str, int]) -> dict[str, Decimal]:
     """What a share consumes of each capacity; unknown (or unparsable) is all of it."""
     recorded = dict(device.consumed_capacity)

@@ -146,7 +146,6 @@ class StateStats:
     idempotent_hits: int = 0  # prepares answered from a PrepareCompleted entry
     rollbacks: int = 0  # half-done prepares rolled back
     permanent_failures: int = 0  # permanent verdicts reached (not the repeats)
-    transient_failures: int = 0
     unprepared: int = 0  # claims whose local state was removed
     checkpoint_corrupt: int = 0  # calls refused because the journal is corrupt
 
@@ -247,7 +246,6 @@ class StepContext:
                 "(treated as transient: class not in --permanent-errors)",
             )
         if not err.permanent:
-            self.stats.transient_failures += 1
             return PrepareResult(error=err)
         self.stats.permanent_failures += 1
         self.verdicts.remember(ref.uid, err)

@@ -13,7 +13,7 @@ from driver.devices.model import PoolOptions, PublishedDevice, build_pool
 from driver.nvml.mock.fleet import parse_fleet
 from driver.nvml.mock.mock_backend import MockBackend
 from driver.nvml.mock.nvml import MockNvml
-from driver.state.booking import overlap, refuse_double_booking
+from driver.state.booking import conflict, refuse_double_booking
 from driver.state.journal.checkpoint import (
     Checkpoint,
     ClaimEntry,
@@ -98,7 +98,7 @@ def test_shares_of_a_mig_device_overlap() -> None:
         )
         for sid in ("s-1", "s-2")
     )
-    assert overlap(held, new, {})
+    assert conflict(held, new, {}) is not None
 
 
 def test_two_shares_of_one_multi_allocatable_device_within_capacity_are_prepared(
@@ -215,7 +215,7 @@ def test_the_guard_ignores_admin_access_and_other_pools() -> None:
     admin = PreparedDevice(NODE, "gpu-0", ("g",), ("y",), admin_access=True, hardware=hardware)
     elsewhere = PreparedDevice("node-b", "gpu-0", ("g",), ("y",), hardware=hardware)
     unknown = PreparedDevice(NODE, "gpu-9", ("g",), ("y",))
-    assert not overlap(held, admin, {}) and not overlap(held, elsewhere, {})
-    assert overlap(held, held, {})
+    assert conflict(held, admin, {}) is None and conflict(held, elsewhere, {}) is None
+    assert conflict(held, held, {}) is not None
     entries = {"uid-a": ClaimEntry(ClaimState.PREPARE_COMPLETED, "default", "a", (unknown,))}
     refuse_double_booking("uid-b", (admin, elsewhere), entries, {})
