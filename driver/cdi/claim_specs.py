@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import stat
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -52,62 +51,11 @@ VISIBLE_DEVICES_VOID: Final = "NVIDIA_VISIBLE_DEVICES=void"
 COMMON_DEVICE: Final = "common"
 SPEC_MODE: Final = 0o600
 
-_NON_ALNUM = re.compile(r"[^A-Za-z0-9]+")
-
-
-def device_key(device_name: str) -> str:
-    """`gpu-0-partition-1` -> `GPU_0_PARTITION_1` (for `<PROFILE>_DEVICE_<key>_RESOURCE_CLAIM`)."""
-    return _NON_ALNUM.sub("_", device_name).upper()
-
-
-def gpu_env_id(device_name: str) -> str:
-    """The reference's gpu env id: name without `gpu-`, upper-cased, `-` -> `_`
-    (`gpu-0` -> `0`, `gpu-0-partition-1` -> `0_PARTITION_1`)."""
-    return device_name.removeprefix("gpu-").upper().replace("-", "_")
-
 
 def cdi_device_name(claim_uid: str, device_name: str, share_id: str | None) -> str:
     """`<claimUID>-<device>` or `<claimUID>-<device>-<shareID>`."""
     device_id = f"{device_name}-{share_id}" if share_id else device_name
     return f"{claim_uid}-{device_id}"
-
-
-@dataclass(frozen=True)
-class SharingEnv:
-    """The effective sharing settings of one device, as the env vars carry them."""
-
-    strategy: str  # "TimeSlicing" | "SpacePartitioning"
-    interval: str | None = None  # TimeSlicing only
-    partition_count: int | None = None  # SpacePartitioning only
-
-
-def claim_device_env(
-    *,
-    claim_uid: str,
-    device_name: str,
-    admin_access: bool,
-    sharing: SharingEnv,
-    consumed_capacity: Mapping[str, Any] | None = None,
-) -> list[str]:
-    """The reference's env list for one prepared gpu device, in the reference's order."""
-    gid = gpu_env_id(device_name)
-    env = [
-        f"{PROFILE.upper()}_DEVICE_{device_key(device_name)}_RESOURCE_CLAIM={claim_uid}",
-        f"DRA_ADMIN_ACCESS={'true' if admin_access else 'false'}",
-        f"GPU_DEVICE_{gid}={device_name}",
-        f"GPU_DEVICE_{gid}_SHARING_STRATEGY={sharing.strategy}",
-    ]
-    if sharing.strategy == "TimeSlicing":
-        env.append(f"GPU_DEVICE_{gid}_TIMESLICE_INTERVAL={sharing.interval or 'Default'}")
-    elif sharing.strategy == "SpacePartitioning":
-        count = sharing.partition_count if sharing.partition_count is not None else 1
-        env.append(f"GPU_DEVICE_{gid}_PARTITION_COUNT={count}")
-    consumed = consumed_capacity or {}
-    if "memory" in consumed:
-        env.append(f"GPU_DEVICE_{gid}_MEMORY={consumed['memory']}")
-    if "compute" in consumed:
-        env.append(f"GPU_DEVICE_{gid}_COMPUTE={consumed['compute']}")
-    return env
 
 
 @dataclass(frozen=True)

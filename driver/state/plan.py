@@ -19,12 +19,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from driver.cdi.claim_specs import (
-    CdiHook,
-    SharingEnv,
-    cdi_device_name,
-    claim_device_env,
-)
+from driver.cdi.claim_specs import CdiHook, cdi_device_name
 from driver.cdi.memory_limit_hook import MemoryLimitSite, memory_share_bytes
 from driver.config import (
     ConfigError,
@@ -44,7 +39,7 @@ from driver.state.journal.locking import ClaimHolds
 from driver.state.journal.timeslice_record import TimeSliceRecord
 from driver.state.mps.daemon_plan import MpsSite, plan_device_mps
 from driver.state.request import ClaimRef, PreparableDevice, PrepareResult
-from driver.state.spec_render import PlannedDevice, for_batch
+from driver.state.spec_render import PlannedDevice, SharingEnv, claim_device_env, for_batch
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,8 @@
 """Stage 4 of a prepare (driver/state/prepare.py): each claim's CDI spec, rendered
 from its planned devices once their MIG devices exist, and written.
 
-Per device the spec has its env, `NVIDIA_VISIBLE_DEVICES=void` and, on real GPUs, its
+Per device the spec has its env (the reference's names, `claim_device_env`),
+`NVIDIA_VISIBLE_DEVICES=void` and, on real GPUs, its
 own device nodes, so a container that references one request of the claim gets that
 request's devices only; the control nodes and the driver's files are in the common
 spec (driver/cdi/common_spec.py). `respec_restored` is start-up recovery's: the spec
@@ -10,23 +11,76 @@ after recreated MIG devices got new UUIDs and ids.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 from driver.cdi.claim_specs import (
+    PROFILE,
     VISIBLE_DEVICES_VOID,
     CdiDevice,
     CdiHook,
     CdiMount,
     ClaimSpec,
-    gpu_env_id,
 )
 from driver.cdi.device_nodes import CharMajors, DeviceNode, DeviceNodeError
 from driver.cdi.memory_limit_hook import MemoryLimitSite
 from driver.errors import transient
 from driver.nvml.mig.caps import CapabilityError, mig_capabilities
 from driver.state.journal.checkpoint import MigRecord, PreparedDevice
+
+_NON_ALNUM = re.compile(r"[^A-Za-z0-9]+")
+
+
+def device_key(device_name: str) -> str:
+    """`gpu-0-partition-1` -> `GPU_0_PARTITION_1` (for `<PROFILE>_DEVICE_<key>_RESOURCE_CLAIM`)."""
+    return _NON_ALNUM.sub("_", device_name).upper()
+
+
+def gpu_env_id(device_name: str) -> str:
+    """The reference's gpu env id: name without `gpu-`, upper-cased, `-` -> `_`
+    (`gpu-0` -> `0`, `gpu-0-partition-1` -> `0_PARTITION_1`)."""
+    return device_name.removeprefix("gpu-").upper().replace("-", "_")
+
+
+@dataclass(frozen=True)
+class SharingEnv:
+    """The effective sharing settings of one device, as the env vars carry them."""
+
+    strategy: str  # "TimeSlicing" | "SpacePartitioning"
+    interval: str | None = None  # TimeSlicing only
+    partition_count: int | None = None  # SpacePartitioning only
+
+
+def claim_device_env(
+    *,
+    claim_uid: str,
+    device_name: str,
+    admin_access: bool,
+    sharing: SharingEnv,
+    consumed_capacity: Mapping[str, Any] | None = None,
+) -> list[str]:
+    """The reference's env list for one prepared gpu device, in the reference's order."""
+    gid = gpu_env_id(device_name)
+    env = [
+        f"{PROFILE.upper()}_DEVICE_{device_key(device_name)}_RESOURCE_CLAIM={claim_uid}",
+        f"DRA_ADMIN_ACCESS={'true' if admin_access else 'false'}",
+        f"GPU_DEVICE_{gid}={device_name}",
+        f"GPU_DEVICE_{gid}_SHARING_STRATEGY={sharing.strategy}",
+    ]
+    if sharing.strategy == "TimeSlicing":
+        env.append(f"GPU_DEVICE_{gid}_TIMESLICE_INTERVAL={sharing.interval or 'Default'}")
+    elif sharing.strategy == "SpacePartitioning":
+        count = sharing.partition_count if sharing.partition_count is not None else 1
+        env.append(f"GPU_DEVICE_{gid}_PARTITION_COUNT={count}")
+    consumed = consumed_capacity or {}
+    if "memory" in consumed:
+        env.append(f"GPU_DEVICE_{gid}_MEMORY={consumed['memory']}")
+    if "compute" in consumed:
+        env.append(f"GPU_DEVICE_{gid}_COMPUTE={consumed['compute']}")
+    return env
 
 
 @dataclass(frozen=True)

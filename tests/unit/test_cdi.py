@@ -10,19 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from driver.cdi.claim_specs import (
-    CdiDevice,
-    CdiSpecs,
-    ClaimSpec,
-    SharingEnv,
-    cdi_device_name,
-    claim_device_env,
-    device_key,
-    gpu_env_id,
-)
+from driver.cdi.claim_specs import CdiDevice, CdiSpecs, ClaimSpec, cdi_device_name
 from driver.cdi.device_nodes import DeviceNode
 from driver.cdi.driver_edits import DriverEdits
 from driver.fileio import UnsafeFileError
+from driver.state.spec_render import SharingEnv, claim_device_env, device_key, gpu_env_id
 
 UID = "11111111-2222-3333-4444-555555555555"
 
