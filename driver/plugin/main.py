@@ -1,49 +1,42 @@
-"""gpu-kubelet-plugin: discovery, ResourceSlices, the kubelet's gRPC services, health."""
+"""gpu-kubelet-plugin: its start in steps (local state, recovery and discovery,
+ResourceSlices and health, the kubelet's sockets, which instance serves) and its stop."""
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import shutil
 import signal
 import sys
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import replace
-from pathlib import Path
+from dataclasses import dataclass, replace
 from types import FrameType
 
-from driver.cdi.driver_edits import DriverRoot
-from driver.cdi.hook import HOOK_NAME, cdi_hook_path, install_cdi_hook
-from driver.devices.gpu_view import gpu_views
-from driver.devices.model import PoolError, build_pool
+from driver.devices.device_types import PublishedDevice
+from driver.devices.gpu_view import GpuView, gpu_views
+from driver.devices.model import PoolDevices, PoolError, build_pool
 from driver.devices.slices import build_slice_specs
-from driver.errors import parse_permanent_errors
-from driver.fileio import UnsafeFileError, remove_durably, sweep_temp_files
+from driver.fileio import UnsafeFileError, remove_durably
 from driver.health.monitor import HealthMonitor
 from driver.health.mps_escapes import MpsEscapes, claim_pods_from
-from driver.health.prepare_health import KubeDeviceHealth, NoDeviceHealth
+from driver.health.prepare_health import KubeDeviceHealth
 from driver.health.recovery_taints import RecoveryActions, RecoveryAwareHealth, RecoveryPoller
-from driver.health.store import HealthStore
 from driver.health.unmonitored import UnmonitoredGpus
-from driver.health.xid import XidPolicy
 from driver.kube.api import KubeApi
-from driver.kube.claims import ApiClaimReader, ClaimEvents, ClaimFailureReporter
+from driver.kube.claims import ApiClaimReader, ClaimEvents
 from driver.kube.kube_events import NodeEvents
 from driver.kube.publisher import SlicePublisher
+from driver.nvml.discovered import Inventory
 from driver.nvml.library import NvmlUnavailableError
-from driver.nvml.selection import select_backend
 from driver.observability import metrics
 from driver.observability.http import HttpServer
 from driver.observability.logs import setup_logging
-from driver.observability.status_socket import (
-    ServingStatusSocket,
-)
-from driver.plugin.dra import add_dra_services
-from driver.plugin.health import add_health_services
-from driver.plugin.memory_limit_requests import ForgetRequestsOnUnprepare, serve_memory_limits
-from driver.plugin.mps_setup import mps_daemons, mps_others, watch_mps_daemons
-from driver.plugin.node_status import PluginStatus, export_gpus, export_journal
+from driver.observability.status_socket import ServingStatusSocket
+from driver.plugin.kubelet_sockets import KubeletSockets
+from driver.plugin.local_node import LocalNode, open_local_node
+from driver.plugin.memory_limit_requests import MemoryLimitRequests, serve_memory_limits
+from driver.plugin.mps_setup import watch_mps_daemons
+from driver.plugin.node_status import PluginStatus, export_gpus
 from driver.plugin.options.flags import PluginOptions, package_version, parse_options
 from driver.plugin.options.node_overrides import NodeLabelRead
 from driver.plugin.plugin_status import (
@@ -51,22 +44,16 @@ from driver.plugin.plugin_status import (
     bind_http,
     bind_status_socket,
     describe_recovery,
-    export_checkpoint_state,
     health_report,
 )
 from driver.plugin.readiness import Readiness
-from driver.plugin.serving_instance import InstanceLock, Succession
-from driver.plugin.toolkit_config import check_toolkit_config, report_toolkit_check
-from driver.plugin.transport.registration import DRA_SERVICES, HEALTH_SERVICES, RegistrationServicer
-from driver.plugin.transport.serving import BuiltServer, SocketServer, SocketWatcher, new_server
-from driver.plugin.transport.sockets import socket_paths
-from driver.proto.pluginregistration.v1 import api_pb2_grpc as registration_grpc
-from driver.state.prepare import DeviceState
-from driver.state.recovery.startup_recovery import compact_journal
+from driver.plugin.serving_instance import Succession
+from driver.plugin.transport.registration import RegistrationServicer
+from driver.state.mps_watch import MpsWatch
+from driver.state.recovery.startup_recovery import RecoveryReport, compact_journal
 
 log = logging.getLogger("gpu-kubelet-plugin")
 
-SHUTDOWN_GRACE_SECONDS = 5.0
 # How long a clean stop waits for prepares and unprepares still running (a MIG create
 # takes seconds) before it compacts the journal; within the chart's 30 s grace period.
 SHUTDOWN_DRAIN_SECONDS = 15.0
@@ -77,6 +64,29 @@ SIGNAL_CHECK_SECONDS = 0.5
 # Errors that mean "the flags or the node's configuration are wrong" (option values,
 # fleet files, no NVML, a pool that cannot be built): reported in one line.
 CONFIG_ERRORS = (ValueError, NvmlUnavailableError, PoolError)  # a bad fleet file is a ValueError
+
+
+@dataclass(frozen=True)
+class Discovery:
+    """The node's GPUs after recovery, and the devices published for them."""
+
+    recovered: RecoveryReport
+    inventory: Inventory
+    pool: PoolDevices
+    devices: dict[str, PublishedDevice]
+    gpus: tuple[GpuView, ...]
+
+
+@dataclass(frozen=True)
+class Health:
+    """What publishes the slices with their taints and watches the devices."""
+
+    publisher: SlicePublisher
+    recovery: RecoveryActions
+    unmonitored: UnmonitoredGpus
+    monitor: HealthMonitor
+    limit_requests: MemoryLimitRequests | None
+    mps_watch: MpsWatch | None
 
 
 class Plugin:
@@ -115,68 +125,54 @@ class Plugin:
         # Sent now, awaited when the pool is built: the API round trip overlaps the
         # local work below (NVML, recovery, discovery) instead of following it.
         node_label = NodeLabelRead(api, o.node_name, o.driver_name)
-        o.data_dir.mkdir(parents=True, exist_ok=True, mode=0o750)
-        o.cdi_root.mkdir(parents=True, exist_ok=True, mode=0o755)
-        instance = InstanceLock(o.data_dir)
-        succession = Succession(o.data_dir)
-        policy = XidPolicy.from_flags(
-            additional_ignored=o.additional_xids_to_ignore, fatal=o.fatal_xids
+        node = open_local_node(self.options, api)
+        found = self._recover_and_discover(node, node_label)
+        health = self._watch_health(api, node, found, running)
+        sockets = KubeletSockets(
+            o,
+            node.state,
+            limit_requests=health.limit_requests,
+            store=node.store,
+            devices=found.devices,
+            recovery=health.recovery,
+            succession=node.succession,
         )
-        backend = select_backend(
-            mock=o.mock,
-            fleet_path=o.mock_fleet,
-            node_name=o.node_name,
-            mock_driver_root=o.plugin_mock_driver_root,
-            driver_root=o.nvidia_driver_root,
-        )
-        monitor_thread = HealthMonitor.THREAD_NAME
-        metrics.NVML_CALLS.count_from(
-            lambda: backend.nvml_calls.get(monitor_thread, 0), caller="health-monitor"
-        )
-        metrics.NVML_CALLS.count_from(
-            lambda: sum(n for t, n in backend.nvml_calls.items() if t != monitor_thread),
-            caller="other",
-        )
-        # The mock with a (fake) driver installation writes complete CDI specs too.
-        complete_cdi = not o.mock or o.nvidia_driver_root != Path("/")
-        driver_root = real_driver_root(o) if complete_cdi else None
-        if o.mock and driver_root is not None:
-            log.warning(
-                "MOCK GPUs with the driver installation at %s: CDI specs carry device "
-                "nodes, its files and hooks as on a real node",
-                driver_root.host_path,
+        status_socket = self._status_socket(healthz, node, found, health, sockets.registration)
+        self._take_turn(node.succession, health.publisher, status_socket, running)
+        watcher = sockets.start(running)
+        health.publisher.start()
+        health.monitor.start()
+        watcher.start()
+        running.callback(watcher.stop)
+
+        def healthy() -> tuple[bool, str]:
+            return health_report(
+                registered=sockets.registration.registered.is_set(),
+                last_synced=health.publisher.stats.last_synced,
+                checkpoint_problem=node.state.checkpoint_problem,
+                health_store_problem=node.store.problem,
+                publish_problem=health.publisher.stats.failing,
             )
-        toolkit = None if driver_root is None else check_toolkit_config(o.nvidia_driver_root)
-        if toolkit is not None:
-            report_toolkit_check(toolkit)
-        metrics.API_WRITES.count_from(lambda: api.writes)
-        store = HealthStore(o.data_dir / "health.json")
-        state = DeviceState(
-            driver_name=o.driver_name,
-            node_name=o.node_name,
-            devices={},  # set below, once discovery ran
-            cdi_root=o.cdi_root,
-            data_dir=o.data_dir,
-            claims=ApiClaimReader(api),
-            health=NoDeviceHealth(),
-            reporter=ClaimFailureReporter(
-                api, driver=o.driver_name, node_name=o.node_name, device_status=o.device_status
-            ),
-            real_devices=complete_cdi,
-            mig=backend.mig(),
-            caps_root=backend.kernel_root,
-            proc_devices=backend.kernel_root / "proc" / "devices",
-            driver_root=driver_root,
-            permanent_errors=parse_permanent_errors(o.permanent_errors),
-            timeslice=backend.timeslice(o.nvidia_driver_root),
-            mps_daemons=mps_daemons(o, backend, api),
-            mps_others=mps_others(o, backend, api),
-            compute_modes=backend.compute_modes(),
-        )
-        export_checkpoint_state(state)
-        journal = export_journal(state)
-        if driver_root is not None:
-            install_image_hook(o, state)
+
+        healthz.serve(healthy)
+        if http is not None:
+            http.serve_readiness(Readiness(sockets.registration, sockets.paths))
+            http.start()
+
+        def remove_common_spec() -> None:
+            remove_durably(node.state.cdi.common_spec_path)
+
+        def leave() -> bool:
+            # The last instance leaves: an uninstall must not leave CDI files behind.
+            # (Claim specs go with their unprepare; ResourceSlices are removed by the
+            # kubelet once no instance is registered.)
+            return node.instance.release(on_last=remove_common_spec)
+
+        return leave
+
+    def _recover_and_discover(self, node: LocalNode, node_label: NodeLabelRead) -> Discovery:
+        o = self.options
+        state = node.state
         # Before discovery: recovery destroys half-created MIG devices and recreates
         # the ones a reboot destroyed, so discovery sees the node as it will be served.
         recovered = state.recover()
@@ -184,7 +180,7 @@ class Plugin:
 
         # The listing and the journal snapshot of one moment, under the node lock (an
         # old instance may still be serving during a rolling update).
-        inventory, owned_mig = state.discover_with_owned(backend.discover)
+        inventory, owned_mig = state.discover_with_owned(node.backend.discover)
         # `mpsIsolation` where the node runs MPS daemons (docs/mps.md): "strict" on a
         # whole GPU its one daemon holds in EXCLUSIVE_PROCESS, else "cooperative".
         options = replace(o.pool_options(), mps=state.mps.site is not None)
@@ -206,28 +202,38 @@ class Plugin:
             len(devices),
             ", ".join(f"{uuid} {mode}" for uuid, mode in pool.mig_modes.items()) or "none",
         )
+        return Discovery(recovered, inventory, pool, devices, gpus)
 
+    def _watch_health(
+        self, api: KubeApi, node: LocalNode, found: Discovery, running: contextlib.ExitStack
+    ) -> Health:
+        """The slices' publisher and the health monitor; from here the device state
+        serves the discovered devices and reports their health through them."""
+        o = self.options
+        state, devices = node.state, found.devices
         recovery = RecoveryActions(devices, driver=o.driver_name)
         unmonitored = UnmonitoredGpus(devices, driver=o.driver_name)
 
         # Processes outside MPS on GPUs with MPS shares, looked for after each check of
         # the MPS daemons (docs/mps.md, "Escapes"); their taint with --mps-escape-taint.
         escapes = MpsEscapes(
-            backend.gpu_processes,
+            node.backend.gpu_processes,
             ClaimEvents(api, driver=o.driver_name, node_name=o.node_name),
             devices,
             driver=o.driver_name,
             claim_pods=claim_pods_from(ApiClaimReader(api)),
             taint=o.mps_escape_taint,
             on_taints_changed=lambda: publisher.trigger(),
-            proc_root=backend.kernel_root / "proc",
+            proc_root=node.backend.kernel_root / "proc",
         )
 
         def desired_slices() -> list[dict[str, object]]:
-            taints = store.device_taints(devices, driver=o.driver_name, effect=o.xid_taint_effect)
+            taints = node.store.device_taints(
+                devices, driver=o.driver_name, effect=o.xid_taint_effect
+            )
             taints = escapes.add_taints(unmonitored.add_taints(recovery.add_taints(taints)))
             return build_slice_specs(
-                pool, driver=o.driver_name, node_name=o.node_name, taints=taints
+                found.pool, driver=o.driver_name, node_name=o.node_name, taints=taints
             )
 
         publisher = SlicePublisher(
@@ -235,30 +241,51 @@ class Plugin:
             driver=o.driver_name,
             node_name=o.node_name,
             desired=desired_slices,
-            may_write=succession.serving,
+            may_write=node.succession.serving,
         )
         state.devices = devices
         limit_requests = (
-            serve_memory_limits(backend, o.data_dir, inventory, state, running)
+            serve_memory_limits(node.backend, o.data_dir, found.inventory, state, running)
             if o.gpu_memory_limits
             else None
         )
         state.health = RecoveryAwareHealth(
-            KubeDeviceHealth(store, publisher, devices, effect=o.xid_taint_effect),
+            KubeDeviceHealth(node.store, publisher, devices, effect=o.xid_taint_effect),
             recovery,
             publisher,
         )
+        monitor = self._health_monitor(api, node, found, publisher, recovery, unmonitored)
+        running.callback(publisher.stop)  # slices stay: a restart must not lose them
+        running.callback(monitor.stop)
+        # Runs after the service socket stopped (callbacks run in reverse): the journal's
+        # log folded into a snapshot every release reads (docs/state.md, "The log").
+        running.callback(compact_journal, state, drain_seconds=SHUTDOWN_DRAIN_SECONDS)
+        # before compaction
+        mps_watch = watch_mps_daemons(o, state, api, running, found.recovered, after_check=escapes)
+        return Health(publisher, recovery, unmonitored, monitor, limit_requests, mps_watch)
+
+    def _health_monitor(
+        self,
+        api: KubeApi,
+        node: LocalNode,
+        found: Discovery,
+        publisher: SlicePublisher,
+        recovery: RecoveryActions,
+        unmonitored: UnmonitoredGpus,
+    ) -> HealthMonitor:
+        o = self.options
+        backend = node.backend
         monitor = HealthMonitor(
             backend,
-            store,
-            policy,
+            node.store,
+            node.policy,
             publisher,
-            devices,
+            found.devices,
             node_name=o.node_name,
             # What the backend adds: on the mock, its `gpu-dra mock ...` and wait.
-            control_actions=backend.control_actions(devices),
+            control_actions=backend.control_actions(found.devices),
             wait_timeout_ms=backend.event_wait_ms,
-            gpu_names={gpu.uuid: gpu.name for gpu in gpus},
+            gpu_names={gpu.uuid: gpu.name for gpu in found.gpus},
             node_events=NodeEvents(api, driver=o.driver_name, node_name=o.node_name),
             driver=o.driver_name,
             taint_effect=o.xid_taint_effect,
@@ -276,65 +303,51 @@ class Plugin:
                     on_change=monitor.recovery_changed,
                 )
             )
-        running.callback(publisher.stop)  # slices stay: a restart must not lose them
-        running.callback(monitor.stop)
-        # Runs after the service socket stopped (callbacks run in reverse): the journal's
-        # log folded into a snapshot every release reads (docs/state.md, "The log").
-        running.callback(compact_journal, state, drain_seconds=SHUTDOWN_DRAIN_SECONDS)
-        # before compaction
-        mps_watch = watch_mps_daemons(o, state, api, running, recovered, after_check=escapes)
+        return monitor
 
-        paths = socket_paths(o.driver_name, o.registrar_dir, o.data_dir, o.pod_uid or None)
-
-        def build_service() -> BuiltServer:
-            # Each open health stream holds a worker thread for its lifetime.
-            server = new_server(max_workers=16)
-            preparer = (
-                state
-                if limit_requests is None
-                else ForgetRequestsOnUnprepare(state, limit_requests)
-            )
-            add_dra_services(server, preparer, serving_instead=succession.newer)
-            health = add_health_services(
-                server, store, devices, pool_name=o.node_name, recovery=recovery
-            )
-            return BuiltServer(server, before_stop=health.stop)
-
-        registration = RegistrationServicer(
-            o.driver_name,
-            str(paths.service),
-            DRA_SERVICES + HEALTH_SERVICES,
-            on_registered=succession.registered,
-        )
-
-        def build_registration() -> BuiltServer:
-            server = new_server(max_workers=2)
-            registration_grpc.add_RegistrationServicer_to_server(registration, server)
-            return BuiltServer(server)
-
+    def _status_socket(
+        self,
+        healthz: Healthz,
+        node: LocalNode,
+        found: Discovery,
+        health: Health,
+        registration: RegistrationServicer,
+    ) -> ServingStatusSocket:
+        """The status socket (`gpu-dra status`, control requests), bound while this
+        instance serves the node."""
+        o = self.options
         status = PluginStatus(
             version=self.version,
             node=o.node_name,
             driver=o.driver_name,
             taint_effect=o.xid_taint_effect,
-            gpus=gpus,
-            devices=devices,
+            gpus=found.gpus,
+            devices=found.devices,
             registration=registration,
-            publisher=publisher,
-            store=store,
-            recovery=recovery,
-            unmonitored=unmonitored,
-            state=state,
-            journal=journal,
-            toolkit=toolkit,
-            mps=mps_watch,
-            succession=succession,
+            publisher=health.publisher,
+            store=node.store,
+            recovery=health.recovery,
+            unmonitored=health.unmonitored,
+            state=node.state,
+            journal=node.journal,
+            toolkit=node.toolkit,
+            mps=health.mps_watch,
+            succession=node.succession,
         )
-        status_socket = ServingStatusSocket(
+        return ServingStatusSocket(
             lambda: bind_status_socket(
-                o.data_dir, status.document, healthz, control=monitor.control.respond
+                o.data_dir, status.document, healthz, control=health.monitor.control.respond
             )
         )
+
+    def _take_turn(
+        self,
+        succession: Succession,
+        publisher: SlicePublisher,
+        status_socket: ServingStatusSocket,
+        running: contextlib.ExitStack,
+    ) -> None:
+        """Publish and bind the status socket while this instance serves the node."""
         succession.on_change(lambda serving: serving and publisher.trigger())
         succession.on_change(status_socket.serving)
         running.callback(status_socket.shutdown)
@@ -346,69 +359,6 @@ class Plugin:
         if not succession.start():
             log.info("another plugin instance serves the node: waiting for the registration")
         succession.watch()
-        service_socket = SocketServer("service", paths.service, build_service)
-        registration_socket = SocketServer("registration", paths.registration, build_registration)
-        # The service first: the kubelet dials it as soon as the registration appears.
-        # Stopped the other way round: removing the registration socket deregisters.
-        service_socket.start()
-        running.callback(service_socket.stop, SHUTDOWN_GRACE_SECONDS)
-        registration_socket.start()
-        running.callback(registration_socket.stop, 0)
-        log.info("serving %s; registration socket %s", paths.service, paths.registration)
-        metrics.KUBELET_REGISTERED.set_function(lambda: float(registration.registered.is_set()))
-        metrics.SERVING.set_function(lambda: float(succession.serving()))
-        watcher = SocketWatcher(
-            service_socket, registration_socket, on_reregister=registration.registered.clear
-        )
-
-        publisher.start()
-        monitor.start()
-        watcher.start()
-        running.callback(watcher.stop)
-
-        def healthy() -> tuple[bool, str]:
-            return health_report(
-                registered=registration.registered.is_set(),
-                last_synced=publisher.stats.last_synced,
-                checkpoint_problem=state.checkpoint_problem,
-                health_store_problem=store.problem,
-                publish_problem=publisher.stats.failing,
-            )
-
-        healthz.serve(healthy)
-        if http is not None:
-            http.serve_readiness(Readiness(registration, paths))
-            http.start()
-
-        def remove_common_spec() -> None:
-            remove_durably(state.cdi.common_spec_path)
-
-        def leave() -> bool:
-            # The last instance leaves: an uninstall must not leave CDI files behind.
-            # (Claim specs go with their unprepare; ResourceSlices are removed by the
-            # kubelet once no instance is registered.)
-            return instance.release(on_last=remove_common_spec)
-
-        return leave
-
-
-def real_driver_root(o: PluginOptions) -> DriverRoot:
-    """The driver root as CDI specs name it, with the host path of nvidia-cdi-hook."""
-    hook = cdi_hook_path(o.nvidia_cdi_hook_path, o.data_dir)
-    if not o.nvidia_cdi_hook_path and shutil.which(HOOK_NAME) is None:
-        raise ValueError(f"{HOOK_NAME} is not on PATH; set --nvidia-cdi-hook-path")
-    return DriverRoot(o.nvidia_driver_root, o.nvidia_driver_root_host, hook)
-
-
-def install_image_hook(o: PluginOptions, state: DeviceState) -> None:
-    """Copy the image's nvidia-cdi-hook to the host under the node lock, which a rolling
-    update's other instance also takes: a crash's temp files can be swept then."""
-    if o.nvidia_cdi_hook_path:
-        return
-    source = Path(shutil.which(HOOK_NAME) or HOOK_NAME)
-    with state.lock.hold():
-        sweep_temp_files(o.data_dir, HOOK_NAME)
-        install_cdi_hook(source, o.data_dir)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
