@@ -1,6 +1,7 @@
 """Prepare/unprepare of one claim in-process, without gRPC or an API server:
-`python -m bench.profile_state [--cycles N]` prints p50 of each, the max RSS and the
-cProfile top; bench/ab_state.sh runs it for two revisions in turn.
+`python -m bench.profile_state [--cycles N]` prints p50 of each, the max RSS, the
+cProfile top of the prepares and their time per stage (docs/architecture.md, "One
+claim's prepare, one pass"); bench/ab_state.sh runs it for two revisions in turn.
 
 The state machine alone (`DeviceState` over the reference's `example` GPUs, a claim
 reader that answers from memory, the plugin directories under --dir on the disk under
@@ -46,6 +47,36 @@ CLAIM: dict[str, Any] = {
         }
     },
 }
+
+
+# (stage, module, its functions the facade calls): their cumulative time in the profile.
+STAGES = (
+    ("1 decode", "state/request.py", ("read_claims", "check_claim", "check_health")),
+    ("  journal load", "state/context.py", ("load_journal",)),
+    ("2 plan", "state/plan.py", ("plan_batch",)),
+    ("3 apply", "state/apply.py", ("clear_the_way", "create_mig", "share")),
+    ("4-5 commit", "state/commit.py", ("store_intent", "write_specs", "complete")),
+)
+
+
+def print_stages(profile: cProfile.Profile, cycles: int) -> None:
+    """Each stage's time per prepare under the profiler (which slows every call alike),
+    and its share of the whole prepare call."""
+    stats = pstats.Stats(profile).stats  # type: ignore[attr-defined]
+
+    def per_call_ms(module: str, names: tuple[str, ...]) -> float:
+        seconds = sum(
+            cumulative
+            for (path, _, name), (_, _, _, cumulative, _) in stats.items()
+            if path.endswith(module) and name in names
+        )
+        return seconds / cycles * 1000
+
+    whole = per_call_ms("state/prepare.py", ("prepare",))
+    print(f"prepare under cProfile: {whole:.3f} ms per call, by stage:")
+    for label, module, names in STAGES:
+        ms = per_call_ms(module, names)
+        print(f"  {label:<14} {ms:.3f} ms  {ms / whole:5.1%}  {module}")
 
 
 class MemoryClaims:
@@ -104,13 +135,14 @@ def main(argv: list[str] | None = None) -> int:
         f" max RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss} KiB"
     )
     profile = cProfile.Profile()
-    profile.enable()
     for _ in range(args.cycles):
+        profile.enable()
         state.prepare([ref])
+        profile.disable()
         state.unprepare([ref])
-    profile.disable()
     shutil.rmtree(root)
     pstats.Stats(profile).sort_stats("tottime").print_stats(15)
+    print_stages(profile, args.cycles)
     return 0
 
 
