@@ -97,9 +97,7 @@ Devices = Iterable[HealthDevice] | Mapping[str, HealthDevice]
 
 def device_list(devices: Devices) -> list[HealthDevice]:
     """Devices given as a sequence or as a name -> device mapping."""
-    if isinstance(devices, Mapping):
-        return list(devices.values())
-    return list(devices)
+    return list(devices.values() if isinstance(devices, Mapping) else devices)
 
 
 def device_placement(device: object) -> Placement | None:
@@ -109,17 +107,12 @@ def device_placement(device: object) -> Placement | None:
     placement = getattr(device, "placement", None)
     if placement is None:
         placement = getattr(getattr(device, "mig", None), "placement", None)
-    if placement is None:
-        return None
-    start, size = placement
-    return (int(start), int(size))
+    return None if placement is None else (int(placement[0]), int(placement[1]))
 
 
 def overlaps(a: Placement | None, b: Placement) -> bool:
     """Whether the memory slices of `a` (None: the whole GPU) and `b` intersect."""
-    if a is None:
-        return True
-    return a[0] < b[0] + b[1] and b[0] < a[0] + a[1]
+    return a is None or (a[0] < b[0] + b[1] and b[0] < a[0] + a[1])
 
 
 RFC3339_UTC = "%Y-%m-%dT%H:%M:%SZ"

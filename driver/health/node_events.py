@@ -48,13 +48,10 @@ class RecoveryTaints(Protocol):
 def kept_taint(recovery: RecoveryTaints | None, gpu_uuid: str) -> str | None:
     """`<key>=<value>:<effect> (<why>)` of the taint that NVML's recovery action keeps
     on every device of the GPU whatever the health store says; None if none."""
-    if recovery is None:
+    if recovery is None or (action := recovery.tainting(gpu_uuid)) is None:
         return None
-    action = recovery.tainting(gpu_uuid)
-    taint = action.taint(recovery.driver) if action is not None else None
-    if action is None or taint is None:
-        return None
-    return f"{taint['key']}={taint['value']}:{taint['effect']} ({action.message()})"
+    taint = action.taint(recovery.driver)
+    return None if taint is None else f"{_taint_text(taint)} ({action.message()})"
 
 
 class EventSink(Protocol):
@@ -69,8 +66,8 @@ def device_names_text(devices: Sequence[str]) -> str:
     return shown + (f" and {more} more" if more > 0 else "")
 
 
-def _taint(failure: GpuFailure, driver: str, effect: str) -> str:
-    taint = failure.taint(driver, effect)
+def _taint_text(taint: Mapping[str, str]) -> str:
+    """`<key>[=<value>]:<effect>`"""
     value = f"={taint['value']}" if "value" in taint else ""
     return f"{taint['key']}{value}:{taint['effect']}"
 
@@ -84,8 +81,8 @@ class TaintEvents:
         *,
         driver: str,
         effect: str,
-        gpu_names: Mapping[str, str] | None = None,
-        recovery: RecoveryTaints | None = None,
+        gpu_names: Mapping[str, str],
+        recovery: RecoveryTaints | None,
     ) -> None:
         self._sink = sink
         self._recovery = recovery
@@ -93,7 +90,7 @@ class TaintEvents:
         self._devices: list[HealthDevice] = device_list(devices)
         self._driver = driver
         self._effect = effect
-        self._gpu_names = dict(gpu_names or {})
+        self._gpu_names = dict(gpu_names)
 
     @contextlib.contextmanager
     def change(self, gpu_uuid: str, cause: str) -> Iterator[None]:
@@ -105,21 +102,20 @@ class TaintEvents:
         after = self._store.device_failures(gpu_devices)
         gpu = f"{self._gpu_names.get(gpu_uuid, gpu_uuid)} ({gpu_uuid})"
         new: dict[GpuFailure, list[str]] = {}
-        for device in gpu_devices:
-            failure = after.get(device.name)
-            if failure is not None and failure not in before.values():
-                new.setdefault(failure, []).append(device.name)
+        for name, failure in after.items():
+            if failure not in before.values():
+                new.setdefault(failure, []).append(name)
         for failure, names in new.items():
             self._sink.post(
                 NodeEvent(
                     REASON_TAINTED,
                     f"{gpu}: {failure.message()}; taint "
-                    f"{_taint(failure, self._driver, self._effect)} on {len(names)} "
+                    f"{_taint_text(failure.taint(self._driver, self._effect))} on {len(names)} "
                     f"device(s): {device_names_text(names)}",
                     "Warning",
                 )
             )
-        untainted = [d.name for d in gpu_devices if d.name in before and d.name not in after]
+        untainted = [name for name in before if name not in after]
         if untainted:
             was = "; ".join(dict.fromkeys(before[n].message() for n in untainted))
             kept = kept_taint(self._recovery, gpu_uuid)

@@ -46,33 +46,26 @@ class HealthRecords:
 class HealthStoreCorruptError(ValueError):
     """The file exists but cannot be trusted: which GPUs failed is unknown."""
 
+    state = "is corrupt"
     remedy = "an operator restores the file or moves it aside and restarts the plugin"
 
-    def __init__(self, path: Path, reason: str, *, state: str = "is corrupt") -> None:
-        self.path = path
-        self.reason = reason
-        super().__init__(f"health store {path} {state} ({reason})")
-
-
-class NewerSchemaError(ValueError):
-    """The file's `version` is one a newer release writes: this release cannot tell
-    what it would drop by reading it."""
-
-    def __init__(self, version: int) -> None:
-        self.version = version
-        super().__init__(f"schema version {version}; this release reads up to {SCHEMA_VERSION}")
+    def __init__(self, path: Path, reason: object) -> None:
+        super().__init__(f"health store {path} {self.state} ({reason})")
 
 
 class HealthStoreNewerError(HealthStoreCorruptError):
     """The file is a newer release's: kept untouched, every GPU kept failed."""
 
+    state = "was written by a newer release"
     remedy = (
         "the newer release runs again (or an operator who accepts losing its records "
         "moves the file aside and restarts the plugin)"
     )
 
-    def __init__(self, path: Path, err: NewerSchemaError) -> None:
-        super().__init__(path, str(err), state="was written by a newer release")
+
+class NewerSchemaError(ValueError):
+    """The file's `version` is one a newer release writes: this release cannot tell
+    what it would drop by reading it."""
 
 
 def load_records(path: Path) -> HealthRecords:
@@ -99,27 +92,27 @@ def parse_records(raw: bytes) -> HealthRecords:
     ValueError, KeyError, TypeError on garbage."""
     doc = json.loads(raw)
     version = doc.get("version", 1)  # a file repaired by hand may leave it out
-    if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+    if type(version) is not int or version < 1:
         raise ValueError(f"version is not a schema version: {version!r}")
     if version > SCHEMA_VERSION:
-        raise NewerSchemaError(version)
+        raise NewerSchemaError(
+            f"schema version {version}; this release reads up to {SCHEMA_VERSION}"
+        )
     gpus = doc["gpus"]
     if not isinstance(gpus, dict):
         raise TypeError("gpus is not an object")
-    records = HealthRecords()
-    for uuid, rec in gpus.items():
-        records.gpus[str(uuid)] = parse_failure(rec, str(uuid))
-    raw_instances = doc.get("instances", {})
-    if not isinstance(raw_instances, dict):
+    records = HealthRecords({uuid: parse_failure(rec, uuid) for uuid, rec in gpus.items()})
+    instances = doc.get("instances", {})
+    if not isinstance(instances, dict):
         raise TypeError("instances is not an object")
-    for uuid, listed in raw_instances.items():
+    for uuid, listed in instances.items():
         if not isinstance(listed, list):
             raise TypeError(f"instances of {uuid} is not a list")
         for rec in listed:
-            failure = parse_failure(rec, str(uuid))
+            failure = parse_failure(rec, uuid)
             if failure.placement is None:
                 raise ValueError(f"instance record of {uuid} has no placement")
-            records.instances.setdefault(str(uuid), {})[failure.placement] = failure
+            records.instances.setdefault(uuid, {})[failure.placement] = failure
     return records
 
 
@@ -133,7 +126,7 @@ def parse_failure(rec: Any, uuid: str) -> GpuFailure:
     placement: Placement | None = None
     if "start" in rec or "size" in rec:
         start, size = rec["start"], rec["size"]
-        if not all(isinstance(v, int) and not isinstance(v, bool) for v in (start, size)):
+        if type(start) is not int or type(size) is not int:  # a bool is no int here
             raise TypeError(f"bad placement {start!r}+{size!r} for {uuid}")
         if start < 0 or size <= 0:
             raise ValueError(f"bad placement {start}+{size} for {uuid}")
@@ -150,9 +143,7 @@ def parse_failure(rec: Any, uuid: str) -> GpuFailure:
 
 
 def _optional_id(value: object) -> int | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+    if value is not None and (type(value) is not int or value < 0):
         raise ValueError(f"bad instance ID {value!r}")
     return value
 
@@ -171,26 +162,24 @@ def encode_records(records: HealthRecords) -> bytes:
         "version": SCHEMA_VERSION,
         "gpus": {uuid: _failure_record(f) for uuid, f in sorted(records.gpus.items())},
     }
-    instances = {
-        uuid: [
-            {
-                "start": placement[0],
-                "size": placement[1],
-                "gpuInstanceId": f.gpu_instance_id,
-                "computeInstanceId": f.compute_instance_id,
-                **_failure_record(f),
-            }
-            for placement, f in sorted(by_placement.items())
-        ]
-        for uuid, by_placement in sorted(records.instances.items())
-        if by_placement
-    }
-    if instances:
-        doc["instances"] = instances
+    if records.instances:
+        doc["instances"] = {
+            uuid: [
+                {
+                    "start": start,
+                    "size": size,
+                    "gpuInstanceId": f.gpu_instance_id,
+                    "computeInstanceId": f.compute_instance_id,
+                    **_failure_record(f),
+                }
+                for (start, size), f in sorted(by_placement.items())
+            ]
+            for uuid, by_placement in sorted(records.instances.items())
+        }
     return json.dumps(doc, indent=1, sort_keys=True).encode() + b"\n"
 
 
 def write_records(path: Path, records: HealthRecords) -> None:
     """Atomically replace the file (0600, its directory 0700 if created). Raises OSError."""
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    atomic_write(path, encode_records(records), mode=0o600)
+    atomic_write(path, encode_records(records))

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,7 +48,6 @@ from driver.health.failures import (
     precedence,
 )
 from driver.health.persistence import (
-    SCHEMA_VERSION,
     HealthRecords,
     HealthStoreCorruptError,
     load_records,
@@ -57,21 +55,14 @@ from driver.health.persistence import (
 )
 from driver.observability import metrics
 
+# Re-exported: callers take the model's names from here with the store.
 __all__ = [
     "DEFAULT_DRIVER_NAME",
-    "KIND_GPU_LOST",
-    "KIND_UNKNOWN",
-    "KIND_XID",
-    "SCHEMA_VERSION",
     "Devices",
-    "GpuFailure",
     "HealthDevice",
     "HealthStore",
     "Placement",
-    "UnknownHealth",
     "device_list",
-    "device_placement",
-    "overlaps",
 ]
 
 log = logging.getLogger(__name__)
@@ -106,20 +97,17 @@ class HealthStore:
         self.path = Path(path)
         self.driver = driver
         self._cond = threading.Condition(threading.RLock())
-        self._failures: dict[str, GpuFailure] = {}
-        self._instances: dict[str, dict[Placement, GpuFailure]] = {}
-        # device name -> (GPU UUID, placement)
         self._version = 0
+        self._wakes = 0  # `wake` calls, which end every wait
         self._dirty = False
         self._unknown: UnknownHealth | None = None
         if records is None:
-            self._load()
-        else:
-            self._failures, self._instances = records.gpus, records.instances
+            records = self._load()
+        self._failures, self._instances = records.gpus, records.instances
 
     # -- persistence -------------------------------------------------------------------
 
-    def _load(self) -> None:
+    def _load(self) -> HealthRecords:
         try:
             records = load_records(self.path)
         except HealthStoreCorruptError as err:
@@ -132,22 +120,22 @@ class HealthStore:
             log.error("%s", self._unknown.reason)
             records = HealthRecords()
         metrics.HEALTH_STORE_CORRUPT.set(float(self._unknown is not None))
-        self._failures, self._instances = records.gpus, records.instances
-        if self._failures:
+        if records.gpus:
             log.warning(
                 "health store: %d failed GPU(s) remembered from before the restart: %s",
-                len(self._failures),
-                ", ".join(f"{u} ({f.message()})" for u, f in sorted(self._failures.items())),
+                len(records.gpus),
+                ", ".join(f"{u} ({f.message()})" for u, f in sorted(records.gpus.items())),
             )
-        if self._instances:
+        if records.instances:
             log.warning(
                 "health store: failed MIG GPU instance(s) remembered from before the restart: %s",
                 ", ".join(
                     f"{u} ({f.message()})"
-                    for u, by in sorted(self._instances.items())
+                    for u, by in sorted(records.instances.items())
                     for _, f in sorted(by.items())
                 ),
             )
+        return records
 
     @property
     def problem(self) -> str | None:
@@ -155,10 +143,10 @@ class HealthStore:
         return self._unknown.reason if self._unknown is not None else None
 
     def _persist_locked(self) -> None:
+        self._dirty = True
         if self._unknown is not None:
             # Writing would replace the corrupt file with one listing only the failures
             # seen since, which the next start would trust: that would fail open.
-            self._dirty = True
             log.error("health store: %s is corrupt; change kept in memory only", self.path)
             return
         try:
@@ -166,7 +154,6 @@ class HealthStore:
             self._dirty = False
         except OSError as err:
             # The taint is still published from memory; the next change retries the write.
-            self._dirty = True
             log.error("health store: cannot write %s: %s", self.path, err)
 
     def flush(self) -> bool:
@@ -196,17 +183,16 @@ class HealthStore:
         key = f"{self.driver}/{kind}"
         with self._cond:
             current = self._failures.get(gpu_uuid)
-            if current is not None:
-                if kind_rank(current.kind) > kind_rank(kind):
-                    return False  # gpu-lost beats xid; a newer release's kind beats both
-                if current.key == key and current.value == value:
-                    return False
-                since = current.since if current.kind == kind else now_rfc3339()
-            else:
-                since = now_rfc3339()
-            self._failures[gpu_uuid] = GpuFailure(key, value, reason, since)
+            if current is not None and (
+                # gpu-lost beats xid; a newer release's kind beats both
+                kind_rank(current.kind) > kind_rank(kind)
+                or (current.key, current.value) == (key, value)
+            ):
+                return False
+            since = current.since if current is not None and current.kind == kind else now_rfc3339()
+            failure = self._failures[gpu_uuid] = GpuFailure(key, value, reason, since)
             self._changed_locked()
-            log.warning("GPU %s failed: %s", gpu_uuid, self._failures[gpu_uuid].message())
+            log.warning("GPU %s failed: %s", gpu_uuid, failure.message())
             return True
 
     def record_instance_xid(
@@ -221,37 +207,31 @@ class HealthStore:
     ) -> bool:
         """A fatal Xid NVML attributed to the MIG GPU instance at `placement` (start,
         size in memory slices). Returns True if the record changed."""
-        start, size = placement
-        if start < 0 or size <= 0:
+        if placement[0] < 0 or placement[1] <= 0:
             raise ValueError(f"bad placement {placement!r}")
-        placement = (int(start), int(size))
-        key = f"{self.driver}/{KIND_XID}"
         value = str(xid)
         with self._cond:
             gpu = self._failures.get(gpu_uuid)
             if gpu is not None and gpu.kind == KIND_GPU_LOST:
                 return False  # gpu-lost beats xid
-            by_placement = self._instances.setdefault(gpu_uuid, {})
-            current = by_placement.get(placement)
-            if current is not None and kind_rank(current.kind) > kind_rank(KIND_XID):
-                return False  # a newer release's kind is never replaced
+            current = self._instances.get(gpu_uuid, {}).get(placement)
             if current is not None and (
-                current.value,
-                current.gpu_instance_id,
-                current.compute_instance_id,
-            ) == (value, gpu_instance_id, compute_instance_id):
+                # a newer release's kind is never replaced
+                kind_rank(current.kind) > kind_rank(KIND_XID)
+                or (current.value, current.gpu_instance_id, current.compute_instance_id)
+                == (value, gpu_instance_id, compute_instance_id)
+            ):
                 return False
-            since = current.since if current is not None else now_rfc3339()
             failure = GpuFailure(
-                key,
+                f"{self.driver}/{KIND_XID}",
                 value,
                 reason or f"Xid {xid}",
-                since,
+                current.since if current is not None else now_rfc3339(),
                 placement=placement,
                 gpu_instance_id=gpu_instance_id,
                 compute_instance_id=compute_instance_id,
             )
-            by_placement[placement] = failure
+            self._instances.setdefault(gpu_uuid, {})[placement] = failure
             self._changed_locked()
         log.warning("GPU %s: MIG partition failed: %s", gpu_uuid, failure.message())
         return True
@@ -274,14 +254,12 @@ class HealthStore:
         failure (if any) stays. Returns the records removed."""
         with self._cond:
             by_placement = self._instances.get(gpu_uuid, {})
-            removed = [f for where, f in sorted(by_placement.items()) if overlaps(placement, where)]
-            if not removed:
+            hit = [where for where in sorted(by_placement) if overlaps(placement, where)]
+            if not hit:
                 return []
-            for failure in removed:
-                assert failure.placement is not None
-                del by_placement[failure.placement]
+            removed = [by_placement.pop(where) for where in hit]
             if not by_placement:
-                self._instances.pop(gpu_uuid, None)
+                del self._instances[gpu_uuid]
             self._changed_locked()
         log.warning(
             "GPU %s: MIG partition healthy again (was: %s)",
@@ -291,15 +269,11 @@ class HealthStore:
         return removed
 
     def wait_changed(self, version: int, timeout: float) -> int:
-        """Block until `version` differs from the current one or `timeout` passes;
-        returns the current version."""
-        deadline = time.monotonic() + timeout
+        """Block until `version` differs from the current one, `wake` is called or
+        `timeout` passes; returns the current version."""
         with self._cond:
-            while self._version == version:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    break
-                self._cond.wait(remaining)
+            wakes = self._wakes
+            self._cond.wait_for(lambda: self._version != version or self._wakes != wakes, timeout)
             return self._version
 
     def note_change(self) -> None:
@@ -311,6 +285,7 @@ class HealthStore:
     def wake(self) -> None:
         """Wake every `wait_changed` caller without a change (used on shutdown)."""
         with self._cond:
+            self._wakes += 1
             self._cond.notify_all()
 
     # -- queries -----------------------------------------------------------------------
@@ -319,12 +294,6 @@ class HealthStore:
     def version(self) -> int:
         with self._cond:
             return self._version
-
-    def snapshot(self) -> tuple[int, dict[str, GpuFailure]]:
-        """The version and the whole-GPU failures (see `device_snapshot` for what
-        each device shows, GPU-instance failures included)."""
-        with self._cond:
-            return self._version, dict(self._failures)
 
     def device_snapshot(self, devices: Devices) -> tuple[int, dict[str, GpuFailure]]:
         """The version and the failure each failed device shows, by device name."""
@@ -344,35 +313,27 @@ class HealthStore:
     def failed_instances(self) -> dict[str, dict[Placement, GpuFailure]]:
         """GPU-instance failures by GPU UUID and placement."""
         with self._cond:
-            return {u: dict(by) for u, by in self._instances.items() if by}
-
-    def _failure_locked(self, gpu_uuid: str, placement: Placement | None) -> GpuFailure | None:
-        found: list[GpuFailure] = []
-        whole = self._failures.get(gpu_uuid)
-        if whole is not None:
-            found.append(whole)
-        for where, failure in self._instances.get(gpu_uuid, {}).items():
-            if overlaps(placement, where):
-                found.append(failure)
-        if found:
-            return min(found, key=precedence)
-        return self._unknown
+            return {u: dict(by) for u, by in self._instances.items()}
 
     def device_failure(self, device: HealthDevice) -> GpuFailure | None:
         """The failure a device shows: its GPU's, or that of a GPU instance on its
         memory slices (the strongest if several)."""
+        placement = device_placement(device)
         with self._cond:
-            return self._failure_locked(device.gpu_uuid, device_placement(device))
+            whole = self._failures.get(device.gpu_uuid)
+            found = [whole] if whole is not None else []
+            found += [
+                f
+                for where, f in self._instances.get(device.gpu_uuid, {}).items()
+                if overlaps(placement, where)
+            ]
+            return min(found, key=precedence, default=self._unknown)
 
     def device_failures(self, devices: Devices) -> dict[str, GpuFailure]:
         """Failed devices by name; devices without a failure are absent."""
-        out: dict[str, GpuFailure] = {}
         with self._cond:
-            for device in device_list(devices):
-                failure = self._failure_locked(device.gpu_uuid, device_placement(device))
-                if failure is not None:
-                    out[device.name] = failure
-        return out
+            failures = {d.name: self.device_failure(d) for d in device_list(devices)}
+        return {name: f for name, f in failures.items() if f is not None}
 
     def device_taints(
         self,

@@ -89,9 +89,9 @@ def parse_taint_effect(text: str | None, flag: str = EFFECT_FLAG) -> str:
     """`NoSchedule` | `NoExecute` | `None` (case-insensitive), normalised."""
     if text is None or not text.strip():
         return DEFAULT_TAINT_EFFECT
-    for effect in TAINT_EFFECTS:
-        if text.strip().lower() == effect.lower():
-            return effect
+    effect = {e.lower(): e for e in TAINT_EFFECTS}.get(text.strip().lower())
+    if effect is not None:
+        return effect
     raise XidListError(f"{flag}: {text!r} is not one of {', '.join(TAINT_EFFECTS)}")
 
 
@@ -111,27 +111,19 @@ class XidPolicy:
         """The policy for `--additional-xids-to-ignore` and `--fatal-xids` values (strings
         as given on the command line, or ints). Raises XidListError naming the flag."""
         extra = _as_list(additional_ignored, IGNORE_FLAG)
-        forced = _as_list(fatal, FATAL_FLAG)
         return cls(
-            ignored=XidList(DEFAULT_IGNORED_XIDS | extra.xids, extra.all),
-            fatal=forced,
+            XidList(DEFAULT_IGNORED_XIDS | extra.xids, extra.all), _as_list(fatal, FATAL_FLAG)
         )
-
-    def xid_verdict(self, xid: int) -> Verdict:
-        if xid in self.fatal:
-            return Verdict.FATAL
-        if xid in self.ignored:
-            return Verdict.IGNORED
-        return Verdict.FATAL
 
     def classify(self, event: HealthEvent) -> Verdict:
         """Fatal or ignored. `recovered` (and unknown kinds) are never failures."""
         if event.kind in ("ecc-dbe", "gpu-lost"):
             return Verdict.FATAL
-        if event.kind == "xid":
-            if event.xid is None:  # an Xid event without a number: cannot be judged benign
-                return Verdict.FATAL
-            return self.xid_verdict(event.xid)
+        if event.kind != "xid":
+            return Verdict.IGNORED
+        # An Xid event without a number cannot be judged benign.
+        if event.xid is None or event.xid in self.fatal or event.xid not in self.ignored:
+            return Verdict.FATAL
         return Verdict.IGNORED
 
     def describe(self) -> str:
@@ -148,9 +140,7 @@ def attributed_instance(event: HealthEvent) -> int | None:
     """The MIG GPU instance an Xid event is attributed to, or None when the event
     concerns the whole GPU. NVML attributes only Xid events (nvml.h, nvmlEventData_t),
     so any other kind is whole-GPU whatever it carries."""
-    if event.kind != "xid":
-        return None
-    return event.gpu_instance_id
+    return event.gpu_instance_id if event.kind == "xid" else None
 
 
 def _as_list(value: str | Iterable[int] | None, flag: str) -> XidList:

@@ -228,6 +228,19 @@ def test_wait_changed_wakes_on_change(tmp_path: Path) -> None:
     timer.join()
 
 
+def test_wake_ends_a_wait_without_a_change(tmp_path: Path) -> None:
+    """A stopping health stream wakes its waiters: they return at once, unchanged."""
+    store = HealthStore(tmp_path / "health.json")
+    version = store.version
+    timer = threading.Timer(0.05, store.wake)
+    timer.start()
+    start = time.monotonic()
+    timeout = 60.0  # no busy machine delays the wake this long
+    assert store.wait_changed(version, timeout) == version
+    assert time.monotonic() - start < timeout / 2  # woken, not timed out
+    timer.join()
+
+
 # -- MIG GPU-instance failures -----------------------------------------------------------
 
 GPU2 = "GPU-22222222-2222-4222-8222-222222222222"
