@@ -1,30 +1,22 @@
 """`clear`, a control request (`driver.health.control_queue`): an operator repaired a GPU or a
-MIG partition.
+MIG partition (docs/day-2.md, "`gpu-dra health clear DEVICE`").
 
-`gpu-dra health clear <device>` asks the running plugin, which applies it itself (the
-CLI never writes the health store behind the plugin's back). Accepted with every NVML
-backend: it only forgets failures, it injects nothing.
+The running plugin applies it itself: the CLI never writes the health store behind the
+plugin's back. Accepted with every NVML backend: it only forgets failures, it injects nothing.
 
 Request (`POST /control/clear`): `{"device": "<name or GPU UUID>", "dryRun": bool,
-"expect": [<record>...] | null}`.
-
-- The whole GPU (`gpu-<n>`, its UUID): its failure and those of all its GPU
-  instances are forgotten, as NVML's recovery event does.
-- A partition: the GPU-instance failures on its memory slices are forgotten.
-  Refused when its GPU itself failed (that failure covers every device of the GPU:
-  clear the GPU) or when it is not a MIG device (its failures are the GPU's).
-- `dryRun`: nothing changes; the answer lists the records that would go and the
-  devices that would lose their taint. `expect`: the records a preview showed; the
-  clear is refused when they changed meanwhile (a new Xid since the preview).
+"expect": [<record>...] | null}`. The whole GPU (`gpu-<n>`, its UUID) forgets its failure
+and those of all its GPU instances, as NVML's recovery event does; a partition, the
+GPU-instance failures on its memory slices (refused when its GPU itself failed: that
+failure covers every device of the GPU; or when it is not a MIG device: its failures are
+the GPU's). `dryRun`: nothing changes, the answer lists what would go. `expect`: the
+records a preview showed; the clear is refused when they changed meanwhile (a new Xid).
 
 A clear forgets only the health store's failures: a taint of NVML's recovery action
 (`driver.health.recovery_taints`) stays on every device of the GPU until NVML reports no
-action. The plan names it (`keptTaint`), and so do the answers and the Event.
-
-After a clear the slices are republished and the answer says whether the API server
-accepted them (`published`) within `publish_timeout`. If the fault persists, the next
-NVML event records it (and taints the device) again. With `taint_events`, a clear
-that removes a taint is also a `GpuTaintCleared` Event on the Node.
+action; the plan names it (`keptTaint`). After a clear the slices are republished and the
+answer says whether the API server accepted them (`published`) within `PUBLISH_TIMEOUT`.
+With `taint_events`, a clear that removes a taint is also a `GpuTaintCleared` Node Event.
 """
 
 from __future__ import annotations
@@ -45,6 +37,7 @@ from driver.health.failures import (
     device_placement,
     overlaps,
 )
+from driver.health.gpu_metrics import published_gpu_names
 from driver.health.node_events import RecoveryTaints, TaintEvents, kept_taint
 from driver.health.store import HealthStore
 from driver.observability import metrics
@@ -53,7 +46,7 @@ log = logging.getLogger(__name__)
 
 ACTION = "clear"
 OPERATOR_CAUSE = "cleared by an operator (gpu-dra health clear)"
-DEFAULT_PUBLISH_TIMEOUT = 5.0
+PUBLISH_TIMEOUT = 5.0  # seconds a clear waits for the API server to accept its slices
 
 
 class Publisher(Protocol):
@@ -61,26 +54,6 @@ class Publisher(Protocol):
 
     def trigger(self) -> int: ...
     def wait_synced(self, ticket: int, timeout: float) -> bool: ...
-
-
-@dataclass(frozen=True)
-class ClearRequest:
-    device: str
-    dry_run: bool = False
-    expect: tuple[dict[str, Any], ...] | None = None
-
-    @classmethod
-    def from_document(cls, doc: dict[str, Any]) -> ClearRequest:
-        device, dry_run, expect = doc.get("device"), doc.get("dryRun", False), doc.get("expect")
-        if not isinstance(device, str) or not device:
-            raise ControlError("clear: device must be a non-empty string")
-        if not isinstance(dry_run, bool):
-            raise ControlError("clear: dryRun must be a boolean")
-        if expect is not None and not (
-            isinstance(expect, list) and all(isinstance(r, dict) for r in expect)
-        ):
-            raise ControlError("clear: expect must be a list of records or null")
-        return cls(device, dry_run, None if expect is None else tuple(expect))
 
 
 def record_json(gpu_uuid: str, failure: GpuFailure) -> dict[str, Any]:
@@ -108,8 +81,8 @@ class ClearPlan:
     records: tuple[GpuFailure, ...]
     untainted: tuple[str, ...]  # devices whose taint goes
     still_tainted: tuple[str, ...]  # devices of the GPU that keep a taint
-    kept_taint: str | None = None  # `kept_taint`: NVML's, on every device of the GPU
-    gpu_devices: int = 0  # how many devices the GPU has
+    kept_taint: str | None  # `kept_taint`: NVML's, on every device of the GPU
+    gpu_devices: int  # how many devices the GPU has
 
     def records_json(self) -> list[dict[str, Any]]:
         return [record_json(self.gpu_uuid, f) for f in self.records]
@@ -139,7 +112,6 @@ class ClearAction:
         publisher: Publisher | None,
         *,
         on_change: Callable[[], None] = lambda: None,
-        publish_timeout: float = DEFAULT_PUBLISH_TIMEOUT,
         taint_events: TaintEvents | None = None,
         recovery: RecoveryTaints | None = None,
     ) -> None:
@@ -147,24 +119,32 @@ class ClearAction:
         self._recovery = recovery
         self._devices = device_list(devices)
         self._by_name: dict[str, HealthDevice] = {d.name: d for d in self._devices}
+        self._gpu_names = published_gpu_names(self._devices)
         self._publisher = publisher
         self._on_change = on_change
-        self._publish_timeout = publish_timeout
         self._taint_events = taint_events
 
     def register_on(self, control: ControlQueue) -> None:
         control.register(ACTION, self.handle)
 
     def handle(self, doc: dict[str, Any]) -> dict[str, Any]:
-        request = ClearRequest.from_document(doc)
-        plan = self.plan(request.device)
-        if request.expect is not None and list(request.expect) != plan.records_json():
+        device, dry_run, expect = doc.get("device"), doc.get("dryRun", False), doc.get("expect")
+        if not isinstance(device, str) or not device:
+            raise ControlError("clear: device must be a non-empty string")
+        if not isinstance(dry_run, bool):
+            raise ControlError("clear: dryRun must be a boolean")
+        if expect is not None and not (
+            isinstance(expect, list) and all(isinstance(r, dict) for r in expect)
+        ):
+            raise ControlError("clear: expect must be a list of records or null")
+        plan = self.plan(device)
+        if expect is not None and expect != plan.records_json():
             raise ControlError(
                 f"the recorded failures of {plan.target} changed since the preview "
                 f"(now: {_describe(plan.records)}); run the command again"
             )
-        if request.dry_run or not plan.records:
-            return {"message": _preview(plan), "dryRun": request.dry_run, "plan": plan.to_json()}
+        if dry_run or not plan.records:
+            return {"message": _preview(plan), "dryRun": dry_run, "plan": plan.to_json()}
         with (
             contextlib.nullcontext()
             if self._taint_events is None
@@ -183,7 +163,11 @@ class ClearAction:
             ", ".join(plan.untainted) or "none",
         )
         self._on_change()
-        published = self._publish()
+        # Whether the API server accepted slices built after the clear.
+        published = None
+        if self._publisher is not None:
+            ticket = self._publisher.trigger()
+            published = self._publisher.wait_synced(ticket, PUBLISH_TIMEOUT)
         return {
             "message": f"cleared {plan.target}: {_describe(plan.records)}",
             "dryRun": False,
@@ -191,43 +175,30 @@ class ClearAction:
             "published": published,
         }
 
-    def _publish(self) -> bool | None:
-        """Republish; whether the API server accepted slices built after the clear."""
-        if self._publisher is None:
-            return None
-        ticket = self._publisher.trigger()
-        return self._publisher.wait_synced(ticket, self._publish_timeout)
-
     def plan(self, target: str) -> ClearPlan:
         gpu_uuid, placement = self._resolve(target)
         gpu_failure = self._store.gpu_failure(gpu_uuid)
-        instances = self._store.failed_instances().get(gpu_uuid, {})
+        instances = sorted(self._store.failed_instances().get(gpu_uuid, {}).items())
         if placement is None:
-            records = ([gpu_failure] if gpu_failure else []) + [
-                f for _, f in sorted(instances.items())
-            ]
-            remaining: list[GpuFailure] = []
-        else:
-            if gpu_failure is not None:
-                raise ControlError(
-                    f"{target} is unhealthy because its whole GPU failed "
-                    f"({gpu_failure.message()}): clear {self._gpu_name(gpu_uuid)} instead "
-                    "(the GPU and all its devices)"
-                )
-            records = [f for where, f in sorted(instances.items()) if overlaps(placement, where)]
-            remaining = [f for f in instances.values() if f not in records]
-        gpu_devices = [d for d in self._devices if d.gpu_uuid == gpu_uuid]
-        tainted_now = self._store.device_failures(gpu_devices)
-        untainted: list[str] = []
-        still: list[str] = []
-        for device in gpu_devices:
-            if device.name not in tainted_now:
-                continue
-            where = device_placement(device)
-            covered = any(
-                f.placement is not None and overlaps(where, f.placement) for f in remaining
+            records = ([gpu_failure] if gpu_failure else []) + [f for _, f in instances]
+        elif gpu_failure is not None:
+            raise ControlError(
+                f"{target} is unhealthy because its whole GPU failed "
+                f"({gpu_failure.message()}): clear {self._gpu_names.get(gpu_uuid, gpu_uuid)} "
+                "instead (the GPU and all its devices)"
             )
-            (still if covered else untainted).append(device.name)
+        else:
+            records = [f for where, f in instances if overlaps(placement, where)]
+        remaining = [where for where, f in instances if f not in records]
+        gpu_devices = [d for d in self._devices if d.gpu_uuid == gpu_uuid]
+        tainted = self._store.device_failures(gpu_devices)
+        # A tainted device keeps its taint while a GPU instance the clear leaves covers it.
+        still = [
+            d.name
+            for d in gpu_devices
+            if d.name in tainted and any(overlaps(device_placement(d), p) for p in remaining)
+        ]
+        untainted = [d.name for d in gpu_devices if d.name in tainted and d.name not in still]
         return ClearPlan(
             target,
             gpu_uuid,
@@ -247,12 +218,9 @@ class ClearAction:
             known_uuids |= set(self._store.failed_instances())
             if target in known_uuids:
                 return target, None
-            gpus = sorted(
-                (d.name for d in self._devices if not getattr(d, "is_partition", False)),
-                key=lambda n: (len(n), n),
-            )
+            gpus = ", ".join(sorted(self._gpu_names.values(), key=lambda n: (len(n), n)))
             raise ControlError(
-                f"unknown device {target!r} on this node (GPUs: {', '.join(gpus) or 'none'}, "
+                f"unknown device {target!r} on this node (GPUs: {gpus or 'none'}, "
                 "their partitions, or a GPU UUID)"
             )
         if not getattr(device, "is_partition", False):
@@ -263,15 +231,9 @@ class ClearAction:
             why = f" ({failure.message()})" if failure is not None else ""
             raise ControlError(
                 f"{target} is not a MIG device: only its GPU can fail{why}; clear "
-                f"{self._gpu_name(device.gpu_uuid)} instead"
+                f"{self._gpu_names.get(device.gpu_uuid, device.gpu_uuid)} instead"
             )
         return device.gpu_uuid, placement
-
-    def _gpu_name(self, gpu_uuid: str) -> str:
-        for device in self._devices:
-            if device.gpu_uuid == gpu_uuid and not getattr(device, "is_partition", False):
-                return device.name
-        return gpu_uuid
 
 
 def _describe(records: tuple[GpuFailure, ...]) -> str:

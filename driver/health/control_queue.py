@@ -1,10 +1,10 @@
 """The plugin's control requests: `gpu-dra` asks the running plugin, which applies the
-request on its health monitor's thread and answers.
+request on its health monitor's thread and answers, so `gpu-dra` never changes a running
+plugin's state behind its back (docs/health.md, "Mock control", its transport).
 
-`gpu-dra` never changes a running plugin's state behind its back. Transport: the
-plugin's status socket (`driver.observability.status_socket`: HTTP on a Unix socket
-in its data directory, mode 0600, so root on the node only), which hands these paths
-to `ControlQueue.respond`:
+The plugin's status socket (`driver.observability.status_socket`: HTTP on a Unix socket
+in its data directory, mode 0600, so root on the node only) hands these paths to
+`ControlQueue.respond`:
 
 - `GET /control`: the plugin (`pid`, `node`, `started`) and the `actions` it accepts.
 - `POST /control/<action>[?timeout=<seconds>]`, a JSON object as the body (at most
@@ -14,13 +14,10 @@ to `ControlQueue.respond`:
   the action (the message says why); 503 not taken by the health monitor within
   `timeout` seconds (default 5, at most 30): withdrawn, nothing applied.
 
-The socket's worker hands the request to the health monitor's thread
-(`ControlQueue.submit`), which takes it on its next `poll()` (before every NVML event
-wait), applies it with the action's handler and answers. The monitor's thread is the
-only writer of the health store, so nothing changes between a `clear`'s plan and the
-clear. Actions: `clear` (`driver.health.clear`, every backend), and those the NVML
-backend adds (`NvmlBackend.control_actions`: the mock's `xid`, `lost`, `reset`,
-`recovery-action`).
+The health monitor's thread takes a request (`ControlQueue.submit`) on its next `poll()`,
+before every NVML event wait. It is the only writer of the health store, so nothing
+changes between a `clear`'s plan and the clear. Actions: `clear` (`driver.health.clear`),
+and those the NVML backend adds (`NvmlBackend.control_actions`: the mock's).
 """
 
 from __future__ import annotations
@@ -102,15 +99,6 @@ class ControlQueue:
     def actions(self) -> tuple[str, ...]:
         return tuple(sorted(self._handlers))
 
-    def describe(self) -> dict[str, Any]:
-        """`GET /control`: this plugin and the actions it accepts."""
-        return {
-            "pid": os.getpid(),
-            "node": self._node,
-            "started": self._started,
-            "actions": list(self.actions),
-        }
-
     # -- the status socket's side ----------------------------------------------------
 
     def submit(
@@ -188,7 +176,8 @@ class ControlQueue:
         if request.path == PATH:
             if request.method not in ("GET", "HEAD"):
                 return Response(HTTPStatus.METHOD_NOT_ALLOWED, b"GET only\n", allow="GET, HEAD")
-            return _json(HTTPStatus.OK, self.describe())
+            plugin = {"pid": os.getpid(), "node": self._node, "started": self._started}
+            return _json(HTTPStatus.OK, {**plugin, "actions": list(self.actions)})
         if request.method != "POST":
             return Response(HTTPStatus.METHOD_NOT_ALLOWED, b"POST only\n", allow="POST")
         action = request.path.removeprefix(PATH + "/")

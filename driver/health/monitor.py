@@ -1,4 +1,5 @@
-"""The health monitor thread and the prepare path's view of device health.
+"""The health monitor thread: NVML health events -> health store -> slice republish
+(docs/health.md, "Events and classification").
 
 `HealthMonitor` waits on NVML events through the backend with a short timeout
 (100 ms by default, so an event becomes a published taint quickly and shutdown is
@@ -15,19 +16,12 @@ that partition exists, and records the failure under the instance's placement. I
 the instance is gone already (or the lookup fails), the whole GPU is failed: a
 fatal error must never be dropped for want of an address.
 
-The monitor also applies the plugin's control requests (`control`, a
-`driver.health.control_queue.ControlQueue`, which the status socket hands them to): it takes
-them before every event wait, and refuses those still pending on `stop()`. It accepts
-`clear` (`driver.health.clear`, `gpu-dra health clear`) and the `control_actions` it
-is given: the plugin passes its backend's (`NvmlBackend.control_actions`; the mock's
-`gpu-dra mock ...`), none on real NVML.
-
-With `node_events`, every change of a GPU's taints is also an Event on the Node
-(`driver.health.node_events`). The per-GPU metrics (`gpu_dra_gpu_healthy`,
-`gpu_dra_gpu_xid_events_total`) are labelled with each GPU's UUID and name
-(`gpu_names`; by default the names of the published whole-GPU devices).
-
-`KubeDeviceHealth` implements the `DeviceHealth` protocol of `driver.state.prepare`.
+The monitor also applies the plugin's control requests (`control`:
+`driver.health.control_queue`) before every event wait, and refuses those still pending
+on `stop()`. With `node_events`, every change of a GPU's taints is also an Event on the
+Node (`driver.health.node_events`). The per-GPU metrics (`driver.health.gpu_metrics`) are
+labelled with each GPU's UUID and name (`gpu_names`; by default the names of the
+published whole-GPU devices).
 """
 
 from __future__ import annotations
@@ -40,26 +34,19 @@ from typing import Protocol
 
 from driver.health.clear import ClearAction, Publisher
 from driver.health.control_queue import ControlQueue, Handler
-from driver.health.gpu_metrics import (
-    GpuHealthMetrics,
-    published_gpu_names,
-    tainted_device_names,
-)
+from driver.health.gpu_metrics import GpuHealthMetrics, published_gpu_names, tainted_device_names
 from driver.health.node_events import EventSink, TaintEvents
 from driver.health.recovery_taints import RecoveryActions, RecoveryChange, recovery_event
 from driver.health.store import Devices, HealthStore, Placement, device_list
 from driver.health.unmonitored import UnmonitoredGpus
-from driver.health.xid import (
-    Verdict,
-    XidPolicy,
-    attributed_instance,
-)
+from driver.health.xid import Verdict, XidPolicy, attributed_instance
 from driver.nvml.discovered import HealthEvent, MigInstance
 from driver.observability import metrics
 
 log = logging.getLogger(__name__)
 
 DEFAULT_WAIT_TIMEOUT_MS = 100
+MAX_BACKOFF = 5.0  # seconds between tries while every iteration fails
 ECC_DBE_XID = 48  # NVIDIA's Xid for a double-bit ECC error
 
 
@@ -91,18 +78,10 @@ def backend_mig_instances(backend: object) -> MigInstances | None:
     mig = getattr(backend, "mig", None)
     if not callable(mig):
         return None
-
-    def instances(gpu_uuid: str) -> Iterable[MigInstance]:
-        manager = mig()
-        listed: Iterable[MigInstance] = manager.instances(gpu_uuid)
-        return listed
-
-    return instances
+    return lambda gpu_uuid: mig().instances(gpu_uuid)
 
 
 class HealthMonitor:
-    """Background thread: NVML health events -> HealthStore -> slice republish."""
-
     THREAD_NAME = "health-monitor"
 
     def __init__(
@@ -118,7 +97,6 @@ class HealthMonitor:
         wait_timeout_ms: int = DEFAULT_WAIT_TIMEOUT_MS,
         pollers: Sequence[Callable[[], object]] = (),
         error_backoff: float = 0.5,
-        max_backoff: float = 5.0,
         mig_instances: MigInstances | None = None,
         gpu_names: Mapping[str, str] | None = None,
         node_events: NodeEventSink | None = None,
@@ -158,7 +136,8 @@ class HealthMonitor:
                 recovery=recovery,
             )
         )
-        self._wait_ms = wait_timeout_ms
+        # How long one NVML event wait may take; control requests are taken between.
+        self.wait_timeout_ms = wait_timeout_ms
         self._pollers = list(pollers)
         # The control requests (`gpu-dra health clear`, `gpu-dra mock ...`), taken on
         # every wait.
@@ -173,9 +152,7 @@ class HealthMonitor:
         ).register_on(self.control)
         self.control.register_all(control_actions or {})
         self._pollers.append(self.control.poll)
-        self._backoff0 = error_backoff
-        self._max_backoff = max_backoff
-        self._backoff = error_backoff
+        self._error_backoff = self._backoff = error_backoff
         self._opened = False
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -219,13 +196,13 @@ class HealthMonitor:
         while not self._stop.is_set():
             try:
                 self.run_once()
-                self._backoff = self._backoff0
+                self._backoff = self._error_backoff
             except Exception:
                 self.errors += 1
                 log.exception("health monitor: error; retrying in %.1fs", self._backoff)
                 self._close()
                 self._stop.wait(self._backoff)
-                self._backoff = min(self._backoff * 2, self._max_backoff)
+                self._backoff = min(self._backoff * 2, MAX_BACKOFF)
         self._close()
 
     def _close(self) -> None:
@@ -233,11 +210,6 @@ class HealthMonitor:
             self._opened = False
             with contextlib.suppress(Exception):
                 self._backend.close_event_set()
-
-    @property
-    def wait_timeout_ms(self) -> int:
-        """How long one NVML event wait may take; control requests are taken between."""
-        return self._wait_ms
 
     # -- one iteration -----------------------------------------------------------------
 
@@ -255,7 +227,7 @@ class HealthMonitor:
             changed = unmonitored is not None and unmonitored.update(self._backend.unmonitored)
             if changed and self._publisher is not None:
                 self._publisher.trigger()
-        event = self._backend.wait_event(self._wait_ms)
+        event = self._backend.wait_event(self.wait_timeout_ms)
         if event is not None:
             self.handle(event)
         return event
@@ -296,25 +268,24 @@ class HealthMonitor:
 
     def _record(self, event: HealthEvent) -> bool:
         """Records a fatal event; True when the store changed."""
+        uuid = event.gpu_uuid
         if event.kind == "gpu-lost":
-            return self._store.record_lost(event.gpu_uuid, event.message)
+            return self._store.record_lost(uuid, event.message)
         if event.kind == "ecc-dbe":
             return self._store.record_xid(
-                event.gpu_uuid, ECC_DBE_XID, event.message or "double-bit ECC error"
+                uuid, ECC_DBE_XID, event.message or "double-bit ECC error"
             )
-        return self._record_xid(event, event.xid if event.xid is not None else 0)
-
-    def _record_xid(self, event: HealthEvent, xid: int) -> bool:
+        xid = event.xid if event.xid is not None else 0
         gi = attributed_instance(event)
         if gi is None:
-            return self._store.record_xid(event.gpu_uuid, xid, event.message)
-        placement = self._placement_of(event.gpu_uuid, gi)
+            return self._store.record_xid(uuid, xid, event.message)
+        placement = self._placement_of(uuid, gi)
         if isinstance(placement, str):
             return self._store.record_xid(
-                event.gpu_uuid, xid, f"attributed to GPU instance {gi}, {placement}"
+                uuid, xid, f"attributed to GPU instance {gi}, {placement}"
             )
         return self._store.record_instance_xid(
-            event.gpu_uuid,
+            uuid,
             placement,
             xid,
             event.message,

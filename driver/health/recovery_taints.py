@@ -1,32 +1,22 @@
 """Health by what the GPU needs: NVML's recovery action, polled, as a device taint that
-goes by itself once the GPU is fine again.
+goes by itself once the GPU is fine again (docs/health.md, "Recovery actions": the table
+of actions, their taints and what an operator does).
 
-Beside the Xid lists (`driver.health.xid`), the health monitor thread reads every
-GPU's recovery action (`driver.nvml.recovery_action`, through `NvmlBackend.recovery_actions`)
-every `--recovery-action-poll-interval` seconds (5 s by default; the first read at
-start). A GPU whose action is not NONE gets the taint
-`<driver>/recovery-action=<action>` on every device of it (the full GPU and every
-partition: a reset or a reboot takes the whole GPU), with the effect and the reason
-`POLICIES` gives (table in docs/health.md, "Recovery actions"): drain actions evict
-(NoExecute), since the GPU cannot recover while its work runs; reset and reboot
-actions keep new pods off (NoSchedule) and leave the disruptive step to the operator;
-an IMEX-domain recovery is not the GPU's and is only logged; an action newer than
-this table keeps new pods off.
+The health monitor thread reads every GPU's recovery action (`driver.nvml.recovery_action`,
+through `NvmlBackend.recovery_actions`) at start, then every
+`--recovery-action-poll-interval` seconds. A GPU whose action is not NONE gets the taint
+`<driver>/recovery-action=<action>` on every device of it (a reset or a reboot takes the
+whole GPU), with the effect `POLICIES` gives: drain actions evict (NoExecute), since the
+GPU cannot recover while its work runs; reset and reboot actions keep new pods off
+(NoSchedule) and leave the disruptive step to the operator; an IMEX-domain recovery is
+not the GPU's and is only logged. The taint goes at the first read that answers NONE (the
+GPU answered NVML and needs nothing); a read that fails (the GPU is lost, an NVML error)
+keeps it.
 
-The taint goes by itself at the first read that answers NONE: the GPU answered
-NVML and needs nothing. A read that fails (the GPU is lost, an NVML error) keeps
-the taint; a driver that does not report recovery actions (before R565) never
-taints (logged once per GPU).
-
-These records are separate from the health store's: the poll only ever removes its
-own taint, so an Xid failure stays until NVML's recovery event, a reset or an
-operator's `gpu-dra health clear` removes it, and `gpu-dra health clear` does not
-remove a recovery-action taint (the next read would put it back). They are kept in
-memory only: NVML keeps the action across a plugin restart, and the first read after
-the start publishes it again.
-
-`RecoveryAwareHealth` makes prepare refuse a device whose GPU carries such a taint,
-as it refuses a device with a recorded failure.
+These records are separate from the health store's: the poll only ever removes its own
+taint, and `gpu-dra health clear` does not remove it (the next read would put it back).
+They are kept in memory only: NVML keeps the action across a plugin restart, and the
+first read after the start publishes it again.
 """
 
 from __future__ import annotations
@@ -50,6 +40,7 @@ log = logging.getLogger(__name__)
 
 KIND_RECOVERY_ACTION = "recovery-action"
 DEFAULT_POLL_SECONDS = 5
+SYNC_TIMEOUT = 10.0  # how long prepare waits for the API server to accept a taint
 
 Taints = Mapping[str, Sequence[Mapping[str, str]]]  # device name -> its taints
 
@@ -62,25 +53,18 @@ class ActionPolicy:
     todo: str
 
 
+_RESET = "reset it (nvidia-smi --gpu-reset -i <bus id>) or reboot the node"
 POLICIES: Mapping[int, ActionPolicy] = {
-    1: ActionPolicy(
-        "NoSchedule",
-        "the GPU needs a reset: once no pod uses it, reset it "
-        "(nvidia-smi --gpu-reset -i <bus id>) or reboot the node",
-    ),
+    1: ActionPolicy("NoSchedule", f"the GPU needs a reset: once no pod uses it, {_RESET}"),
     2: ActionPolicy("NoSchedule", "the node needs a reboot: drain it (kubectl drain) and reboot"),
     3: ActionPolicy(
-        "NoExecute",
-        "peer-to-peer (NVLink) traffic must drain: the GPU's pods are evicted",
+        "NoExecute", "peer-to-peer (NVLink) traffic must drain: the GPU's pods are evicted"
     ),
     4: ActionPolicy(
-        "NoExecute",
-        "the GPU must be drained and reset: its pods are evicted; then reset it "
-        "(nvidia-smi --gpu-reset -i <bus id>) or reboot the node",
+        "NoExecute", f"the GPU must be drained and reset: its pods are evicted; then {_RESET}"
     ),
     5: ActionPolicy(
-        None,
-        "the IMEX domain needs recovery (its IMEX daemons); the GPU itself stays usable",
+        None, "the IMEX domain needs recovery (its IMEX daemons); the GPU itself stays usable"
     ),
     6: ActionPolicy(
         "NoSchedule",
@@ -96,10 +80,6 @@ UNKNOWN_POLICY = ActionPolicy(
 )
 
 
-def policy_of(action: int) -> ActionPolicy:
-    return POLICIES.get(action, UNKNOWN_POLICY)
-
-
 @dataclass(frozen=True)
 class RecoveryFailure:
     """A GPU whose recovery action is not NONE."""
@@ -113,11 +93,15 @@ class RecoveryFailure:
         return action_name(self.action)
 
     @property
+    def policy(self) -> ActionPolicy:
+        return POLICIES.get(self.action, UNKNOWN_POLICY)
+
+    @property
     def effect(self) -> str | None:
-        return policy_of(self.action).effect
+        return self.policy.effect
 
     def reason(self) -> str:
-        return f"NVML recovery action {self.name}: {policy_of(self.action).todo}"
+        return f"NVML recovery action {self.name}: {self.policy.todo}"
 
     def message(self) -> str:
         return f"{self.reason()} (since {self.since})"
@@ -147,6 +131,10 @@ class RecoveryFailure:
             "effect": self.effect,
         } | time_added(self.since)
 
+    def taint_text(self, driver: str) -> str:
+        """`<key>=<value>:<effect>` of its taint, for logs and Node events."""
+        return f"{driver}/{KIND_RECOVERY_ACTION}={self.name}:{self.effect}"
+
 
 @dataclass(frozen=True)
 class RecoveryChange:
@@ -175,54 +163,48 @@ class RecoveryActions:
         """One GPU's reading; the change when its action appeared, changed or went."""
         uuid = reading.gpu_uuid
         if reading.action is None:
-            self._note_unanswered(reading)
+            if not reading.supported:
+                if uuid not in self._unsupported:
+                    self._unsupported.add(uuid)
+                    log.info(
+                        "GPU %s: NVML reports no recovery action (%s; driver R565 or later "
+                        "has it): only its events decide its health",
+                        uuid,
+                        reading.error or "not supported",
+                    )
+            elif self._unanswered.get(uuid) != reading.error:
+                self._unanswered[uuid] = reading.error
+                kept = self.failure(uuid)
+                log.warning(
+                    "GPU %s: cannot read its recovery action (%s)%s",
+                    uuid,
+                    reading.error,
+                    f"; its {kept.name} taint stays" if kept is not None else "",
+                )
             return None
         if self._unanswered.pop(uuid, None) is not None:
             log.info("GPU %s: NVML answers its recovery action again", uuid)
         with self._lock:
-            current = self._failures.get(uuid)
+            removed = self._failures.get(uuid)
             if reading.action == ACTION_NONE:
-                removed, added = self._failures.pop(uuid, None), None
-            elif current is not None and current.action == reading.action:
+                added = None
+                self._failures.pop(uuid, None)
+            elif removed is not None and removed.action == reading.action:
                 return None
             else:
-                removed, added = current, RecoveryFailure(uuid, reading.action, now_rfc3339())
-                self._failures[uuid] = added
+                added = self._failures[uuid] = RecoveryFailure(uuid, reading.action, now_rfc3339())
         if added is not None:
-            taint = added.taint(self.driver)
-            shown = _taint_text(taint) if taint is not None else "no taint"
+            shown = added.taint_text(self.driver) if added.effect is not None else "no taint"
             log.warning("GPU %s: %s (%s)", uuid, added.reason(), shown)
-            return RecoveryChange(uuid, added, removed)
-        if removed is not None:
+        elif removed is not None:
             log.warning(
                 "GPU %s answers NVML with no recovery action: its %s taint is removed",
                 uuid,
                 removed.name,
             )
-            return RecoveryChange(uuid, None, removed)
-        return None
-
-    def _note_unanswered(self, reading: RecoveryReading) -> None:
-        uuid = reading.gpu_uuid
-        if not reading.supported:
-            if uuid not in self._unsupported:
-                self._unsupported.add(uuid)
-                log.info(
-                    "GPU %s: NVML reports no recovery action (%s; driver R565 or later has "
-                    "it): only its events decide its health",
-                    uuid,
-                    reading.error or "not supported",
-                )
-            return
-        if self._unanswered.get(uuid) != reading.error:
-            self._unanswered[uuid] = reading.error
-            kept = self.failure(uuid)
-            log.warning(
-                "GPU %s: cannot read its recovery action (%s)%s",
-                uuid,
-                reading.error,
-                f"; its {kept.name} taint stays" if kept is not None else "",
-            )
+        else:
+            return None
+        return RecoveryChange(uuid, added, removed)
 
     def failure(self, gpu_uuid: str) -> RecoveryFailure | None:
         with self._lock:
@@ -290,14 +272,14 @@ class RecoveryPoller:
 
     def __call__(self) -> None:
         now = self._clock()
-        if self._due is not None and now < self._due:
-            return
         if self._due is None:
             log.info(
                 "reading the NVML recovery action of %d GPU(s) every %gs",
                 len(self._actions.gpu_uuids),
                 self._interval,
             )
+        elif now < self._due:
+            return
         self._due = now + self._interval
         try:
             readings = self._read(self._actions.gpu_uuids)
@@ -320,18 +302,10 @@ class RecoveryAwareHealth:
     is refused like a failed one (and its taint published first); any other device
     is `inner`'s to answer."""
 
-    def __init__(
-        self,
-        inner: DeviceHealth,
-        actions: RecoveryActions,
-        publisher: Publisher,
-        *,
-        sync_timeout: float = 10.0,
-    ) -> None:
+    def __init__(self, inner: DeviceHealth, actions: RecoveryActions, publisher: Publisher) -> None:
         self._inner = inner
         self._actions = actions
         self._publisher = publisher
-        self._timeout = sync_timeout
 
     def failure(self, device_name: str) -> str | None:
         failure = self._actions.device_failure(device_name)
@@ -342,12 +316,10 @@ class RecoveryAwareHealth:
     def ensure_tainted(self, device_name: str) -> None:
         if self._actions.device_failure(device_name) is None:
             self._inner.ensure_tainted(device_name)
-            return
-        ticket = self._publisher.trigger()
-        if not self._publisher.wait_synced(ticket, self._timeout):
+        elif not self._publisher.wait_synced(self._publisher.trigger(), SYNC_TIMEOUT):
             raise transient(
                 f"device {device_name}: the API server has not accepted its recovery-action "
-                f"taint within {self._timeout:.0f}s; retrying"
+                f"taint within {SYNC_TIMEOUT:.0f}s; retrying"
             )
 
 
@@ -357,24 +329,19 @@ def recovery_event(
     """The Node event for a change of one GPU's recovery-action taint (`gpu`: its name
     and UUID as shown): `GpuTainted` when a taint appears or changes, `GpuTaintCleared`
     when it goes; None for an action that is only logged."""
-    added = change.added.taint(driver) if change.added is not None else None
-    removed = change.removed.taint(driver) if change.removed is not None else None
+    added, removed = change.added, change.removed
     shown = f"{len(devices)} device(s): {device_names_text(devices)}"
-    if added is not None and change.added is not None:
+    if added is not None and added.effect is not None:
         return NodeEvent(
             REASON_TAINTED,
-            f"{gpu}: {change.added.reason()}; taint {_taint_text(added)} on {shown}",
+            f"{gpu}: {added.reason()}; taint {added.taint_text(driver)} on {shown}",
             "Warning",
         )
-    if removed is not None and change.removed is not None:
-        now = change.added.reason() if change.added else "NVML answers no recovery action"
+    if removed is not None and removed.effect is not None:
+        now = added.reason() if added else "NVML answers no recovery action"
         return NodeEvent(
             REASON_CLEARED,
-            f"{gpu}: {now}; taint removed from {shown} (was: {change.removed.reason()})",
+            f"{gpu}: {now}; taint removed from {shown} (was: {removed.reason()})",
             "Normal",
         )
     return None
-
-
-def _taint_text(taint: Mapping[str, str]) -> str:
-    return f"{taint['key']}={taint['value']}:{taint['effect']}"
