@@ -4,33 +4,27 @@
 Every MPS_WATCH_SECONDS (and once at start) a thread of its own checks, under the node
 lock, the daemon of every device with an `mps` record of every completed claim that no
 request has in flight (its claim lock free) and whose unprepare has not begun (its CDI
-spec, which an unprepare removes first, is there):
+spec, which an unprepare removes first, is there). A daemon started under another
+--mps-daemons setting is not checked: its claim's unprepare stops it.
 
-- one that is gone is started again with its limits, whatever is left in its place
-  stopped first (`ClaimMps.revive`, what the plugin's start does), and the journal
-  names the new daemon (one store for the check). One that cannot be started keeps
-  its record and is tried again after the interval, twice as long after each
-  failure up to MPS_RETRY_MAX_SECONDS;
+- one that is gone is started again (`ClaimMps.revive`, what the plugin's start
+  does), and the journal names the new daemon (one store for the check). One that
+  cannot be started keeps its record and is tried again after the interval, twice as
+  long after each failure up to MPS_RETRY_MAX_SECONDS;
 - a Deployment whose pod is not ready (--mps-daemons=kubernetes) is left to
   Kubernetes, which restarts its container or replaces its pod, and reported;
 - a pod Kubernetes replaced (a new UID) or whose container it restarted since the
   journal recorded it is a daemon lost too (`ClaimMps.observe`): reported once, the
   journal then names the pod seen.
 
-Each is made visible: a Warning Event on the claim (`MPSDaemonLost`: the device, the
-GPU, the daemon and what was done or what Kubernetes did; `MPSDaemonNotReady`: what
-its pod waits for), `gpu_dra_mps_daemon_lost_total` by outcome, and the last check in
-the plugin's /status (`gpu-dra status`). A daemon that stays unrestartable or not
-ready is reported once, not at every check. A daemon started under another
---mps-daemons setting is not checked: its claim's unprepare stops it.
-
-Then the check sweeps what no journal entry owns (driver/state/mps/orphans.py): this
-node's daemon Deployments and daemon directories, each removal a Node Event
-(`MPSOrphanRemoved`) and `gpu_dra_mps_orphans_removed_total`. With MPS off the plugin
-sweeps once at start (`sweep`) and does not check.
-
-After each check, outside the node lock, `after_check` looks at the GPUs of the
-daemons found for processes outside MPS (driver/health/mps_escapes.py).
+Each is a Warning Event on the claim (`MPSDaemonLost`, `MPSDaemonNotReady`),
+`gpu_dra_mps_daemon_lost_total` by outcome, and the last check in the plugin's
+/status (`gpu-dra status`); a daemon that stays unrestartable or not ready is
+reported once, not at every check. Then the check sweeps what no journal entry owns
+(driver/state/mps/orphans.py), each removal a Node Event (`MPSOrphanRemoved`); with
+MPS off the plugin only sweeps, once at start (`sweep`). After each check, outside
+the node lock, `after_check` looks at the GPUs of the daemons found for processes
+outside MPS (driver/health/mps_escapes.py).
 
 A thread of its own, not a poller of the health monitor: starting a daemon takes
 seconds (its Deployment up to 40 s until its pod is ready), and NVML's health events
@@ -53,7 +47,7 @@ from driver.observability import metrics
 from driver.state.context import StepContext
 from driver.state.journal.checkpoint import ClaimEntry, ClaimState
 from driver.state.journal.mps_record import MpsRecord
-from driver.state.mps.claim_daemons import MpsLoss, MpsReplaced, daemon_text
+from driver.state.mps.daemon_changes import MpsLoss, daemon_text
 from driver.state.mps.orphans import Orphan
 from driver.state.request import ClaimRef
 
@@ -105,12 +99,6 @@ class DaemonState:
             "problem": self.problem,
         }
 
-    def problem_line(self) -> str:
-        return (
-            f"MPS daemon {self.daemon} of claim {self.claim.namespace}/{self.claim.name}, "
-            f"device {self.device} (GPU {self.gpu_uuid}): {self.problem}"
-        )
-
 
 @dataclass(frozen=True)
 class MpsCheck:
@@ -121,24 +109,22 @@ class MpsCheck:
 
     def to_json(self) -> dict[str, Any]:
         at = self.checked_at
+        stamp = None if at is None else datetime.fromtimestamp(at, UTC)
         return {
-            "checkedAt": (
-                None
-                if at is None
-                else datetime.fromtimestamp(at, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-            ),
+            "checkedAt": stamp and stamp.strftime("%Y-%m-%dT%H:%M:%SZ"),
             "daemons": [d.to_json() for d in self.daemons],
         }
 
     def problems(self) -> list[str]:
-        return [d.problem_line() for d in self.daemons if not d.running]
+        return [
+            f"MPS daemon {d.daemon} of claim {d.claim.namespace}/{d.claim.name}, "
+            f"device {d.device} (GPU {d.gpu_uuid}): {d.problem}"
+            for d in self.daemons
+            if not d.running
+        ]
 
 
-@dataclass(frozen=True)
-class _Notice:
-    claim: ClaimRef
-    reason: str
-    message: str
+_Notice = tuple[ClaimRef, str, str]  # a Warning Event to post: (claim, reason, message)
 
 
 class MpsWatch:
@@ -180,10 +166,10 @@ class MpsWatch:
             self._thread = threading.Thread(target=self._run, name=THREAD_NAME, daemon=True)
             self._thread.start()
 
-    def stop(self, timeout: float = 5.0) -> None:
+    def stop(self) -> None:
         self._stop.set()
         if self._thread is not None:
-            self._thread.join(timeout)
+            self._thread.join(5.0)
             self._thread = None
 
     def _run(self) -> None:
@@ -202,7 +188,7 @@ class MpsWatch:
             for loss in losses:
                 self._lost(claim, loss, notices)
         for notice in notices:
-            self._events.post(notice.claim, notice.reason, notice.message)
+            self._events.post(*notice)
 
     def check(self) -> tuple[DaemonState, ...]:
         """One round: every watched daemon checked, a gone one started again, each
@@ -222,7 +208,7 @@ class MpsWatch:
         self._skipped = None
         self._last = MpsCheck(now, daemons)
         for notice in notices:
-            self._events.post(notice.claim, notice.reason, notice.message)
+            self._events.post(*notice)
         self._post_orphans(orphans)
         if self._after_check is not None:  # outside the node lock
             self._after_check.check(daemons)
@@ -240,11 +226,11 @@ class MpsWatch:
         self._post_orphans(orphans)
 
     def _post_orphans(self, orphans: Sequence[Orphan]) -> None:
-        if self._node_events is None:
-            return
-        for orphan in orphans:
-            message = f"removed {orphan.what}: no prepared claim owns it"
-            self._node_events(REASON_ORPHAN, message)
+        if self._node_events is not None:
+            for orphan in orphans:
+                self._node_events(
+                    REASON_ORPHAN, f"removed {orphan.what}: no prepared claim owns it"
+                )
 
     def _watched(self, uid: str, entry: ClaimEntry) -> bool:
         state = self._state
@@ -279,8 +265,16 @@ class MpsWatch:
             else:
                 self._retry.pop(uid, None)
             updated, replaced = state.mps.observe(uid, updated)
-            for change in replaced:
-                notices.append(_replaced(claim, change))
+            notices += [
+                (
+                    claim,
+                    REASON_LOST,
+                    f"the MPS daemon of device {r.device} (GPU {r.record.gpu_uuid}), "
+                    f"{daemon_text(r.record)}: {r.change}, so its clients, if any, lost their "
+                    "GPU work; Kubernetes started it again with its limits",
+                )
+                for r in replaced
+            ]
             if updated != entry:  # a daemon started again, a pod seen anew
                 journal[uid] = updated
                 changed = True
@@ -288,15 +282,13 @@ class MpsWatch:
                 if device.mps is None or not state.mps.watched(device.mps):
                     continue
                 loss = by_directory.get(device.mps.directory)
-                seen = (
-                    self._lost(claim, loss, notices)
-                    if loss is not None
-                    else self._alive(claim, device.device_name, device.mps, notices)
-                )
-                daemons.append(seen)
+                if loss is not None:
+                    daemons.append(self._lost(claim, loss, notices))
+                else:
+                    daemons.append(self._alive(claim, device.device_name, device.mps, notices))
         if changed:
             state.checkpoint.store(journal)
-        watched = {r.directory for r in _records(journal)}
+        watched = {d.mps.directory for e in journal.values() for d in e.devices if d.mps}
         self._reported = {k: v for k, v in self._reported.items() if k in watched}
         self._retry = {k: v for k, v in self._retry.items() if k in journal}
         orphans += state.mps.sweep(journal)
@@ -311,20 +303,16 @@ class MpsWatch:
         )
         if loss.restarted is not None:
             self._reported.pop(record.directory, None)
-            started = loss.restarted
+            started = daemon_text(loss.restarted)
             notices.append(
-                _Notice(
-                    claim,
-                    REASON_LOST,
-                    f"{what}; started again ({daemon_text(started)}) with its limits",
-                )
+                (claim, REASON_LOST, f"{what}; started again ({started}) with its limits")
             )
-            return DaemonState(claim, device, record.gpu_uuid, daemon_text(started), True)
+            return DaemonState(claim, device, record.gpu_uuid, started, True)
         problem = f"gone; could not be started again: {loss.error}"
         if self._reported.get(record.directory) != loss.outcome:
             self._reported[record.directory] = loss.outcome
             notices.append(
-                _Notice(
+                (
                     claim,
                     REASON_LOST,
                     f"{what}; it could not be started again (tried again later, less often "
@@ -351,7 +339,7 @@ class MpsWatch:
                 why,
             )
             notices.append(
-                _Notice(
+                (
                     claim,
                     REASON_NOT_READY,
                     f"the MPS daemon of device {device} (GPU {record.gpu_uuid}), "
@@ -359,18 +347,3 @@ class MpsWatch:
                 )
             )
         return DaemonState(claim, device, record.gpu_uuid, daemon_text(record), False, why)
-
-
-def _replaced(claim: ClaimRef, change: MpsReplaced) -> _Notice:
-    record = change.record
-    return _Notice(
-        claim,
-        REASON_LOST,
-        f"the MPS daemon of device {change.device} (GPU {record.gpu_uuid}), "
-        f"{daemon_text(record)}: {change.change}, so its clients, if any, lost their GPU "
-        "work; Kubernetes started it again with its limits",
-    )
-
-
-def _records(journal: dict[str, ClaimEntry]) -> list[MpsRecord]:
-    return [d.mps for entry in journal.values() for d in entry.devices if d.mps is not None]

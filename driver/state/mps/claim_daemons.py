@@ -1,38 +1,23 @@
-"""MPS control daemons of prepared claims (docs/mps.md).
+"""MPS control daemons of prepared claims (docs/mps.md, "Lifecycle").
 
-A device whose effective GpuConfig is `MPS` gets a daemon of its own, for its GPU
-alone, in its directory (driver/state/mps/daemons.py): `pipe/` is mounted into the
-device's containers at /tmp/nvidia-mps (where CUDA_MPS_PIPE_DIRECTORY points) and
-`shm/` at /dev/shm. The daemon is told the config's default active-thread percentage
-and pinned device-memory limit through its control pipe; the container's env carries
-the same values (MPS clients can only lower them).
+A device prepared with MPS limits gets a daemon of its own, for its GPU alone, in its
+directory (driver/state/mps/daemons.py), which its containers mount; the daemon is
+told the limits through its control pipe, and the containers' env carries them too
+(MPS clients can only lower them). It runs as an `MpsDaemons` of the kind
+--mps-daemons names; the other kinds the plugin can reach stop what the journal names
+from another setting. Its record is in the `PrepareStarted` entry before it starts
+(the intent: no pid, no Deployment), and what identifies it (pid and start time, or
+the Deployment's name and UID) in the `PrepareCompleted` entry.
 
-Where it runs is an `MpsDaemons` of the kind --mps-daemons names (`daemons`); the
-others the plugin can reach stop what the journal names from another setting
-(`others`). The daemon's record (`MpsRecord`) is in the `PrepareStarted` entry before
-the daemon starts (the intent: no pid, no Deployment) and carries what identifies it
-(pid and start time, or the Deployment's name and UID) in the `PrepareCompleted` entry:
-
-- prepare starts each daemon, sets and reads back its limits (`apply`); a whole GPU
-  published strict is put in EXCLUSIVE_PROCESS first, the mode found recorded before
-  the intent is stored (`note_compute_modes`; driver/state/mps/compute_modes.py); a
-  strict partition joins its GPU's shared daemon where another claim's runs, and
-  only the GPU's last claim stops it (driver/state/mps/shared.py);
-- a rollback stops every daemon the claim's devices may have started, found in their
-  place (pipe directory, derived Deployment name) when nothing is recorded yet,
-  unmounts their /dev/shm tmpfs, removes their directories and puts a strict GPU's
-  compute mode back (`restore`);
-- unprepare does the same before the entry is dropped (`release`), whatever
-  --mps-daemons says now: the record names the kind that started the daemon;
-- start (`adopt`) puts each completed strict claim's GPU in EXCLUSIVE_PROCESS again
-  and finds each completed claim's daemon of the current kind; one that is
-  gone (killed, a reboot, a deleted Deployment) is reported and started again with
-  its limits in the directories its clients' containers mount (`revive`: emptied,
-  never replaced), so new clients there are limited again (running clients of the
-  dead daemon have lost their GPU work already). While the plugin runs,
-  driver/state/mps_watch.py does the same every MPS_WATCH_SECONDS, reports a daemon
-  pod that Kubernetes replaced or restarted (`observe`), and removes what no journal
-  entry owns (`sweep`, driver/state/mps/orphans.py).
+Prepare starts the daemons (`apply`): a whole GPU published strict is put in
+EXCLUSIVE_PROCESS first, its mode found recorded before the intent is stored
+(`note_compute_modes`, driver/state/mps/compute_modes.py), and a strict partition
+joins its GPU's shared daemon (driver/state/mps/shared.py). A rollback (`restore`)
+and unprepare (`release`) stop them, whatever --mps-daemons says now. Start
+(`adopt`) and, while the plugin runs, the MPS watch (driver/state/mps_watch.py)
+start again those that are gone (`revive`), report a daemon pod that Kubernetes
+replaced or restarted (`observe`) and remove what no journal entry owns (`sweep`,
+driver/state/mps/orphans.py).
 """
 
 from __future__ import annotations
@@ -60,14 +45,7 @@ from driver.state.mps.daemons import (
     unsearchable_parent,
 )
 from driver.state.mps.orphans import Orphan, sweep_orphans
-from driver.state.mps.shared import (
-    holders,
-    identified,
-    inherited_mode,
-    same_limits,
-    with_daemon_of,
-)
-from driver.state.mps.shm import ShmBound
+from driver.state.mps.shared import holders, inherited_mode, with_daemon_of
 from driver.state.request import PreparableDevice
 from driver.state.spec_render import PlannedDevice
 
@@ -89,27 +67,21 @@ class ClaimMps:
         compute_modes: ComputeModeOps | None = None,
     ) -> None:
         self._daemons = daemons
-        self._others = tuple(o for o in others if daemons is None or o.kind != daemons.kind)
+        others = tuple(o for o in others if daemons is None or o.kind != daemons.kind)
+        self._kinds = (daemons, *others) if daemons is not None else others
+        # What unmounts a daemon's tmpfs, whichever kind started it (the plugin gives
+        # every kind the same).
+        self._shm = next((d.shm for d in self._kinds if d.shm is not None), None)
         self.root = root
         # Where daemons live, None where there is no MPS (what planning is told).
         self.site = MpsSite(root, daemons.private_shm) if daemons is not None else None
         self._reach_checked = False
         self.compute_modes = ClaimComputeModes(compute_modes)
 
-    @property
-    def every_kind(self) -> tuple[MpsDaemons, ...]:
-        return (*((self._daemons,) if self._daemons is not None else ()), *self._others)
-
     def watched(self, record: MpsRecord) -> bool:
         """Is the record's daemon of the kind this node runs now (checked, started
         again)? One started under another setting is left to its claim's unprepare."""
         return self._daemons is not None and record_kind(record) in (None, self._daemons.kind)
-
-    @property
-    def shm(self) -> ShmBound | None:
-        """What unmounts a daemon's tmpfs, whichever kind started it (the plugin gives
-        every kind the same)."""
-        return next((d.shm for d in self.every_kind if d.shm is not None), None)
 
     def _start(self, record: MpsRecord, *, prepare: bool) -> MpsRecord:
         """Start the daemon in its directories, made where missing and kept where
@@ -117,39 +89,35 @@ class ClaimMps:
         `prepare` its /dev/shm becomes a tmpfs where the plugin may mount one; a
         daemon started again keeps whatever its clients' containers hold there (a
         tmpfs mounted now would be another /dev/shm than theirs)."""
-        assert self._daemons is not None
+        daemons = self._daemons
+        assert daemons is not None
         dirs = daemon_dirs(self.root, record)
-        private = self._daemons.private_shm
+        private = daemons.private_shm
         make_directories(self.root, dirs if private else replace(dirs, shm=None))
-        if prepare and private and dirs.shm is not None and self._daemons.shm is not None:
-            self._daemons.shm.apply(dirs.shm)
-        if self._daemons.kind == KIND_NODE:
-            self._check_reach()
-        return self._daemons.start(record, dirs)
+        if prepare and private and dirs.shm is not None and daemons.shm is not None:
+            daemons.shm.apply(dirs.shm)
+        if daemons.kind == KIND_NODE and not self._reach_checked:
+            # A node daemon's MPS server runs as its client's uid and reaches its pipe
+            # directory by the host's path: say once when a non-root one cannot.
+            self._reach_checked = True
+            blocked = unsearchable_parent(self.root)
+            if blocked is not None:
+                log.warning(
+                    "with --mps-daemons=node the MPS server of a client that does not run "
+                    "as root runs as the client's uid and cannot reach %s: %s is not "
+                    "searchable by other users; such clients get no MPS server "
+                    '(docs/mps.md, "Directories, users and /dev/shm")',
+                    self.root,
+                    blocked,
+                )
+        return daemons.start(record, dirs)
 
-    def _check_reach(self) -> None:
-        """A node daemon's MPS server runs as its client's uid and reaches its pipe
-        directory by the host's path: say once when a non-root one cannot."""
-        if self._reach_checked:
-            return
-        self._reach_checked = True
-        blocked = unsearchable_parent(self.root)
-        if blocked is not None:
-            log.warning(
-                "with --mps-daemons=node the MPS server of a client that does not run as "
-                "root runs as the client's uid and cannot reach %s: %s is not searchable "
-                "by other users; such clients get no MPS server (docs/mps.md, "
-                '"Directories, users and /dev/shm")',
-                self.root,
-                blocked,
-            )
-
-    def _stop(self, record: MpsRecord, *, any_instance: bool = False) -> None:
+    def _stop(self, record: MpsRecord) -> None:
         """Stop the daemon (the recorded one, or whatever runs in its place for an
-        intent) by the kind that started it, unmount its /dev/shm and remove its
-        directory."""
+        intent: pipe directory, derived Deployment name) by the kind that started it,
+        unmount its /dev/shm and remove its directory."""
         kind = record_kind(record)
-        stoppers = [d for d in self.every_kind if kind is None or d.kind == kind]
+        stoppers = [d for d in self._kinds if kind is None or d.kind == kind]
         if not stoppers and kind is not None:
             raise transient(
                 f"the journal names the MPS daemon {daemon_text(record)} (GPU "
@@ -158,10 +126,9 @@ class ClaimMps:
             )
         dirs = daemon_dirs(self.root, record)
         for daemons in stoppers:
-            daemons.stop(record, dirs, any_instance=any_instance)
-        shm = self.shm
-        if shm is not None and dirs.shm is not None:
-            shm.release(dirs.shm)
+            daemons.stop(record, dirs)
+        if self._shm is not None and dirs.shm is not None:
+            self._shm.release(dirs.shm)
         shutil.rmtree(self.root / record.directory, ignore_errors=True)
 
     # -- prepare -----------------------------------------------------------------------
@@ -174,8 +141,7 @@ class ClaimMps:
         journal: Mapping[str, ClaimEntry],
     ) -> tuple[PlannedDevice, ...]:
         """Before the intent is stored: each strict device's record notes its GPU's
-        compute mode (`ClaimComputeModes.note`); a shared server's, the mode its first
-        claim found."""
+        compute mode; a shared server's, the mode its first claim found."""
         return self.compute_modes.note(
             planned, devices, lambda record: inherited_mode(journal, record, besides=(uid,))
         )
@@ -187,8 +153,6 @@ class ClaimMps:
         GPU put in EXCLUSIVE_PROCESS first, or join its GPU's shared daemon where one
         runs; the devices with their records stamped. A failure stops those started
         and puts the modes back (transient error)."""
-        if self._daemons is None or not any(d.mps for d in devices):
-            return tuple(devices)
         out: list[PreparedDevice] = []
         for device in devices:
             record = device.mps
@@ -199,7 +163,11 @@ class ClaimMps:
                         device = replace(device, mps=with_daemon_of(record, running))
                     else:
                         self.compute_modes.make_exclusive(record)
-                        device = replace(device, mps=self._started(device, record))
+                        try:
+                            started = self._start(record, prepare=True)
+                        except DriverError as err:
+                            raise transient(f"device {device.device_name}: {err}") from err
+                        device = replace(device, mps=started)
             except DriverError:
                 try:
                     self.restore(uid, [*out, device], journal)
@@ -209,12 +177,6 @@ class ClaimMps:
             out.append(device)
         return tuple(out)
 
-    def _started(self, device: PreparedDevice, record: MpsRecord) -> MpsRecord:
-        try:
-            return self._start(record, prepare=True)
-        except DriverError as err:
-            raise transient(f"device {device.device_name}: {err}") from err
-
     def _joinable(
         self, uid: str, record: MpsRecord, journal: Mapping[str, ClaimEntry]
     ) -> MpsRecord | None:
@@ -223,16 +185,18 @@ class ClaimMps:
         transient error where it runs with other limits (partitions republished)."""
         if not record.shared:
             return None
+        assert self._daemons is not None
         asked: set[tuple[int, int, str]] = set()  # the claims of one daemon share its identity
         for other in holders(journal, record, besides=(uid,)):
             identity = (other.pid, other.start_time, other.deployment_uid)
-            if not identified(other) or not self.watched(other) or identity in asked:
+            intent = not (other.pid or other.deployment_uid)
+            if intent or not self.watched(other) or identity in asked:
                 continue
             asked.add(identity)  # `alive` is a Deployment GET on Kubernetes: once each
-            assert self._daemons is not None
             if not self._daemons.alive(other):
                 continue
-            if not same_limits(record, other):
+            limits = (other.active_thread_percentage, other.pinned_memory_bytes)
+            if limits != (record.active_thread_percentage, record.pinned_memory_bytes):
                 raise transient(
                     f"the MPS server of GPU {record.gpu_uuid} serves its partitions with "
                     f"other limits ({other.active_thread_percentage}%, "
@@ -256,10 +220,10 @@ class ClaimMps:
         error (the caller keeps the entry)."""
         for device in devices:
             record = device.mps
-            if record is None:
-                continue
-            if record.shared and any(holders(journal, record, besides=(uid, *besides))):
-                continue  # the GPU's server goes with its last claim
+            if record is None or (
+                record.shared and any(holders(journal, record, besides=(uid, *besides)))
+            ):
+                continue  # a shared server goes with its GPU's last claim
             self._stop(record)
             self.compute_modes.restore(record)
 
@@ -273,11 +237,8 @@ class ClaimMps:
         errors: dict[str, DriverError] = {}
         released: list[str] = []
         for uid in uids:
-            entry = journal.get(uid)
-            if entry is None:
-                continue
             try:
-                self.restore(uid, entry.devices, journal, besides=released)
+                self.restore(uid, journal[uid].devices, journal, besides=released)
             except DriverError as err:
                 log.error("unprepare: stopping the MPS daemon of claim %s failed: %s", uid, err)
                 errors[uid] = err
@@ -288,14 +249,13 @@ class ClaimMps:
     # -- start and while running ---------------------------------------------------------
 
     def adopt(
-        self, journal: dict[str, ClaimEntry], exclude: Collection[str] = ()
+        self, journal: dict[str, ClaimEntry], exclude: Collection[str]
     ) -> tuple[list[str], dict[str, tuple[MpsLoss, ...]]]:
-        """At start: each completed strict claim's GPU in EXCLUSIVE_PROCESS again; each
-        completed claim's daemons (but those of `exclude`, claims another instance has
-        in flight), found running by pid and start
-        time, are adopted; one that is gone is reported and started again (`revive`,
-        its entry in `journal` updated). Returns (the claims adopted, per claim whose
-        daemon was gone what became of it)."""
+        """At start, but for the claims of `exclude` (another instance has them in
+        flight): each completed strict claim's GPU in EXCLUSIVE_PROCESS again, each
+        completed claim's daemons adopted or, gone, started again (`revive`, its entry
+        in `journal` updated). Returns (the claims adopted, per claim whose daemon was
+        gone what became of it)."""
         self.compute_modes.reapply(journal, exclude)  # a reboot reset them to Default
         adopted: list[str] = []
         lost: dict[str, tuple[MpsLoss, ...]] = {}
@@ -314,22 +274,21 @@ class ClaimMps:
     def revive(
         self, uid: str, entry: ClaimEntry, journal: Mapping[str, ClaimEntry]
     ) -> tuple[ClaimEntry, tuple[MpsLoss, ...]]:
-        """Under the node lock: the completed claim's daemons that are gone (killed, a
-        reboot, a deleted Deployment) started again with their limits, whatever is left
-        in their place stopped first, so new clients are limited again (running clients
-        of the dead daemon have lost their GPU work already). The new daemon serves the
-        directories the claim's containers mount, emptied: never new ones at the same
-        paths, which running containers would not see (they would run without MPS).
-        Returns the entry with their new records (one that could not be started keeps
-        the lost record: it is tried again next time) and what became of each."""
+        """Under the node lock: the completed claim's daemons that are gone started
+        again with their limits, whatever is left in their place stopped first, so new
+        clients are limited again (those of the dead daemon lost their GPU work). The
+        new daemon serves the directories the claim's containers mount, emptied: never
+        new ones at the same paths, which running containers would not see (they would
+        run without MPS). Returns the entry with their new records (one that could not
+        be started keeps the lost record: it is tried again next time) and what became
+        of each."""
+        daemons = self._daemons
+        assert daemons is not None  # only a claim with a watched daemon is revived
         devices: list[PreparedDevice] = []
         losses: list[MpsLoss] = []
         for device in entry.devices:
             record = device.mps
-            if self._daemons is None or record is None or not self.watched(record):
-                devices.append(device)
-                continue
-            if self._daemons.alive(record):
+            if record is None or not self.watched(record) or daemons.alive(record):
                 devices.append(device)
                 continue
             log.error(
@@ -342,38 +301,37 @@ class ClaimMps:
                 running = self._joinable(uid, record, journal)
             except DriverError:
                 running = None
+            loss = MpsLoss(device.device_name, record)
             if running is not None:  # another claim's check started the GPU's again
-                joined = with_daemon_of(record, running)
-                losses.append(MpsLoss(device.device_name, record, restarted=joined))
-                metrics.MPS_DAEMONS_LOST.labels(outcome="restarted").inc()
-                devices.append(replace(device, mps=joined))
-                continue
-            dirs = daemon_dirs(self.root, record)
-            try:
-                self._daemons.stop(record, dirs, any_instance=True)  # what is left in its place
-                for kept in (dirs.pipe, dirs.shm):
-                    if kept is not None:
-                        empty_directory(kept)
-                started = self._start(record, prepare=False)
-            except DriverError as err:
-                log.error("restarting the MPS daemon of claim %s failed: %s", uid, err)
-                losses.append(MpsLoss(device.device_name, record, error=str(err)))
+                loss = replace(loss, restarted=with_daemon_of(record, running))
             else:
-                losses.append(MpsLoss(device.device_name, record, restarted=started))
-                device = replace(device, mps=started)
-            metrics.MPS_DAEMONS_LOST.labels(outcome=losses[-1].outcome).inc()
-            devices.append(device)
+                dirs = daemon_dirs(self.root, record)
+                try:
+                    daemons.stop(record, dirs, any_instance=True)  # what is left there
+                    for kept in (dirs.pipe, dirs.shm):
+                        if kept is not None:
+                            empty_directory(kept)
+                    loss = replace(loss, restarted=self._start(record, prepare=False))
+                except DriverError as err:
+                    log.error("restarting the MPS daemon of claim %s failed: %s", uid, err)
+                    loss = replace(loss, error=str(err))
+            losses.append(loss)
+            metrics.MPS_DAEMONS_LOST.labels(outcome=loss.outcome).inc()
+            devices.append(
+                device if loss.restarted is None else replace(device, mps=loss.restarted)
+            )
         return replace(entry, devices=tuple(devices)), tuple(losses)
 
     def observe(self, uid: str, entry: ClaimEntry) -> tuple[ClaimEntry, tuple[MpsReplaced, ...]]:
         """The claim's running daemons as they run now: one whose pod Kubernetes
         replaced or whose container it restarted is reported (its clients lost their
         GPU work). Returns the entry with what was seen (store it when it differs)."""
+        assert self._daemons is not None  # only a revived claim is observed
         devices: list[PreparedDevice] = []
         replaced: list[MpsReplaced] = []
         for device in entry.devices:
             record = device.mps
-            if self._daemons is not None and record is not None and self.watched(record):
+            if record is not None and self.watched(record):
                 seen = self._daemons.observe(record)
                 change = change_seen(record, seen)
                 if change is not None:
@@ -400,4 +358,4 @@ class ClaimMps:
     def sweep(self, journal: Mapping[str, ClaimEntry]) -> list[Orphan]:
         """Under the node lock: remove the daemons and directories no entry of
         `journal` owns (driver/state/mps/orphans.py)."""
-        return sweep_orphans(self.root, journal, self.every_kind, self.shm)
+        return sweep_orphans(self.root, journal, self._kinds, self._shm)

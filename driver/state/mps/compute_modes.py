@@ -28,19 +28,18 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import replace
-from typing import Any, Final, Protocol
+from typing import Any, Protocol
 
 from driver.devices.model import MPS_ISOLATION_ATTRIBUTE, MPS_ISOLATION_STRICT
 from driver.errors import DriverError, transient
-from driver.nvml.compute_mode import COMPUTE_MODE_EXCLUSIVE_PROCESS, mode_name
+from driver.nvml.compute_mode import COMPUTE_MODE_EXCLUSIVE_PROCESS as EXCLUSIVE_PROCESS
+from driver.nvml.compute_mode import mode_name
 from driver.state.journal.checkpoint import ClaimEntry, ClaimState
 from driver.state.journal.mps_record import MpsRecord
 from driver.state.request import PreparableDevice
 from driver.state.spec_render import PlannedDevice
 
 log = logging.getLogger(__name__)
-
-EXCLUSIVE_PROCESS: Final = COMPUTE_MODE_EXCLUSIVE_PROCESS
 
 
 class ComputeModeOps(Protocol):
@@ -78,18 +77,16 @@ class ClaimComputeModes:
         return self._ops
 
     def _get(self, gpu_uuid: str) -> int:
-        ops = self._ops_for(gpu_uuid)
         try:
-            return int(ops.get(gpu_uuid))
+            return int(self._ops_for(gpu_uuid).get(gpu_uuid))
         except DriverError:
             raise
         except Exception as err:  # NVML unavailable, a bug in an implementation
             raise transient(f"cannot read the compute mode of GPU {gpu_uuid}: {err}") from err
 
     def _set(self, gpu_uuid: str, mode: int) -> None:
-        ops = self._ops_for(gpu_uuid)
         try:
-            ops.set(gpu_uuid, mode)
+            self._ops_for(gpu_uuid).set(gpu_uuid, mode)
         except DriverError:
             raise
         except Exception as err:
@@ -139,14 +136,11 @@ class ClaimComputeModes:
 
     # -- start -------------------------------------------------------------------------
 
-    def reapply(
-        self, journal: Mapping[str, ClaimEntry], exclude: Collection[str] = ()
-    ) -> tuple[str, ...]:
+    def reapply(self, journal: Mapping[str, ClaimEntry], exclude: Collection[str]) -> None:
         """At start: the GPU of every completed strict record (but those of claims in
         `exclude`, another instance's) in EXCLUSIVE_PROCESS again (a reboot reset it).
         A failure is logged at ERROR; the claim stays prepared, its daemon cooperative
-        until the next start. Returns the GPUs set."""
-        done: list[str] = []
+        until the next start."""
         for uid, entry in sorted(journal.items()):
             if uid in exclude or entry.state is not ClaimState.PREPARE_COMPLETED:
                 continue
@@ -157,7 +151,6 @@ class ClaimComputeModes:
                 try:
                     if self._get(record.gpu_uuid) != EXCLUSIVE_PROCESS:
                         self._set(record.gpu_uuid, EXCLUSIVE_PROCESS)
-                        done.append(record.gpu_uuid)
                 except DriverError as err:
                     log.error(
                         "claim %s: its GPU %s is not in EXCLUSIVE_PROCESS again: %s; its MPS "
@@ -166,4 +159,3 @@ class ClaimComputeModes:
                         record.gpu_uuid,
                         err,
                     )
-        return tuple(done)

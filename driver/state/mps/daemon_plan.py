@@ -52,27 +52,20 @@ def plan_mps(
     whose clients' env carries the claim's `limits`, which can only lower them."""
     if limits is None or site is None:
         return None
-    if server is not None:
-        record = MpsRecord(
-            gpu_uuid,
-            shared_directory(gpu_uuid),
-            server.active_thread_percentage,
-            server.pinned_memory_bytes,
-            shared=True,
-        )
-    else:
-        record = MpsRecord(
-            gpu_uuid,
-            daemon_directory(cdi_name),
-            limits.active_thread_percentage,
-            limits.pinned_memory_bytes,
-        )
-    memory = limits.pinned_memory_bytes
+    daemon = server if server is not None else limits
+    record = MpsRecord(
+        gpu_uuid,
+        shared_directory(gpu_uuid) if server is not None else daemon_directory(cdi_name),
+        daemon.active_thread_percentage,
+        daemon.pinned_memory_bytes,
+        shared=server is not None,
+    )
     env = [f"CUDA_MPS_PIPE_DIRECTORY={CONTAINER_PIPE_DIRECTORY}"]
     if limits.active_thread_percentage is not None:
         env.append(f"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE={limits.active_thread_percentage}")
-    if memory is not None:
-        env.append(f"CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0={mps_memory_text(memory)}")
+    if limits.pinned_memory_bytes is not None:
+        memory = mps_memory_text(limits.pinned_memory_bytes)
+        env.append(f"CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0={memory}")
     dirs = daemon_dirs(site.root, record)
     mounts = [CdiMount(str(dirs.pipe), CONTAINER_PIPE_DIRECTORY)]
     if site.private_shm:

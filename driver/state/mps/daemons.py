@@ -49,10 +49,6 @@ log = logging.getLogger(__name__)
 DIRECTORY_DIGITS: Final = 16
 KIND_NODE: Final = "node"
 KIND_KUBERNETES: Final = "kubernetes"
-ROOT_MODE: Final = 0o711  # <data dir>/mps: searched, not listed, by other users
-DEVICE_MODE: Final = 0o711  # <data dir>/mps/<digest>
-PIPE_MODE: Final = 0o1777
-LOG_MODE: Final = 0o755
 
 
 class MpsOps(Protocol):
@@ -84,28 +80,23 @@ class MpsDaemons(Protocol):
     def start(self, record: MpsRecord, dirs: DaemonDirs) -> MpsRecord:
         """Start it with the record's limits set and checked; the record stamped with
         what identifies it. Raises a transient error, leaving nothing running."""
-        ...
 
     def alive(self, record: MpsRecord) -> bool: ...
 
     def not_ready(self, record: MpsRecord) -> str | None:
         """Why a daemon that is alive does not serve now (its pod not ready: Kubernetes
         restarts it), None if it does."""
-        ...
 
     def observe(self, record: MpsRecord) -> MpsRecord:
         """The record with what runs for it now (its pod's UID and restarts); the
         record itself where nothing more is known."""
-        ...
 
     def leftovers(self, owned: Collection[MpsRecord]) -> list[str]:
         """This node's daemons that none of `owned` names and that no directory
         leads to (Deployments); raises a transient error when they cannot be listed."""
-        ...
 
     def remove(self, leftover: str) -> str:
         """Stop one of `leftovers` and wait until it is gone; what it was."""
-        ...
 
     def stop(
         self, record: MpsRecord, dirs: DaemonDirs, *, any_instance: bool = False
@@ -113,7 +104,6 @@ class MpsDaemons(Protocol):
         """Stop it and wait until it is gone: the recorded one, or whatever runs in its
         place for an intent (nothing recorded yet) or with `any_instance`. What was
         stopped (`pid 12`, `Deployment ns/name`), None where nothing ran."""
-        ...
 
 
 def record_kind(record: MpsRecord) -> str | None:
@@ -161,9 +151,9 @@ def _set_mode(directory: Path, mode: int) -> None:
 
 def make_directories(root: Path, dirs: DaemonDirs) -> None:
     """A daemon's directories under the MPS root `root`, made where missing and kept
-    where they are (a claim's containers may hold them), each with its mode."""
-    wanted = [(root, ROOT_MODE), (dirs.pipe.parent, DEVICE_MODE)]
-    wanted += [(dirs.pipe, PIPE_MODE), (dirs.log, LOG_MODE)]
+    where they are (a claim's containers may hold them), each with its mode (the
+    module's docstring says why)."""
+    wanted = [(root, 0o711), (dirs.pipe.parent, 0o711), (dirs.pipe, 0o1777), (dirs.log, 0o755)]
     if dirs.shm is not None:
         wanted.append((dirs.shm, SHM_MODE))
     for directory, mode in wanted:

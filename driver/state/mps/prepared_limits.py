@@ -26,7 +26,7 @@ from typing import Any, Final
 
 from driver.config import ConfigError, GpuConfig, Strategy
 from driver.config.gpu import MpsConfig
-from driver.config.loader import join_key, join_path
+from driver.config.loader import join_key
 from driver.config.mps_limits import (
     MAX_ACTIVE_THREAD_PERCENTAGE,
     MIB,
@@ -38,6 +38,7 @@ from driver.devices.model import SHARE_COMPUTE_STEP, SHARE_MEMORY_STEP
 from driver.state.request import PreparableDevice
 
 MIN_ACTIVE_THREAD_PERCENTAGE: Final = 1
+_MPS_FIELD: Final = "sharing.mpsConfig"  # where a GpuConfig's MPS limits are
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,11 @@ class MpsLimits:
 
     active_thread_percentage: int | None = None
     pinned_memory_bytes: int | None = None
+
+
+def _whole_mib(memory: int) -> int:
+    """MPS's unit: whole MiB, rounded down, at least one."""
+    return max(MIB, memory - memory % MIB)
 
 
 @dataclass(frozen=True)
@@ -67,28 +73,25 @@ class Allotment:
 
     @property
     def memory_limit(self) -> int | None:
-        """Its memory in whole MiB (MPS's unit, rounded down); None for all of it (or
-        unknown)."""
+        """Its memory in whole MiB; None for all of it (or unknown)."""
         if self.memory is None or self.gpu_memory is None or self.memory >= self.gpu_memory:
             return None
-        return max(MIB, self.memory - self.memory % MIB)
+        return _whole_mib(self.memory)
 
     @property
     def whole(self) -> bool:
         """Nothing of the GPU is left for another allocation, so there is nothing to
         enforce: less than the smallest share of memory or of compute (a share that asks
         for memory only consumes the default, all, of the compute)."""
-        memory_left = _left(self.gpu_memory, self.memory)
-        compute_left = _left(self.gpu_compute, self.compute)
-        if memory_left is None and compute_left is None:
-            return True
-        return (memory_left is not None and memory_left < SHARE_MEMORY_STEP) or (
-            compute_left is not None and compute_left < SHARE_COMPUTE_STEP
-        )
-
-
-def _left(total: int | None, given: int | None) -> int | None:
-    return None if total is None or given is None else total - given
+        left = [
+            (total - given, step)
+            for total, given, step in (
+                (self.gpu_memory, self.memory, SHARE_MEMORY_STEP),
+                (self.gpu_compute, self.compute, SHARE_COMPUTE_STEP),
+            )
+            if total is not None and given is not None
+        ]
+        return not left or any(rest < step for rest, step in left)
 
 
 def _capacity(document: Mapping[str, Any], name: str) -> int | None:
@@ -98,20 +101,6 @@ def _capacity(document: Mapping[str, Any], name: str) -> int | None:
     return int(parse_quantity(entry["value"]))
 
 
-def _whole_gpu(
-    device: PreparableDevice, devices: Mapping[str, PreparableDevice]
-) -> PreparableDevice:
-    """The device that is the whole of `device`'s GPU (`gpu-<i>`, `gpu-<i>-full`)."""
-    for candidate in devices.values():
-        if (
-            candidate.gpu_uuid == device.gpu_uuid
-            and not candidate.is_partition
-            and candidate.mig is None
-        ):
-            return candidate
-    return device
-
-
 def allotment(
     device: PreparableDevice,
     devices: Mapping[str, PreparableDevice],
@@ -119,7 +108,14 @@ def allotment(
 ) -> Allotment:
     """What the allocation of `device` (`consumed`: a share's `consumedCapacity`, empty
     for an exclusive allocation) is given of its GPU; `devices`: the node's pool."""
-    gpu = _whole_gpu(device, devices).document
+    whole_gpu = next(  # `gpu-<i>`, `gpu-<i>-full`
+        (
+            d
+            for d in devices.values()
+            if d.gpu_uuid == device.gpu_uuid and not d.is_partition and d.mig is None
+        ),
+        device,
+    )
 
     def given(name: str) -> int | None:
         if name in consumed:
@@ -129,86 +125,66 @@ def allotment(
     return Allotment(
         memory=given("memory"),
         compute=given("compute"),
-        gpu_memory=_capacity(gpu, "memory"),
-        gpu_compute=_capacity(gpu, "compute"),
+        gpu_memory=_capacity(whole_gpu.document, "memory"),
+        gpu_compute=_capacity(whole_gpu.document, "compute"),
     )
-
-
-def _mps_field(path: str, name: str) -> str:
-    return join_path(join_path(join_path(path, "sharing"), "mpsConfig"), name)
-
-
-@dataclass(frozen=True)
-class _PinnedLimit:
-    """The pinned limit a config gives the device: the field that set it and its text."""
-
-    field: str
-    text: str
 
 
 def _key_error(key: str, device_name: str, gpu_uuid: str) -> str | None:
     """Why a (decoded) key of `defaultPerDevicePinnedMemoryLimit` is not the device's."""
+    if key == "0" or key.lower() == gpu_uuid.lower():
+        return None
     if is_device_index(key):
-        if key == "0":
-            return None
         return (
             f"the MPS daemon of device {device_name} serves one GPU, which its clients see "
             "as device 0; use 0 or the GPU's UUID"
         )
-    if key.lower() == gpu_uuid.lower():
-        return None
     return (
         f"not the GPU of device {device_name} ({gpu_uuid}), the one its MPS daemon serves; "
         "use its UUID or 0"
     )
 
 
-def _pinned_limit(
-    mps: MpsConfig, device_name: str, gpu_uuid: str, path: str
-) -> _PinnedLimit | None:
-    """The device's entry of `defaultPerDevicePinnedMemoryLimit`, else
-    `defaultPinnedDeviceMemoryLimit`, else None. A key that names another device, or a
-    second key for this one, is a permanent invalid-config error."""
-    per_device = _mps_field(path, "defaultPerDevicePinnedMemoryLimit")
+def _pinned_limit(mps: MpsConfig, device_name: str, gpu_uuid: str) -> tuple[str, str] | None:
+    """(the field that sets it, its text): the device's entry of
+    `defaultPerDevicePinnedMemoryLimit`, else `defaultPinnedDeviceMemoryLimit`, else
+    None. A key that names another device, or a second key for this one, is a
+    permanent invalid-config error."""
+    per_device = f"{_MPS_FIELD}.defaultPerDevicePinnedMemoryLimit"
     errors: list[tuple[str, str]] = []
-    chosen: tuple[str, _PinnedLimit] | None = None  # (key, its limit)
+    chosen: tuple[str, str] | None = None  # (key, its limit)
     for key, text in (mps.defaultPerDevicePinnedMemoryLimit or {}).items():
         problem = _key_error(key, device_name, gpu_uuid)
         if problem is None and chosen is not None:
             problem = f"names device {device_name}, as key {chosen[0]} does; give one of them"
         if problem is None:
-            chosen = (key, _PinnedLimit(join_key(per_device, key), text))
+            chosen = (key, text)
         else:
             errors.append((join_key(per_device, key), problem))
     if errors:
         raise ConfigError(errors)
     if chosen is not None:
-        return chosen[1]
+        return join_key(per_device, chosen[0]), chosen[1]
     if mps.defaultPinnedDeviceMemoryLimit is not None:
-        return _PinnedLimit(
-            _mps_field(path, "defaultPinnedDeviceMemoryLimit"), mps.defaultPinnedDeviceMemoryLimit
-        )
+        return f"{_MPS_FIELD}.defaultPinnedDeviceMemoryLimit", mps.defaultPinnedDeviceMemoryLimit
     return None
 
 
-def _configured(
-    config: GpuConfig, given: Allotment, device_name: str, gpu_uuid: str, path: str
-) -> MpsLimits:
+def _configured(config: GpuConfig, given: Allotment, device_name: str, gpu_uuid: str) -> MpsLimits:
     """An `MPS` config's limits for the device; on a share or partition bounded by (and
     defaulting to) what the allocation was given."""
-    mps = config.mps
-    assert mps is not None
-    percentage = mps.defaultActiveThreadPercentage
-    pinned = _pinned_limit(mps, device_name, gpu_uuid, path)
-    memory = memory_limit_bytes(pinned.text) if pinned is not None else None
-    errors: list[tuple[str, str]] = []
+    assert config.mps is not None
+    percentage = config.mps.defaultActiveThreadPercentage
+    pinned = _pinned_limit(config.mps, device_name, gpu_uuid)
+    memory = memory_limit_bytes(pinned[1]) if pinned is not None else None
     if given.whole:
         return MpsLimits(percentage, memory)
+    errors: list[tuple[str, str]] = []
     if given.percentage is not None:
         if percentage is not None and percentage > given.percentage:
             errors.append(
                 (
-                    _mps_field(path, "defaultActiveThreadPercentage"),
+                    f"{_MPS_FIELD}.defaultActiveThreadPercentage",
                     f"{percentage} is more than the {given.percentage}% of the GPU's SMs "
                     f"allocated with device {device_name} (compute {given.compute} of "
                     f"{given.gpu_compute})",
@@ -219,10 +195,9 @@ def _configured(
         if pinned is not None and memory is not None and memory > given.memory_limit:
             errors.append(
                 (
-                    pinned.field,
-                    f"{pinned.text} is more than the "
-                    f"{given.memory_limit >> 20}Mi of memory allocated with "
-                    f"device {device_name}",
+                    pinned[0],
+                    f"{pinned[1]} is more than the {given.memory_limit >> 20}Mi of memory "
+                    f"allocated with device {device_name}",
                 )
             )
         memory = memory if memory is not None else given.memory_limit
@@ -231,24 +206,8 @@ def _configured(
     return MpsLimits(percentage, memory)
 
 
-def _split(count: int, given: Allotment) -> MpsLimits:
-    """1/count of the GPU for SpacePartitioning."""
-    memory = None
-    if given.gpu_memory is not None:
-        part = given.gpu_memory // count
-        memory = max(MIB, part - part % MIB)
-    return MpsLimits(
-        max(MIN_ACTIVE_THREAD_PERCENTAGE, MAX_ACTIVE_THREAD_PERCENTAGE // count), memory
-    )
-
-
 def mps_limits(
-    config: GpuConfig,
-    given: Allotment | None,
-    *,
-    device_name: str,
-    gpu_uuid: str,
-    path: str = "",
+    config: GpuConfig, given: Allotment | None, *, device_name: str, gpu_uuid: str
 ) -> MpsLimits | None:
     """The limits of the device's daemon, None for no daemon. `gpu_uuid`: the GPU the
     daemon would serve. `given`: what the allocation is given of it, None where this node
@@ -259,19 +218,21 @@ def mps_limits(
             raise ConfigError(
                 [
                     (
-                        join_path(join_path(path, "sharing"), "strategy"),
+                        "sharing.strategy",
                         "MPS is not available on this node: it is not enabled "
                         "(--mps-daemons) or there is no nvidia-cuda-mps-control in its "
                         "driver root",
                     )
                 ]
             )
-        return _configured(config, given, device_name, gpu_uuid, path)
+        return _configured(config, given, device_name, gpu_uuid)
     if given is None:
         return None
     count = config.partition_count
-    if count is not None and count > 1:
-        return _split(count, given)
+    if count is not None and count > 1:  # SpacePartitioning: 1/count of the GPU
+        memory = _whole_mib(given.gpu_memory // count) if given.gpu_memory is not None else None
+        percentage = max(MIN_ACTIVE_THREAD_PERCENTAGE, MAX_ACTIVE_THREAD_PERCENTAGE // count)
+        return MpsLimits(percentage, memory)
     if given.whole:
         return None
     return MpsLimits(given.percentage, given.memory_limit)

@@ -86,15 +86,3 @@ def with_daemon_of(record: MpsRecord, running: MpsRecord) -> MpsRecord:
         pod_uid=running.pod_uid,
         pod_restarts=running.pod_restarts,
     )
-
-
-def identified(record: MpsRecord) -> bool:
-    """Does the record name a started daemon (not an intent)?"""
-    return bool(record.pid or record.deployment_uid)
-
-
-def same_limits(a: MpsRecord, b: MpsRecord) -> bool:
-    return (a.active_thread_percentage, a.pinned_memory_bytes) == (
-        b.active_thread_percentage,
-        b.pinned_memory_bytes,
-    )

@@ -41,15 +41,9 @@ MIB: Final = 1 << 20
 DEFAULT_SIZE: Final = "1Gi"
 SHM_MODE: Final = 0o1777  # every client uid writes its files; only their owner removes them
 # mount(2) and umount2(2) flags (<sys/mount.h>).
-MS_NOSUID: Final = 0x2
-MS_NODEV: Final = 0x4
-MS_NOEXEC: Final = 0x8
-MNT_DETACH: Final = 0x2
-UMOUNT_NOFOLLOW: Final = 0x8
-MOUNT_FLAGS: Final = MS_NOSUID | MS_NODEV | MS_NOEXEC
-FS_TYPE: Final = "tmpfs"
+MOUNT_FLAGS: Final = 0x2 | 0x4 | 0x8  # MS_NOSUID | MS_NODEV | MS_NOEXEC
+UNMOUNT_FLAGS: Final = 0x2 | 0x8  # MNT_DETACH | UMOUNT_NOFOLLOW
 SOURCE: Final = "gpu-dra-mps-shm"  # the mount's source, as /proc/mounts shows it
-_MOUNTINFO: Final = Path("/proc/self/mountinfo")
 _MAX_UNMOUNTS: Final = 8  # stacked mounts unmounted in one release, at most
 
 
@@ -68,30 +62,22 @@ def shm_size(text: str) -> int:
     return size
 
 
-def tmpfs_options(size: int) -> str:
-    return f"size={size},mode={SHM_MODE:o}"
-
-
 class Mounts(Protocol):
     """The mount table as the plugin sees it, and the calls that change it
     (`HostMounts`; tests give a fake)."""
 
     def mount_tmpfs(self, target: Path, flags: int, options: str) -> None:
         """mount(2) a tmpfs at `target`; OSError with the errno on failure."""
-        ...
 
     def unmount(self, target: Path) -> None:
         """Detach the mount at `target` (the top one); OSError on failure."""
-        ...
 
     def mounted(self, target: Path) -> bool:
         """Is something mounted at `target`?"""
-        ...
 
     def propagates(self, target: Path) -> bool:
         """Would a mount made at `target` be seen by the node (the mount holding
         `target` is in a shared peer group)?"""
-        ...
 
 
 def _unescape(field: str) -> str:
@@ -122,7 +108,7 @@ def _within(path: str, mount_point: str) -> bool:
 class HostMounts:
     """`Mounts` through libc's mount(2) and umount2(2) and /proc/self/mountinfo."""
 
-    def __init__(self, mountinfo: Path = _MOUNTINFO) -> None:
+    def __init__(self, mountinfo: Path = Path("/proc/self/mountinfo")) -> None:
         self._mountinfo = mountinfo
         self._libc: ctypes.CDLL | None = None
 
@@ -138,13 +124,13 @@ class HostMounts:
             "mount",
             SOURCE.encode(),
             os.fsencode(target),
-            FS_TYPE.encode(),
+            b"tmpfs",
             ctypes.c_ulong(flags),
             options.encode(),
         )
 
     def unmount(self, target: Path) -> None:
-        self._call("umount2", os.fsencode(target), ctypes.c_int(MNT_DETACH | UMOUNT_NOFOLLOW))
+        self._call("umount2", os.fsencode(target), ctypes.c_int(UNMOUNT_FLAGS))
 
     def _table(self) -> list[tuple[str, tuple[str, ...]]]:
         return parse_mountinfo(self._mountinfo.read_text())
@@ -155,11 +141,9 @@ class HostMounts:
 
     def propagates(self, target: Path) -> bool:
         where = os.path.realpath(target.parent)
-        holding = [(p, o) for p, o in self._table() if _within(where, p)]
-        if not holding:
-            return False
-        deepest = max(len(p) for p, _ in holding)
-        _, optional = [(p, o) for p, o in holding if len(p) == deepest][-1]  # the top one
+        holding = [(len(p), o) for p, o in self._table() if _within(where, p)]
+        # The deepest mount holding it, the top one (the last) of those at that point.
+        _, optional = max(reversed(holding), key=lambda h: h[0], default=(0, ()))
         return any(o.startswith("shared:") for o in optional)
 
 
@@ -181,9 +165,7 @@ class ShmBound:
     @property
     def unbounded(self) -> str | None:
         """Why the shm directories stay plain, None while they get a tmpfs."""
-        if self.size == 0:
-            return "--mps-shm-size=0"
-        return self._unbounded
+        return "--mps-shm-size=0" if self.size == 0 else self._unbounded
 
     def _leave_plain(self, why: str) -> bool:
         with self._lock:
@@ -217,7 +199,8 @@ class ShmBound:
                     "Bidirectional (the chart sets it with kubeletPlugin.mps.enabled on a "
                     "privileged plugin)"
                 )
-            self.mounts.mount_tmpfs(directory, MOUNT_FLAGS, tmpfs_options(self.size))
+            options = f"size={self.size},mode={SHM_MODE:o}"
+            self.mounts.mount_tmpfs(directory, MOUNT_FLAGS, options)
         except OSError as err:
             if err.errno == errno.EPERM:
                 return self._leave_plain(
