@@ -22,10 +22,11 @@ from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 from driver.devices.device_types import PublishedDevice
-from driver.devices.formatting import MIG_DIMENSIONS, counters, quantity
+from driver.devices.formatting import MIG_DIMENSIONS, counters
 from driver.nvml.discovered import GpuInfo, PartitionProfile
 
 MEMORY_SLICE_PREFIX = "memory-slice-"
+_DIMENSIONS = frozenset(counter for _, counter, _ in MIG_DIMENSIONS)
 
 
 def counter_set_name(gpu: GpuInfo) -> str:
@@ -36,12 +37,9 @@ def counter_values(gpu: GpuInfo) -> dict[str, int]:
     """Counter capacities of a GPU's set before its partitions are known: per-dimension
     max over profiles + memory slices (`counted` raises a dimension to what `capacities`
     finds)."""
-    values: dict[str, int] = {}
-    for _, counter, attr in MIG_DIMENSIONS:
-        values[counter] = max(getattr(p, attr) for p in gpu.partition_profiles)
-    for i in range(gpu.memory_slices):
-        values[f"{MEMORY_SLICE_PREFIX}{i}"] = 1
-    return values
+    profiles = gpu.partition_profiles
+    values = {c: max(getattr(p, attr) for p in profiles) for _, c, attr in MIG_DIMENSIONS}
+    return values | {f"{MEMORY_SLICE_PREFIX}{i}": 1 for i in range(gpu.memory_slices)}
 
 
 def instances_counter(profile_id: int) -> str:
@@ -56,11 +54,7 @@ def _placed(gpu: GpuInfo, partitions: Sequence[PublishedDevice]) -> Placed:
     profiles = {p.profile_id: p for p in gpu.partition_profiles}
     return tuple(
         sorted(
-            (
-                (profiles[p.mig.profile_id], p.placement)
-                for p in partitions
-                if p.mig is not None and p.placement and p.mig.profile_id in profiles
-            ),
+            ((profiles[p.mig.profile_id], p.mig.placement) for p in partitions if p.mig),
             key=lambda item: (item[1], item[0].profile_id),
         )
     )
@@ -78,43 +72,34 @@ def _most_together(placed: Placed, unlimited: frozenset[int] = frozenset()) -> d
     together take: placements pairwise disjoint, each profile (but those `unlimited`)
     at most its `instanceCount` times. Every such set is walked (2319 with every H100
     profile); GPUs of one model share the answer."""
-    best = {counter: 0 for _, counter, _ in MIG_DIMENSIONS}
-    fields = [(counter, attr) for _, counter, attr in MIG_DIMENSIONS]
+    best = dict.fromkeys((counter for _, counter, _ in MIG_DIMENSIONS), 0)
+    used: Counter[int] = Counter()
 
-    def walk(first: int, end: int, used: Counter[int], totals: tuple[int, ...]) -> None:
-        for (counter, _), total in zip(fields, totals, strict=True):
+    def walk(first: int, end: int, totals: tuple[int, ...]) -> None:
+        for counter, total in zip(best, totals, strict=True):
             best[counter] = max(best[counter], total)
         for i in range(first, len(placed)):
             profile, (start, size) = placed[i]
-            if start < end or (
-                profile.profile_id not in unlimited
-                and used[profile.profile_id] >= profile.instance_count
-            ):
+            pid = profile.profile_id
+            if start < end or (pid not in unlimited and used[pid] >= profile.instance_count):
                 continue
-            used[profile.profile_id] += 1
-            shares = [getattr(profile, attr) for _, attr in fields]
-            walk(
-                i + 1,
-                start + size,
-                used,
-                tuple(t + v for t, v in zip(totals, shares, strict=True)),
-            )
-            used[profile.profile_id] -= 1
+            used[pid] += 1
+            shares = (getattr(profile, attr) for _, _, attr in MIG_DIMENSIONS)
+            walk(i + 1, start + size, tuple(t + v for t, v in zip(totals, shares, strict=True)))
+            used[pid] -= 1
 
-    walk(0, 0, Counter(), tuple(0 for _ in fields))
+    walk(0, 0, (0,) * len(best))
     return best
 
 
-def capacities(gpu: GpuInfo, partitions: Sequence[PublishedDevice]) -> dict[str, int]:
+def capacities(gpu: GpuInfo, placed: Placed) -> dict[str, int]:
     """Per MIG dimension counter, what the GPU offers: the most that partitions NVML
     lets exist together take, and no less than any profile's share. On NVIDIA's
     tables the full-size profile's share bounds every such set; on one where it does
     not (go-nvml's mock H100: 7g.80gb has 5 decoders, seven 1g.10gb take 7) the sets
     decide, so that the scheduler refuses none of them."""
-    values = {k: v for k, v in counter_values(gpu).items() if not k.startswith(MEMORY_SLICE_PREFIX)}
-    for counter, most in _most_together(_placed(gpu, partitions)).items():
-        values[counter] = max(values[counter], most)
-    return values
+    values = counter_values(gpu)
+    return {counter: max(values[counter], n) for counter, n in _most_together(placed).items()}
 
 
 def _most_at_disjoint_placements(
@@ -131,20 +116,8 @@ def _most_at_disjoint_placements(
     return best[slices]
 
 
-def counter_set(gpu: GpuInfo, most: dict[str, int]) -> dict[str, Any]:
-    """Every counter of the GPU, its dimensions at `most` (`capacities`); `counted`
-    keeps those that can refuse something."""
-    return {
-        "name": counter_set_name(gpu),
-        "counters": counters({**counter_values(gpu), **most}, skip_zero=False),
-    }
-
-
 def binding_dimensions(
-    gpu: GpuInfo,
-    partitions: Sequence[PublishedDevice],
-    most: dict[str, int],
-    limits: Mapping[int, int] | None = None,
+    gpu: GpuInfo, placed: Placed, most: dict[str, int], limits: Mapping[int, int] | None = None
 ) -> set[str]:
     """The MIG dimension counters (memory, multiprocessors, engines) some of these
     partitions at pairwise disjoint placements would take beyond `most` (the GPU's
@@ -153,24 +126,25 @@ def binding_dimensions(
     refused by the memory-slice counters already, and the whole GPU spans every slice,
     so a dimension no such set can exceed never refuses an allocation. Without memory
     slices every dimension counts."""
-    dimensions = {counter for _, counter, _ in MIG_DIMENSIONS}
-    placed = _placed(gpu, partitions)
     if not _in_slices(gpu, placed):
-        return dimensions
+        return set(_DIMENSIONS)
     if limits:
         unlimited = frozenset(p.profile_id for p, _ in placed if p.profile_id not in limits)
         together = _most_together(placed, unlimited)
-        return {counter for counter in dimensions if together[counter] > most[counter]}
-    binding = set()
-    for _, counter, field in MIG_DIMENSIONS:
-        weighted = [(placement, getattr(profile, field)) for profile, placement in placed]
-        if _most_at_disjoint_placements(gpu.memory_slices, weighted) > most[counter]:
-            binding.add(counter)
-    return binding
+        return {counter for counter in _DIMENSIONS if together[counter] > most[counter]}
+    return {
+        counter
+        for _, counter, attr in MIG_DIMENSIONS
+        if _most_at_disjoint_placements(
+            gpu.memory_slices,
+            [(placement, getattr(profile, attr)) for profile, placement in placed],
+        )
+        > most[counter]
+    }
 
 
 def instance_limits(
-    gpu: GpuInfo, partitions: Sequence[PublishedDevice], most: dict[str, int], binding: set[str]
+    gpu: GpuInfo, placed: Placed, most: dict[str, int], binding: set[str]
 ) -> dict[int, int]:
     """Profile id -> `instanceCount` for each profile whose `instanceCount` the
     memory-slice counters and the `binding` dimensions (at `most`) would not enforce:
@@ -181,7 +155,6 @@ def instance_limits(
     one (1g.10gb+me); go-nvml's mock H100 places 1g.20gb (4 at most) at every single
     slice. Any set that holds more of another profile holds `instanceCount` + 1 of it,
     which a binding dimension refuses."""
-    placed = _placed(gpu, partitions)
     in_slices = _in_slices(gpu, placed)
     spans: dict[PartitionProfile, list[tuple[tuple[int, int], int]]] = {}
     for profile, placement in placed:
@@ -227,12 +200,6 @@ def memory_blocks(slices: int, spans: Collection[tuple[int, int]]) -> list[range
     return blocks
 
 
-def memory_counter_name(block: range) -> str:
-    if len(block) == 1:
-        return f"memory-slice-{block.start}"
-    return f"memory-slices-{block.start}-{block.stop - 1}"
-
-
 def _blocked_counters(counter_values: dict[str, Any], blocks: Sequence[range]) -> dict[str, Any]:
     """`counter_values` with its `memory-slice-<i>` entries (each worth 1) replaced by
     the blocks they fall in, each worth the number of those slices."""
@@ -246,51 +213,10 @@ def _blocked_counters(counter_values: dict[str, Any], blocks: Sequence[range]) -
     out = {k: v for k, v in counter_values.items() if not k.startswith(MEMORY_SLICE_PREFIX)}
     for block in blocks:
         if taken[block]:
-            out[memory_counter_name(block)] = quantity(str(taken[block]))
+            first, last = block.start, block.stop - 1
+            name = f"memory-slice-{first}" if first == last else f"memory-slices-{first}-{last}"
+            out[name] = {"value": str(taken[block])}
     return out
-
-
-def _instances_taken(device: PublishedDevice, limits: Mapping[int, int]) -> dict[str, Any]:
-    """The instance counters (`instance_limits`) a device takes: the whole GPU all of
-    each, a partition 1 of its profile's."""
-    if not device.is_partition:
-        return {instances_counter(p): quantity(str(n)) for p, n in limits.items()}
-    if device.mig is not None and device.mig.profile_id in limits:
-        return {instances_counter(device.mig.profile_id): quantity("1")}
-    return {}
-
-
-def _recounted(
-    device: PublishedDevice,
-    kept: dict[str, Any],
-    blocks: Sequence[range],
-    limits: Mapping[int, int],
-) -> PublishedDevice:
-    """The device consuming only the `kept` counters (the set's, with their values),
-    its memory slices in `blocks`, and its instance counters; the whole GPU takes each
-    kept dimension whole."""
-    if not device.document.get("consumesCounters"):
-        return device
-    document = dict(device.document)
-    whole = not device.is_partition
-    document["consumesCounters"] = [
-        {
-            **c,
-            "counters": {
-                **_blocked_counters(
-                    {
-                        k: kept[k] if whole and not k.startswith(MEMORY_SLICE_PREFIX) else v
-                        for k, v in c["counters"].items()
-                        if k in kept
-                    },
-                    blocks,
-                ),
-                **_instances_taken(device, limits),
-            },
-        }
-        for c in device.document["consumesCounters"]
-    ]
-    return dataclasses.replace(device, document=document)
 
 
 def counted(
@@ -300,21 +226,44 @@ def counted(
     binding dimensions only, and its devices consuming only those (docs/mig.md, "Slice
     layout"): the scheduler's allocator reads every consumed counter of every device of
     a node for every pod, and the allocations it allows stay the same."""
-    partitions = [d for d in devices if d.is_partition]
-    most = capacities(gpu, partitions)
-    dimensions = {counter for _, counter, _ in MIG_DIMENSIONS}
-    binding = binding_dimensions(gpu, partitions, most)
-    limits = instance_limits(gpu, partitions, most, binding)
+    placed = _placed(gpu, [d for d in devices if d.is_partition])
+    most = capacities(gpu, placed)
+    binding = binding_dimensions(gpu, placed, most)
+    limits = instance_limits(gpu, placed, most, binding)
     if limits:  # what the instance counters refuse, no dimension needs to
-        binding = binding_dimensions(gpu, partitions, most, limits)
-    full = counter_set(gpu, most)
-    kept = {k: v for k, v in full["counters"].items() if k not in dimensions - binding}
+        binding = binding_dimensions(gpu, placed, most, limits)
+    full = counters({**counter_values(gpu), **most}, skip_zero=False)
+    kept = {k: v for k, v in full.items() if k not in _DIMENSIONS - binding}
     spans = [d.mig.placement for d in devices if d.mig is not None]
     slices = gpu.memory_slices
     if all(start >= 0 and size > 0 and start + size <= slices for start, size in spans):
         blocks = memory_blocks(slices, spans)
     else:  # placements NVML should not report: count slice by slice
         blocks = [range(i, i + 1) for i in range(slices)]
-    instances = {instances_counter(p): quantity(str(n)) for p, n in limits.items()}
-    counted_set = {**full, "counters": {**_blocked_counters(kept, blocks), **instances}}
-    return [_recounted(d, kept, blocks, limits) for d in devices], counted_set
+    instances = {instances_counter(p): {"value": str(n)} for p, n in limits.items()}
+
+    def recounted(device: PublishedDevice) -> PublishedDevice:
+        """The device consuming only the `kept` counters, its memory slices in `blocks`,
+        and the instance counters: the whole GPU takes each kept dimension and each
+        instance counter whole, a partition 1 of its profile's."""
+        (consumed,) = device.document["consumesCounters"]
+        whole = not device.is_partition
+        taken = {
+            k: kept[k] if whole and not k.startswith(MEMORY_SLICE_PREFIX) else v
+            for k, v in consumed["counters"].items()
+            if k in kept
+        }
+        own = instances
+        if not whole:
+            name = instances_counter(device.mig.profile_id) if device.mig else ""
+            own = {name: {"value": "1"}} if name in instances else {}
+        recounted = {**consumed, "counters": {**_blocked_counters(taken, blocks), **own}}
+        return dataclasses.replace(
+            device, document={**device.document, "consumesCounters": [recounted]}
+        )
+
+    counter_set = {
+        "name": counter_set_name(gpu),
+        "counters": {**_blocked_counters(kept, blocks), **instances},
+    }
+    return [recounted(d) for d in devices], counter_set

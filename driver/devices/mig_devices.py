@@ -18,26 +18,12 @@ and engines, unlike a `--gpu-partitions` partition).
 
 from __future__ import annotations
 
-from collections.abc import Sequence, Set
+from collections.abc import Iterable, Sequence, Set
 from typing import Any
 
 from driver.devices.device_types import MigBacking, PublishedDevice
-from driver.devices.formatting import (
-    MIG_DIMENSIONS,
-    bool_attr,
-    counter_quantity,
-    counters,
-    device_doc,
-    int_attr,
-    profile_label,
-    quantity,
-    string_attr,
-)
-from driver.devices.mig_counters import (
-    MEMORY_SLICE_PREFIX,
-    counter_set_name,
-    counter_values,
-)
+from driver.devices.formatting import MIG_DIMENSIONS, counter_quantity, counters, profile_label
+from driver.devices.mig_counters import MEMORY_SLICE_PREFIX, counter_set_name, counter_values
 from driver.nvml.discovered import GpuInfo, MigInstance, PartitionProfile
 
 PARENT_ATTRIBUTES = (
@@ -62,6 +48,18 @@ def full_size_profile(gpu: GpuInfo) -> PartitionProfile | None:
     return max(spanning, key=lambda p: (p.slice_count, p.memory_bytes), default=None)
 
 
+def _profile_capacity(profile: PartitionProfile) -> dict[str, Any]:
+    """What a MIG device of the profile gives the container: memory, SMs, engines."""
+    return {
+        cap: {"value": counter_quantity(counter, getattr(profile, attr))}
+        for cap, counter, attr in MIG_DIMENSIONS
+    }
+
+
+def _consumes(gpu: GpuInfo, values: dict[str, int]) -> list[dict[str, Any]]:
+    return [{"counterSet": counter_set_name(gpu), "counters": counters(values, skip_zero=True)}]
+
+
 def whole_gpu(
     gpu: GpuInfo, gpu_attrs: dict[str, Any], capacity: dict[str, Any], max_partitions: int | None
 ) -> PublishedDevice | None:
@@ -75,109 +73,96 @@ def whole_gpu(
     full = full_size_profile(gpu)
     if full is None:
         return None
-    values = counter_values(gpu)
-    capacity = dict(capacity)
-    for cap, counter, attr in MIG_DIMENSIONS:
-        capacity[cap] = quantity(counter_quantity(counter, getattr(full, attr)))
     attrs = {k: v for k, v in gpu_attrs.items() if k != "uuid"}
-    attrs["parentUUID"] = string_attr(gpu.uuid)
-    attrs["migProfile"] = string_attr(full.name)
-    doc = device_doc(f"gpu-{gpu.minor}", attrs, capacity)
-    doc["consumesCounters"] = [
-        {"counterSet": counter_set_name(gpu), "counters": counters(values, skip_zero=True)}
-    ]
+    attrs |= {"parentUUID": {"string": gpu.uuid}, "migProfile": {"string": full.name}}
+    doc: dict[str, Any] = {
+        "name": f"gpu-{gpu.minor}",
+        "attributes": attrs,
+        "capacity": {**capacity, **_profile_capacity(full)},
+        "consumesCounters": _consumes(gpu, counter_values(gpu)),
+    }
+    mig = MigBacking(full.profile_id, full.slice_count, (0, gpu.memory_slices))
     return PublishedDevice(
-        name=doc["name"],
-        document=doc,
-        gpu_uuid=gpu.uuid,
-        gpu_minor=gpu.minor,
+        doc["name"],
+        doc,
+        gpu.uuid,
+        gpu.minor,
         is_partition=False,
         max_partitions=max_partitions,
-        mig=MigBacking(full.profile_id, full.slice_count, (0, gpu.memory_slices)),
+        mig=mig,
     )
 
 
-def _partition(
-    gpu: GpuInfo,
-    parent_attrs: dict[str, Any],
-    profile: PartitionProfile,
-    placement: tuple[int, int],
-    existing: MigInstance | None,
-) -> PublishedDevice:
-    start, size = placement
-    name = partition_name(gpu, profile, start)
-    attrs = {
-        "profile": string_attr(profile.name),
-        "parentUUID": string_attr(gpu.uuid),
-        "parentIndex": int_attr(gpu.index),
-        "placementStart": int_attr(start),
-        "placementSize": int_attr(size),
-        "isolated": bool_attr(True),
-        **parent_attrs,
-    }
-    if existing is not None and existing.uuid is not None:
-        attrs["uuid"] = string_attr(existing.uuid)
-    values = {counter: getattr(profile, attr) for _, counter, attr in MIG_DIMENSIONS}
-    capacity = {
-        c: quantity(counter_quantity(counter, values[counter])) for c, counter, _ in MIG_DIMENSIONS
-    }
-    for i in range(start, start + size):
-        values[f"{MEMORY_SLICE_PREFIX}{i}"] = 1
-    doc = device_doc(name, attrs, capacity)
-    doc["consumesCounters"] = [
-        {"counterSet": counter_set_name(gpu), "counters": counters(values, skip_zero=True)}
-    ]
-    return PublishedDevice(
-        name=name,
-        document=doc,
-        gpu_uuid=gpu.uuid,
-        gpu_minor=gpu.minor,
-        is_partition=True,
-        max_partitions=None,
-        profile=profile.name,
-        placement=placement,
-        mig=MigBacking(profile.profile_id, profile.slice_count, placement, existing),
-    )
+# A partition to publish: its profile, placement and (static) existing MIG device.
+Candidate = tuple[PartitionProfile, tuple[int, int], MigInstance | None]
 
 
-def _order(item: tuple[PartitionProfile, tuple[int, int]]) -> tuple[int, int, str, int]:
-    p, (start, size) = item
-    return (size, p.memory_bytes, p.name, start)
-
-
-def _parent_attributes(gpu_attrs: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in gpu_attrs.items() if k in PARENT_ATTRIBUTES}
+def _partitions(
+    gpu: GpuInfo, gpu_attrs: dict[str, Any], candidates: Iterable[Candidate]
+) -> list[PublishedDevice]:
+    """A device per candidate, smallest first: by size, memory, profile name, start."""
+    parent = {k: v for k, v in gpu_attrs.items() if k in PARENT_ATTRIBUTES}
+    devices = []
+    for profile, (start, size), existing in sorted(
+        candidates, key=lambda c: (c[1][1], c[0].memory_bytes, c[0].name, c[1][0])
+    ):
+        attrs = {
+            "profile": {"string": profile.name},
+            "parentUUID": {"string": gpu.uuid},
+            "parentIndex": {"int": gpu.index},
+            "placementStart": {"int": start},
+            "placementSize": {"int": size},
+            "isolated": {"bool": True},
+            **parent,
+        }
+        if existing is not None:  # static: the MIG device's UUID
+            attrs["uuid"] = {"string": existing.uuid}
+        values = {counter: getattr(profile, attr) for _, counter, attr in MIG_DIMENSIONS}
+        values.update({f"{MEMORY_SLICE_PREFIX}{i}": 1 for i in range(start, start + size)})
+        name = partition_name(gpu, profile, start)
+        doc = {
+            "name": name,
+            "attributes": attrs,
+            "capacity": _profile_capacity(profile),
+            "consumesCounters": _consumes(gpu, values),
+        }
+        mig = MigBacking(profile.profile_id, profile.slice_count, (start, size), existing)
+        devices.append(
+            PublishedDevice(
+                name,
+                doc,
+                gpu.uuid,
+                gpu.minor,
+                is_partition=True,
+                max_partitions=None,
+                profile=profile.name,
+                placement=(start, size),
+                mig=mig,
+            )
+        )
+    return devices
 
 
 def dynamic_partitions(
-    gpu: GpuInfo, gpu_attrs: dict[str, Any], selected: Sequence[str] = ()
+    gpu: GpuInfo, gpu_attrs: dict[str, Any], selected: Sequence[str]
 ) -> list[PublishedDevice]:
-    """Every (profile, placement) of the GPU, smallest first; with `selected` (profile
-    labels, `unselected_profiles` checked them) those profiles' placements only."""
-    parent = _parent_attributes(gpu_attrs)
+    """Every (profile, placement) of the GPU; with `selected` (profile labels, checked
+    by the caller) those profiles' placements only."""
     profiles = [
         p for p in gpu.partition_profiles if not selected or profile_label(p.name) in selected
     ]
-    items = [(p, pl) for p in profiles for pl in p.placements]
-    return [_partition(gpu, parent, p, pl, None) for p, pl in sorted(items, key=_order)]
-
-
-def unselected_profiles(gpu: GpuInfo, selected: Sequence[str]) -> list[str]:
-    """The labels of `selected` that name none of the GPU's MIG profiles."""
-    offered = {profile_label(p.name) for p in gpu.partition_profiles}
-    return [label for label in selected if label not in offered]
+    return _partitions(gpu, gpu_attrs, [(p, pl, None) for p in profiles for pl in p.placements])
 
 
 def static_partitions(
-    gpu: GpuInfo, gpu_attrs: dict[str, Any], owned: Set[tuple[str, int]] = frozenset()
+    gpu: GpuInfo, gpu_attrs: dict[str, Any], owned: Set[tuple[str, int]]
 ) -> tuple[list[PublishedDevice], list[str]]:
     """The GPU's existing MIG devices but those in `owned` ((GPU UUID, GPU-instance
     id) of the ones this driver created for a prepared claim: its unprepare destroys
     them, so a claim given one would get a dead UUID), and why any existing instance
     is not published (owned, no compute instance, or a profile NVML did not report)."""
-    parent = _parent_attributes(gpu_attrs)
     profiles = {p.profile_id: p for p in gpu.partition_profiles}
-    devices: list[tuple[PartitionProfile, tuple[int, int], MigInstance]] = []
+    candidates: list[Candidate] = []
     skipped: list[str] = []
     for instance in gpu.mig_instances:
         profile = profiles.get(instance.profile_id)
@@ -191,6 +176,5 @@ def static_partitions(
         elif instance.uuid is None:
             skipped.append(f"GPU instance {instance.gi_id} ({profile.name}): no compute instance")
         else:
-            devices.append((profile, instance.placement, instance))
-    devices.sort(key=lambda d: _order((d[0], d[1])))
-    return [_partition(gpu, parent, p, pl, inst) for p, pl, inst in devices], skipped
+            candidates.append((profile, instance.placement, instance))
+    return _partitions(gpu, gpu_attrs, candidates), skipped

@@ -23,28 +23,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from driver.devices import mig_counters, mig_devices
-from driver.devices.device_types import (
-    DEFAULT_DRIVER_NAME,
-    MigStrategy,
-    PoolOptions,
-    PublishedDevice,
-)
+from driver.devices.device_types import MigStrategy, PoolOptions, PublishedDevice
 from driver.devices.formatting import (
     binary_quantity,
-    bool_attr,
     decimal_quantity,
-    device_doc,
-    int_attr,
     normalize_version,
-    quantity,
+    profile_label,
     quantity_int,
-    string_attr,
-    version_attr,
 )
 from driver.nvml.discovered import GpuInfo, Inventory
 
 __all__ = [
-    "DEFAULT_DRIVER_NAME",
     "MigStrategy",
     "PoolDevices",
     "PoolError",
@@ -54,8 +43,7 @@ __all__ = [
 ]
 
 DEFAULT_COMPUTE = 100  # the reference's `compute` capacity of a whole GPU
-GIB = 1 << 30
-SHARE_MEMORY_STEP = GIB  # shares of memory: min 1Gi, step 1Gi (the reference)
+SHARE_MEMORY_STEP = 1 << 30  # shares of memory: min 1Gi, step 1Gi (the reference)
 SHARE_COMPUTE_STEP = 1
 PCI_BUS_ID_ATTRIBUTE = "resource.kubernetes.io/pciBusID"
 # What the MPS limits of a device hold against (docs/mps.md, "What holds and what does
@@ -106,40 +94,32 @@ def gpu_max_partitions(gpu: GpuInfo) -> int | None:
 
 
 def _gpu_attributes(gpu: GpuInfo, inventory: Inventory) -> dict[str, Any]:
-    model = gpu.model or gpu.product_name
-    driver_version = normalize_version(inventory.driver_version)
-    if gpu.reference_example:
-        attrs: dict[str, Any] = {
-            "index": int_attr(gpu.index),
-            "uuid": string_attr(gpu.uuid),
-            "model": string_attr(model),
-        }
-        if driver_version:
-            attrs["driverVersion"] = version_attr(driver_version)
-        return attrs
-    attrs = {
-        "index": int_attr(gpu.index),
-        "uuid": string_attr(gpu.uuid),
-        "model": string_attr(model),
+    attrs: dict[str, Any] = {
+        "index": {"int": gpu.index},
+        "uuid": {"string": gpu.uuid},
+        "model": {"string": gpu.model or gpu.product_name},
     }
+    driver_version = normalize_version(inventory.driver_version)
     if driver_version:
-        attrs["driverVersion"] = version_attr(driver_version)
-    attrs["productName"] = string_attr(gpu.product_name)
+        attrs["driverVersion"] = {"version": driver_version}
+    if gpu.reference_example:
+        return attrs
+    attrs["productName"] = {"string": gpu.product_name}
     if gpu.brand:
-        attrs["brand"] = string_attr(gpu.brand)
+        attrs["brand"] = {"string": gpu.brand}
     if gpu.architecture:
-        attrs["architecture"] = string_attr(gpu.architecture)
-    cc = normalize_version(gpu.cuda_compute_capability)
-    if cc:
-        attrs["cudaComputeCapability"] = version_attr(cc)
-    cuda = normalize_version(inventory.cuda_driver_version)
-    if cuda:
-        attrs["cudaDriverVersion"] = version_attr(cuda)
-    attrs["migCapable"] = bool_attr(gpu.mig_capable)
+        attrs["architecture"] = {"string": gpu.architecture}
+    for name, version in (
+        ("cudaComputeCapability", gpu.cuda_compute_capability),
+        ("cudaDriverVersion", inventory.cuda_driver_version),
+    ):
+        if normalized := normalize_version(version):
+            attrs[name] = {"version": normalized}
+    attrs["migCapable"] = {"bool": gpu.mig_capable}
     max_partitions = gpu_max_partitions(gpu)
     if max_partitions is not None:
-        attrs["maxPartitions"] = int_attr(max_partitions)
-    attrs[PCI_BUS_ID_ATTRIBUTE] = string_attr(gpu.pci_bus_id)
+        attrs["maxPartitions"] = {"int": max_partitions}
+    attrs[PCI_BUS_ID_ATTRIBUTE] = {"string": gpu.pci_bus_id}
     return attrs
 
 
@@ -151,121 +131,71 @@ def strict_mps_capable(gpu: GpuInfo) -> bool:
 
 
 def _mps_attr(options: PoolOptions, gpu: GpuInfo, *, whole: bool) -> dict[str, Any]:
-    """`mpsIsolation` on the devices of a GPU with MIG off where the node runs MPS:
-    `strict` on a `whole` GPU (not a partition) that is not shared by capacity, on
-    Volta or later (its one daemon holds the GPU in EXCLUSIVE_PROCESS), and on such a
-    GPU's partitions with `mps_strict_partitions` (one server serves them all);
-    `cooperative` on the others, whose shares, partitions and SpacePartitioning get
-    MPS limits per client process, which a process that bypasses MPS escapes
-    (docs/mps.md)."""
+    """`mpsIsolation` where the node runs MPS (see MPS_ISOLATION_ATTRIBUTE): `strict`
+    on a `whole` GPU (or, with `mps_strict_partitions`, a partition) not shared by
+    capacity, on Volta or later; `cooperative` on the others."""
     if not options.mps:
         return {}
     one_server = whole or options.mps_strict_partitions
     strict = one_server and not options.allow_multiple_allocations and strict_mps_capable(gpu)
     value = MPS_ISOLATION_STRICT if strict else MPS_ISOLATION_COOPERATIVE
-    return {MPS_ISOLATION_ATTRIBUTE: string_attr(value)}
+    return {MPS_ISOLATION_ATTRIBUTE: {"string": value}}
 
 
-def _compute(gpu: GpuInfo) -> int:
-    return gpu.compute if gpu.compute is not None else DEFAULT_COMPUTE
-
-
-def _base_capacity(gpu: GpuInfo) -> dict[str, Any]:
+def _capacity(gpu: GpuInfo, split: int = 1) -> dict[str, Any]:
+    """The GPU's `memory` (if known) and `compute`, each divided by `split`."""
     capacity: dict[str, Any] = {}
     if gpu.memory_bytes is not None:
-        capacity["memory"] = quantity(binary_quantity(gpu.memory_bytes))
-    capacity["compute"] = quantity(decimal_quantity(_compute(gpu)))
+        capacity["memory"] = {"value": binary_quantity(gpu.memory_bytes // split)}
+    compute = DEFAULT_COMPUTE if gpu.compute is None else gpu.compute
+    capacity["compute"] = {"value": decimal_quantity(compute // split)}
     return capacity
 
 
-def _policy(value: int, step: int, fmt: Any) -> dict[str, Any] | None:
-    top = value - value % step  # the range's max and default must be on a step
-    if top < step:
-        return None
-    return {
-        "default": fmt(top),
-        "validRange": {"min": fmt(step), "step": fmt(step), "max": fmt(top)},
-    }
-
-
-def make_shareable(doc: dict[str, Any]) -> dict[str, int]:
-    """Mark a device document multi-allocatable (DRAConsumableCapacity): request
-    policies on `memory` (min 1Gi, step 1Gi) and `compute` (min 1, step 1), max and
-    default the device's own capacity, so a claim that asks for no capacity gets the
-    whole device. Returns what all shares together may consume (name -> amount)."""
-    doc["allowMultipleAllocations"] = True
-    limits: dict[str, int] = {}
-    capacity = doc.get("capacity") or {}
-    for name, step, fmt in (
-        ("memory", SHARE_MEMORY_STEP, binary_quantity),
-        ("compute", SHARE_COMPUTE_STEP, decimal_quantity),
-    ):
-        if name not in capacity:
-            continue
-        value = quantity_int(capacity[name]["value"])
-        policy = _policy(value, step, fmt)
-        if policy is not None:
-            capacity[name] = {**capacity[name], "requestPolicy": policy}
-        limits[name] = value
-    return limits
-
-
-# --------------------------------------------------------------------------- reference partitions
-
-
-def _reference_partitions(
-    gpu: GpuInfo, gpu_attrs: dict[str, Any], n: int, options: PoolOptions
-) -> tuple[list[PublishedDevice], dict[str, Any]]:
-    set_name = f"gpu-{gpu.minor}-counters"
-    whole: dict[str, str] = {}
-    part: dict[str, str] = {}
-    if gpu.memory_bytes is not None:
-        whole["memory"] = binary_quantity(gpu.memory_bytes)
-        part["memory"] = binary_quantity(gpu.memory_bytes // n)
-    whole["compute"] = decimal_quantity(_compute(gpu))
-    part["compute"] = decimal_quantity(_compute(gpu) // n)
-    counter_set = {"name": set_name, "counters": {k: quantity(v) for k, v in whole.items()}}
-
-    def counted(
-        name: str, extra: dict[str, Any], amounts: dict[str, str]
-    ) -> tuple[dict[str, Any], dict[str, int] | None]:
-        """A partition's or the full GPU's document: capacity `amounts`, consumed from
-        the GPU's counter set, shareable if the pool allows it; and the share's limits."""
-        whole = "partition" not in extra  # gpu-<i>-full
-        attrs = {**gpu_attrs, **_mps_attr(options, gpu, whole=whole), **extra}
-        doc = device_doc(name, attrs, {k: quantity(v) for k, v in amounts.items()})
-        doc["consumesCounters"] = [
-            {"counterSet": set_name, "counters": {k: quantity(v) for k, v in amounts.items()}}
-        ]
-        share = make_shareable(doc) if options.allow_multiple_allocations else None
-        if gpu.reference_example and share is None:
-            doc["allowMultipleAllocations"] = False
-        return doc, share
-
-    devices: list[PublishedDevice] = []
-    for j in range(n):
-        name = f"gpu-{gpu.minor}-partition-{j}"
-        # `isolated: false`: time-shared on the whole GPU, no memory or fault isolation
-        # from its other partitions (MIG partitions publish `isolated: true`).
-        extra = {
-            "partition": int_attr(j),
-            "partitionable": bool_attr(True),
-            "isolated": bool_attr(False),
-        }
-        doc, share = counted(name, extra, part)
-        devices.append(
-            PublishedDevice(
-                name, doc, gpu.uuid, gpu.minor, True, None, placement=None, share_capacity=share
-            )
-        )
-    name = f"gpu-{gpu.minor}-full"
-    doc, share = counted(name, {"partitionable": bool_attr(True), "full": bool_attr(True)}, whole)
-    devices.append(
-        PublishedDevice(
-            name, doc, gpu.uuid, gpu.minor, False, gpu_max_partitions(gpu), share_capacity=share
-        )
+def _published(
+    gpu: GpuInfo, gpu_attrs: dict[str, Any], options: PoolOptions, name: str, extra: dict[str, Any]
+) -> PublishedDevice:
+    """A device of a GPU with MIG off: the whole GPU `gpu-<i>`, or with `gpu_partitions`
+    N a partition (attribute `partition` in `extra`: 1/N of the GPU) or `gpu-<i>-full`,
+    which consume the GPU's counter set. Where the pool allows it, shared by capacity
+    (DRAConsumableCapacity): request policies on `memory` (min 1Gi, step 1Gi) and
+    `compute` (min 1, step 1), max and default the device's own capacity, so a claim
+    that asks for none gets the whole device; `share_capacity`: what all shares
+    together may consume."""
+    partition = "partition" in extra
+    split = options.gpu_partitions if partition else 1
+    attrs = {**gpu_attrs, **_mps_attr(options, gpu, whole=not partition), **extra}
+    doc: dict[str, Any] = {"name": name, "attributes": attrs, "capacity": _capacity(gpu, split)}
+    if options.gpu_partitions:
+        consumed = {"counterSet": f"gpu-{gpu.minor}-counters", "counters": _capacity(gpu, split)}
+        doc["consumesCounters"] = [consumed]
+    share: dict[str, int] | None = None
+    if options.allow_multiple_allocations:
+        doc["allowMultipleAllocations"] = True
+        share = {}
+        for cap, step, fmt in (
+            ("memory", SHARE_MEMORY_STEP, binary_quantity),
+            ("compute", SHARE_COMPUTE_STEP, decimal_quantity),
+        ):
+            if cap not in doc["capacity"]:
+                continue
+            value = share[cap] = quantity_int(doc["capacity"][cap]["value"])
+            top = value - value % step  # the range's max and default must be on a step
+            if top >= step:
+                valid_range = {"min": fmt(step), "step": fmt(step), "max": fmt(top)}
+                policy = {"default": fmt(top), "validRange": valid_range}
+                doc["capacity"][cap] = {**doc["capacity"][cap], "requestPolicy": policy}
+    elif gpu.reference_example:
+        doc["allowMultipleAllocations"] = False
+    return PublishedDevice(
+        name,
+        doc,
+        gpu.uuid,
+        gpu.minor,
+        is_partition=partition,
+        max_partitions=None if partition else gpu_max_partitions(gpu),
+        share_capacity=share,
     )
-    return devices, counter_set
 
 
 # --------------------------------------------------------------------------- MIG
@@ -303,14 +233,15 @@ def _mig_gpu(
                 "and --mig-strategy=static: nothing of it is published"
             )
         return devices, "static", notes
-    unknown = mig_devices.unselected_profiles(gpu, options.mig_profiles)
+    labels = {profile_label(p.name) for p in gpu.partition_profiles}
+    unknown = [label for label in options.mig_profiles if label not in labels]
     if unknown:
         offered = ", ".join(p.name for p in gpu.partition_profiles)
         raise PoolError(
             f"--mig-profiles: GPU {gpu.minor} ({gpu.product_name}, {gpu.uuid}) has no MIG "
             f"profile {', '.join(unknown)}; its profiles: {offered}"
         )
-    whole = mig_devices.whole_gpu(gpu, attrs, _base_capacity(gpu), gpu_max_partitions(gpu))
+    whole = mig_devices.whole_gpu(gpu, attrs, _capacity(gpu), gpu_max_partitions(gpu))
     partitions = mig_devices.dynamic_partitions(gpu, attrs, options.mig_profiles)
     return ([whole] if whole is not None else []) + partitions, "dynamic", []
 
@@ -344,9 +275,19 @@ def build_pool(
                     "is in MIG mode, where CUDA needs a MIG device; use MIG partitions "
                     "(--gpu-partitions=0) on MIG GPUs"
                 )
-            devs, cs = _reference_partitions(gpu, attrs, options.gpu_partitions, options)
-            devices += devs
-            counter_sets.append(cs)
+            # `isolated: false`: time-shared on the whole GPU, no memory or fault isolation
+            # from its other partitions (MIG partitions publish `isolated: true`).
+            for j in range(options.gpu_partitions):
+                name = f"gpu-{gpu.minor}-partition-{j}"
+                extra = {
+                    "partition": {"int": j},
+                    "partitionable": {"bool": True},
+                    "isolated": {"bool": False},
+                }
+                devices.append(_published(gpu, attrs, options, name, extra))
+            full = {"partitionable": {"bool": True}, "full": {"bool": True}}
+            devices.append(_published(gpu, attrs, options, f"gpu-{gpu.minor}-full", full))
+            counter_sets.append({"name": f"gpu-{gpu.minor}-counters", "counters": _capacity(gpu)})
         elif gpu.mig_enabled and gpu.partition_profiles:
             devs, mode, why = _mig_gpu(gpu, attrs, options, owned_mig)
             devs, gpu_counters = mig_counters.counted(gpu, devs)
@@ -355,25 +296,7 @@ def build_pool(
             modes[gpu.uuid] = mode
             notes += why
         else:
-            doc = device_doc(
-                f"gpu-{gpu.minor}",
-                {**attrs, **_mps_attr(options, gpu, whole=True)},
-                _base_capacity(gpu),
-            )
-            share = make_shareable(doc) if options.allow_multiple_allocations else None
-            if gpu.reference_example and share is None:
-                doc["allowMultipleAllocations"] = False
-            devices.append(
-                PublishedDevice(
-                    name=doc["name"],
-                    document=doc,
-                    gpu_uuid=gpu.uuid,
-                    gpu_minor=gpu.minor,
-                    is_partition=False,
-                    max_partitions=gpu_max_partitions(gpu),
-                    share_capacity=share,
-                )
-            )
+            devices.append(_published(gpu, attrs, options, f"gpu-{gpu.minor}", {}))
     return PoolDevices(
         devices=tuple(devices),
         counter_sets=tuple(counter_sets),

@@ -43,20 +43,6 @@ def _check_taints(device: str, taints: Sequence[Mapping[str, Any]]) -> list[dict
     return out
 
 
-def _device_documents(
-    pool: PoolDevices, taints: Mapping[str, Sequence[Mapping[str, Any]]]
-) -> list[dict[str, Any]]:
-    docs = []
-    for device in pool.devices:
-        device_taints = taints.get(device.name)
-        if device_taints:
-            # A shallow copy: the document's nested values are shared, never mutated.
-            docs.append({**device.document, "taints": _check_taints(device.name, device_taints)})
-        else:
-            docs.append(device.document)
-    return docs
-
-
 def _needs_small_slice(doc: Mapping[str, Any]) -> bool:
     return bool(doc.get("consumesCounters") or doc.get("taints"))
 
@@ -64,20 +50,14 @@ def _needs_small_slice(doc: Mapping[str, Any]) -> bool:
 def _pack_devices(docs: Iterable[dict[str, Any]]) -> list[list[dict[str, Any]]]:
     """Greedy, order-preserving split honouring the per-slice device limits."""
     slices: list[list[dict[str, Any]]] = []
-    current: list[dict[str, Any]] = []
-    small = False
+    small = False  # the last slice needs the smaller limit
     for doc in docs:
-        next_small = small or _needs_small_slice(doc)
-        limit = (
-            MAX_DEVICES_PER_SLICE_WITH_COUNTERS_OR_TAINTS if next_small else MAX_DEVICES_PER_SLICE
-        )
-        if current and len(current) + 1 > limit:
-            slices.append(current)
-            current, next_small = [], _needs_small_slice(doc)
-        current.append(doc)
-        small = next_small
-    if current:
-        slices.append(current)
+        small = small or _needs_small_slice(doc)
+        limit = MAX_DEVICES_PER_SLICE_WITH_COUNTERS_OR_TAINTS if small else MAX_DEVICES_PER_SLICE
+        if not slices or len(slices[-1]) >= limit:
+            slices.append([])
+            small = _needs_small_slice(doc)
+        slices[-1].append(doc)
     return slices
 
 
@@ -94,28 +74,25 @@ def build_slice_specs(
     `taints` maps a device name to the taints (`key`, `value`, `effect`) placed on its
     document; names not in the pool are ignored.
     """
-    bodies: list[dict[str, Any]] = []
-    sets = list(pool.counter_sets)
-    for i in range(0, len(sets), MAX_COUNTER_SETS_PER_SLICE):
-        bodies.append({"sharedCounters": sets[i : i + MAX_COUNTER_SETS_PER_SLICE]})
-    for chunk in _pack_devices(_device_documents(pool, taints or {})):
-        bodies.append({"devices": chunk})
-    if not bodies:
-        bodies.append({"devices": []})
-    specs = []
-    for body in bodies:
-        spec: dict[str, Any] = {
-            "driver": driver,
-            "nodeName": node_name,
-            "pool": {
-                "name": node_name,
-                "generation": generation,
-                "resourceSliceCount": len(bodies),
-            },
-        }
-        spec.update(body)
-        specs.append(spec)
-    return specs
+    taints = taints or {}
+    # A shallow copy of a tainted document: its nested values are shared, never mutated.
+    docs = [
+        {**d.document, "taints": _check_taints(d.name, taints[d.name])}
+        if taints.get(d.name)
+        else d.document
+        for d in pool.devices
+    ]
+    sets = pool.counter_sets
+    bodies: list[dict[str, Any]] = [
+        {"sharedCounters": list(sets[i : i + MAX_COUNTER_SETS_PER_SLICE])}
+        for i in range(0, len(sets), MAX_COUNTER_SETS_PER_SLICE)
+    ]
+    bodies += [{"devices": chunk} for chunk in _pack_devices(docs)]
+    bodies = bodies or [{"devices": []}]
+    pool_ref = {"name": node_name, "generation": generation, "resourceSliceCount": len(bodies)}
+    return [
+        {"driver": driver, "nodeName": node_name, "pool": dict(pool_ref), **body} for body in bodies
+    ]
 
 
 def slice_generate_name(index: int, count: int, driver: str, node_name: str) -> str:
@@ -146,19 +123,13 @@ def slice_documents(
     """The ResourceSlice objects of one pool's ordered specs."""
     docs = []
     for i, spec in enumerate(specs):
-        metadata: dict[str, Any] = {
-            "generateName": slice_generate_name(i, len(specs), driver, node_name)
-        }
+        name = slice_generate_name(i, len(specs), driver, node_name)
+        metadata: dict[str, Any] = {"generateName": name}
         if node_uid is not None:
-            metadata["ownerReferences"] = [
-                {
-                    "apiVersion": "v1",
-                    "kind": "Node",
-                    "name": node_name,
-                    "uid": node_uid,
-                    "controller": True,
-                }
-            ]
+            owner = dict(
+                apiVersion="v1", kind="Node", name=node_name, uid=node_uid, controller=True
+            )
+            metadata["ownerReferences"] = [owner]
         docs.append(
             {"apiVersion": API_VERSION, "kind": "ResourceSlice", "metadata": metadata, "spec": spec}
         )
@@ -202,95 +173,88 @@ def validate_slice_specs(specs: Sequence[Mapping[str, Any]]) -> list[str]:
     if len(pools) != 1:
         errors.append(f"slices span pools {sorted(map(str, pools))}")
     for i, spec in enumerate(specs):
-        where = f"slice {i}"
-        pool = spec.get("pool") or {}
-        if pool.get("resourceSliceCount") != len(specs):
-            errors.append(
-                f"{where}: resourceSliceCount {pool.get('resourceSliceCount')} != {len(specs)}"
-            )
+        bad: list[str] = []  # this slice's violations
+        count = (spec.get("pool") or {}).get("resourceSliceCount")
+        if count != len(specs):
+            bad.append(f"resourceSliceCount {count} != {len(specs)}")
         devices = spec.get("devices")
         shared = spec.get("sharedCounters")
         if devices and shared:
-            errors.append(f"{where}: has both devices and sharedCounters")
+            bad.append("has both devices and sharedCounters")
         for cs in shared or []:
             name = cs.get("name", "")
             if not _DNS_LABEL.match(name):
-                errors.append(f"{where}: counter set name {name!r} is not a DNS label")
+                bad.append(f"counter set name {name!r} is not a DNS label")
             if name in counter_sets:
-                errors.append(f"{where}: duplicate counter set {name}")
+                bad.append(f"duplicate counter set {name}")
             counters = cs.get("counters") or {}
             if not counters:
-                errors.append(f"{where}: counter set {name} has no counters")
+                bad.append(f"counter set {name} has no counters")
             if len(counters) > MAX_COUNTERS_PER_SET:
-                errors.append(f"{where}: counter set {name} has {len(counters)} counters")
+                bad.append(f"counter set {name} has {len(counters)} counters")
             counter_sets[name] = set(counters)
         if shared is not None and len(shared) > MAX_COUNTER_SETS_PER_SLICE:
-            errors.append(f"{where}: {len(shared)} counter sets > {MAX_COUNTER_SETS_PER_SLICE}")
+            bad.append(f"{len(shared)} counter sets > {MAX_COUNTER_SETS_PER_SLICE}")
         devices = devices or []
         small = any(_needs_small_slice(d) for d in devices)
         limit = MAX_DEVICES_PER_SLICE_WITH_COUNTERS_OR_TAINTS if small else MAX_DEVICES_PER_SLICE
         if len(devices) > limit:
-            errors.append(f"{where}: {len(devices)} devices > {limit}")
+            bad.append(f"{len(devices)} devices > {limit}")
         for d in devices:
             name = d.get("name", "")
             if not _DNS_LABEL.match(name):
-                errors.append(f"{where}: device name {name!r} is not a DNS label")
+                bad.append(f"device name {name!r} is not a DNS label")
             if name in device_names:
-                errors.append(f"{where}: duplicate device {name}")
+                bad.append(f"duplicate device {name}")
             device_names.add(name)
+            device = f"device {name}"
             attrs = d.get("attributes") or {}
             capacity = d.get("capacity") or {}
             if len(attrs) + len(capacity) > MAX_ATTRIBUTES_AND_CAPACITIES_PER_DEVICE:
-                errors.append(f"{where}: device {name} has {len(attrs) + len(capacity)} attrs+caps")
+                bad.append(f"{device} has {len(attrs) + len(capacity)} attrs+caps")
             for key, value in attrs.items():
                 if len(value) != 1:
-                    errors.append(f"{where}: device {name} attribute {key} needs exactly one type")
+                    bad.append(f"{device} attribute {key} needs exactly one type")
                 for kind in ("string", "version"):
                     if kind in value and len(str(value[kind])) > MAX_STRING_LENGTH:
-                        errors.append(f"{where}: device {name} attribute {key} is too long")
+                        bad.append(f"{device} attribute {key} is too long")
                 if "version" in value and not re.match(r"^\d+\.\d+\.\d+$", str(value["version"])):
-                    errors.append(f"{where}: device {name} attribute {key} is not semver")
+                    bad.append(f"{device} attribute {key} is not semver")
             for key, cap in capacity.items():
                 if "requestPolicy" in cap and d.get("allowMultipleAllocations") is not True:
-                    errors.append(
-                        f"{where}: device {name} capacity {key} has a requestPolicy without "
+                    bad.append(
+                        f"{device} capacity {key} has a requestPolicy without "
                         "allowMultipleAllocations"
                     )
-                errors += [
-                    f"{where}: device {name} capacity {key}: {e}" for e in _policy_errors(cap)
-                ]
+                bad += [f"{device} capacity {key}: {e}" for e in _policy_errors(cap)]
             consumptions = d.get("consumesCounters") or []
             if len(consumptions) > MAX_CONSUMPTIONS_PER_DEVICE:
-                errors.append(f"{where}: device {name} has {len(consumptions)} consumptions")
+                bad.append(f"{device} has {len(consumptions)} consumptions")
             seen_sets = set()
             for c in consumptions:
-                set_name = c.get("counterSet")
-                if set_name in seen_sets:
-                    errors.append(f"{where}: device {name} consumes {set_name} twice")
-                seen_sets.add(set_name)
+                if c.get("counterSet") in seen_sets:
+                    bad.append(f"{device} consumes {c.get('counterSet')} twice")
+                seen_sets.add(c.get("counterSet"))
                 if len(c.get("counters") or {}) > MAX_COUNTERS_PER_CONSUMPTION:
-                    errors.append(f"{where}: device {name} consumes too many counters")
+                    bad.append(f"{device} consumes too many counters")
             taints = d.get("taints") or []
             if len(taints) > MAX_TAINTS_PER_DEVICE:
-                errors.append(f"{where}: device {name} has {len(taints)} taints")
-            for t in taints:
-                if t.get("effect") not in TAINT_EFFECTS:
-                    errors.append(f"{where}: device {name} taint effect {t.get('effect')!r}")
+                bad.append(f"{device} has {len(taints)} taints")
+            bad += [
+                f"{device} taint effect {t.get('effect')!r}"
+                for t in taints
+                if t.get("effect") not in TAINT_EFFECTS
+            ]
+        errors += [f"slice {i}: {problem}" for problem in bad]
     # References are checked once every counter set of the pool is known.
     for i, spec in enumerate(specs):
         for d in spec.get("devices") or []:
             for c in d.get("consumesCounters") or []:
+                device, set_name = f"slice {i}: device {d.get('name')}", c.get("counterSet")
                 known = counter_sets.get(c.get("counterSet", ""))
+                missing = sorted(set(c.get("counters") or {}) - (known or set()))
                 if known is None:
-                    errors.append(
-                        f"slice {i}: device {d.get('name')} consumes unknown counter set "
-                        f"{c.get('counterSet')}"
-                    )
-                    continue
-                missing = set(c.get("counters") or {}) - known
-                if missing:
-                    errors.append(
-                        f"slice {i}: device {d.get('name')} consumes unknown counters "
-                        f"{sorted(missing)} of {c.get('counterSet')}"
-                    )
+                    errors.append(f"{device} consumes unknown counter set {set_name}")
+                elif missing:
+                    errors.append(f"{device} consumes unknown counters {missing} of {set_name}")
     return errors

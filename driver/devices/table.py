@@ -101,108 +101,67 @@ def taint_text(taints: Sequence[Mapping[str, Any]]) -> str:
 
 def _attr(device: PublishedDevice, key: str) -> str:
     value = device.document.get("attributes", {}).get(key)
-    if not value:
-        return ""
-    return str(next(iter(value.values())))
-
-
-def _mps_isolation(device: PublishedDevice) -> str:
-    return _attr(device, MPS_ISOLATION_ATTRIBUTE)
-
-
-def has_mps_limits(device: PublishedDevice) -> bool:
-    """Whether the device publishes `mpsIsolation`: MPS daemons hold what its shares
-    and partitions are given, per client process."""
-    return MPS_ISOLATION_ATTRIBUTE in device.document.get("attributes", {})
+    return str(next(iter(value.values()))) if value else ""
 
 
 def mps_note(devices: Sequence[PublishedDevice]) -> str:
     """What the MPS limits of the devices hold and do not (`MPS_NOTE` where a device
     is cooperative, `MPS_STRICT_NOTE` where one is strict), else nothing."""
-    kinds = {_mps_isolation(d) for d in devices if has_mps_limits(d)}
+    kinds = {_attr(d, MPS_ISOLATION_ATTRIBUTE) for d in devices}
     note = MPS_NOTE if MPS_ISOLATION_COOPERATIVE in kinds else ""
     return note + (MPS_STRICT_NOTE if MPS_ISOLATION_STRICT in kinds else "")
 
 
 def _sharing(device: PublishedDevice) -> str:
-    """`exclusive`, or the capacities a share consumes with their request step; `, MPS
-    limits per process (cooperative)` where MPS daemons hold what a share or partition
-    is given, `, MPS strict (EXCLUSIVE_PROCESS)` on a strict whole GPU (attribute
-    `mpsIsolation`)."""
-    if _mps_isolation(device) == MPS_ISOLATION_STRICT:
+    """The SHARING cell: `exclusive`, or the capacities a share consumes with their
+    request step; then the device's MPS isolation (module docstring)."""
+    isolation = _attr(device, MPS_ISOLATION_ATTRIBUTE)
+    if isolation == MPS_ISOLATION_STRICT:
         return f"exclusive, {MPS_STRICT_SHARING}"
-    limited = f", {MPS_SHARING}" if has_mps_limits(device) else ""
+    limited = f", {MPS_SHARING}" if isolation else ""
     if device.document.get("allowMultipleAllocations") is not True:
         return "exclusive" + (limited if device.is_partition else "")
     parts = []
     for name, entry in sorted(device.document.get("capacity", {}).items()):
-        step = ((entry.get("requestPolicy") or {}).get("validRange") or {}).get("step")
-        if entry.get("requestPolicy"):
-            parts.append(f"{name}" + (f" step {step}" if step else ""))
+        if policy := entry.get("requestPolicy"):
+            step = (policy.get("validRange") or {}).get("step")
+            parts.append(name + (f" step {step}" if step else ""))
     return ("shares: " + ", ".join(parts) if parts else "shares") + limited
 
 
-def _memory(device: PublishedDevice) -> str:
-    return str(device.document.get("capacity", {}).get("memory", {}).get("value", NONE))
-
-
-def _mig_columns(device: PublishedDevice) -> tuple[str, str, str]:
-    """UUID of an existing MIG device, profile, placement."""
-    if device.mig is None:
-        return NONE, NONE, NONE
-    existing = device.mig.existing
-    uuid = existing.uuid if existing is not None and existing.uuid else NONE
-    profile = device.profile or _attr(device, "migProfile") or NONE
-    start, size = device.mig.placement
-    return uuid, profile, f"{start}+{size}"
-
-
-def _gpu_row(
-    gpu: GpuView, whole: PublishedDevice | None, partition_count: int, health: HealthText
+def _row(
+    gpu: GpuView, device: PublishedDevice | None, partitions: str, health: HealthText
 ) -> tuple[str, ...]:
-    common = (str(gpu.index), gpu.pci_bus_id, gpu.uuid, gpu.model)
-    if whole is None:
+    """A GPU's row (`partitions`: how many of its partitions are published; `device`
+    None where none of it is), or a partition's (`partitions` `-`)."""
+    name, uuid, profile, placement, sharing = NONE, NONE, NONE, NONE, NONE
+    if device is None:
+        uuid = gpu.uuid
         memory = binary_quantity(gpu.memory_bytes) if gpu.memory_bytes is not None else NONE
-        return (
-            NONE,
-            *common,
-            memory,
-            gpu.mig_mode.value,
-            NONE,
-            NONE,
-            str(partition_count),
-            NONE,
-            health(gpu),
-        )
-    _, profile, placement = _mig_columns(whole)
+    else:
+        name, sharing = device.name, _sharing(device)
+        memory = str(device.document.get("capacity", {}).get("memory", {}).get("value", NONE))
+        if device.mig is not None:
+            existing = device.mig.existing
+            uuid = existing.uuid if existing is not None and existing.uuid else NONE
+            profile = device.profile or _attr(device, "migProfile") or NONE
+            start, size = device.mig.placement
+            placement = f"{start}+{size}"
+        if not device.is_partition:
+            uuid = gpu.uuid
     return (
-        whole.name,
-        *common,
-        _memory(whole),
-        gpu.mig_mode.value,
-        profile,
-        placement,
-        str(partition_count),
-        _sharing(whole),
-        health(whole),
-    )
-
-
-def _partition_row(gpu: GpuView, device: PublishedDevice, health: HealthText) -> tuple[str, ...]:
-    uuid, profile, placement = _mig_columns(device)
-    return (
-        device.name,
+        name,
         str(gpu.index),
         gpu.pci_bus_id,
         uuid,
         gpu.model,
-        _memory(device),
+        memory,
         gpu.mig_mode.value,
         profile,
         placement,
-        NONE,
-        _sharing(device),
-        health(device),
+        partitions,
+        sharing,
+        health(gpu if device is None else device),
     )
 
 
@@ -215,7 +174,7 @@ def device_rows(
         devices = pool.devices_of_gpu(gpu.uuid)
         whole = next((d for d in devices if not d.is_partition), None)
         parts = [d for d in devices if d.is_partition]
-        rows.append(_gpu_row(gpu, whole, len(parts), health))
+        rows.append(_row(gpu, whole, str(len(parts)), health))
         if partitions:
-            rows += [_partition_row(gpu, device, health) for device in parts]
+            rows += [_row(gpu, device, NONE, health) for device in parts]
     return rows
