@@ -52,9 +52,9 @@ def parse_quantity(value: object) -> Decimal:
     if match is None:
         raise ValueError(f"not a quantity: {value!r}")
     base, suffix = Decimal(match.group(1)), match.group(2) or ""
-    if suffix[:1] in ("e", "E"):
-        return base * (Decimal(10) ** int(suffix[1:]))
-    return base * _SUFFIX_VALUE[suffix]
+    if suffix in _SUFFIX_VALUE:  # before the exponent: `E` and `Ei` are exa, not e
+        return base * _SUFFIX_VALUE[suffix]
+    return base * (Decimal(10) ** int(suffix[1:]))
 
 
 def quantity_int(value: object) -> int:

@@ -159,7 +159,9 @@ def _policy_errors(cap: Mapping[str, Any]) -> list[str]:
     errors = []
     if not low <= default <= high or high > value:
         errors.append("default or max outside [min, capacity]")
-    if step is not None and ((high - low) % step or (default - low) % step):
+    if step is not None and step <= 0:
+        errors.append(f"validRange step {valid_range['step']} must be positive")
+    elif step is not None and ((high - low) % step or (default - low) % step):
         errors.append("max and default must be min plus a multiple of step")
     return errors
 

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import copy
+from decimal import Decimal
 from typing import Any
 
 import pytest
 
 from driver.devices import slices as sl
+from driver.devices.formatting import parse_quantity
 from driver.devices.model import PoolDevices, PoolOptions, build_pool
 from driver.nvml.mock.fleet import default_fleet, example_fleet, mock_gpu_uuid, parse_fleet
 from driver.nvml.mock.mock_backend import MockBackend
@@ -275,6 +277,14 @@ def test_shareable_devices_pass_the_validator() -> None:
             "multiple of step",
         ),
         (
+            lambda d: d["capacity"]["compute"]["requestPolicy"]["validRange"].update(step="0"),
+            "must be positive",
+        ),
+        (
+            lambda d: d["capacity"]["compute"]["requestPolicy"]["validRange"].update(step="-1"),
+            "must be positive",
+        ),
+        (
             lambda d: d["capacity"]["compute"]["requestPolicy"].update(validValues=["1"]),
             "mutually exclusive",
         ),
@@ -289,3 +299,12 @@ def test_validator_reports_bad_request_policies(mutate: Any, message: str) -> No
     mutate(specs[0]["devices"][0])
     errors = sl.validate_slice_specs(specs)
     assert any(message in e for e in errors), errors
+
+
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [("2Ei", 2 << 60), ("1Pi", 1 << 50), ("3E", 3 * 10**18), ("1e3", 1000), ("500m", 0.5)],
+)
+def test_quantities_with_every_suffix_parse(text: str, value: float) -> None:
+    """An exa suffix (`E`, `Ei`) is no decimal exponent (`e3`)."""
+    assert parse_quantity(text) == Decimal(str(value))
