@@ -29,7 +29,7 @@ from __future__ import annotations
 import json
 import os
 import stat
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
@@ -154,10 +154,9 @@ class CdiDevice:
         if not isinstance(nodes, list) or not all(isinstance(n, Mapping) for n in nodes):
             raise ValueError(f"CDI device {name}: deviceNodes must be objects with a path")
         mounts, hooks = edits.get("mounts", []), edits.get("hooks", [])
-        if not isinstance(mounts, list):
-            raise ValueError(f"CDI device {name}: mounts must be a list")
-        if not isinstance(hooks, list):
-            raise ValueError(f"CDI device {name}: hooks must be a list")
+        for key, value in (("mounts", mounts), ("hooks", hooks)):
+            if not isinstance(value, list):
+                raise ValueError(f"CDI device {name}: {key} must be a list")
         try:
             parsed = tuple(DeviceNode.from_json(n) for n in nodes)
             bound = tuple(CdiMount.from_json(m) for m in mounts)
@@ -197,14 +196,6 @@ class ClaimSpec:
         return cls(tuple(CdiDevice.from_json(d) for d in devices), tuple(nodes))
 
 
-def _cdi_version(device_names: Iterable[str], mounts: Iterable[Mapping[str, Any]] = ()) -> str:
-    if any(name[:1].isdigit() for name in device_names):
-        return CDI_VERSION_DIGIT_NAMES
-    if any(m.get("type") for m in mounts):
-        return CDI_VERSION_MOUNT_TYPE
-    return CDI_VERSION
-
-
 class CdiSpecs:
     """The CDI spec files of one driver in one CDI root directory."""
 
@@ -215,15 +206,9 @@ class CdiSpecs:
         self.kind = f"{self.vendor}/{PROFILE}"
         self._prefix = f"{self.vendor}-{PROFILE}_"
 
-    # -- names ---------------------------------------------------------------------
-
     def qualified(self, device: str) -> str:
         """Fully qualified CDI device id, `k8s.<driver>/gpu=<device>`."""
         return f"{self.kind}={device}"
-
-    @property
-    def common_device_id(self) -> str:
-        return self.qualified(COMMON_DEVICE)
 
     def device_ids(self, claim_uid: str, device_name: str, share_id: str | None) -> list[str]:
         """The CDI ids the kubelet gets for one prepared device: the device, then common.
@@ -233,7 +218,7 @@ class CdiSpecs:
         """
         return [
             self.qualified(cdi_device_name(claim_uid, device_name, share_id)),
-            self.common_device_id,
+            self.qualified(COMMON_DEVICE),
         ]
 
     @property
@@ -243,22 +228,11 @@ class CdiSpecs:
     def claim_spec_path(self, claim_uid: str) -> Path:
         return self.root / f"{self._prefix}{claim_uid.replace('/', '_')}.json"
 
-    # -- writes --------------------------------------------------------------------
-
-    def _ensure_root(self) -> None:
-        self.root.mkdir(parents=True, exist_ok=True)
-
-    def _render(self, devices: Sequence[CdiDevice], spec_device_nodes: Sequence[str] = ()) -> bytes:
-        spec_edits: dict[str, Any] = {}
-        if spec_device_nodes:
-            spec_edits["deviceNodes"] = [{"path": p} for p in spec_device_nodes]
-        doc = {
-            "cdiVersion": _cdi_version(d.name for d in devices),
-            "kind": self.kind,
-            "devices": [d.to_json() for d in devices],
-            "containerEdits": spec_edits,
-        }
-        return json.dumps(doc, separators=(",", ":")).encode()
+    def _render(self, version: str, devices: list[Any], edits: dict[str, Any]) -> bytes:
+        return json.dumps(
+            {"cdiVersion": version, "kind": self.kind, "devices": devices, "containerEdits": edits},
+            separators=(",", ":"),
+        ).encode()
 
     def write_common_spec(
         self,
@@ -268,7 +242,7 @@ class CdiSpecs:
     ) -> Path:
         """(Re)write the common spec: node name and driver name for every container;
         on real GPUs also the control nodes and the driver's mounts, hooks and env."""
-        self._ensure_root()
+        self.root.mkdir(parents=True, exist_ok=True)
         extra = dict(driver.edits) if driver is not None else {}
         edits: dict[str, Any] = {
             "env": [
@@ -280,14 +254,11 @@ class CdiSpecs:
         if control_nodes:
             edits["deviceNodes"] = [n.to_json() for n in control_nodes]
         edits.update(extra)
-        doc = {
-            "cdiVersion": _cdi_version([COMMON_DEVICE], edits.get("mounts", [])),
-            "kind": self.kind,
-            "devices": [{"name": COMMON_DEVICE, "containerEdits": edits}],
-            "containerEdits": {},
-        }
+        typed = any(m.get("type") for m in edits.get("mounts", []))
+        version = CDI_VERSION_MOUNT_TYPE if typed else CDI_VERSION
         path = self.common_spec_path
-        atomic_write(path, json.dumps(doc, separators=(",", ":")).encode(), mode=SPEC_MODE)
+        devices = [{"name": COMMON_DEVICE, "containerEdits": edits}]
+        atomic_write(path, self._render(version, devices, {}), mode=SPEC_MODE)
         return path
 
     def write_claim_spec(
@@ -295,7 +266,7 @@ class CdiSpecs:
     ) -> Path:
         """Atomically write (or replace) the claim's spec, not durably (the module
         doc says why). `before_rename`: failpoint."""
-        self._ensure_root()
+        self.root.mkdir(parents=True, exist_ok=True)
         path = self.claim_spec_path(claim_uid)
         atomic_write(
             path,
@@ -308,7 +279,13 @@ class CdiSpecs:
 
     def render_claim_spec(self, spec: ClaimSpec) -> bytes:
         """The bytes `write_claim_spec` writes for `spec`."""
-        return self._render(spec.devices, spec.device_nodes)
+        digits = any(d.name[:1].isdigit() for d in spec.devices)
+        nodes = [{"path": p} for p in spec.device_nodes]
+        return self._render(
+            CDI_VERSION_DIGIT_NAMES if digits else CDI_VERSION,
+            [d.to_json() for d in spec.devices],
+            {"deviceNodes": nodes} if nodes else {},
+        )
 
     def remove_claim_spec(self, claim_uid: str) -> bool:
         """Delete the claim's spec (not durably); False if there was none."""
@@ -331,8 +308,6 @@ class CdiSpecs:
         """Remove spec temp files left by a crash (call under the serialize lock)."""
         return sweep_temp_files(self.root, self._prefix)
 
-    # -- reads ---------------------------------------------------------------------
-
     def claim_spec_exists(self, claim_uid: str) -> bool:
         """A regular file is at the claim's spec path. A symlink there is not the
         claim's spec (never followed), so prepare rewrites the spec over it."""
@@ -345,28 +320,26 @@ class CdiSpecs:
         """`{claim UID (as in the file name): path}` of every claim spec in the root.
         Only regular files count: a symlink (or anything else) named like a claim spec
         is not one of ours, so nothing reads or removes through it."""
-        out: dict[str, Path] = {}
         try:
             with os.scandir(self.root) as entries:
                 names = sorted(e.name for e in entries if e.is_file(follow_symlinks=False))
         except FileNotFoundError:
-            return out
+            return {}
         common = self.common_spec_path.name
-        for name in names:
-            if name == common or not name.startswith(self._prefix) or not name.endswith(".json"):
-                continue
-            out[name[len(self._prefix) : -len(".json")]] = self.root / name
-        return out
+        return {
+            name[len(self._prefix) : -len(".json")]: self.root / name
+            for name in names
+            if name != common and name.startswith(self._prefix) and name.endswith(".json")
+        }
 
     def claim_spec_is(self, claim_uid: str, spec: ClaimSpec) -> bool:
         """Is the claim's spec on disk exactly what `write_claim_spec(spec)` writes?
         False for a missing, partial or different one, and for a symlink."""
         try:
-            return read_file_nofollow(self.claim_spec_path(claim_uid)) == self.render_claim_spec(
-                spec
-            )
+            on_disk = read_file_nofollow(self.claim_spec_path(claim_uid))
         except OSError:
             return False
+        return on_disk == self.render_claim_spec(spec)
 
     def read_claim_spec(self, claim_uid: str) -> dict[str, Any] | None:
         """The parsed claim spec, or None if absent. A symlink at the path is refused

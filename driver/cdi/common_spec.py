@@ -11,7 +11,6 @@ without the driver's libraries.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from pathlib import Path
 
 from driver.cdi.claim_specs import CdiSpecs
@@ -22,12 +21,6 @@ from driver.errors import transient
 log = logging.getLogger(__name__)
 
 MODESET_NODE = Path("/dev/nvidia-modeset")
-
-
-@dataclass(frozen=True)
-class _Written:
-    driver: DriverEdits | None
-    control_nodes: tuple[DeviceNode, ...]
 
 
 class CommonSpec:
@@ -48,7 +41,9 @@ class CommonSpec:
         self.problem: str | None = None  # why the driver's edits are missing
         # The device majors the last sync read (claim specs of the same request use them).
         self.majors: CharMajors | None = None
-        self._written: _Written | None = None
+        # What the common spec on disk holds (no driver: not written with one yet).
+        self._driver: DriverEdits | None = None
+        self._nodes: tuple[DeviceNode, ...] = ()
 
     def write(self) -> None:
         """At start: write what can be known now; a missing driver is logged, not fatal
@@ -71,32 +66,33 @@ class CommonSpec:
             if force:
                 self.cdi.write_common_spec(self.node_name)
             return
-        written = self._written
-        driver = written.driver if written is not None else None
+        driver = self._driver
         if driver is None or not driver.is_current(self.driver_root):
-            driver = self._generate()
+            driver = self._generate(self.driver_root)
         nodes = self._control_nodes()
-        wanted = _Written(driver, nodes)
-        if force or wanted != written:
+        if force or (driver, nodes) != (self._driver, self._nodes):
             self.cdi.write_common_spec(self.node_name, driver, nodes)
-            if written is not None and driver != written.driver:
+            if self._driver is not None and driver != self._driver:
                 log.info("common CDI spec rewritten for driver %s", driver.driver_version)
-            self._written = wanted
+            self._driver, self._nodes = driver, nodes
 
-    def _generate(self) -> DriverEdits:
-        assert self.driver_root is not None
+    def _generate(self, root: DriverRoot) -> DriverEdits:
         try:
-            driver = generate(self.driver_root, self.generator)
+            driver = generate(root, self.generator)
         except DriverEditsError as err:
             self.problem = str(err)
-            if self._written is None:  # the node and driver names at least
-                self.cdi.write_common_spec(self.node_name, None, self._control_nodes_or_none())
+            if self._driver is None:  # the node and driver names at least
+                try:
+                    nodes = self._control_nodes()
+                except DriverEditsError:
+                    nodes = ()
+                self.cdi.write_common_spec(self.node_name, None, nodes)
             raise
         self.problem = None
         log.info(
             "driver %s at %s: %d mounts, %d hooks for every GPU container",
             driver.driver_version,
-            self.driver_root.host_path,
+            root.host_path,
             len(driver.edits.get("mounts", [])),
             len(driver.edits.get("hooks", [])),
         )
@@ -108,9 +104,3 @@ class CommonSpec:
             return self.majors.control_nodes(modeset=MODESET_NODE.exists())
         except (OSError, DeviceNodeError) as err:
             raise DriverEditsError(f"control device nodes: {err}") from err
-
-    def _control_nodes_or_none(self) -> tuple[DeviceNode, ...]:
-        try:
-            return self._control_nodes()
-        except DriverEditsError:
-            return ()

@@ -57,14 +57,9 @@ class DriverEdits:
     def libcuda_paths(self, root: DriverRoot) -> list[Path]:
         """Where `libcuda.so.<version>` is in this process's view of the driver root,
         one path per library directory the generator found."""
-        dirs = next(
-            (
-                e.split("=", 1)[1]
-                for e in self.edits.get("env", [])
-                if e.startswith(f"{LIBCUDA_DIR_ENV}=")
-            ),
-            "",
-        )
+        prefix = f"{LIBCUDA_DIR_ENV}="
+        env = self.edits.get("env", [])
+        dirs = next((e.removeprefix(prefix) for e in env if e.startswith(prefix)), "")
         host = str(root.host_path).rstrip("/")
         out = []
         for directory in filter(None, dirs.split(os.pathsep)):
@@ -76,13 +71,6 @@ class DriverEdits:
         """The driver root still holds this driver version (one stat per library dir)."""
         paths = self.libcuda_paths(root)
         return bool(paths) and all(p.exists() for p in paths)
-
-
-def find_generator() -> Path:
-    found = shutil.which(GENERATOR)
-    if found is None:
-        raise DriverEditsError(f"{GENERATOR} is not on PATH (it ships in the driver's image)")
-    return Path(found)
 
 
 def parse_generator_output(raw: str | bytes) -> DriverEdits:
@@ -106,8 +94,11 @@ def parse_generator_output(raw: str | bytes) -> DriverEdits:
 
 def generate(root: DriverRoot, generator: Path | None = None) -> DriverEdits:
     """Run the generator for the driver root. Raises DriverEditsError."""
+    found = generator or shutil.which(GENERATOR)
+    if found is None:
+        raise DriverEditsError(f"{GENERATOR} is not on PATH (it ships in the driver's image)")
     command = [
-        str(generator or find_generator()),
+        str(found),
         "--driver-root",
         str(root.path),
         "--target-driver-root",

@@ -1,25 +1,17 @@
 """The CDI edit that holds a container to its claim's memory share: a `createRuntime`
 hook that hands the container's pid to the plugin, which sets the hard limit on the
 container's cgroup (NVML R615 and later; docs/mps.md, "Memory limits the kernel driver
-keeps").
+keeps", has the design and the protocol).
 
-The runtime runs the hook on the host, in its own namespaces, after it made the
-container (its process exists, in its own cgroup) and before it starts it; the OCI
-state on the hook's stdin carries the container's `pid` as the host sees it. Only
-`/bin/sh` and the basic utilities (`cat`, `mv`, `rm`, `sleep`, `date`) can be assumed
-there, not the plugin's Python, so the hook is a short script that
-
-1. writes `<gpu UUID> <bytes>` and the OCI state to `<dir>/<claim>-<n>.tmp` (umask 077)
-   and renames it to `<dir>/<claim>-<n>.req`, `<n>` its pid and the time;
-2. waits, at most `wait` seconds, for the plugin's answer: `<claim>-<n>.ok`, or
-   `<claim>-<n>.err` holding why not (driver/plugin/memory_limit_requests.py);
-3. removes its files and exits 0 on `.ok`; prints the error, or that no answer came,
-   and exits 1 otherwise: the runtime then fails the container's creation (the kubelet
-   tries again), so a container never runs without its limit.
-
-`<dir>` is `<data dir>/memory-limits` (0700, root's): the data directory has the same
-path on the host and in the plugin's container. The CDI hook's `timeout` (the OCI
-hook's: the runtime kills a hook still running then, which fails the creation too) is
+The runtime runs the hook on the host, where only `/bin/sh` and the basic utilities
+(`cat`, `mv`, `rm`, `sleep`, `date`) can be assumed, so the hook is a short script: it
+writes `<gpu UUID> <bytes>` and the OCI state (the container's host `pid`) to
+`<dir>/<claim>-<n>.tmp` (umask 077), renames it to `<claim>-<n>.req`, waits at most
+`wait` seconds for the plugin's `<claim>-<n>.ok` or `.err`
+(driver/plugin/memory_limit_requests.py), removes its files and exits 0 on `.ok`, else
+1: the runtime then fails the container's creation, so a container never runs without
+its limit. `<dir>` is `<data dir>/memory-limits` (0700, root's; the data directory has
+one path on the host and in the plugin's container). The CDI hook's `timeout` is
 `wait` + `TIMEOUT_MARGIN_SECONDS`.
 """
 

@@ -25,10 +25,7 @@ from driver.config.gpu import (
     KIND,
     GpuConfig,
     Interval,
-    Sharing,
-    SpacePartitioningConfig,
     Strategy,
-    TimeSlicingConfig,
     default_gpu_config,
     validate_for_device,
 )
@@ -42,7 +39,6 @@ if TYPE_CHECKING:
         config_list_of,
         is_checked_document,
         validate_claim_document,
-        validate_configs,
         validate_object_configs,
     )
     from driver.config.yaml_loader import load_yaml_documents
@@ -54,7 +50,6 @@ _LAZY_MODULES = {
     "config_list_of": "driver.config.document_checks",
     "is_checked_document": "driver.config.document_checks",
     "validate_claim_document": "driver.config.document_checks",
-    "validate_configs": "driver.config.document_checks",
     "validate_object_configs": "driver.config.document_checks",
     "load_yaml_documents": "driver.config.yaml_loader",
 }
@@ -78,10 +73,7 @@ __all__ = [
     "GpuConfig",
     "Interval",
     "LoadError",
-    "Sharing",
-    "SpacePartitioningConfig",
     "Strategy",
-    "TimeSlicingConfig",
     "config_list_of",
     "decode_gpu_config",
     "default_gpu_config",
@@ -92,7 +84,6 @@ __all__ = [
     "request_matches",
     "resolve_configs",
     "validate_claim_document",
-    "validate_configs",
     "validate_for_device",
     "validate_object_configs",
 ]

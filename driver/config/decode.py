@@ -7,7 +7,6 @@ its prepares of claims without opaque config never pay for pydantic.
 from __future__ import annotations
 
 import dataclasses
-import enum
 from typing import Final
 
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -45,24 +44,20 @@ from driver.config.mps_limits import (
 )
 from driver.config.yaml_loader import loads_json_or_yaml
 
-_MODEL_CONFIG = ConfigDict(strict=True, extra="forbid", frozen=True)
+
+class _Model(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
 
 
-class _TimeSlicingModel(BaseModel):
-    model_config = _MODEL_CONFIG
-
+class _TimeSlicingModel(_Model):
     interval: str | None = None
 
 
-class _SpacePartitioningModel(BaseModel):
-    model_config = _MODEL_CONFIG
-
+class _SpacePartitioningModel(_Model):
     partitionCount: int | None = None
 
 
-class _MpsModel(BaseModel):
-    model_config = _MODEL_CONFIG
-
+class _MpsModel(_Model):
     defaultActiveThreadPercentage: int | None = None
     defaultPinnedDeviceMemoryLimit: str | None = None
     defaultPerDevicePinnedMemoryLimit: dict[str, str] | None = None
@@ -72,18 +67,14 @@ class _MpsModel(BaseModel):
 _MAP_FIELDS: Final = frozenset({"defaultPerDevicePinnedMemoryLimit"})
 
 
-class _SharingModel(BaseModel):
-    model_config = _MODEL_CONFIG
-
+class _SharingModel(_Model):
     strategy: str
     timeSlicingConfig: _TimeSlicingModel | None = None
     spacePartitioningConfig: _SpacePartitioningModel | None = None
     mpsConfig: _MpsModel | None = None
 
 
-class _GpuConfigModel(BaseModel):
-    model_config = _MODEL_CONFIG
-
+class _GpuConfigModel(_Model):
     apiVersion: str
     kind: str
     sharing: _SharingModel | None = None
@@ -92,32 +83,25 @@ class _GpuConfigModel(BaseModel):
 def _as_config(model: _GpuConfigModel) -> GpuConfig:
     sharing = model.sharing
     if sharing is None:
-        return GpuConfig(apiVersion=model.apiVersion, kind=model.kind)
+        return GpuConfig(model.apiVersion, model.kind)
     tsc, spc, mps = sharing.timeSlicingConfig, sharing.spacePartitioningConfig, sharing.mpsConfig
+    limits = None if mps is None else mps.defaultPerDevicePinnedMemoryLimit
     return GpuConfig(
-        apiVersion=model.apiVersion,
-        kind=model.kind,
-        sharing=Sharing(
-            strategy=sharing.strategy,
-            timeSlicingConfig=None if tsc is None else TimeSlicingConfig(tsc.interval),
-            spacePartitioningConfig=(
-                None if spc is None else SpacePartitioningConfig(spc.partitionCount)
-            ),
-            mpsConfig=(
-                None
-                if mps is None
-                else MpsConfig(
-                    mps.defaultActiveThreadPercentage,
-                    mps.defaultPinnedDeviceMemoryLimit,
-                    _per_device(mps.defaultPerDevicePinnedMemoryLimit),
-                )
+        model.apiVersion,
+        model.kind,
+        Sharing(
+            sharing.strategy,
+            None if tsc is None else TimeSlicingConfig(tsc.interval),
+            None if spc is None else SpacePartitioningConfig(spc.partitionCount),
+            None
+            if mps is None
+            else MpsConfig(
+                mps.defaultActiveThreadPercentage,
+                mps.defaultPinnedDeviceMemoryLimit,
+                None if limits is None else PerDeviceLimits(limits),
             ),
         ),
     )
-
-
-def _per_device(limits: dict[str, str] | None) -> PerDeviceLimits | None:
-    return None if limits is None else PerDeviceLimits(limits)
 
 
 _TYPE_MESSAGES: Final = {
@@ -168,19 +152,7 @@ def _normalize(config: GpuConfig) -> GpuConfig:
         tsc = TimeSlicingConfig(interval=Interval.DEFAULT.value)
     if spc is not None and spc.partitionCount is None:
         spc = SpacePartitioningConfig(partitionCount=DEFAULT_PARTITION_COUNT)
-    return dataclasses.replace(
-        config,
-        sharing=Sharing(
-            strategy=sharing.strategy,
-            timeSlicingConfig=tsc,
-            spacePartitioningConfig=spc,
-            mpsConfig=mps,
-        ),
-    )
-
-
-def _one_of(values: type[enum.StrEnum]) -> str:
-    return ", ".join(v.value for v in values)
+    return dataclasses.replace(config, sharing=Sharing(sharing.strategy, tsc, spc, mps))
 
 
 def _static_errors(config: GpuConfig, path: str) -> list[FieldError]:
@@ -199,61 +171,46 @@ def _static_errors(config: GpuConfig, path: str) -> list[FieldError]:
             )
         )
     sharing = config.sharing
-    if sharing is None:  # not reachable after _normalize; kept for direct callers
-        return errors
+    assert sharing is not None  # _normalize sets it
     sharing_path = join_path(path, "sharing")
-    tsc, spc = sharing.timeSlicingConfig, sharing.spacePartitioningConfig
-    tsc_path = join_path(sharing_path, "timeSlicingConfig")
-    spc_path = join_path(sharing_path, "spacePartitioningConfig")
+    tsc, spc, mps = sharing.timeSlicingConfig, sharing.spacePartitioningConfig, sharing.mpsConfig
     known = sharing.strategy in Strategy.__members__.values()
     if not known:
         errors.append(
             FieldError(
                 join_path(sharing_path, "strategy"),
                 f"unknown GPU sharing strategy: {sharing.strategy!r} "
-                f"(must be one of {_one_of(Strategy)})",
+                f"(must be one of {', '.join(Strategy)})",
             )
         )
     if tsc is not None and tsc.interval not in Interval.__members__.values():
         errors.append(
             FieldError(
-                join_path(tsc_path, "interval"),
+                join_path(join_path(sharing_path, "timeSlicingConfig"), "interval"),
                 f"unknown time-slice interval: {tsc.interval!r} "
-                f"(must be one of {_one_of(Interval)})",
+                f"(must be one of {', '.join(Interval)})",
             )
         )
     count = spc.partitionCount if spc is not None else None
-    if count is not None and count < 1:
+    if count is not None and not 1 <= count <= MAX_PARTITION_COUNT:
+        bound = "must be >= 1" if count < 1 else f"must be <= {MAX_PARTITION_COUNT}"
         errors.append(
             FieldError(
-                join_path(spc_path, "partitionCount"), f"must be >= 1, got {int_text(count)}"
+                join_path(join_path(sharing_path, "spacePartitioningConfig"), "partitionCount"),
+                f"{bound}, got {int_text(count)}",
             )
         )
-    elif count is not None and count > MAX_PARTITION_COUNT:
-        errors.append(
-            FieldError(
-                join_path(spc_path, "partitionCount"),
-                f"must be <= {MAX_PARTITION_COUNT}, got {int_text(count)}",
-            )
-        )
-    errors.extend(_mps_errors(sharing.mpsConfig, join_path(sharing_path, "mpsConfig")))
-    given = [
-        name
-        for name, sub in (
-            ("timeSlicingConfig", tsc),
-            ("spacePartitioningConfig", spc),
-            ("mpsConfig", sharing.mpsConfig),
-        )
-        if sub is not None
-    ]
-    own = {
-        Strategy.TIME_SLICING: "timeSlicingConfig",
-        Strategy.SPACE_PARTITIONING: "spacePartitioningConfig",
-        Strategy.MPS: "mpsConfig",
+    if mps is not None:
+        errors.extend(_mps_errors(mps, join_path(sharing_path, "mpsConfig")))
+    subs = {
+        Strategy.TIME_SLICING: ("timeSlicingConfig", tsc),
+        Strategy.SPACE_PARTITIONING: ("spacePartitioningConfig", spc),
+        Strategy.MPS: ("mpsConfig", mps),
     }
+    given = [name for name, sub in subs.values() if sub is not None]
     if len(given) > 1:
         errors.append(FieldError(sharing_path, f"{' and '.join(given)} are mutually exclusive"))
-    elif known and given and own[Strategy(sharing.strategy)] != given[0]:
+    elif known and given and subs[Strategy(sharing.strategy)][0] != given[0]:
         errors.append(
             FieldError(
                 join_path(sharing_path, given[0]), f"not allowed with strategy {sharing.strategy}"
@@ -262,9 +219,15 @@ def _static_errors(config: GpuConfig, path: str) -> list[FieldError]:
     return errors
 
 
-def _mps_errors(mps: MpsConfig | None, path: str) -> list[FieldError]:
-    if mps is None:
-        return []
+def _limit_error(text: str) -> str | None:
+    try:
+        memory_limit_bytes(text)
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+def _mps_errors(mps: MpsConfig, path: str) -> list[FieldError]:
     errors: list[FieldError] = []
     percentage = mps.defaultActiveThreadPercentage
     if percentage is not None and not 1 <= percentage <= MAX_ACTIVE_THREAD_PERCENTAGE:
@@ -274,22 +237,13 @@ def _mps_errors(mps: MpsConfig | None, path: str) -> list[FieldError]:
                 f"must be between 1 and {MAX_ACTIVE_THREAD_PERCENTAGE}, got {int_text(percentage)}",
             )
         )
-    if mps.defaultPinnedDeviceMemoryLimit is not None:
-        field = join_path(path, "defaultPinnedDeviceMemoryLimit")
-        try:
-            memory_limit_bytes(mps.defaultPinnedDeviceMemoryLimit)
-        except ValueError as err:
-            errors.append(FieldError(field, str(err)))
+    limit = mps.defaultPinnedDeviceMemoryLimit
+    if limit is not None and (problem := _limit_error(limit)) is not None:
+        errors.append(FieldError(join_path(path, "defaultPinnedDeviceMemoryLimit"), problem))
+    per_device = join_path(path, "defaultPerDevicePinnedMemoryLimit")
     for key, limit in (mps.defaultPerDevicePinnedMemoryLimit or {}).items():
-        field = join_key(join_path(path, "defaultPerDevicePinnedMemoryLimit"), key)
-        problem = device_key_error(key)
-        if problem is None:
-            try:
-                memory_limit_bytes(limit)
-            except ValueError as err:
-                problem = str(err)
-        if problem is not None:
-            errors.append(FieldError(field, problem))
+        if (problem := device_key_error(key) or _limit_error(limit)) is not None:
+            errors.append(FieldError(join_key(per_device, key), problem))
     return errors
 
 
@@ -314,23 +268,16 @@ def gpu_config_errors(
         return None, [FieldError(path, f"too large: more than {MAX_CONFIG_VALUES} values")]
     errors = find_raw_problems(parameters, path, _MAP_FIELDS)
     try:
-        raw = _as_config(_GpuConfigModel.model_validate(parameters))
+        model = _GpuConfigModel.model_validate(parameters)
     except ValidationError as err:
         errors.extend(_pydantic_errors(err, path))
-        return None, _dedupe(errors)
     except RecursionError:
         return None, [*errors, FieldError(path, "too deeply nested")]
     if errors:
-        return None, _dedupe(errors)
-    config = _normalize(raw)
+        return None, list(dict.fromkeys(errors))  # both walks report a non-string key
+    config = _normalize(_as_config(model))
     errors = _static_errors(config, path)
-    if errors:
-        return None, errors
-    return config, []
-
-
-def _dedupe(errors: list[FieldError]) -> list[FieldError]:
-    return list(dict.fromkeys(errors))
+    return (None, errors) if errors else (config, [])
 
 
 def decode_gpu_config(parameters: object, path: str = "") -> GpuConfig:

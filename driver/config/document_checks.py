@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Final
+from typing import Final
 
 from driver.config.config_error import FieldError
 from driver.config.decode import gpu_config_errors
@@ -39,30 +39,8 @@ def is_checked_document(doc: object) -> bool:
     return group == RESOURCE_GROUP and kind in CONFIG_LIST_PATHS
 
 
-def validate_configs(configs: object, path: str, driver_name: str) -> list[FieldError]:
-    """Check a list of device configs (`spec.devices.config` and the like).
-
-    Entries without `opaque` (other configuration types) and opaque entries for other
-    drivers are skipped: the webhook sees every claim in the cluster. Each entry for
-    `driver_name` must carry GpuConfig `parameters`, a JSON object (as the API server
-    stores it; never text to parse), that decode, default and pass the static rules;
-    errors are prefixed with `<path>[i].opaque.parameters`.
-    """
-    if configs is None:
-        return []
-    if not isinstance(configs, list):
-        return [FieldError(path, "must be a list")]
-    errors: list[FieldError] = []
-    for _, entry_path, opaque in driver_entries(configs, path, driver_name, errors):
-        errors.extend(entry_config(opaque, entry_path)[1])
-    return errors
-
-
-def _config_list(
-    doc: Mapping[str, Any], keys: tuple[str, ...]
-) -> tuple[object, str, list[FieldError]]:
-    current: object = doc
-    path = ""
+def _config_list(doc: object, keys: tuple[str, ...]) -> tuple[object, str, list[FieldError]]:
+    current, path = doc, ""
     for key in keys:
         if current is None:
             return None, path, []
@@ -75,21 +53,29 @@ def _config_list(
 
 def config_list_of(obj: object, kind: str) -> object:
     """The device config list of a resource.k8s.io object of `kind` (None if absent)."""
-    if not isinstance(obj, Mapping):
-        return None
-    configs, _, _ = _config_list(obj, CONFIG_LIST_PATHS[kind])
-    return configs
+    return _config_list(obj, CONFIG_LIST_PATHS[kind])[0]
 
 
 def validate_object_configs(obj: object, kind: str, driver_name: str) -> list[FieldError]:
     """Check the device configs of `obj`, taken to be a resource.k8s.io `kind`
-    (a key of `CONFIG_LIST_PATHS`) whatever its own apiVersion/kind say."""
+    (a key of `CONFIG_LIST_PATHS`) whatever its own apiVersion/kind say.
+
+    Entries without `opaque` (other configuration types) and opaque entries for other
+    drivers are skipped: the webhook sees every claim in the cluster. Each entry for
+    `driver_name` must carry GpuConfig `parameters`, a JSON object (as the API server
+    stores it; never text to parse), that decode, default and pass the static rules;
+    errors are prefixed with `<path>[i].opaque.parameters`.
+    """
     if not isinstance(obj, Mapping):
         return [FieldError("", "must be an object")]
     configs, path, errors = _config_list(obj, CONFIG_LIST_PATHS[kind])
-    if errors:
+    if errors or configs is None:
         return errors
-    return validate_configs(configs, path, driver_name)
+    if not isinstance(configs, list):
+        return [FieldError(path, "must be a list")]
+    for _, entry_path, opaque in driver_entries(configs, path, driver_name, errors):
+        errors.extend(entry_config(opaque, entry_path)[1])
+    return errors
 
 
 def validate_claim_document(doc: object, driver_name: str) -> list[FieldError]:

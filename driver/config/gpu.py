@@ -37,10 +37,8 @@ reference, a config with both sub-configs is rejected at decode time (in the
 webhook), not at prepare.
 
 The upper bound on `partitionCount` is a divergence from the reference, which has
-none: a device that publishes `maxPartitions` is checked against it at prepare, but
-one that does not (the reference's example GPUs) took any count, 10^30 included,
-straight into its container's env. 64 is far above any real split of one GPU (MIG
-makes at most 7 instances); a device's own `maxPartitions` stays the tighter limit.
+none (docs/reliability.md): 64 is far above any real split of one GPU (MIG makes at
+most 7 instances); a device's own `maxPartitions` stays the tighter limit.
 """
 
 from __future__ import annotations
@@ -248,63 +246,38 @@ def validate_for_device(
     Raises `ConfigError` (permanent invalid-config, "impossible partition count")
     whose message names the device and the numbers. `path` prefixes the field path.
     """
-    if no_time_slice is not None and config.strategy == Strategy.MPS:
-        raise ConfigError(
-            [
-                (
-                    join_path(join_path(path, "sharing"), "strategy"),
-                    f"MPS is not possible on device {device_name} ({no_time_slice}); "
-                    "use a GPU with MIG mode off, without admin access",
-                )
-            ]
+    strategy, interval, count = config.strategy, config.interval, config.partition_count
+    sharing = join_path(path, "sharing")
+    field, message = join_path(sharing, "strategy"), None
+    if no_time_slice is not None and strategy == Strategy.MPS:
+        message = (
+            f"MPS is not possible on device {device_name} ({no_time_slice}); "
+            "use a GPU with MIG mode off, without admin access"
         )
-    interval = config.interval
-    if no_time_slice is not None and interval not in (None, Interval.DEFAULT):
-        field = join_path(join_path(join_path(path, "sharing"), "timeSlicingConfig"), "interval")
-        raise ConfigError(
-            [
-                (
-                    field,
-                    f"cannot set the time-slice interval {interval} of device {device_name} "
-                    f"({no_time_slice}); nothing would apply it. Use a GPU with MIG mode "
-                    "off, or no interval (Default)",
-                )
-            ]
+    elif no_time_slice is not None and interval not in (None, Interval.DEFAULT):
+        field = join_path(join_path(sharing, "timeSlicingConfig"), "interval")
+        message = (
+            f"cannot set the time-slice interval {interval} of device {device_name} "
+            f"({no_time_slice}); nothing would apply it. Use a GPU with MIG mode "
+            "off, or no interval (Default)"
         )
-    count = config.partition_count
-    if share and config.strategy == Strategy.SPACE_PARTITIONING:
-        raise ConfigError(
-            [
-                (
-                    join_path(join_path(path, "sharing"), "strategy"),
-                    f"SpacePartitioning is not possible on a share of device {device_name} "
-                    "(allocated by consumable capacity); use TimeSlicing or no sharing config",
-                )
-            ]
+    elif share and strategy == Strategy.SPACE_PARTITIONING:
+        message = (
+            f"SpacePartitioning is not possible on a share of device {device_name} "
+            "(allocated by consumable capacity); use TimeSlicing or no sharing config"
         )
-    if config.strategy != Strategy.SPACE_PARTITIONING or count is None:
-        return
-    field = join_path(
-        join_path(join_path(path, "sharing"), "spacePartitioningConfig"), "partitionCount"
-    )
-    if is_partition:
-        raise ConfigError(
-            [
-                (
-                    field,
-                    f"impossible partition count: device {device_name} is itself a partition "
-                    f"and cannot be space-partitioned (partitionCount {count})",
-                )
-            ]
-        )
-    limit = max_partitions if max_partitions is not None else MAX_PARTITION_COUNT
-    if count > limit:
-        raise ConfigError(
-            [
-                (
-                    field,
-                    f"impossible partition count: device {device_name} supports at most "
-                    f"{limit} partitions, config requests {int_text(count)}",
-                )
-            ]
-        )
+    elif strategy == Strategy.SPACE_PARTITIONING and count is not None:
+        field = join_path(join_path(sharing, "spacePartitioningConfig"), "partitionCount")
+        limit = max_partitions if max_partitions is not None else MAX_PARTITION_COUNT
+        if is_partition:
+            message = (
+                f"impossible partition count: device {device_name} is itself a partition "
+                f"and cannot be space-partitioned (partitionCount {count})"
+            )
+        elif count > limit:
+            message = (
+                f"impossible partition count: device {device_name} supports at most "
+                f"{limit} partitions, config requests {int_text(count)}"
+            )
+    if message is not None:
+        raise ConfigError([(field, message)])

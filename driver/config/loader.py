@@ -113,12 +113,10 @@ def find_raw_problems(
             visited.add(id(current))
         if isinstance(current, dict):
             join = join_key if is_map else join_path
-            for key in getattr(current, "duplicates", ()):
-                problems.append(
-                    FieldError(
-                        join(where, str(key)), "duplicate key" if is_map else "duplicate field"
-                    )
-                )
+            problems.extend(
+                FieldError(join(where, str(key)), "duplicate key" if is_map else "duplicate field")
+                for key in getattr(current, "duplicates", ())
+            )
             children: list[tuple[Any, str, bool]] = []
             for key, child in current.items():
                 if not isinstance(key, str):

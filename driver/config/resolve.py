@@ -15,9 +15,7 @@ from driver.config.gpu import GpuConfig, default_gpu_config
 from driver.config.loader import join_path
 from driver.config.opaque import driver_entries, entry_config
 
-SOURCE_CLASS: Final = "FromClass"
-SOURCE_CLAIM: Final = "FromClaim"
-_SOURCE_ORDER: Final = {SOURCE_CLASS: 0, SOURCE_CLAIM: 1}
+_SOURCE_ORDER: Final = {"FromClass": 0, "FromClaim": 1}
 
 DEFAULT_CONFIG_PATH: Final = "status.allocation.devices.config"
 
@@ -37,17 +35,14 @@ def resolve_configs(
 
     `allocation` is a ResourceClaim's `status.allocation` as a JSON dict (for
     duplicate-key detection read the claim with `driver.config.loader.loads_json`).
-    Returns `{result["request"]: GpuConfig}` for each entry of
-    `allocation["devices"]["results"]` whose `driver == driver_name` (the key may be
-    a sub-request `"r/sub"`). Prepare iterates the results and looks up
-    `configs[result["request"]]`: every result of the driver has an entry; all
-    results of one request share the same config.
+    Returns `{result["request"]: GpuConfig}` with an entry for every result of the
+    driver (the key may be a sub-request `"r/sub"`); all results of one request
+    share the same config.
 
     Rules (docs/architecture.md "Config precedence"): class configs, then claim
     configs, each in list order; the last matching one wins as a whole (no field
-    merging). A config's `requests` entry `r` matches results `r` and `r/<sub>`;
-    empty `requests` matches every result. Configs of other drivers are ignored. A
-    result with no matching config gets `default_gpu_config()`.
+    merging); empty `requests` matches every result; no match gets
+    `default_gpu_config()`.
 
     Raises `ConfigError` (permanent invalid-config) listing every problem: a
     non-opaque entry, an unknown `source`, or any of this driver's configs that does
@@ -60,19 +55,19 @@ def resolve_configs(
         allocation_path = devices_path.rsplit(".", 1)[0] if "." in devices_path else ""
         raise ConfigError([(allocation_path, "must be an object")])
     devices = allocation.get("devices")
-    if devices is None:
-        devices = {}
+    devices = {} if devices is None else devices
     if not isinstance(devices, Mapping):
         raise ConfigError([(devices_path, "must be an object")])
+    results_path = join_path(devices_path, "results")
     results = devices.get("results") or []
     raw_configs = devices.get("config") or []
     if not isinstance(results, list):
-        raise ConfigError([(join_path(devices_path, "results"), "must be a list")])
+        raise ConfigError([(results_path, "must be a list")])
     if not isinstance(raw_configs, list):
         raise ConfigError([(path_prefix, "must be a list")])
 
-    # (source order, list index, requests or None for "all", config)
-    candidates: list[tuple[int, int, list[str] | None, GpuConfig]] = []
+    # (source order, requests or None for "all", config), in list order
+    candidates: list[tuple[int, list[str] | None, GpuConfig]] = []
     for index, entry_path, opaque in driver_entries(
         raw_configs,
         path_prefix,
@@ -97,40 +92,30 @@ def resolve_configs(
         if config is None:
             errors.extend(problems)
             continue
-        candidates.append((_SOURCE_ORDER[source], index, list(requests) or None, config))
+        candidates.append((_SOURCE_ORDER[source], list(requests) or None, config))
 
-    resolved: dict[str, GpuConfig] = {}
     wanted: list[str] = []
     for index, result in enumerate(results):
         if not isinstance(result, Mapping):
-            errors.append(
-                FieldError(
-                    join_path(join_path(devices_path, "results"), index), "must be an object"
-                )
-            )
+            errors.append(FieldError(join_path(results_path, index), "must be an object"))
             continue
         if result.get("driver") != driver_name:
             continue
         request = result.get("request")
         if not isinstance(request, str):
             errors.append(
-                FieldError(
-                    join_path(join_path(join_path(devices_path, "results"), index), "request"),
-                    "must be a string",
-                )
+                FieldError(join_path(join_path(results_path, index), "request"), "must be a string")
             )
             continue
         wanted.append(request)
     if errors:
         raise ConfigError(errors)
 
-    candidates.sort(key=lambda c: (c[0], c[1]))  # stable: class configs, then claim configs
+    candidates.sort(key=lambda c: c[0])  # stable: class configs, then claim configs
+    resolved: dict[str, GpuConfig] = {}
     for request in wanted:
-        if request in resolved:
-            continue
-        effective = default_gpu_config()
-        for _, _, requests, config in candidates:
+        resolved[request] = default_gpu_config()
+        for _, requests, config in candidates:
             if requests is None or any(request_matches(r, request) for r in requests):
-                effective = config  # later wins
-        resolved[request] = effective
+                resolved[request] = config  # the last match wins
     return resolved

@@ -135,13 +135,12 @@ def loads_json_or_yaml(data: str | bytes | bytearray) -> Any:
     except NestingError:
         raise
     except LoadError as json_error:
-        if text.lstrip()[:1] in ("{", "["):
-            try:
-                docs = load_yaml_documents(text)
-            except LoadError:
-                raise json_error from None
-        else:
+        try:
             docs = load_yaml_documents(text)
+        except LoadError:
+            if text.lstrip()[:1] in ("{", "["):  # meant as JSON: its error says more
+                raise json_error from None
+            raise
     if len(docs) != 1:
         raise LoadError(f"expected exactly one JSON or YAML document, found {len(docs)}")
     return docs[0]
