@@ -36,7 +36,7 @@ def is_checked_document(doc: object) -> bool:
     kind, group = doc.get("kind"), _group(doc.get("apiVersion"))
     if group == GROUP or kind == KIND:
         return True
-    return group == RESOURCE_GROUP and kind in CONFIG_LIST_PATHS
+    return group == RESOURCE_GROUP and isinstance(kind, str) and kind in CONFIG_LIST_PATHS
 
 
 def _config_list(doc: object, keys: tuple[str, ...]) -> tuple[object, str, list[FieldError]]:
