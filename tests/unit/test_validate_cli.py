@@ -434,9 +434,11 @@ def test_the_projects_demo_directory_validates() -> None:
     assert out.splitlines()[-1].startswith("OK: ")
 
 
-def test_a_kind_that_is_no_string_is_skipped_not_a_crash(tmp_path: Path) -> None:
+def test_a_kind_that_is_no_string_is_one_problem_not_a_crash(tmp_path: Path) -> None:
     odd = tmp_path / "odd.yaml"
-    odd.write_text("apiVersion: resource.k8s.io/v1\nkind: [a]\n---\n" + json.dumps(CLAIM))
+    odd.write_text("apiVersion: resource.k8s.io/v1\nkind: [a]\n")
     code, out, err = run_cli(str(odd))
-    assert (code, err) == (0, "")
-    assert out.startswith("OK: 1 GpuConfig/claim document(s) in 1 file(s)")
+    assert (code, out) == (1, "")
+    assert problems(err) == [
+        f"{odd}: <no kind>/#1: <root>: not a Kubernetes object or GpuConfig (no kind)"
+    ]
