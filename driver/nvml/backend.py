@@ -1,14 +1,9 @@
-"""NVML discovery and health events over a pynvml-compatible module.
+"""NVML discovery, health events and GPU operations over a pynvml-compatible module.
 
 `NvmlBackend(module)` takes the real `pynvml` module (or a pynvml-compatible one) and
 only calls functions that exist in real pynvml (tests/unit/test_pynvml_contract.py
-checks names and signatures). Discovery lives in `driver.nvml.discovery`, the health
-event set in `driver.nvml.health_events`, the recovery action in `driver.nvml.recovery_action`, the
-counted calls in `driver.nvml.calls` and loading the library in
-`driver.nvml.library`, a GPU's compute processes in `driver.nvml.processes`, its
-compute mode in `driver.nvml.compute_mode` and its per-cgroup memory limits in
-`driver.nvml.memory_limits`; this module puts them
-together for one process.
+checks names and signatures). Each concern lives in its own `driver.nvml` module;
+this one puts them together for one process, every NVML call counted (`calls`).
 
 The mock's backend subclasses `NvmlBackend`: its hooks (`control_actions`,
 `event_wait_ms`, the time-slice and MPS stand-ins) are where it differs; the selection

@@ -46,10 +46,10 @@ class CountingModule:
         return counted
 
 
-def is_nvml_error(nvml: Any, err: BaseException, name: str) -> bool:
-    """Whether `err` is the module's NVMLError with return code `name`."""
-    code = getattr(nvml, name, None)
-    return isinstance(err, nvml.NVMLError) and getattr(err, "value", None) == code
+def is_nvml_error(nvml: Any, err: BaseException, *names: str) -> bool:
+    """Whether `err` is the module's NVMLError with one of the return codes `names`."""
+    value = getattr(err, "value", None)
+    return isinstance(err, nvml.NVMLError) and any(value == getattr(nvml, n, None) for n in names)
 
 
 def optional_query(nvml: Any, fn: Callable[[], _T], what: str, uuid: str = "") -> _T | None:
@@ -57,9 +57,7 @@ def optional_query(nvml: Any, fn: Callable[[], _T], what: str, uuid: str = "") -
     try:
         return fn()
     except nvml.NVMLError as err:
-        if is_nvml_error(nvml, err, "NVML_ERROR_GPU_IS_LOST"):
-            raise
-        if any(is_nvml_error(nvml, err, name) for name in _ABSENT_ATTRIBUTE_ERRORS):
+        if is_nvml_error(nvml, err, *_ABSENT_ATTRIBUTE_ERRORS):
             log.debug("NVML %s not available %s: %s", what, uuid, err)
             return None
         raise

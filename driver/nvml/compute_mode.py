@@ -9,31 +9,26 @@ device has no such feature and GPU_IS_LOST for a GPU that fell off the bus. On a
 in MIG mode the handle must be a MIG device's: this driver sets the mode only on GPUs
 with MIG off.
 
-`NvmlComputeModes` initialises NVML once for the process's lifetime and looks GPUs up
-by index (a lookup by UUID fails for every GPU while any one is lost); every failure
-is a transient `DriverError` naming the GPU and the mode.
+`NvmlComputeModes` finds GPUs through `GpuHandles` (a lost GPU fails only its own
+lookup); every failure is a transient `DriverError` naming the GPU and the mode.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 from typing import Any, Final
 
 from driver.errors import DriverError, transient
-from driver.nvml.calls import CountingModule, is_nvml_error, nvml_text
-from driver.nvml.library import init_nvml
+from driver.nvml.calls import CountingModule, is_nvml_error
+from driver.nvml.library import GpuHandles
 
 log = logging.getLogger(__name__)
 
-COMPUTE_MODE_DEFAULT: Final = 0
-COMPUTE_MODE_EXCLUSIVE_THREAD: Final = 1  # support removed (nvml.h)
-COMPUTE_MODE_PROHIBITED: Final = 2
 COMPUTE_MODE_EXCLUSIVE_PROCESS: Final = 3
 MODE_NAMES: Final = {
-    COMPUTE_MODE_DEFAULT: "Default",
-    COMPUTE_MODE_EXCLUSIVE_THREAD: "Exclusive_Thread",
-    COMPUTE_MODE_PROHIBITED: "Prohibited",
+    0: "Default",
+    1: "Exclusive_Thread",  # support removed (nvml.h)
+    2: "Prohibited",
     COMPUTE_MODE_EXCLUSIVE_PROCESS: "Exclusive_Process",
 }
 _WHY: Final = {
@@ -54,9 +49,7 @@ class NvmlComputeModes:
 
     def __init__(self, nvml: CountingModule | Any) -> None:
         self._nvml = nvml
-        self._lock = threading.Lock()
-        self._initialised = False
-        self._handles: dict[str, Any] = {}
+        self._gpus = GpuHandles(nvml, "compute mode")
 
     def get(self, gpu_uuid: str) -> int:
         """The GPU's compute mode; a transient error where NVML cannot tell."""
@@ -78,25 +71,12 @@ class NvmlComputeModes:
     def _failure(self, gpu_uuid: str, what: str, err: Exception) -> DriverError:
         nvml = self._nvml
         if is_nvml_error(nvml, err, "NVML_ERROR_GPU_IS_LOST"):
-            self._handles.pop(gpu_uuid, None)
+            self._gpus.forget(gpu_uuid)
         why = next((w for name, w in _WHY.items() if is_nvml_error(nvml, err, name)), "")
         return transient(f"cannot {what} GPU {gpu_uuid}: NVML: {err}{f' ({why})' if why else ''}")
 
     def _handle(self, gpu_uuid: str) -> Any:
-        nvml = self._nvml
-        with self._lock:
-            if not self._initialised:
-                init_nvml(nvml)
-                self._initialised = True
-            handle = self._handles.get(gpu_uuid)
-            if handle is None:
-                for index in range(nvml.nvmlDeviceGetCount()):
-                    try:
-                        found = nvml.nvmlDeviceGetHandleByIndex(index)
-                        self._handles[nvml_text(nvml.nvmlDeviceGetUUID(found))] = found
-                    except nvml.NVMLError as err:
-                        log.debug("compute mode: no handle for the GPU at index %d: %s", index, err)
-                handle = self._handles.get(gpu_uuid)
+        [handle] = self._gpus.get(gpu_uuid)
         if handle is None:
             raise transient(f"NVML lists no GPU {gpu_uuid} (or it is lost)")
         return handle

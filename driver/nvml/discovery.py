@@ -50,8 +50,7 @@ BRANDS = {
 
 def normalize_pci_bus_id(bus_id: str | bytes) -> str:
     """`00000000:3B:00.0` -> `0000:3b:00.0` (lower case, 4-hex-digit domain)."""
-    text = nvml_text(bus_id)
-    text = text.strip().rstrip("\x00").lower()
+    text = nvml_text(bus_id).strip().rstrip("\x00").lower()
     domain, sep, rest = text.partition(":")
     if sep and len(domain) == 8 and domain.startswith("0000"):
         domain = domain[4:]
@@ -132,9 +131,7 @@ def _partition_profiles(
             info = nvml.nvmlDeviceGetGpuInstanceProfileInfo(handle, slot)
             placements = _placements(nvml, handle, int(info.id))
         except nvml.NVMLError as err:
-            if is_nvml_error(nvml, err, "NVML_ERROR_NOT_SUPPORTED") or is_nvml_error(
-                nvml, err, "NVML_ERROR_INVALID_ARGUMENT"
-            ):
+            if is_nvml_error(nvml, err, "NVML_ERROR_NOT_SUPPORTED", "NVML_ERROR_INVALID_ARGUMENT"):
                 continue
             raise
         name = nvml_text(info.name).strip().removeprefix("MIG ").strip()

@@ -8,7 +8,6 @@ named in `unmonitored` with the reason; the other GPUs are watched as before."""
 from __future__ import annotations
 
 import ctypes
-import functools
 import logging
 import threading
 import time
@@ -54,9 +53,6 @@ class HealthEventSet:
         self._pending: deque[HealthEvent] = deque()
         self._unmonitored: dict[str, str] = {}  # GPU UUID -> why its events are not watched
 
-    def _is(self, err: BaseException, name: str) -> bool:
-        return is_nvml_error(self._nvml, err, name)
-
     def open(self) -> None:
         """Initialise NVML and register every GPU for health-relevant events."""
         nvml = self._nvml
@@ -71,7 +67,7 @@ class HealthEventSet:
                     handle = nvml.nvmlDeviceGetHandleByIndex(index)
                     uuid = nvml_text(nvml.nvmlDeviceGetUUID(handle))
                 except nvml.NVMLError as err:
-                    if not self._is(err, "NVML_ERROR_GPU_IS_LOST"):
+                    if not is_nvml_error(nvml, err, "NVML_ERROR_GPU_IS_LOST"):
                         raise
                     log.warning("GPU at NVML index %d is lost; no events registered", index)
                     continue
@@ -87,17 +83,14 @@ class HealthEventSet:
         nvml = self._nvml
         try:
             supported = optional_query(
-                nvml,
-                functools.partial(nvml.nvmlDeviceGetSupportedEventTypes, handle),
-                "events",
-                uuid,
+                nvml, lambda: nvml.nvmlDeviceGetSupportedEventTypes(handle), "events", uuid
             )
             mask = int(supported or 0) & HEALTH_EVENT_MASK
             if not mask:
                 return "NVML reports no health event type it supports for this GPU"
             nvml.nvmlDeviceRegisterEvents(handle, mask, self._event_set)
         except nvml.NVMLError as err:
-            if self._is(err, "NVML_ERROR_GPU_IS_LOST"):
+            if is_nvml_error(nvml, err, "NVML_ERROR_GPU_IS_LOST"):
                 raise  # as any query of a lost GPU: the open fails and is retried
             return f"NVML cannot register its health events: {err}"
         return None
@@ -138,18 +131,15 @@ class HealthEventSet:
         try:
             data = nvml.nvmlEventSetWait_v2(self._event_set, timeout_ms)
         except nvml.NVMLError as err:
-            if self._is(err, "NVML_ERROR_TIMEOUT"):
+            if is_nvml_error(nvml, err, "NVML_ERROR_TIMEOUT"):
                 return None
-            if self._is(err, "NVML_ERROR_GPU_IS_LOST"):
+            if is_nvml_error(nvml, err, "NVML_ERROR_GPU_IS_LOST"):
                 self._probe_lost()
                 if not self._pending:
                     time.sleep(timeout_ms / 1000.0)  # the wait returned at once; don't spin
                 return self._pending.popleft() if self._pending else None
             raise
-        event = self._translate(data)
-        if event is not None:
-            self._pending.append(event)
-        return self._pending.popleft() if self._pending else None
+        return self._translate(data)
 
     def _uuid_of(self, handle: Any) -> str | None:
         uuid = self._event_handles.get(_handle_key(handle))
@@ -167,15 +157,7 @@ class HealthEventSet:
             return None
         etype, edata = int(data.eventType), int(data.eventData)
         if etype & EVENT_XID_CRITICAL:
-            gi, ci = _instance_ids(data)
-            return HealthEvent(
-                uuid,
-                "xid",
-                xid=edata,
-                message=f"Xid {edata}",
-                gpu_instance_id=gi,
-                compute_instance_id=ci,
-            )
+            return HealthEvent(uuid, "xid", edata, f"Xid {edata}", *_instance_ids(data))
         if etype & EVENT_DOUBLE_BIT_ECC:
             return HealthEvent(uuid, "ecc-dbe", message="double-bit ECC error")
         if etype & EVENT_GPU_UNAVAILABLE:
@@ -194,13 +176,14 @@ class HealthEventSet:
 
     def _probe_lost(self) -> None:
         """After GPU_IS_LOST from a wait: find which registered GPUs stopped answering."""
+        nvml = self._nvml
         for uuid, handle in self._handles_by_uuid.items():
             if uuid in self._lost:
                 continue
             try:
-                self._nvml.nvmlDeviceGetUUID(handle)
-            except self._nvml.NVMLError as err:
-                if self._is(err, "NVML_ERROR_GPU_IS_LOST"):
+                nvml.nvmlDeviceGetUUID(handle)
+            except nvml.NVMLError as err:
+                if is_nvml_error(nvml, err, "NVML_ERROR_GPU_IS_LOST"):
                     self._lost.add(uuid)
                     self._pending.append(HealthEvent(uuid, "gpu-lost", message=str(err)))
 

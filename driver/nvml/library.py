@@ -1,13 +1,15 @@
-"""Making NVML available: loading libnvidia-ml from the driver root and initialising it."""
+"""Making NVML available: loading libnvidia-ml from the driver root, initialising it,
+and finding GPUs' handles."""
 
 from __future__ import annotations
 
 import ctypes
 import logging
+import threading
 from pathlib import Path
 from typing import Any
 
-from driver.nvml.calls import is_nvml_error
+from driver.nvml.calls import is_nvml_error, nvml_text
 
 log = logging.getLogger(__name__)
 
@@ -53,12 +55,45 @@ def init_nvml(nvml: Any) -> None:
     try:
         nvml.nvmlInit()
     except nvml.NVMLError as err:
-        if is_nvml_error(nvml, err, "NVML_ERROR_LIBRARY_NOT_FOUND") or is_nvml_error(
-            nvml, err, "NVML_ERROR_DRIVER_NOT_LOADED"
-        ):
+        if is_nvml_error(nvml, err, "NVML_ERROR_LIBRARY_NOT_FOUND", "NVML_ERROR_DRIVER_NOT_LOADED"):
             raise NvmlUnavailableError(
                 f"NVML is not available on this host ({err}); "
                 "for mock GPUs use gpu-kubelet-plugin --nvml-backend=mock "
                 "or gpu-dra inventory --mock"
             ) from err
         raise
+
+
+class GpuHandles:
+    """One `nvmlInit` for the process's lifetime and the GPUs' handles, found by index:
+    a lookup by UUID fails for every GPU while any one is lost (nvml.h)."""
+
+    def __init__(self, nvml: Any, what: str) -> None:
+        self._nvml = nvml
+        self._what = what  # who looks, in the debug log of a GPU that does not answer
+        self._lock = threading.Lock()
+        self._initialised = False
+        self._handles: dict[str, Any] = {}
+
+    def get(self, *uuids: str) -> list[Any | None]:
+        """The GPUs' handles (None: no GPU that answers has the UUID); initialises NVML
+        first, and looks every GPU up again when any of `uuids` is not known."""
+        nvml = self._nvml
+        with self._lock:
+            if not self._initialised:
+                init_nvml(nvml)
+                self._initialised = True
+            if any(uuid not in self._handles for uuid in uuids):
+                for index in range(nvml.nvmlDeviceGetCount()):
+                    try:
+                        handle = nvml.nvmlDeviceGetHandleByIndex(index)
+                        self._handles[nvml_text(nvml.nvmlDeviceGetUUID(handle))] = handle
+                    except nvml.NVMLError as err:
+                        log.debug(
+                            "%s: no handle for the GPU at index %d: %s", self._what, index, err
+                        )
+            return [self._handles.get(uuid) for uuid in uuids]
+
+    def forget(self, uuid: str) -> None:
+        """After GPU_IS_LOST: a lost GPU's handle is stale once it is back."""
+        self._handles.pop(uuid, None)

@@ -107,8 +107,7 @@ class GpuMemoryLimits:
     def get(self, gpu_uuid: str, cgroup: Path | str) -> CgroupMemoryLimits:
         """The cgroup's limits on the GPU; MemoryLimitError NVML_ERROR_NOT_FOUND where
         none were set."""
-        nvml = self._nvml
-        limits = nvml.c_nvmlGetMemoryLimits_v1_t()
+        limits = self._nvml.c_nvmlGetMemoryLimits_v1_t()
         limits.nameSpace = str(cgroup).encode()
         self._call("nvmlDeviceGetMemoryLimits_v1", gpu_uuid, cgroup, limits)
         return CgroupMemoryLimits(
@@ -120,8 +119,7 @@ class GpuMemoryLimits:
     ) -> CgroupMemoryLimits:
         """Set the cgroup's limits on the GPU and read them back; MemoryLimitError when
         NVML refuses, or reads back other limits than it was given."""
-        nvml = self._nvml
-        limits = nvml.c_nvmlSetMemoryLimits_v1_t()
+        limits = self._nvml.c_nvmlSetMemoryLimits_v1_t()
         limits.nameSpace = str(cgroup).encode()
         limits.softLimit = soft_bytes
         limits.hardLimit = hard_bytes

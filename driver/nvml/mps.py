@@ -73,10 +73,10 @@ class DaemonDirs:
         return self.log / DAEMON_PID_FILE
 
 
-def process_start_time(pid: int, proc: Path = Path("/proc")) -> int | None:
+def process_start_time(pid: int) -> int | None:
     """The start time of process `pid`, None if there is no such process."""
     try:
-        stat = (proc / str(pid) / "stat").read_text()
+        stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
     fields = stat[stat.rfind(")") + 2 :].split()
@@ -90,17 +90,12 @@ def is_running(daemon: DaemonId) -> bool:
     return process_start_time(daemon.pid) == daemon.start_time
 
 
-def _ticks_since_boot() -> int:
-    """Now, in the unit of a process's start time."""
-    return int(time.clock_gettime(time.CLOCK_BOOTTIME) * os.sysconf("SC_CLK_TCK"))
-
-
-def _told(pid: int, pipe: Path, proc: Path = Path("/proc")) -> bool:
+def _told(pid: int, pipe: Path) -> bool:
     """Was process `pid` started with `pipe` as its CUDA_MPS_PIPE_DIRECTORY (as this
     module starts a daemon)? A claim's container sees the directory at its mount
     point, not at the host's path."""
     try:
-        environ = (proc / str(pid) / "environ").read_bytes()
+        environ = Path(f"/proc/{pid}/environ").read_bytes()
     except OSError:
         return False
     return f"CUDA_MPS_PIPE_DIRECTORY={pipe}".encode() in environ.split(b"\0")
@@ -133,9 +128,8 @@ def find_binary(driver_root: Path) -> Path | None:
 class MpsControl:
     """`MpsOps` (driver/state/mps/claim_daemons.py) with the driver root's binary."""
 
-    def __init__(self, driver_root: Path | str, *, timeout: float = DEFAULT_TIMEOUT) -> None:
+    def __init__(self, driver_root: Path | str) -> None:
         self.driver_root = Path(driver_root)
-        self.timeout = timeout
 
     def available(self) -> bool:
         return find_binary(self.driver_root) is not None
@@ -156,11 +150,9 @@ class MpsControl:
         env["CUDA_MPS_LOG_DIRECTORY"] = str(dirs.log)
         if gpu_uuids:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(gpu_uuids)
-        libraries = [str(self.driver_root / d) for d in LIBRARY_DIRS]
-        found = [d for d in libraries if Path(d).is_dir()]
+        found = [str(self.driver_root / d) for d in LIBRARY_DIRS if (self.driver_root / d).is_dir()]
         if found and self.driver_root != Path("/"):
-            previous = env.get("LD_LIBRARY_PATH")
-            env["LD_LIBRARY_PATH"] = ":".join([*found, *([previous] if previous else [])])
+            env["LD_LIBRARY_PATH"] = ":".join(filter(None, [*found, env.get("LD_LIBRARY_PATH")]))
         return env
 
     def _run(self, argv: list[str], env: dict[str, str], stdin: str | None) -> str:
@@ -170,13 +162,13 @@ class MpsControl:
                 input=stdin,
                 capture_output=True,
                 text=True,
-                timeout=self.timeout,
+                timeout=DEFAULT_TIMEOUT,
                 env=env,
                 check=False,
                 start_new_session=True,
             )
         except subprocess.TimeoutExpired as err:
-            raise transient(f"{argv[0]} did not finish in {self.timeout:g}s") from err
+            raise transient(f"{argv[0]} did not finish in {DEFAULT_TIMEOUT:g}s") from err
         except OSError as err:
             raise transient(f"cannot run {argv[0]}: {err}") from err
         out = proc.stdout.strip()
@@ -198,12 +190,13 @@ class MpsControl:
         if dirs.shm is not None:
             dirs.shm.mkdir(parents=True, exist_ok=True)
             argv = _with_shm(dirs.shm, argv)
-        launched = _ticks_since_boot() - 1  # a tick of rounding
+        # Now in clock ticks after boot (a start time's unit), less a tick of rounding.
+        launched = int(time.clock_gettime(time.CLOCK_BOOTTIME) * os.sysconf("SC_CLK_TCK")) - 1
         try:
             self._run(argv, self._env(dirs, gpu_uuids), None)
         except Exception as err:
             raise transient(f"{what}: {err}") from err
-        deadline = time.monotonic() + self.timeout
+        deadline = time.monotonic() + DEFAULT_TIMEOUT
         while True:
             daemon = self._started(dirs, launched)
             if daemon is not None:
@@ -268,24 +261,25 @@ class MpsControl:
                 daemon.pid,
             )
             _signal(daemon, signal.SIGTERM)
-            if not self._gone(daemon, self.timeout):
+            if not _gone(daemon):
                 _signal(daemon, signal.SIGKILL)
-        if not self._gone(daemon, self.timeout):
+        if not _gone(daemon):
             raise transient(
                 f"the MPS control daemon {daemon.pid} in {dirs.pipe} did not quit "
-                f"in {self.timeout:g}s"
+                f"in {DEFAULT_TIMEOUT:g}s"
             )
         dirs.pid_file.unlink(missing_ok=True)
         log.info("MPS control daemon %d in %s stopped", daemon.pid, dirs.pipe)
 
-    @staticmethod
-    def _gone(daemon: DaemonId, timeout: float) -> bool:
-        deadline = time.monotonic() + timeout
-        while is_running(daemon):
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(_POLL)
-        return True
+
+def _gone(daemon: DaemonId) -> bool:
+    """Whether the daemon is gone within DEFAULT_TIMEOUT."""
+    deadline = time.monotonic() + DEFAULT_TIMEOUT
+    while is_running(daemon):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(_POLL)
+    return True
 
 
 def _with_shm(shm: Path, argv: list[str]) -> list[str]:
@@ -295,16 +289,5 @@ def _with_shm(shm: Path, argv: list[str]) -> list[str]:
     containers mount at /dev/shm (as a daemon's pod does). The daemon forks its
     server, which stays in that namespace. Needs CAP_SYS_ADMIN (a plugin on the node
     runs as root); util-linux's `unshare` and `mount` are on every node."""
-    script = 'mount --bind "$0" /dev/shm && exec "$@"'
-    return [
-        "unshare",
-        "--mount",
-        "--propagation",
-        "private",
-        "--",
-        "sh",
-        "-c",
-        script,
-        str(shm),
-        *argv,
-    ]
+    unshare = ["unshare", "--mount", "--propagation", "private", "--"]
+    return [*unshare, "sh", "-c", 'mount --bind "$0" /dev/shm && exec "$@"', str(shm), *argv]

@@ -27,7 +27,7 @@ from pathlib import PurePosixPath
 from typing import Any, Final
 
 from driver.nvml.calls import CountingModule, is_nvml_error, nvml_text
-from driver.nvml.library import init_nvml
+from driver.nvml.library import GpuHandles
 
 log = logging.getLogger(__name__)
 
@@ -64,23 +64,15 @@ class GpuProcesses:
 
 
 class ProcessReader:
-    """Lists the compute processes of GPUs through a counted pynvml-compatible module,
-    with one NVML initialisation for the process's lifetime and handles by index (a
-    lookup by UUID fails for every GPU while any one is lost, nvml.h)."""
+    """Lists the compute processes of GPUs through a counted pynvml-compatible module."""
 
     def __init__(self, nvml: CountingModule | Any) -> None:
         self._nvml = nvml
-        self._initialised = False
-        self._handles: dict[str, Any] = {}
+        self._gpus = GpuHandles(nvml, "processes")
 
     def read(self, gpu_uuid: str) -> GpuProcesses:
         nvml = self._nvml
-        if not self._initialised:
-            init_nvml(nvml)
-            self._initialised = True
-        if gpu_uuid not in self._handles:
-            self._find_handles()
-        handle = self._handles.get(gpu_uuid)
+        [handle] = self._gpus.get(gpu_uuid)
         if handle is None:
             return GpuProcesses(gpu_uuid, error="NVML lists no such GPU (or it is lost)")
         try:
@@ -88,7 +80,7 @@ class ProcessReader:
             mps = {int(p.pid) for p in nvml.nvmlDeviceGetMPSComputeRunningProcesses(handle)}
         except nvml.NVMLError as err:
             if is_nvml_error(nvml, err, "NVML_ERROR_GPU_IS_LOST"):
-                self._handles.pop(gpu_uuid, None)
+                self._gpus.forget(gpu_uuid)
             return GpuProcesses(gpu_uuid, error=str(err))
         processes: dict[int, GpuProcess] = {}
         for info in compute:
@@ -107,12 +99,3 @@ class ProcessReader:
         except nvml.NVMLError as err:
             log.debug("NVML cannot name process %d: %s", pid, err)
             return None
-
-    def _find_handles(self) -> None:
-        nvml = self._nvml
-        for index in range(nvml.nvmlDeviceGetCount()):
-            try:
-                handle = nvml.nvmlDeviceGetHandleByIndex(index)
-                self._handles[nvml_text(nvml.nvmlDeviceGetUUID(handle))] = handle
-            except nvml.NVMLError as err:
-                log.debug("processes: no handle for the GPU at index %d: %s", index, err)

@@ -9,10 +9,8 @@ ID it does not know).
 
 `RecoveryActionReader.read(uuids)` reads the field of each GPU and never raises for
 one GPU's answer: each `RecoveryReading` says the action, that the driver does not
-report one, or why the GPU did not answer (lost, an NVML error). It keeps one NVML
-initialisation for the process's lifetime and the GPUs' handles, found by index (a
-lookup by UUID fails for every GPU while any one is lost, nvml.h), so a steady
-read costs one NVML call per GPU.
+report one, or why the GPU did not answer (lost, an NVML error). It keeps the GPUs'
+handles (`GpuHandles`), so a steady read costs one NVML call per GPU.
 """
 
 from __future__ import annotations
@@ -22,8 +20,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from driver.nvml.calls import CountingModule, is_nvml_error, nvml_text
-from driver.nvml.library import init_nvml
+from driver.nvml.calls import CountingModule, is_nvml_error
+from driver.nvml.library import GpuHandles
 
 log = logging.getLogger(__name__)
 
@@ -103,50 +101,31 @@ class RecoveryActionReader:
 
     def __init__(self, nvml: CountingModule) -> None:
         self._nvml = nvml
-        self._initialised = False
-        self._handles: dict[str, Any] = {}  # GPU UUID -> device handle
+        self._gpus = GpuHandles(nvml, "recovery action")
 
     def read(self, uuids: Iterable[str]) -> list[RecoveryReading]:
         """The recovery action of each GPU in `uuids`, in that order. Raises only
         when NVML cannot be initialised at all."""
         wanted = list(uuids)
-        if not self._initialised:
-            init_nvml(self._nvml)
-            self._initialised = True
-        if any(uuid not in self._handles for uuid in wanted):
-            self._find_handles()
-        return [self._read_one(uuid) for uuid in wanted]
+        return [self._read_one(u, h) for u, h in zip(wanted, self._gpus.get(*wanted), strict=True)]
 
-    def _find_handles(self) -> None:
+    def _read_one(self, uuid: str, handle: Any) -> RecoveryReading:
         nvml = self._nvml
-        for index in range(nvml.nvmlDeviceGetCount()):
-            try:
-                handle = nvml.nvmlDeviceGetHandleByIndex(index)
-                uuid = nvml_text(nvml.nvmlDeviceGetUUID(handle))
-            except nvml.NVMLError as err:
-                log.debug("recovery action: no handle for the GPU at index %d: %s", index, err)
-                continue
-            self._handles[uuid] = handle
-
-    def _read_one(self, uuid: str) -> RecoveryReading:
-        nvml = self._nvml
-        handle = self._handles.get(uuid)
         if handle is None:
             return RecoveryReading(uuid, None, error="NVML lists no such GPU (or it is lost)")
         try:
             values = nvml.nvmlDeviceGetFieldValues(handle, [FIELD_RECOVERY_ACTION])
         except nvml.NVMLError as err:
-            if any(is_nvml_error(nvml, err, name) for name in _CALL_UNSUPPORTED):
+            if is_nvml_error(nvml, err, *_CALL_UNSUPPORTED):
                 return RecoveryReading(uuid, None, supported=False, error=str(err))
             if is_nvml_error(nvml, err, "NVML_ERROR_GPU_IS_LOST"):
-                # A lost GPU's handle is stale once it is back: look it up again then.
-                self._handles.pop(uuid, None)
+                self._gpus.forget(uuid)
             return RecoveryReading(uuid, None, error=str(err))
         entry = values[0]
         code = int(entry.nvmlReturn)
         if code != _NVML_SUCCESS:
             error = nvml.NVMLError(code)
-            supported = not any(is_nvml_error(nvml, error, n) for n in _FIELD_UNSUPPORTED)
+            supported = not is_nvml_error(nvml, error, *_FIELD_UNSUPPORTED)
             return RecoveryReading(uuid, None, supported=supported, error=str(error))
         member = _VALUE_MEMBERS.get(int(entry.valueType))
         if member is None:

@@ -14,20 +14,12 @@ class MigError(RuntimeError):
     `left_gi_id`: a failed create made this GPU instance and could not destroy it
     again; whoever records the attempt destroys it by that id."""
 
-    def __init__(
-        self,
-        message: str,
-        *,
-        code: str,
-        retryable: bool,
-        gpu_gone: bool = False,
-        left_gi_id: int | None = None,
-    ) -> None:
+    def __init__(self, message: str, *, code: str, retryable: bool, gpu_gone: bool = False) -> None:
         super().__init__(message)
         self.code = code
         self.retryable = retryable
         self.gpu_gone = gpu_gone
-        self.left_gi_id = left_gi_id
+        self.left_gi_id: int | None = None
 
 
 # NVML return codes that no retry fixes without someone changing the GPU's setup.
@@ -38,8 +30,6 @@ _NOT_RETRYABLE = frozenset(
         "NVML_ERROR_NO_PERMISSION",  # the plugin lacks the MIG capability
     }
 )
-
-
 _KNOWN_ERRORS = (
     "NVML_ERROR_INSUFFICIENT_RESOURCES",
     "NVML_ERROR_NOT_SUPPORTED",

@@ -17,8 +17,7 @@ KEPT = 4096
 
 
 class GoneDevices:
-    def __init__(self, kept: int = KEPT) -> None:
-        self._kept = kept
+    def __init__(self) -> None:
         self._uuids: OrderedDict[str, None] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -33,5 +32,5 @@ class GoneDevices:
         with self._lock:
             self._uuids[uuid] = None
             self._uuids.move_to_end(uuid)
-            while len(self._uuids) > self._kept:
+            while len(self._uuids) > KEPT:
                 self._uuids.popitem(last=False)

@@ -26,7 +26,6 @@ from driver.nvml.mig.mig_errors import MigError, error_code
 
 log = logging.getLogger(__name__)
 
-_REV1 = "NVML_COMPUTE_INSTANCE_PROFILE_1_SLICE_REV1"  # NVIDIA's driver skips it too
 LISTING_ATTEMPTS = 3
 _T = TypeVar("_T")
 
@@ -46,9 +45,7 @@ def reading_listed(nvml: Any) -> Iterator[None]:
     try:
         yield
     except nvml.NVMLError as err:
-        if is_nvml_error(nvml, err, "NVML_ERROR_INVALID_ARGUMENT") or is_nvml_error(
-            nvml, err, "NVML_ERROR_NOT_FOUND"
-        ):
+        if is_nvml_error(nvml, err, "NVML_ERROR_INVALID_ARGUMENT", "NVML_ERROR_NOT_FOUND"):
             raise InstanceVanished(error_code(nvml, err), str(err)) from err
         raise
 
@@ -72,9 +69,7 @@ def retried(what: str, read: Callable[[], _T]) -> _T:
 
 def unsupported(nvml: Any, err: BaseException) -> bool:
     """NOT_SUPPORTED or INVALID_ARGUMENT: a profile this GPU (instance) does not have."""
-    return is_nvml_error(nvml, err, "NVML_ERROR_NOT_SUPPORTED") or is_nvml_error(
-        nvml, err, "NVML_ERROR_INVALID_ARGUMENT"
-    )
+    return is_nvml_error(nvml, err, "NVML_ERROR_NOT_SUPPORTED", "NVML_ERROR_INVALID_ARGUMENT")
 
 
 def gpu_instances(nvml: Any, handle: Any, profile_id: int, limit: int) -> list[Any]:
@@ -95,9 +90,7 @@ def mig_uuid_of(nvml: Any, handle: Any, gi_id: int, ci_id: int) -> str | None:
         try:
             mig = nvml.nvmlDeviceGetMigDeviceHandleByIndex(handle, index)
         except nvml.NVMLError as err:
-            if is_nvml_error(nvml, err, "NVML_ERROR_NOT_FOUND") or is_nvml_error(
-                nvml, err, "NVML_ERROR_INVALID_ARGUMENT"
-            ):
+            if is_nvml_error(nvml, err, "NVML_ERROR_NOT_FOUND", "NVML_ERROR_INVALID_ARGUMENT"):
                 continue
             raise
         with reading_listed(nvml):
@@ -119,10 +112,7 @@ def is_mig_device(nvml: Any, handle: Any, gi_id: int, ci_id: int, uuid: str) -> 
     try:
         mig = nvml.nvmlDeviceGetHandleByUUID(uuid)
     except nvml.NVMLError as err:
-        if not (
-            is_nvml_error(nvml, err, "NVML_ERROR_NOT_FOUND")
-            or is_nvml_error(nvml, err, "NVML_ERROR_GPU_IS_LOST")
-        ):
+        if not is_nvml_error(nvml, err, "NVML_ERROR_NOT_FOUND", "NVML_ERROR_GPU_IS_LOST"):
             raise
         found = retried(f"MIG device {uuid}", lambda: mig_uuid_of(nvml, handle, gi_id, ci_id))
         return found == uuid
@@ -141,26 +131,25 @@ def describe(nvml: Any, handle: Any, gpu_uuid: str, gi: Any) -> MigInstance:
     raises InstanceVanished if it is gone."""
     with reading_listed(nvml):
         info = nvml.nvmlGpuInstanceGetInfo(gi)
-        placement = (int(info.placement.start), int(info.placement.size))
-        ci_id: int | None = None
-        uuid: str | None = None
-        for ci in compute_instances(nvml, gi):
-            ci_id = int(nvml.nvmlComputeInstanceGetInfo(ci).id)
-            uuid = mig_uuid_of(nvml, handle, int(info.id), ci_id)
-            break  # the driver creates one; an administrator's extra ones share the GI
+        # The first compute instance: the driver creates one; an administrator's extra
+        # ones share the GI.
+        cis = compute_instances(nvml, gi)
+        ci_id = int(nvml.nvmlComputeInstanceGetInfo(cis[0]).id) if cis else None
+        uuid = None if ci_id is None else mig_uuid_of(nvml, handle, int(info.id), ci_id)
     return MigInstance(
         gpu_uuid=gpu_uuid,
         gi_id=int(info.id),
         profile_id=int(info.profileId),
-        placement=placement,
+        placement=(int(info.placement.start), int(info.placement.size)),
         ci_id=ci_id,
         uuid=uuid,
     )
 
 
 def ci_profiles(nvml: Any, gi: Any) -> Iterator[Any]:
-    """The compute-instance profiles the GPU instance supports (shared engines)."""
-    rev1 = getattr(nvml, _REV1, None)
+    """The compute-instance profiles the GPU instance supports (shared engines), but
+    the 1-slice REV1 profile, which NVIDIA's driver skips too."""
+    rev1 = getattr(nvml, "NVML_COMPUTE_INSTANCE_PROFILE_1_SLICE_REV1", None)
     for slot in range(int(nvml.NVML_COMPUTE_INSTANCE_PROFILE_COUNT)):
         if slot == rev1:
             continue

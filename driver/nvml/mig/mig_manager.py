@@ -104,9 +104,6 @@ class MigManager:
     def _fail(self, err: BaseException, what: str, *, lookup: bool = False) -> MigError:
         return mig_error(self._nvml, err, what, lookup=lookup)
 
-    def _is(self, err: BaseException, name: str) -> bool:
-        return is_nvml_error(self._nvml, err, name)
-
     @contextmanager
     def _session(self) -> Iterator[Any]:
         nvml = self._nvml
@@ -135,17 +132,11 @@ class MigManager:
         except nvml.NVMLError as err:
             # nvml.h: by UUID, GPU_IS_LOST "if any GPU has fallen off the bus"; by
             # index only "if the target GPU has": a healthy GPU is found that way.
-            if not self._is(err, "NVML_ERROR_GPU_IS_LOST"):
+            if not is_nvml_error(nvml, err, "NVML_ERROR_GPU_IS_LOST"):
                 raise
-            handle = self._handle_by_index(nvml, gpu_uuid)
-            if handle is None:
-                raise  # the GPU is the lost one (or not on this node): GPU_IS_LOST
-            return handle
-
-    def _handle_by_index(self, nvml: Any, gpu_uuid: str) -> Any | None:
-        """The GPU's handle by index; None when no GPU that answers has the UUID and
-        every one that does not answer is lost: then the GPU is lost (or not here).
-        Any other error of a GPU that does not answer is raised: it may be this one."""
+            lost = err
+        # Not found by index: any other error of a GPU that does not answer is raised
+        # (it may be this one); else the GPU is the lost one (or not on this node).
         other: BaseException | None = None
         for index in range(int(nvml.nvmlDeviceGetCount())):
             try:
@@ -154,11 +145,9 @@ class MigManager:
                     return handle
             except nvml.NVMLError as err:
                 log.debug("GPU at NVML index %d does not answer: %s", index, err)
-                if other is None and not self._is(err, "NVML_ERROR_GPU_IS_LOST"):
+                if other is None and not is_nvml_error(nvml, err, "NVML_ERROR_GPU_IS_LOST"):
                     other = err
-        if other is not None:
-            raise other
-        return None
+        raise other or lost
 
     # ------------------------------------------------------------ list
 
@@ -185,24 +174,21 @@ class MigManager:
         with self._session() as nvml:
             handle = self._lookup(nvml, gpu_uuid)
             what = f"listing the GPU instances of {gpu_uuid}"
+
+            def ids_at() -> tuple[int, ...]:
+                ids = []
+                for gi in gpu_instances(nvml, handle, profile_id, limit):
+                    with reading_listed(nvml):
+                        info = nvml.nvmlGpuInstanceGetInfo(gi)
+                    if (int(info.placement.start), int(info.placement.size)) == placement:
+                        ids.append(int(info.id))
+                return tuple(sorted(ids))
+
             try:
                 limit = self._limits(nvml, handle, gpu_uuid).get(profile_id, 0)
-                return retried(
-                    what, lambda: self._ids_at(nvml, handle, profile_id, limit, placement)
-                )
+                return retried(what, ids_at)
             except nvml.NVMLError as err:
                 raise self._fail(err, what) from err
-
-    def _ids_at(
-        self, nvml: Any, handle: Any, profile_id: int, limit: int, placement: tuple[int, int]
-    ) -> tuple[int, ...]:
-        ids = []
-        for gi in gpu_instances(nvml, handle, profile_id, limit):
-            with reading_listed(nvml):
-                info = nvml.nvmlGpuInstanceGetInfo(gi)
-            if (int(info.placement.start), int(info.placement.size)) == placement:
-                ids.append(int(info.id))
-        return tuple(sorted(ids))
 
     def _limits(self, nvml: Any, handle: Any, gpu_uuid: str) -> dict[int, int]:
         """Profile id -> how many instances of it the GPU can hold, read once per GPU
@@ -282,7 +268,12 @@ class MigManager:
                         f"on {target.gpu_uuid}",
                     )
                 )
-                if not self._undo(nvml, gi, target):
+                # Destroy the half-created GPU instance; if it is still there, the
+                # caller records its id (`MigError.left_gi_id`) and destroys it by that.
+                try:
+                    destroy_instance(nvml, gi, None)
+                except nvml.NVMLError as undo_err:
+                    log.error("undoing the half-created %s failed: %s", target.describe(), undo_err)
                     failed.left_gi_id = gi_id
                 if failed is err:
                     raise
@@ -306,41 +297,24 @@ class MigManager:
             retryable=False,
         )
 
-    def _undo(self, nvml: Any, gi: Any, target: MigTarget) -> bool:
-        """Destroy the half-created GPU instance; False if it is still there (the
-        caller records its id, `MigError.left_gi_id`, and destroys it by that)."""
-        try:
-            destroy_instance(nvml, gi, None)
-        except nvml.NVMLError as err:
-            log.error("undoing the half-created %s failed: %s", target.describe(), err)
-            return False
-        return True
-
     # ------------------------------------------------------------ destroy
 
     def destroy(self, gpu_uuid: str, gi_id: int, recorded: RecordedInstance | None = None) -> bool:
         """Destroy the GPU instance and its compute instances, by id as NVIDIA's driver
-        does. With `recorded`, only if the instance with that id still has the recorded
-        profile and placement and, where the record has the MIG device's UUID, that
-        device is still the one of the recorded ids (an id follows the placement: a
-        device created again there by anyone has the recorded ids and another UUID),
-        its compute instance looked up by the recorded id: a few calls however many
-        devices the GPU holds. A GPU instance there without any compute instance is
-        taken for what is left of the recorded device (no MIG device runs on it; a
-        teardown killed between its two destroys leaves it) and destroyed alone: if a
-        compute instance appears in it before its destroy, the MIG device someone is
-        making there is left. A recorded device this manager destroyed, or found gone,
-        before is not looked for again (no NVML call): whatever sits at its ids now is
-        someone else's, however often its claim's teardown is repeated. False when
-        there is nothing of the record to destroy: no such instance, another one under
-        the id, or MIG mode off. Raises MigError otherwise."""
-        if self._known_gone(recorded):
+        does. With `recorded`, only what `found_at_id` (driver/nvml/mig/mig_recorded.py)
+        takes for the recorded device or what is left of it (docs/mig.md, "A GPU
+        instance without a compute instance"); a recorded device this manager destroyed,
+        or found gone, before is not looked for again (no NVML call): whatever sits at
+        its ids now is someone else's. False when there is nothing of the record to
+        destroy: no such instance, another one under the id, or MIG mode off. Raises
+        MigError otherwise."""
+        if recorded is not None and recorded.uuid is not None and recorded.uuid in self._gone:
             log.debug(
                 "GPU instance %d on %s: the recorded MIG device %s is gone already "
                 "(destroyed or found gone before): whatever is at its ids is not its",
                 gi_id,
                 gpu_uuid,
-                recorded.uuid if recorded else None,
+                recorded.uuid,
             )
             return False
         with self._changing(gpu_uuid), self._session() as nvml:
@@ -349,9 +323,7 @@ class MigManager:
             try:
                 gi = nvml.nvmlDeviceGetGpuInstanceById(handle, gi_id)
             except nvml.NVMLError as err:
-                if self._is(err, "NVML_ERROR_NOT_FOUND") or self._is(
-                    err, "NVML_ERROR_NOT_SUPPORTED"
-                ):
+                if is_nvml_error(nvml, err, "NVML_ERROR_NOT_FOUND", "NVML_ERROR_NOT_SUPPORTED"):
                     self._note_gone(recorded)
                     return False
                 raise self._fail(err, f"looking up {what}") from err
@@ -375,9 +347,6 @@ class MigManager:
                 raise self._fail(err, f"destroying {what}") from err
             self._note_gone(recorded)
             return True
-
-    def _known_gone(self, recorded: RecordedInstance | None) -> bool:
-        return recorded is not None and recorded.uuid is not None and recorded.uuid in self._gone
 
     def _note_gone(self, recorded: RecordedInstance | None) -> None:
         """The recorded device no longer exists: destroyed here, or its GPU instance
