@@ -96,19 +96,17 @@ def _claim_refs(claims: Sequence[Any], context: grpc.ServicerContext) -> list[Cl
             grpc.StatusCode.INVALID_ARGUMENT,
             f"claims: {len(claims)} claims in one call, at most {MAX_CLAIMS_PER_CALL}",
         )
-    refs: list[ClaimRef] = []
-    seen: set[str] = set()
+    refs: dict[str, ClaimRef] = {}  # one answer per UID: the response is a map
     for i, claim in enumerate(claims):
         problem = claim_field_error(claim.namespace, claim.uid, claim.name)
         if problem is not None:
             context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT, f"claims[{i}].{problem[0]}: {problem[1]}"
             )
-        if claim.uid in seen:
-            continue  # one answer per UID: the response is a map
-        seen.add(claim.uid)
-        refs.append(ClaimRef(namespace=claim.namespace, name=claim.name, uid=claim.uid))
-    return refs
+        refs.setdefault(
+            claim.uid, ClaimRef(namespace=claim.namespace, name=claim.name, uid=claim.uid)
+        )
+    return list(refs.values())
 
 
 class _ClaimNames:
@@ -119,12 +117,6 @@ class _ClaimNames:
 
     def __str__(self) -> str:
         return ", ".join(f"{r.namespace}/{r.name}" for r in self._refs)
-
-
-def _outcome(error: DriverError | None) -> str:
-    if error is None:
-        return "ok"
-    return error.error_class.value
 
 
 class DraService:
@@ -164,7 +156,8 @@ class DraService:
             for ref in refs:
                 result = results[ref.uid]
                 entry = response.claims[ref.uid]
-                metrics.PREPARE_REQUESTS.labels(outcome=_outcome(result.error)).inc()
+                outcome = "ok" if result.error is None else result.error.error_class.value
+                metrics.PREPARE_REQUESTS.labels(outcome=outcome).inc()
                 if result.error is not None:
                     entry.error = str(result.error)
                     if result.error.permanent:
@@ -200,41 +193,22 @@ class DraService:
 
 
 class V1Servicer(v1_grpc.DRAPluginServicer):
+    """`DraService` under the v1 names; `V1beta1Servicer` under the v1beta1 ones."""
+
+    pb: Any = v1
+
     def __init__(self, service: DraService) -> None:
         self._service = service
 
-    def NodePrepareResources(
-        self, request: v1.NodePrepareResourcesRequest, context: grpc.ServicerContext
-    ) -> v1.NodePrepareResourcesResponse:
-        response: v1.NodePrepareResourcesResponse = self._service.prepare(request, context, v1)
-        return response
+    def NodePrepareResources(self, request: Any, context: grpc.ServicerContext) -> Any:
+        return self._service.prepare(request, context, self.pb)
 
-    def NodeUnprepareResources(
-        self, request: v1.NodeUnprepareResourcesRequest, context: grpc.ServicerContext
-    ) -> v1.NodeUnprepareResourcesResponse:
-        response: v1.NodeUnprepareResourcesResponse = self._service.unprepare(request, context, v1)
-        return response
+    def NodeUnprepareResources(self, request: Any, context: grpc.ServicerContext) -> Any:
+        return self._service.unprepare(request, context, self.pb)
 
 
-class V1beta1Servicer(v1beta1_grpc.DRAPluginServicer):
-    def __init__(self, service: DraService) -> None:
-        self._service = service
-
-    def NodePrepareResources(
-        self, request: v1beta1.NodePrepareResourcesRequest, context: grpc.ServicerContext
-    ) -> v1beta1.NodePrepareResourcesResponse:
-        response: v1beta1.NodePrepareResourcesResponse = self._service.prepare(
-            request, context, v1beta1
-        )
-        return response
-
-    def NodeUnprepareResources(
-        self, request: v1beta1.NodeUnprepareResourcesRequest, context: grpc.ServicerContext
-    ) -> v1beta1.NodeUnprepareResourcesResponse:
-        response: v1beta1.NodeUnprepareResourcesResponse = self._service.unprepare(
-            request, context, v1beta1
-        )
-        return response
+class V1beta1Servicer(V1Servicer):
+    pb = v1beta1
 
 
 def add_dra_services(

@@ -21,7 +21,8 @@ from typing import Any
 
 import grpc
 
-from driver.health.recovery_taints import RecoveryActions
+from driver.health.failures import GpuFailure
+from driver.health.recovery_taints import RecoveryActions, RecoveryFailure
 from driver.health.store import Devices, HealthStore, device_list
 from driver.proto.dra_health.v1 import api_pb2 as v1
 from driver.proto.dra_health.v1 import api_pb2_grpc as v1_grpc
@@ -68,51 +69,35 @@ class HealthSource:
         version, failures = self.store.device_snapshot(self._devices)
         statuses: list[DeviceStatus] = []
         for name in self._names:
-            failure = failures.get(name)
-            recovery = self._recovery.device_failure(name) if self._recovery else None
-            if failure is not None:
-                statuses.append(DeviceStatus(name, False, _truncate(failure.message())))
-            elif recovery is not None:
-                statuses.append(DeviceStatus(name, False, _truncate(recovery.message())))
-            else:
+            failure: GpuFailure | RecoveryFailure | None = failures.get(name)
+            if failure is None and self._recovery is not None:
+                failure = self._recovery.device_failure(name)
+            if failure is None:
                 statuses.append(DeviceStatus(name, True))
+            else:
+                message = failure.message()
+                if len(message) > MAX_MESSAGE_CHARS:
+                    message = message[: MAX_MESSAGE_CHARS - 3] + "..."
+                statuses.append(DeviceStatus(name, False, message))
         return version, statuses
 
-    def wait_changed(self, version: int, timeout: float) -> int:
-        return self.store.wait_changed(version, timeout)
 
-    def wake(self) -> None:
-        self.store.wake()
+class HealthServices:
+    """The registered health services: how many streams are open, and `stop()`."""
 
-
-def _truncate(text: str) -> str:
-    if len(text) <= MAX_MESSAGE_CHARS:
-        return text
-    return text[: MAX_MESSAGE_CHARS - 3] + "..."
-
-
-class HealthServicer:
-    """`NodeWatchResources` for one API version (`pb2` is that version's module)."""
-
-    def __init__(
-        self,
-        source: HealthSource,
-        pb2: ModuleType,
-        *,
-        stopping: threading.Event,
-        heartbeat_seconds: float,
-        timeout_seconds: int,
-    ) -> None:
+    def __init__(self, source: HealthSource, heartbeat_seconds: float) -> None:
         self._source = source
-        self._pb2 = pb2
-        self._stopping = stopping
         self._heartbeat = heartbeat_seconds
-        self._timeout = timeout_seconds
+        self._stopping = threading.Event()
         self._lock = threading.Lock()
         self.active_streams = 0
 
-    def _response(self, statuses: list[DeviceStatus]) -> Any:
-        pb2 = self._pb2
+    def stop(self) -> None:
+        """End every open stream cleanly (call before `server.stop()`)."""
+        self._stopping.set()
+        self._source.store.wake()
+
+    def _response(self, pb2: ModuleType, statuses: list[DeviceStatus]) -> Any:
         now = int(time.time())
         return pb2.NodeWatchResourcesResponse(
             devices=[
@@ -122,61 +107,51 @@ class HealthServicer:
                     ),
                     health=pb2.HEALTHY if status.healthy else pb2.UNHEALTHY,
                     last_updated_time=now,
-                    health_check_timeout_seconds=self._timeout,
+                    health_check_timeout_seconds=HEALTH_CHECK_TIMEOUT_SECONDS,
                     message=status.message,
                 )
                 for status in statuses
             ]
         )
 
-    def NodeWatchResources(self, request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+    def watch(self, pb2: ModuleType, context: grpc.ServicerContext) -> Iterator[Any]:
+        """`NodeWatchResources` of one API version (`pb2` is that version's module)."""
+        store = self._source.store
         ended = threading.Event()
 
         def on_end() -> None:
             ended.set()
-            self._source.wake()
+            store.wake()
 
         context.add_callback(on_end)
         with self._lock:
             self.active_streams += 1
         try:
             version, statuses = self._source.snapshot()
-            yield self._response(statuses)
+            yield self._response(pb2, statuses)
             next_beat = time.monotonic() + self._heartbeat
             while not (self._stopping.is_set() or ended.is_set()):
                 wait = min(max(next_beat - time.monotonic(), 0.0), CANCEL_CHECK_SECONDS)
-                current = self._source.wait_changed(version, wait)
+                current = store.wait_changed(version, wait)
                 if self._stopping.is_set() or ended.is_set() or not context.is_active():
                     break
                 if current != version or time.monotonic() >= next_beat:
                     version, statuses = self._source.snapshot()
-                    yield self._response(statuses)
+                    yield self._response(pb2, statuses)
                     next_beat = time.monotonic() + self._heartbeat
         finally:
             with self._lock:
                 self.active_streams -= 1
-            log.debug("health stream (%s) ended", self._pb2.__name__)
+            log.debug("health stream (%s) ended", pb2.__name__)
 
 
-class HealthServices:
-    """Handle on the registered health services: names to advertise, and `stop()`."""
+class _Servicer:
+    def __init__(self, services: HealthServices, pb2: ModuleType) -> None:
+        self._services = services
+        self._pb2 = pb2
 
-    def __init__(
-        self, source: HealthSource, servicers: list[HealthServicer], stopping: threading.Event
-    ) -> None:
-        self.names = SERVICE_NAMES
-        self.servicers = servicers
-        self._source = source
-        self._stopping = stopping
-
-    @property
-    def active_streams(self) -> int:
-        return sum(s.active_streams for s in self.servicers)
-
-    def stop(self) -> None:
-        """End every open stream cleanly (call before `server.stop()`)."""
-        self._stopping.set()
-        self._source.wake()
+    def NodeWatchResources(self, request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+        return self._services.watch(self._pb2, context)
 
 
 def add_health_services(
@@ -187,22 +162,12 @@ def add_health_services(
     pool_name: str,
     recovery: RecoveryActions | None = None,
     heartbeat_seconds: float = HEARTBEAT_SECONDS,
-    timeout_seconds: int = HEALTH_CHECK_TIMEOUT_SECONDS,
 ) -> HealthServices:
     """Register `v1.DRAResourceHealth` and `v1alpha1.DRAResourceHealth` on `server`.
 
     Each open stream holds one of the server's worker threads."""
     source = HealthSource(store, devices, pool_name=pool_name, recovery=recovery)
-    stopping = threading.Event()
-    servicers: list[HealthServicer] = []
-    for pb2, grpc_module in ((v1, v1_grpc), (v1alpha1, v1alpha1_grpc)):
-        servicer = HealthServicer(
-            source,
-            pb2,
-            stopping=stopping,
-            heartbeat_seconds=heartbeat_seconds,
-            timeout_seconds=timeout_seconds,
-        )
-        grpc_module.add_DRAResourceHealthServicer_to_server(servicer, server)
-        servicers.append(servicer)
-    return HealthServices(source, servicers, stopping)
+    services = HealthServices(source, heartbeat_seconds)
+    v1_grpc.add_DRAResourceHealthServicer_to_server(_Servicer(services, v1), server)
+    v1alpha1_grpc.add_DRAResourceHealthServicer_to_server(_Servicer(services, v1alpha1), server)
+    return services

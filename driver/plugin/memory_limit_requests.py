@@ -22,10 +22,10 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Final, Protocol
+from typing import Final
 
 from driver.cdi.memory_limit_hook import (
     REQUEST_DIR_MODE,
@@ -39,7 +39,8 @@ from driver.fileio import atomic_write
 from driver.nvml.backend import NvmlBackend
 from driver.nvml.cgroups import DEFAULT_CGROUP_ROOT, DEFAULT_PROC_ROOT
 from driver.nvml.discovered import Inventory
-from driver.nvml.memory_limits import MemoryLimitError
+from driver.nvml.memory_limits import GpuMemoryLimits, MemoryLimitError
+from driver.plugin.dra import ClaimPreparer
 from driver.state.prepare import DeviceState
 from driver.state.request import ClaimRef, PrepareResult
 
@@ -48,22 +49,6 @@ log = logging.getLogger(__name__)
 POLL_SECONDS: Final = 0.05
 THREAD_NAME: Final = "memory-limit-requests"
 _SUFFIXES: Final = (".req", ".work", ".ok", ".err", ".tmp")
-
-
-class ProcessLimits(Protocol):
-    def limit_process(
-        self,
-        gpu_uuid: str,
-        pid: int,
-        hard_bytes: int,
-        *,
-        proc_root: Path | str = ...,
-        cgroup_root: Path | str = ...,
-    ) -> Any: ...
-
-
-class MemoryLimitsProbe(Protocol):
-    def probe(self, gpu_uuid: str, cgroup_root: Path | str = ...) -> str | None: ...
 
 
 class RequestError(ValueError):
@@ -86,25 +71,19 @@ def parse_request(data: bytes) -> tuple[str, int, int]:
     return fields[0], int(fields[1]), pid
 
 
-def prepare_directory(directory: Path) -> None:
-    """Make the request directory, 0700 (the runtime runs the hook as root)."""
-    directory.mkdir(parents=True, exist_ok=True, mode=REQUEST_DIR_MODE)
-    os.chmod(directory, REQUEST_DIR_MODE)
-
-
 class MemoryLimitRequests:
     """Answers the hook's requests in `directory` (see the module doc)."""
 
     def __init__(
         self,
         directory: Path,
-        limits: ProcessLimits,
+        limits: GpuMemoryLimits,
         *,
         proc_root: Path | str = DEFAULT_PROC_ROOT,
         cgroup_root: Path | str = DEFAULT_CGROUP_ROOT,
         stale_seconds: float = 60.0,
         poll_seconds: float = POLL_SECONDS,
-        clock: Any = time.time,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self.directory = directory
         self._limits = limits
@@ -115,7 +94,7 @@ class MemoryLimitRequests:
         self._clock = clock
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self.answered = 0  # requests answered (ok or err), for tests and logs
+        self.answered = 0  # requests answered (ok or err)
 
     # -- one pass -----------------------------------------------------------------------
 
@@ -127,21 +106,20 @@ class MemoryLimitRequests:
 
     def serve_once(self) -> int:
         """Answer every pending request; the number answered."""
-        done = 0
-        for name in self._names():
-            if name.endswith(".req") and self._answer(name[: -len(".req")]):
-                done += 1
+        done = sum(
+            self._answer(n.removesuffix(".req")) for n in self._names() if n.endswith(".req")
+        )
         self.answered += done
         return done
 
     def _answer(self, stem: str) -> bool:
-        base = self.directory / stem
-        work = base.with_name(f"{stem}.work")
+        work = self.directory / f"{stem}.work"
         try:
-            os.rename(base.with_name(f"{stem}.req"), work)  # taken: no other instance has it
+            os.rename(self.directory / f"{stem}.req", work)  # taken: no other instance has it
             data = work.read_bytes()
         except FileNotFoundError:
             return False  # another instance took it, or the hook gave up
+        answer, text = f"{stem}.ok", ""
         try:
             gpu, share, pid = parse_request(data)
             seen = self._limits.limit_process(
@@ -149,23 +127,19 @@ class MemoryLimitRequests:
             )
         except (RequestError, MemoryLimitError) as err:
             log.error("memory limit request %s: %s", stem, err)
-            self._write(base.with_name(f"{stem}.err"), str(err))
+            answer, text = f"{stem}.err", str(err)
         except Exception as err:  # a bug here must not leave the container unlimited
             log.exception("memory limit request %s failed", stem)
-            self._write(base.with_name(f"{stem}.err"), f"{type(err).__name__}: {err}")
+            answer, text = f"{stem}.err", f"{type(err).__name__}: {err}"
         else:
             log.info("GPU %s: hard memory limit %d bytes on %s (pid %d)", gpu, share, seen, pid)
-            self._write(base.with_name(f"{stem}.ok"), "")
+        try:
+            atomic_write(self.directory / answer, text.encode(), mode=0o600, durable=False)
+        except OSError as err:  # the hook times out and fails closed
+            log.error("cannot answer memory limit request %s: %s", answer, err)
         with contextlib.suppress(FileNotFoundError):
             work.unlink()
         return True
-
-    @staticmethod
-    def _write(path: Path, text: str) -> None:
-        try:
-            atomic_write(path, text.encode(), mode=0o600, durable=False)
-        except OSError as err:  # the hook times out and fails closed
-            log.error("cannot answer memory limit request %s: %s", path.name, err)
 
     def sweep(self, *, prefix: str | None = None, older_than: float | None = None) -> list[str]:
         """Remove request files: a claim's (`prefix`), or those not touched for
@@ -179,15 +153,13 @@ class MemoryLimitRequests:
                 continue
             path = self.directory / name
             try:
-                if older_than is not None and now - path.lstat().st_mtime < older_than:
-                    continue
-                path.unlink()
+                if older_than is None or now - path.lstat().st_mtime >= older_than:
+                    path.unlink()
+                    removed.append(name)
             except FileNotFoundError:
-                continue
+                pass
             except OSError as err:
                 log.warning("cannot remove memory limit request file %s: %s", path, err)
-                continue
-            removed.append(name)
         return removed
 
     def forget(self, claim_uids: Iterable[str]) -> None:
@@ -199,7 +171,9 @@ class MemoryLimitRequests:
     # -- the thread ---------------------------------------------------------------------
 
     def start(self) -> None:
-        prepare_directory(self.directory)
+        # 0700 (the runtime runs the hook as root), also where it exists already
+        self.directory.mkdir(parents=True, exist_ok=True, mode=REQUEST_DIR_MODE)
+        os.chmod(self.directory, REQUEST_DIR_MODE)
         for name in self.sweep(older_than=self._stale):
             log.warning("removed stale memory limit request file %s", name)
         self._thread = threading.Thread(target=self._run, name=THREAD_NAME, daemon=True)
@@ -222,11 +196,6 @@ class MemoryLimitRequests:
                 log.exception("memory limit requests: pass failed")
 
 
-class ClaimPreparer(Protocol):
-    def prepare(self, claims: Sequence[ClaimRef]) -> dict[str, PrepareResult]: ...
-    def unprepare(self, claims: Sequence[ClaimRef]) -> dict[str, DriverError | None]: ...
-
-
 class ForgetRequestsOnUnprepare:
     """The plugin's prepare/unprepare, with the request files of each claim whose
     unprepare succeeded removed after it."""
@@ -245,7 +214,7 @@ class ForgetRequestsOnUnprepare:
 
 
 def probe_site(
-    limits: MemoryLimitsProbe,
+    limits: GpuMemoryLimits,
     data_dir: Path | str,
     gpu_uuids: Iterable[str],
     *,
@@ -271,11 +240,6 @@ def probe_site(
     return site
 
 
-def stale_after(site: MemoryLimitSite) -> float:
-    """How old a request file is before it is stale: past any hook's wait."""
-    return float(2 * (site.wait_seconds + TIMEOUT_MARGIN_SECONDS))
-
-
 def serve_memory_limits(
     backend: NvmlBackend,
     data_dir: Path,
@@ -287,21 +251,20 @@ def serve_memory_limits(
     with a memory share get the hook that hands their containers to the thread started
     here, which sets the share as a hard limit on each container's cgroup
     (docs/mps.md, "Memory limits the kernel driver keeps"). None elsewhere."""
+    limits = backend.memory_limits()
     cgroup_root = backend.kernel_root / "sys" / "fs" / "cgroup"
     site = probe_site(
-        backend.memory_limits(),
-        data_dir,
-        (gpu.uuid for gpu in inventory.gpus),
-        cgroup_root=cgroup_root,
+        limits, data_dir, (gpu.uuid for gpu in inventory.gpus), cgroup_root=cgroup_root
     )
     if site is None:
         return None
     requests = MemoryLimitRequests(
         site.directory,
-        backend.memory_limits(),
+        limits,
         proc_root=backend.kernel_root / "proc",
         cgroup_root=cgroup_root,
-        stale_seconds=stale_after(site),
+        # stale once past any hook's wait
+        stale_seconds=float(2 * (site.wait_seconds + TIMEOUT_MARGIN_SECONDS)),
     )
     requests.start()
     running.callback(requests.stop)

@@ -80,25 +80,21 @@ def main(argv: list[str] | None = None) -> int:
         except DriverError:
             control.stop(dirs, daemon)
             raise
-    except DriverError as err:
-        print(f"gpu-dra-mps-daemon: {err}", file=sys.stderr)
-        return 1
-    args.ready_file.parent.mkdir(parents=True, exist_ok=True)
-    args.ready_file.write_text(f"{daemon.pid}\n")
-    log.info(
-        "MPS control daemon %d for GPU %s holds active threads %s%%, pinned memory %s",
-        daemon.pid,
-        args.gpu,
-        args.active_thread_percentage or "100",
-        f"{args.pinned_memory_mib}MiB" if memory else "unlimited",
-    )
-    while not stopping.wait(WATCH_INTERVAL):
-        if not is_running(daemon):
-            log.error("the MPS control daemon %d is gone", daemon.pid)
-            args.ready_file.unlink(missing_ok=True)
-            return 1
-    args.ready_file.unlink(missing_ok=True)
-    try:
+        args.ready_file.parent.mkdir(parents=True, exist_ok=True)
+        args.ready_file.write_text(f"{daemon.pid}\n")
+        log.info(
+            "MPS control daemon %d for GPU %s holds active threads %s%%, pinned memory %s",
+            daemon.pid,
+            args.gpu,
+            args.active_thread_percentage or "100",
+            f"{args.pinned_memory_mib}MiB" if memory else "unlimited",
+        )
+        while not stopping.wait(WATCH_INTERVAL):
+            if not is_running(daemon):
+                log.error("the MPS control daemon %d is gone", daemon.pid)
+                args.ready_file.unlink(missing_ok=True)
+                return 1
+        args.ready_file.unlink(missing_ok=True)
         control.stop(dirs, daemon)
     except DriverError as err:
         print(f"gpu-dra-mps-daemon: {err}", file=sys.stderr)

@@ -47,10 +47,6 @@ def _kube_daemons(o: PluginOptions, control: MpsControl, api: KubeApi) -> KubeDa
     return KubeDaemons(api, settings, shm=ShmBound(o.mps_shm_size, needs_propagation=True))
 
 
-def _node_daemons(o: PluginOptions, control: MpsControl) -> NodeDaemons:
-    return NodeDaemons(control, shm=ShmBound(o.mps_shm_size))
-
-
 def mps_daemons(o: PluginOptions, backend: NvmlBackend, api: KubeApi) -> MpsDaemons | None:
     """None where MPS is off or the driver root has no nvidia-cuda-mps-control (an MPS
     claim is then refused, naming the reason)."""
@@ -66,7 +62,7 @@ def mps_daemons(o: PluginOptions, backend: NvmlBackend, api: KubeApi) -> MpsDaem
         )
         return None
     if o.mps_daemons == "node":
-        return _node_daemons(o, control)
+        return NodeDaemons(control, shm=ShmBound(o.mps_shm_size))
     log.info(
         "MPS daemons run as Deployments in namespace %s, image %s",
         o.pod_namespace,
@@ -81,10 +77,8 @@ def mps_others(o: PluginOptions, backend: NvmlBackend, api: KubeApi) -> tuple[Mp
     binary's `quit`, or by signals where it is gone) and, in a pod (--pod-namespace),
     Deployments. `StepContext` leaves out the kind that runs now; these only stop."""
     control = backend.mps(o.nvidia_driver_root) or MpsControl(o.nvidia_driver_root)
-    others: list[MpsDaemons] = [_node_daemons(o, control)]
-    if o.pod_namespace:
-        others.append(_kube_daemons(o, control, api))
-    return tuple(others)
+    node = NodeDaemons(control, shm=ShmBound(o.mps_shm_size))
+    return (node, _kube_daemons(o, control, api)) if o.pod_namespace else (node,)
 
 
 def watch_mps_daemons(
@@ -93,7 +87,7 @@ def watch_mps_daemons(
     api: KubeApi,
     running: contextlib.ExitStack,
     recovered: RecoveryReport,
-    after_check: AfterCheck | None = None,
+    after_check: AfterCheck,
 ) -> MpsWatch | None:
     """Report the daemons the start found gone (`recovered`) and start the periodic
     check of the prepared claims' daemons and the sweep of what no claim owns, stopped

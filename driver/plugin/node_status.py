@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, Protocol
@@ -32,6 +33,7 @@ from driver.observability import metrics
 from driver.plugin.journal_summary import JournalReader, JournalSummary
 from driver.plugin.serving_instance import Succession, default_holder
 from driver.plugin.toolkit_config import ToolkitCheck
+from driver.plugin.transport.registration import RegistrationServicer
 from driver.state.journal.checkpoint import Checkpoint
 from driver.state.mps_watch import MpsCheck
 
@@ -48,20 +50,6 @@ class JournalState(Protocol):
 
     @property
     def checkpoint(self) -> Checkpoint: ...
-
-
-class RegisteredFlag(Protocol):
-    def is_set(self) -> bool: ...
-
-
-class Registration(Protocol):
-    """What /status needs of `driver.plugin.transport.registration.RegistrationServicer`."""
-
-    @property
-    def registered(self) -> RegisteredFlag: ...
-
-    @property
-    def last_error(self) -> str: ...
 
 
 class MpsDaemons(Protocol):
@@ -110,7 +98,7 @@ class PluginStatus:
     taint_effect: str
     gpus: Sequence[GpuView]
     devices: Mapping[str, HealthDevice]
-    registration: Registration
+    registration: RegistrationServicer
     publisher: SyncStats
     store: HealthStore
     recovery: RecoveryActions
@@ -161,7 +149,9 @@ class PluginStatus:
                 "taintEffect": self.taint_effect,
                 "storeProblem": self.store.problem,
                 "failedGPUs": sum(g["health"] != "healthy" for g in gpus),
-                "taintedDevices": len(self._tainted(self.devices.values())),
+                "taintedDevices": len(
+                    tainted_device_names(self.store, list(self.devices.values()), self.recovery)
+                ),
                 "taints": self._taint_counts(),
                 "unmonitoredGPUs": sum(not g["monitored"] for g in gpus),
             },
@@ -196,20 +186,17 @@ class PluginStatus:
             "lastError": stats.failing,  # None once a publish after it succeeded
         }
 
-    def _tainted(self, devices: Iterable[HealthDevice]) -> set[str]:
-        return tainted_device_names(self.store, list(devices), self.recovery)
-
     def _taint_counts(self) -> list[dict[str, Any]]:
         """Each health taint the plugin publishes, with its own effect (a failure's is
         --xid-taint-effect, a recovery action's the action's) and on how many devices."""
         taints = self.recovery.add_taints(
             self.store.device_taints(self.devices, driver=self.driver, effect=self.taint_effect)
         )
-        counts: dict[tuple[str, str | None, str], int] = {}
-        for listed in taints.values():
-            for taint in listed:
-                ident = (taint["key"], taint.get("value"), taint["effect"])
-                counts[ident] = counts.get(ident, 0) + 1
+        counts = Counter(
+            (taint["key"], taint.get("value"), taint["effect"])
+            for listed in taints.values()
+            for taint in listed
+        )
         return [
             {"key": key, "value": value, "effect": effect, "devices": n}
             for (key, value, effect), n in sorted(
@@ -227,17 +214,16 @@ class PluginStatus:
         recovery = self.recovery.tainting(gpu.uuid)
         if recovery is not None:
             failures.append(recovery.to_json(self.driver))
-        if self.store.problem is not None:
-            health = "unknown"
-        else:
-            health = "failed" if failures else "healthy"
+        health = (
+            "unknown" if self.store.problem is not None else "failed" if failures else "healthy"
+        )
         own = [d for d in self.devices.values() if d.gpu_uuid == gpu.uuid]
         unmonitored = self.unmonitored.reasons().get(gpu.uuid)
         return {
             **gpu.to_json(),
             "health": health,
             "failures": failures,
-            "taintedDevices": len(self._tainted(own)),
+            "taintedDevices": len(tainted_device_names(self.store, own, self.recovery)),
             "monitored": unmonitored is None,
             "unmonitoredReason": unmonitored,
         }

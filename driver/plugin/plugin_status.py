@@ -37,14 +37,11 @@ from driver.observability.status_socket import (
 from driver.state.recovery.startup_recovery import RecoveryReport
 
 Report = Callable[[], tuple[bool, str]]
-STARTING = "ok: starting\n"
 
 
 class CheckpointHealth(Protocol):
     @property
-    def checkpoint_problem(self) -> str | None:
-        """Why the journal is unusable, or None (`DeviceState.checkpoint_problem`)."""
-        ...
+    def checkpoint_problem(self) -> str | None: ...  # `DeviceState.checkpoint_problem`
 
 
 class Healthz:
@@ -57,7 +54,7 @@ class Healthz:
         self._report = report
 
     def __call__(self) -> tuple[bool, str]:
-        return self._report() if self._report is not None else (True, STARTING)
+        return self._report() if self._report is not None else (True, "ok: starting\n")
 
 
 def health_report(

@@ -36,16 +36,9 @@ CALL_TIMEOUT = 2.0
 class Readiness:
     """(ready, text) for /readyz; each call dials both sockets."""
 
-    def __init__(
-        self,
-        registration: RegistrationServicer,
-        paths: SocketPaths,
-        *,
-        timeout: float = CALL_TIMEOUT,
-    ) -> None:
+    def __init__(self, registration: RegistrationServicer, paths: SocketPaths) -> None:
         self._registration = registration
         self._paths = paths
-        self._timeout = timeout
 
     def __call__(self) -> tuple[bool, str]:
         problem = self._problem()
@@ -67,16 +60,16 @@ class Readiness:
                 "watches, <kubelet --root-dir>/plugins_registry: check the chart value "
                 "kubeletPlugin.kubeletRegistrarDirectoryPath"
             )
-        timeout, paths = self._timeout, self._paths
+        paths = self._paths
         try:
             with _channel(paths.registration) as channel:
-                reg_grpc.RegistrationStub(channel).GetInfo(reg.InfoRequest(), timeout=timeout)
+                reg_grpc.RegistrationStub(channel).GetInfo(reg.InfoRequest(), timeout=CALL_TIMEOUT)
         except grpc.RpcError as err:
             return f"the registration socket {paths.registration} does not answer: {_why(err)}"
         try:
             with _channel(paths.service) as channel:
                 dra = dra_v1_grpc.DRAPluginStub(channel)
-                dra.NodePrepareResources(dra_v1.NodePrepareResourcesRequest(), timeout=timeout)
+                dra.NodePrepareResources(dra_v1.NodePrepareResourcesRequest(), timeout=CALL_TIMEOUT)
         except grpc.RpcError as err:
             return f"the DRA service socket {paths.service} does not answer: {_why(err)}"
         return None
@@ -90,6 +83,6 @@ def _channel(path: Path) -> grpc.Channel:
 
 def _why(err: grpc.RpcError) -> str:
     """The status code and text of a failed call ("UNAVAILABLE: failed to connect ...")."""
-    code = err.code() if isinstance(err, grpc.Call) else None
-    details = err.details() if isinstance(err, grpc.Call) else str(err)
-    return f"{code.name if code else 'error'}: {details}"
+    if isinstance(err, grpc.Call):
+        return f"{err.code().name}: {err.details()}"
+    return f"error: {err}"

@@ -1,18 +1,15 @@
 """The plugin instances of one node: which one serves it, and which one leaves last.
 
-During a rolling update two instances share the data directory
-(docs/rolling-updates.md has the rule and its cases).
+During a rolling update two instances share the data directory.
 
-Serving (`Succession`). One instance at a time publishes the node's ResourceSlices,
-prepares claims and answers the status socket; another yields. An instance that
-serves holds a place in `<data dir>/succession/`: a file named by a number that only
-grows, locked (flock) for as long as the process runs, so a crash frees it. The live
-place with the highest number serves. An instance takes a place when it starts alone
-(no live place: the first instance, or the restart of a crashed one), and a new one
-each time the kubelet registers it: the kubelet calls the most recently registered
-instance, so the instance that serves is the one the kubelet calls. A new instance
-that never registers (a wrong registrar directory) never takes the node from the
-one that serves it; when the newest one exits, the next one serves again at once.
+Serving (`Succession`): one instance at a time publishes the node's ResourceSlices,
+prepares claims and answers the status socket; another yields. The rule (the live
+place in `<data dir>/succession/` with the highest number serves; a place is taken at
+a lone start and at each registration by the kubelet) and its cases are in
+docs/rolling-updates.md. A place file is locked (flock) for as long as the process
+runs, so a crash frees it. A new instance that never registers (a wrong registrar
+directory) never takes the node from the one that serves it; when the newest one
+exits, the next one serves again at once.
 
 Leaving (`InstanceLock`). Each instance holds a shared `flock` on
 `<data dir>/instances.lock` for its lifetime; at shutdown an instance that can upgrade
@@ -143,12 +140,10 @@ class Succession:
             self._take()
         self._notify()
 
-    def watch(self) -> threading.Thread:
+    def watch(self) -> None:
         """Notices a newer instance (this one yields) and its exit (this one serves
         again) within `POLL_SECONDS`."""
-        thread = threading.Thread(target=self._watch, name="succession", daemon=True)
-        thread.start()
-        return thread
+        threading.Thread(target=self._watch, name="succession", daemon=True).start()
 
     def stop(self) -> None:
         """Stops the watch and gives the place up (the process's exit would too)."""
@@ -172,25 +167,22 @@ class Succession:
 
     def _notify(self) -> None:
         with self._notifying:  # listeners see the changes in the order they happened
-            self._notify_change()
-
-    def _notify_change(self) -> None:
-        with self._mutex:
-            serving = self.serving()
-            if serving == self._was_serving:
-                return
-            self._was_serving = serving
-            newer = None if serving else self.newer()
-        if serving:
-            log.info("serving the node as %s", self._place)
-        else:
-            log.warning(
-                "%s serves the node now: this instance stopped publishing and refuses "
-                "prepares (the kubelet calls the newest instance)",
-                newer,
-            )
-        for listener in self._listeners:
-            listener(serving)
+            with self._mutex:
+                serving = self.serving()
+                if serving == self._was_serving:
+                    return
+                self._was_serving = serving
+                newer = None if serving else self.newer()
+            if serving:
+                log.info("serving the node as %s", self._place)
+            else:
+                log.warning(
+                    "%s serves the node now: this instance stopped publishing and refuses "
+                    "prepares (the kubelet calls the newest instance)",
+                    newer,
+                )
+            for listener in self._listeners:
+                listener(serving)
 
     @contextlib.contextmanager
     def _claiming(self) -> Iterator[None]:
@@ -208,8 +200,10 @@ class Succession:
         number = 1
         for other in self._numbers():
             path = self._path(other)
-            if not _is_place_file(path):
+            fd = _open_place(path)
+            if fd is None:
                 continue  # not ours: never counted, never removed
+            os.close(fd)
             number = max(number, other + 1)
             if (self._place is None or other != self._place.number) and _live_holder(path) is None:
                 path.unlink(missing_ok=True)
@@ -252,14 +246,6 @@ def _open_place(path: Path) -> int | None:
         os.close(fd)
         return None
     return fd
-
-
-def _is_place_file(path: Path) -> bool:
-    fd = _open_place(path)
-    if fd is None:
-        return False
-    os.close(fd)
-    return True
 
 
 def _live_holder(path: Path) -> str | None:

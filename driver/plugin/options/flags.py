@@ -12,8 +12,8 @@ from driver.health.recovery_taints import DEFAULT_POLL_SECONDS
 from driver.observability.logs import DAEMON_VERBOSITY, VERBOSITY_HELP
 from driver.plugin.options import settings as s
 from driver.plugin.options.setting_values import boolean, integer
+from driver.plugin.options.settings import MIG_STRATEGIES as MIG_STRATEGIES  # re-exported
 from driver.plugin.options.settings import (
-    MIG_STRATEGIES,
     NodeSettings,
     Setting,
     SettingError,
@@ -23,24 +23,6 @@ from driver.plugin.options.settings import (
 )
 from driver.state.mps.shm import DEFAULT_SIZE as DEFAULT_MPS_SHM_SIZE
 from driver.state.mps.shm import shm_size
-
-__all__ = [
-    "MIG_STRATEGIES",
-    "PACKAGE",
-    "TAINT_EFFECTS",
-    "PluginOptions",
-    "add_version_flag",
-    "build_parser",
-    "document_env_and_defaults",
-    "env_name",
-    "flag_env",
-    "non_negative_int",
-    "package_version",
-    "parse_options",
-]
-
-PACKAGE = "gpu-dra-driver"
-TAINT_EFFECTS = s.TAINT_EFFECTS
 
 VERBOSITY = Setting(
     "verbosity",
@@ -130,7 +112,7 @@ def package_version() -> str:
     from importlib.metadata import PackageNotFoundError, version
 
     try:
-        return version(PACKAGE)
+        return version("gpu-dra-driver")
     except PackageNotFoundError:
         return "unknown"
 
@@ -188,11 +170,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def env_name(action: argparse.Action) -> str:
-    """The environment variable of a flag: its long name, upper case."""
-    return flag_env(action.option_strings[-1])
-
-
 def document_env_and_defaults(parser: argparse.ArgumentParser) -> None:
     """Append "(env X, default: Y)" to every flag's help (for parsers whose flags do not
     come from `driver.plugin.options.settings`)."""
@@ -200,7 +177,7 @@ def document_env_and_defaults(parser: argparse.ArgumentParser) -> None:
         if not action.option_strings or action.dest in ("help", "version"):
             continue
         default = "none" if action.default in (None, "") else "%(default)s"
-        suffix = f"(env {env_name(action)}, default: {default})"
+        suffix = f"(env {flag_env(action.option_strings[-1])}, default: {default})"
         action.help = f"{action.help} {suffix}" if action.help else suffix
 
 

@@ -29,13 +29,9 @@ class NodeReader(Protocol):
     def request(self, method: str, path: str) -> object: ...
 
 
-def mig_profiles_label(driver_name: str) -> str:
-    return f"{driver_name}/mig-profiles"
-
-
 def node_mig_profiles(api: NodeReader, node_name: str, driver_name: str) -> tuple[str, ...] | None:
     """The profiles the Node's label selects, or None without the label (or Node)."""
-    label = mig_profiles_label(driver_name)
+    label = f"{driver_name}/mig-profiles"
     try:
         node = api.request("GET", f"/api/v1/nodes/{segment(node_name)}")
     except Exception as err:  # the API is down or forbids it: the flag's value stands

@@ -11,16 +11,12 @@ from driver.devices.device_types import MigStrategy
 from driver.devices.formatting import profile_label
 from driver.errors import parse_permanent_errors
 from driver.health.xid import TAINT_EFFECTS, parse_taint_effect, parse_xid_list
-from driver.plugin.options.host_inputs import check_driver_name, check_path
+from driver.plugin.options.host_inputs import check_path
 
 MIG_STRATEGIES = tuple(m.value for m in MigStrategy)
 TRUE_WORDS = frozenset({"true", "1", "yes", "on"})
 FALSE_WORDS = frozenset({"false", "0", "no", "off"})
 MAX_PORT = 65535
-
-
-def text(value: str) -> str:
-    return value
 
 
 def choice(*allowed: str) -> Callable[[str], str]:
@@ -121,10 +117,6 @@ def read_path(value: str) -> Path:
 def read_path_text(value: str) -> str:
     check_path(value, written=False)
     return value
-
-
-def driver_name(value: str) -> str:
-    return check_driver_name(value)
 
 
 def mock_fleet(value: str) -> str:

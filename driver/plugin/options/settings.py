@@ -25,6 +25,7 @@ from typing import Any
 from driver.devices.device_types import MigStrategy, PoolOptions
 from driver.health.xid import TAINT_EFFECTS
 from driver.plugin.options import setting_values as v
+from driver.plugin.options.host_inputs import check_driver_name
 from driver.plugin.options.setting_values import MIG_STRATEGIES
 
 NVML_BACKENDS = ("nvml", "mock")
@@ -66,12 +67,12 @@ class Setting:
 
 # -- the settings ------------------------------------------------------------------
 
-NODE_NAME = Setting("node_name", "--node-name", "this node: pool name, mock UUID seed", v.text)
+NODE_NAME = Setting("node_name", "--node-name", "this node: pool name, mock UUID seed", str)
 DRIVER_NAME = Setting(
     "driver_name",
     "--driver-name",
     "DRA driver name (a DNS subdomain)",
-    v.driver_name,
+    check_driver_name,
     "gpu.example.com",
 )
 PLUGINS_DIR = Setting(
@@ -174,7 +175,7 @@ REGISTRAR_DIR = Setting(
     metavar="DIR",
 )
 POD_UID = Setting(
-    "pod_uid", "--pod-uid", "this pod's UID: per-pod socket names for rolling updates", v.text
+    "pod_uid", "--pod-uid", "this pod's UID: per-pod socket names for rolling updates", str
 )
 NVIDIA_DRIVER_ROOT_HOST = Setting(
     "nvidia_driver_root_host",
@@ -259,17 +260,17 @@ POD_NAMESPACE = Setting(
     "pod_namespace",
     "--pod-namespace",
     "this pod's namespace, where --mps-daemons=kubernetes creates the daemons",
-    v.text,
+    str,
 )
 MPS_DAEMON_IMAGE = Setting(
     "mps_daemon_image",
     "--mps-daemon-image",
     "the image of the MPS daemons' pods (--mps-daemons=kubernetes): the plugin's own",
-    v.text,
+    str,
     metavar="IMAGE",
 )
 KUBECONFIG = Setting(
-    "kubeconfig", "--kubeconfig", "kubeconfig file (none: the in-cluster config)", v.text
+    "kubeconfig", "--kubeconfig", "kubeconfig file (none: the in-cluster config)", str
 )
 
 # What decides the devices a node publishes: read by the plugin and by `gpu-dra
