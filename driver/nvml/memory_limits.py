@@ -33,7 +33,7 @@ from typing import Any, Final
 
 from driver.nvml.calls import CountingModule, is_nvml_error
 from driver.nvml.cgroups import DEFAULT_CGROUP_ROOT, DEFAULT_PROC_ROOT, cgroup_dir, process_cgroup
-from driver.nvml.library import init_nvml
+from driver.nvml.library import GpuHandles
 
 log = logging.getLogger(__name__)
 
@@ -81,11 +81,12 @@ class CgroupMemoryLimits:
 
 
 class GpuMemoryLimits:
-    """`nvmlDeviceSetMemoryLimits_v1` / `GetMemoryLimits_v1` on GPUs named by UUID."""
+    """`nvmlDeviceSetMemoryLimits_v1` / `GetMemoryLimits_v1` on GPUs named by UUID,
+    found by index (`GpuHandles`): while one GPU is lost, the others keep their limits."""
 
     def __init__(self, nvml: CountingModule | Any) -> None:
         self._nvml = nvml
-        self._initialised = False  # one nvmlInit for the process's lifetime
+        self._gpus = GpuHandles(nvml, "memory limits")
 
     def probe(self, gpu_uuid: str, cgroup_root: Path | str = DEFAULT_CGROUP_ROOT) -> str | None:
         """None where the GPU takes per-cgroup memory limits; else why not. Reads the
@@ -167,14 +168,15 @@ class GpuMemoryLimits:
 
     def _call(self, name: str, gpu_uuid: str, cgroup: Path | str, limits: Any) -> None:
         nvml = self._nvml
-        if not self._initialised:
-            init_nvml(nvml)
-            self._initialised = True
         try:
-            handle = nvml.nvmlDeviceGetHandleByUUID(gpu_uuid)
+            [handle] = self._gpus.get(gpu_uuid)
+            if handle is None:  # a MIG device, or no GPU that answers: NVML's own answer
+                handle = nvml.nvmlDeviceGetHandleByUUID(gpu_uuid)
             getattr(nvml, name)(handle, limits)
         except nvml.NVMLError as err:
             code = next((n for n in _ERROR_NAMES if is_nvml_error(nvml, err, n)), "")
+            if code == "NVML_ERROR_GPU_IS_LOST":
+                self._gpus.forget(gpu_uuid)
             if code in _UNAVAILABLE:
                 why = (
                     "the NVIDIA driver has no per-cgroup memory limits (R615 and later)"

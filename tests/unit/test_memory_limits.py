@@ -28,8 +28,10 @@ SYSTEMD = (
 CGROUPFS = f"/kubepods/besteffort/pod{UID}/0123456789abcdef"
 
 
-def backend(driver_version: str, *, mig: bool = False) -> tuple[NvmlBackend, MockNvml]:
-    groups = [{"model": "H100-80GB", "count": 1, "migMode": "enabled" if mig else "disabled"}]
+def backend(
+    driver_version: str, *, mig: bool = False, count: int = 1
+) -> tuple[NvmlBackend, MockNvml]:
+    groups = [{"model": "H100-80GB", "count": count, "migMode": "enabled" if mig else "disabled"}]
     mock = MockNvml(parse_fleet({"gpus": groups, "driverVersion": driver_version}), "node-a")
     mock.privileged = True
     return NvmlBackend(mock, backend_name="mock"), mock
@@ -73,6 +75,23 @@ def test_nvml_refusals_name_their_code(tmp_path: Path) -> None:
     with pytest.raises(MemoryLimitError) as err:
         limits.set(mock.gpus[0].uuid, tmp_path, hard_bytes=GIB)
     assert err.value.code == "NVML_ERROR_NO_PERMISSION"
+
+
+def test_a_lost_gpu_leaves_the_other_gpus_limits_working(tmp_path: Path) -> None:
+    """nvml.h: a lookup by UUID fails for every GPU while any one is lost; the limits
+    of a healthy GPU are set all the same, and the lost one cannot tell."""
+    nvml, mock = backend("615.71.09", count=2)
+    healthy, lost = mock.gpus[0].uuid, mock.gpus[1].uuid
+    limits = nvml.memory_limits()
+    assert limits.probe(healthy, tmp_path) is None
+    mock.inject_gpu_lost(lost)
+    seen = limits.set(healthy, tmp_path, hard_bytes=4 * GIB)
+    assert seen.hard_bytes == 4 * GIB
+    why = limits.probe(lost, tmp_path)
+    assert why is not None and "lost" in why.lower(), why
+    with pytest.raises(MemoryLimitError) as err:
+        limits.set(lost, tmp_path, hard_bytes=GIB)
+    assert err.value.code == "NVML_ERROR_GPU_IS_LOST"
 
 
 def test_a_mig_device_takes_none(tmp_path: Path) -> None:
