@@ -3,7 +3,7 @@
 Every label value known before the first event has its series from the start, at 0
 (`rate()` and `increase()` need a series to exist before it grows): the outcomes,
 error classes, sockets and request kinds here; the per-GPU series once discovery
-named the GPUs (`HealthMonitor`, `driver.plugin.plugin_status.export_gpus`).
+named the GPUs (`HealthMonitor`, `driver.plugin.node_status.export_gpus`).
 """
 
 from __future__ import annotations
