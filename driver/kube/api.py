@@ -16,7 +16,6 @@ distinct keys (ResourceSlices). Names that go into a URL are quoted with `segmen
 from __future__ import annotations
 
 import json
-import logging
 import threading
 import urllib.parse
 from collections.abc import Iterator, Mapping
@@ -26,8 +25,6 @@ import urllib3
 
 from driver.config.loader import loads_json
 from driver.kube.connection import Connection, connect
-
-log = logging.getLogger(__name__)
 
 JSON = dict[str, Any]
 
@@ -48,10 +45,6 @@ class ApiError(Exception):
     @property
     def conflict(self) -> bool:
         return self.status == 409
-
-    @property
-    def gone(self) -> bool:
-        return self.status == 410
 
 
 def segment(value: str) -> str:

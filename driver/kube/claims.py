@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import datetime
 import logging
-import uuid
 from typing import Any
 
 from driver.errors import DriverError, transient
-from driver.kube.api import APPLY_PATCH, JSON, ApiError, KubeApi, segment
+from driver.kube.api import APPLY_PATCH, JSON, KubeApi, segment
+from driver.kube.kube_events import event_body
 from driver.state.request import ClaimRef
 
 log = logging.getLogger(__name__)
@@ -24,30 +24,15 @@ def _now() -> str:
 def post_claim_event(
     api: KubeApi, claim: ClaimRef, reason: str, message: str, *, driver: str, node_name: str
 ) -> None:
-    """A Warning Event on the ResourceClaim, reported by this node (what the chart's
-    events admission policy lets the plugin post)."""
-    now = _now()
-    body = {
-        "apiVersion": "v1",
-        "kind": "Event",
-        "metadata": {"name": f"{claim.name}.{uuid.uuid4().hex[:16]}", "namespace": claim.namespace},
-        "involvedObject": {
-            "apiVersion": "resource.k8s.io/v1",
-            "kind": "ResourceClaim",
-            "name": claim.name,
-            "namespace": claim.namespace,
-            "uid": claim.uid,
-        },
-        "reason": reason,
-        "message": message[:1024],
-        "type": "Warning",
-        "source": {"component": driver, "host": node_name},
-        "reportingComponent": driver,
-        "reportingInstance": node_name,
-        "firstTimestamp": now,
-        "lastTimestamp": now,
-        "count": 1,
+    """A Warning Event on the ResourceClaim, reported by this node."""
+    involved = {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceClaim",
+        "name": claim.name,
+        "namespace": claim.namespace,
+        "uid": claim.uid,
     }
+    body = event_body(involved, reason, message, "Warning", driver=driver, node=node_name)
     api.request("POST", f"/api/v1/namespaces/{segment(claim.namespace)}/events", body=body)
 
 
@@ -86,9 +71,7 @@ class ApiClaimReader:
                 f"/apis/resource.k8s.io/v1/namespaces/{segment(namespace)}"
                 f"/resourceclaims/{segment(name)}",
             )
-        except ApiError as err:
-            raise transient(f"reading ResourceClaim {namespace}/{name}: {err}") from err
-        except Exception as err:  # connection refused, timeouts
+        except Exception as err:  # an API error, or connection refused, timeouts
             raise transient(f"reading ResourceClaim {namespace}/{name}: {err}") from err
 
 
@@ -104,22 +87,19 @@ class ClaimFailureReporter:
 
     def permanent_failure(self, claim: dict[str, Any], error: DriverError) -> None:
         try:
-            self._event(claim, error)
+            meta = claim["metadata"]
+            post_claim_event(
+                self._api,
+                ClaimRef(meta["namespace"], meta["name"], meta["uid"]),
+                "PermanentPrepareFailure",
+                str(error),
+                driver=self._driver,
+                node_name=self._node,
+            )
             if self._device_status:
                 self._condition(claim, error)
         except Exception as err:  # visibility is best effort; the verdict still stands
             log.warning("could not report the permanent failure on the claim: %s", err)
-
-    def _event(self, claim: JSON, error: DriverError) -> None:
-        meta = claim["metadata"]
-        post_claim_event(
-            self._api,
-            ClaimRef(meta["namespace"], meta["name"], meta["uid"]),
-            "PermanentPrepareFailure",
-            str(error),
-            driver=self._driver,
-            node_name=self._node,
-        )
 
     def _condition(self, claim: JSON, error: DriverError) -> None:
         meta = claim["metadata"]

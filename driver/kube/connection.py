@@ -1,24 +1,14 @@
 """How to reach the API server and authenticate to it: the settings read by
 driver/kube/kubeconfig.py turned into a urllib3 connection pool and an Authorization
-header (a token, re-read as it rotates, or an exec plugin's credential).
+header (a token, re-read as it rotates, or an exec plugin's credential, kept until its
+`expirationTimestamp`). What is read and what is refused: docs/architecture.md, "The
+Kubernetes client".
 
 The official client (`kubernetes`) is not used. Measured side by side with a port of
-KubeApi onto it (its loader, its ApiClient and pool; docs/benchmarks.md, "The
-Kubernetes client"), it cost the plugin 15 MiB of RSS (a quarter more) and 0.1-0.15 s
-of start-up, for no gain in prepare latency: importing any of it runs the whole
-package (all its models, the dynamic client, watch, stream) and pulls in requests,
-oauthlib, websocket-client and dateutil. So everything is read here:
-
-- the in-cluster service account (the token re-read as the kubelet rotates it);
-- kubeconfig users with a client certificate and/or a bearer token (`token`,
-  `tokenFile`, re-read like the in-cluster token), or an exec credential plugin
-  (`exec`: its command is run for a client.authentication.k8s.io ExecCredential, whose
-  token or client certificate is kept until its `expirationTimestamp`);
-- an HTTP(S) proxy (`proxy-url`), and lists of kubeconfig files joined by `:` as in
-  $KUBECONFIG, merged as kubectl merges them (the first file to name an entry wins;
-  relative paths are relative to the file that named it).
-
-Auth providers, basic auth and impersonation are refused with the field's name.
+KubeApi onto it (docs/benchmarks.md, "The Kubernetes client"), it cost the plugin 15 MiB
+of RSS (a quarter more) and 0.1-0.15 s of start-up, for no gain in prepare latency:
+importing any of it runs the whole package and pulls in requests, oauthlib,
+websocket-client and dateutil.
 
 A server given as `http://` gets no credentials: `connect` refuses a kubeconfig that
 would send a bearer token (inline, from a file or from an exec plugin) over plain HTTP,
@@ -108,14 +98,18 @@ def connect(kubeconfig: str | None, *, allow_insecure_http: bool = False) -> Con
     if settings.exec_plugin is None or settings.token or settings.token_file:
         # A token wins over an exec plugin, as in kubectl and the official client.
         return Connection(settings.server, _pool(settings), _authorization(settings))
-    return _exec_connection(settings, ExecCredentials(settings.exec_plugin, kubeconfig))
-
-
-def _exec_connection(settings: ConnectionSettings, credentials: ExecCredentials) -> Connection:
-    """The plugin runs now (its client certificate, if it gives one, is in the pool's
-    TLS context); a renewed certificate gets a new pool, as kept-alive connections
-    hold the old one."""
+    # The plugin runs now (its client certificate, if it gives one, is in the pool's TLS
+    # context); a renewed certificate gets a new pool, as kept-alive connections hold
+    # the old one.
+    credentials = ExecCredentials(settings.exec_plugin, kubeconfig)
     loaded = credentials.current()
+
+    def pool() -> urllib3.PoolManager:
+        if loaded.client_cert is None:
+            return _pool(settings)
+        return _pool(
+            replace(settings, client_cert=loaded.client_cert, client_key=loaded.client_key)
+        )
 
     def authorization() -> str | None:
         nonlocal loaded
@@ -123,13 +117,11 @@ def _exec_connection(settings: ConnectionSettings, credentials: ExecCredentials)
         if credential is not loaded:
             loaded = credential
             if credential.client_cert is not None:
-                stale, connection.pool = connection.pool, _pool(_with_credential(settings, loaded))
+                stale, connection.pool = connection.pool, pool()
                 stale.clear()
         return credential.authorization
 
-    connection = Connection(
-        settings.server, _pool(_with_credential(settings, loaded)), authorization
-    )
+    connection = Connection(settings.server, pool(), authorization)
     return connection
 
 
@@ -187,11 +179,8 @@ class ExecCredentials:
         if done.returncode != 0:
             stderr = " ".join(done.stderr.decode(errors="replace").split())[:500]
             raise self._error(f"{plugin.command!r} exited with {done.returncode}: {stderr}")
-        return self._parse(done.stdout)
-
-    def _parse(self, stdout: bytes) -> ExecCredential:
         try:
-            answer = json.loads(stdout)
+            answer = json.loads(done.stdout)
         except ValueError as err:
             raise self._error(f"the plugin's output is not JSON: {err}") from err
         if not isinstance(answer, dict) or answer.get("kind") != "ExecCredential":
@@ -223,14 +212,6 @@ class ExecCredentials:
             "the plugin's ExecCredential has neither status.token nor "
             "status.clientCertificateData and status.clientKeyData"
         )
-
-
-def _with_credential(
-    settings: ConnectionSettings, credential: ExecCredential
-) -> ConnectionSettings:
-    if credential.client_cert is None:
-        return settings
-    return replace(settings, client_cert=credential.client_cert, client_key=credential.client_key)
 
 
 def _pool(settings: ConnectionSettings) -> urllib3.PoolManager:

@@ -42,10 +42,9 @@ class DroppedFieldsError(Exception):
     """The API server dropped gated fields of a ResourceSlice; names the gates."""
 
     def __init__(self, slice_name: str, dropped: Iterable[DroppedField]) -> None:
-        self.slice_name = slice_name
-        self.dropped = tuple(dropped)
-        gates = sorted({d.gate for d in self.dropped})
-        fields = ", ".join(f"{d.field} ({d.count})" for d in self.dropped)
+        dropped = tuple(dropped)
+        gates = sorted({d.gate for d in dropped})
+        fields = ", ".join(f"{d.field} ({d.count})" for d in dropped)
         self.gates = tuple(gates)
         super().__init__(
             f"the API server dropped {fields} of ResourceSlice {slice_name}: the feature "
@@ -70,17 +69,12 @@ def dropped_fields(sent: Mapping[str, Any], stored: Mapping[str, Any]) -> list[D
     check(PARTITIONABLE, "sharedCounters", int(_lost(sent, stored, "sharedCounters")))
     stored_devices = {d.get("name"): d for d in stored.get("devices") or []}
     pairs = [(d, stored_devices.get(d.get("name")) or {}) for d in sent.get("devices") or []]
-    check(
-        PARTITIONABLE,
-        "devices[].consumesCounters",
-        sum(_lost(d, s, "consumesCounters") for d, s in pairs),
-    )
-    check(TAINTS, "devices[].taints", sum(_lost(d, s, "taints") for d, s in pairs))
-    check(
-        CONSUMABLE_CAPACITY,
-        "devices[].allowMultipleAllocations",
-        sum(_lost(d, s, "allowMultipleAllocations") for d, s in pairs),
-    )
+    for gate, key in (
+        (PARTITIONABLE, "consumesCounters"),
+        (TAINTS, "taints"),
+        (CONSUMABLE_CAPACITY, "allowMultipleAllocations"),
+    ):
+        check(gate, f"devices[].{key}", sum(_lost(d, s, key) for d, s in pairs))
     check(
         CONSUMABLE_CAPACITY,
         "devices[].capacity[].requestPolicy",

@@ -42,12 +42,7 @@ class NodeEvents:
     """Posts `NodeEvent`s on one Node from a background thread (`start`/`stop`)."""
 
     def __init__(
-        self,
-        api: KubeApi,
-        *,
-        driver: str,
-        node_name: str,
-        queue_size: int = DEFAULT_QUEUE_SIZE,
+        self, api: KubeApi, *, driver: str, node_name: str, queue_size: int = DEFAULT_QUEUE_SIZE
     ) -> None:
         self._api = api
         self._driver = driver
@@ -100,30 +95,9 @@ class NodeEvents:
                 )
 
     def body(self, event: NodeEvent) -> JSON:
-        now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-        return {
-            "apiVersion": "v1",
-            "kind": "Event",
-            "metadata": {
-                "name": f"{self._node}.{uuid.uuid4().hex[:16]}",
-                "namespace": EVENT_NAMESPACE,
-            },
-            "involvedObject": {
-                "apiVersion": "v1",
-                "kind": "Node",
-                "name": self._node,
-                "uid": self._uid(),
-            },
-            "reason": event.reason,
-            "message": event.message[:MAX_MESSAGE],
-            "type": event.event_type,
-            "source": {"component": self._driver, "host": self._node},
-            "reportingComponent": self._driver,
-            "reportingInstance": self._node,
-            "firstTimestamp": now,
-            "lastTimestamp": now,
-            "count": 1,
-        }
+        node = {"apiVersion": "v1", "kind": "Node", "name": self._node, "uid": self._uid()}
+        reason, message, event_type = event.reason, event.message, event.event_type
+        return event_body(node, reason, message, event_type, driver=self._driver, node=self._node)
 
     def _uid(self) -> str:
         if self._node_uid is None:
@@ -134,3 +108,30 @@ class NodeEvents:
                 log.warning("node events: reading Node %s for its UID: %s", self._node, err)
                 return self._node  # retried with the next event
         return self._node_uid
+
+
+def event_body(
+    involved: JSON, reason: str, message: str, event_type: str, *, driver: str, node: str
+) -> JSON:
+    """A core/v1 Event on the `involved` object, in its namespace (`default` for a
+    cluster-scoped one), reported by this node (what the chart's events admission
+    policy lets the plugin post)."""
+    now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return {
+        "apiVersion": "v1",
+        "kind": "Event",
+        "metadata": {
+            "name": f"{involved['name']}.{uuid.uuid4().hex[:16]}",
+            "namespace": involved.get("namespace", EVENT_NAMESPACE),
+        },
+        "involvedObject": involved,
+        "reason": reason,
+        "message": message[:MAX_MESSAGE],
+        "type": event_type,
+        "source": {"component": driver, "host": node},
+        "reportingComponent": driver,
+        "reportingInstance": node,
+        "firstTimestamp": now,
+        "lastTimestamp": now,
+        "count": 1,
+    }

@@ -13,8 +13,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 IN_CLUSTER_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 EXEC_API_VERSIONS = frozenset(
     {"client.authentication.k8s.io/v1", "client.authentication.k8s.io/v1beta1"}
@@ -136,7 +134,7 @@ def read_kubeconfig(kubeconfig: str | os.PathLike[str]) -> ConnectionSettings:
     config = _Kubeconfig(str(kubeconfig))
     context_name = config.current_context
     if not context_name:
-        raise KubeconfigError(f"kubeconfig {config.name}: current-context is not set")
+        raise config.error("current-context is not set")
     context, _ = config.named("contexts", "context", context_name)
     cluster_name, user_name = context.get("cluster"), context.get("user")
     cluster, cluster_base = config.named("clusters", "cluster", cluster_name)
@@ -145,23 +143,18 @@ def read_kubeconfig(kubeconfig: str | os.PathLike[str]) -> ConnectionSettings:
     user_at = f"users[{user_name}].user"
     unknown = sorted(k for k, v in cluster.items() if v and k not in _CLUSTER_FIELDS)
     if unknown:
-        raise KubeconfigError(
-            f"kubeconfig {config.name}: {cluster_at}.{unknown[0]} is not supported"
-        )
+        raise config.error(f"{cluster_at}.{unknown[0]} is not supported")
     unknown = sorted(k for k, v in user.items() if v and k not in _USER_FIELDS)
     if unknown:
         why = _UNSUPPORTED_USER_FIELDS.get(unknown[0], "not supported")
-        raise KubeconfigError(f"kubeconfig {config.name}: {user_at}.{unknown[0]}: {why}")
+        raise config.error(f"{user_at}.{unknown[0]}: {why}")
     server = cluster.get("server")
     if not isinstance(server, str) or not server.startswith(("https://", "http://")):
-        raise KubeconfigError(
-            f"kubeconfig {config.name}: {cluster_at}.server must be an http(s) URL, not {server!r}"
-        )
+        raise config.error(f"{cluster_at}.server must be an http(s) URL, not {server!r}")
     proxy_url = cluster.get("proxy-url") or None
     if proxy_url is not None and not str(proxy_url).startswith(("https://", "http://")):
-        raise KubeconfigError(
-            f"kubeconfig {config.name}: {cluster_at}.proxy-url must be an http(s) URL "
-            f"(no socks), not {proxy_url!r}"
+        raise config.error(
+            f"{cluster_at}.proxy-url must be an http(s) URL (no socks), not {proxy_url!r}"
         )
 
     def pem(section: Mapping[str, Any], name: str, where: str, base: Path) -> Pem | None:
@@ -170,19 +163,11 @@ def read_kubeconfig(kubeconfig: str | os.PathLike[str]) -> ConnectionSettings:
             try:
                 return Pem(data=base64.b64decode(data, validate=True))
             except (ValueError, TypeError) as err:
-                raise KubeconfigError(
-                    f"kubeconfig {config.name}: {where}.{name}-data: {err}"
-                ) from err
+                raise config.error(f"{where}.{name}-data: {err}") from err
         file = section.get(name)
         return Pem(path=base / file) if file else None
 
-    token_file = user.get("tokenFile")
-    exec_section = user.get("exec")
-    exec_plugin = (
-        _exec_plugin(exec_section, f"{user_at}.exec", config.name, user_base)
-        if exec_section
-        else None
-    )
+    token_file, exec_section = user.get("tokenFile"), user.get("exec")
     return ConnectionSettings(
         server=server,
         ca=pem(cluster, "certificate-authority", cluster_at, cluster_base),
@@ -190,7 +175,11 @@ def read_kubeconfig(kubeconfig: str | os.PathLike[str]) -> ConnectionSettings:
         client_key=pem(user, "client-key", user_at, user_base),
         token=user.get("token") or None,
         token_file=user_base / token_file if token_file else None,
-        exec_plugin=exec_plugin,
+        exec_plugin=(
+            _exec_plugin(exec_section, f"{user_at}.exec", config.name, user_base)
+            if exec_section
+            else None
+        ),
         insecure=bool(cluster.get("insecure-skip-tls-verify")),
         tls_server_name=cluster.get("tls-server-name") or None,
         proxy_url=proxy_url,
@@ -206,18 +195,15 @@ class _Kubeconfig:
         self.current_context: str | None = None
         self._entries: dict[tuple[str, object], tuple[Any, Path]] = {}
         paths = [Path(p) for p in kubeconfig.split(os.pathsep) if p]
-        listed = len(paths) > 1
-        read = 0
-        for path in paths:
-            if listed and not path.is_file():
-                continue
+        # Files of a list that do not exist are skipped (kubectl); a single one must exist.
+        read = [p for p in paths if len(paths) == 1 or p.is_file()]
+        for path in read:
             self._add(path, self._load(path))
-            read += 1
         if not read:
-            raise KubeconfigError(f"kubeconfig {kubeconfig}: none of its files exists")
+            raise self.error("none of its files exists")
 
     def _load(self, path: Path) -> dict[str, Any]:
-        # Here only: an in-cluster plugin (no kubeconfig file) never loads PyYAML.
+        import yaml  # here only: an in-cluster plugin (no kubeconfig file) never loads it
 
         try:
             doc = yaml.load(path.read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
@@ -239,12 +225,15 @@ class _Kubeconfig:
     def named(self, section: str, key: str, name: object) -> tuple[Any, Path]:
         """(the entry's `key` mapping, its file's directory)."""
         if (section, name) not in self._entries:
-            raise KubeconfigError(f"kubeconfig {self.name}: {section} has no entry named {name!r}")
+            raise self.error(f"{section} has no entry named {name!r}")
         item, base = self._entries[section, name]
         value = item.get(key)
         if not isinstance(value, dict):
-            raise KubeconfigError(f"kubeconfig {self.name}: {section}[{name}].{key} is missing")
+            raise self.error(f"{section}[{name}].{key} is missing")
         return value, base
+
+    def error(self, detail: str) -> KubeconfigError:
+        return KubeconfigError(f"kubeconfig {self.name}: {detail}")
 
 
 def _exec_plugin(section: Any, where: str, kubeconfig: str, base: Path) -> ExecPlugin:

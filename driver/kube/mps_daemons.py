@@ -1,23 +1,15 @@
 """`MpsDaemons` under Kubernetes (--mps-daemons=kubernetes, docs/mps.md): each
 prepared device's MPS control daemon is a Deployment of its own in the driver's
-namespace (driver/kube/mps_manifest.py), created at prepare and deleted at
-unprepare by the plugin through the API.
+namespace (driver/kube/mps_manifest.py), created at prepare and deleted at unprepare by
+the plugin through the API. Owned by nothing, it outlives a restart, upgrade or deletion
+of the plugin's pod, and its clients with it: the journal records its name (derived from
+the node and the device) and UID, and at start the plugin adopts the Deployment of that
+UID or creates it again where it is gone (docs/mps.md, "Lifecycle").
 
-The Deployment is owned by nothing: a restart, upgrade or deletion of the plugin's
-pod leaves it, and its clients, running. The journal records its name (in the
-intent already: it is derived from the node and the device) and UID; at start the
-plugin adopts the Deployment of that UID, and creates it again where it is gone.
-
-- `start` creates it and waits until its pod is ready (the daemon holds the limits);
-  one that does not get ready in `ready_timeout` is deleted and the prepare fails
-  with a transient error naming the device and what its pod waits for.
-- `stop` deletes it and waits until no pod of it is left (the daemon has quit), so
-  the device's directories can go and a later daemon never meets an old one.
-- `observe` reads its pod: a pod of another UID than the one recorded, or more
-  restarts of its container, is a daemon Kubernetes started again (its clients' GPU
-  work lost), which the MPS watch reports.
-- `leftovers` lists this node's daemon Deployments (by their label) that no journal
-  record names; `remove` deletes one as `stop` does (the MPS watch's sweep).
+`stop` waits until no pod of it is left (the daemon has quit), so the device's
+directories can go and a later daemon never meets an old one. `observe` reads its pod:
+another UID than the one recorded, or more restarts of its container, is a daemon
+Kubernetes started again (its clients' GPU work lost), which the MPS watch reports.
 """
 
 from __future__ import annotations
@@ -37,6 +29,8 @@ from driver.state.mps.daemons import KIND_KUBERNETES
 from driver.state.mps.shm import ShmBound
 
 log = logging.getLogger(__name__)
+
+POLL_SECONDS = 0.5
 
 
 class Api(Protocol):
@@ -102,7 +96,6 @@ class KubeDaemons:
         *,
         ready_timeout: float = 40.0,
         gone_timeout: float = 90.0,
-        poll: float = 0.5,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
         shm: ShmBound | None = None,
@@ -112,7 +105,6 @@ class KubeDaemons:
         self.shm = shm  # the tmpfs on each device's shm directory, mounted by the plugin
         self.ready_timeout = ready_timeout
         self.gone_timeout = gone_timeout
-        self.poll = poll
         self._clock = clock
         self._sleep = sleep
 
@@ -189,7 +181,7 @@ class KubeDaemons:
                     f"{self._what(record, name)} did not get ready in "
                     f"{self.ready_timeout:g}s: {pods}"
                 )
-            self._sleep(self.poll)
+            self._sleep(POLL_SECONDS)
 
     def alive(self, record: MpsRecord) -> bool:
         """Its Deployment exists with the recorded UID (the controller restarts a
@@ -255,15 +247,14 @@ class KubeDaemons:
     def stop(
         self, record: MpsRecord, dirs: DaemonDirs, *, any_instance: bool = False
     ) -> str | None:
-        """Delete the device's Deployment (by its name, whichever UID) and wait until
-        it and its pods are gone; what it deleted, None where there was none. Raises a
-        transient error (the caller keeps the entry) when it cannot."""
+        """The device's Deployment by its name, whichever UID (`any_instance` or not).
+        Raises a transient error (the caller keeps the entry) when it cannot."""
         name = self._name(record)
         deleted = self._delete(name, self._what(record, name))
         return f"Deployment {self.settings.namespace}/{name}" if deleted else None
 
     def _delete(self, name: str, what: str) -> bool:
-        """Delete Deployment `name` and wait until it and its pods are gone; whether
+        """Deletes Deployment `name` and waits until it and its pods are gone; whether
         there was one to delete."""
         try:
             self.api.request(
@@ -288,4 +279,4 @@ class KubeDaemons:
                 raise transient(
                     f"{what} was deleted but its pod is not gone after {self.gone_timeout:g}s"
                 )
-            self._sleep(self.poll)
+            self._sleep(POLL_SECONDS)

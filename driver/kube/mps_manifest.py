@@ -1,28 +1,20 @@
 """The Deployment that runs one prepared device's MPS control daemon under Kubernetes
-(docs/mps.md, driver/kube/mps_daemons.py).
+(docs/mps.md, "The daemon's Deployment"; driver/kube/mps_daemons.py creates it).
 
-One replica pinned to the plugin's node by `nodeName` (no scheduler: the daemon
-belongs to this node's device), privileged (GPU device nodes, MPS talks to the GPU
-like the driver's own tools) and in the host's PID namespace (the MPS server checks
-its clients by pid). Its container runs `gpu-dra-mps-daemon` (driver/plugin/
-mps_daemon.py) from the plugin's own image: it starts `nvidia-cuda-mps-control -d`
-from the driver root, sets the limits through the control pipe, reads them back and
-only then writes the startup-complete file the startup probe waits for.
-
-The device's directories are host paths shared with the plugin and the clients:
-`pipe/` (control pipe, clients mount it at /tmp/nvidia-mps), `log/`, and `shm/`,
-mounted at /dev/shm here and in every client container (MPS server and clients
-share memory through /dev/shm). The plugin makes them, with their modes, and mounts
-the tmpfs on `shm/` before it creates the Deployment (driver/state/mps/daemons.py,
-driver/state/mps/shm.py): the pod's bind mount of the host path holds that tmpfs.
-The MPS server that the daemon starts for a non-root client runs as the client's uid
-and reaches `pipe/` and `log/` through their mounts here, whose parents in the
+One replica pinned to the plugin's node by `nodeName`, privileged and in the host's PID
+namespace (the MPS server checks its clients by pid), running `gpu-dra-mps-daemon`
+(driver/plugin/mps_daemon.py) from the plugin's own image. The device's directories are
+host paths shared with the plugin and the clients: `pipe/`, `log/`, and `shm/` at
+/dev/shm here and in every client container. The plugin makes them, with their modes,
+and mounts the tmpfs on `shm/` before it creates the Deployment (driver/state/mps/
+daemons.py, driver/state/mps/shm.py): the pod's bind mount of the host path holds that
+tmpfs. The MPS server that the daemon starts for a non-root client runs as the client's
+uid and reaches `pipe/` and `log/` through their mounts here, whose parents in the
 container are the runtime's (0755).
 
-The pod is QoS Guaranteed (requests equal limits for CPU and memory: under node
-pressure the kubelet evicts it last, and never for using more than it asked) and
-`system-node-critical` (the scheduler never preempts it for another pod): the pod
-going ends every client's GPU work. The chart's admission policy pins these values.
+The pod is QoS Guaranteed and `system-node-critical` (never evicted for its usage, never
+preempted): the pod going ends every client's GPU work. The chart's admission policy
+pins these values.
 """
 
 from __future__ import annotations
@@ -42,15 +34,12 @@ READY_FILE: Final = "/run/gpu-dra-mps/startup-complete"
 COMPONENT: Final = "mps-daemon"
 NAME_PREFIX: Final = "gpu-dra-mps-"
 PRIORITY_CLASS: Final = "system-node-critical"
-# What the pod runs: gpu-dra-mps-daemon (Python, 28 MiB RSS measured on the mock),
-# nvidia-cuda-mps-control (small; the mock's stand-in: 10 MiB) and the MPS server it
-# forks for the first client, a CUDA process of the driver's (host memory not
-# measured here; a CUDA process's after its context is commonly 100-300 MiB, much of
-# it libcuda's pages). The limit is the pod's end: reached, the server is killed with
-# every client's work, so memory errs high. CPU: the daemon and the server are idle
-# but when a client connects (clients submit their work to the GPU themselves);
-# 200m caps a runaway at a fifth of a core and only slows connects. Requests equal
-# limits: every daemon reserves this on its node.
+# The memory limit is the pod's end (reached, the MPS server is killed with every
+# client's work), so it errs high: gpu-dra-mps-daemon takes 28 MiB on the mock, the MPS
+# server what a CUDA process takes after its context (commonly 100-300 MiB; not measured
+# here). The daemon and the server are idle but when a client connects: 200m caps a
+# runaway at a fifth of a core and only slows connects. Requests equal limits: every
+# daemon reserves this on its node.
 RESOURCES: Final = {"cpu": "200m", "memory": "512Mi"}
 
 
@@ -121,11 +110,11 @@ def daemon_deployment(
         _host_dir(
             "driver-root", settings.driver_root_host, str(settings.driver_root), read_only=True
         ),
+        (
+            {"name": "run", "emptyDir": {"medium": "Memory"}},
+            {"name": "run", "mountPath": "/run/gpu-dra-mps"},
+        ),
     ]
-    run = (
-        {"name": "run", "emptyDir": {"medium": "Memory"}},
-        {"name": "run", "mountPath": "/run/gpu-dra-mps"},
-    )
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -162,10 +151,7 @@ def daemon_deployment(
                             "image": settings.image,
                             "imagePullPolicy": settings.image_pull_policy,
                             "command": daemon_args(settings, record, dirs),
-                            "resources": {
-                                "requests": dict(RESOURCES),
-                                "limits": dict(RESOURCES),
-                            },
+                            "resources": {"requests": dict(RESOURCES), "limits": dict(RESOURCES)},
                             # The image's user is not root; the daemon must be.
                             "securityContext": {
                                 "privileged": True,
@@ -177,10 +163,10 @@ def daemon_deployment(
                                 "periodSeconds": 1,
                                 "failureThreshold": 300,
                             },
-                            "volumeMounts": [m for _, m in mounts] + [run[1]],
+                            "volumeMounts": [m for _, m in mounts],
                         }
                     ],
-                    "volumes": [v for v, _ in mounts] + [run[0]],
+                    "volumes": [v for v, _ in mounts],
                 },
             },
         },

@@ -2,11 +2,10 @@
 
 One pool per node, owned by the Node object, written by one plugin instance at a time:
 while `may_write()` is false (a newer instance serves the node during a rolling update,
-`driver.plugin.serving_instance`) the publisher writes nothing and its reconciles wait for a
-`trigger()`. A watch on the driver's slices of this
-node triggers a reconcile, so slices deleted by someone else (the kubelet wipes a
-node's slices when it starts) come back by themselves. A reconcile that finds nothing
-to change writes nothing.
+`driver.plugin.serving_instance`) the publisher writes nothing and its reconciles wait
+for a `trigger()`. A watch on the driver's slices of this node triggers a reconcile, so
+slices deleted by someone else (the kubelet wipes a node's slices when it starts) come
+back by themselves. A reconcile that finds nothing to change writes nothing.
 
 A reconcile compares against the watch's copy of the slices (`driver.kube.slice_watch`)
 and, where the change is updates in place (a taint), writes them without listing the
@@ -132,9 +131,9 @@ class SlicePublisher:
         """One full reconcile pass, listing the slices (the background thread compares
         against the watch's copy instead, where it has one)."""
         desired = self._desired()
-        existing = self._list()
-        self._apply(desired, existing)
-        self._reconciled()
+        listing = self._api.request("GET", SLICES_PATH, query=self._selector(), strict=False)
+        self._apply(desired, listing.get("items", []))
+        self.stats.last_synced = time.time()
 
     def _reconcile_changes(self) -> None:
         """A reconcile against the watch's copy of the slices, which writes only
@@ -142,24 +141,17 @@ class SlicePublisher:
         one without a copy, for any other change, or when the API server refused a
         write the copy was stale for."""
         cached = self._cache.items()
-        if cached is None:
-            self.reconcile()
-            return
-        desired = self._desired()
-        try:
-            applied = self._apply(desired, cached, in_place_only=True)
-        except ApiError as err:
-            if not (err.conflict or err.not_found):
-                raise
-            log.debug("ResourceSlices changed meanwhile (%s): listing them", err)
-            applied = False
-        if not applied:
-            self.reconcile()
-            return
-        self._reconciled()
-
-    def _reconciled(self) -> None:
-        self.stats.last_synced = time.time()
+        if cached is not None:
+            desired = self._desired()
+            try:
+                if self._apply(desired, cached, in_place_only=True):
+                    self.stats.last_synced = time.time()
+                    return
+            except ApiError as err:
+                if not (err.conflict or err.not_found):
+                    raise
+                log.debug("ResourceSlices changed meanwhile (%s): listing them", err)
+        self.reconcile()
 
     # -- reconcile ---------------------------------------------------------------------
 
@@ -183,12 +175,9 @@ class SlicePublisher:
                 else:
                     self._reconcile_changes()
             except Exception as err:  # the API server may be down: retry, never die
-                wait = backoff
-                if isinstance(err, DroppedFieldsError):
-                    wait = max(backoff, DROPPED_FIELDS_RETRY_SECONDS)
-                    self._retries.failed(err, wait, level=logging.ERROR)
-                else:
-                    self._retries.failed(err, wait)
+                dropped = isinstance(err, DroppedFieldsError)
+                wait = max(backoff, DROPPED_FIELDS_RETRY_SECONDS) if dropped else backoff
+                self._retries.failed(err, wait, level=logging.ERROR if dropped else logging.WARNING)
                 self.stats.failing = str(err)
                 self.stats.errors.append(str(err))
                 del self.stats.errors[:-20]
@@ -203,11 +192,6 @@ class SlicePublisher:
             with self._synced:
                 self._generation_synced = max(self._generation_synced, ticket)
                 self._synced.notify_all()
-
-    def _list(self) -> list[JSON]:
-        result = self._api.request("GET", SLICES_PATH, query=self._selector(), strict=False)
-        items: list[JSON] = result.get("items", [])
-        return items
 
     def _selector(self) -> dict[str, str]:
         return {"fieldSelector": f"spec.driver={self._driver},spec.nodeName={self._node}"}
@@ -258,9 +242,9 @@ class SlicePublisher:
                 for i in changed
             )
         )
-        if not in_place and in_place_only:
-            return False
         if not in_place:
+            if in_place_only:
+                return False
             generation += 1
             changed = list(range(len(desired)))
 
@@ -278,14 +262,9 @@ class SlicePublisher:
         def write(index: int) -> None:
             spec = with_pool(index)
             current = by_index.get(index)
-            if current is not None:
-                stored = self._update(current, spec)
-            else:
-                stored = self._create(index, spec)
-            self._known[stored["metadata"]["name"]] = (
-                stored["metadata"]["resourceVersion"],
-                desired[index],
-            )
+            stored = self._create(index, spec) if current is None else self._update(current, spec)
+            meta = stored["metadata"]
+            self._known[meta["name"]] = (meta["resourceVersion"], desired[index])
             based_on = None if current is None else current["metadata"]["resourceVersion"]
             self._cache.wrote(stored, based_on)
 
@@ -294,9 +273,8 @@ class SlicePublisher:
             return True
         # Slices are independent objects: writing them concurrently is what makes a
         # taint on a GPU whose devices span two slices visible in one round trip.
-        with ThreadPoolExecutor(max_workers=PARALLEL_WRITES) as pool:
-            for future in [pool.submit(write, index) for index in changed]:
-                future.result()
+        with ThreadPoolExecutor(max_workers=PARALLEL_WRITES) as executor:
+            list(executor.map(write, changed))
         return True
 
     def _matches(self, existing: JSON, spec: JSON) -> bool:
@@ -311,11 +289,9 @@ class SlicePublisher:
 
     def _dry_run(self, specs: list[JSON]) -> None:
         """Creates the slices in a server-side dry run (nothing is stored) and checks
-        the answers for dropped fields: the first writes of a process never store a
-        slice that lost them."""
-        with ThreadPoolExecutor(max_workers=PARALLEL_WRITES) as pool:
-            for future in [pool.submit(self._dry_run_create, spec) for spec in specs]:
-                future.result()
+        the answers for dropped fields."""
+        with ThreadPoolExecutor(max_workers=PARALLEL_WRITES) as executor:
+            list(executor.map(self._dry_run_create, specs))
         self._dry_run_passed = True
 
     def _dry_run_create(self, spec: JSON) -> None:
@@ -343,9 +319,8 @@ class SlicePublisher:
         }
 
     def _create(self, index: int, spec: JSON) -> JSON:
-        created = self._api.request(
-            "POST", SLICES_PATH, body=self._create_body(index, spec), strict=False
-        )
+        body = self._create_body(index, spec)
+        created = self._api.request("POST", SLICES_PATH, body=body, strict=False)
         self._check_dropped(spec, created["spec"], created["metadata"]["name"])
         return created
 
@@ -368,15 +343,14 @@ class SlicePublisher:
         try:
             self._api.request("DELETE", f"{SLICES_PATH}/{segment(meta['name'])}", body=body)
         except ApiError as err:
-            if not (err.not_found or err.conflict):
-                raise
             if err.conflict:
                 return
+            if not err.not_found:
+                raise
         self._cache.deleted(meta["name"])
 
     @staticmethod
     def _check_dropped(sent: JSON, stored: JSON, name: str) -> None:
-        """DroppedFieldsError where a server with a DRA gate off dropped fields."""
         dropped = dropped_fields(sent, stored)
         if dropped:
             raise DroppedFieldsError(name, dropped)

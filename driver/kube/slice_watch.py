@@ -83,10 +83,8 @@ class SliceCache:
 
     def wrote(self, stored: JSON, based_on: str | None) -> None:
         """The API server's answer to a create (`based_on` None) or to an update of
-        the version `based_on`. Kept only while the copy still holds what the write
-        replaced (or, for a create, nothing yet): a watch event that arrived before
-        this answer may carry a newer version written by someone else since, and
-        the reconcile that event asked for must compare against it."""
+        the version `based_on`, kept only while the copy still holds what the write
+        replaced (or, for a create, nothing yet): see the module's docstring."""
         name = stored["metadata"]["name"]
         with self._lock:
             if self._items is None:
@@ -140,11 +138,8 @@ class SliceWatch:
                     if kind == "ERROR":
                         break
                     if self.cache.observed(kind, obj) and kind in ("DELETED", "MODIFIED"):
-                        log.info(
-                            "ResourceSlice %s %s: reconciling",
-                            obj["metadata"]["name"],
-                            kind.lower(),
-                        )
+                        name = obj["metadata"]["name"]
+                        log.info("ResourceSlice %s %s: reconciling", name, kind.lower())
                         self._on_change()
             except Exception as err:
                 self.cache.invalidate()
