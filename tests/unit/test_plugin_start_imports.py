@@ -65,3 +65,14 @@ def test_a_claim_with_opaque_config_is_still_decoded_strictly() -> None:
     assert got["pydantic_at_start"] == []
     assert got["pydantic_after_resolve"] is True
     assert got["interval"] == "Long"
+
+
+def test_the_start_does_not_load_yaml() -> None:
+    """PyYAML is for kubeconfig files; an in-cluster plugin reads none (docs/benchmarks.md,
+    "Where the time and memory go")."""
+    check = "import sys\nfrom driver.plugin import main\nprint('yaml' in sys.modules)"
+    done = subprocess.run(
+        [sys.executable, "-c", check], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["False"]
