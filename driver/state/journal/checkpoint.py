@@ -1,38 +1,17 @@
 """The prepare journal: the snapshot `<data dir>/checkpoint.json` and the log
-`<data dir>/checkpoint.log` of the stores since (driver/state/journal/journal_log.py); the
-entries' format is in driver/state/journal/journal_entries.py, the node-wide lock that
-serialises writers in driver/state/journal/locking.py.
+`<data dir>/checkpoint.log` of the stores since (driver/state/journal/journal_log.py);
+formats, versions and compaction in docs/state.md, "The journal" and "The log".
 
-Snapshot format (docs/state.md)::
+schemaVersion 1: the snapshot is the whole journal (a log beside it is stale: ignored,
+and emptied before the next append). schemaVersion 2: the snapshot with the log's
+records replayed over it. Releases before the log refuse version 2 as "written by a
+newer driver?", so none of them reads a journal without the log's records (their
+prepares fail transiently during a rolling update's overlap; nothing is
+double-booked); `compact()` at start and at a clean stop writes version 1 again.
 
-    {
-      "schemaVersion": 1 | 2,
-      "checksum": "sha256:<hex over canonical(entries)>",
-      "entries": {"<claim uid>": <entry>, ...}
-    }
-
-schemaVersion 1: the snapshot is the whole journal; a log beside it is stale (a
-compaction a crash cut short, or a log an older release ignored) and is ignored, and
-emptied before the next append. schemaVersion 2, the same format: the journal is the
-snapshot with the log's records replayed over it. Releases before the log refuse
-version 2 ("unknown schemaVersion 2 ... written by a newer driver?"), so none of them
-reads a journal without the log's records (their prepares fail transiently during a
-rolling update's overlap; nothing is double-booked).
-
-A store appends one record, the claims it changed, with one `fdatasync`; the first
-store on a version 1 snapshot (or none) instead empties the log and writes the entries
-as a version 2 snapshot (`atomic_write`). After `LOG_COMPACT_RECORDS` records or
-`LOG_COMPACT_BYTES`, a store first folds the log into a version 2 snapshot and empties
-the log; `compact()` (at start and at a clean stop) folds it into a version 1 snapshot,
-so a stopped node's journal is readable by every release.
-
-A snapshot that does not parse, has an unknown schema version, a wrong checksum or
-malformed entries is *corrupt*, and so is a bad log line that is not the last, a
-version 2 snapshot without its log, and a symlink (or anything but a regular file) at
-either path, which is never followed (O_NOFOLLOW): `load()` raises
-`CheckpointCorruptError` (transient, names the file and the reason). It is never
-discarded automatically; an operator moves both files aside with
-`gpu-dra journal quarantine` (driver/state/recovery/quarantine.py).
+A corrupt journal (docs/state.md, "Corrupt checkpoint"; also a symlink at either
+path, never followed) raises `CheckpointCorruptError` and is never discarded
+automatically: an operator moves it aside (driver/state/recovery/quarantine.py).
 """
 
 from __future__ import annotations
@@ -109,8 +88,8 @@ def _stat(path: Path) -> Identity | None:
         return None
 
 
-def encode(entries: Mapping[str, ClaimEntry], version: int = SCHEMA_VERSION) -> bytes:
-    raw = {uid: entries[uid].to_json() for uid in sorted(entries)}
+def encode(entries: Mapping[str, ClaimEntry], version: int) -> bytes:
+    raw = {uid: entry.to_json() for uid, entry in entries.items()}  # sorted by canonical
     doc = {"schemaVersion": version, "checksum": checksum(raw), "entries": raw}
     # Compact: json's C encoder (indent= falls back to the pure-Python one, which cost
     # about half a millisecond per prepare/unprepare). `gpu-dra journal show` prints it.
@@ -159,11 +138,11 @@ class JournalView:
 
     entries: Mapping[str, ClaimEntry]
     schema_version: int  # of the snapshot; 0: none
-    log_records: int  # replayed over the snapshot (schemaVersion 2)
-    log_size: int  # bytes of those records
-    torn_bytes: int  # a torn tail after them, cut off by the next append
     snapshot_id: Identity | None
     log_id: Identity | None
+    log_records: int = 0  # replayed over the snapshot (schemaVersion 2)
+    log_size: int = 0  # bytes of those records
+    torn_bytes: int = 0  # a torn tail after them, cut off by the next append
     log_synced: bool = False  # every byte of the log is known to be on disk
 
 
@@ -220,9 +199,7 @@ class Checkpoint:
         view = self.inspect()
         try:
             self._view = None  # unknown until the store ends
-            self._view = self._store(
-                view, entries, before_commit, sync=sync, rollback_reserve=rollback_reserve
-            )
+            self._view = self._store(view, entries, before_commit, sync, rollback_reserve)
         except OSError as err:
             raise transient(f"cannot write checkpoint {self.path}: {err}") from err
 
@@ -265,13 +242,13 @@ class Checkpoint:
         try:
             data, status = read_regular_file(self.path)
         except FileNotFoundError:
-            return JournalView({}, 0, 0, 0, 0, None, _stat(self.log_path))
+            return JournalView({}, 0, None, _stat(self.log_path))
         except UnsafeFileError as err:
             raise _unsafe(self.path, err) from err
         snapshot_id = _identity(status)
         version, entries = decode(data, self.path)
         if version == SCHEMA_VERSION:
-            return JournalView(entries, version, 0, 0, 0, snapshot_id, _stat(self.log_path))
+            return JournalView(entries, version, snapshot_id, _stat(self.log_path))
         problem: CheckpointCorruptError | None = None
         try:
             log, log_status = read_regular_file(self.log_path)
@@ -292,11 +269,11 @@ class Checkpoint:
         return JournalView(
             entries,
             version,
+            snapshot_id,
+            _identity(log_status),
             len(found.records),
             found.valid_size,
             found.torn_bytes,
-            snapshot_id,
-            _identity(log_status),
         )
 
     def _store(
@@ -304,14 +281,17 @@ class Checkpoint:
         view: JournalView,
         entries: Mapping[str, ClaimEntry],
         before_commit: str | None,
-        *,
         sync: bool,
         rollback_reserve: bool,
     ) -> JournalView:
         if view.schema_version != SCHEMA_WITH_LOG:
             return self._begin_log(entries, before_commit)
         old = view.entries
-        changed = {uid: e.to_json() for uid, e in entries.items() if not _same(old.get(uid), e)}
+        changed = {
+            uid: e.to_json()
+            for uid, e in entries.items()
+            if (o := old.get(uid)) is not e and o != e
+        }
         deleted = [uid for uid in old if uid not in entries]
         if not changed and not deleted and (view.log_synced or not sync):
             return view
@@ -322,21 +302,17 @@ class Checkpoint:
         synced = sync or not view.log_synced or view.torn_bytes > 0
         if before_commit is not None:
             failpoint(before_commit)
-        fd = open_log(self.log_path)
-        try:
+        with open_log(self.log_path) as fd:
             reserve = ROLLBACK_RESERVE if changed and rollback_reserve else 0
             append(fd, record, keep=view.log_size, sync=synced, reserve=reserve)
             status = os.fstat(fd)
-        finally:
-            os.close(fd)
         return JournalView(
             dict(entries),
             SCHEMA_WITH_LOG,
-            view.log_records + (1 if record else 0),
-            view.log_size + len(record),
-            0,
             view.snapshot_id,
             _identity(status),
+            view.log_records + (1 if record else 0),
+            view.log_size + len(record),
             log_synced=synced,
         )
 
@@ -346,17 +322,14 @@ class Checkpoint:
         """The first store on a schemaVersion 1 snapshot (or none): an empty log, then
         the entries as a version 2 snapshot."""
         self.data_dir.mkdir(parents=True, exist_ok=True, mode=DATA_DIR_MODE)
-        fd = open_log(self.log_path, create=True)
-        try:
+        with open_log(self.log_path, create=True) as fd:
             if os.fstat(fd).st_size:
                 empty(fd)  # stale: emptied before a snapshot would replay it
             status = os.fstat(fd)
-        finally:
-            os.close(fd)
         # The rename's directory fsync also makes a newly created log's name durable.
         atomic_write(self.path, encode(entries, SCHEMA_WITH_LOG), before_rename=before_commit)
         return JournalView(
-            dict(entries), SCHEMA_WITH_LOG, 0, 0, 0, _stat(self.path), _identity(status), True
+            dict(entries), SCHEMA_WITH_LOG, _stat(self.path), _identity(status), log_synced=True
         )
 
     def _compact(self, view: JournalView, version: int) -> JournalView:
@@ -364,19 +337,12 @@ class Checkpoint:
         crash in between leaves the log's records over a snapshot that contains them:
         replaying them changes nothing (version 2), or they are ignored (version 1)."""
         atomic_write(self.path, encode(view.entries, version))
-        fd = open_log(self.log_path)
-        try:
+        with open_log(self.log_path) as fd:
             empty(fd)
             status = os.fstat(fd)
-        finally:
-            os.close(fd)
         return JournalView(
-            view.entries, version, 0, 0, 0, _stat(self.path), _identity(status), True
+            view.entries, version, _stat(self.path), _identity(status), log_synced=True
         )
-
-
-def _same(old: ClaimEntry | None, new: ClaimEntry) -> bool:
-    return old is new or old == new
 
 
 def _unsafe(path: Path, err: UnsafeFileError) -> CheckpointCorruptError:

@@ -1,15 +1,11 @@
 """The entries of the prepare journal: what `checkpoint.json` and `checkpoint.log`
-(driver/state/journal/checkpoint.py, driver/state/journal/journal_log.py) store per claim,
-their JSON form, and the canonical encoding their checksums are computed over.
+store per claim, their JSON form, and the canonical encoding their checksums are
+computed over (docs/state.md, "The journal").
 
-`canonical(value)` is the UTF-8 JSON of a *stored* value with sorted keys and no
-whitespace. Checksums are verified against the parsed stored value, never against a
-re-encoding through this module's types, so a newer driver that adds a field does not
-invalidate older files (the upgrade hazard NVIDIA's driver hit). Keys of an entry or a
-device that this reader does not know (written by a newer release) are kept and
-written back when it stores the journal; releases before this one dropped them.
-Unknown keys inside a nested record (`mig`, `timeSlice`, `hardware`, `cdiSpec`) are
-not kept.
+Checksums are verified against the parsed stored value, never a re-encoding through
+this module's types, so a newer driver that adds a field does not invalidate older
+files (the upgrade hazard NVIDIA's driver hit). Unknown keys of an entry or a device
+(a newer release's) are kept and written back; inside a nested record they are not.
 
 An entry names the boot it was made in (`boot_id`): a reboot empties the CDI root and
 destroys every MIG device, so a record of an earlier boot is judged accordingly.
@@ -87,11 +83,11 @@ class PreparedDevice:
     # (capacity name -> quantity string), what the double-booking guard sums per
     # device. Stored only when present, so other entries keep their bytes.
     consumed_capacity: tuple[tuple[str, str], ...] = ()
-    # The time-slice interval the driver sets on the device's GPU (driver/state/
-    # timeslice.py). Stored only when present; an older driver ignores the key.
+    # The time-slice interval the driver sets on the device's GPU
+    # (driver/state/claim_timeslices.py). Stored only when present.
     time_slice: TimeSliceRecord | None = None
-    # The hardware the device occupies, recorded at planning (driver/state/
-    # hardware_record.py); None in entries of earlier releases.
+    # The hardware the device occupies, recorded at planning
+    # (driver/state/journal/hardware_record.py); None in entries of earlier releases.
     hardware: HardwareRecord | None = None
     # The device's MPS control daemon (driver/state/mps/claim_daemons.py), only when present.
     mps: MpsRecord | None = None

@@ -1,24 +1,16 @@
-"""The prepare journal's log, `<data dir>/checkpoint.log` (docs/state.md, "Durability").
-
-One line per journal store since the snapshot (`checkpoint.json`) was last written,
-holding every claim the store changed::
+"""The prepare journal's log, `<data dir>/checkpoint.log`: one line per journal store
+since the snapshot was last written (format and rules: docs/state.md, "The log")::
 
     {"checksum":"sha256:<hex>","delete":["<uid>"...],"set":{"<uid>": <entry>...}}\\n
 
-`set` holds each changed claim's whole entry (as the snapshot stores it), `delete` the
-claims whose entry went; the checksum is over the canonical JSON of the record
-without it, so a store is applied whole or not at all. Replaying a record twice gives
-the same entries as once: replaying the log over a snapshot that already contains it
-changes nothing.
-
-A store is one `write()` of its line (O_APPEND) and one `fdatasync`. A power loss
-during the append can leave only the last line torn: cut short, or with zeros where
-the lost blocks were. It was never acknowledged, so `scan` ignores a last line without
-its newline or that is not JSON, and the next append cuts it off first. Any other bad
-line is corruption (`CheckpointCorruptError` naming the line): a line that parses but
-fails its checksum (bit rot; a torn append does not parse), or a bad line before the
-last, since a torn append is always the last: the journal never appends after an
-append it has not synced (`Checkpoint.store`).
+A store is one record, so it applies whole or not at all; replaying a record twice
+gives the same entries as once, so replaying the log over a snapshot that already
+contains it changes nothing. A power loss during an append can tear only the last
+line (cut short, or zeros where lost blocks were): it was never acknowledged, so
+`scan` ignores it and the next append cuts it off. Any other bad line is corruption:
+a line that parses but fails its checksum (bit rot; a torn append does not parse),
+or a bad line before the last, since the journal never appends after an append it
+has not synced (`Checkpoint.store`).
 """
 
 from __future__ import annotations
@@ -28,7 +20,7 @@ import errno
 import hashlib
 import json
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
@@ -62,11 +54,7 @@ class LogScan:
 
     records: tuple[LogRecord, ...]
     valid_size: int  # bytes up to the end of the last whole record
-    size: int  # bytes read
-
-    @property
-    def torn_bytes(self) -> int:
-        return self.size - self.valid_size
+    torn_bytes: int  # bytes after it
 
 
 def encode_record(changed: Mapping[str, Any], deleted: Iterable[str]) -> bytes:
@@ -87,8 +75,11 @@ def scan(data: bytes, path: Path) -> LogScan:
         if end < 0:
             break  # the last line, without its newline: torn
         line = len(records) + 1
-        doc = _parsed(data[start:end])
-        if doc is None:
+        try:
+            doc = json.loads(data[start:end])
+        except (ValueError, RecursionError):
+            doc = None
+        if not isinstance(doc, dict):
             if end + 1 == len(data):
                 break  # the last line, garbled: torn
             raise CheckpointCorruptError(path, f"line {line}: not a JSON object")
@@ -97,15 +88,7 @@ def scan(data: bytes, path: Path) -> LogScan:
         except ValueError as err:
             raise CheckpointCorruptError(path, f"line {line}: {err}") from err
         start = end + 1
-    return LogScan(tuple(records), start, len(data))
-
-
-def _parsed(raw: bytes) -> dict[str, Any] | None:
-    try:
-        doc = json.loads(raw)
-    except (ValueError, RecursionError):
-        return None
-    return doc if isinstance(doc, dict) else None
+    return LogScan(tuple(records), start, len(data) - start)
 
 
 def _record(doc: dict[str, Any], line: int) -> LogRecord:
@@ -138,11 +121,15 @@ def replay(entries: dict[str, ClaimEntry], records: Iterable[LogRecord], path: P
             entries.pop(uid, None)
 
 
-def open_log(path: Path, *, create: bool = False) -> int:
-    """The log opened for appending (never through a symlink); FileNotFoundError if it
-    does not exist and not `create`."""
-    flags = os.O_WRONLY | os.O_APPEND | (os.O_CREAT if create else 0)
-    return open_nofollow(path, flags)
+@contextlib.contextmanager
+def open_log(path: Path, *, create: bool = False) -> Iterator[int]:
+    """The log opened for appending (never through a symlink) for the block;
+    FileNotFoundError if it does not exist and not `create`."""
+    fd = open_nofollow(path, os.O_WRONLY | os.O_APPEND | (os.O_CREAT if create else 0))
+    try:
+        yield fd
+    finally:
+        os.close(fd)
 
 
 def append(fd: int, record: bytes, *, keep: int, sync: bool, reserve: int = 0) -> None:

@@ -31,12 +31,6 @@ def open_lock_file(path: Path, *, create: bool = True) -> int:
     return open_nofollow(path, os.O_RDWR | (os.O_CREAT if create else 0), use="lock")
 
 
-def _process_lock(path: Path) -> threading.Lock:
-    key = os.path.realpath(path)
-    with _PROCESS_LOCKS_GUARD:
-        return _PROCESS_LOCKS.setdefault(key, threading.Lock())
-
-
 class SerializeLock:
     """Node-wide serialisation of prepare/unprepare: an in-process lock (threads) and
     `flock(LOCK_EX)` on `<data dir>/serialize.lock` (other plugin instances during a
@@ -51,7 +45,9 @@ class SerializeLock:
         self.path = self.data_dir / LOCK_FILE
         self.timeout = timeout
         self.poll_interval = poll_interval
-        self._thread_lock = _process_lock(self.path)
+        with _PROCESS_LOCKS_GUARD:  # one per data dir
+            key = os.path.realpath(self.path)
+            self._thread_lock = _PROCESS_LOCKS.setdefault(key, threading.Lock())
         self._closed: str | None = None  # why no hold is granted any more
 
     def close(self, reason: str) -> None:
@@ -66,7 +62,7 @@ class SerializeLock:
         """Hold both locks for the duration of the block; transient DriverError on
         timeout, or once the lock is closed."""
         deadline = time.monotonic() + self.timeout
-        if not self._thread_lock.acquire(timeout=max(self.timeout, 0.0)):
+        if not self._thread_lock.acquire(timeout=self.timeout):
             raise transient(f"timed out after {self.timeout}s waiting for the in-process lock")
         try:
             if self._closed is not None:
@@ -85,22 +81,19 @@ class SerializeLock:
             fd = open_lock_file(self.path)
         except OSError as err:
             raise transient(f"cannot open lock file {self.path}: {err.strerror or err}") from err
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                return fd
-            except OSError as err:
-                if err.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES) or (
-                    time.monotonic() >= deadline
-                ):
-                    os.close(fd)
-                    if err.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                        raise transient(
-                            f"timed out after {self.timeout}s waiting for {self.path} "
-                            "(another plugin instance is preparing or unpreparing)"
-                        ) from err
-                    raise transient(f"cannot lock {self.path}: {err}") from err
-            time.sleep(self.poll_interval)
+        try:
+            while not (locked := _try_flock(fd)) and time.monotonic() < deadline:
+                time.sleep(self.poll_interval)
+        except OSError as err:
+            os.close(fd)
+            raise transient(f"cannot lock {self.path}: {err}") from err
+        if not locked:
+            os.close(fd)
+            raise transient(
+                f"timed out after {self.timeout}s waiting for {self.path} "
+                "(another plugin instance is preparing or unpreparing)"
+            )
+        return fd
 
 
 CLAIM_LOCK_PREFIX: Final = "inflight-"
@@ -122,9 +115,8 @@ class ClaimLocks:
     holding no lock. Holders of claim locks may wait for the node lock.
     """
 
-    def __init__(self, data_dir: Path | str, *, poll_interval: float = 0.005) -> None:
+    def __init__(self, data_dir: Path | str) -> None:
         self.data_dir = Path(data_dir)
-        self.poll_interval = poll_interval
 
     def path(self, uid: str) -> Path:
         return self.data_dir / f"{CLAIM_LOCK_PREFIX}{uid.replace('/', '_')}{CLAIM_LOCK_SUFFIX}"
@@ -154,7 +146,7 @@ class ClaimLocks:
             pending = {uid for uid in pending if self.busy(uid)}
             if not pending:
                 return True
-            time.sleep(self.poll_interval)
+            time.sleep(0.005)
         return False
 
     def sweep(self) -> list[str]:

@@ -1,26 +1,16 @@
 """Adopting, at the plugin's start, a running claim whose completion record a corrupt
-journal lost (docs/state.md, "MIG devices after a quarantine").
+journal lost (docs/state.md, "MIG devices after a quarantine", which lists the
+conditions).
 
 Salvaging a corrupt journal yields a claim's `PrepareStarted` intent when the corrupt
 line was its completion record; its pod may run on the MIG device that prepare
 created. `gpu-dra journal quarantine --owned-mig adopt` carries such an intent marked
 `adopt`, and the next start, under the node lock and before any rollback, completes
-it from the live device when that is unambiguous:
-
-- the claim's CDI spec is in place (the prepare wrote it; a rollback removes it);
-- each MIG device the intent owns has, at its placement, the one instance its attempt
-  can have created (its profile, an id not in `before`, no other entry's, this boot)
-  with a compute instance, and the spec names that instance's MIG UUID;
-- no device sets a time-slice interval (whether the lost completion had set it is
-  unknown).
-
-The entry then becomes `PrepareCompleted` with those ids and UUIDs and the spec as it
-is on disk: the claim keeps its device until its unprepare destroys it. Where the
-answer is no, the intent is rolled back as any other (its spec removed, the instance
-its attempt created destroyed), as the quarantine's preview said it may be. Where a
-transient error keeps the start from telling (an NVML listing error, `EMFILE` reading
-the spec), nothing is decided: the intent stays, marked `adopt`, for the next start,
-and nothing of it is rolled back or destroyed.
+it from the live device when that is unambiguous: the entry becomes
+`PrepareCompleted` with the device's ids and UUID and the spec as it is on disk.
+Otherwise the intent is rolled back as any other, as the quarantine's preview said it
+may be. A transient error that keeps the start from telling decides nothing: the
+intent stays, marked `adopt`, for the next start, and nothing of it is rolled back.
 """
 
 from __future__ import annotations
@@ -28,10 +18,9 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from typing import Any
 
 from driver.cdi.claim_specs import ClaimSpec
-from driver.errors import DriverError
+from driver.errors import DriverError, transient
 from driver.fileio import UnsafeFileError
 from driver.state.context import StepContext
 from driver.state.journal.checkpoint import ClaimEntry, ClaimState, PreparedDevice
@@ -42,10 +31,6 @@ log = logging.getLogger(__name__)
 
 class NotAdoptable(Exception):
     """Why a carried intent is rolled back instead."""
-
-
-class AdoptionDeferred(Exception):
-    """A transient error kept this start from deciding: the intent waits for the next."""
 
 
 @dataclass(frozen=True)
@@ -66,25 +51,24 @@ def adopt_intents(state: StepContext, journal: dict[str, ClaimEntry], busy: set[
             continue
         try:
             journal[uid] = _completed(state, uid, entry, journal)
-        except DriverError as err:
-            if err.permanent:
-                _rolled_back(uid, err)
+        except (DriverError, NotAdoptable) as err:
+            if isinstance(err, NotAdoptable) or err.permanent:
+                log.warning(
+                    "claim %s: carried by a quarantine to be adopted, but %s: rolled back",
+                    uid,
+                    err,
+                )
                 continue
+            # A transient error kept this start from deciding: the intent waits for the next.
             deferred[uid] = str(err)
-        except AdoptionDeferred as err:
-            deferred[uid] = str(err)
-        except NotAdoptable as why:
-            _rolled_back(uid, why)
-            continue
+            log.warning(
+                "claim %s: carried by a quarantine to be adopted, but this start cannot tell "
+                "whether it may be (%s): left for the next start, nothing rolled back",
+                uid,
+                deferred[uid],
+            )
         else:
             adopted.append(uid)
-            continue
-        log.warning(
-            "claim %s: carried by a quarantine to be adopted, but this start cannot tell "
-            "whether it may be (%s): left for the next start, nothing rolled back",
-            uid,
-            deferred[uid],
-        )
     if adopted:
         log.warning(
             "adopted %d claim(s) whose completion record the quarantined journal lost: %s",
@@ -94,15 +78,11 @@ def adopt_intents(state: StepContext, journal: dict[str, ClaimEntry], busy: set[
     return Adoption(adopted, deferred)
 
 
-def _rolled_back(uid: str, why: Exception) -> None:
-    log.warning("claim %s: carried by a quarantine to be adopted, but %s: rolled back", uid, why)
-
-
 def _completed(
     state: StepContext, uid: str, entry: ClaimEntry, journal: Mapping[str, ClaimEntry]
 ) -> ClaimEntry:
     spec = _spec_on_disk(state, uid)
-    named = {value for device in spec.devices for value in _env_values(device.env)}
+    named = {item.split("=", 1)[1] for device in spec.devices for item in device.env if "=" in item}
     devices: list[PreparedDevice] = []
     for device in entry.devices:
         if device.time_slice is not None:
@@ -138,27 +118,16 @@ def _completed(
 def _spec_on_disk(state: StepContext, uid: str) -> ClaimSpec:
     try:
         doc = state.cdi.read_claim_spec(uid)
-    except UnsafeFileError as err:
+    except (UnsafeFileError, ValueError) as err:
         raise NotAdoptable(f"its CDI spec cannot be read: {err}") from None
     except OSError as err:  # EMFILE, EIO: another start may read it
-        raise AdoptionDeferred(f"its CDI spec cannot be read now: {err}") from None
-    except ValueError as err:
-        raise NotAdoptable(f"its CDI spec cannot be read: {err}") from None
+        raise transient(f"its CDI spec cannot be read now: {err}") from None
     if doc is None:
         raise NotAdoptable("its CDI spec is gone")
-    try:
-        return ClaimSpec.from_json(
-            {"devices": doc.get("devices"), "deviceNodes": _spec_wide_nodes(doc)}
-        )
-    except ValueError as err:
-        raise NotAdoptable(f"its CDI spec is malformed: {err}") from None
-
-
-def _spec_wide_nodes(doc: Mapping[str, Any]) -> list[object]:
     edits = doc.get("containerEdits")
     nodes = edits.get("deviceNodes") if isinstance(edits, Mapping) else None
-    return [n.get("path") if isinstance(n, Mapping) else n for n in nodes or []]
-
-
-def _env_values(env: tuple[str, ...]) -> set[str]:
-    return {item.split("=", 1)[1] for item in env if "=" in item}
+    paths = [n.get("path") if isinstance(n, Mapping) else n for n in nodes or []]
+    try:
+        return ClaimSpec.from_json({"devices": doc.get("devices"), "deviceNodes": paths})
+    except ValueError as err:
+        raise NotAdoptable(f"its CDI spec is malformed: {err}") from None

@@ -1,25 +1,15 @@
-"""Moving a corrupt journal aside, and what becomes of the MIG devices it owned.
+"""Moving a corrupt journal aside, and what becomes of the MIG devices it owned
+(docs/state.md, "Corrupt checkpoint" and "MIG devices after a quarantine").
 
-`quarantine_checkpoint` renames a corrupt journal, `checkpoint.json` and
-`checkpoint.log`, to `checkpoint.json.corrupt-<UTC time>` and
-`checkpoint.log.corrupt-<UTC time>` (kept for inspection) so the plugin prepares
-again from a new journal. The MIG devices the driver created for claims of the old
-journal are then nobody's, unless the operator says otherwise (`OwnedMig`):
-
-- `foreign` (nothing carried over): they are treated as an administrator's. Under
-  `--mig-strategy auto` their GPU turns static and publishes them, so the scheduler
-  may hand a device a running pod still uses to a new claim; under `dynamic` the
-  plugin refuses to start until they are destroyed (`nvidia-smi mig -dci/-dgi`).
-- `adopt`: the readable entries that own MIG devices are carried into the new
-  journal as they were: their claims keep their devices and the driver's protection,
-  and their unprepare destroys them. An entry salvaged as its `PrepareStarted`
-  intent (the corrupt line may have been its completion record) is carried marked
-  `adopt`: the next start completes it from its live MIG device where that is
-  unambiguous, and rolls it back otherwise (driver/state/recovery/adoption.py).
-- `destroy`: those entries are carried into the new journal as half-done prepares:
-  the plugin's next start rolls them back, destroying each MIG device by its recorded
-  ids (only if the instance under an id still has the recorded profile and placement)
-  and removing the claim's CDI spec. Pods using them lose their devices.
+`quarantine_checkpoint` renames `checkpoint.json` and `checkpoint.log` to
+`<name>.corrupt-<UTC time>` (kept for inspection) so the plugin prepares again from a
+new journal. The MIG devices the driver created for the old journal's claims are
+then nobody's unless the operator says otherwise (`OwnedMig`): `foreign` carries
+nothing over (they are an administrator's); `adopt` carries the readable entries that
+own MIG devices as they were, an entry salvaged as its `PrepareStarted` intent (the
+corrupt line may have been its completion record) marked `adopt`
+(driver/state/recovery/adoption.py); `destroy` carries them as half-done prepares,
+which the next start rolls back.
 
 Entries are read from the corrupt files without verifying checksums
 (`salvage_entries`), as `gpu-dra journal show` lists them: the operator chooses after
@@ -36,6 +26,7 @@ import os
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 from driver.fileio import atomic_write, fsync_dir, read_file_nofollow
 from driver.state.journal.checkpoint import (
@@ -70,11 +61,11 @@ def salvage_entries(path: Path) -> dict[str, ClaimEntry]:
     `checkpoint.json`, or the log moved aside with the snapshot) unless the snapshot
     says schemaVersion 1. No symlink followed, no FIFO waited on."""
     doc = _parsed(path)
-    raw = doc.get("entries") if isinstance(doc, dict) else None
+    raw = doc.get("entries")
     entries: dict[str, ClaimEntry] = {}
     for uid, entry in raw.items() if isinstance(raw, dict) else ():
         _salvage(entries, uid, entry)
-    if isinstance(doc, dict) and doc.get("schemaVersion") == SCHEMA_VERSION:
+    if doc.get("schemaVersion") == SCHEMA_VERSION:
         return entries  # a log beside it is stale
     log = _log_of(path)
     if path.name == CHECKPOINT_FILE and not os.path.lexists(log):
@@ -84,7 +75,7 @@ def salvage_entries(path: Path) -> dict[str, ClaimEntry]:
     except OSError:
         return entries
     for line in lines:
-        record = _parsed_line(line)
+        record = _object(line)
         changed, deleted = record.get("set"), record.get("delete")
         for uid, entry in changed.items() if isinstance(changed, dict) else ():
             _salvage(entries, uid, entry)
@@ -93,16 +84,17 @@ def salvage_entries(path: Path) -> dict[str, ClaimEntry]:
     return entries
 
 
-def _parsed(path: Path) -> object:
+def _parsed(path: Path) -> dict[str, Any]:
+    """The JSON object in the file; {} if it cannot be read or holds none."""
     try:
-        return json.loads(read_file_nofollow(path))
-    except (OSError, ValueError, RecursionError):
-        return None
+        return _object(read_file_nofollow(path))
+    except OSError:
+        return {}
 
 
-def _parsed_line(line: bytes) -> dict[str, object]:
+def _object(data: bytes) -> dict[str, Any]:
     try:
-        doc = json.loads(line)
+        doc = json.loads(data)
     except (ValueError, RecursionError):
         return {}
     return doc if isinstance(doc, dict) else {}
@@ -138,11 +130,7 @@ def _log_of(snapshot: Path) -> Path:
 
 def owning_mig(entries: dict[str, ClaimEntry]) -> dict[str, ClaimEntry]:
     """The entries that own a MIG device (one the driver created for the claim)."""
-    return {
-        uid: entry
-        for uid, entry in entries.items()
-        if any(d.mig is not None and d.mig.owned for d in entry.devices)
-    }
+    return {uid: e for uid, e in entries.items() if any(d.owns_mig for d in e.devices)}
 
 
 def carried_entries(entries: dict[str, ClaimEntry], owned_mig: OwnedMig) -> dict[str, ClaimEntry]:
@@ -187,8 +175,6 @@ def pending_quarantine(data_dir: Path | str) -> PendingQuarantine | None:
     """The quarantine a killed or failed run left unfinished; None if none (or if its
     record is unreadable: then nothing was renamed yet, see `quarantine_checkpoint`)."""
     doc = _parsed(Path(data_dir) / INTENT_FILE)
-    if not isinstance(doc, dict):
-        return None
     stamp, choice = doc.get("stamp"), doc.get("ownedMig")
     if not isinstance(stamp, str) or choice not in {m.value for m in OwnedMig}:
         return None
@@ -202,11 +188,8 @@ def quarantine_checkpoint(
     now: datetime | None = None,
     owned_mig: OwnedMig = OwnedMig.FOREIGN,
 ) -> Path | None:
-    """Operator action: move a corrupt journal aside so the driver prepares again.
-    Renames `checkpoint.json` to `checkpoint.json.corrupt-<UTC timestamp>` (returned)
-    and `checkpoint.log`, if any, to `checkpoint.log.corrupt-<UTC timestamp>`; None if
-    there is no checkpoint.json. With `owned_mig` adopt or destroy, the new journal
-    is written with the entries `carried_entries` gives; otherwise there is none.
+    """Operator action: move a corrupt journal aside (see the module doc); returns the
+    snapshot's copy, None if there is no checkpoint.json.
 
     Resumable: the stamp and the choice are recorded (`INTENT_FILE`, durable) before
     the first rename and removed once the new journal is stored. A run that finds the
@@ -224,17 +207,13 @@ def quarantine_checkpoint(
         if not os.path.lexists(cp.path):  # a symlink, even a dangling one, is moved aside
             return None
         if not force:
-            try:
+            with contextlib.suppress(CheckpointCorruptError):
                 cp.load()
-            except CheckpointCorruptError:
-                pass
-            else:
                 raise ValueError(f"checkpoint {cp.path} is valid; not moving it (use force)")
         stamp = (now or datetime.now(UTC)).strftime("%Y%m%dT%H%M%S.%fZ")
-        pending = PendingQuarantine(stamp, owned_mig)
         doc = {"stamp": stamp, "ownedMig": owned_mig.value}
         atomic_write(cp.data_dir / INTENT_FILE, json.dumps(doc).encode())
-        return _finish(cp, pending)
+        return _finish(cp, PendingQuarantine(stamp, owned_mig))
 
 
 def finish_pending_quarantine(checkpoint: Checkpoint) -> Path | None:

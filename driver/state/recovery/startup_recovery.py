@@ -67,14 +67,8 @@ class RecoveryReport:
 
 
 def recover(state: StepContext) -> RecoveryReport:
-    """Startup: (re)write the common CDI spec; complete the intents a quarantine
-    carried to be adopted where their MIG devices are live; remove crash leftovers
-    (temp files, `PrepareStarted` entries with their specs and half-created MIG
-    devices); finish the teardown of completed claims whose unprepare had begun in
-    this boot; recreate the MIG devices of completed claims that a reboot destroyed,
-    and every lost CDI spec; report orphans. Never raises for a corrupt journal
-    (reported in the result and `checkpoint_problem`). Runs before the sockets are
-    served."""
+    """Startup, before the sockets are served (docs/state.md, "Recovery rules"). Never
+    raises for a corrupt journal (reported in `checkpoint_problem`)."""
     with state.lock.hold():
         state.common.write()
         try:
@@ -132,12 +126,17 @@ def recover(state: StepContext) -> RecoveryReport:
             state.stats.rollbacks += len(rolled_back)
             state.stats.unprepared += len(finished)
         orphans, removed = _sweep_orphan_specs(state, [u for u in specs if u not in journal])
+        # Specs not in place as the journal stores them (an entry from before stored
+        # specs counts its spec as current while one exists).
         stale = [
             uid
             for uid, entry in sorted(journal.items())
             if uid not in begun
             and uid not in busy
-            and not _spec_current(state, uid, entry, uid in specs)
+            and not (
+                uid in specs
+                and (entry.cdi_spec is None or state.cdi.claim_spec_is(uid, entry.cdi_spec))
+            )
         ]
         recreated, missing = _recreate_specs(state, stale, journal, problems)
         _compact_journal(state)
@@ -173,14 +172,6 @@ def recover(state: StepContext) -> RecoveryReport:
         removed_specs=removed,
         adopted=tuple(adopted),
     )
-
-
-def _spec_current(state: StepContext, uid: str, entry: ClaimEntry, exists: bool) -> bool:
-    """Is the completed claim's spec in place as the journal stores it? An entry
-    from before stored specs counts its spec as current while one exists."""
-    if entry.cdi_spec is None:
-        return exists
-    return exists and state.cdi.claim_spec_is(uid, entry.cdi_spec)
 
 
 def _sweep_orphan_specs(
