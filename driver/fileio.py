@@ -18,16 +18,15 @@ from driver.observability import metrics
 TEMP_MARKER: Final = ".tmp-"
 # The plugin's data directory (journal, lock file, health store): owner and group only.
 DATA_DIR_MODE: Final = 0o750
-# What an operator who may not read it does (the operator CLI's permission errors).
-ROOT_ADVICE: Final = (
-    "run as root: in the plugin's pod (kubectl exec), or on the node in a root debug "
-    'container (docs/day-2.md, "On the node")'
-)
 
 
 def permission_denied(path: object) -> str:
-    """One line for a file or directory of the plugin's that this user may not read."""
-    return f"permission denied on {path}: {ROOT_ADVICE}"
+    """One line for a file or directory of the plugin's that this user may not read
+    (the operator CLI's permission errors), with what to do."""
+    return (
+        f"permission denied on {path}: run as root: in the plugin's pod (kubectl exec), or "
+        'on the node in a root debug container (docs/day-2.md, "On the node")'
+    )
 
 
 def temp_name(target: Path) -> Path:
@@ -50,7 +49,6 @@ def atomic_write(
     *,
     mode: int = 0o600,
     before_rename: str | None = None,
-    sync_dir: bool = True,
     durable: bool = True,
 ) -> None:
     """Replace `target` with `data` so that a crash leaves either the old or the new
@@ -58,10 +56,6 @@ def atomic_write(
 
     `before_rename` names a failpoint passed after the temp file is durable and
     before the rename. On error the temp file is removed and OSError propagates.
-
-    `sync_dir=False` skips the directory fsync: the content is durable but the rename
-    is not until the caller runs `fsync_dir(target.parent)`, once for a whole batch of
-    writes to that directory, before anything that relies on the new content.
 
     `durable=False` fsyncs nothing: readers see the old or the new content (the
     rename), but a power loss may take either, or leave the new name with partial
@@ -88,14 +82,14 @@ def atomic_write(
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
-    if sync_dir and durable:
+    if durable:
         fsync_dir(target.parent)
 
 
 def remove_durably(target: Path, *, sync_dir: bool = True) -> bool:
     """Unlink `target` and fsync its directory. Returns False if it did not exist
-    (then nothing is synced). `sync_dir=False`: as for `atomic_write`, the caller
-    fsyncs the directory once after a batch of removals."""
+    (then nothing is synced). `sync_dir=False`: no fsync (as `durable=False` for
+    `atomic_write`)."""
     try:
         os.unlink(target)
     except FileNotFoundError:
@@ -108,10 +102,8 @@ def remove_durably(target: Path, *, sync_dir: bool = True) -> bool:
 
 def sweep_temp_files(directory: Path, stem_prefix: str) -> list[Path]:
     """Remove temp files left by a crash whose target name starts with `stem_prefix`.
-
-    Only call this while holding the serialize lock: a live writer in another plugin
-    instance also holds it, so every temp file seen then is an orphan.
-    """
+    Only while holding the serialize lock: a live writer in another plugin instance
+    also holds it, so every temp file seen then is an orphan."""
     removed: list[Path] = []
     try:
         names = os.listdir(directory)

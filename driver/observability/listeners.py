@@ -76,7 +76,5 @@ def still_bound(listener: UnixListener) -> bool:
 def remove_unix(listener: UnixListener) -> None:
     """Removes the socket file if it is still the one `listener` bound: a newer
     instance's socket at the same path stays."""
-    with contextlib.suppress(FileNotFoundError):
-        found = listener.path.lstat()
-        if (found.st_dev, found.st_ino) == listener.inode:
-            listener.path.unlink()
+    if still_bound(listener):
+        listener.path.unlink(missing_ok=True)

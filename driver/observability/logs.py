@@ -1,21 +1,10 @@
-"""Logging of the three binaries: one verbosity scale, text or JSON lines (each carrying
-the current request id), and quiet retries.
-
-Verbosity (`-v N`, env `V`), the same in gpu-kubelet-plugin, gpu-dra-webhook and
-gpu-dra (docs/operations.md, "Log reference"):
-
-    0    warnings and errors
-    1-3  also info: start-up, registration, ResourceSlice changes, taints, claims
-    4    also debug: NVML calls, discovery details
-    5+   also the HTTP client's own lines (connections, retries; never headers)
+"""Logging of the three binaries: one verbosity scale (`-v N`, env `V`; the table is in
+docs/operations.md, "Log reference"), text or JSON lines (each carrying the current
+request id), and quiet retries (`RetryLog`).
 
 The daemons default to 2 (as the chart's `logVerbosity`), the CLI to 0 (its stdout is
 the command's output). The Kubernetes client's logger stays at WARNING at every
 verbosity: it logs request headers (bearer tokens) at debug.
-
-An operation retried while it keeps failing (the API server is down) is logged by
-`RetryLog`: the first failure at WARNING, then one line per interval while it lasts,
-and its end at INFO, instead of a line per attempt.
 """
 
 from __future__ import annotations
@@ -46,19 +35,13 @@ MAX_LOGGED_CHARS: Final = 16384
 request_id: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="-")
 
 
-def log_level(verbosity: int) -> int:
-    """The level of the driver's own loggers at `verbosity`."""
-    if verbosity >= DEBUG_VERBOSITY:
-        return logging.DEBUG
-    return logging.INFO if verbosity >= 1 else logging.WARNING
-
-
 def apply_verbosity(verbosity: int) -> None:
     """Set the root logger's level and the client libraries' for `verbosity`. The HTTP
     client (urllib3) logs every retry of a request at WARNING: during an API outage
     that is several lines a second, so below 5 only its errors pass (the callers log
     the outage themselves, `RetryLog`)."""
-    logging.getLogger().setLevel(log_level(verbosity))
+    own = logging.INFO if verbosity >= 1 else logging.WARNING
+    logging.getLogger().setLevel(logging.DEBUG if verbosity >= DEBUG_VERBOSITY else own)
     client = logging.DEBUG if verbosity >= CLIENT_DEBUG_VERBOSITY else logging.ERROR
     logging.getLogger(HTTP_CLIENT_LOGGER).setLevel(client)
 
@@ -139,21 +122,15 @@ def setup_logging(fmt: str, verbosity: int) -> None:
 
 class RetryLog:
     """Logs an operation that is retried until it succeeds: its first failure (and a
-    failure of another kind) at `level`, then one line per `interval` while it keeps
-    failing, every attempt at DEBUG, and the recovery at INFO. Thread-safe: the loops
-    of one component can share it."""
+    failure of another kind) at `level`, then one line per `RETRY_LOG_INTERVAL` while
+    it keeps failing, every attempt at DEBUG, and the recovery at INFO. Thread-safe:
+    the loops of one component can share it."""
 
     def __init__(
-        self,
-        logger: logging.Logger,
-        what: str,
-        *,
-        interval: float = RETRY_LOG_INTERVAL,
-        clock: Callable[[], float] = time.monotonic,
+        self, logger: logging.Logger, what: str, *, clock: Callable[[], float] = time.monotonic
     ) -> None:
         self._log = logger
         self._what = what
-        self._interval = interval
         self._clock = clock
         self._lock = threading.Lock()
         self._failures = 0
@@ -171,8 +148,8 @@ class RetryLog:
                 self._since = now
             if first or kind != self._kind:
                 message = "%s failed, retrying in %.1fs (while it lasts, logged every %.0fs): %s"
-                args: tuple[object, ...] = (self._what, retry_in, self._interval, err)
-            elif now - self._logged_at >= self._interval:
+                args: tuple[object, ...] = (self._what, retry_in, RETRY_LOG_INTERVAL, err)
+            elif now - self._logged_at >= RETRY_LOG_INTERVAL:
                 message = "%s still failing: %d attempts in %.0fs; last: %s"
                 args = (self._what, self._failures, now - self._since, err)
             else:

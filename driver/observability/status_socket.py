@@ -11,11 +11,9 @@ any of these paths:
   `control` (`driver.health.control_queue.ControlQueue.respond`, whose docstring gives the
   requests and answers); 404 where the server has no `control`.
 
-Served by the same bounded server as the HTTP port (`driver.observability.bounded_http`),
-with its limits: a deadline per request, at most 16 open connections, request bodies
-of at most 64 KiB (only POST /control has one), two workers: a control request holds
-one until the health monitor applied it, and /status is rendered at most once a
-second while requests wait.
+Served by the same bounded server as the HTTP port (`driver.observability.bounded_http`)
+within `LIMITS`: two workers, as a control request holds one until the health monitor
+applied it; /status is rendered at most once a second while requests wait.
 
 During a rolling update the socket belongs to the plugin instance that serves the node
 (`ServingStatusSocket`, driver.plugin.serving_instance): an instance binds it each time it

@@ -44,11 +44,6 @@ class HeldError(DriverError):
         self.holder = holder
 
 
-def _share_capacity(published: PreparableDevice | None) -> Mapping[str, int] | None:
-    capacity = getattr(published, "share_capacity", None)
-    return capacity if isinstance(capacity, Mapping) else None
-
-
 def _partition_span(
     device: PreparableDevice, devices: Mapping[str, PreparableDevice]
 ) -> tuple[int, int] | None:
@@ -78,7 +73,7 @@ def hardware_of(
         device.gpu_uuid,
         slices=slices or None,
         partition=partition,
-        multi_allocatable=_share_capacity(device) is not None,
+        multi_allocatable=device.share_capacity is not None,
     )
 
 
@@ -140,7 +135,8 @@ def refuse_over_capacity(
     those the other entries of all `entry_maps` hold (the journal and the claims
     planned before in the same request), consume more than the device's capacity."""
     for key in {(p.pool_name, p.device_name) for p in planned if p.share_id}:
-        capacity = _share_capacity(devices.get(key[1]))
+        published = devices.get(key[1])
+        capacity = published.share_capacity if published is not None else None
         if capacity is None:
             continue
         new = [p for p in planned if p.share_id and (p.pool_name, p.device_name) == key]

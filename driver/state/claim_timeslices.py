@@ -178,9 +178,7 @@ class ClaimTimeSlices:
         leaving = {uid: journal[uid] for uid in uids if uid in journal}
         holders: dict[str, list[str]] = {}
         for uid, entry in leaving.items():
-            for gpu in _gpus(entry.devices):
-                holders.setdefault(gpu, []).append(uid)
-            for gpu in self._unrestored.get(uid, ()):
+            for gpu in [*_gpus(entry.devices), *self._unrestored.get(uid, ())]:
                 holders.setdefault(gpu, []).append(uid)
         before, after = wanted(journal), wanted(journal, exclude=leaving)
         for gpu, uids_on_gpu in holders.items():
@@ -211,13 +209,11 @@ class ClaimTimeSlices:
         (a reboot reset it). A failure is logged; the claim stays prepared (the
         interval is a performance setting). Returns the GPUs set."""
         done: list[str] = []
-        if self._ops is None:
-            return ()
-        for gpu, interval in sorted(wanted(journal).items()):
-            try:
-                self._set(gpu, interval)
-            except DriverError as err:
-                log.error("re-applying the time-slice interval of a prepared claim: %s", err)
-                continue
-            done.append(gpu)
+        if self._ops is not None:
+            for gpu, interval in sorted(wanted(journal).items()):
+                try:
+                    self._set(gpu, interval)
+                    done.append(gpu)
+                except DriverError as err:
+                    log.error("re-applying the time-slice interval of a prepared claim: %s", err)
         return tuple(done)

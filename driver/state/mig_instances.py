@@ -238,9 +238,7 @@ class ClaimInstances:
     # -- unprepare ---------------------------------------------------------------------
 
     def destroy(
-        self,
-        devices: Sequence[PreparedDevice],
-        others: Iterable[Sequence[PreparedDevice]] = (),
+        self, devices: Sequence[PreparedDevice], others: Iterable[Sequence[PreparedDevice]]
     ) -> None:
         """Destroy the owned MIG devices of a claim as the journal records them
         (unprepare; the rollback of an entry an earlier attempt or process left):
@@ -251,9 +249,7 @@ class ClaimInstances:
         self._destroy_each(devices, others, find_intents=True)
 
     def undo_created(
-        self,
-        devices: Sequence[PreparedDevice],
-        others: Iterable[Sequence[PreparedDevice]] = (),
+        self, devices: Sequence[PreparedDevice], others: Iterable[Sequence[PreparedDevice]]
     ) -> None:
         """Destroy what this process's attempt created for the claim, by the ids it
         recorded (`create`): an intent still without ids made nothing (a failed
@@ -271,9 +267,7 @@ class ClaimInstances:
         keep: Held | None = None
         for device in devices:
             record = device.mig
-            if record is None or not record.owned:
-                continue
-            if record.gi_id is None and not find_intents:
+            if record is None or not record.owned or (record.gi_id is None and not find_intents):
                 continue
             if keep is None:
                 keep = held(others)
@@ -323,7 +317,7 @@ class ClaimInstances:
                 )
         return ours[0] if ours else None
 
-    def _destroy(self, record: MigRecord, device: str = "", keep: Held = frozenset()) -> None:
+    def _destroy(self, record: MigRecord, device: str, keep: Held = frozenset()) -> None:
         name = device or f"MIG {record.placement} on {record.gpu_uuid}"
         if _of_another_boot(record, boot_id()):
             log.info(
@@ -378,9 +372,7 @@ class ClaimInstances:
         """The live instance an intent's attempt created, as its rollback would find it
         (see the module doc): None for a record with ids, an intent without `before`
         or of another boot, or when there is none. Raises a transient error."""
-        if record.gi_id is not None or record.before is None:
-            return None
-        if _of_another_boot(record, boot_id()):
+        if record.gi_id is not None or record.before is None or _of_another_boot(record, boot_id()):
             return None
         try:
             return self._live_at(record, device, held(others))

@@ -91,15 +91,12 @@ class PreparableDevice(Protocol):
     def share_capacity(self) -> Mapping[str, int] | None: ...  # None: not multi-allocatable
 
 
-def unique(claims: list[ClaimRef] | tuple[ClaimRef, ...]) -> list[ClaimRef]:
+def unique(claims: Sequence[ClaimRef]) -> list[ClaimRef]:
     """The claims without repeated UIDs (first occurrence wins)."""
-    seen: set[str] = set()
-    out: list[ClaimRef] = []
+    seen: dict[str, ClaimRef] = {}
     for ref in claims:
-        if ref.uid not in seen:
-            seen.add(ref.uid)
-            out.append(ref)
-    return out
+        seen.setdefault(ref.uid, ref)
+    return list(seen.values())
 
 
 def read_claims(
@@ -155,12 +152,8 @@ def check_claim(
 def _allocated_to_node(selector: object, node_name: str) -> bool:
     """Does an allocation's nodeSelector admit `node_name`? Only `metadata.name` field
     selectors can be evaluated here; label expressions are assumed to match."""
-    if not isinstance(selector, dict):
-        return True
-    terms = selector.get("nodeSelectorTerms") or []
-    if not terms:
-        return True
-    return any(_term_admits(term, node_name) for term in terms if isinstance(term, dict))
+    terms = selector.get("nodeSelectorTerms") if isinstance(selector, dict) else None
+    return not terms or any(_term_admits(t, node_name) for t in terms if isinstance(t, dict))
 
 
 def _term_admits(term: dict[str, Any], node_name: str) -> bool:

@@ -2,11 +2,11 @@
 from its planned devices once their MIG devices exist, and written.
 
 Per device the spec has its env (the reference's names, `claim_device_env`),
-`NVIDIA_VISIBLE_DEVICES=void` and, on real GPUs, its
-own device nodes, so a container that references one request of the claim gets that
-request's devices only; the control nodes and the driver's files are in the common
-spec (driver/cdi/common_spec.py). `respec_restored` is start-up recovery's: the spec
-after recreated MIG devices got new UUIDs and ids.
+`NVIDIA_VISIBLE_DEVICES=void` and, on real GPUs, its own device nodes, so a container
+that references one request of the claim gets that request's devices only; the
+control nodes and the driver's files are in the common spec (driver/cdi/common_spec.py).
+`respec_restored` is start-up recovery's: the spec after recreated MIG devices got new
+UUIDs and ids.
 """
 
 from __future__ import annotations
@@ -202,19 +202,15 @@ def respec_restored(
             uuids[before.mig.uuid] = after.mig.uuid
         name = after.cdi_device_ids[0].split("=", 1)[-1]
         if majors is not None and after.mig.gi_id is not None and after.mig.ci_id is not None:
-            parent = _parent_node(spec, name)
-            minor = _gpu_minor(parent)
-            if parent is not None and minor is not None:
-                caps = _mig_nodes(majors, context, minor, after.mig.gi_id, after.mig.ci_id)
-                nodes[name] = (parent, *caps)
+            found = _parent_node(spec, name)
+            if found is not None:
+                caps = _mig_nodes(majors, context, found[1], after.mig.gi_id, after.mig.ci_id)
+                nodes[name] = (found[0], *caps)
 
     def env(values: tuple[str, ...]) -> tuple[str, ...]:
-        out = []
-        for value in values:
-            for before, after in uuids.items():
-                value = value.replace(before, after)
-            out.append(value)
-        return tuple(out)
+        for before, after in uuids.items():
+            values = tuple(value.replace(before, after) for value in values)
+        return values
 
     devices = tuple(
         replace(d, env=env(d.env), device_nodes=nodes.get(d.name, d.device_nodes))
@@ -223,13 +219,11 @@ def respec_restored(
     return ClaimSpec(devices, spec.device_nodes)
 
 
-def _parent_node(spec: ClaimSpec, name: str) -> DeviceNode | None:
+def _parent_node(spec: ClaimSpec, name: str) -> tuple[DeviceNode, int] | None:
+    """The GPU node of the spec's device `name` (its first) and that GPU's minor."""
     for device in spec.devices:
         if device.name == name and device.device_nodes:
-            return device.device_nodes[0]
+            node = device.device_nodes[0]
+            tail = node.path.removeprefix("/dev/nvidia")
+            return (node, int(tail)) if tail.isdigit() else None
     return None
-
-
-def _gpu_minor(node: DeviceNode | None) -> int | None:
-    tail = node.path.removeprefix("/dev/nvidia") if node is not None else ""
-    return int(tail) if tail.isdigit() else None

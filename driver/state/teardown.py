@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 def unprepare(state: StepContext, claims: Sequence[ClaimRef]) -> dict[str, DriverError | None]:
     state.verdicts.forget(ref.uid for ref in claims)
     results: dict[str, DriverError | None] = {}
-    todo = unique(list(claims))
+    todo = unique(claims)
     deadline = time.monotonic() + state.lock.timeout
     while todo:
         busy = _unprepare_round(state, todo, results)
@@ -71,11 +71,11 @@ def _unprepare_round(
                 with state.lock.hold():
                     _end(state, removal, _journal_or_none(state), results)
         except Exception as exc:  # lock timeout, unreadable journal, a bug
-            if not isinstance(exc, DriverError):
+            if isinstance(exc, DriverError):
+                error = exc
+            else:
                 log.exception("unprepare failed")
-            error = (
-                exc if isinstance(exc, DriverError) else transient(f"{type(exc).__name__}: {exc}")
-            )
+                error = transient(f"{type(exc).__name__}: {exc}")
             for ref in claims:
                 if ref.uid not in busy:
                     results.setdefault(ref.uid, error)
@@ -97,15 +97,14 @@ def _journal_or_none(state: StepContext) -> dict[str, ClaimEntry] | None:
 
 def finish_owed(state: StepContext, journal: dict[str, ClaimEntry]) -> None:
     """Finish the unprepares owed, before a prepare or unprepare uses the loaded
-    `journal` (their entries leave it): those of
-    a time it was unreadable, and those begun and not finished (`unprepare_begun`: an
-    unprepare of this boot removed the spec; one of this process that failed half
-    way, or another instance's that could not drop the entry - the release before the
-    log cannot write this journal). Each such claim is torn down as its unprepare
-    would have done (MIG devices destroyed, GPU intervals restored, entry dropped), so
-    its placement is free at once. A claim whose teardown fails, or whose claim lock
-    a request in flight holds, keeps its entry, and so its devices, and stays owed:
-    the next call tries again."""
+    `journal` (their entries leave it): those of a time it was unreadable, and those
+    begun and not finished (`unprepare_begun`: an unprepare of this boot removed the
+    spec; one of this process that failed half way, or another instance's that could
+    not drop the entry - the release before the log cannot write this journal). Each
+    such claim is torn down as its unprepare would have done (MIG devices destroyed,
+    GPU intervals restored, entry dropped), so its placement is free at once. A claim
+    whose teardown fails, or whose claim lock a request in flight holds, keeps its
+    entry, and so its devices, and stays owed: the next call tries again."""
     boot = boot_id()
     begun = {
         uid
@@ -170,10 +169,9 @@ def _begin(
         journal is not None and uid in journal and any(d.owns_mig for d in journal[uid].devices)
         for uid in targets
     )
-    if holds is not None and leaves_lock:
+    if holds is not None and busy is not None and leaves_lock:
         taken = [uid for uid in targets if holds.take(uid)]
-        if busy is not None:
-            busy.update(uid for uid in targets if uid not in taken)
+        busy.update(set(targets) - set(taken))
         targets = taken
     if journal is not None:
         targets = _mark_unpreparing(state, journal, targets, results)
@@ -213,20 +211,18 @@ def _end(
     drop the entries of the claims torn down in ONE journal store. A claim whose
     interval cannot be restored, or whose entry the store failed to drop, keeps it."""
     done = removal.done
-    if journal is not None:  # GPUs back to what the remaining claims want, before the store
+    if journal is None:
+        state.pending_removals.update(done)  # removed once the journal is readable
+    else:  # GPUs back to what the remaining claims want, before the store
         # A plain claim's unprepare enters no feature's code (PreparedDevice.changes_the_node).
         changed = [
             u for u in done if u in journal and any(d.changes_the_node for d in journal[u].devices)
         ]
-        failed: dict[str, DriverError] = {}
         if changed:
             failed = state.timeslices.release(journal, changed)
             failed.update(state.mps.release(journal, [u for u in changed if u not in failed]))
-        results.update(failed)
-        done = [uid for uid in done if uid not in failed]
-    if journal is None:
-        state.pending_removals.update(done)  # removed once the journal is readable
-    else:
+            results.update(failed)
+            done = [uid for uid in done if uid not in failed]
         dropped = [uid for uid in done if journal.pop(uid, None) is not None]
         if dropped:
             try:

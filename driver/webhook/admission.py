@@ -35,10 +35,6 @@ class BadReview(ValueError):
     """The body is not an admission.k8s.io/v1 AdmissionReview request (HTTP 400)."""
 
 
-def _expected_resources() -> str:
-    return ", ".join(f"{{{RESOURCE_GROUP} {v} {r}}}" for v in VERSIONS for r in RESOURCES)
-
-
 def _deny(code: int, reason: str, message: str) -> dict[str, Any]:
     return {
         "allowed": False,
@@ -54,12 +50,9 @@ def admit(request: Mapping[str, Any], driver_name: str) -> dict[str, Any]:
     gvr = (resource.get("group"), resource.get("version"), resource.get("resource"))
     kind = RESOURCES.get(gvr[2]) if isinstance(gvr[2], str) else None
     if gvr[0] != RESOURCE_GROUP or gvr[1] not in VERSIONS or kind is None:
-        return _deny(
-            400,
-            "BadRequest",
-            f"expected resource to be one of [{_expected_resources()}], "
-            f"got {{{gvr[0]} {gvr[1]} {gvr[2]}}}",
-        )
+        expected = ", ".join(f"{{{RESOURCE_GROUP} {v} {r}}}" for v in VERSIONS for r in RESOURCES)
+        message = f"expected resource to be one of [{expected}], got {{{gvr[0]} {gvr[1]} {gvr[2]}}}"
+        return _deny(400, "BadRequest", message)
     if request.get("subResource"):
         return {"allowed": True}  # e.g. resourceclaims/status: the spec cannot change
     obj = request.get("object")

@@ -29,7 +29,6 @@ from driver.webhook.server import VALIDATE_PATH, WebhookServer
 
 log = logging.getLogger("gpu-dra-webhook")
 
-
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"  # messages escaped
 
@@ -96,9 +95,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def configure_logging(args: argparse.Namespace) -> None:
     """The verbosity scale of every binary (`driver.observability.logs`); an explicit
     --log-level (LOG_LEVEL) sets the webhook's own level instead."""
-    logging.basicConfig(
-        handlers=[stderr_handler("%(asctime)s %(levelname)s %(name)s: %(message)s")]
-    )
+    logging.basicConfig(handlers=[stderr_handler(LOG_FORMAT)])
     apply_verbosity(args.verbosity)
     if args.log_level is not None:
         logging.getLogger().setLevel(args.log_level)

@@ -9,14 +9,8 @@ on disk (cert-manager rotates them in place).
 
 Any pod that can open a connection to the webhook can POST to it, and with
 `failurePolicy: Fail` a review the API server gets no answer to in time rejects the
-claim; so the server is bounded (`driver.observability.bounded_http`, on aiohttp):
-`REQUEST_TIMEOUT` to deliver a request (handshake, head and body) and again to take the
-answer, at most `MAX_CONNECTIONS` open (a new one closes the oldest without a worker; at
-most 32 from one address, where the oldest of that address's own makes room), bodies
-of at most `MAX_BODY_BYTES`, those over 64 KiB holding at most `MAX_BUFFERED_BYTES` in
-all, `WORKERS` threads for reviews of up to 64 KiB (every real one) and one for larger
-ones, each answering the smallest first, at most 16 (4) waiting (503 beyond); the
-health paths are answered without a worker. docs/security.md has the threat model.
+claim; so the server is bounded (`LIMITS`, on `driver.observability.bounded_http`):
+docs/security.md, "How much a caller can take", gives each bound and what it stops.
 """
 
 from __future__ import annotations
