@@ -3,8 +3,8 @@ docs/operations.md, "Log reference"), text or JSON lines (each carrying the curr
 request id), and quiet retries (`RetryLog`).
 
 The daemons default to 2 (as the chart's `logVerbosity`), the CLI to 0 (its stdout is
-the command's output). The Kubernetes client's logger stays at WARNING at every
-verbosity: it logs request headers (bearer tokens) at debug.
+the command's output). urllib3, the API client's HTTP library, logs only from `-v 5`,
+and never a header or a body.
 """
 
 from __future__ import annotations
