@@ -58,11 +58,10 @@ def resolve_configs(
     devices = {} if devices is None else devices
     if not isinstance(devices, Mapping):
         raise ConfigError([(devices_path, "must be an object")])
-    results_path = join_path(devices_path, "results")
     results = devices.get("results") or []
     raw_configs = devices.get("config") or []
     if not isinstance(results, list):
-        raise ConfigError([(results_path, "must be a list")])
+        raise ConfigError([(join_path(devices_path, "results"), "must be a list")])
     if not isinstance(raw_configs, list):
         raise ConfigError([(path_prefix, "must be a list")])
 
@@ -97,14 +96,16 @@ def resolve_configs(
     wanted: list[str] = []
     for index, result in enumerate(results):
         if not isinstance(result, Mapping):
-            errors.append(FieldError(join_path(results_path, index), "must be an object"))
+            errors.append(FieldError(_result_path(devices_path, index), "must be an object"))
             continue
         if result.get("driver") != driver_name:
             continue
         request = result.get("request")
         if not isinstance(request, str):
             errors.append(
-                FieldError(join_path(join_path(results_path, index), "request"), "must be a string")
+                FieldError(
+                    join_path(_result_path(devices_path, index), "request"), "must be a string"
+                )
             )
             continue
         wanted.append(request)
@@ -119,3 +120,8 @@ def resolve_configs(
             if requests is None or any(request_matches(r, request) for r in requests):
                 resolved[request] = config  # the last match wins
     return resolved
+
+
+def _result_path(devices_path: str, index: int) -> str:
+    """Built only for an error: a plain claim's prepare never enters the loader."""
+    return join_path(join_path(devices_path, "results"), index)

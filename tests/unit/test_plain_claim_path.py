@@ -104,6 +104,10 @@ def test_a_plain_claims_prepare_and_unprepare_enter_no_features_code(
     stages = ["state/prepare.py", "state/request.py", "state/plan.py", "state/commit.py"]
     assert [m for m in prepare if m in stages] == stages  # in order, each once entered
     assert "cdi/claim_specs.py" in prepare and "state/journal/checkpoint.py" in prepare
+    # Error paths only: a valid claim builds no field path (driver/config/loader.py).
+    assert "config/loader.py" not in prepare, prepare
+    # The walk docs/architecture.md counts; a module more on it is a choice, said there.
+    assert len(prepare) <= 21 and len(unprepare) <= 11, (prepare, unprepare)
 
 
 def test_a_claim_that_uses_a_feature_enters_its_code(node: tuple[DeviceState, Claims]) -> None:
