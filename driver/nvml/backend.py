@@ -22,6 +22,7 @@ from driver.nvml.compute_mode import NvmlComputeModes
 from driver.nvml.discovered import HealthEvent, Inventory
 from driver.nvml.discovery import discover_inventory
 from driver.nvml.health_events import HealthEventSet
+from driver.nvml.library import GpuHandles
 from driver.nvml.memory_limits import GpuMemoryLimits
 from driver.nvml.mig.mig_manager import MigManager
 from driver.nvml.mps import MpsControl
@@ -56,12 +57,13 @@ class NvmlBackend:
         self.kernel_root = kernel_root
         self.backend_name = backend_name
         self._events = HealthEventSet(self._nvml)
-        self._recovery = RecoveryActionReader(self._nvml)
+        gpus = GpuHandles(self._nvml)  # one scan, one forget, for every reader below
+        self._recovery = RecoveryActionReader(self._nvml, gpus)
         self._timeslice: TimeSliceOps | None = None
         self._mig = MigManager(self._nvml)
-        self._processes = ProcessReader(self._nvml)
-        self._memory_limits = GpuMemoryLimits(self._nvml)
-        self._compute_modes = NvmlComputeModes(self._nvml)
+        self._processes = ProcessReader(self._nvml, gpus)
+        self._memory_limits = GpuMemoryLimits(self._nvml, gpus)
+        self._compute_modes = NvmlComputeModes(self._nvml, gpus)
 
     @property
     def module(self) -> Any:

@@ -47,9 +47,9 @@ class NvmlComputeModes:
     """`ComputeModeOps` (driver/state/mps/compute_modes.py) over a counted
     pynvml-compatible module."""
 
-    def __init__(self, nvml: CountingModule | Any) -> None:
+    def __init__(self, nvml: CountingModule | Any, gpus: GpuHandles | None = None) -> None:
         self._nvml = nvml
-        self._gpus = GpuHandles(nvml, "compute mode")
+        self._gpus = gpus or GpuHandles(nvml)
 
     def get(self, gpu_uuid: str) -> int:
         """The GPU's compute mode; a transient error where NVML cannot tell."""

@@ -66,11 +66,12 @@ def init_nvml(nvml: Any) -> None:
 
 class GpuHandles:
     """One `nvmlInit` for the process's lifetime and the GPUs' handles, found by index:
-    a lookup by UUID fails for every GPU while any one is lost (nvml.h)."""
+    a lookup by UUID fails for every GPU while any one is lost (nvml.h). The backend
+    keeps one for all its readers (`driver.nvml.backend`): one scan serves them all,
+    and a handle a lost GPU made stale is forgotten for all of them."""
 
-    def __init__(self, nvml: Any, what: str) -> None:
+    def __init__(self, nvml: Any) -> None:
         self._nvml = nvml
-        self._what = what  # who looks, in the debug log of a GPU that does not answer
         self._lock = threading.Lock()
         self._initialised = False
         self._handles: dict[str, Any] = {}
@@ -89,11 +90,10 @@ class GpuHandles:
                         handle = nvml.nvmlDeviceGetHandleByIndex(index)
                         self._handles[nvml_text(nvml.nvmlDeviceGetUUID(handle))] = handle
                     except nvml.NVMLError as err:
-                        log.debug(
-                            "%s: no handle for the GPU at index %d: %s", self._what, index, err
-                        )
+                        log.debug("no handle for the GPU at index %d: %s", index, err)
             return [self._handles.get(uuid) for uuid in uuids]
 
     def forget(self, uuid: str) -> None:
         """After GPU_IS_LOST: a lost GPU's handle is stale once it is back."""
-        self._handles.pop(uuid, None)
+        with self._lock:
+            self._handles.pop(uuid, None)

@@ -84,9 +84,9 @@ class GpuMemoryLimits:
     """`nvmlDeviceSetMemoryLimits_v1` / `GetMemoryLimits_v1` on GPUs named by UUID,
     found by index (`GpuHandles`): while one GPU is lost, the others keep their limits."""
 
-    def __init__(self, nvml: CountingModule | Any) -> None:
+    def __init__(self, nvml: CountingModule | Any, gpus: GpuHandles | None = None) -> None:
         self._nvml = nvml
-        self._gpus = GpuHandles(nvml, "memory limits")
+        self._gpus = gpus or GpuHandles(nvml)
 
     def probe(self, gpu_uuid: str, cgroup_root: Path | str = DEFAULT_CGROUP_ROOT) -> str | None:
         """None where the GPU takes per-cgroup memory limits; else why not. Reads the
@@ -170,7 +170,7 @@ class GpuMemoryLimits:
         nvml = self._nvml
         try:
             [handle] = self._gpus.get(gpu_uuid)
-            if handle is None:  # a MIG device, or no GPU that answers: NVML's own answer
+            if handle is None:  # lost, not here, or a MIG UUID (tests only): NVML's own code
                 handle = nvml.nvmlDeviceGetHandleByUUID(gpu_uuid)
             getattr(nvml, name)(handle, limits)
         except nvml.NVMLError as err:

@@ -66,9 +66,9 @@ class GpuProcesses:
 class ProcessReader:
     """Lists the compute processes of GPUs through a counted pynvml-compatible module."""
 
-    def __init__(self, nvml: CountingModule | Any) -> None:
+    def __init__(self, nvml: CountingModule | Any, gpus: GpuHandles | None = None) -> None:
         self._nvml = nvml
-        self._gpus = GpuHandles(nvml, "processes")
+        self._gpus = gpus or GpuHandles(nvml)
 
     def read(self, gpu_uuid: str) -> GpuProcesses:
         nvml = self._nvml

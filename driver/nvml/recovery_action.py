@@ -99,9 +99,9 @@ class RecoveryReading:
 class RecoveryActionReader:
     """Reads the recovery action of GPUs through a counted pynvml-compatible module."""
 
-    def __init__(self, nvml: CountingModule) -> None:
+    def __init__(self, nvml: CountingModule, gpus: GpuHandles | None = None) -> None:
         self._nvml = nvml
-        self._gpus = GpuHandles(nvml, "recovery action")
+        self._gpus = gpus or GpuHandles(nvml)
 
     def read(self, uuids: Iterable[str]) -> list[RecoveryReading]:
         """The recovery action of each GPU in `uuids`, in that order. Raises only
