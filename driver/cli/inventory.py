@@ -70,7 +70,7 @@ from driver.cli.state_dir import STATE_DIR_ENV, HealthView, add_state_dir_argume
 from driver.devices.gpu_view import GpuView
 from driver.devices.model import PoolDevices, PoolError, PublishedDevice, build_pool
 from driver.devices.slices import build_slice_documents, validate_slice_specs
-from driver.devices.table import HEADERS, device_rows, mps_note, taint_text
+from driver.devices.table import HEADERS, device_rows, health_of_taints, mps_note
 from driver.errors import DriverError
 from driver.nvml.discovered import Inventory
 from driver.nvml.library import NvmlUnavailableError
@@ -290,6 +290,6 @@ def _table(
         action = recovery.get(device.gpu_uuid)
         if action is not None:
             taints.append(action)
-        return taint_text(taints)
+        return health_of_taints(taints)
 
     return format_table(HEADERS, device_rows(inventory, pool, health_text, partitions=partitions))

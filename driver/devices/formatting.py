@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Mapping
 from decimal import Decimal
 from typing import Any
 
@@ -79,6 +80,13 @@ def profile_label(profile: str) -> str:
     label = profile.lower().replace(".", "")
     label = re.sub(r"[^a-z0-9]+", "-", label).strip("-")
     return label or "profile"
+
+
+def taint_text(taint: Mapping[str, Any]) -> str:
+    """A device taint as kubectl shows it: `<key>[=<value>][:<effect>]`."""
+    value = f"={taint['value']}" if taint.get("value") else ""
+    effect = f":{taint['effect']}" if taint.get("effect") else ""
+    return f"{taint.get('key')}{value}{effect}"
 
 
 def counter_quantity(counter: str, value: int) -> str:

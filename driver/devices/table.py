@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from driver.devices.formatting import binary_quantity
+from driver.devices.formatting import binary_quantity, taint_text
 from driver.devices.gpu_view import GpuView, gpu_views
 from driver.devices.model import (
     MPS_ISOLATION_ATTRIBUTE,
@@ -88,15 +88,11 @@ HealthText = Callable[[PublishedDevice | GpuView], str]
 """The HEALTH cell of a device, or of a GPU of which nothing is published."""
 
 
-def taint_text(taints: Sequence[Mapping[str, Any]]) -> str:
+def health_of_taints(taints: Sequence[Mapping[str, Any]]) -> str:
     """`Healthy`, or `Unhealthy (<key>=<value>:<effect>, ...)`."""
     if not taints:
         return "Healthy"
-    parts = []
-    for t in taints:
-        value = f"={t['value']}" if t.get("value") else ""
-        parts.append(f"{t.get('key')}{value}:{t.get('effect')}")
-    return "Unhealthy (" + ", ".join(parts) + ")"
+    return "Unhealthy (" + ", ".join(taint_text(t) for t in taints) + ")"
 
 
 def _attr(device: PublishedDevice, key: str) -> str:

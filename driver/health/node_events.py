@@ -20,6 +20,7 @@ import contextlib
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Protocol
 
+from driver.devices.formatting import taint_text
 from driver.health.failures import Devices, GpuFailure, HealthDevice, device_list
 from driver.health.store import HealthStore
 from driver.kube.kube_events import NodeEvent
@@ -51,7 +52,7 @@ def kept_taint(recovery: RecoveryTaints | None, gpu_uuid: str) -> str | None:
     if recovery is None or (action := recovery.tainting(gpu_uuid)) is None:
         return None
     taint = action.taint(recovery.driver)
-    return None if taint is None else f"{_taint_text(taint)} ({action.message()})"
+    return None if taint is None else f"{taint_text(taint)} ({action.message()})"
 
 
 class EventSink(Protocol):
@@ -64,12 +65,6 @@ def device_names_text(devices: Sequence[str]) -> str:
     shown = ", ".join(devices[:NAMES_SHOWN])
     more = len(devices) - NAMES_SHOWN
     return shown + (f" and {more} more" if more > 0 else "")
-
-
-def _taint_text(taint: Mapping[str, str]) -> str:
-    """`<key>[=<value>]:<effect>`"""
-    value = f"={taint['value']}" if "value" in taint else ""
-    return f"{taint['key']}{value}:{taint['effect']}"
 
 
 class TaintEvents:
@@ -110,7 +105,7 @@ class TaintEvents:
                 NodeEvent(
                     REASON_TAINTED,
                     f"{gpu}: {failure.message()}; taint "
-                    f"{_taint_text(failure.taint(self._driver, self._effect))} on {len(names)} "
+                    f"{taint_text(failure.taint(self._driver, self._effect))} on {len(names)} "
                     f"device(s): {device_names_text(names)}",
                     "Warning",
                 )

@@ -28,6 +28,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from driver.devices.formatting import taint_text
 from driver.errors import transient
 from driver.health.clear import Publisher
 from driver.health.failures import Devices, device_list, now_rfc3339, time_added
@@ -131,10 +132,6 @@ class RecoveryFailure:
             "effect": self.effect,
         } | time_added(self.since)
 
-    def taint_text(self, driver: str) -> str:
-        """`<key>=<value>:<effect>` of its taint, for logs and Node events."""
-        return f"{driver}/{KIND_RECOVERY_ACTION}={self.name}:{self.effect}"
-
 
 @dataclass(frozen=True)
 class RecoveryChange:
@@ -194,7 +191,8 @@ class RecoveryActions:
             else:
                 added = self._failures[uuid] = RecoveryFailure(uuid, reading.action, now_rfc3339())
         if added is not None:
-            shown = added.taint_text(self.driver) if added.effect is not None else "no taint"
+            taint = added.taint(self.driver)
+            shown = taint_text(taint) if taint is not None else "no taint"
             log.warning("GPU %s: %s (%s)", uuid, added.reason(), shown)
         elif removed is not None:
             log.warning(
@@ -331,10 +329,10 @@ def recovery_event(
     when it goes; None for an action that is only logged."""
     added, removed = change.added, change.removed
     shown = f"{len(devices)} device(s): {device_names_text(devices)}"
-    if added is not None and added.effect is not None:
+    if added is not None and (taint := added.taint(driver)) is not None:
         return NodeEvent(
             REASON_TAINTED,
-            f"{gpu}: {added.reason()}; taint {added.taint_text(driver)} on {shown}",
+            f"{gpu}: {added.reason()}; taint {taint_text(taint)} on {shown}",
             "Warning",
         )
     if removed is not None and removed.effect is not None:

@@ -7,14 +7,9 @@ from typing import Any
 
 from driver.cli.health.gpu_taints import taints_text
 from driver.cli.output import format_table
+from driver.devices.formatting import taint_text
 
 HEADERS = ("SOURCE", "DEVICE", "TAINT", "SINCE", "REASON")
-
-
-def taint_text(taint: dict[str, Any]) -> str:
-    value = f"={taint['value']}" if taint.get("value") is not None else ""
-    effect = f":{taint['effect']}" if taint.get("effect") else ""
-    return f"{taint.get('key')}{value}{effect}"
 
 
 def render_table(report: dict[str, Any], *, devices: bool = False) -> str:
