@@ -214,13 +214,13 @@ def _end(
     if journal is None:
         state.pending_removals.update(done)  # removed once the journal is readable
     else:  # GPUs back to what the remaining claims want, before the store
-        # A plain claim's unprepare enters no feature's code (PreparedDevice.changes_the_node).
-        changed = [
-            u for u in done if u in journal and any(d.changes_the_node for d in journal[u].devices)
+        # A plain or MIG-only claim's unprepare enters neither time-slice nor MPS code.
+        shared = [
+            u for u in done if u in journal and any(d.shares_the_gpu for d in journal[u].devices)
         ]
-        if changed:
-            failed = state.timeslices.release(journal, changed)
-            failed.update(state.mps.release(journal, [u for u in changed if u not in failed]))
+        if shared:
+            failed = state.timeslices.release(journal, shared)
+            failed.update(state.mps.release(journal, [u for u in shared if u not in failed]))
             results.update(failed)
             done = [uid for uid in done if uid not in failed]
         dropped = [uid for uid in done if journal.pop(uid, None) is not None]

@@ -100,10 +100,16 @@ class PreparedDevice:
         return self.mig is not None and self.mig.owned
 
     @property
+    def shares_the_gpu(self) -> bool:
+        """Does it set how its GPU is shared (a time-slice interval, an MPS daemon),
+        which its unprepare puts back under the node lock?"""
+        return self.time_slice is not None or self.mps is not None
+
+    @property
     def changes_the_node(self) -> bool:
         """Does preparing it change the node outside the data directory (a MIG device,
         a time-slice interval, an MPS daemon)? A plain device's prepare does not."""
-        return self.owns_mig or self.time_slice is not None or self.mps is not None
+        return self.owns_mig or self.shares_the_gpu
 
     def to_json(self) -> dict[str, Any]:
         doc: dict[str, Any] = {
