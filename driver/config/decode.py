@@ -271,10 +271,11 @@ def gpu_config_errors(
         model = _GpuConfigModel.model_validate(parameters)
     except ValidationError as err:
         errors.extend(_pydantic_errors(err, path))
+        return None, list(dict.fromkeys(errors))  # both walks report a non-string key
     except RecursionError:
         return None, [*errors, FieldError(path, "too deeply nested")]
     if errors:
-        return None, list(dict.fromkeys(errors))  # both walks report a non-string key
+        return None, errors
     config = _normalize(_as_config(model))
     errors = _static_errors(config, path)
     return (None, errors) if errors else (config, [])

@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import functools
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
@@ -248,7 +247,7 @@ def validate_for_device(
     whose message names the device and the numbers. `path` prefixes the field path.
     """
     strategy, interval, count = config.strategy, config.interval, config.partition_count
-    field: tuple[str, ...] = ("strategy",)  # under `<path>.sharing`
+    field = "strategy"  # under `<path>.sharing`
     message: str | None = None
     if no_time_slice is not None and strategy == Strategy.MPS:
         message = (
@@ -256,7 +255,7 @@ def validate_for_device(
             "use a GPU with MIG mode off, without admin access"
         )
     elif no_time_slice is not None and interval not in (None, Interval.DEFAULT):
-        field = ("timeSlicingConfig", "interval")
+        field = "timeSlicingConfig.interval"
         message = (
             f"cannot set the time-slice interval {interval} of device {device_name} "
             f"({no_time_slice}); nothing would apply it. Use a GPU with MIG mode "
@@ -268,7 +267,7 @@ def validate_for_device(
             "(allocated by consumable capacity); use TimeSlicing or no sharing config"
         )
     elif strategy == Strategy.SPACE_PARTITIONING and count is not None:
-        field = ("spacePartitioningConfig", "partitionCount")
+        field = "spacePartitioningConfig.partitionCount"
         limit = max_partitions if max_partitions is not None else MAX_PARTITION_COUNT
         if is_partition:
             message = (
@@ -280,7 +279,5 @@ def validate_for_device(
                 f"impossible partition count: device {device_name} supports at most "
                 f"{limit} partitions, config requests {int_text(count)}"
             )
-    if message is not None:  # the path built only for an error: no loader on a plain claim
-        raise ConfigError(
-            [(functools.reduce(join_path, field, join_path(path, "sharing")), message)]
-        )
+    if message is not None:
+        raise ConfigError([(join_path(path, f"sharing.{field}"), message)])

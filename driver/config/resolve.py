@@ -96,7 +96,9 @@ def resolve_configs(
     wanted: list[str] = []
     for index, result in enumerate(results):
         if not isinstance(result, Mapping):
-            errors.append(FieldError(_result_path(devices_path, index), "must be an object"))
+            errors.append(
+                FieldError(join_path(devices_path, f"results[{index}]"), "must be an object")
+            )
             continue
         if result.get("driver") != driver_name:
             continue
@@ -104,7 +106,8 @@ def resolve_configs(
         if not isinstance(request, str):
             errors.append(
                 FieldError(
-                    join_path(_result_path(devices_path, index), "request"), "must be a string"
+                    join_path(join_path(devices_path, f"results[{index}]"), "request"),
+                    "must be a string",
                 )
             )
             continue
@@ -120,8 +123,3 @@ def resolve_configs(
             if requests is None or any(request_matches(r, request) for r in requests):
                 resolved[request] = config  # the last match wins
     return resolved
-
-
-def _result_path(devices_path: str, index: int) -> str:
-    """Built only for an error: a plain claim's prepare never enters the loader."""
-    return join_path(join_path(devices_path, "results"), index)
