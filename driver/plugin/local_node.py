@@ -18,7 +18,6 @@ from driver.fileio import sweep_temp_files
 from driver.health.monitor import HealthMonitor
 from driver.health.prepare_health import NoDeviceHealth
 from driver.health.store import HealthStore
-from driver.health.xid import XidPolicy
 from driver.kube.api import KubeApi
 from driver.kube.claims import ApiClaimReader, ClaimFailureReporter
 from driver.nvml.backend import NvmlBackend
@@ -42,7 +41,6 @@ class LocalNode:
 
     instance: InstanceLock
     succession: Succession
-    policy: XidPolicy
     backend: NvmlBackend
     store: HealthStore
     state: DeviceState
@@ -57,9 +55,6 @@ def open_local_node(o: PluginOptions, api: KubeApi) -> LocalNode:
     o.cdi_root.mkdir(parents=True, exist_ok=True, mode=0o755)
     instance = InstanceLock(o.data_dir)
     succession = Succession(o.data_dir)
-    policy = XidPolicy.from_flags(
-        additional_ignored=o.additional_xids_to_ignore, fatal=o.fatal_xids
-    )
     backend = _backend(o)
     # The mock with a (fake) driver installation writes complete CDI specs too.
     complete_cdi = not o.mock or o.nvidia_driver_root != Path("/")
@@ -101,7 +96,7 @@ def open_local_node(o: PluginOptions, api: KubeApi) -> LocalNode:
     journal = export_journal(state)
     if driver_root is not None:
         install_image_hook(o, state)
-    return LocalNode(instance, succession, policy, backend, store, state, journal, toolkit)
+    return LocalNode(instance, succession, backend, store, state, journal, toolkit)
 
 
 def _backend(o: PluginOptions) -> NvmlBackend:

@@ -22,6 +22,7 @@ from driver.health.mps_escapes import MpsEscapes, claim_pods_from
 from driver.health.prepare_health import KubeDeviceHealth
 from driver.health.recovery_taints import RecoveryActions, RecoveryAwareHealth, RecoveryPoller
 from driver.health.unmonitored import UnmonitoredGpus
+from driver.health.xid import XidPolicy
 from driver.kube.api import KubeApi
 from driver.kube.claims import ApiClaimReader, ClaimEvents
 from driver.kube.kube_events import NodeEvents
@@ -278,7 +279,9 @@ class Plugin:
         monitor = HealthMonitor(
             backend,
             node.store,
-            node.policy,
+            XidPolicy.from_flags(
+                additional_ignored=o.additional_xids_to_ignore, fatal=o.fatal_xids
+            ),
             publisher,
             found.devices,
             node_name=o.node_name,

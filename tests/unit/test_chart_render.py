@@ -783,7 +783,8 @@ def test_plugin_env_parses_with_plugin_flags(
 def test_mig_strategy_value(monkeypatch: pytest.MonkeyPatch) -> None:
     """kubeletPlugin.migStrategy: the plugin's --mig-strategy choices, passed as MIG_STRATEGY."""
     from driver.devices.device_types import MigStrategy
-    from driver.plugin.options.flags import MIG_STRATEGIES, parse_options
+    from driver.plugin.options.flags import parse_options
+    from driver.plugin.options.setting_values import MIG_STRATEGIES
 
     schema = yaml.safe_load((CHART / "values.schema.json").read_text())
     enum = schema["properties"]["kubeletPlugin"]["properties"]["migStrategy"]["enum"]

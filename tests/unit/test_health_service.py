@@ -17,11 +17,11 @@ import pytest
 
 from driver.health.store import HealthStore
 from driver.plugin.health import (
-    SERVICE_NAMES,
     HealthServices,
     HealthSource,
     add_health_services,
 )
+from driver.plugin.transport.registration import HEALTH_SERVICES
 from driver.proto.dra_health.v1 import api_pb2 as v1
 from driver.proto.dra_health.v1 import api_pb2_grpc as v1_grpc
 from driver.proto.dra_health.v1alpha1 import api_pb2 as v1alpha1
@@ -117,7 +117,7 @@ def health_map(message: Any) -> dict[str, tuple[int, str]]:
 
 
 def test_service_names() -> None:
-    assert SERVICE_NAMES == ("v1.DRAResourceHealth", "v1alpha1.DRAResourceHealth")
+    assert HEALTH_SERVICES == ("v1.DRAResourceHealth", "v1alpha1.DRAResourceHealth")
 
 
 @pytest.mark.parametrize("version", ["v1", "v1alpha1"])

@@ -12,7 +12,6 @@ from driver.health.recovery_taints import DEFAULT_POLL_SECONDS
 from driver.observability.logs import DAEMON_VERBOSITY, VERBOSITY_HELP
 from driver.plugin.options import settings as s
 from driver.plugin.options.setting_values import boolean, integer
-from driver.plugin.options.settings import MIG_STRATEGIES as MIG_STRATEGIES  # re-exported
 from driver.plugin.options.settings import (
     NodeSettings,
     Setting,
