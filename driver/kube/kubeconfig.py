@@ -176,7 +176,7 @@ def read_kubeconfig(kubeconfig: str | os.PathLike[str]) -> ConnectionSettings:
         token=user.get("token") or None,
         token_file=user_base / token_file if token_file else None,
         exec_plugin=(
-            _exec_plugin(exec_section, f"{user_at}.exec", config.name, user_base)
+            _exec_plugin(exec_section, f"{user_at}.exec", config, user_base)
             if exec_section
             else None
         ),
@@ -236,9 +236,9 @@ class _Kubeconfig:
         return KubeconfigError(f"kubeconfig {self.name}: {detail}")
 
 
-def _exec_plugin(section: Any, where: str, kubeconfig: str, base: Path) -> ExecPlugin:
+def _exec_plugin(section: Any, where: str, config: _Kubeconfig, base: Path) -> ExecPlugin:
     def fail(detail: str) -> KubeconfigError:
-        return KubeconfigError(f"kubeconfig {kubeconfig}: {where}{detail}")
+        return config.error(f"{where}{detail}")
 
     if not isinstance(section, dict):
         raise fail(" is not a mapping")
