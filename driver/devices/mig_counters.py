@@ -54,7 +54,11 @@ def _placed(gpu: GpuInfo, partitions: Sequence[PublishedDevice]) -> Placed:
     profiles = {p.profile_id: p for p in gpu.partition_profiles}
     return tuple(
         sorted(
-            ((profiles[p.mig.profile_id], p.mig.placement) for p in partitions if p.mig),
+            (
+                (profiles[p.mig.profile_id], p.mig.placement)
+                for p in partitions
+                if p.mig is not None
+            ),
             key=lambda item: (item[1], item[0].profile_id),
         )
     )
@@ -257,9 +261,9 @@ def counted(
         if not whole:
             name = instances_counter(device.mig.profile_id) if device.mig else ""
             own = {name: {"value": "1"}} if name in instances else {}
-        recounted = {**consumed, "counters": {**_blocked_counters(taken, blocks), **own}}
+        consumption = {**consumed, "counters": {**_blocked_counters(taken, blocks), **own}}
         return dataclasses.replace(
-            device, document={**device.document, "consumesCounters": [recounted]}
+            device, document={**device.document, "consumesCounters": [consumption]}
         )
 
     counter_set = {
