@@ -301,7 +301,7 @@ TENANT_SCRIPT = (
     "touch /dev/shm/tenant && echo shm-writable; "
     "touch /tmp/nvidia-mps/tenant && echo pipe-writable; "
     "ls /tmp/nvidia-mps; "
-    "rm -f /tmp/nvidia-mps/nvidia-cuda-mps-control.pid && echo pid-removed || echo pid-kept; "
+    "rm -f /tmp/nvidia-mps/nvidia-cuda-mps-control.pid 2>&1 && echo pid-removed || echo pid-kept; "
     "echo \"top $(grep ' /dev/shm ' /proc/mounts | tail -1)\"; "
     "trap 'exit 0' TERM; sleep 9999 & wait"
 )

@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 
 from driver.failpoints import ENV_VAR, FAILPOINTS, PREPARE_FAILPOINTS
-from driver.nvml.mps import DaemonDirs, process_start_time
+from driver.nvml.mps import DaemonDirs, DaemonId, is_running, process_start_time
 from driver.state.journal.checkpoint import Checkpoint, ClaimState
 from driver.state.request import ClaimRef
 
@@ -222,8 +222,9 @@ def test_a_reboot_resets_the_mode_and_the_start_applies_it_again(root: Path) -> 
     state = _state(root)
     assert state.prepare([_ref()])[UID].ok
     (pid,) = _daemons(root)
+    daemon = DaemonId(pid, process_start_time(pid) or 0)
     os.kill(pid, signal.SIGKILL)  # a reboot ends the daemon ...
-    while process_start_time(pid) is not None:
+    while is_running(daemon):  # (its start time: a reused pid is another process)
         time.sleep(0.01)  # no child of this process: init reaps it
     _NS["node"](root).module.mock_reboot()  # ... and resets the GPU's compute mode
     assert _mode(root) == DEFAULT
