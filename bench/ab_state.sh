@@ -7,7 +7,7 @@ set -euo pipefail
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 a=$1 b=$2 rounds=${3:-10}
 tmp=$(mktemp -d)
-trap 'git -C "$REPO" worktree remove --force "$tmp/a"; git -C "$REPO" worktree remove --force "$tmp/b"; rm -rf "$tmp"' EXIT
+trap 'git -C "$REPO" worktree remove --force "$tmp/a" || true; git -C "$REPO" worktree remove --force "$tmp/b" || true; rm -rf "$tmp"' EXIT
 git -C "$REPO" worktree add -q --detach "$tmp/a" "$a"
 git -C "$REPO" worktree add -q --detach "$tmp/b" "$b"
 # The older tree may lack the RSS column: the run's own process reports it.
